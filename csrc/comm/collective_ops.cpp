@@ -1,0 +1,76 @@
+// Kernels of the plain and async collectives. The same code serves CPU and CUDA tensors: the
+// process group's backend (gloo, NCCL) does the device work.
+#include <torch/library.h>
+
+#include "collectives.h"
+
+namespace tp_ext::comm {
+namespace {
+
+at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view reduce, c10::string_view group_name,
+                         int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "all_reduce");
+  return all_reduce(x, parse_reduce(reduce, "all_reduce"), g, "all_reduce");
+}
+
+at::Tensor all_gather_op(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
+                         c10::string_view group_name, int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "all_gather");
+  return all_gather(x, dim, sizes, g, "all_gather");
+}
+
+at::Tensor reduce_scatter_op(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
+                             c10::string_view reduce, c10::string_view group_name,
+                             int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "reduce_scatter");
+  return reduce_scatter(x, dim, sizes, parse_reduce(reduce, "reduce_scatter"), g, "reduce_scatter");
+}
+
+at::Tensor broadcast_op(const at::Tensor& x, int64_t src, c10::string_view group_name,
+                        int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "broadcast");
+  return broadcast(x, src, g, "broadcast");
+}
+
+at::Tensor all_to_all_op(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
+                         at::OptionalIntArrayRef sizes, c10::string_view group_name,
+                         int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "all_to_all");
+  return all_to_all(x, scatter_dim, gather_dim, sizes, g, "all_to_all");
+}
+
+at::Tensor all_reduce_async_op(const at::Tensor& x, c10::string_view reduce,
+                               c10::string_view group_name, int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "all_reduce_async");
+  return all_reduce_start(x, parse_reduce(reduce, "all_reduce_async"), g, "all_reduce_async");
+}
+
+at::Tensor all_gather_async_op(const at::Tensor& x, c10::string_view group_name,
+                               int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "all_gather_async");
+  return all_gather_start(x, g, "all_gather_async");
+}
+
+at::Tensor reduce_scatter_async_op(const at::Tensor& x, c10::string_view reduce,
+                                   c10::string_view group_name, int64_t group_size) {
+  auto g = resolve_group(group_name, group_size, x.device(), "reduce_scatter_async");
+  return reduce_scatter_start(x, parse_reduce(reduce, "reduce_scatter_async"), g,
+                              "reduce_scatter_async");
+}
+
+void register_kernels(torch::Library& m) {
+  m.impl("all_reduce", &all_reduce_op);
+  m.impl("all_gather", &all_gather_op);
+  m.impl("reduce_scatter", &reduce_scatter_op);
+  m.impl("broadcast", &broadcast_op);
+  m.impl("all_to_all", &all_to_all_op);
+  m.impl("all_reduce_async", &all_reduce_async_op);
+  m.impl("all_gather_async", &all_gather_async_op);
+  m.impl("reduce_scatter_async", &reduce_scatter_async_op);
+}
+
+}  // namespace
+}  // namespace tp_ext::comm
+
+TORCH_LIBRARY_IMPL(tp_ext, CPU, m) { tp_ext::comm::register_kernels(m); }
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { tp_ext::comm::register_kernels(m); }

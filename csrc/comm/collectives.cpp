@@ -1,0 +1,264 @@
+#include "collectives.h"
+
+#include "stats.h"
+
+#include <chrono>
+
+namespace tp_ext::comm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+c10d::ReduceOp to_c10d(Reduce r) {
+  switch (r) {
+    case Reduce::Sum:
+    case Reduce::Avg:  // gloo has no AVG: sum, then divide (same result on every backend)
+      return c10d::ReduceOp::SUM;
+    case Reduce::Max:
+      return c10d::ReduceOp::MAX;
+    case Reduce::Min:
+      return c10d::ReduceOp::MIN;
+    case Reduce::Product:
+      return c10d::ReduceOp::PRODUCT;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+void finish_avg(at::Tensor& t, Reduce r, const Group& g) {
+  if (r == Reduce::Avg) t.div_(g.size);
+}
+
+void check_avg_dtype(const at::Tensor& x, Reduce r, const char* op) {
+  TORCH_CHECK_VALUE(r != Reduce::Avg || at::isFloatingType(x.scalar_type()) ||
+                        at::isComplexType(x.scalar_type()),
+                    "tp_ext.", op, ": reduce='avg' needs a floating-point tensor, got ",
+                    x.scalar_type(), "; use reduce='sum' and divide, or convert x to float.");
+}
+
+// x with `dim` moved to the front, contiguous; every collective below works on dim 0.
+at::Tensor dim_to_front(const at::Tensor& x, int64_t dim) {
+  return (dim == 0 ? x : x.movedim(dim, 0)).contiguous();
+}
+
+std::vector<int64_t> with_first(at::IntArrayRef shape, int64_t first) {
+  auto v = shape.vec();
+  v[0] = first;
+  return v;
+}
+
+}  // namespace
+
+Reduce parse_reduce(c10::string_view reduce, const char* op) {
+  if (reduce == "sum") return Reduce::Sum;
+  if (reduce == "avg") return Reduce::Avg;
+  if (reduce == "max") return Reduce::Max;
+  if (reduce == "min") return Reduce::Min;
+  if (reduce == "product") return Reduce::Product;
+  TORCH_CHECK_VALUE(false, "tp_ext.", op, ": reduce='", std::string(reduce),
+                    "' is not supported; use one of 'sum', 'avg', 'max', 'min', 'product'.");
+}
+
+at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  check_avg_dtype(x, reduce, op);
+  check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
+  auto out = x.clone(at::MemoryFormat::Contiguous);
+  if (g.size == 1) return out;
+  auto t0 = Clock::now();
+  std::vector<at::Tensor> bufs{out};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(reduce);
+  opts.timeout = op_timeout();
+  wait(g.pg->allreduce(bufs, opts), op, g);
+  finish_avg(out, reduce, g);
+  record(op, "all_reduce", nbytes(out), seconds_since(t0));
+  return out;
+}
+
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
+                      const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  dim = wrap_dim(dim, x.dim(), "dim", op);
+  const auto per_rank = rank_sizes(x, dim, sizes, g, /*for_full_input=*/false, op);
+  check_consistent(g, op, x, dim, dim);
+  if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
+  const bool even = std::all_of(per_rank.begin(), per_rank.end(),
+                                [&](int64_t s) { return s == widest; });
+  // Gather equal-sized slots (padding short pieces) so every backend can do it in one call.
+  auto front = dim_to_front(x, dim);
+  if (front.size(0) < widest) {
+    auto padded = at::zeros(with_first(front.sizes(), widest), front.options());
+    padded.narrow(0, 0, front.size(0)).copy_(front);
+    front = padded;
+  }
+  auto slots = at::empty(with_first(front.sizes(), widest * g.size), front.options());
+  auto t0 = Clock::now();
+  if (slots.numel() > 0) {
+    c10d::AllgatherOptions opts;
+    opts.timeout = op_timeout();
+    wait(g.pg->_allgather_base(slots, front, opts), op, g);
+  }
+  at::Tensor gathered = slots;
+  if (!even) {
+    std::vector<at::Tensor> pieces;
+    for (int64_t r = 0; r < g.size; ++r) pieces.push_back(slots.narrow(0, r * widest, per_rank[r]));
+    gathered = at::cat(pieces, 0);
+  }
+  auto out = dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
+  record(op, "all_gather", nbytes(out), seconds_since(t0));
+  return out;
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
+                          Reduce reduce, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  check_avg_dtype(x, reduce, op);
+  dim = wrap_dim(dim, x.dim(), "dim", op);
+  const auto per_rank = rank_sizes(x, dim, sizes, g, /*for_full_input=*/true, op);
+  check_consistent(g, op, x, -1, dim * 8 + static_cast<int64_t>(reduce));
+  if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
+  const bool even = std::all_of(per_rank.begin(), per_rank.end(),
+                                [&](int64_t s) { return s == widest; });
+  auto front = dim_to_front(x, dim);
+  at::Tensor slots = front;
+  if (!even) {  // lay each rank's piece into an equal-sized slot (padding is never read back)
+    slots = at::zeros(with_first(front.sizes(), widest * g.size), front.options());
+    int64_t offset = 0;
+    for (int64_t r = 0; r < g.size; ++r) {
+      slots.narrow(0, r * widest, per_rank[r]).copy_(front.narrow(0, offset, per_rank[r]));
+      offset += per_rank[r];
+    }
+  }
+  auto mine = at::empty(with_first(front.sizes(), widest), front.options());
+  auto t0 = Clock::now();
+  if (slots.numel() > 0) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(reduce);
+    opts.timeout = op_timeout();
+    wait(g.pg->_reduce_scatter_base(mine, slots, opts), op, g);
+  }
+  auto out = mine.narrow(0, 0, per_rank[g.rank]);
+  out = (dim == 0 ? out : out.movedim(0, dim)).contiguous();
+  finish_avg(out, reduce, g);
+  record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
+  return out;
+}
+
+at::Tensor broadcast(const at::Tensor& x, int64_t src, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  TORCH_CHECK_VALUE(src >= 0 && src < g.size, "tp_ext.", op, ": src=", src,
+                    " is not a rank of group '", g.name, "'; use a group rank in [0, ", g.size - 1,
+                    "].");
+  check_consistent(g, op, x, -1, src);
+  auto out = x.clone(at::MemoryFormat::Contiguous);
+  if (g.size == 1) return out;
+  auto t0 = Clock::now();
+  std::vector<at::Tensor> bufs{out};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  opts.timeout = op_timeout();
+  wait(g.pg->broadcast(bufs, opts), op, g);
+  record(op, "broadcast", nbytes(out), seconds_since(t0));
+  return out;
+}
+
+at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
+                      at::OptionalIntArrayRef sizes, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  scatter_dim = wrap_dim(scatter_dim, x.dim(), "scatter_dim", op);
+  gather_dim = wrap_dim(gather_dim, x.dim(), "gather_dim", op);
+  const auto send = rank_sizes(x, scatter_dim, sizes, g, /*for_full_input=*/true, op);
+  check_consistent(g, op, x, -1, scatter_dim * 64 + gather_dim);
+  if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  auto front = dim_to_front(x, scatter_dim);
+  const int64_t mine = send[g.rank];  // every rank sends me a piece of this size
+  auto recv = at::empty(with_first(front.sizes(), mine * g.size), front.options());
+  std::vector<int64_t> recv_splits(g.size, mine);
+  std::vector<int64_t> send_splits = send;
+  auto t0 = Clock::now();
+  c10d::AllToAllOptions opts;
+  opts.timeout = op_timeout();
+  wait(g.pg->alltoall_base(recv, front, recv_splits, send_splits, opts), op, g);
+  std::vector<at::Tensor> pieces;
+  for (int64_t r = 0; r < g.size; ++r) {
+    auto piece = recv.narrow(0, r * mine, mine);
+    pieces.push_back(scatter_dim == 0 ? piece : piece.movedim(0, scatter_dim));
+  }
+  auto out = at::cat(pieces, gather_dim);
+  record(op, "all_to_all", nbytes(x), seconds_since(t0));
+  return out;
+}
+
+at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
+                       const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  dim = wrap_dim(dim, x.dim(), "dim", op);
+  const auto per_rank = rank_sizes(x, dim, sizes, g, /*for_full_input=*/true, op);
+  int64_t offset = 0;
+  for (int64_t r = 0; r < g.rank; ++r) offset += per_rank[r];
+  return x.narrow(dim, offset, per_rank[g.rank]).clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor all_reduce_start(const at::Tensor& x, Reduce reduce, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  TORCH_CHECK_VALUE(reduce != Reduce::Avg, "tp_ext.", op,
+                    ": reduce='avg' is not available asynchronously; use 'sum' and divide after "
+                    "the wait.");
+  check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
+  auto out = x.clone(at::MemoryFormat::Contiguous);
+  if (g.size == 1) return out;
+  auto t0 = Clock::now();
+  std::vector<at::Tensor> bufs{out};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(reduce);
+  opts.timeout = op_timeout();
+  c10d::register_work(out, g.pg->allreduce(bufs, opts));
+  record(op, "all_reduce", nbytes(out), seconds_since(t0));
+  return out;
+}
+
+at::Tensor all_gather_start(const at::Tensor& x, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  wrap_dim(0, x.dim(), "dim", op);
+  check_consistent(g, op, x, -1, 0);
+  auto front = x.contiguous();
+  if (g.size == 1) return front.clone();
+  auto out = at::empty(with_first(front.sizes(), front.size(0) * g.size), front.options());
+  auto t0 = Clock::now();
+  c10d::AllgatherOptions opts;
+  opts.timeout = op_timeout();
+  c10d::register_work(out, g.pg->_allgather_base(out, front, opts));
+  record(op, "all_gather", nbytes(out), seconds_since(t0));
+  return out;
+}
+
+at::Tensor reduce_scatter_start(const at::Tensor& x, Reduce reduce, const Group& g,
+                                const char* op) {
+  check_tensor(x, "x", op);
+  TORCH_CHECK_VALUE(reduce != Reduce::Avg, "tp_ext.", op,
+                    ": reduce='avg' is not available asynchronously; use 'sum' and divide after "
+                    "the wait.");
+  rank_sizes(x, wrap_dim(0, x.dim(), "dim", op), c10::nullopt, g, /*for_full_input=*/true, op);
+  check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
+  auto front = x.contiguous();
+  if (g.size == 1) return front.clone();
+  auto out = at::empty(with_first(front.sizes(), front.size(0) / g.size), front.options());
+  auto t0 = Clock::now();
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(reduce);
+  opts.timeout = op_timeout();
+  c10d::register_work(out, g.pg->_reduce_scatter_base(out, front, opts));
+  record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
+  return out;
+}
+
+}  // namespace tp_ext::comm

@@ -1,0 +1,27 @@
+// Communication accounting: count, bytes and seconds per (tag, op, collective), recorded by every
+// tp_ext collective while tracking is on (tp_ext.comm.track()).
+//
+// Bytes are what this rank's collective covers, independent of the algorithm: all_reduce and
+// broadcast count the tensor, all_gather the gathered (full) output, reduce_scatter the full input,
+// all_to_all the input. With these, an all-gather plus a reduce-scatter of a tensor count the same
+// as one all-reduce of it, which is how Megatron's sequence parallelism keeps the same volume.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace tp_ext::comm {
+
+using StatRow = std::tuple<std::string, std::string, std::string, int64_t, int64_t, double>;
+
+bool tracking();
+void set_tracking(bool on);
+void reset_stats();
+std::vector<StatRow> stats_snapshot();  // (tag, op, collective, count, bytes, seconds)
+void set_tag(const std::string& tag);    // process-wide, so backward (engine threads) sees it too
+std::string get_tag();
+void record(const char* op, const char* collective, int64_t bytes, double seconds);
+
+}  // namespace tp_ext::comm

@@ -1,0 +1,23 @@
+// The Python module tp_ext._C: loading it registers every op (static initialisers of the
+// TORCH_LIBRARY blocks); it also exposes the process-wide communication settings.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "comm/group.h"
+#include "comm/stats.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tp_ext native ops (torch.ops.tp_ext.*) and communication settings";
+  m.def("_set_tracking", &tp_ext::comm::set_tracking);
+  m.def("_tracking", &tp_ext::comm::tracking);
+  m.def("_reset_stats", &tp_ext::comm::reset_stats);
+  m.def("_stats", &tp_ext::comm::stats_snapshot);
+  m.def("_set_tag", &tp_ext::comm::set_tag);
+  m.def("_get_tag", &tp_ext::comm::get_tag);
+  m.def("_set_timeout_ms", &tp_ext::comm::set_timeout_ms);
+  m.def("_timeout_ms", &tp_ext::comm::timeout_ms);
+  m.def("_set_consistency_checks", &tp_ext::comm::set_consistency_checks);
+  m.def("_consistency_checks", &tp_ext::comm::consistency_checks);
+}

@@ -1,0 +1,42 @@
+// Every tp_ext op schema, in one place. Kernels live next to their family:
+//   comm/collective_ops.cpp   plain and async collectives (CPU and CUDA kernels)
+//   comm/megatron_pairs.cpp   differentiable Megatron pairs (CPU/CUDA kernels + C++ autograd)
+// Fake (meta) kernels for all of them are in tp_ext/_fake.py.
+//
+// Communicating ops name their process group by `group_name` (c10d's registry) and pass
+// `group_size`, as torch's own _c10d_functional ops do: graphs stay serialisable and the fake
+// kernels know output shapes without a live group. `sizes` lists every rank's size along `dim`
+// when the split is uneven (tp_ext.shard_sizes gives the standard one); None means an even split.
+#include <torch/library.h>
+
+TORCH_LIBRARY(tp_ext, m) {
+  // ---- plain collectives: no autograd (use the pairs below for training) ----
+  // reduce in {sum, avg, max, min, product}
+  m.def("all_reduce(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
+  m.def("all_gather(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+  m.def(
+      "reduce_scatter(Tensor x, int dim, int[]? sizes, str reduce, str group_name, "
+      "int group_size) -> Tensor");
+  m.def("broadcast(Tensor x, int src, str group_name, int group_size) -> Tensor");
+  m.def(
+      "all_to_all(Tensor x, int scatter_dim, int gather_dim, int[]? sizes, str group_name, "
+      "int group_size) -> Tensor");
+
+  // ---- async collectives: return at once; torch.ops._c10d_functional.wait_tensor completes ----
+  m.def("all_reduce_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
+  m.def("all_gather_async(Tensor x, str group_name, int group_size) -> Tensor");
+  m.def("reduce_scatter_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
+
+  // ---- Megatron pairs (forward / backward), autograd in C++ ----
+  m.def("copy_to_tp(Tensor x, str group_name, int group_size) -> Tensor");      // id / all-reduce
+  m.def("reduce_from_tp(Tensor x, str group_name, int group_size) -> Tensor");  // all-reduce / id
+  m.def(  // split / all-gather
+      "scatter_to_tp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+  m.def(  // all-gather / split
+      "gather_from_tp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+  m.def(  // all-gather / reduce-scatter
+      "gather_from_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+  m.def(  // reduce-scatter / all-gather
+      "reduce_scatter_to_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> "
+      "Tensor");
+}

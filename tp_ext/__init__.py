@@ -1,0 +1,16 @@
+"""tp_ext: tensor parallelism for PyTorch, with collectives and kernels as C++/CUDA torch ops."""
+
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
+from tp_ext import _C  # noqa: F401  (loads and registers torch.ops.tp_ext.*)
+from tp_ext import _fake  # noqa: F401
+from tp_ext import comm
+from tp_ext.parallel import ParallelState, init_parallel, parallel_state
+from tp_ext.sharding import shard_offsets, shard_range, shard_sizes, split_tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "comm", "init_parallel", "parallel_state", "ParallelState",
+    "shard_sizes", "shard_offsets", "shard_range", "split_tensor",
+]

@@ -1,0 +1,89 @@
+"""Fake (meta) kernels of every tp_ext op, so torch.compile and torch.export can trace them.
+
+Output shapes follow from the arguments alone, except where an uneven split makes this rank's
+piece size depend on its rank: then the rank is read from the live process group (each rank traces
+its own graph, so the shape is specialised to that rank).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def _rank(group_name: str) -> int:
+    return _resolve_process_group(group_name).rank()
+
+
+def _wrap(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _piece_size(x, dim, sizes, group_name, group_size):
+    """Size along ``dim`` of this rank's piece of a full ``x``."""
+    if sizes is None:
+        return x.size(dim) // group_size
+    return sizes[_rank(group_name)]
+
+
+def _with(x, dim, size):
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
+
+
+def _same(x, *args):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _gathered(x, dim, sizes, group_name, group_size):
+    dim = _wrap(dim, x.dim())
+    total = sum(sizes) if sizes is not None else x.size(dim) * group_size
+    return _with(x, dim, total)
+
+
+def _scattered(x, dim, sizes, group_name, group_size):
+    dim = _wrap(dim, x.dim())
+    return _with(x, dim, _piece_size(x, dim, sizes, group_name, group_size))
+
+
+def _reduce_scattered(x, dim, sizes, reduce, group_name, group_size):
+    return _scattered(x, dim, sizes, group_name, group_size)
+
+
+def _all_to_all(x, scatter_dim, gather_dim, sizes, group_name, group_size):
+    scatter_dim, gather_dim = _wrap(scatter_dim, x.dim()), _wrap(gather_dim, x.dim())
+    mine = _piece_size(x, scatter_dim, sizes, group_name, group_size)
+    shape = list(x.shape)
+    shape[scatter_dim] = mine
+    shape[gather_dim] = shape[gather_dim] * group_size
+    return x.new_empty(shape)
+
+
+def _gathered_dim0(x, group_name, group_size):
+    return _with(x, 0, x.size(0) * group_size)
+
+
+def _scattered_dim0(x, reduce, group_name, group_size):
+    return _with(x, 0, x.size(0) // group_size)
+
+
+_FAKES = {
+    "all_reduce": _same,
+    "all_gather": _gathered,
+    "reduce_scatter": _reduce_scattered,
+    "broadcast": _same,
+    "all_to_all": _all_to_all,
+    "all_reduce_async": _same,
+    "all_gather_async": _gathered_dim0,
+    "reduce_scatter_async": _scattered_dim0,
+    "copy_to_tp": _same,
+    "reduce_from_tp": _same,
+    "scatter_to_tp": _scattered,
+    "gather_from_tp": _gathered,
+    "gather_from_sp": _gathered,
+    "reduce_scatter_to_sp": _scattered,
+}
+
+for _name, _fn in _FAKES.items():
+    torch.library.register_fake(f"tp_ext::{_name}")(_fn)

@@ -1,0 +1,149 @@
+"""Process groups for TP x PP x DP on torch's DeviceMesh.
+
+Rank layout: mesh shape ``(pp, dp, tp)`` with ``tp`` innermost, so the ranks of one TP group are
+adjacent (``0..tp-1``, ``tp..2tp-1``, ...) and sit inside one node under torchrun, where TP's
+frequent all-reduces belong; DP groups stride by ``tp``; PP is outermost. This is Megatron's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelState", "init_parallel", "parallel_state", "default_tp_group", "valid_layouts"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelState:
+    mesh: DeviceMesh
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp: int
+    pp: int
+    dp: int
+    rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_group.rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_group.rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_group.rank()
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("tp_ext.init_parallel(tp=...) has not been called in this process")
+    return _STATE
+
+
+def default_tp_group() -> dist.ProcessGroup:
+    """The TP group from init_parallel, else the world group."""
+    if _STATE is not None:
+        return _STATE.tp_group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "no process group: call tp_ext.init_parallel(tp=...) (or "
+            "torch.distributed.init_process_group) first, or pass group="
+        )
+    return dist.group.WORLD
+
+
+def valid_layouts(world_size: int, pp: int = 1) -> list[int]:
+    """TP degrees that fit ``world_size`` ranks with pipeline degree ``pp``."""
+    if world_size % pp:
+        return []
+    rest = world_size // pp
+    return [tp for tp in range(1, rest + 1) if rest % tp == 0]
+
+
+def _check_degree(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _resolve_sizes(world: int, tp: int, pp: int, dp: Optional[int]) -> int:
+    _check_degree("tp", tp)
+    _check_degree("pp", pp)
+    if dp is None:
+        if world % (tp * pp):
+            raise ValueError(
+                f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                f"with pp={pp} these tp values fit: {valid_layouts(world, pp) or 'none'}"
+            )
+        return world // (tp * pp)
+    _check_degree("dp", dp)
+    if tp * pp * dp != world:
+        raise ValueError(
+            f"world size {world} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
+            f"with pp={pp} these tp values fit: {valid_layouts(world, pp) or 'none'} "
+            f"(leave dp=None to use the remaining ranks for data parallelism)"
+        )
+    return dp
+
+
+def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optional[str] = None,
+                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> ParallelState:
+    """Set up TP/PP/DP groups (and the default process group from torchrun's env:// variables
+    if it is not up yet). Backend: NCCL when CUDA is available, else gloo, unless ``backend`` says.
+    ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"init_parallel needs torchrun's environment; {', '.join(missing)} not set. Launch "
+                "with `torchrun --nproc-per-node N script.py`, or call "
+                "torch.distributed.init_process_group yourself first."
+            )
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    backend = dist.get_backend()
+    world = dist.get_world_size()
+    dp = _resolve_sizes(world, tp, pp, dp)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if tp > local_world or local_world % tp:
+        warnings.warn(
+            f"tp={tp} does not fit inside a node of {local_world} ranks: TP all-reduces will "
+            "cross nodes. Prefer a tp that divides the ranks per node.", stacklevel=2)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+              else torch.device("cpu"))
+    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    _STATE = ParallelState(
+        mesh=mesh, tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"), tp=tp, pp=pp, dp=dp, rank=dist.get_rank(),
+        device=device, backend=backend,
+    )
+    return _STATE
+
+
+def destroy_parallel() -> None:
+    """Forget the groups from init_parallel (the default process group stays)."""
+    global _STATE
+    _STATE = None
