@@ -7,6 +7,9 @@
 // `group_size`, as torch's own _c10d_functional ops do: graphs stay serialisable and the fake
 // kernels know output shapes without a live group. `sizes` lists every rank's size along `dim`
 // when the split is uneven (tp_ext.shard_sizes gives the standard one); None means an even split.
+// Ops whose result (or gradient) is this rank's piece also take `group_rank`, checked against the
+// group: a traced graph then says which rank it is for, so compile caches never hand one rank's
+// graph to another, and fake kernels need no live group.
 #include <torch/library.h>
 
 TORCH_LIBRARY(tp_ext, m) {
@@ -16,11 +19,11 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def("all_gather(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
   m.def(
       "reduce_scatter(Tensor x, int dim, int[]? sizes, str reduce, str group_name, "
-      "int group_size) -> Tensor");
+      "int group_size, int group_rank) -> Tensor");
   m.def("broadcast(Tensor x, int src, str group_name, int group_size) -> Tensor");
   m.def(
       "all_to_all(Tensor x, int scatter_dim, int gather_dim, int[]? sizes, str group_name, "
-      "int group_size) -> Tensor");
+      "int group_size, int group_rank) -> Tensor");
 
   // ---- async collectives: return at once; torch.ops._c10d_functional.wait_tensor completes ----
   m.def("all_reduce_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
@@ -31,12 +34,15 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def("copy_to_tp(Tensor x, str group_name, int group_size) -> Tensor");      // id / all-reduce
   m.def("reduce_from_tp(Tensor x, str group_name, int group_size) -> Tensor");  // all-reduce / id
   m.def(  // split / all-gather
-      "scatter_to_tp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+      "scatter_to_tp(Tensor x, int dim, int[]? sizes, str group_name, int group_size, "
+      "int group_rank) -> Tensor");
   m.def(  // all-gather / split
-      "gather_from_tp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+      "gather_from_tp(Tensor x, int dim, int[]? sizes, str group_name, int group_size, "
+      "int group_rank) -> Tensor");
   m.def(  // all-gather / reduce-scatter
-      "gather_from_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
+      "gather_from_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size, "
+      "int group_rank) -> Tensor");
   m.def(  // reduce-scatter / all-gather
-      "reduce_scatter_to_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> "
-      "Tensor");
+      "reduce_scatter_to_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size, "
+      "int group_rank) -> Tensor");
 }

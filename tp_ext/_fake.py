@@ -1,29 +1,29 @@
 """Fake (meta) kernels of every tp_ext op, so torch.compile and torch.export can trace them.
 
-Output shapes follow from the arguments alone, except where an uneven split makes this rank's
-piece size depend on its rank: then the rank is read from the live process group (each rank traces
-its own graph, so the shape is specialised to that rank).
+Every communicating op is also registered as an ORDERED effect: compiled graphs then keep the
+collectives in program order. Without it Inductor may schedule independent collectives in a
+different order on different ranks (each rank compiles its own graph), which pairs the wrong
+collectives across ranks.
+
+Output shapes follow from the arguments alone: ops whose result is this rank's piece take
+``group_rank``, so no live process group is needed while tracing.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
-
-
-def _rank(group_name: str) -> int:
-    return _resolve_process_group(group_name).rank()
+from torch._library.effects import EffectType
 
 
 def _wrap(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _piece_size(x, dim, sizes, group_name, group_size):
+def _piece_size(x, dim, sizes, group_size, group_rank):
     """Size along ``dim`` of this rank's piece of a full ``x``."""
     if sizes is None:
         return x.size(dim) // group_size
-    return sizes[_rank(group_name)]
+    return sizes[group_rank]
 
 
 def _with(x, dim, size):
@@ -36,24 +36,24 @@ def _same(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _gathered(x, dim, sizes, group_name, group_size):
+def _gathered(x, dim, sizes, group_name, group_size, group_rank=None):
     dim = _wrap(dim, x.dim())
     total = sum(sizes) if sizes is not None else x.size(dim) * group_size
     return _with(x, dim, total)
 
 
-def _scattered(x, dim, sizes, group_name, group_size):
+def _scattered(x, dim, sizes, group_name, group_size, group_rank):
     dim = _wrap(dim, x.dim())
-    return _with(x, dim, _piece_size(x, dim, sizes, group_name, group_size))
+    return _with(x, dim, _piece_size(x, dim, sizes, group_size, group_rank))
 
 
-def _reduce_scattered(x, dim, sizes, reduce, group_name, group_size):
-    return _scattered(x, dim, sizes, group_name, group_size)
+def _reduce_scattered(x, dim, sizes, reduce, group_name, group_size, group_rank):
+    return _scattered(x, dim, sizes, group_name, group_size, group_rank)
 
 
-def _all_to_all(x, scatter_dim, gather_dim, sizes, group_name, group_size):
+def _all_to_all(x, scatter_dim, gather_dim, sizes, group_name, group_size, group_rank):
     scatter_dim, gather_dim = _wrap(scatter_dim, x.dim()), _wrap(gather_dim, x.dim())
-    mine = _piece_size(x, scatter_dim, sizes, group_name, group_size)
+    mine = _piece_size(x, scatter_dim, sizes, group_size, group_rank)
     shape = list(x.shape)
     shape[scatter_dim] = mine
     shape[gather_dim] = shape[gather_dim] * group_size
@@ -87,3 +87,4 @@ _FAKES = {
 
 for _name, _fn in _FAKES.items():
     torch.library.register_fake(f"tp_ext::{_name}")(_fn)
+    torch.library._register_effectful_op(f"tp_ext::{_name}", EffectType.ORDERED)

@@ -38,12 +38,11 @@ __all__ = [
     "all_reduce_async", "all_gather_async", "reduce_scatter_async", "wait",
     "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
     "gather_from_sp", "reduce_scatter_to_sp",
-    "group_args", "track", "tag", "CommStats", "set_timeout", "set_consistency_checks",
+    "group_args", "ranked_group_args", "track", "tag", "CommStats", "set_timeout", "set_consistency_checks",
 ]
 
 
-def group_args(group: GroupLike = None) -> tuple[str, int]:
-    """``(group_name, group_size)`` for the ops, from a group, a group name or the default."""
+def _group(group: GroupLike) -> dist.ProcessGroup:
     if group is None:
         from tp_ext.parallel import default_tp_group
 
@@ -62,7 +61,19 @@ def group_args(group: GroupLike = None) -> tuple[str, int]:
         raise TypeError(
             f"group must be a ProcessGroup, a group name or None, got {type(group).__name__}"
         )
+    return group
+
+
+def group_args(group: GroupLike = None) -> tuple[str, int]:
+    """``(group_name, group_size)`` for the ops, from a group, a group name or the default."""
+    group = _group(group)
     return group.group_name, group.size()
+
+
+def ranked_group_args(group: GroupLike = None) -> tuple[str, int, int]:
+    """``(group_name, group_size, group_rank)`` for ops whose result is this rank's piece."""
+    group = _group(group)
+    return group.group_name, group.size(), group.rank()
 
 
 def _even_or_policy(x: torch.Tensor, dim: int, size: int, sizes):
@@ -90,9 +101,9 @@ def all_gather(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = N
 def reduce_scatter(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
                    reduce: str = "sum", group: GroupLike = None) -> torch.Tensor:
     """Reduce ``x`` over the group and keep this rank's piece along ``dim`` (shard_sizes policy)."""
-    name, size = group_args(group)
+    name, size, rank = ranked_group_args(group)
     return torch.ops.tp_ext.reduce_scatter(x, dim, _even_or_policy(x, dim, size, sizes), reduce,
-                                           name, size)
+                                           name, size, rank)
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: GroupLike = None) -> torch.Tensor:
@@ -104,9 +115,10 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int,
                sizes: Optional[Sequence[int]] = None, group: GroupLike = None) -> torch.Tensor:
     """Send piece r of ``x`` (split along ``scatter_dim``) to rank r; concatenate what arrives along
     ``gather_dim``. All ranks pass tensors of the same shape."""
-    name, size = group_args(group)
+    name, size, rank = ranked_group_args(group)
     return torch.ops.tp_ext.all_to_all(x, scatter_dim, gather_dim,
-                                       _even_or_policy(x, scatter_dim, size, sizes), name, size)
+                                       _even_or_policy(x, scatter_dim, size, sizes), name, size,
+                                       rank)
 
 
 # ---- async collectives --------------------------------------------------------------------------
@@ -147,30 +159,31 @@ def reduce_from_tp(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
 def scatter_to_tp(x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]] = None,
                   group: GroupLike = None) -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` forward, all-gather of the gradient backward."""
-    name, size = group_args(group)
-    return torch.ops.tp_ext.scatter_to_tp(x, dim, _even_or_policy(x, dim, size, sizes), name, size)
+    name, size, rank = ranked_group_args(group)
+    return torch.ops.tp_ext.scatter_to_tp(x, dim, _even_or_policy(x, dim, size, sizes), name, size,
+                                          rank)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]] = None,
                    group: GroupLike = None) -> torch.Tensor:
     """All-gather along ``dim`` forward, this rank's slice of the gradient backward."""
     return torch.ops.tp_ext.gather_from_tp(x, dim, None if sizes is None else list(sizes),
-                                           *group_args(group))
+                                           *ranked_group_args(group))
 
 
 def gather_from_sp(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
                    group: GroupLike = None) -> torch.Tensor:
     """All-gather of sequence shards forward, reduce-scatter of the gradient backward."""
     return torch.ops.tp_ext.gather_from_sp(x, dim, None if sizes is None else list(sizes),
-                                           *group_args(group))
+                                           *ranked_group_args(group))
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
                          group: GroupLike = None) -> torch.Tensor:
     """Reduce-scatter into sequence shards forward, all-gather of the gradient backward."""
-    name, size = group_args(group)
+    name, size, rank = ranked_group_args(group)
     return torch.ops.tp_ext.reduce_scatter_to_sp(x, dim, _even_or_policy(x, dim, size, sizes),
-                                                 name, size)
+                                                 name, size, rank)
 
 
 # ---- accounting, tags, timeouts -----------------------------------------------------------------
@@ -265,6 +278,6 @@ def set_timeout(seconds: float) -> None:
 
 def set_consistency_checks(enabled: bool) -> None:
     """Before every collective, check that all ranks agree on op, dtype and shape, and raise the
-    same clear error on each rank if not (one extra small all-gather per call). Also enabled by
-    the environment variable ``TP_EXT_CHECK_COLLECTIVES=1``."""
+    same clear error on each rank if not (one extra small blocking all-gather per call, so async
+    ops then wait for their peers to arrive). Also enabled by ``TP_EXT_CHECK_COLLECTIVES=1``."""
     _C._set_consistency_checks(bool(enabled))

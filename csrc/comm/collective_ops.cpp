@@ -1,5 +1,7 @@
 // Kernels of the plain and async collectives. The same code serves CPU and CUDA tensors: the
 // process group's backend (gloo, NCCL) does the device work.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
 #include <torch/library.h>
 
 #include "collectives.h"
@@ -21,8 +23,8 @@ at::Tensor all_gather_op(const at::Tensor& x, int64_t dim, at::OptionalIntArrayR
 
 at::Tensor reduce_scatter_op(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
                              c10::string_view reduce, c10::string_view group_name,
-                             int64_t group_size) {
-  auto g = resolve_group(group_name, group_size, x.device(), "reduce_scatter");
+                             int64_t group_size, int64_t group_rank) {
+  auto g = resolve_group(group_name, group_size, x.device(), "reduce_scatter", group_rank);
   return reduce_scatter(x, dim, sizes, parse_reduce(reduce, "reduce_scatter"), g, "reduce_scatter");
 }
 
@@ -34,8 +36,8 @@ at::Tensor broadcast_op(const at::Tensor& x, int64_t src, c10::string_view group
 
 at::Tensor all_to_all_op(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
                          at::OptionalIntArrayRef sizes, c10::string_view group_name,
-                         int64_t group_size) {
-  auto g = resolve_group(group_name, group_size, x.device(), "all_to_all");
+                         int64_t group_size, int64_t group_rank) {
+  auto g = resolve_group(group_name, group_size, x.device(), "all_to_all", group_rank);
   return all_to_all(x, scatter_dim, gather_dim, sizes, g, "all_to_all");
 }
 
@@ -58,6 +60,26 @@ at::Tensor reduce_scatter_async_op(const at::Tensor& x, c10::string_view reduce,
                               "reduce_scatter_async");
 }
 
+// Autograd kernel of every plain collective: they have no gradient formula (the Megatron pairs
+// do), so asking for one is an error that says what to use, not PyTorch's silent fallback.
+void not_differentiable(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                        torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto n_args = schema.arguments().size();
+  if (c10::GradMode::is_enabled()) {
+    for (size_t i = 0; i < n_args; ++i) {
+      const auto& arg = (*stack)[stack->size() - n_args + i];
+      TORCH_CHECK_VALUE(!(arg.isTensor() && arg.toTensor().requires_grad()), "tp_ext.",
+                        schema.name().substr(8), " is not differentiable, but ",
+                        schema.arguments()[i].name(),
+                        " requires grad. For training use the differentiable pairs in tp_ext.comm "
+                        "(copy_to_tp, reduce_from_tp, scatter_to_tp, gather_from_tp, "
+                        "gather_from_sp, reduce_scatter_to_sp), or pass x.detach().");
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
 void register_kernels(torch::Library& m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("all_gather", &all_gather_op);
@@ -74,3 +96,9 @@ void register_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) { tp_ext::comm::register_kernels(m); }
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { tp_ext::comm::register_kernels(m); }
+
+TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
+  for (const char* name : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+                           "all_reduce_async", "all_gather_async", "reduce_scatter_async"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&tp_ext::comm::not_differentiable>());
+}

@@ -28,7 +28,7 @@ std::string shape_str(at::IntArrayRef s) {
 }  // namespace
 
 Group resolve_group(c10::string_view group_name, int64_t group_size, const at::Device& device,
-                    const char* op) {
+                    const char* op, int64_t group_rank) {
   std::string name(group_name);
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   try {
@@ -41,6 +41,10 @@ Group resolve_group(c10::string_view group_name, int64_t group_size, const at::D
   TORCH_CHECK_VALUE(group_size == pg->getSize(), "tp_ext.", op, ": group_size=", group_size,
                     " but process group '", name, "' has ", pg->getSize(),
                     " ranks; pass group_size=", pg->getSize(), ".");
+  TORCH_CHECK_VALUE(group_rank < 0 || group_rank == pg->getRank(), "tp_ext.", op,
+                    ": group_rank=", group_rank, " but this process is rank ", pg->getRank(),
+                    " of process group '", name, "'; pass group_rank=group.rank() (a traced graph "
+                    "is specific to the rank that traced it).");
   try {
     pg->getBackend(device.type());
   } catch (const std::exception&) {

@@ -19,10 +19,11 @@ struct Group {
   int64_t size;
 };
 
-// Finds `group_name` in c10d's registry and checks that it has `group_size` ranks and a backend
-// for `device`. `op` names the calling op in error messages.
+// Finds `group_name` in c10d's registry and checks that it has `group_size` ranks, that this
+// process is rank `group_rank` of it (when given, >= 0) and that it has a backend for `device`.
+// `op` names the calling op in error messages.
 Group resolve_group(c10::string_view group_name, int64_t group_size, const at::Device& device,
-                    const char* op);
+                    const char* op, int64_t group_rank = -1);
 
 // Timeout applied to every tp_ext collective's wait; 0 means the group's own timeout (the one
 // given to init_process_group / tp_ext.init_parallel).

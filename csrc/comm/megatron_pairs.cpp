@@ -37,9 +37,9 @@ const PairSpec& spec(Pair p) { return kPairs[static_cast<int>(p)]; }
 
 // Forward kernels (CPU and CUDA): run the pair's forward step.
 at::Tensor run_forward(Pair p, const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
-                       c10::string_view group_name, int64_t group_size) {
+                       c10::string_view group_name, int64_t group_size, int64_t group_rank) {
   const auto& s = spec(p);
-  auto g = resolve_group(group_name, group_size, x.device(), s.name);
+  auto g = resolve_group(group_name, group_size, x.device(), s.name, group_rank);
   switch (s.forward) {
     case Step::Identity:
       check_tensor(x, "x", s.name);
@@ -58,18 +58,20 @@ at::Tensor run_forward(Pair p, const at::Tensor& x, int64_t dim, at::OptionalInt
 
 template <Pair P>
 at::Tensor forward_kernel(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
-                          c10::string_view group_name, int64_t group_size) {
-  return run_forward(P, x, dim, sizes, group_name, group_size);
+                          c10::string_view group_name, int64_t group_size, int64_t group_rank) {
+  return run_forward(P, x, dim, sizes, group_name, group_size, group_rank);
 }
 
 template <Pair P>
 at::Tensor forward_kernel_nodim(const at::Tensor& x, c10::string_view group_name,
                                 int64_t group_size) {
-  return run_forward(P, x, 0, c10::nullopt, group_name, group_size);
+  return run_forward(P, x, 0, c10::nullopt, group_name, group_size, -1);
 }
 
 using DimOpSig = at::Tensor(const at::Tensor&, int64_t, at::OptionalIntArrayRef, c10::string_view,
-                            int64_t);
+                            int64_t, int64_t);
+using GatherSig = at::Tensor(const at::Tensor&, int64_t, at::OptionalIntArrayRef, c10::string_view,
+                             int64_t);
 using NoDimOpSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t);
 
 c10::OperatorHandle op_handle(const char* name) {
@@ -82,34 +84,39 @@ bool has_dim(Pair p) { return p != Pair::CopyToTp && p != Pair::ReduceFromTp; }
 // tracing, produces the output).
 at::Tensor call_below_autograd(Pair p, const at::Tensor& x, int64_t dim,
                                at::OptionalIntArrayRef sizes, c10::string_view group_name,
-                               int64_t group_size) {
+                               int64_t group_size, int64_t group_rank) {
   at::AutoDispatchBelowADInplaceOrView guard;
   const auto handle = op_handle(spec(p).name);
-  if (has_dim(p)) return handle.typed<DimOpSig>().call(x, dim, sizes, group_name, group_size);
+  if (has_dim(p))
+    return handle.typed<DimOpSig>().call(x, dim, sizes, group_name, group_size, group_rank);
   return handle.typed<NoDimOpSig>().call(x, group_name, group_size);
 }
 
+// Every step is a registered op, so the backward graph says which rank it is for (see
+// tp_ext.cpp) and the rank-dependent slicing happens inside the op at run time.
 at::Tensor run_backward_step(Step step, const at::Tensor& grad, int64_t dim,
                              at::OptionalIntArrayRef sizes, const std::string& group_name,
-                             int64_t group_size, const char* pair_name) {
+                             int64_t group_size, int64_t group_rank) {
   using ReduceSig = at::Tensor(const at::Tensor&, c10::string_view, c10::string_view, int64_t);
   using ScatterSig = at::Tensor(const at::Tensor&, int64_t, at::OptionalIntArrayRef,
-                                c10::string_view, c10::string_view, int64_t);
+                                c10::string_view, c10::string_view, int64_t, int64_t);
   switch (step) {
     case Step::Identity:
       return grad;
     case Step::AllReduce:
       return op_handle("all_reduce").typed<ReduceSig>().call(grad, "sum", group_name, group_size);
     case Step::AllGather:
-      return op_handle("all_gather").typed<DimOpSig>().call(grad, dim, sizes, group_name,
-                                                            group_size);
+      return op_handle("all_gather").typed<GatherSig>().call(grad, dim, sizes, group_name,
+                                                             group_size);
     case Step::ReduceScatter:
       return op_handle("reduce_scatter")
           .typed<ScatterSig>()
-          .call(grad, dim, sizes, "sum", group_name, group_size);
-    case Step::Split: {  // no communication: plain ATen ops, traced as such
-      auto g = resolve_group(group_name, group_size, grad.device(), pair_name);
-      return local_piece(grad, dim, sizes, g, pair_name);
+          .call(grad, dim, sizes, "sum", group_name, group_size, group_rank);
+    case Step::Split: {  // scatter_to_tp's forward is exactly this split (under no_grad here)
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return op_handle("scatter_to_tp")
+          .typed<DimOpSig>()
+          .call(grad, dim, sizes, group_name, group_size, group_rank);
     }
   }
   TORCH_CHECK(false, "unreachable");
@@ -119,16 +126,19 @@ class MegatronPair : public torch::autograd::Function<MegatronPair> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             int64_t pair, int64_t dim, c10::optional<std::vector<int64_t>> sizes,
-                            const std::string& group_name, int64_t group_size) {
+                            const std::string& group_name, int64_t group_size,
+                            int64_t group_rank) {
     ctx->saved_data["pair"] = pair;
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["sizes"] = sizes.has_value() ? c10::IValue(*sizes) : c10::IValue();
     ctx->saved_data["group_name"] = group_name;
     ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["group_rank"] = group_rank;
     at::OptionalIntArrayRef sizes_ref = sizes.has_value()
                                             ? at::OptionalIntArrayRef(*sizes)
                                             : at::OptionalIntArrayRef(c10::nullopt);
-    return call_below_autograd(static_cast<Pair>(pair), x, dim, sizes_ref, group_name, group_size);
+    return call_below_autograd(static_cast<Pair>(pair), x, dim, sizes_ref, group_name, group_size,
+                               group_rank);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -143,8 +153,10 @@ class MegatronPair : public torch::autograd::Function<MegatronPair> {
     }
     auto grad_x = run_backward_step(spec(p).backward, grads[0], ctx->saved_data["dim"].toInt(),
                                     sizes, ctx->saved_data["group_name"].toStringRef(),
-                                    ctx->saved_data["group_size"].toInt(), spec(p).name);
-    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                    ctx->saved_data["group_size"].toInt(),
+                                    ctx->saved_data["group_rank"].toInt());
+    return {grad_x,       at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -155,9 +167,9 @@ c10::optional<std::vector<int64_t>> to_vec(at::OptionalIntArrayRef sizes) {
 
 template <Pair P>
 at::Tensor autograd_kernel(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
-                           c10::string_view group_name, int64_t group_size) {
+                           c10::string_view group_name, int64_t group_size, int64_t group_rank) {
   return MegatronPair::apply(x, static_cast<int64_t>(P), dim, to_vec(sizes),
-                             std::string(group_name), group_size);
+                             std::string(group_name), group_size, group_rank);
 }
 
 template <Pair P>
@@ -165,7 +177,7 @@ at::Tensor autograd_kernel_nodim(const at::Tensor& x, c10::string_view group_nam
                                  int64_t group_size) {
   return MegatronPair::apply(x, static_cast<int64_t>(P), int64_t{0},
                              c10::optional<std::vector<int64_t>>(), std::string(group_name),
-                             group_size);
+                             group_size, int64_t{-1});
 }
 
 void register_forward_kernels(torch::Library& m) {

@@ -1,0 +1,143 @@
+"""Plain and async collectives against single-process references, even and uneven sizes, every
+dimension, at world sizes 1-4."""
+
+import time
+
+import pytest
+import torch
+
+import tp_ext
+from tp_ext import comm
+
+from .common import WORLD_SIZES, assert_close, assert_equal, full
+from .dist_utils import rank, run_distributed, world_size
+
+SHAPE = (5, 7, 6)  # 5 and 7 split unevenly over 2, 3 and 4 ranks
+
+
+def _check_all_reduce():
+    r, w = rank(), world_size()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        xs = [full(SHAPE, 100 + k, dtype) for k in range(w)]
+        stacked = torch.stack([x.double() for x in xs])
+        expected = {
+            "sum": stacked.sum(0), "max": stacked.max(0).values, "min": stacked.min(0).values,
+            "product": stacked.prod(0),
+        }
+        if dtype.is_floating_point:
+            expected["avg"] = stacked.mean(0)
+        for reduce, ref in expected.items():
+            before = xs[r].clone()
+            out = comm.all_reduce(xs[r], reduce)
+            assert_equal(xs[r], before, f"all_reduce({reduce}) must not modify its input")
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-6
+            if reduce == "product" and dtype == torch.bfloat16:
+                tol = 5e-2
+            assert_close(out.double(), ref.to(dtype).double(), f"all_reduce {reduce} {dtype}",
+                         rtol=tol, atol=tol)
+
+
+def _check_gather_scatter():
+    r, w = rank(), world_size()
+    for dim in range(len(SHAPE)):
+        for dtype in (torch.float32, torch.bfloat16):
+            whole = full(SHAPE, 7 + dim, dtype)
+            pieces = tp_ext.split_tensor(whole, dim, w)
+            sizes = tp_ext.shard_sizes(SHAPE[dim], w)
+            # all_gather of uneven pieces (this rank holds pieces[r]) rebuilds the whole tensor
+            got = comm.all_gather(pieces[r], dim, sizes=sizes)
+            assert_equal(got, whole, f"all_gather dim={dim} {dtype}")
+            # reduce_scatter: reduce every rank's full tensor, keep this rank's piece
+            xs = [full(SHAPE, 40 + k + dim, torch.float64) for k in range(w)]
+            ref = tp_ext.split_tensor(sum(xs), dim, w)[r]
+            got = comm.reduce_scatter(xs[r], dim)  # sizes from the shard policy
+            assert_close(got, ref, f"reduce_scatter dim={dim}")
+            got = comm.reduce_scatter(xs[r], dim, reduce="max")
+            assert_close(got, tp_ext.split_tensor(torch.stack(xs).max(0).values, dim, w)[r],
+                         f"reduce_scatter max dim={dim}")
+        # non-contiguous input gathers the same values
+        whole = full(SHAPE, 3, torch.float32)
+        t_piece = tp_ext.split_tensor(whole.transpose(0, 2), dim, w)[r]
+        assert not t_piece.is_contiguous() or t_piece.numel() <= 1
+        got = comm.all_gather(t_piece, dim, sizes=tp_ext.shard_sizes(whole.transpose(0, 2).size(dim), w))
+        assert_equal(got, whole.transpose(0, 2).contiguous(), f"all_gather non-contiguous dim={dim}")
+    # even all_gather needs no sizes
+    x = full((2, 3), 11 + r)
+    assert_equal(comm.all_gather(x, 1), torch.cat([full((2, 3), 11 + k) for k in range(w)], 1),
+                 "all_gather even")
+
+
+def _check_broadcast_all_to_all():
+    r, w = rank(), world_size()
+    for src in range(w):
+        x = full(SHAPE, 500 + r)
+        assert_equal(comm.broadcast(x, src), full(SHAPE, 500 + src), f"broadcast src={src}")
+    for scatter_dim in range(3):
+        for gather_dim in range(3):
+            xs = [full(SHAPE, 900 + k, torch.float32) for k in range(w)]
+            ref = torch.cat([tp_ext.split_tensor(xs[k], scatter_dim, w)[r] for k in range(w)],
+                            gather_dim)
+            got = comm.all_to_all(xs[r], scatter_dim, gather_dim)
+            assert_equal(got, ref, f"all_to_all scatter={scatter_dim} gather={gather_dim}")
+
+
+def _check_async():
+    r, w = rank(), world_size()
+    xs = [full((64, 64), 70 + k) for k in range(w)]
+    handle = comm.all_reduce_async(xs[r])
+    other_work = xs[r] @ xs[r]  # issued while the collective is in flight
+    assert_close(comm.wait(handle), sum(xs), "all_reduce_async")
+    assert_close(other_work, xs[r] @ xs[r], "work between issue and wait")
+    g = comm.all_gather_async(xs[r])
+    assert_equal(comm.wait(g), torch.cat(xs, 0), "all_gather_async")
+    big = [full((8 * w, 3), 80 + k) for k in range(w)]
+    s = comm.reduce_scatter_async(big[r])
+    assert_close(comm.wait(s), sum(big).chunk(w)[r], "reduce_scatter_async")
+
+
+def _check_async_returns_before_peers_arrive():
+    """Rank 1 joins the all-reduce 1 s late. The async op returns on rank 0 at once, rank 0 does
+    other work, and the wait then gives the right sum; the blocking op has to wait for rank 1."""
+    comm.set_consistency_checks(False)  # the checks exchange metadata first, which would block
+    r, w = rank(), world_size()
+    xs = [full((128,), 60 + k) for k in range(w)]
+    comm.all_reduce(torch.zeros(1))  # line everyone up
+    if r == 1:
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    handle = comm.all_reduce_async(xs[r])
+    issued = time.monotonic() - t0
+    work = torch.ones(256, 256) @ torch.ones(256, 256)
+    result = comm.wait(handle)
+    waited = time.monotonic() - t0
+    assert_close(result, sum(xs), "async all_reduce result after wait")
+    assert work[0, 0].item() == 256.0
+    if r == 0:
+        assert issued < 0.5, f"all_reduce_async blocked for {issued:.2f}s"
+        assert waited >= 0.8, f"wait returned after {waited:.2f}s, before rank 1 had joined"
+    return issued, waited
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_all_reduce(ws):
+    run_distributed(_check_all_reduce, ws)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_all_gather_and_reduce_scatter_uneven_any_dim(ws):
+    run_distributed(_check_gather_scatter, ws)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_broadcast_and_all_to_all(ws):
+    run_distributed(_check_broadcast_all_to_all, ws)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_async_collectives(ws):
+    run_distributed(_check_async, ws)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_async_returns_at_once_and_wait_completes(ws):
+    run_distributed(_check_async_returns_before_peers_arrive, ws)

@@ -1,0 +1,185 @@
+"""Every op under torch.library.opcheck, and the collectives and pairs in every PyTorch mode:
+eager, torch.compile(fullgraph=True) forward and backward, torch.export, and TorchScript."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_ext
+from tp_ext import comm
+
+from .common import assert_close, full
+from .dist_utils import rank, run_distributed, world_size
+
+
+def _op_samples():
+    """(op name, args) covering every op, with uneven sizes where the op takes them."""
+    r, w = rank(), world_size()
+    g = dist.group.WORLD
+    name, size = g.group_name, w
+    n = 2 * w + 1  # never divisible by w > 1
+    sizes = tp_ext.shard_sizes(n, w)
+    full_x = full((n, 3), 1)
+    piece = tp_ext.split_tensor(full_x, 0, w)[r].contiguous()
+    grad = lambda t: t.clone().requires_grad_()  # noqa: E731
+    return [
+        ("all_reduce", (full((3, 4), 2), "sum", name, size)),
+        ("all_gather", (piece, 0, sizes, name, size)),
+        ("all_gather", (full((2, 3), 3), 1, None, name, size)),
+        ("reduce_scatter", (full_x, 0, sizes, "sum", name, size, r)),
+        ("broadcast", (full((3,), 4), 0, name, size)),
+        ("all_to_all", (full((n, 2 * w), 5), 1, 0, None, name, size, r)),
+        ("all_reduce_async", (full((3, 4), 6), "sum", name, size)),
+        ("all_gather_async", (full((2, 3), 7), name, size)),
+        ("reduce_scatter_async", (full((2 * w, 3), 8), "sum", name, size)),
+        ("copy_to_tp", (grad(full((3, 4), 9)), name, size)),
+        ("reduce_from_tp", (grad(full((3, 4), 10)), name, size)),
+        ("scatter_to_tp", (grad(full_x), 0, sizes, name, size, r)),
+        ("gather_from_tp", (grad(piece), 0, sizes, name, size, r)),
+        ("gather_from_sp", (grad(piece), 0, sizes, name, size, r)),
+        ("reduce_scatter_to_sp", (grad(full_x), 0, sizes, name, size, r)),
+    ]
+
+
+ASYNC_OPS = {"all_reduce_async", "all_gather_async", "reduce_scatter_async"}
+
+
+def _check_opcheck():
+    seen = set()
+    for op_name, args in _op_samples():
+        op = getattr(torch.ops.tp_ext, op_name).default
+        if op_name in ASYNC_OPS:
+            # Every run must be waited on before the next reuses the buffers' work registry.
+            out = op(*args)
+            torch.ops._c10d_functional.wait_tensor(out)
+            tests = ("test_schema", "test_faketensor")
+        else:
+            tests = ("test_schema", "test_autograd_registration", "test_faketensor",
+                     "test_aot_dispatch_dynamic")
+        for t in tests:
+            result = torch.library.opcheck(op, args, test_utils=t)
+            assert result[t] == "SUCCESS", (op_name, result)
+        seen.add(op_name)
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_opcheck_every_op(ws):
+    checked = run_distributed(_check_opcheck, ws, timeout=300)[0]
+    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("tp_ext::")}
+    assert set(checked) == registered, f"ops without an opcheck: {registered - set(checked)}"
+
+
+def _tp_block(x, w1_local, w2_local, group, seq_sizes, ffn_sizes):
+    """A small Megatron MLP written with the pairs and collectives: sequence-parallel input,
+    column-parallel up projection, row-parallel down projection (with and without SP)."""
+    h = comm.gather_from_sp(x, 0, sizes=seq_sizes, group=group)
+    a = torch.relu(comm.copy_to_tp(h, group) @ w1_local.t())  # (seq, ffn_local)
+    partial = a @ w2_local.t()
+    y_sp = comm.reduce_scatter_to_sp(partial, 0, sizes=seq_sizes, group=group)  # (seq_local, hidden)
+    y = comm.reduce_from_tp(partial, group)  # (seq, hidden)
+    z = comm.gather_from_tp(a, -1, sizes=ffn_sizes, group=group)  # (seq, ffn)
+    peak = comm.all_reduce(z.detach().abs().amax(), "max", group)
+    return y_sp.pow(2).sum() + y.pow(2).sum() + z.pow(2).sum() / peak
+
+
+def _block_inputs():
+    r, w = rank(), world_size()
+    seq, hidden, ffn = 2 * w + 1, 4, 3 * w + 1
+    X = full((seq, hidden), 1, torch.float64)
+    W1, W2 = full((ffn, hidden), 2, torch.float64), full((hidden, ffn), 3, torch.float64)
+    x = tp_ext.split_tensor(X, 0, w)[r].clone().requires_grad_()
+    w1 = tp_ext.split_tensor(W1, 0, w)[r].clone().requires_grad_()
+    w2 = tp_ext.split_tensor(W2, 1, w)[r].clone().requires_grad_()
+    return x, w1, w2, dist.group.WORLD, tp_ext.shard_sizes(seq, w), tp_ext.shard_sizes(ffn, w)
+
+
+def _run_block(fn):
+    inputs = _block_inputs()
+    out = fn(*inputs)
+    out.backward()
+    return (out.detach(),) + tuple(t.grad for t in inputs[:3])
+
+
+def _check_compile():
+    torch._dynamo.reset()
+    eager = _run_block(_tp_block)
+    compiled = _run_block(torch.compile(_tp_block, fullgraph=True, backend="inductor"))
+    for what, a, b in zip(("output", "dx", "dw1", "dw2"), compiled, eager):
+        assert_close(a, b, f"compiled vs eager {what}", rtol=1e-10, atol=1e-10)
+    # the compiled graph holds the tp_ext ops (not a graph break around them)
+    explanation = torch._dynamo.explain(_tp_block)(*_block_inputs())
+    assert explanation.graph_break_count == 0
+    ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes
+           if n.op == "call_function"}
+    assert any("tp_ext" in o for o in ops), ops
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_compile_fullgraph_forward_and_backward(ws):
+    run_distributed(_check_compile, ws, timeout=300)
+
+
+class _Exportable(torch.nn.Module):
+    def __init__(self, group_name, group_size, group_rank, sizes):
+        super().__init__()
+        self.group_name, self.group_size, self.sizes = group_name, group_size, sizes
+        self.group_rank = group_rank
+
+    def forward(self, x):
+        y = torch.ops.tp_ext.copy_to_tp(x, self.group_name, self.group_size) * 2
+        y = torch.ops.tp_ext.gather_from_tp(y, 0, self.sizes, self.group_name, self.group_size,
+                                            self.group_rank)
+        return torch.ops.tp_ext.all_reduce(y, "sum", self.group_name, self.group_size)
+
+
+def _check_export():
+    r, w = rank(), world_size()
+    sizes = tp_ext.shard_sizes(2 * w + 1, w)
+    x = full((sizes[r], 3), 10 + r)
+    m = _Exportable(dist.group.WORLD.group_name, w, r, sizes)
+    ep = torch.export.export(m, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"tp_ext.copy_to_tp.default", "tp_ext.gather_from_tp.default",
+            "tp_ext.all_reduce.default"} <= targets, targets
+    assert_close(ep.module()(x), m(x), "exported vs eager")
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_export(ws):
+    run_distributed(_check_export, ws, timeout=300)
+
+
+@torch.jit.script
+def _scripted(x: torch.Tensor, group_name: str, group_size: int, group_rank: int,
+              sizes: list[int]) -> torch.Tensor:
+    y = torch.ops.tp_ext.gather_from_tp(x * 3.0, 0, sizes, group_name, group_size, group_rank)
+    y = torch.ops.tp_ext.copy_to_tp(y, group_name, group_size)  # replicated: enter a TP region
+    return torch.ops.tp_ext.reduce_from_tp(y, group_name, group_size) / group_size
+
+
+@torch.jit.script
+def _scripted_plain(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    return torch.ops.tp_ext.all_reduce(x, "avg", group_name, group_size)
+
+
+def _check_torchscript():
+    r, w = rank(), world_size()
+    sizes = tp_ext.shard_sizes(2 * w + 1, w)
+    X = full((2 * w + 1, 3), 1, torch.float64)
+    x = tp_ext.split_tensor(X, 0, w)[r].clone().requires_grad_()
+    out = _scripted(x, dist.group.WORLD.group_name, w, r, sizes)
+    assert_close(out, 3 * X, "scripted forward", rtol=1e-12, atol=1e-12)
+    out.sum().backward()  # C++ autograd: works from TorchScript too
+    # reduce_from_tp's backward passes 1/w on; gather_from_tp's keeps this rank's slice (times 3);
+    # copy_to_tp's all-reduce sums the w ranks: w * 3 / w = 3
+    assert_close(x.grad, torch.full_like(x, 3.0), "scripted backward", rtol=1e-12, atol=1e-12)
+    y = full((3,), 40 + r, torch.float64)
+    expected = sum(full((3,), 40 + k, torch.float64) for k in range(w)) / w
+    assert_close(_scripted_plain(y, dist.group.WORLD.group_name, w), expected, "scripted all_reduce")
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_torchscript(ws):
+    run_distributed(_check_torchscript, ws)
