@@ -126,6 +126,8 @@ def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optio
     backend = dist.get_backend()
     world = dist.get_world_size()
     dp = _resolve_sizes(world, tp, pp, dp)
+    if _STATE is not None and (_STATE.tp, _STATE.pp, _STATE.dp) == (tp, pp, dp):
+        return _STATE  # same layout: reuse the groups (making them again is a collective)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if tp > local_world or local_world % tp:
         warnings.warn(

@@ -80,6 +80,24 @@ void not_differentiable(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
 }
 
+// Sparse tensors reach this kernel (SparseCPU/SparseCUDA keys) instead of the dense ones.
+void dense_only(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack*) {
+  TORCH_CHECK_VALUE(false, "tp_ext.", op.schema().name().substr(8),
+                    ": x must be a dense (strided) tensor, got a sparse one; call x.to_dense() "
+                    "first.");
+}
+
+constexpr const char* kAllOps[] = {
+    "all_reduce",     "all_gather",       "reduce_scatter",       "broadcast",
+    "all_to_all",     "all_reduce_async", "all_gather_async",     "reduce_scatter_async",
+    "copy_to_tp",     "reduce_from_tp",   "scatter_to_tp",        "gather_from_tp",
+    "gather_from_sp", "reduce_scatter_to_sp"};
+
+void register_sparse_errors(torch::Library& m) {
+  for (const char* name : kAllOps)
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&dense_only>());
+}
+
 void register_kernels(torch::Library& m) {
   m.impl("all_reduce", &all_reduce_op);
   m.impl("all_gather", &all_gather_op);
@@ -96,6 +114,9 @@ void register_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) { tp_ext::comm::register_kernels(m); }
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { tp_ext::comm::register_kernels(m); }
+
+TORCH_LIBRARY_IMPL(tp_ext, SparseCPU, m) { tp_ext::comm::register_sparse_errors(m); }
+TORCH_LIBRARY_IMPL(tp_ext, SparseCUDA, m) { tp_ext::comm::register_sparse_errors(m); }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
   for (const char* name : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",

@@ -1,0 +1,73 @@
+"""The shard-size policy, split_tensor views, and init_parallel's TP x PP x DP layout."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_ext
+
+from .dist_utils import rank, run_distributed, world_size
+
+
+@pytest.mark.parametrize("n,w,expected", [
+    (10, 4, [3, 3, 2, 2]), (8, 4, [2, 2, 2, 2]), (1001, 8, [126] + [125] * 7),
+    (2, 4, [1, 1, 0, 0]), (0, 3, [0, 0, 0]), (152064, 8, [19008] * 8), (29568, 8, [3696] * 8),
+])
+def test_shard_sizes_policy(n, w, expected):
+    assert tp_ext.shard_sizes(n, w) == expected
+    offsets = tp_ext.shard_offsets(n, w)
+    assert offsets == [sum(expected[:k]) for k in range(w)]
+    assert [tp_ext.shard_range(n, w, k) for k in range(w)] == list(zip(offsets, expected))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_split_tensor_returns_views_that_cover_the_tensor(dim):
+    t = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10)
+    shards = tp_ext.split_tensor(t, dim, 3)
+    assert [s.size(dim) for s in shards] == tp_ext.shard_sizes(t.size(dim), 3)
+    for s in shards:
+        assert s.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # a view
+    torch.testing.assert_close(torch.cat(shards, dim), t, rtol=0, atol=0)
+    shards[0].zero_()  # writes through to t
+    assert t.narrow(dim, 0, shards[0].size(dim)).abs().sum() == 0
+
+
+def _layout(tp, pp):
+    state = tp_ext.init_parallel(tp=tp, pp=pp)
+    assert tp_ext.init_parallel(tp=tp, pp=pp) is state  # idempotent
+    ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+    assert tp_ext.comm.group_args() == (state.tp_group.group_name, tp)  # the default group is TP
+    return dict(tp=ranks(state.tp_group), dp=ranks(state.dp_group), pp=ranks(state.pp_group),
+                ranks=(state.tp_rank, state.dp_rank, state.pp_rank), dp_size=state.dp)
+
+
+@pytest.mark.parametrize("ws,tp,pp", [(8, 2, 2), (8, 8, 1), (4, 2, 1), (3, 3, 1), (1, 1, 1)])
+def test_init_parallel_layout_tp_innermost(ws, tp, pp):
+    dp = ws // (tp * pp)
+    for r, got in enumerate(run_distributed(_layout, ws, tp, pp)):
+        tp_rank, dp_rank, pp_rank = r % tp, (r // tp) % dp, r // (tp * dp)
+        base = pp_rank * tp * dp + dp_rank * tp
+        assert got["tp"] == list(range(base, base + tp))  # adjacent ranks
+        assert got["dp"] == [pp_rank * tp * dp + k * tp + tp_rank for k in range(dp)]
+        assert got["pp"] == [k * tp * dp + dp_rank * tp + tp_rank for k in range(pp)]
+        assert got["ranks"] == (tp_rank, dp_rank, pp_rank) and got["dp_size"] == dp
+
+
+def _bad_layouts():
+    w = world_size()
+    errors = {}
+    for kwargs in (dict(tp=3), dict(tp=2, pp=1, dp=3), dict(tp=0), dict(tp=2, pp="2")):
+        try:
+            tp_ext.init_parallel(**kwargs)
+        except ValueError as e:
+            errors[str(kwargs)] = str(e)
+    return w, errors
+
+
+def test_init_parallel_bad_sizes_say_what_fits():
+    w, errors = run_distributed(_bad_layouts, 4)[0]
+    assert "world size 4 is not divisible by tp*pp = 3*1 = 3" in errors["{'tp': 3}"]
+    assert "these tp values fit: [1, 2, 4]" in errors["{'tp': 3}"]
+    assert "world size 4 != tp*pp*dp = 2*1*3 = 6" in errors["{'tp': 2, 'pp': 1, 'dp': 3}"]
+    assert "tp must be an int >= 1, got 0" in errors["{'tp': 0}"]
+    assert "pp must be an int >= 1, got '2'" in errors["{'tp': 2, 'pp': '2'}"]
