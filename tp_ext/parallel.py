@@ -145,7 +145,10 @@ def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optio
     return _STATE
 
 
-def destroy_parallel() -> None:
-    """Forget the groups from init_parallel (the default process group stays)."""
+def destroy_parallel(destroy_process_group: bool = False) -> None:
+    """Forget the groups from init_parallel; with ``destroy_process_group=True`` also tear down
+    torch.distributed (every group, the default one last) for a clean exit."""
     global _STATE
     _STATE = None
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

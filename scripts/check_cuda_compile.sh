@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Compiles every CUDA source of tp_ext with nvcc against the installed torch's headers (compile
+# only: nothing CUDA runs on a machine without a GPU). Fails if a .cu file no longer compiles.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+mapfile -t sources < <(find csrc -name '*.cu' | sort)
+if [ ${#sources[@]} -eq 0 ]; then
+  echo "check_cuda_compile: no CUDA sources in csrc/"
+  exit 0
+fi
+if ! command -v nvcc >/dev/null 2>&1; then
+  echo "check_cuda_compile: nvcc not found; cannot check ${#sources[@]} CUDA sources" >&2
+  exit 1
+fi
+includes=$($PY - <<'PY'
+import sysconfig
+from torch.utils.cpp_extension import include_paths
+print(" ".join(f"-I{p}" for p in include_paths() + [sysconfig.get_paths()["include"]]))
+PY
+)
+abi=$($PY -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+out=$(mktemp -d)
+for src in "${sources[@]}"; do
+  echo "nvcc -c $src"
+  nvcc -std=c++17 -O1 --expt-relaxed-constexpr -arch=sm_90 -DTP_EXT_WITH_CUDA \
+    -D_GLIBCXX_USE_CXX11_ABI="$abi" -DTORCH_EXTENSION_NAME=_C $includes -Icsrc \
+    -c "$src" -o "$out/$(basename "$src").o"
+done
+rm -rf "$out"
+echo "check_cuda_compile: ${#sources[@]} CUDA sources compile"
