@@ -10,7 +10,6 @@ if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q torch==2.13.0
 fi
 $PY -m pip install -q -r requirements-dev.txt
-if command -v ccache >/dev/null 2>&1; then export CXX="ccache g++"; fi
 if $PY -c "import tp_ext" 2>/dev/null && command -v tp-ext >/dev/null 2>&1; then
   MAX_JOBS=${MAX_JOBS:-2} $PY setup.py -q build_ext --inplace   # incremental (ninja)
 else
