@@ -12,7 +12,11 @@ Output shapes follow from the arguments alone: ops whose result is this rank's p
 from __future__ import annotations
 
 import torch
-from torch._library.effects import EffectType
+
+try:  # torch >= 2.12
+    from torch._library.effects import EffectType
+except ImportError:  # torch 2.11 (the GPU image)
+    from torch._higher_order_ops.effects import _EffectType as EffectType
 
 
 def _wrap(dim: int, ndim: int) -> int:
