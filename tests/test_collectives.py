@@ -119,23 +119,12 @@ def _check_async_returns_before_peers_arrive():
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_all_reduce(ws):
-    run_distributed(_check_all_reduce, ws)
-
-
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_all_gather_and_reduce_scatter_uneven_any_dim(ws):
-    run_distributed(_check_gather_scatter, ws)
-
-
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_broadcast_and_all_to_all(ws):
-    run_distributed(_check_broadcast_all_to_all, ws)
-
-
-@pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_async_collectives(ws):
-    run_distributed(_check_async, ws)
+@pytest.mark.parametrize("check", [_check_all_reduce, _check_gather_scatter,
+                                   _check_broadcast_all_to_all, _check_async],
+                         ids=["all_reduce", "gather_scatter_uneven_any_dim",
+                              "broadcast_all_to_all", "async"])
+def test_collective_matches_reference(check, ws):
+    run_distributed(check, ws)
 
 
 @pytest.mark.parametrize("ws", [2, 3])
