@@ -38,7 +38,7 @@ __all__ = [
     "all_reduce_async", "all_gather_async", "reduce_scatter_async", "wait",
     "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
     "gather_from_sp", "reduce_scatter_to_sp",
-    "group_args", "ranked_group_args", "track", "tag", "CommStats", "set_timeout", "set_consistency_checks",
+    "resolve_group", "group_args", "ranked_group_args", "track", "tag", "CommStats", "set_timeout", "set_consistency_checks",
 ]
 
 
@@ -62,6 +62,11 @@ def _group(group: GroupLike) -> dist.ProcessGroup:
             f"group must be a ProcessGroup, a group name or None, got {type(group).__name__}"
         )
     return group
+
+
+def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
+    """The ProcessGroup for a group, a group name, or None (the default TP group)."""
+    return _group(group)
 
 
 def group_args(group: GroupLike = None) -> tuple[str, int]:
@@ -202,8 +207,8 @@ class CommStats:
     """What tp_ext collectives did while :func:`track` was active.
 
     Bytes per call: all_reduce and broadcast count the tensor, all_gather its gathered output,
-    reduce_scatter its full input, all_to_all its input (so all-gather + reduce-scatter of a tensor
-    count the same as one all-reduce of it). Seconds are wall time from issue to completion
+    reduce_scatter its full input, all_to_all its input; :meth:`bus_bytes` converts them to the
+    traffic each rank actually sends. Seconds are wall time from issue to completion
     (issue only, for async ops).
     """
 
@@ -220,6 +225,16 @@ class CommStats:
 
     def count(self, tag=None, op=None, collective=None) -> int:
         return sum(r.count for r in self._filter(tag, op, collective))
+
+    def bus_bytes(self, world_size: int, tag=None, op=None, collective=None) -> float:
+        """Bytes each rank sends under ring algorithms (nccl-tests' bus-bandwidth convention):
+        all-reduce moves 2(w-1)/w of its tensor, all-gather and reduce-scatter (w-1)/w of the full
+        tensor, broadcast and all-to-all (w-1)/w. So an all-gather plus a reduce-scatter of a
+        tensor moves exactly what one all-reduce of it does (sequence parallelism's claim)."""
+        factor = {"all_reduce": 2.0}
+        share = (world_size - 1) / world_size
+        return sum(r.bytes * factor.get(r.collective, 1.0) * share
+                   for r in self._filter(tag, op, collective))
 
     def seconds(self, tag=None, op=None, collective=None) -> float:
         return sum(r.seconds for r in self._filter(tag, op, collective))

@@ -61,3 +61,185 @@ def split_tensor(t: torch.Tensor, dim: int, world_size: int) -> tuple[torch.Tens
         t.narrow(dim, offset, size)
         for offset, size in zip(shard_offsets(n, world_size), shard_sizes(n, world_size))
     )
+
+
+# ---- partitions of one axis: plain, merged (gate/up) and attention heads ------------------------
+
+Segment = tuple[int, int]  # (offset, length) along the full axis
+
+
+class Partition:
+    """Which indices of a full axis of length ``full`` each rank holds.
+
+    ``segments[r]`` lists rank r's pieces as ``(offset, length)``; rank r's local axis is their
+    concatenation, in that order. Pieces are whole ``unit``s (attention heads); an index may be
+    held by more than one rank (replicated KV heads). Every layer, loader and checkpoint reads
+    the same Partition, so they always agree on who holds what.
+    """
+
+    def __init__(self, full: int, segments) -> None:
+        self.full = full
+        self.segments: tuple[tuple[Segment, ...], ...] = tuple(
+            tuple((int(o), int(n)) for o, n in rank_segments if n > 0) for rank_segments in segments)
+        owners = [0] * full
+        for rank_segments in self.segments:
+            for offset, length in rank_segments:
+                for i in range(offset, offset + length):
+                    owners[i] += 1
+        if 0 in owners:
+            raise ValueError(f"partition leaves index {owners.index(0)} of {full} on no rank")
+        self.replicated = any(n > 1 for n in owners)
+
+    @classmethod
+    def split(cls, n: int, world_size: int, unit: int = 1) -> "Partition":
+        """``n`` items in whole units of ``unit``, by :func:`shard_sizes` over the units."""
+        return cls.merged([n], world_size, unit)
+
+    @classmethod
+    def merged(cls, parts, world_size: int, unit: int = 1) -> "Partition":
+        """Several logical parts laid end to end (e.g. gate and up), each split on its own:
+        rank r holds its shard of part 0, then of part 1, ..."""
+        segments = [[] for _ in range(world_size)]
+        start = 0
+        for n in parts:
+            if n % unit:
+                raise ValueError(f"size {n} is not a whole number of units of {unit}")
+            for rank in range(world_size):
+                offset, size = shard_range(n // unit, world_size, rank)
+                segments[rank].append((start + offset * unit, size * unit))
+            start += n
+        return cls(start, segments)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.segments)
+
+    def local_size(self, rank: int) -> int:
+        return sum(length for _, length in self.segments[rank])
+
+    def local_sizes(self) -> list[int]:
+        return [self.local_size(r) for r in range(self.world_size)]
+
+    def is_contiguous_split(self) -> bool:
+        """True when concatenating every rank's local axis in rank order gives the full axis."""
+        flat = [seg for rank_segments in self.segments for seg in rank_segments]
+        position = 0
+        for offset, length in flat:
+            if offset != position:
+                return False
+            position += length
+        return position == self.full
+
+    def local(self, full: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of ``full`` along ``dim``: a view when it is one segment."""
+        pieces = [full.narrow(dim, o, n) for o, n in self.segments[rank]]
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return full.narrow(dim, 0, 0)
+        return torch.cat(pieces, dim)
+
+    def local_indices(self, rank: int) -> list[int]:
+        return [i for o, n in self.segments[rank] for i in range(o, o + n)]
+
+    def gather_order(self) -> list[int]:
+        """For each full index, its position in the rank-major concatenation of every rank's
+        local axis (the first rank holding it): turns an all-gather into the full axis."""
+        where = [-1] * self.full
+        position = 0
+        for rank_segments in self.segments:
+            for offset, length in rank_segments:
+                for i in range(offset, offset + length):
+                    if where[i] < 0:
+                        where[i] = position
+                    position += 1
+        return where
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Partition) and (self.full, self.segments) == (other.full,
+                                                                              other.segments)
+
+    def __repr__(self) -> str:
+        return f"Partition(full={self.full}, segments={self.segments})"
+
+
+class HeadLayout:
+    """How attention heads are split over ``world_size`` ranks, in whole heads.
+
+    - ``num_kv_heads >= world_size``: KV heads are split by :func:`shard_sizes` and each rank
+      takes the query heads of its KV heads (uneven counts split unevenly, never mid-head).
+    - ``num_kv_heads < world_size``: each rank holds one KV head, replicated over the ranks
+      that serve it (KV head j over ``shard_sizes(world_size, num_kv_heads)[j]`` ranks), and the
+      query heads of that group are split among them. Replicas' gradients are summed by the
+      layers, so replicas stay equal.
+
+    ``q[r]`` and ``kv[r]`` are rank r's ``(first head, count)``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, world_size: int) -> None:
+        _check_count("num_heads", num_heads, 1)
+        _check_count("num_kv_heads", num_kv_heads, 1)
+        _check_count("world_size", world_size, 1)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
+                f"(each KV head serves num_heads/num_kv_heads query heads)")
+        group = num_heads // num_kv_heads
+        self.num_heads, self.num_kv_heads, self.world_size = num_heads, num_kv_heads, world_size
+        self.q: list[tuple[int, int]] = []
+        self.kv: list[tuple[int, int]] = []
+        if num_kv_heads >= world_size:
+            for rank in range(world_size):
+                kv_start, kv_count = shard_range(num_kv_heads, world_size, rank)
+                self.kv.append((kv_start, kv_count))
+                self.q.append((kv_start * group, kv_count * group))
+        else:
+            replicas = shard_sizes(world_size, num_kv_heads)
+            if group < max(replicas):
+                raise ValueError(
+                    f"{num_heads} query heads in {num_kv_heads} KV groups cannot be split over "
+                    f"{world_size} ranks: KV head groups of {group} query heads would be served "
+                    f"by up to {max(replicas)} ranks, leaving some ranks without a query head. "
+                    f"Use a tensor-parallel size these heads fit: one of "
+                    f"{[w for w in range(1, num_heads + 1) if _fits(num_heads, num_kv_heads, w)]}")
+            for kv_head, count in enumerate(replicas):
+                for replica in range(count):
+                    offset, size = shard_range(group, count, replica)
+                    self.kv.append((kv_head, 1))
+                    self.q.append((kv_head * group + offset, size))
+
+    def q_partition(self, head_dim: int) -> Partition:
+        return Partition(self.num_heads * head_dim,
+                         [[(s * head_dim, n * head_dim)] for s, n in self.q])
+
+    def kv_partition(self, head_dim: int) -> Partition:
+        return Partition(self.num_kv_heads * head_dim,
+                         [[(s * head_dim, n * head_dim)] for s, n in self.kv])
+
+    def qkv_partition(self, head_dim: int) -> Partition:
+        """The fused [q | k | v] projection: rank r holds its q rows, then k rows, then v rows."""
+        q_rows = self.num_heads * head_dim
+        kv_rows = self.num_kv_heads * head_dim
+        segments = []
+        for (qs, qn), (ks, kn) in zip(self.q, self.kv):
+            segments.append([(qs * head_dim, qn * head_dim),
+                             (q_rows + ks * head_dim, kn * head_dim),
+                             (q_rows + kv_rows + ks * head_dim, kn * head_dim)])
+        return Partition(q_rows + 2 * kv_rows, segments)
+
+    def kv_index_for_q(self, rank: int) -> list[int]:
+        """For each local query head of ``rank``, the index of its KV head among the local ones."""
+        group = self.num_heads // self.num_kv_heads
+        (qs, qn), (ks, _) = self.q[rank], self.kv[rank]
+        return [(h // group) - ks for h in range(qs, qs + qn)]
+
+    def __repr__(self) -> str:
+        return f"HeadLayout(q={self.q}, kv={self.kv})"
+
+
+def _fits(num_heads: int, num_kv_heads: int, world_size: int) -> bool:
+    try:
+        HeadLayout(num_heads, num_kv_heads, world_size)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,279 @@
+"""Column- and row-parallel linear layers (Megatron's), the merged gate/up projection and the
+grouped-query QKV projection.
+
+Conventions: weights are ``[out, in]`` as in torch.nn.Linear; a column-parallel layer holds rows
+of the full weight (``[out_local, in]``), a row-parallel layer columns (``[out, in_local]``). Any
+size works: uneven splits follow :func:`tp_ext.shard_sizes`, heads are split whole.
+
+Communication per forward (backward in brackets), on TP groups of more than one rank:
+    column:  copy_to_tp (all-reduce of dx)              | SP: all-gather (reduce-scatter)
+    row:     all-reduce of the output (none)            | SP: reduce-scatter (all-gather)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_ext.layers.base import (
+    InitFn, ParallelModule, check_int, default_linear_init, replica_rows, sum_over_replicas)
+from tp_ext.sharding import HeadLayout, Partition
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
+           "QKVParallelLinear"]
+
+Output = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def _check_features(layer: nn.Module, x: torch.Tensor, expected: int, what: str) -> None:
+    if x.dim() == 0 or x.size(-1) != expected:
+        raise ValueError(
+            f"{type(layer).__name__}: input has shape {tuple(x.shape)} but its last dimension must "
+            f"be {what} = {expected}")
+
+
+def _index_buffer(module: nn.Module, name: str, values, device) -> None:
+    module.register_buffer(name, torch.tensor(values, dtype=torch.long, device=device),
+                           persistent=False)
+
+
+class _ParallelLinear(ParallelModule):
+    """What column- and row-parallel layers share: sizes, group and nn.Linear's initialisation."""
+
+    def _setup_linear(self, in_features: int, out_features: int, tp_group) -> None:
+        self._setup_tp(tp_group)
+        self.in_features = check_int("in_features", in_features)
+        self.out_features = check_int("out_features", out_features)
+
+    def reset_parameters(self, init_method: Optional[InitFn] = None) -> None:
+        weight_init, bias_init = default_linear_init(self.in_features)
+        self._init_from_full("weight", init_method or weight_init)
+        if self.bias is not None:
+            self._init_from_full("bias", bias_init)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with W's output rows split over the TP group.
+
+    The input is replicated (or, with ``sequence_parallel``, this rank's sequence shard, gathered
+    here). The output is this rank's slice of the output features, or all of them with
+    ``gather_output``. ``skip_bias_add`` returns ``(output, bias)`` for the caller to fuse.
+    Under sequence parallelism, pass ``seq_len`` to forward when the sequence length does not
+    divide by the TP size.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
+                 init_method: Optional[InitFn] = None, partition: Optional[Partition] = None):
+        super().__init__()
+        self._setup_linear(in_features, out_features, tp_group)
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True cannot be combined with sequence_parallel=True: "
+                             "a sequence-parallel column layer feeds a row-parallel one")
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        if partition is None:
+            partition = Partition.split(out_features, self.tp_size)
+        if partition.full != out_features:
+            raise ValueError(f"partition covers {partition.full} outputs, not "
+                             f"out_features={out_features}")
+        self.partition = partition
+        self.out_features_local = partition.local_size(self.tp_rank)
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_features_local, in_features, **kw))
+        self._set_shard("weight", 0, partition)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_features_local, **kw))
+            self._set_shard("bias", 0, partition)
+        else:
+            self.register_parameter("bias", None)
+        if gather_output and not partition.is_contiguous_split():
+            _index_buffer(self, "_gather_index", partition.gather_order(), device)
+        rows = replica_rows(partition, self.tp_rank)
+        self._replicas = rows is not None
+        if rows is not None:
+            _index_buffer(self, "_replica_local", rows[0], device)
+            _index_buffer(self, "_replica_packed", rows[1], device)
+            self._replica_len = rows[2]
+        self.reset_parameters(init_method)
+
+    def _replica_summed(self, t: torch.Tensor) -> torch.Tensor:
+        if not (self._replicas and torch.is_grad_enabled() and t.requires_grad):
+            return t
+        return sum_over_replicas(t, 0, self.partition, self.tp,
+                                 (self._replica_local, self._replica_packed, self._replica_len))
+
+    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
+        _check_features(self, x, self.in_features, "in_features")
+        x = self._gather_sequence(x, seq_len) if self.sequence_parallel else self._copy_to_tp(x)
+        weight = self._replica_summed(self.weight)
+        bias = None if self.bias is None else self._replica_summed(self.bias)
+        y = F.linear(x, weight, None if self.skip_bias_add else bias)
+        if self.gather_output:
+            y = self._gather_features(y)
+            if self.skip_bias_add and bias is not None:
+                bias = self._gather_features(bias)
+        return (y, bias) if self.skip_bias_add else y
+
+    def _gather_features(self, y: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return y
+        sizes = self.partition.local_sizes()
+        y = torch.ops.tp_ext.gather_from_tp(y, -1, None if len(set(sizes)) == 1 else sizes,
+                                            self.tp.name, self.tp_size, self.tp_rank)
+        if hasattr(self, "_gather_index"):  # rank-major order -> the full layer's order
+            y = y.index_select(-1, self._gather_index)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.out_features_local}), bias={self.bias is not None}, "
+                f"tp={self.tp_size}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with W's input columns split over the TP group.
+
+    The input is this rank's slice of the input features (``input_is_parallel=True``, the output
+    of a column-parallel layer), or the full input, sliced here. Partial products are all-reduced
+    (with ``sequence_parallel``: reduce-scattered into sequence shards), then the bias is added
+    once. ``skip_bias_add`` returns ``(output, bias)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
+                 init_method: Optional[InitFn] = None, partition: Optional[Partition] = None):
+        super().__init__()
+        self._setup_linear(in_features, out_features, tp_group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input "
+                             "comes from a column-parallel layer)")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        if partition is None:
+            partition = Partition.split(in_features, self.tp_size)
+        if partition.full != in_features or partition.replicated:
+            raise ValueError(f"a row-parallel partition must cover in_features={in_features} "
+                             f"once, got {partition}")
+        self.partition = partition
+        self.in_features_local = partition.local_size(self.tp_rank)
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_local, **kw))
+        self._set_shard("weight", 1, partition)
+        if bias:  # replicated: added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features, **kw))
+        else:
+            self.register_parameter("bias", None)
+        if not input_is_parallel and not partition.is_contiguous_split():
+            raise ValueError("input_is_parallel=False needs a contiguous partition")
+        self.reset_parameters(init_method)
+
+    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
+        if self.input_is_parallel:
+            _check_features(self, x, self.in_features_local,
+                            f"this rank's share of in_features={self.in_features}")
+        else:
+            _check_features(self, x, self.in_features, "in_features")
+            if self.tp_size > 1:
+                sizes = self.partition.local_sizes()
+                x = torch.ops.tp_ext.scatter_to_tp(x, -1, None if len(set(sizes)) == 1 else sizes,
+                                                   self.tp.name, self.tp_size, self.tp_rank)
+        y = F.linear(x, self.weight)
+        bias = self.bias
+        if self.sequence_parallel:
+            y = self._scatter_sequence(y)
+            # The bias now meets only this rank's tokens: its gradient is partial.
+            if bias is not None:
+                bias = self._copy_to_tp(bias)
+        elif self.tp_size > 1:
+            y = torch.ops.tp_ext.reduce_from_tp(y, self.tp.name, self.tp_size)
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.in_features_local}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up).
+
+    Each logical output part is split over the ranks on its own, so rank r holds its slice of
+    every part; the full (unsharded) weight is the parts stacked in order, as one torch.nn.Linear
+    with ``sum(output_sizes)`` outputs. :meth:`split` cuts a local output into its parts.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = True,
+                 gather_output: bool = False, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
+                 init_method: Optional[InitFn] = None):
+        if not output_sizes:
+            raise ValueError("output_sizes must list at least one output size")
+        for i, n in enumerate(output_sizes):
+            check_int(f"output_sizes[{i}]", n)
+        from tp_ext.layers.base import resolve_tp_group
+
+        tp = resolve_tp_group(tp_group)
+        self.output_sizes = list(output_sizes)
+        partition = Partition.merged(self.output_sizes, tp.size)
+        super().__init__(in_features, sum(self.output_sizes), bias, gather_output, skip_bias_add,
+                         sequence_parallel, tp, device, dtype, init_method, partition)
+        self.output_sizes_local = [n for _, n in partition.segments[self.tp_rank]]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts of an output along its last dim (local, or full with gather_output)."""
+        sizes = self.output_sizes if self.gather_output else self.output_sizes_local
+        return tuple(torch.split(y, sizes, dim=-1))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections of grouped-query attention in one matmul.
+
+    Heads are split whole by :class:`tp_ext.sharding.HeadLayout`: uneven head counts give ranks
+    different numbers of heads; with fewer KV heads than ranks each rank holds one KV head,
+    replicated over the ranks that serve it, and the gradients of replicas are summed. The full
+    weight is ``[q; k; v]`` stacked (``(num_heads + 2 * num_kv_heads) * head_dim`` rows), as the
+    fused c_attn of the original Qwen. Rank r's output is ``[q_r | k_r | v_r]``; :meth:`split`
+    separates them.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int,
+                 num_kv_heads: Optional[int] = None, bias: bool = True,
+                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
+                 init_method: Optional[InitFn] = None):
+        from tp_ext.layers.base import resolve_tp_group
+
+        tp = resolve_tp_group(tp_group)
+        self.head_dim = check_int("head_dim", head_dim)
+        self.num_heads = check_int("num_heads", num_heads)
+        self.num_kv_heads = check_int("num_kv_heads", num_heads if num_kv_heads is None
+                                      else num_kv_heads)
+        self.layout = HeadLayout(self.num_heads, self.num_kv_heads, tp.size)
+        partition = self.layout.qkv_partition(head_dim)
+        super().__init__(hidden_size, partition.full, bias, False, False, sequence_parallel, tp,
+                         device, dtype, init_method, partition)
+        self.num_heads_local = self.layout.q[self.tp_rank][1]
+        self.num_kv_heads_local = self.layout.kv[self.tp_rank][1]
+        self.output_sizes_local = [self.num_heads_local * head_dim,
+                                   self.num_kv_heads_local * head_dim,
+                                   self.num_kv_heads_local * head_dim]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` of a local output, each ``[..., heads_local * head_dim]``."""
+        q, k, v = torch.split(y, self.output_sizes_local, dim=-1)
+        return q, k, v
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.in_features}, head_dim={self.head_dim}, "
+                f"heads={self.num_heads} (local {self.num_heads_local}), "
+                f"kv_heads={self.num_kv_heads} (local {self.num_kv_heads_local}), "
+                f"bias={self.bias is not None}, tp={self.tp_size}")

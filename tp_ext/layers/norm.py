@@ -1,0 +1,43 @@
+"""RMSNorm, replicated over the TP group."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tp_ext.layers.base import ParallelModule, check_int
+
+__all__ = ["RMSNorm"]
+
+
+class RMSNorm(ParallelModule):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 and cast back (as Hugging
+    Face's Qwen2/Llama RMSNorm). The weight is replicated; with ``sequence_parallel`` each rank
+    normalises only its sequence shard, so the weight's gradient is all-reduced over TP."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, sequence_parallel: bool = False,
+                 tp_group=None, device=None, dtype=None):
+        super().__init__()
+        self._setup_tp(tp_group)
+        self.hidden_size = check_int("hidden_size", hidden_size)
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.eps = float(eps)
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.size(-1) != self.hidden_size:
+            raise ValueError(f"RMSNorm: input has shape {tuple(x.shape)} but its last dimension "
+                             f"must be hidden_size = {self.hidden_size}")
+        weight = self._copy_to_tp(self.weight) if self.sequence_parallel else self.weight
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -1,0 +1,56 @@
+"""Rotary position embedding (RoPE), the half-rotation form of Llama/Qwen2."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tp_ext.layers.base import check_int
+
+__all__ = ["RotaryEmbedding", "apply_rotary"]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for ``position_ids``; :meth:`apply` rotates q and k.
+
+    Frequencies ``1 / theta^(2i/d)`` are computed in float32 at each call (cheap, and nothing to
+    keep on the right device or to materialise after building on the meta device), then the
+    tables are cast to the activations' dtype, exactly as Hugging Face's Qwen2 does.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float = 10000.0):
+        super().__init__()
+        self.head_dim = check_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
+        if not rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
+        self.rope_theta = float(rope_theta)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """``(cos, sin)``, each ``[*position_ids.shape, head_dim]``."""
+        inv_freq = 1.0 / (self.rope_theta ** (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float, device=position_ids.device)
+            / self.head_dim))
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor):
+        """Rotate ``q`` and ``k`` ([batch, heads, seq, head_dim]) at ``position_ids`` [batch, seq]."""
+        cos, sin = self(position_ids, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rope_theta={self.rope_theta}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos, sin: [batch, seq, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
