@@ -1,6 +1,8 @@
 // Every tp_ext op schema, in one place. Kernels live next to their family:
 //   comm/collective_ops.cpp   plain and async collectives (CPU and CUDA kernels)
 //   comm/megatron_pairs.cpp   differentiable Megatron pairs (CPU/CUDA kernels + C++ autograd)
+//   loss/vocab_cross_entropy.cpp           local pieces of the vocab-parallel cross-entropy (CPU)
+//   loss/vocab_parallel_cross_entropy.cpp  the communicating loss op (C++ autograd)
 // Fake (meta) kernels for all of them are in tp_ext/_fake.py.
 //
 // Communicating ops name their process group by `group_name` (c10d's registry) and pass
@@ -45,4 +47,24 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def(  // reduce-scatter / all-gather
       "reduce_scatter_to_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size, "
       "int group_rank) -> Tensor");
+
+  // ---- loss ----
+  // Cross-entropy of logits split over the group along the vocabulary (last) dim, by the
+  // shard_sizes policy. Per-token loss (fp32; fp64 for fp64 logits), shape target.shape, 0 where
+  // target == ignore_index; label smoothing over the full vocabulary. Two token-sized all-reduces
+  // forward (max, then sum), none backward; every rank's shard size travels in the first one.
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int ignore_index, "
+      "float label_smoothing, str group_name, int group_size, int group_rank) -> Tensor");
+  // Its local (non-communicating) pieces. `max_sizes` is vocab_ce_local_max's output after a max
+  // all-reduce: N per-token global maxima, then every rank's vocab size. Sizes are a tensor, not
+  // ints, because they are only known after communicating (a traced graph cannot bake them in).
+  m.def(  // [N + group_size]: per-token max of this shard, then this shard's size at N + group_rank
+      "vocab_ce_local_max(Tensor logits, int group_size, int group_rank) -> Tensor");
+  m.def(  // [N, 3]: sum exp(l - max), target logit if in this shard else 0, sum of logits
+      "vocab_ce_local_stats(Tensor logits, Tensor target, Tensor max_sizes, int ignore_index, "
+      "int group_rank) -> Tensor");
+  m.def(  // gradient of the logits shard given the loss gradient and the per-token logsumexp
+      "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "
+      "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
 }

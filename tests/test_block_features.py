@@ -79,6 +79,9 @@ def _check_kv_cache_decoding():
         assert_rel(torch.cat(outs, 1), expected, "decoding with the KV cache")
         with pytest.raises(ValueError, match="max_length"):
             attn(X[:, :1], kv_cache=cache)
+        # explicit position ids (a shifted window, different per sequence), RoPE theta 10000
+        positions = torch.stack([torch.arange(5, 14), torch.arange(100, 109)])
+        assert_rel(attn(X, position_ids=positions), ref(X, positions), "explicit position ids")
 
 
 @pytest.mark.parametrize("ws", LAYER_WORLD_SIZES)

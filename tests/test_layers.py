@@ -61,10 +61,10 @@ def _column_upstream(layer, out_shape, seed):
     return mine, g_full
 
 
-def _check_column(layer, ref, what, lead=(2, 3)):
+def _check_column(layer, ref, what, lead=(2, 3), backend=None):
     x_full = full((*lead, layer.in_features), 11)
     x, xr = x_full.clone().requires_grad_(), x_full.clone().requires_grad_()
-    out = layer(x)
+    out = _maybe_compiled(layer, backend)(x)
     if layer.skip_bias_add:
         y, b = out
         y = y if b is None else y + b
@@ -123,7 +123,11 @@ def _check_linears():
             _check_param_grads(layer, ref, what)
 
 
-def _check_vocab():
+def _maybe_compiled(layer, backend):
+    return torch.compile(layer, fullgraph=True, backend=backend) if backend else layer
+
+
+def _check_vocab(backend=None):
     r, w = rank(), world_size()
     V, D = 1001, 5
     ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -132,7 +136,7 @@ def _check_vocab():
         what = f"embedding(V={V}, padding_idx={padding_idx}, sequence_parallel={sp})"
         layer, ref = _loaded(VocabParallelEmbedding(V, D, padding_idx, sp),
                              nn.Embedding(V, D, padding_idx), 5)
-        y, ref_y = layer(ids), ref(ids)
+        y, ref_y = _maybe_compiled(layer, backend)(ids), ref(ids)
         g = full(ref_y.shape, 15)
         if sp:
             ref_y_mine, g_mine = (tp_ext.split_tensor(t, 1, w)[r] for t in (ref_y, g))
@@ -146,7 +150,7 @@ def _check_vocab():
     for gather in (False, True):
         what = f"lm_head(V={V}, gather_output={gather})"
         layer, ref = _loaded(ParallelLMHead(V, D, gather_output=gather), nn.Linear(D, V, False), 6)
-        _check_column(layer, ref, what)
+        _check_column(layer, ref, what, backend=backend)
 
     # tied: embedding and head share one weight; its gradient sums both uses
     class Tied(nn.Module):
@@ -167,7 +171,7 @@ def _check_vocab():
     ref.load_state_dict(random_state(ref, 7))
     load_full_state_dict(layer, ref.state_dict())  # a plain nn.Module holding parallel layers
     assert layer.head.weight is layer.embed.weight
-    y, ref_y = layer(ids), ref(ids)
+    y, ref_y = _maybe_compiled(layer, backend)(ids), ref(ids)
     assert_rel(y, ref_y, "tied head: output")
     g = full(ref_y.shape, 16)
     y.backward(g)
@@ -255,8 +259,9 @@ def test_linear_layers_match_torch_nn(ws):
 
 
 @pytest.mark.parametrize("ws", LAYER_WORLD_SIZES)
-def test_vocab_layers_match_torch_nn(ws):
-    run_distributed(_check_vocab, ws)
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_vocab_layers_match_torch_nn(ws, backend):
+    run_distributed(_check_vocab, ws, backend, timeout=300)
 
 
 @pytest.mark.parametrize("ws", LAYER_WORLD_SIZES)

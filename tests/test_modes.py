@@ -38,6 +38,26 @@ def _op_samples():
         ("gather_from_tp", (grad(piece), 0, sizes, name, size, r)),
         ("gather_from_sp", (grad(piece), 0, sizes, name, size, r)),
         ("reduce_scatter_to_sp", (grad(full_x), 0, sizes, name, size, r)),
+        # vocabulary of n split unevenly; target ids on every rank's shard, one ignored
+        ("vocab_parallel_cross_entropy",
+         (grad(tp_ext.split_tensor(full((2, 3, n), 11), -1, w)[r].contiguous()),
+          torch.tensor([[0, n - 1, -100], [n // 2, 1, 2]]), -100, 0.1, name, size, r)),
+    ]
+
+
+def _local_op_samples():
+    """The loss's local (non-communicating) pieces, checked in this process as rank 1 of 3 with
+    a vocabulary of 16 split [6, 5, 5]. Inputs do not require grad: these pieces have no
+    derivative of their own (vocab_parallel_cross_entropy's autograd covers them)."""
+    logits = full((2, 3, 5), 12)
+    target = torch.tensor([[6, 10, -100], [0, 15, 7]])
+    maxima = logits.amax(-1).flatten() + 0.5  # any per-token values work for the op checks
+    max_sizes = torch.cat([maxima, torch.tensor([6.0, 5.0, 5.0])])
+    lse = maxima.view(2, 3) + 2.0
+    return [
+        ("vocab_ce_local_max", (logits, 3, 1)),
+        ("vocab_ce_local_stats", (logits, target, max_sizes, -100, 1)),
+        ("vocab_ce_local_grad", (full((2, 3), 13), logits, target, max_sizes, lse, -100, 0.1, 1)),
     ]
 
 
@@ -66,9 +86,16 @@ def _check_opcheck():
 @pytest.mark.parametrize("ws", [1, 2, 3])
 def test_opcheck_every_op(ws):
     checked = run_distributed(_check_opcheck, ws, timeout=300)[0]
+    checked = set(checked) | {op_name for op_name, _ in _local_op_samples()}
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
                   if n.startswith("tp_ext::")}
-    assert set(checked) == registered, f"ops without an opcheck: {registered - set(checked)}"
+    assert checked == registered, f"ops without an opcheck: {registered - checked}"
+
+
+def test_opcheck_local_ops():
+    for op_name, args in _local_op_samples():
+        result = torch.library.opcheck(getattr(torch.ops.tp_ext, op_name).default, args)
+        assert all(v == "SUCCESS" for v in result.values()), (op_name, result)
 
 
 def _tp_block(x, w1_local, w2_local, group, seq_sizes, ffn_sizes):

@@ -10,7 +10,7 @@ import torch
 import tp_ext
 from tp_ext.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, local_shards
 
-from .dist_utils import rank, run_distributed
+from .dist_utils import rank, run_distributed, world_size
 from .test_layers import assert_rel
 
 transformers = pytest.importorskip("transformers")  # a test dependency (requirements-dev.txt)
@@ -26,16 +26,20 @@ def _tiny_qwen2():
     return transformers.Qwen2ForCausalLM(config).float()
 
 
-def _check_qwen2_auto():
+def _check_qwen2_auto(sequence_parallel):
     reference = _tiny_qwen2()
-    model = tp_ext.parallelize(copy.deepcopy(reference), "auto")
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto",
+                               sequence_parallel=sequence_parallel)
     plan = model.tp_ext_plan
+    if sequence_parallel and world_size() > 1:
+        assert plan["model.layers.0.input_layernorm"].startswith("sequence_parallel")
+        assert "reduce-scattered" in plan["model.layers.0.mlp.down_proj"]
     assert plan["model.layers.0.self_attn.q_proj"].startswith("colwise: column-parallel by heads")
     assert plan["model.layers.1.mlp.down_proj"].startswith("rowwise")
     assert plan["lm_head"].startswith("vocab") and plan["model.embed_tokens"].startswith("vocab")
     assert isinstance(model.model.embed_tokens, VocabParallelEmbedding)
 
-    ids = torch.randint(0, 1001, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1001, (2, 9), generator=torch.Generator().manual_seed(1))  # 9: uneven
     out = model(ids, labels=ids)
     ref_out = reference(ids, labels=ids)
     assert_rel(out.logits, ref_out.logits, "logits")
@@ -53,8 +57,9 @@ def _check_qwen2_auto():
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 4])
-def test_parallelize_auto_on_hf_qwen2_matches_unsharded(ws):
-    run_distributed(_check_qwen2_auto, ws, timeout=300)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_parallelize_auto_on_hf_qwen2_matches_unsharded(ws, sequence_parallel):
+    run_distributed(_check_qwen2_auto, ws, sequence_parallel, timeout=300)
 
 
 def _check_explicit_plan_and_errors():
@@ -77,8 +82,12 @@ def _check_explicit_plan_and_errors():
         tp_ext.parallelize(copy.deepcopy(reference), {"lm_head": "columnwise"})
     with pytest.raises(ValueError, match="applies to nn.Linear"):
         tp_ext.parallelize(copy.deepcopy(reference), {"model.norm": "rowwise"})
-    with pytest.raises(ValueError, match="ParallelTransformerBlock"):
-        tp_ext.parallelize(copy.deepcopy(reference), {"model.norm": "sequence_parallel"})
+    if world_size() > 1:
+        with pytest.raises(ValueError, match="applies to norm modules"):
+            tp_ext.parallelize(copy.deepcopy(reference), {"model.layers.*.input_layernorm":
+                                                          "sequence_parallel",
+                                                          "model.layers.0.mlp.up_proj":
+                                                          "sequence_parallel"})
     return rank()
 
 

@@ -89,6 +89,51 @@ _FAKES = {
     "reduce_scatter_to_sp": _scattered,
 }
 
+
+# ---- vocab-parallel cross-entropy ---------------------------------------------------------------
+
+def _stats_dtype(logits):
+    """Loss and statistics dtype: fp64 for fp64 logits, else fp32 (bf16/half accumulate in fp32)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _tokens(logits):
+    n = 1
+    for s in logits.shape[:-1]:  # not numel // V: a rank's vocabulary shard may be empty
+        n = n * s
+    return n
+
+
+def _vocab_parallel_cross_entropy(logits, target, ignore_index, label_smoothing, group_name,
+                                  group_size, group_rank):
+    return logits.new_empty(target.shape, dtype=_stats_dtype(logits))
+
+
+def _vocab_ce_local_max(logits, group_size, group_rank):
+    return logits.new_empty((_tokens(logits) + group_size,), dtype=_stats_dtype(logits))
+
+
+def _vocab_ce_local_stats(logits, target, max_sizes, ignore_index, group_rank):
+    return logits.new_empty((_tokens(logits), 3), dtype=_stats_dtype(logits))
+
+
+def _vocab_ce_local_grad(grad_loss, logits, target, max_sizes, lse, ignore_index,
+                         label_smoothing, group_rank):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+_FAKES["vocab_parallel_cross_entropy"] = _vocab_parallel_cross_entropy
+
+# Local pieces: no communication, so no effect (the compiler may reorder them freely).
+_LOCAL_FAKES = {
+    "vocab_ce_local_max": _vocab_ce_local_max,
+    "vocab_ce_local_stats": _vocab_ce_local_stats,
+    "vocab_ce_local_grad": _vocab_ce_local_grad,
+}
+
 for _name, _fn in _FAKES.items():
     torch.library.register_fake(f"tp_ext::{_name}")(_fn)
     torch.library._register_effectful_op(f"tp_ext::{_name}", EffectType.ORDERED)
+
+for _name, _fn in _LOCAL_FAKES.items():
+    torch.library.register_fake(f"tp_ext::{_name}")(_fn)

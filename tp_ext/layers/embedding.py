@@ -113,7 +113,7 @@ class ParallelLMHead(ColumnParallelLinear):
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  tie_to: Optional[VocabParallelEmbedding] = None, tp_group=None, device=None,
-                 dtype=None, init_method: Optional[InitFn] = None):
+                 dtype=None, init_method: Optional[InitFn] = None, input_is_gathered: bool = False):
         if tie_to is not None:
             if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, hidden_size):
                 raise ValueError(
@@ -123,7 +123,7 @@ class ParallelLMHead(ColumnParallelLinear):
                 raise ValueError("a tied LM head has no bias; pass bias=False")
             tp_group = tie_to.tp if tp_group is None else tp_group
         super().__init__(hidden_size, vocab_size, bias, gather_output, False, sequence_parallel,
-                         tp_group, device, dtype, init_method)
+                         tp_group, device, dtype, init_method, input_is_gathered=input_is_gathered)
         self.vocab_size = vocab_size
         if tie_to is not None:
             self._check_same_group(tie_to)

@@ -69,9 +69,16 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
-                 init_method: Optional[InitFn] = None, partition: Optional[Partition] = None):
+                 init_method: Optional[InitFn] = None, partition: Optional[Partition] = None,
+                 input_is_gathered: bool = False):
         super().__init__()
         self._setup_linear(in_features, out_features, tp_group)
+        # The caller gathered sequence shards already (tp_ext.parallelize's sequence parallelism,
+        # one gather shared by q, k and v): that gather's backward sums the input gradient.
+        self.input_is_gathered = input_is_gathered
+        if input_is_gathered and sequence_parallel:
+            raise ValueError("input_is_gathered=True means the input is already the full "
+                             "sequence; it cannot be combined with sequence_parallel=True")
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True: "
                              "a sequence-parallel column layer feeds a row-parallel one")
@@ -110,7 +117,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
         _check_features(self, x, self.in_features, "in_features")
-        x = self._gather_sequence(x, seq_len) if self.sequence_parallel else self._copy_to_tp(x)
+        if self.sequence_parallel:
+            x = self._gather_sequence(x, seq_len)
+        elif not self.input_is_gathered:
+            x = self._copy_to_tp(x)
         weight = self._replica_summed(self.weight)
         bias = None if self.bias is None else self._replica_summed(self.bias)
         y = F.linear(x, weight, None if self.skip_bias_add else bias)
