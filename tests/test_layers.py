@@ -152,6 +152,18 @@ def _check_vocab(backend=None):
         layer, ref = _loaded(ParallelLMHead(V, D, gather_output=gather), nn.Linear(D, V, False), 6)
         _check_column(layer, ref, what, backend=backend)
 
+    # sequence-parallel head: this rank's tokens in, all tokens' local-vocabulary logits out
+    layer, ref = _loaded(ParallelLMHead(V, D, sequence_parallel=True), nn.Linear(D, V, False), 6)
+    X = full((2, 7, D), 21)
+    x, xr = tp_ext.split_tensor(X, 1, w)[r].contiguous().requires_grad_(), X.clone().requires_grad_()
+    y, ref_y = _maybe_compiled(layer, backend)(x, seq_len=7), ref(xr)
+    assert_rel(y, ref_y[..., layer.partition.local_indices(r)], "sequence-parallel head: output")
+    g, g_full = _column_upstream(layer, ref_y.shape, 22)
+    y.backward(g)
+    ref_y.backward(g_full)
+    assert_rel(x.grad, tp_ext.split_tensor(xr.grad, 1, w)[r], "sequence-parallel head: input grad")
+    _check_param_grads(layer, ref, "sequence-parallel head")
+
     # tied: embedding and head share one weight; its gradient sums both uses
     class Tied(nn.Module):
         def __init__(self, parallel):
