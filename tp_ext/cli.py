@@ -74,6 +74,24 @@ def _demo(args) -> int:
     return 0 if all_ok else 1
 
 
+def _plan(args) -> int:
+    """Per-rank parameters, bytes, KV cache and communication of a config, on the meta device."""
+    import json
+
+    from tp_ext.models import ConfigError, Qwen2Config
+    from tp_ext.models.footprint import format_plan, model_plan
+
+    try:
+        config = Qwen2Config.from_file(args.config)
+        plan = model_plan(config, args.tp if args.tp is not None else config.parallel.tp,
+                          args.dtype)
+    except (ConfigError, ValueError) as e:
+        print(f"tp-ext plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tp-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +99,14 @@ def main(argv=None) -> int:
                                        "(launch with torchrun)")
     demo.add_argument("--tp", type=int, default=None, help="TP degree (default: world size)")
     demo.set_defaults(func=_demo)
+    plan = sub.add_parser("plan", help="per-rank parameters, bytes, KV cache and communication of "
+                                       "a model config, without allocating it")
+    plan.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
+    plan.add_argument("--tp", type=int, default=None, help="TP degree (default: the config's)")
+    plan.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64 "
+                                                    "(default: the config's parallel.dtype)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     return args.func(args)
 

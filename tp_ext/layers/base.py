@@ -69,6 +69,14 @@ class TPGroup:
         group.group, group.name, group.size, group.rank = None, "", 1, 0
         return group
 
+    @classmethod
+    def virtual(cls, size: int, rank: int) -> "TPGroup":
+        """Rank ``rank`` of ``size`` ranks with no process group behind it: for building one
+        rank's shard on the meta device (plans, shapes, byte counts). Forward cannot communicate."""
+        group = cls.__new__(cls)
+        group.group, group.name, group.size, group.rank = None, "<virtual>", size, rank
+        return group
+
     def __repr__(self) -> str:
         return f"TPGroup(name={self.name!r}, size={self.size}, rank={self.rank})"
 

@@ -125,12 +125,12 @@ class ColumnParallelLinear(_ParallelLinear):
         bias = None if self.bias is None else self._replica_summed(self.bias)
         y = F.linear(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
-            y = self._gather_features(y)
+            y = self.gather_features(y)
             if self.skip_bias_add and bias is not None:
-                bias = self._gather_features(bias)
+                bias = self.gather_features(bias)
         return (y, bias) if self.skip_bias_add else y
 
-    def _gather_features(self, y: torch.Tensor) -> torch.Tensor:
+    def gather_features(self, y: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return y
         sizes = self.partition.local_sizes()

@@ -1,0 +1,110 @@
+"""Configs, the meta-device plan (exact counts from ../shared/docs/qwen-72b.md), and the Qwen2
+model on tp_ext layers against Hugging Face transformers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tp_ext.models import ConfigError, Qwen2Config, Qwen2ForCausalLM, hf_to_tp_ext_names
+from tp_ext.models.footprint import model_plan
+
+from .dist_utils import run_distributed
+from .test_layers import assert_rel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def _config(name):
+    return Qwen2Config.from_file(os.path.join(CONFIGS, name))
+
+
+def test_full_size_plans_have_the_exact_counts():
+    qwen2 = model_plan(_config("qwen2-72b.yaml"), 8)
+    assert qwen2["parameters_total"] == 72_706_203_648
+    assert [r["parameters"] for r in qwen2["ranks"]] == [9_089_429_504] * 8
+    assert qwen2["ranks"][0]["bytes"]["bfloat16"] == 18_178_859_008
+    assert qwen2["kv_cache_bytes_per_token_total"] == 320 * 1024
+    assert qwen2["ranks"][0]["kv_cache_bytes_per_token"] == 40 * 1024
+    assert qwen2["all_reduce_bytes_per_token_per_layer"] == 2 * 8192 * 2
+    assert (qwen2["ranks"][0]["query_heads"], qwen2["ranks"][0]["kv_heads"]) == (8, 1)
+    qwen = model_plan(_config("qwen-72b.yaml"), 8)
+    assert qwen["parameters_total"] == 72_287_920_128
+    # norms are replicated: per-rank sums exceed the total by (tp - 1) x the norm parameters
+    norms = (2 * 80 + 1) * 8192
+    assert sum(r["parameters"] for r in qwen["ranks"]) == 72_287_920_128 + 7 * norms
+    uneven = model_plan(_config("qwen2-mini.yaml"), 3)
+    assert sum(r["parameters"] for r in uneven["ranks"]) == uneven["parameters_total"] + 2 * (
+        2 * 2 * 64 + 64) + 2 * 2 * 8 * (64 + 1)  # norms, and KV head 0's k and v rows on 2 ranks
+
+
+def test_config_errors_name_the_field(tmp_path):
+    good = open(os.path.join(CONFIGS, "qwen2-mini.yaml")).read()
+    cases = {
+        "unknown": (good.replace("rope_theta:", "rope_thetaa:"), "rope_thetaa"),
+        "missing": (good.replace("  vocab_size: 1001\n", ""), "model.vocab_size"),
+        "section": (good + "trainer: {}\n", "trainer"),
+        "dtype": (good.replace("dtype: float32", "dtype: fp8"), "parallel.dtype"),
+    }
+    for name, (text, expected) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=expected):
+            Qwen2Config.from_file(str(path))
+    with pytest.raises(ConfigError, match=r"use one of \[1, 2, 3, 4, 5, 6, 7, 8\]"):
+        _config("qwen2-mini.yaml").check_tp(9)
+
+
+def test_hf_config_json_is_read(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=44,
+                                  num_hidden_layers=2, num_attention_heads=8,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  rope_theta=1e6, rms_norm_eps=1e-6)
+    hf.save_pretrained(str(tmp_path))
+    config = Qwen2Config.from_file(str(tmp_path))
+    mini = _config("qwen2-mini.yaml")
+    assert config == mini.replace(parallel=config.parallel, optimizer=config.optimizer)
+
+
+def test_cli_plan_json():
+    out = subprocess.run([sys.executable, "-m", "tp_ext", "plan",
+                          os.path.join(CONFIGS, "qwen2-72b.yaml"), "--tp", "8", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    plan = json.loads(out)
+    assert plan["parameters_total"] == 72_706_203_648
+    assert plan["ranks"][7]["parameters"] == 9_089_429_504
+    bad = subprocess.run([sys.executable, "-m", "tp_ext", "plan",
+                          os.path.join(CONFIGS, "qwen2-mini.yaml"), "--tp", "9"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "use one of" in bad.stderr
+
+
+def _check_against_hf():
+    transformers = pytest.importorskip("transformers")
+    config = _config("qwen2-mini.yaml")
+    hf_config = transformers.Qwen2Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = transformers.Qwen2ForCausalLM(hf_config).float().eval()
+    model = Qwen2ForCausalLM(config)
+    model.load_full_state_dict(hf_to_tp_ext_names(reference.state_dict(), config))
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_rel(model(ids), reference(ids).logits, "logits against transformers", rtol=1e-4)
+        assert torch.equal(model.generate(ids[:, :4], 6),
+                           reference.generate(ids[:, :4], max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("ws", [1, 3, 8])
+def test_qwen2_model_matches_transformers(ws):
+    run_distributed(_check_against_hf, ws, timeout=300)
