@@ -13,7 +13,7 @@ from tp_ext.layers import (
 
 from .common import full
 from .dist_utils import rank, run_distributed, world_size
-from .reference import RefAttention, RefBlock, random_state
+from .reference import RefAttention, random_state
 from .test_layers import LAYER_WORLD_SIZES, assert_rel
 
 HIDDEN, HEADS, HEAD_DIM, INTER = 16, 8, 2, 20

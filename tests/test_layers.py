@@ -4,14 +4,13 @@ max relative error <= 1e-5 (relative to the largest reference value)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import tp_ext
 from tp_ext.layers import (
     ColumnParallelLinear, MergedColumnParallelLinear, ParallelAttention, ParallelLMHead,
     ParallelMLP, ParallelTransformerBlock, QKVParallelLinear, RMSNorm, RowParallelLinear,
-    TPGroup, VocabParallelEmbedding, full_state_dict, load_full_state_dict, local_shards)
+    VocabParallelEmbedding, full_state_dict, load_full_state_dict, local_shards)
 
 from .common import full
 from .dist_utils import rank, run_distributed, world_size

@@ -97,6 +97,9 @@ def _check_against_hf():
     torch.manual_seed(0)
     reference = transformers.Qwen2ForCausalLM(hf_config).float().eval()
     model = Qwen2ForCausalLM(config)
+    seen = []
+    model.apply(seen.append)  # nn.Module.apply reaches every submodule (none shadows it)
+    assert len(seen) == len(list(model.modules()))
     model.load_full_state_dict(hf_to_tp_ext_names(reference.state_dict(), config))
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -81,13 +81,14 @@ class Partition:
         self.full = full
         self.segments: tuple[tuple[Segment, ...], ...] = tuple(
             tuple((int(o), int(n)) for o, n in rank_segments if n > 0) for rank_segments in segments)
-        owners = [0] * full
+        owners = [0] * full  # how many ranks hold each index
         for rank_segments in self.segments:
             for offset, length in rank_segments:
                 for i in range(offset, offset + length):
                     owners[i] += 1
         if 0 in owners:
             raise ValueError(f"partition leaves index {owners.index(0)} of {full} on no rank")
+        self._owners = owners
         self.replicated = any(n > 1 for n in owners)
 
     @classmethod
@@ -138,6 +139,10 @@ class Partition:
         if not pieces:
             return full.narrow(dim, 0, 0)
         return torch.cat(pieces, dim)
+
+    def replicated_indices(self) -> list[int]:
+        """Full indices held by more than one rank (replicated KV heads' rows), ascending."""
+        return [i for i, n in enumerate(self._owners) if n > 1]
 
     def local_indices(self, rank: int) -> list[int]:
         return [i for o, n in self.segments[rank] for i in range(o, o + n)]

@@ -8,6 +8,7 @@ initialises itself so that the gathered weights do not depend on the TP size.
 from tp_ext.layers.base import (
     SEQUENCE_DIM, ParallelModule, TPGroup, full_state_dict, load_full_state_dict, local_shards)
 from tp_ext.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.linear import (
     ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
 from tp_ext.layers.norm import RMSNorm
@@ -21,12 +22,6 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm",
     "RotaryEmbedding", "apply_rotary", "KVCache", "ParallelAttention", "ParallelMLP",
-    "ParallelTransformerBlock",
+    "ParallelTransformerBlock", "vocab_parallel_cross_entropy",
 ]
-
-try:  # the C++ loss op lands separately; the layers do not depend on it
-    from tp_ext.layers.loss import vocab_parallel_cross_entropy
-    __all__.append("vocab_parallel_cross_entropy")
-except ImportError:  # pragma: no cover
-    pass
 

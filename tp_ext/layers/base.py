@@ -203,7 +203,7 @@ def default_linear_init(fan_in: int) -> tuple[InitFn, InitFn]:
     return weight, bias
 
 
-def sum_over_replicas(local: torch.Tensor, dim: int, partition: Partition, tp: TPGroup,
+def sum_over_replicas(local: torch.Tensor, dim: int, tp: TPGroup,
                       replica_rows: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
     """Identity forward; backward sums the gradient of rows held by several ranks (replicated KV
     heads) over those ranks, so replicas get the full gradient and stay equal. Only the replicated
@@ -223,11 +223,7 @@ def replica_rows(partition: Partition, rank: int) -> Optional[tuple[list[int], l
     no row of the partition is replicated."""
     if not partition.replicated:
         return None
-    counts = [0] * partition.full
-    for r in range(partition.world_size):
-        for i in partition.local_indices(r):
-            counts[i] += 1
-    packed = {i: n for n, i in enumerate(i for i in range(partition.full) if counts[i] > 1)}
+    packed = {i: n for n, i in enumerate(partition.replicated_indices())}
     mine = partition.local_indices(rank)
     local_pos = [p for p, i in enumerate(mine) if i in packed]
     return local_pos, [packed[mine[p]] for p in local_pos], len(packed)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_ext.layers.base import (
-    InitFn, ParallelModule, check_int, default_linear_init, replica_rows, sum_over_replicas)
+    InitFn, ParallelModule, check_int, default_linear_init, replica_rows, resolve_tp_group,
+    sum_over_replicas)
 from tp_ext.sharding import HeadLayout, Partition
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
@@ -112,7 +113,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def _replica_summed(self, t: torch.Tensor) -> torch.Tensor:
         if not (self._replicas and torch.is_grad_enabled() and t.requires_grad):
             return t
-        return sum_over_replicas(t, 0, self.partition, self.tp,
+        return sum_over_replicas(t, 0, self.tp,
                                  (self._replica_local, self._replica_packed, self._replica_len))
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
@@ -230,8 +231,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("output_sizes must list at least one output size")
         for i, n in enumerate(output_sizes):
             check_int(f"output_sizes[{i}]", n)
-        from tp_ext.layers.base import resolve_tp_group
-
         tp = resolve_tp_group(tp_group)
         self.output_sizes = list(output_sizes)
         partition = Partition.merged(self.output_sizes, tp.size)
@@ -260,8 +259,6 @@ class QKVParallelLinear(ColumnParallelLinear):
                  num_kv_heads: Optional[int] = None, bias: bool = True,
                  sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
                  init_method: Optional[InitFn] = None):
-        from tp_ext.layers.base import resolve_tp_group
-
         tp = resolve_tp_group(tp_group)
         self.head_dim = check_int("head_dim", head_dim)
         self.num_heads = check_int("num_heads", num_heads)

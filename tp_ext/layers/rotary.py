@@ -36,7 +36,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor):
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor):
         """Rotate ``q`` and ``k`` ([batch, heads, seq, head_dim]) at ``position_ids`` [batch, seq]."""
         cos, sin = self(position_ids, q.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -42,9 +42,10 @@ def model_plan(config: Qwen2Config, tp: int, dtype: str | None = None) -> dict:
     return {"architecture": config.architecture, "tp": tp, "dtype": dtype,
             "parameters_total": total, "bytes_total": total * element,
             "all_reduce_bytes_per_token_per_layer": all_reduce,
-            "kv_cache_bytes_per_token_total": sum(r["kv_cache_bytes_per_token"] for r in ranks)
-            if tp == 1 or config.num_key_value_heads >= tp else
-            2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element,
+            # the unsharded model's (replicated KV heads are not counted twice)
+            "kv_cache_bytes_per_token_total": (2 * config.num_hidden_layers
+                                               * config.num_key_value_heads * config.head_dim
+                                               * element),
             "ranks": ranks}
 
 

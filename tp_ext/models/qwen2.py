@@ -8,8 +8,6 @@ up). :func:`hf_to_tp_ext_names` maps a Hugging Face state dict onto these names.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -83,7 +81,6 @@ def hf_to_tp_ext_names(state: dict[str, torch.Tensor], config: Qwen2Config) -> d
         if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             continue
         if ".self_attn.q_proj." in name:
-            kind = name.rsplit(".", 1)[1]
             parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
             out[name.replace("q_proj", "qkv_proj")] = torch.cat(parts, 0)
             continue
