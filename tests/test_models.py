@@ -60,7 +60,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_hf_config_json_is_read(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # requirements-dev.txt; a missing reference fails the test
     hf = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=44,
                                   num_hidden_layers=2, num_attention_heads=8,
                                   num_key_value_heads=2, max_position_embeddings=256,
@@ -85,7 +85,7 @@ def test_cli_plan_json():
 
 
 def _check_against_hf():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # requirements-dev.txt; a missing reference fails the test
     config = _config("qwen2-mini.yaml")
     hf_config = transformers.Qwen2Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
