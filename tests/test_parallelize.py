@@ -13,7 +13,7 @@ from tp_ext.layers import ColumnParallelLinear, RowParallelLinear, VocabParallel
 from .dist_utils import rank, run_distributed, world_size
 from .test_layers import assert_rel
 
-import transformers  # noqa: E402  (a test dependency in requirements-dev.txt: missing means failing, not skipping)
+import transformers  # noqa: E402  (requirements-dev.txt: missing fails, never skips)
 
 
 def _tiny_qwen2():
