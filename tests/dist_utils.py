@@ -202,9 +202,10 @@ def launch_once(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
 
 
 def rank() -> int:
+    """This process's rank; 0 outside a process group (a test running in the main process)."""
     import torch.distributed as dist
 
-    return dist.get_rank()
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:

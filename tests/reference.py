@@ -87,3 +87,18 @@ def random_state(module: nn.Module, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {k: (torch.randn(v.shape, generator=g, dtype=torch.float64) * 0.5).to(v.dtype)
             for k, v in module.state_dict().items()}
+
+
+def hf_qwen2(config, seed: int = 0):
+    """transformers' Qwen2ForCausalLM (fp32) for a tp_ext Qwen2Config, seeded: the reference
+    model of the model, checkpoint and training tests."""
+    import transformers  # requirements-dev.txt; a missing reference fails the test
+    hf_config = transformers.Qwen2Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return transformers.Qwen2ForCausalLM(hf_config).float()

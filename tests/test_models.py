@@ -13,6 +13,7 @@ from tp_ext.models import ConfigError, Qwen2Config, Qwen2ForCausalLM, hf_to_tp_e
 from tp_ext.models.footprint import model_plan
 
 from .dist_utils import run_distributed
+from .reference import hf_qwen2
 from .test_layers import assert_rel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,17 +86,8 @@ def test_cli_plan_json():
 
 
 def _check_against_hf():
-    import transformers  # requirements-dev.txt; a missing reference fails the test
     config = _config("qwen2-mini.yaml")
-    hf_config = transformers.Qwen2Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    reference = transformers.Qwen2ForCausalLM(hf_config).float().eval()
+    reference = hf_qwen2(config).eval()
     model = Qwen2ForCausalLM(config)
     seen = []
     model.apply(seen.append)  # nn.Module.apply reaches every submodule (none shadows it)

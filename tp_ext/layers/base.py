@@ -26,7 +26,7 @@ from tp_ext import comm
 from tp_ext.sharding import Partition, shard_sizes
 
 __all__ = ["ParallelModule", "TPGroup", "resolve_tp_group", "load_full_state_dict",
-           "full_state_dict", "SEQUENCE_DIM"]
+           "full_state_dict", "iter_full_tensors", "local_shards", "state_entries", "SEQUENCE_DIM"]
 
 # Sequence parallelism shards the sequence axis: dim 1 of [batch, seq, hidden], dim 0 of
 # [tokens, hidden]; -2 names both.
@@ -243,6 +243,13 @@ def _spec(owner: nn.Module, leaf: str):
     return owner.shard_spec(leaf) if isinstance(owner, ParallelModule) else None
 
 
+def state_entries(module: nn.Module):
+    """``(name, tensor, spec, owner)`` for every entry of ``module.state_dict()``: ``spec`` is
+    the owner's ``(dim, Partition)`` for sharded tensors, else None. Checkpoint I/O reads this."""
+    for name, tensor, owner, leaf in _owned_tensors(module):
+        yield name, tensor, _spec(owner, leaf), owner
+
+
 def _full_shape(tensor: torch.Tensor, spec) -> tuple[int, ...]:
     shape = list(tensor.shape)
     if spec is not None:
@@ -295,21 +302,27 @@ def load_full_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor],
         tensor.copy_(piece)
 
 
+def iter_full_tensors(module: nn.Module):
+    """``(name, full tensor)`` for every entry of ``module.state_dict()``, gathered one at a time
+    (peak memory: one full tensor). A collective per sharded tensor: every rank must iterate."""
+    for name, tensor, owner, leaf in _owned_tensors(module):
+        yield name, _gather_full(tensor, _spec(owner, leaf), owner)
+
+
 @torch.no_grad()
+def _gather_full(tensor: torch.Tensor, spec, owner) -> torch.Tensor:
+    if spec is None or owner.tp_size == 1:
+        return tensor.detach().clone()
+    dim, partition = spec
+    gathered = comm.all_gather(tensor.detach().contiguous(), dim, partition.local_sizes(),
+                               group=owner.tp.group)
+    if not partition.is_contiguous_split():
+        order = torch.tensor(partition.gather_order(), device=gathered.device)
+        gathered = gathered.index_select(dim, order)
+    return gathered
+
+
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every entry of ``module.state_dict()`` as its full (unsharded) tensor, on every rank.
     A collective over each parallel layer's TP group: every rank must call it."""
-    result = {}
-    for name, tensor, owner, leaf in _owned_tensors(module):
-        spec = _spec(owner, leaf)
-        if spec is None or owner.tp_size == 1:
-            result[name] = tensor.detach().clone()
-            continue
-        dim, partition = spec
-        gathered = comm.all_gather(tensor.detach().contiguous(), dim, partition.local_sizes(),
-                                   group=owner.tp.group)
-        if not partition.is_contiguous_split():
-            order = torch.tensor(partition.gather_order(), device=gathered.device)
-            gathered = gathered.index_select(dim, order)
-        result[name] = gathered
-    return result
+    return dict(iter_full_tensors(module))
