@@ -1,15 +1,19 @@
-# The two commands: `make demo` (the main job) and `make test` (the test suite). Each installs
-# what it needs first, so both work on a fresh machine.
+# The two commands: `make run` (the main job) and `make test` (the test suite). Each installs
+# what it needs first, so both work on a fresh machine. `make demo` runs the collectives demo.
 PY ?= python3
-NPROC ?= 4
+NPROC ?= 8
+CONFIG ?= configs/qwen2-72b.yaml
 
-.PHONY: install demo test cuda-check
+.PHONY: install run demo test cuda-check
 
 install:
 	PY=$(PY) bash scripts/install.sh
 
+run: install
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m tp_ext run $(CONFIG)
+
 demo: install
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m tp_ext demo
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 -m tp_ext demo
 
 test: install
 	PY=$(PY) bash scripts/check_cuda_compile.sh

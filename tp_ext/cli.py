@@ -1,5 +1,7 @@
 """``tp-ext`` (also ``python -m tp_ext``): command-line entry points.
 
+    torchrun --standalone --nproc-per-node 8 -m tp_ext run configs/qwen2-72b.yaml
+    tp-ext plan configs/qwen2-72b.yaml --tp 8
     torchrun --standalone --nproc-per-node 4 -m tp_ext demo
 """
 
@@ -92,6 +94,22 @@ def _plan(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    """The main job: see tp_ext/run.py."""
+    from tp_ext.models import ConfigError
+    from tp_ext.run import run
+
+    overrides = {"tp": args.tp, "dp": args.dp, "dtype": args.dtype, "seed": args.seed,
+                 "lr": args.lr, "weight_decay": args.weight_decay, "betas": args.betas}
+    try:
+        return run(args.config, overrides, small_path=args.small, workdir=args.workdir,
+                   steps=args.steps, micro_batches=args.micro_batches,
+                   max_new_tokens=args.max_new_tokens, max_grad_norm=args.max_grad_norm)
+    except (ConfigError, ValueError) as e:
+        print(f"tp-ext run: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tp-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +125,28 @@ def main(argv=None) -> int:
                                                     "(default: the config's parallel.dtype)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
+    run = sub.add_parser("run", help="the main job (launch with torchrun): full-size plan, then a "
+                                     "small model of the family loaded sharded, checked, "
+                                     "trained, saved and sampled")
+    run.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
+    run.add_argument("--small", default=None, help="config of the model actually run (default: "
+                                                   "a tiny model of CONFIG's family)")
+    run.add_argument("--workdir", default=None, help="where checkpoints are written (default: "
+                                                     "a directory under the system temp dir)")
+    group = run.add_argument_group("overrides of the config's parallel and optimizer settings")
+    group.add_argument("--tp", type=int, default=None, help="TP degree (default: world size)")
+    group.add_argument("--dp", type=int, default=None, help="data-parallel degree")
+    group.add_argument("--dtype", default=None, help="dtype of the small model (default float32)")
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--lr", type=float, default=None)
+    group.add_argument("--weight-decay", type=float, default=None)
+    group.add_argument("--betas", type=float, nargs=2, default=None)
+    run.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
+    run.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation "
+                                                                  "micro-batches per step")
+    run.add_argument("--max-new-tokens", type=int, default=16)
+    run.add_argument("--max-grad-norm", type=float, default=1.0)
+    run.set_defaults(func=_run)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -37,6 +37,16 @@ class ParallelSettings:
     dtype: str = "float32"
     seed: int = 1234
 
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if value is None and name == "dp":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"parallel.seed must be an int, got {self.seed!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
@@ -44,6 +54,18 @@ class OptimizerSettings:
     lr: float = 1.5e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be a number > 0, got {self.lr!r}")
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
+                or self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be a number >= 0, got "
+                              f"{self.weight_decay!r}")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if betas is None or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}")
 
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -109,6 +131,35 @@ class Qwen2Config:
 
     def replace(self, **changes) -> "Qwen2Config":
         return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, **flags) -> "Qwen2Config":
+        """The config with command-line flags applied over its parallel and optimizer sections
+        (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``lr``, ``weight_decay``, ``betas``);
+        flags that are None are left as the file has them."""
+        sections = {"parallel": {f.name for f in dataclasses.fields(ParallelSettings)},
+                    "optimizer": {f.name for f in dataclasses.fields(OptimizerSettings)}}
+        unknown = sorted(set(flags) - set().union(*sections.values()))
+        if unknown:
+            raise ConfigError(f"unknown override {unknown[0]!r}; known: "
+                              f"{sorted(set().union(*sections.values()))}")
+        changes = {}
+        for section, names in sections.items():
+            values = {k: v for k, v in flags.items() if k in names and v is not None}
+            if values:
+                if "betas" in values:
+                    values["betas"] = tuple(values["betas"])
+                changes[section] = dataclasses.replace(getattr(self, section), **values)
+        return self.replace(**changes)
+
+    def tiny(self) -> "Qwen2Config":
+        """A CPU-sized model of the same family (architecture, biases, GQA or not, RoPE theta,
+        eps, tying): 8 query heads, 2 KV heads under GQA, a vocabulary of 1001 (not divisible by
+        8) and an MLP of 44 (uneven at TP 3 and 8); parallel and optimizer settings kept."""
+        gqa = self.num_key_value_heads < self.num_attention_heads
+        return self.replace(vocab_size=1001, hidden_size=64, intermediate_size=44,
+                            num_hidden_layers=2, num_attention_heads=8,
+                            num_key_value_heads=2 if gqa else 8,
+                            max_position_embeddings=min(self.max_position_embeddings, 256))
 
     # -- files ----------------------------------------------------------------------------------
 
