@@ -21,6 +21,13 @@ PY
 )
 abi=$($PY -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
 out=$(mktemp -d)
+# A CPU-only torch ships c10/cuda headers without the build-generated cuda_cmake_macros.h; supply
+# the one line it holds so c10/cuda/*.h (streams, guards) can be included.
+if ! $PY -c "import torch.utils.cpp_extension as c, os, sys; sys.exit(not any(os.path.exists(os.path.join(p, 'c10/cuda/impl/cuda_cmake_macros.h')) for p in c.include_paths()))"; then
+  mkdir -p "$out/stub/c10/cuda/impl"
+  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  includes="$includes -I$out/stub"
+fi
 for src in "${sources[@]}"; do
   echo "nvcc -c $src"
   nvcc -std=c++17 -O1 --expt-relaxed-constexpr -arch=sm_90 -DTP_EXT_WITH_CUDA \

@@ -273,3 +273,76 @@ def _check_bad_inputs():
 @pytest.mark.parametrize("ws", [1, 3])
 def test_bad_inputs_raise_clear_errors_on_every_rank(ws):
     run_distributed(_check_bad_inputs, ws)
+
+
+# ---- the local (non-communicating) kernels against PyTorch, one process ----
+
+def _local_reference(logits, target, sizes, rank_, ignore_index, eps, grad_loss):
+    """max, stats and gradient of the local pieces, in float64 PyTorch."""
+    x = logits.double().reshape(target.numel(), logits.size(-1))
+    t = target.reshape(-1)
+    start, vocab = sum(sizes[:rank_]), sum(sizes)
+    local_max = x.amax(-1) if x.size(-1) else torch.full((x.size(0),), float("-inf"), dtype=x.dtype)
+    m = local_max + 0.5  # a "global" max above the local one, as after the all-reduce
+    local = t - start
+    mine = (t != ignore_index) & (local >= 0) & (local < x.size(-1))
+    picked = (x.gather(-1, local.clamp(0, max(x.size(-1) - 1, 0)).unsqueeze(-1)).squeeze(-1)
+              if x.size(-1) else torch.zeros_like(m))
+    stats = torch.stack([(x - m[:, None]).exp().sum(-1), torch.where(mine, picked, 0), x.sum(-1)],
+                        -1)
+    lse = m + 1.0  # any per-token value works for the gradient formula
+    grad = (x - lse[:, None]).exp() - eps / vocab
+    grad[mine, local[mine]] -= 1 - eps
+    grad = grad * grad_loss.double().reshape(-1, 1)
+    grad[t == ignore_index] = 0
+    return local_max, m, stats, lse, grad.reshape(logits.shape)
+
+
+def _check_local_kernels(device, dtype, vocab_local, sizes, rank_, eps=0.1, ignore_index=-100):
+    g = torch.Generator().manual_seed(vocab_local + rank_)
+    logits = (torch.randn(3, 7, vocab_local, generator=g) * 4).to(dtype)
+    start = sum(sizes[:rank_])
+    target = torch.randint(0, sum(sizes), (3, 7), generator=g)
+    target[0, :3] = torch.arange(start, start + 3).clamp(max=sum(sizes) - 1)  # some in this shard
+    target[1, 2] = ignore_index
+    grad_loss = torch.randn(3, 7, generator=g)
+    ref_max, m, ref_stats, lse, ref_grad = _local_reference(logits, target, sizes, rank_,
+                                                            ignore_index, eps, grad_loss)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    ops = torch.ops.tp_ext
+    dev = lambda t: t.to(device)  # noqa: E731
+    local_max = ops.vocab_ce_local_max(dev(logits), len(sizes), rank_)
+    n = ref_max.numel()
+    torch.testing.assert_close(local_max[:n].cpu().double(), ref_max)
+    assert local_max[n + rank_].item() == vocab_local
+    max_sizes = torch.cat([m, torch.tensor(sizes, dtype=torch.float64)]).to(acc)
+    stats = ops.vocab_ce_local_stats(dev(logits), dev(target), dev(max_sizes), ignore_index, rank_)
+    # fp32 sums: error grows with the number and size of the terms, so scale atol by sum |l|
+    scale = logits.double().abs().sum(-1).max().item() if vocab_local else 0.0
+    tol = dict(atol=1e-6 * scale + 1e-5, rtol=1e-5) if dtype != torch.float64 else {}
+    torch.testing.assert_close(stats.cpu().double(), ref_stats, **tol)
+    grad = ops.vocab_ce_local_grad(dev(grad_loss.to(acc)), dev(logits), dev(target), dev(max_sizes),
+                                   dev(lse.to(acc)), ignore_index, eps, rank_)
+    gtol = {torch.float64: {}, torch.float32: dict(atol=1e-5, rtol=1e-4),
+            torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=1e-3, rtol=2e-3)}
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, **gtol[dtype])
+
+
+LOCAL_CASES = [(37, [37], 0), (5, [4, 5, 3], 1), (0, [6, 6, 0], 2), (1001, [1000, 1001], 1),
+               (33000, [33000, 33000], 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_local_kernels_match_pytorch_cpu(dtype):
+    for vocab_local, sizes, rank_ in LOCAL_CASES:
+        _check_local_kernels("cpu", dtype, vocab_local, sizes, rank_)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_local_kernels_cuda_match_pytorch(dtype):
+    for vocab_local, sizes, rank_ in LOCAL_CASES:
+        _check_local_kernels("cuda", dtype, vocab_local, sizes, rank_)
+        _check_local_kernels("cuda", dtype, vocab_local, sizes, rank_, eps=0.0, ignore_index=1)

@@ -61,6 +61,25 @@ def _local_op_samples():
     ]
 
 
+def _fused_op_samples():
+    """Fused compute ops (csrc/fused, csrc/kernels): local, checked in this process (tests/test_fused_kernels.py
+    has their parity tests). The forward ops take inputs requiring grad (C++ autograd)."""
+    grad = lambda t: t.clone().requires_grad_()  # noqa: E731
+    x = full((2, 3, 8), 14)
+    w = full((8,), 15)
+    gu = full((2, 3, 10), 16)
+    return [
+        ("rms_norm", (grad(x), grad(w), 1e-6)),
+        ("add_rms_norm", (grad(x), grad(full((2, 3, 8), 17)), grad(w), 1e-6)),
+        ("rms_norm_backward", (full((2, 3, 8), 18), x, w, 1e-6)),
+        ("swiglu", (grad(gu),)),
+        ("swiglu_backward", (full((2, 3, 5), 19), gu)),
+        # q [batch, heads, seq, head_dim] and k with fewer heads (GQA); cos/sin [batch, seq, dim]
+        ("rotary_embedding", (grad(full((2, 4, 3, 6), 20)), grad(full((2, 2, 3, 6), 21)),
+                              full((2, 3, 6), 22), full((2, 3, 6), 23))),
+    ]
+
+
 ASYNC_OPS = {"all_reduce_async", "all_gather_async", "reduce_scatter_async"}
 
 
@@ -86,14 +105,14 @@ def _check_opcheck():
 @pytest.mark.parametrize("ws", [1, 2, 3])
 def test_opcheck_every_op(ws):
     checked = run_distributed(_check_opcheck, ws, timeout=300)[0]
-    checked = set(checked) | {op_name for op_name, _ in _local_op_samples()}
+    checked = set(checked) | {op_name for op_name, _ in _local_op_samples() + _fused_op_samples()}
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
                   if n.startswith("tp_ext::")}
     assert checked == registered, f"ops without an opcheck: {registered - checked}"
 
 
 def test_opcheck_local_ops():
-    for op_name, args in _local_op_samples():
+    for op_name, args in _local_op_samples() + _fused_op_samples():
         result = torch.library.opcheck(getattr(torch.ops.tp_ext, op_name).default, args)
         assert all(v == "SUCCESS" for v in result.values()), (op_name, result)
 

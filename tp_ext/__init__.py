@@ -4,6 +4,8 @@ import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from tp_ext import _C  # noqa: F401  (loads and registers torch.ops.tp_ext.*)
 from tp_ext import _fake  # noqa: F401
+from tp_ext import _fake_kernels  # noqa: F401
+from tp_ext import _fake_rotary  # noqa: F401
 from tp_ext import comm, layers, random
 from tp_ext.plan import auto_plan, parallelize
 from tp_ext.parallel import ParallelState, init_parallel, parallel_state

@@ -185,14 +185,17 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
         f"cache; first sequence: {tokens[0, 8:].tolist()}")
     memory = _memory(device)
     rows = _gather_rows([memory["peak_rss_mib"], memory.get("peak_gpu_mib", 0.0),
-                         report["shard_bytes"] / 2 ** 20], device)
+                         report["shard_bytes"] / 2 ** 20,
+                         report["peak_rss_increase_bytes"] / 2 ** 20], device)
     say(f"    training {train_tokens / train_s:,.0f} tokens/s; generation "
         f"{generated / gen_s:,.1f} tokens/s ({gen_s / max_new_tokens * 1e3:.1f} ms per step)")
     say("    rank  peak host MiB" + ("  peak GPU MiB" if device.type == "cuda" else "")
-        + "  shard MiB")
-    for r, (rss, gpu, shard) in enumerate(rows):
+        + "  shard MiB  host MiB added while loading")
+    for r, (rss, gpu, shard, load) in enumerate(rows):
         say(f"    {r:>4}  {rss:>13.1f}" + (f"  {gpu:>12.1f}" if device.type == "cuda" else "")
-            + f"  {shard:>9.3f}")
+            + f"  {shard:>9.3f}  {load:>10.1f}")
+    say("    (peak host memory is mostly the Python and torch runtime; the load adds the shard "
+        "plus at most one 16 MiB read piece, see docs/checkpoints.md)")
 
     flags = torch.tensor([min((ok for _, ok in checks), default=True)], dtype=torch.float32,
                          device=device)

@@ -1,4 +1,5 @@
-// CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy.
+// CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy (the
+// CUDA kernels are in vocab_cross_entropy.cu; both share the argument checks below).
 //
 // Rank r holds logits[..., V_r]: vocabulary entries [vocab_start, vocab_start + V_r) of V. With
 // the N tokens flattened, m_i the global max of token i's logits and lse_i its logsumexp:
@@ -9,13 +10,15 @@
 //                                  it), sum_j l_ij (for label smoothing over the full vocabulary)
 //   vocab_ce_local_grad   [.., V_r] g_i * (exp(l_ij - lse_i) - (1 - eps) [j == target_i] - eps/V),
 //                                  0 for ignored tokens
-// Each is one pass over the logits, parallel over tokens, with no [tokens, vocab] temporaries
+// Each is one pass over the logits, parallel over tokens (at::vec inner loops), with no [tokens, vocab] temporaries
 // beyond the logits and their gradient. Accumulation is in fp32 (fp64 for fp64 logits).
 #include "vocab_cross_entropy.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
@@ -66,32 +69,12 @@ void check_label_smoothing(double label_smoothing, const char* op) {
                     "[0, 1] (0 disables smoothing).");
 }
 
-namespace {
-
-// Tokens per parallel chunk: enough that a chunk covers ~32k logits.
-int64_t grain(int64_t vocab_local) {
-  return std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab_local, 1));
-}
-
-// Logits as a contiguous [N, V_r] matrix (a copy only when the input is not contiguous).
-struct Rows {
-  at::Tensor logits;
-  int64_t n;
-  int64_t v;
-};
-
 Rows rows_of(const at::Tensor& logits) {
   const int64_t v = logits.size(-1);
   int64_t n = 1;
   for (int64_t d = 0; d + 1 < logits.dim(); ++d) n *= logits.size(d);
   return {logits.contiguous(), n, v};
 }
-
-// Where this rank's shard sits in the vocabulary, read from the max all-reduced `max_sizes`.
-struct Layout {
-  int64_t vocab_start;
-  int64_t vocab;
-};
 
 Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_rank,
                    at::ScalarType logits_dtype, const char* op) {
@@ -106,7 +89,7 @@ Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_
   TORCH_CHECK_VALUE(group_rank >= 0 && group_rank < world, "tp_ext.", op, ": group_rank=",
                     group_rank, " is outside [0, ", world, ") (max_sizes holds ", world,
                     " rank sizes).");
-  auto sizes = max_sizes.narrow(0, rows.n, world).to(at::kDouble).contiguous();
+  auto sizes = max_sizes.narrow(0, rows.n, world).to(at::kCPU, at::kDouble).contiguous();
   const double* s = sizes.const_data_ptr<double>();
   Layout out{0, 0};
   for (int64_t r = 0; r < world; ++r) {
@@ -127,7 +110,14 @@ Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_
 
 // Every rank checks the same (replicated) targets against the same V, so a bad id makes all
 // ranks raise together, before the second all-reduce, instead of one rank hanging.
-void check_targets(const at::Tensor& target, int64_t ignore_index, int64_t vocab) {
+void check_targets(const at::Tensor& target_in, int64_t ignore_index, int64_t vocab) {
+  at::Tensor target = target_in;
+  if (!target.is_cpu()) {
+    // Device targets: one reduction on the device, copy only the bad ones for the message.
+    const auto bad = (target != ignore_index) & ((target < 0) | (target >= vocab));
+    if (!bad.any().item<bool>()) return;
+    target = target.flatten().cpu().contiguous();
+  }
   const int64_t* t = target.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < target.numel(); ++i) {
     TORCH_CHECK_VALUE(t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab),
@@ -139,83 +129,44 @@ void check_targets(const at::Tensor& target, int64_t ignore_index, int64_t vocab
   }
 }
 
-at::Tensor local_max_cpu(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
+LocalMaxArgs prepare_local_max(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
   const char* op = "vocab_ce_local_max";
   TORCH_CHECK_VALUE(group_size >= 1 && group_rank >= 0 && group_rank < group_size, "tp_ext.", op,
                     ": group_rank=", group_rank, " must be in [0, group_size=", group_size, ").");
   check_logits(logits, op);
-  const auto rows = rows_of(logits);
+  auto rows = rows_of(logits);
   // Sizes travel as floats: exact up to 2^24 in fp32.
   TORCH_CHECK_VALUE(rows.v < (int64_t{1} << 24), "tp_ext.", op, ": a vocabulary shard of ",
                     rows.v, " entries is too large (at most 2^24 - 1 per rank).");
-  auto out = at::zeros({rows.n + group_size}, logits.options().dtype(stats_dtype(logits.scalar_type())));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
-    acc_t* o = out.data_ptr<acc_t>();
-    const int64_t v = rows.v;
-    at::parallel_for(0, rows.n, grain(v), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        acc_t best = -std::numeric_limits<acc_t>::infinity();
-        const scalar_t* row = l + i * v;
-        for (int64_t j = 0; j < v; ++j) {
-          const acc_t x = static_cast<acc_t>(row[j]);
-          best = x > best ? x : best;
-        }
-        o[i] = best;
-      }
-    });
-    o[rows.n + group_rank] = static_cast<acc_t>(v);
-  });
-  return out;
+  auto out = at::zeros({rows.n + group_size},
+                       logits.options().dtype(stats_dtype(logits.scalar_type())));
+  // This rank's size slot, written once here so the kernels only fill the N maxima.
+  out.narrow(0, rows.n + group_rank, 1).fill_(static_cast<double>(rows.v));
+  return {std::move(rows), std::move(out)};
 }
 
-at::Tensor local_stats_cpu(const at::Tensor& logits, const at::Tensor& target_in,
-                           const at::Tensor& max_sizes_in, int64_t ignore_index,
-                           int64_t group_rank) {
+StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& max_sizes_in,
+                        int64_t ignore_index, int64_t group_rank) {
   const char* op = "vocab_ce_local_stats";
-  check_logits_target(logits, target_in, op);
-  const auto rows = rows_of(logits);
-  const auto max_sizes = max_sizes_in.contiguous();
+  check_logits_target(logits, target, op);
+  auto rows = rows_of(logits);
+  auto max_sizes = max_sizes_in.contiguous();
+  TORCH_CHECK_VALUE(max_sizes.device() == logits.device(), "tp_ext.", op, ": max_sizes is on ",
+                    max_sizes.device(), " but logits are on ", logits.device(), ".");
   const auto layout = read_layout(max_sizes, rows, group_rank, logits.scalar_type(), op);
-  const auto target = target_in.contiguous();
-  check_targets(target, ignore_index, layout.vocab);
+  auto t = target.contiguous();
+  check_targets(t, ignore_index, layout.vocab);
   auto out = at::empty({rows.n, 3}, max_sizes.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
-    const int64_t* t = target.const_data_ptr<int64_t>();
-    const acc_t* m = max_sizes.const_data_ptr<acc_t>();
-    acc_t* o = out.data_ptr<acc_t>();
-    const int64_t v = rows.v;
-    at::parallel_for(0, rows.n, grain(v), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* row = l + i * v;
-        acc_t sum_exp = 0, sum_logits = 0;
-        for (int64_t j = 0; j < v; ++j) {
-          const acc_t x = static_cast<acc_t>(row[j]);
-          sum_exp += std::exp(x - m[i]);
-          sum_logits += x;
-        }
-        const int64_t local = t[i] - layout.vocab_start;  // target's index in this shard
-        const bool mine = t[i] != ignore_index && local >= 0 && local < v;
-        o[3 * i] = sum_exp;
-        o[3 * i + 1] = mine ? static_cast<acc_t>(row[local]) : acc_t(0);
-        o[3 * i + 2] = sum_logits;
-      }
-    });
-  });
-  return out;
+  return {std::move(rows), std::move(max_sizes), layout, std::move(t), std::move(out)};
 }
 
-at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
-                          const at::Tensor& target_in, const at::Tensor& max_sizes_in,
-                          const at::Tensor& lse_in, int64_t ignore_index, double label_smoothing,
-                          int64_t group_rank) {
+GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                      const at::Tensor& max_sizes_in, const at::Tensor& lse_in, double label_smoothing,
+                      int64_t group_rank) {
   const char* op = "vocab_ce_local_grad";
-  check_logits_target(logits, target_in, op);
+  check_logits_target(logits, target, op);
   check_label_smoothing(label_smoothing, op);
-  const auto rows = rows_of(logits);
+  auto rows = rows_of(logits);
   const auto max_sizes = max_sizes_in.contiguous();
   const auto layout = read_layout(max_sizes, rows, group_rank, logits.scalar_type(), op);
   const auto acc_dtype = stats_dtype(logits.scalar_type());
@@ -225,41 +176,155 @@ at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
   TORCH_CHECK_VALUE(at::isFloatingType(grad_loss.scalar_type()) && lse_in.scalar_type() == acc_dtype,
                     "tp_ext.", op, ": grad_loss must be floating point and lse ", acc_dtype,
                     ", got ", grad_loss.scalar_type(), " and ", lse_in.scalar_type(), ".");
+  TORCH_CHECK_VALUE(grad_loss.device() == logits.device() && lse_in.device() == logits.device(),
+                    "tp_ext.", op, ": grad_loss (", grad_loss.device(), ") and lse (",
+                    lse_in.device(), ") must be on the logits' device (", logits.device(), ").");
   // Token-sized: a gradient expanded from a reduction (stride 0) becomes a plain vector here.
-  const auto g = grad_loss.reshape({rows.n}).to(acc_dtype).contiguous();
-  const auto lse = lse_in.reshape({rows.n}).contiguous();
-  const auto target = target_in.contiguous();
+  auto g = grad_loss.reshape({rows.n}).to(acc_dtype).contiguous();
+  auto lse = lse_in.reshape({rows.n}).contiguous();
   auto out = at::empty(logits.sizes(), logits.options());  // contiguous
+  return {std::move(rows), layout, target.contiguous(), std::move(g), std::move(lse), std::move(out)};
+}
+
+namespace {
+
+// Tokens per parallel chunk: enough that a chunk covers ~32k logits.
+int64_t grain(int64_t vocab_local) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(vocab_local, 1));
+}
+
+// A row as acc_t: the logits themselves when they already are acc_t, else widened into `buf`.
+template <typename scalar_t, typename acc_t>
+const acc_t* widen(const scalar_t* row, int64_t v, std::vector<acc_t>& buf) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return row;
+  } else {
+    at::vec::convert(row, buf.data(), v);
+    return buf.data();
+  }
+}
+
+// Where a gradient row is computed: the output itself for acc_t outputs, else `buf`.
+template <typename scalar_t, typename acc_t>
+acc_t* out_row(scalar_t* grow, std::vector<acc_t>& buf) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return grow;
+  } else {
+    return buf.data();
+  }
+}
+
+at::Tensor local_max_cpu(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
+  auto a = prepare_local_max(logits, group_size, group_rank);
+  const Rows& rows = a.rows;
+  at::Tensor& out = a.out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    using Vec = at::vec::Vectorized<acc_t>;
+    const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
+    acc_t* o = out.data_ptr<acc_t>();
+    const int64_t v = rows.v;
+    at::parallel_for(0, rows.n, grain(v), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> buf(std::is_same_v<scalar_t, acc_t> ? 0 : v);
+      for (int64_t i = begin; i < end; ++i) {
+        if (v == 0) {  // an empty shard: -inf, the identity of the max all-reduce
+          o[i] = -std::numeric_limits<acc_t>::infinity();
+          continue;
+        }
+        const acc_t* row = widen<scalar_t, acc_t>(l + i * v, v, buf);
+        o[i] = at::vec::reduce_all<acc_t>(
+            [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, row, v);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor local_stats_cpu(const at::Tensor& logits, const at::Tensor& target_in,
+                           const at::Tensor& max_sizes_in, int64_t ignore_index,
+                           int64_t group_rank) {
+  auto a = prepare_stats(logits, target_in, max_sizes_in, ignore_index, group_rank);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    using Vec = at::vec::Vectorized<acc_t>;
+    const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
+    const int64_t* t = a.target.const_data_ptr<int64_t>();
+    const acc_t* m = a.max_sizes.const_data_ptr<acc_t>();
+    acc_t* o = a.out.data_ptr<acc_t>();
+    const int64_t v = a.rows.v, vocab_start = a.layout.vocab_start;
+    at::parallel_for(0, a.rows.n, grain(v), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> buf(std::is_same_v<scalar_t, acc_t> ? 0 : v);
+      for (int64_t i = begin; i < end; ++i) {
+        const acc_t* row = widen<scalar_t, acc_t>(l + i * v, v, buf);
+        const Vec vm(m[i]);
+        Vec vexp(acc_t(0)), vsum(acc_t(0));
+        int64_t j = 0;
+        for (; j + Vec::size() <= v; j += Vec::size()) {
+          const Vec x = Vec::loadu(row + j);
+          vexp = vexp + (x - vm).exp();
+          vsum = vsum + x;
+        }
+        acc_t sum_exp = at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), vexp);
+        acc_t sum_logits = at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), vsum);
+        for (; j < v; ++j) {
+          sum_exp += std::exp(row[j] - m[i]);
+          sum_logits += row[j];
+        }
+        const int64_t local = t[i] - vocab_start;  // target's index in this shard
+        const bool mine = t[i] != ignore_index && local >= 0 && local < v;
+        o[3 * i] = sum_exp;
+        o[3 * i + 1] = mine ? row[local] : acc_t(0);
+        o[3 * i + 2] = sum_logits;
+      }
+    });
+  });
+  return a.out;
+}
+
+at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
+                          const at::Tensor& target_in, const at::Tensor& max_sizes_in,
+                          const at::Tensor& lse_in, int64_t ignore_index, double label_smoothing,
+                          int64_t group_rank) {
+  auto a = prepare_grad(grad_loss, logits, target_in, max_sizes_in, lse_in, label_smoothing,
+                        group_rank);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_grad", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
-    const int64_t* t = target.const_data_ptr<int64_t>();
-    const acc_t* gp = g.const_data_ptr<acc_t>();
-    const acc_t* lp = lse.const_data_ptr<acc_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t v = rows.v;
+    using Vec = at::vec::Vectorized<acc_t>;
+    const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
+    const int64_t* t = a.target.const_data_ptr<int64_t>();
+    const acc_t* gp = a.g.const_data_ptr<acc_t>();
+    const acc_t* lp = a.lse.const_data_ptr<acc_t>();
+    scalar_t* o = a.out.data_ptr<scalar_t>();
+    const int64_t v = a.rows.v, vocab_start = a.layout.vocab_start;
     const acc_t eps = static_cast<acc_t>(label_smoothing);
-    const acc_t smooth = layout.vocab > 0 ? eps / static_cast<acc_t>(layout.vocab) : acc_t(0);
-    at::parallel_for(0, rows.n, grain(v), [&](int64_t begin, int64_t end) {
+    const acc_t smooth = a.layout.vocab > 0 ? eps / static_cast<acc_t>(a.layout.vocab) : acc_t(0);
+    at::parallel_for(0, a.rows.n, grain(v), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> buf(std::is_same_v<scalar_t, acc_t> ? 0 : v);
       for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* row = l + i * v;
         scalar_t* grow = o + i * v;
         if (t[i] == ignore_index) {
           std::fill(grow, grow + v, scalar_t(0));
           continue;
         }
+        const acc_t* row = widen<scalar_t, acc_t>(l + i * v, v, buf);
         const acc_t gi = gp[i], lse_i = lp[i];
-        for (int64_t j = 0; j < v; ++j)
-          grow[j] = static_cast<scalar_t>(gi * (std::exp(static_cast<acc_t>(row[j]) - lse_i) - smooth));
-        const int64_t local = t[i] - layout.vocab_start;
-        if (local >= 0 && local < v) {  // the target's entry also loses (1 - eps)
-          const acc_t p = std::exp(static_cast<acc_t>(row[local]) - lse_i);
-          grow[local] = static_cast<scalar_t>(gi * (p - smooth - (acc_t(1) - eps)));
-        }
+        const int64_t local = t[i] - vocab_start;
+        const acc_t x_target = (local >= 0 && local < v) ? row[local] : acc_t(0);
+        // fp32 results go straight to the output; reduced precision goes through `buf` (the
+        // widened row is no longer needed once x_target is read) and is narrowed once.
+        acc_t* dst = out_row<scalar_t, acc_t>(grow, buf);
+        const Vec vg(gi), vl(lse_i), vs(smooth);
+        int64_t j = 0;
+        for (; j + Vec::size() <= v; j += Vec::size())
+          (vg * ((Vec::loadu(row + j) - vl).exp() - vs)).store(dst + j);
+        for (; j < v; ++j) dst[j] = gi * (std::exp(row[j] - lse_i) - smooth);
+        if (local >= 0 && local < v)  // the target's entry also loses (1 - eps)
+          dst[local] = gi * (std::exp(x_target - lse_i) - smooth - (acc_t(1) - eps));
+        if (!std::is_same_v<scalar_t, acc_t>) at::vec::convert(dst, grow, v);
       }
     });
   });
-  return out;
+  return a.out;
 }
 
 // No CUDA kernels yet (CPU only); a clear error instead of the dispatcher's "no kernel" message.
@@ -283,10 +348,13 @@ TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
   m.impl("vocab_ce_local_grad", &tp_ext::loss::local_grad_cpu);
 }
 
+// With CUDA, vocab_cross_entropy.cu registers the real kernels instead.
+#ifndef TP_EXT_WITH_CUDA
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
   for (const char* name : {"vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_local_grad"})
     tp_ext::loss::register_cuda_not_implemented(m, name);
 }
+#endif
 
 // The local pieces have no derivative of their own: vocab_parallel_cross_entropy's autograd
 // covers them. Asking for one (e.g. double backward) raises "not implemented" at backward time.

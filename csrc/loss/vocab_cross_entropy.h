@@ -19,6 +19,52 @@ void check_logits(const at::Tensor& logits, const char* op);
 void check_logits_target(const at::Tensor& logits, const at::Tensor& target, const char* op);
 void check_label_smoothing(double label_smoothing, const char* op);
 
+// Logits as a contiguous [N, V_r] matrix (a copy only when the input is not contiguous).
+struct Rows {
+  at::Tensor logits;
+  int64_t n;
+  int64_t v;
+};
+Rows rows_of(const at::Tensor& logits);
+
+// Where this rank's shard sits in the vocabulary, read (on the host) from the max all-reduced
+// `max_sizes`.
+struct Layout {
+  int64_t vocab_start;
+  int64_t vocab;
+};
+Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_rank,
+                   at::ScalarType logits_dtype, const char* op);
+void check_targets(const at::Tensor& target, int64_t ignore_index, int64_t vocab);
+
+// Checked, contiguous arguments and the allocated output of each local op, shared by the CPU
+// and CUDA kernels so both raise the same errors.
+struct LocalMaxArgs {
+  Rows rows;
+  at::Tensor out;  // [N + W], this rank's size already written
+};
+LocalMaxArgs prepare_local_max(const at::Tensor& logits, int64_t group_size, int64_t group_rank);
+
+struct StatsArgs {
+  Rows rows;
+  at::Tensor max_sizes;
+  Layout layout;
+  at::Tensor target;
+  at::Tensor out;  // [N, 3]
+};
+StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target,
+                        const at::Tensor& max_sizes, int64_t ignore_index, int64_t group_rank);
+
+struct GradArgs {
+  Rows rows;
+  Layout layout;
+  at::Tensor target, g, lse;  // g: [N] in the stats dtype
+  at::Tensor out;             // contiguous, logits' shape
+};
+GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits,
+                      const at::Tensor& target, const at::Tensor& max_sizes,
+                      const at::Tensor& lse, double label_smoothing, int64_t group_rank);
+
 // Registers, at the CUDA key, a kernel that raises NotImplementedError for op `name`: the loss
 // has CPU kernels only for now.
 void register_cuda_not_implemented(torch::Library& m, const char* name);

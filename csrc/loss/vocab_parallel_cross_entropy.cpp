@@ -73,10 +73,6 @@ Forward run_forward(const at::Tensor& logits, const at::Tensor& target, int64_t 
   // Every check before the first collective, so bad arguments fail on every rank without a hang.
   check_logits_target(logits, target, kOp);
   check_label_smoothing(label_smoothing, kOp);
-  TORCH_CHECK_NOT_IMPLEMENTED(!logits.is_cuda(), "tp_ext.", kOp,
-                              " has no CUDA kernel yet (CPU only); move logits and target to the "
-                              "CPU, or gather the logits and use "
-                              "torch.nn.functional.cross_entropy.");
   if (!logits.is_meta())  // checks group_size and group_rank against the live group
     comm::resolve_group(group_name, group_size, logits.device(), kOp, group_rank);
 
@@ -152,8 +148,9 @@ TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
   m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::forward_kernel);
 }
 
+// Device-generic: the local pieces dispatch to their CPU or CUDA kernels.
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  tp_ext::loss::register_cuda_not_implemented(m, "vocab_parallel_cross_entropy");
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::forward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {

@@ -29,15 +29,28 @@ class RMSNorm(ParallelModule):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check(self, x: torch.Tensor) -> None:
         if x.dim() == 0 or x.size(-1) != self.hidden_size:
             raise ValueError(f"RMSNorm: input has shape {tuple(x.shape)} but its last dimension "
                              f"must be hidden_size = {self.hidden_size}")
-        weight = self._copy_to_tp(self.weight) if self.sequence_parallel else self.weight
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x.to(dtype)
+
+    def _weight(self) -> torch.Tensor:
+        return self._copy_to_tp(self.weight) if self.sequence_parallel else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        # Fused op (csrc/fused/rms_norm.cpp): same result as the fp32-then-cast reference.
+        return torch.ops.tp_ext.rms_norm(x, self._weight(), self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(h), h)`` with ``h = x + residual``, in one pass when x and residual have the
+        same shape and dtype (otherwise, e.g. mixed dtypes under autocast, the unfused sum)."""
+        self._check(x)
+        if x.shape == residual.shape and x.dtype == residual.dtype:
+            return torch.ops.tp_ext.add_rms_norm(x, residual, self._weight(), self.eps)
+        h = x + residual
+        return self(h), h
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -7,7 +7,7 @@ from torch import nn
 
 from tp_ext.layers.base import check_int
 
-__all__ = ["RotaryEmbedding", "apply_rotary"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "rotary_embedding"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -36,10 +36,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor):
-        """Rotate ``q`` and ``k`` ([batch, heads, seq, head_dim]) at ``position_ids`` [batch, seq]."""
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor,
+               use_kernel: bool = True):
+        """Rotate ``q`` [batch, heads, seq, head_dim] and ``k`` [batch, kv_heads, seq, head_dim]
+        at ``position_ids`` [batch, seq].
+
+        ``use_kernel`` (default) runs both in one ``tp_ext::rotary_embedding`` call (fp32 math,
+        one rounding for bf16/fp16); ``False`` uses the pure-PyTorch :func:`apply_rotary`.
+        """
         cos, sin = self(position_ids, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if use_kernel:
+            return rotary_embedding(q, k, cos, sin)
+        return apply_rotary(q, cos, sin, False), apply_rotary(k, cos, sin, False)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope_theta={self.rope_theta}"
@@ -50,7 +58,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos, sin: [batch, seq, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 use_kernel: bool = True) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos, sin: [batch, seq, head_dim].
+
+    With ``use_kernel`` (default) and exactly these shapes and one dtype, runs the fused
+    ``tp_ext::rotary_embedding`` op (k: an empty head slice of x); otherwise, e.g. for
+    broadcast cos/sin, the pure-PyTorch ``x * cos + rotate_half(x) * sin``.
+    """
+    if (use_kernel and x.dim() == 4 and cos.shape == sin.shape
+            and cos.shape == (x.shape[0], x.shape[2], x.shape[3])
+            and cos.dtype == sin.dtype == x.dtype):
+        return torch.ops.tp_ext.rotary_embedding(x, x[:, :0], cos, sin)[0]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))`` in one fused op.
+
+    q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim] (GQA: fewer heads),
+    cos, sin: [batch, seq, head_dim] as :class:`RotaryEmbedding` returns them. Differentiable.
+    """
+    return torch.ops.tp_ext.rotary_embedding(q, k, cos, sin)

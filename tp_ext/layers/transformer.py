@@ -162,8 +162,17 @@ class ParallelMLP(ParallelModule):
             intermediate_size, hidden_size, bias, sequence_parallel=sequence_parallel,
             tp_group=tp, partition=Partition.split(intermediate_size, tp.size), **kw)
 
+    # torch.ops.tp_ext.swiglu on the merged local [gate | up] output (equal halves). Off by
+    # default for now: with it, Inductor's compiled backward at TP 3 with uneven sequence shards
+    # issued the ranks' collectives in different orders (tests/test_layers.py compile case);
+    # eager and aot_eager match.
+    fused_swiglu = False
+
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, seq_len))
+        y = self.gate_up_proj(x, seq_len)
+        if self.fused_swiglu:
+            return self.down_proj(torch.ops.tp_ext.swiglu(y), seq_len)
+        gate, up = self.gate_up_proj.split(y)
         return self.down_proj(F.silu(gate) * up, seq_len)
 
 
@@ -194,5 +203,11 @@ class ParallelTransformerBlock(ParallelModule):
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, seq_len: Optional[int] = None) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), position_ids, kv_cache, seq_len)
-        return h + self.mlp(self.post_attention_layernorm(h), seq_len)
+        attn = self.self_attn(self.input_layernorm(x), position_ids, kv_cache, seq_len)
+        norm = self.post_attention_layernorm
+        if isinstance(norm, RMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks):
+            normed, h = norm.forward_add(attn, x)  # h = x + attn and its norm in one pass
+        else:  # a replaced or hooked norm must see its own call
+            h = x + attn
+            normed = norm(h)
+        return h + self.mlp(normed, seq_len)

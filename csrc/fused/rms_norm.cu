@@ -1,0 +1,160 @@
+// CUDA kernels of rms_norm / add_rms_norm / rms_norm_backward (see rms_norm.cpp for the math).
+// One block per row, fp32 accumulation, block reduction through warp shuffles; launched on the
+// current stream. Inputs arrive contiguous; the weight arrives as fp32.
+#include "fused.h"
+
+#include <ATen/Dispatch.h>
+#include <cuda_runtime.h>
+
+namespace tp_ext::fused {
+namespace {
+
+void check_launch() {
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "tp_ext: CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Sum over the block; every thread gets the result.
+__device__ float block_sum(float v) {
+  __shared__ float partial[kThreads / 32];
+  __shared__ float total;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0.f;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// Rounds through T, as the reference's `.to(x.dtype)`.
+template <typename T>
+__device__ __forceinline__ float round_t(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+template <typename T, typename O, bool kResidual>
+__global__ void rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                const float* __restrict__ w, float eps, int64_t hdim,
+                                O* __restrict__ out, T* __restrict__ h) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * hdim;
+  float ss = 0.f;
+  for (int64_t j = threadIdx.x; j < hdim; j += blockDim.x) {
+    float v = static_cast<float>(xr[j]);
+    if constexpr (kResidual) {
+      v = round_t<T>(v + static_cast<float>(res[row * hdim + j]));
+      h[row * hdim + j] = static_cast<T>(v);
+    }
+    ss += v * v;
+  }
+  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hdim) + eps);
+  // Second pass re-reads x (or h, which this thread wrote itself): rows stay in L1/L2.
+  for (int64_t j = threadIdx.x; j < hdim; j += blockDim.x) {
+    const float v = kResidual ? static_cast<float>(h[row * hdim + j]) : static_cast<float>(xr[j]);
+    out[row * hdim + j] = static_cast<O>(w[j] * round_t<T>(v * rstd));
+  }
+}
+
+// dx per row, and rstd per row for the weight-gradient kernel.
+template <typename T>
+__global__ void rms_norm_backward_kernel(const float* __restrict__ g, const T* __restrict__ x,
+                                         const float* __restrict__ w, float eps, int64_t hdim,
+                                         T* __restrict__ gx, float* __restrict__ rstd_out) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * hdim;
+  const float* gr = g + row * hdim;
+  float ss = 0.f, dot = 0.f;
+  for (int64_t j = threadIdx.x; j < hdim; j += blockDim.x) {
+    const float v = static_cast<float>(xr[j]);
+    ss += v * v;
+    dot += gr[j] * w[j] * v;
+  }
+  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hdim) + eps);
+  dot = block_sum(dot);
+  const float c3 = rstd * rstd * rstd * dot / static_cast<float>(hdim);
+  for (int64_t j = threadIdx.x; j < hdim; j += blockDim.x)
+    gx[row * hdim + j] = static_cast<T>(gr[j] * w[j] * rstd - static_cast<float>(xr[j]) * c3);
+  if (threadIdx.x == 0) rstd_out[row] = rstd;
+}
+
+// Weight gradient: one thread per column, summing over rows (coalesced along each row).
+template <typename T>
+__global__ void rms_norm_weight_grad_kernel(const float* __restrict__ g, const T* __restrict__ x,
+                                            const float* __restrict__ rstd, int64_t n,
+                                            int64_t hdim, float* __restrict__ gw) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= hdim) return;
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i)
+    acc += g[i * hdim + j] * round_t<T>(static_cast<float>(x[i * hdim + j]) * rstd[i]);
+  gw[j] = acc;
+}
+
+int threads_for(int64_t hdim) {
+  int t = 32;
+  while (t < kThreads && t < hdim) t *= 2;
+  return t;
+}
+
+}  // namespace
+
+void rms_norm_cuda_launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
+                          double eps, at::Tensor& out, at::Tensor& h, void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t hdim = x.size(-1), n = x.numel() / hdim;
+  const bool with_res = residual.defined();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cuda", [&] {
+    auto launch = [&](auto* out_ptr) {
+      using O = std::remove_pointer_t<decltype(out_ptr)>;
+      if (with_res)
+        rms_norm_kernel<scalar_t, O, true><<<n, threads_for(hdim), 0, stream>>>(
+            x.const_data_ptr<scalar_t>(), residual.const_data_ptr<scalar_t>(),
+            w.const_data_ptr<float>(), static_cast<float>(eps), hdim, out_ptr,
+            h.data_ptr<scalar_t>());
+      else
+        rms_norm_kernel<scalar_t, O, false><<<n, threads_for(hdim), 0, stream>>>(
+            x.const_data_ptr<scalar_t>(), nullptr, w.const_data_ptr<float>(),
+            static_cast<float>(eps), hdim, out_ptr, nullptr);
+    };
+    if (out.scalar_type() == x.scalar_type())
+      launch(out.data_ptr<scalar_t>());
+    else if (out.scalar_type() == at::kFloat)
+      launch(out.data_ptr<float>());
+    else
+      launch(out.data_ptr<double>());
+  });
+  check_launch();
+}
+
+void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x,
+                                   const at::Tensor& w, double eps, at::Tensor& grad_x,
+                                   at::Tensor& grad_w_f32, void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t hdim = x.size(-1), n = x.numel() / hdim;
+  auto rstd = at::empty({n}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward_cuda", [&] {
+    rms_norm_backward_kernel<scalar_t><<<n, threads_for(hdim), 0, stream>>>(
+        grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), w.const_data_ptr<float>(),
+        static_cast<float>(eps), hdim, grad_x.data_ptr<scalar_t>(), rstd.data_ptr<float>());
+    check_launch();
+    const int64_t blocks = (hdim + kThreads - 1) / kThreads;
+    rms_norm_weight_grad_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(),
+        n, hdim, grad_w_f32.data_ptr<float>());
+    check_launch();
+  });
+}
+
+}  // namespace tp_ext::fused

@@ -1,0 +1,90 @@
+// CUDA kernel of tp_ext::rotary_embedding (maths, checks and autograd: rotary_embedding.cpp).
+// One launch rotates q and k: a grid-stride loop over (row, pair) where rows are q's
+// [B, Hq, S] then k's [B, Hk, S] and a pair is (j, j + D/2); fp32 math (fp64 for fp64).
+#ifdef TP_EXT_WITH_CUDA
+#include "rotary_embedding.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
+// compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+namespace tp_ext::kernels {
+namespace {
+
+// A [B, H, S, D] tensor with unit stride along D.
+template <typename T>
+struct View4 {
+  T* data;
+  int64_t heads, s0, s1, s2;
+};
+
+template <typename scalar_t>
+__global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k,
+                              View4<scalar_t> qo, View4<scalar_t> ko,
+                              const scalar_t* __restrict__ cos, const scalar_t* __restrict__ sin,
+                              int64_t batch, int64_t seq, int64_t half) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t q_rows = batch * q.heads * seq;
+  const int64_t total = (q_rows + batch * k.heads * seq) * half;
+  const int64_t d = 2 * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = idx % half;
+    int64_t r = idx / half;
+    const bool is_q = r < q_rows;
+    if (!is_q) r -= q_rows;
+    const auto& in = is_q ? q : k;
+    const auto& out = is_q ? qo : ko;
+    const int64_t s = r % seq, bh = r / seq, h = bh % in.heads, b = bh / in.heads;
+    const scalar_t* x = in.data + b * in.s0 + h * in.s1 + s * in.s2;
+    scalar_t* y = out.data + b * out.s0 + h * out.s1 + s * out.s2;
+    const int64_t t = (b * seq + s) * d;  // cos/sin are contiguous [B, S, D]
+    const acc_t a = x[j], bb = x[j + half];
+    y[j] = static_cast<scalar_t>(a * acc_t(cos[t + j]) - bb * acc_t(sin[t + j]));
+    y[j + half] = static_cast<scalar_t>(bb * acc_t(cos[t + j + half]) + a * acc_t(sin[t + j + half]));
+  }
+}
+
+template <typename T, typename U>
+View4<T> view_of(U* data, const at::Tensor& t) {
+  return {data, t.size(1), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                               const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  check_rotary_args(q_in, k_in, cos_in, sin_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const auto k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  auto q_out = out_like(q_in), k_out = out_like(k_in);
+  const int64_t batch = q.size(0), seq = q.size(2), half = q.size(3) / 2;
+  const int64_t total = batch * (q.size(1) + k.size(1)) * seq * half;
+  if (total == 0) return {q_out, k_out};
+  constexpr int threads = 256;
+  // Enough blocks to fill the GPU; the grid-stride loop covers the rest.
+  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535 * 8);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding_cuda", [&] {
+    rotary_kernel<scalar_t><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        view_of<const scalar_t>(q.const_data_ptr<scalar_t>(), q),
+        view_of<const scalar_t>(k.const_data_ptr<scalar_t>(), k),
+        view_of<scalar_t>(q_out.data_ptr<scalar_t>(), q_out),
+        view_of<scalar_t>(k_out.data_ptr<scalar_t>(), k_out), cos.const_data_ptr<scalar_t>(),
+        sin.const_data_ptr<scalar_t>(), batch, seq, half);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {q_out, k_out};
+}
+
+}  // namespace
+}  // namespace tp_ext::kernels
+
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
+  m.impl("rotary_embedding", &tp_ext::kernels::rotary_cuda);
+}
+#endif  // TP_EXT_WITH_CUDA

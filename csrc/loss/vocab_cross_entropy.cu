@@ -1,0 +1,172 @@
+// CUDA kernels of the local pieces of tp_ext.vocab_parallel_cross_entropy (see
+// vocab_cross_entropy.cpp for the maths and the CPU kernels; the argument checks are shared).
+// One block per token row, threads striding over the vocabulary shard, fp32 accumulation (fp64
+// for fp64 logits); no [tokens, vocab] temporaries beyond the logits and their gradient.
+#include "vocab_cross_entropy.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
+// compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <limits>
+
+namespace tp_ext::loss {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct MaxOp {
+  template <typename T>
+  __device__ T operator()(T a, T b) const {
+    return (b > a || b != b) ? b : a;  // NaN propagates, as on the CPU
+  }
+};
+struct SumOp {
+  template <typename T>
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+
+// Reduces one value per thread over the block; every thread gets the result. `shared` holds
+// kWarps values; the leading __syncthreads lets callers reuse it back to back.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op, T* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = shared[0];
+  for (int w = 1; w < kWarps; ++w) v = op(v, shared[w]);
+  return v;
+}
+
+__device__ inline float dexp(float x) { return expf(x); }
+__device__ inline double dexp(double x) { return exp(x); }
+
+template <typename scalar_t, typename acc_t>
+__global__ void local_max_kernel(const scalar_t* __restrict__ logits, acc_t* __restrict__ out,
+                                 int64_t v) {
+  __shared__ acc_t shared[kWarps];
+  const scalar_t* row = logits + blockIdx.x * v;
+  acc_t best = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    best = MaxOp()(best, static_cast<acc_t>(row[j]));
+  best = block_reduce(best, MaxOp(), shared);
+  if (threadIdx.x == 0) out[blockIdx.x] = best;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void local_stats_kernel(const scalar_t* __restrict__ logits,
+                                   const int64_t* __restrict__ target,
+                                   const acc_t* __restrict__ max, acc_t* __restrict__ out,
+                                   int64_t v, int64_t vocab_start, int64_t ignore_index) {
+  __shared__ acc_t shared[kWarps];
+  const int64_t i = blockIdx.x;
+  const scalar_t* row = logits + i * v;
+  const acc_t m = max[i];
+  acc_t sum_exp = 0, sum_logits = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    const acc_t x = static_cast<acc_t>(row[j]);
+    sum_exp += dexp(x - m);
+    sum_logits += x;
+  }
+  sum_exp = block_reduce(sum_exp, SumOp(), shared);
+  sum_logits = block_reduce(sum_logits, SumOp(), shared);
+  if (threadIdx.x == 0) {
+    const int64_t t = target[i], local = t - vocab_start;
+    const bool mine = t != ignore_index && local >= 0 && local < v;
+    out[3 * i] = sum_exp;
+    out[3 * i + 1] = mine ? static_cast<acc_t>(row[local]) : acc_t(0);
+    out[3 * i + 2] = sum_logits;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void local_grad_kernel(const scalar_t* __restrict__ logits,
+                                  const int64_t* __restrict__ target,
+                                  const acc_t* __restrict__ grad, const acc_t* __restrict__ lse,
+                                  scalar_t* __restrict__ out, int64_t v, int64_t vocab_start,
+                                  int64_t ignore_index, acc_t eps, acc_t smooth) {
+  const int64_t i = blockIdx.x;
+  const scalar_t* row = logits + i * v;
+  scalar_t* grow = out + i * v;
+  const int64_t t = target[i];
+  if (t == ignore_index) {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) grow[j] = scalar_t(0);
+    return;
+  }
+  const acc_t g = grad[i], l = lse[i];
+  const int64_t local = t - vocab_start;  // outside [0, v) when another rank holds the target
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    acc_t d = dexp(static_cast<acc_t>(row[j]) - l) - smooth;
+    if (j == local) d -= acc_t(1) - eps;
+    grow[j] = static_cast<scalar_t>(g * d);
+  }
+}
+
+at::Tensor local_max_cuda(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto a = prepare_local_max(logits, group_size, group_rank);
+  const Rows& rows = a.rows;
+  at::Tensor& out = a.out;
+  if (rows.n == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    local_max_kernel<scalar_t, acc_t><<<rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        rows.logits.const_data_ptr<scalar_t>(), out.data_ptr<acc_t>(), rows.v);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor local_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
+                            const at::Tensor& max_sizes, int64_t ignore_index,
+                            int64_t group_rank) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto a = prepare_stats(logits, target, max_sizes, ignore_index, group_rank);
+  if (a.rows.n == 0) return a.out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    local_stats_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+        a.max_sizes.const_data_ptr<acc_t>(), a.out.data_ptr<acc_t>(), a.rows.v,
+        a.layout.vocab_start, ignore_index);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return a.out;
+}
+
+at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits,
+                           const at::Tensor& target, const at::Tensor& max_sizes,
+                           const at::Tensor& lse, int64_t ignore_index, double label_smoothing,
+                           int64_t group_rank) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto a = prepare_grad(grad_loss, logits, target, max_sizes, lse, label_smoothing, group_rank);
+  if (a.rows.n == 0 || a.rows.v == 0) return a.out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_grad_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const acc_t eps = static_cast<acc_t>(label_smoothing);
+    const acc_t smooth = a.layout.vocab > 0 ? eps / static_cast<acc_t>(a.layout.vocab) : acc_t(0);
+    local_grad_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+        a.g.const_data_ptr<acc_t>(), a.lse.const_data_ptr<acc_t>(), a.out.data_ptr<scalar_t>(),
+        a.rows.v, a.layout.vocab_start, ignore_index, eps, smooth);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return a.out;
+}
+
+}  // namespace
+}  // namespace tp_ext::loss
+
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
+  m.impl("vocab_ce_local_max", &tp_ext::loss::local_max_cuda);
+  m.impl("vocab_ce_local_stats", &tp_ext::loss::local_stats_cuda);
+  m.impl("vocab_ce_local_grad", &tp_ext::loss::local_grad_cuda);
+}
