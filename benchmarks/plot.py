@@ -1,0 +1,58 @@
+"""PNG plots of the latest rows of benchmarks/results.csv, one per benchmark, into
+benchmarks/plots/: bars of ratio = tp_ext / baseline per case and metric (the dashed line is 1)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import RESULTS, ROOT, read_rows  # noqa: E402
+
+
+def _float(s):
+    try:
+        return float(s)
+    except (TypeError, ValueError):
+        return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--csv", default=RESULTS)
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "plots"))
+    a = p.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_rows(a.csv) if _float(r["ratio"]) is not None]
+    os.makedirs(a.out, exist_ok=True)
+    for bench in sorted({r["benchmark"] for r in rows}):
+        sel = [r for r in rows if r["benchmark"] == bench]
+        metrics = sorted({r["metric"] for r in sel})
+        fig, axes = plt.subplots(len(metrics), 1, figsize=(10, 1.2 + 0.32 * len(sel) + 0.8 *
+                                                           len(metrics)), squeeze=False)
+        for ax, metric in zip(axes[:, 0], metrics):
+            mr = [r for r in sel if r["metric"] == metric]
+            ratios = [_float(r["ratio"]) for r in mr]
+            ax.barh([r["case"] for r in mr], ratios,
+                    color=["tab:green" if x <= 1 else "tab:red" for x in ratios])
+            ax.axvline(1.0, color="k", ls="--", lw=0.8)
+            if max(ratios) / max(min(ratios), 1e-12) > 4:
+                ax.set_xscale("log")
+            ax.set_title(f"{bench}: {metric} (tp_ext / baseline, lower is better)", fontsize=9)
+            ax.tick_params(labelsize=7)
+            for i, x in enumerate(ratios):
+                ax.text(x, i, f" {x:.2f}", va="center", fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(a.out, f"{bench}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Every CPU benchmark (rows appended to benchmarks/results.csv), then the plots.
+# About 5-10 minutes on 2 cores. Usage: bash benchmarks/run_all.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+$PY -c "import matplotlib" 2>/dev/null || $PY -m pip install -q -r benchmarks/requirements.txt
+echo "load before: $(cat /proc/loadavg)"
+$PY benchmarks/bench_kernels.py
+$PY benchmarks/bench_collective_overhead.py
+$PY benchmarks/bench_block_vs_dtensor.py
+$PY benchmarks/plot.py
+$PY benchmarks/report.py --update BENCHMARKS.md
+echo "load after: $(cat /proc/loadavg)"
