@@ -17,7 +17,7 @@ def test_main_job_on_8_ranks(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
          "-m", "tp_ext", "run", os.path.join(CONFIGS, "qwen2-72b.yaml"), "--steps", "4",
          "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
+        capture_output=True, text=True, timeout=400, cwd=ROOT)  # this checkout's tp_ext
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "72,706,203,648 parameters" in out and "9,089,429,504" in out  # the full-size plan
