@@ -3,7 +3,9 @@
     pip install --no-build-isolation -e .
 
 CUDA sources are compiled when torch was built with CUDA and nvcc is found. Override with
-TP_EXT_CUDA=1 (force CUDA, fail if impossible) or TP_EXT_CUDA=0 (CPU only).
+TP_EXT_CUDA=1 (force CUDA, fail if impossible) or TP_EXT_CUDA=0 (CPU only). CPU kernels are
+built for the widest vector ISA the building machine has (TP_EXT_CPU_ARCH=auto | avx512 |
+avx2 | none).
 """
 
 import glob
@@ -26,12 +28,44 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+_CPU_ARCH_FLAGS = {
+    "avx512": (["avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"],
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
+    "avx2": (["avx2", "fma", "f16c"],
+             ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+}
+
+
+def _cpu_vector_flags() -> list:
+    """The widest vector ISA the building machine has (AVX-512, else AVX2), so at::vec uses its
+    512/256-bit implementation and SLEEF's vector exp, as ATen's own kernels do; without these
+    flags at::vec falls back to scalar loops. TP_EXT_CPU_ARCH=none builds portable code;
+    =avx2 or =avx512 forces one (to build on one machine and run on another)."""
+    choice = os.environ.get("TP_EXT_CPU_ARCH", "auto").strip().lower()
+    if choice not in ("auto", "none", *_CPU_ARCH_FLAGS):
+        raise ValueError(f"TP_EXT_CPU_ARCH must be auto, none, avx2 or avx512, got {choice!r}")
+    if choice == "none":
+        return []
+    if choice != "auto":
+        return _CPU_ARCH_FLAGS[choice][1]
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = set(next((line.split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return []
+    for needed, flags in _CPU_ARCH_FLAGS.values():
+        if set(needed) <= have:
+            return flags
+    return []
+
+
 def _extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     debug = os.environ.get("TP_EXT_DEBUG_BUILD", "0") == "1"
     cxx_flags = ["-O3" if not debug else "-O0", "-std=c++17", "-fdiagnostics-color=always"]
-    cxx_flags += ["-Wno-deprecated-declarations"]
+    cxx_flags += ["-Wno-deprecated-declarations"] + _cpu_vector_flags()
     if debug:
         cxx_flags += ["-g"]
     if _want_cuda():

@@ -8,6 +8,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -63,18 +64,115 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// silu(v) = v / (1 + exp(-v)) over a fp32 row, rounded through T.
 template <typename T>
-inline void silu_row(const float* v, float* out, int64_t n) {
-  int64_t j = 0;
-  const Vec one(1.f);
-  for (; j + kVec <= n; j += kVec) {
-    const Vec x = Vec::loadu(v + j);
-    (x / (one + x.neg().exp())).store(out + j);
+constexpr bool kReduced = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+// Round fp32 lanes through T and back (bf16/fp16), as the unfused code's intermediate tensors do.
+template <typename T>
+inline Vec round_vec(const Vec& v) {
+  if constexpr (kReduced<T>) {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  } else {
+    return v;
   }
-  for (; j < n; ++j) out[j] = v[j] / (1.f + std::exp(-v[j]));
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>)
-    for (j = 0; j < n; ++j) out[j] = round_to<T>(out[j]);
+}
+
+// One element of each pass in fp32, for the tails and for double.
+template <typename T>
+inline float silu_scalar(float g) {
+  return round_to<T>(g / (1.f + std::exp(-g)));
+}
+
+// Forward on kVec lanes: silu(g) rounded through T, times u (the product is rounded by the store).
+template <typename T>
+inline Vec swiglu_vec(const Vec& g, const Vec& u) {
+  const Vec one(1.f);
+  return round_vec<T>(g / (one + g.neg().exp())) * u;
+}
+
+// Backward on kVec lanes: (d gate, d up) from dy, with the reference's roundings.
+template <typename T>
+inline std::pair<Vec, Vec> swiglu_grad_vec(const Vec& g, const Vec& u, const Vec& dy) {
+  const Vec one(1.f);
+  const Vec sig = one / (one + g.neg().exp());
+  const Vec dsilu = round_vec<T>(dy * u);
+  return {dsilu * sig * (one + g * (one - sig)), dy * round_vec<T>(g * sig)};
+}
+
+// Loads/stores kVec fp32 lanes (float) or 2 x kVec lanes (bf16/fp16, widened to fp32).
+template <typename T>
+struct Lanes {
+  static constexpr int64_t width = kReduced<T> ? 2 * kVec : kVec;
+  static std::pair<Vec, Vec> load(const T* p) {
+    if constexpr (kReduced<T>) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+      return {lo, hi};
+    } else {
+      return {Vec::loadu(p), Vec(0.f)};
+    }
+  }
+  static void store(T* p, const Vec& lo, const Vec& hi) {
+    if constexpr (kReduced<T>) {
+      at::vec::convert_from_float<T>(lo, hi).store(p);
+    } else {
+      lo.store(p);
+    }
+  }
+};
+
+template <typename T>
+void swiglu_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t inter) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T* gate = in + i * 2 * inter;
+    const T* up = gate + inter;
+    T* o = out + i * inter;
+    int64_t j = 0;
+    if constexpr (!std::is_same_v<T, double>) {
+      using L = Lanes<T>;
+      for (; j + L::width <= inter; j += L::width) {
+        const auto [g0, g1] = L::load(gate + j);
+        const auto [u0, u1] = L::load(up + j);
+        L::store(o + j, swiglu_vec<T>(g0, u0),
+                 kReduced<T> ? swiglu_vec<T>(g1, u1) : Vec(0.f));
+      }
+    }
+    for (; j < inter; ++j)
+      o[j] = static_cast<T>(silu_scalar<T>(static_cast<float>(gate[j])) *
+                            static_cast<float>(up[j]));
+  }
+}
+
+template <typename T>
+void swiglu_grad_rows(const T* in, const T* grad, T* out, int64_t begin, int64_t end,
+                      int64_t inter) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T* gate = in + i * 2 * inter;
+    const T* up = gate + inter;
+    const T* dy = grad + i * inter;
+    T* dgate = out + i * 2 * inter;
+    T* dup = dgate + inter;
+    int64_t j = 0;
+    if constexpr (!std::is_same_v<T, double>) {
+      using L = Lanes<T>;
+      for (; j + L::width <= inter; j += L::width) {
+        const auto [g0, g1] = L::load(gate + j);
+        const auto [u0, u1] = L::load(up + j);
+        const auto [d0, d1] = L::load(dy + j);
+        const auto lo = swiglu_grad_vec<T>(g0, u0, d0);
+        const auto hi = kReduced<T> ? swiglu_grad_vec<T>(g1, u1, d1) : lo;
+        L::store(dgate + j, lo.first, hi.first);
+        L::store(dup + j, lo.second, hi.second);
+      }
+    }
+    for (; j < inter; ++j) {
+      const float g = static_cast<float>(gate[j]), d = static_cast<float>(dy[j]);
+      const float u = static_cast<float>(up[j]);
+      const float sig = 1.f / (1.f + std::exp(-g));
+      const float dsilu = round_to<T>(d * u);  // the reference rounds grad * up first
+      dgate[j] = static_cast<T>(dsilu * sig * (1.f + g * (1.f - sig)));
+      dup[j] = static_cast<T>(d * round_to<T>(g * sig));
+    }
+  }
 }
 
 at::Tensor swiglu_cpu(const at::Tensor& gate_up_in) {
@@ -87,18 +185,7 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up_in) {
     const scalar_t* in = gu.const_data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain(inter), [&](int64_t begin, int64_t end) {
-      std::vector<float> g(inter), u(inter), s(inter);
-      for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* row = in + i * 2 * inter;
-        for (int64_t j = 0; j < inter; ++j) g[j] = static_cast<float>(row[j]);
-        for (int64_t j = 0; j < inter; ++j) u[j] = static_cast<float>(row[inter + j]);
-        silu_row<scalar_t>(g.data(), s.data(), inter);
-        int64_t j = 0;
-        for (; j + kVec <= inter; j += kVec)
-          (Vec::loadu(s.data() + j) * Vec::loadu(u.data() + j)).store(s.data() + j);
-        for (; j < inter; ++j) s[j] *= u[j];
-        for (j = 0; j < inter; ++j) o[i * inter + j] = static_cast<scalar_t>(s[j]);
-      }
+      swiglu_rows<scalar_t>(in, o, begin, end, inter);
     });
   });
   return out;
@@ -108,32 +195,15 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate
   const auto inputs = backward_inputs(grad_in, gate_up_in);
   const at::Tensor& gu = inputs.first;
   const at::Tensor& grad = inputs.second;
-  const auto shape = half_shape(gu);
   auto out = at::empty(gu.sizes(), gu.options());
-  const int64_t inter = shape.back(), n = inter == 0 ? 0 : grad.numel() / inter;
+  const int64_t inter = gu.size(-1) / 2, n = inter == 0 ? 0 : grad.numel() / inter;
   if (grad.numel() == 0) return out.zero_();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "swiglu_backward", [&] {
     const scalar_t* in = gu.const_data_ptr<scalar_t>();
     const scalar_t* gp = grad.const_data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain(inter), [&](int64_t begin, int64_t end) {
-      std::vector<float> g(inter), s(inter);
-      for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* row = in + i * 2 * inter;
-        const scalar_t* gr = gp + i * inter;
-        scalar_t* orow = o + i * 2 * inter;
-        for (int64_t j = 0; j < inter; ++j) g[j] = static_cast<float>(row[j]);
-        silu_row<scalar_t>(g.data(), s.data(), inter);
-        for (int64_t j = 0; j < inter; ++j) {
-          const float gj = g[j], dy = static_cast<float>(gr[j]);
-          const float up = static_cast<float>(row[inter + j]);
-          const float sig = 1.f / (1.f + std::exp(-gj));
-          // d silu / d g = sig * (1 + g * (1 - sig)); grad of silu rounded as the reference's mul
-          const float dsilu = round_to<scalar_t>(dy * up);
-          orow[j] = static_cast<scalar_t>(dsilu * sig * (1.f + gj * (1.f - sig)));
-          orow[inter + j] = static_cast<scalar_t>(dy * s[j]);
-        }
-      }
+      swiglu_grad_rows<scalar_t>(in, gp, o, begin, end, inter);
     });
   });
   return out;
