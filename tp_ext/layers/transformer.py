@@ -162,11 +162,10 @@ class ParallelMLP(ParallelModule):
             intermediate_size, hidden_size, bias, sequence_parallel=sequence_parallel,
             tp_group=tp, partition=Partition.split(intermediate_size, tp.size), **kw)
 
-    # torch.ops.tp_ext.swiglu on the merged local [gate | up] output (equal halves). Off by
-    # default for now: with it, Inductor's compiled backward at TP 3 with uneven sequence shards
-    # issued the ranks' collectives in different orders (tests/test_layers.py compile case);
-    # eager and aot_eager match.
-    fused_swiglu = False
+    # torch.ops.tp_ext.swiglu on the merged local [gate | up] output (equal halves); False: the
+    # unfused F.silu(gate) * up. (Collectives stay in program order under torch.compile: they
+    # are registered as ordered effects in tp_ext/_fake.py.)
+    fused_swiglu = True
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
         y = self.gate_up_proj(x, seq_len)
