@@ -137,16 +137,3 @@ for _name, _fn in _FAKES.items():
 
 for _name, _fn in _LOCAL_FAKES.items():
     torch.library.register_fake(f"tp_ext::{_name}")(_fn)
-
-# ---- ordering -------------------------------------------------------------------------------------
-# Every communicating op is an ordered side effect for torch.compile: graph passes keep them in
-# program order. Ranks with uneven shards compile different graphs, and a scheduler free to
-# reorder two independent collectives could issue them in different orders on different ranks.
-from torch._higher_order_ops.effects import _EffectType  # noqa: E402
-
-COMMUNICATING_OPS = (
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
-    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "gather_from_sp",
-    "reduce_scatter_to_sp", "vocab_parallel_cross_entropy")
-for _name in COMMUNICATING_OPS:
-    torch.library._register_effectful_op(f"tp_ext::{_name}", _EffectType.ORDERED)

@@ -163,8 +163,7 @@ class ParallelMLP(ParallelModule):
             tp_group=tp, partition=Partition.split(intermediate_size, tp.size), **kw)
 
     # torch.ops.tp_ext.swiglu on the merged local [gate | up] output (equal halves); False: the
-    # unfused F.silu(gate) * up. (Collectives stay in program order under torch.compile: they
-    # are registered as ordered effects in tp_ext/_fake.py.)
+    # unfused F.silu(gate) * up.
     fused_swiglu = True
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
