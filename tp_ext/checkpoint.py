@@ -104,29 +104,31 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since start (or the last reset), in bytes."""
+def _proc_status_bytes(field: str) -> Optional[int]:
+    """A ``kB`` field of /proc/self/status (Linux), in bytes; None where unavailable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since start (or the last reset), in bytes."""
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
 
 
 def current_rss_bytes() -> int:
     """This process's resident set size now, in bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return peak_rss_bytes()
+    rss = _proc_status_bytes("VmRSS")
+    return peak_rss_bytes() if rss is None else rss
 
 
 def import_readers() -> None:
@@ -249,13 +251,13 @@ def _expected_shapes(entries, layout) -> dict[str, tuple[int, ...]]:
 
 
 def _row_reads(pieces, offset: int, length: int):
-    """The (piece, first row, last row) reads that give rows [offset, offset+length) of the
-    tensor the pieces stack into."""
+    """The (piece, first row, end row) reads, in checkpoint-tensor rows, that give rows
+    [offset, offset+length) of the tensor the pieces stack into."""
     reads, start = [], 0
     for piece in pieces:
         lo, hi = max(offset, start), min(offset + length, start + piece.rows)
         if lo < hi:
-            reads.append((piece.name, piece.start + lo - start, piece.start + hi - start))
+            reads.append((piece, piece.start + lo - start, piece.start + hi - start))
         start += piece.rows
     return reads
 
@@ -271,16 +273,16 @@ def _load_local(files: _SafetensorsFiles, pieces, spec, rank: int, dest: torch.T
     reads = []  # (checkpoint name, first row, end row, columns or None, destination block)
     if spec is None:
         position = 0
-        for name, a, b in _row_reads(pieces, 0, sum(p.rows for p in pieces)):
-            reads.append((name, a, b, None, dest.narrow(0, position, b - a)))
+        for piece, a, b in _row_reads(pieces, 0, sum(p.rows for p in pieces)):
+            reads.append((piece.name, a, b, None, dest.narrow(0, position, b - a)))
             position += b - a
     else:
         dim, partition = spec
         position = 0
         for offset, length in partition.segments[rank]:
             if dim == 0:
-                for name, a, b in _row_reads(pieces, offset, length):
-                    reads.append((name, a, b, None, dest.narrow(0, position, b - a)))
+                for piece, a, b in _row_reads(pieces, offset, length):
+                    reads.append((piece.name, a, b, None, dest.narrow(0, position, b - a)))
                     position += b - a
             else:  # one whole tensor, cut along a later dim (row-parallel weights): strided
                 (piece,) = pieces
@@ -507,24 +509,22 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -
     partial = _start_save(path, group)
 
     def write_all():
-        buffer, weight_map = {}, {}
-        remaining = {n: len(g) for n, g in zip(names, files)}
-        for name, full in iter_full_tensors(model):
-            if name not in file_of:
-                continue
-            if not writer:
+        pending = {file: {} for file in names}  # tensors of each file not yet written
+        needed = {file: sum(len(layout[n]) for n in group_names)
+                  for file, group_names in zip(names, files)}
+        weight_map = {}
+        for name, full in iter_full_tensors(model):  # a collective: every rank iterates
+            if not writer or name not in file_of:
                 continue
             file = file_of[name]
             start = 0
             for piece in layout[name]:
-                buffer[piece.name] = full[start:start + piece.rows].contiguous()
+                pending[file][piece.name] = full[start:start + piece.rows].contiguous()
                 weight_map[piece.name] = file
                 start += piece.rows
-            remaining[file] -= 1
-            if remaining[file] == 0:
-                save_file({k: buffer.pop(k) for k in [k for k, f in weight_map.items()
-                                                      if f == file and k in buffer]},
-                          os.path.join(partial, file), metadata={"format": "pt"})
+            if len(pending[file]) == needed[file]:
+                save_file(pending.pop(file), os.path.join(partial, file),
+                          metadata={"format": "pt"})
         if not writer:
             return
         if len(names) > 1:
@@ -604,13 +604,11 @@ def _dcp_state_dict(model) -> dict[str, torch.Tensor]:
         dim, partition = spec
         local_start = 0
         for offset, length in partition.segments[owner.tp_rank]:
-            block_rows = length
-            if dim == 0:
-                for piece_name, a, b in _row_reads(pieces, offset, length):
+            if dim == 0:  # qwen2 layout: every piece is a whole checkpoint tensor
+                for piece, a, b in _row_reads(pieces, offset, length):
                     block = tensor.narrow(0, local_start, b - a)
-                    size = (next(p.rows for p in pieces if p.name == piece_name),
-                            *tensor.shape[1:])
-                    _add_chunk(state, piece_name, block, (a,) + (0,) * (tensor.dim() - 1), size)
+                    _add_chunk(state, piece.name, block, (a,) + (0,) * (tensor.dim() - 1),
+                               (piece.rows, *tensor.shape[1:]))
                     local_start += b - a
             else:
                 (piece,) = pieces
@@ -620,7 +618,7 @@ def _dcp_state_dict(model) -> dict[str, torch.Tensor]:
                 offsets = [0] * tensor.dim()
                 offsets[dim] = offset
                 _add_chunk(state, piece.name, block, tuple(offsets), tuple(full))
-                local_start += block_rows
+                local_start += length
     return state
 
 
@@ -637,14 +635,13 @@ def save_sharded(model, path: str, step: Optional[int] = None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    group = _group_of(model)
     distributed = dist.is_available() and dist.is_initialized()
-    partial = _start_save(path, dist.group.WORLD if distributed else None)
+    world = dist.group.WORLD if distributed else None  # DCP saves over every rank
+    partial = _start_save(path, world)
     state = _dcp_state_dict(model)
     with _single_process_is_intended(distributed):
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True),
                  no_dist=not distributed)
-    world = dist.group.WORLD if distributed else None
 
     def commit():
         if world is not None and dist.get_rank() != 0:
@@ -655,7 +652,6 @@ def save_sharded(model, path: str, step: Optional[int] = None) -> None:
 
     _barrier(world)
     _everywhere(world, f"saving {path}", commit)
-    del group
 
 
 @contextlib.contextmanager

@@ -171,6 +171,22 @@ void check_residual(const at::Tensor& x, const at::Tensor& residual) {
                     x.scalar_type(), ") in shape, dtype and device.");
 }
 
+// Checked, contiguous inputs of rms_norm_backward on any device; grad (in the output dtype)
+// and weight in fp32, where the math is done.
+struct BackwardInputs {
+  at::Tensor x, grad, weight;
+};
+
+BackwardInputs backward_inputs(const at::Tensor& grad_in, const at::Tensor& x_in,
+                               const at::Tensor& weight) {
+  const char* op = "rms_norm_backward";
+  check_rms_args(x_in, weight, op);
+  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op, ": grad has shape ",
+                    grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(), ".");
+  return {x_in.contiguous(), grad_in.to(at::kFloat).contiguous(),
+          weight.to(at::kFloat).contiguous()};
+}
+
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return std::get<0>(forward_cpu(x, nullptr, weight, eps, "rms_norm"));
 }
@@ -185,13 +201,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_in,
                                                          const at::Tensor& x_in,
                                                          const at::Tensor& weight, double eps) {
-  const char* op = "rms_norm_backward";
-  check_rms_args(x_in, weight, op);
-  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op, ": grad has shape ",
-                    grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(), ".");
-  const auto x = x_in.contiguous();
-  const auto g = grad_in.to(at::kFloat).contiguous();  // grad is in the output dtype; fp32 math
-  const auto w = weight.to(at::kFloat).contiguous();
+  const auto in = backward_inputs(grad_in, x_in, weight);
+  const at::Tensor &x = in.x, &g = in.grad, &w = in.weight;
   auto grad_x = at::empty(x.sizes(), x.options());
   const int64_t hdim = x.size(-1), n = rows_of(x);
   // Weight gradient: fp32 partial sums per chunk of rows, reduced at the end (deterministic).
@@ -270,13 +281,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x,
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_in,
                                                           const at::Tensor& x_in,
                                                           const at::Tensor& weight, double eps) {
-  const char* op = "rms_norm_backward";
-  check_rms_args(x_in, weight, op);
-  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op, ": grad has shape ",
-                    grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(), ".");
-  const auto x = x_in.contiguous();
-  const auto g = grad_in.to(at::kFloat).contiguous();
-  const auto w = weight.to(at::kFloat).contiguous();
+  const auto in = backward_inputs(grad_in, x_in, weight);
+  const at::Tensor &x = in.x, &g = in.grad, &w = in.weight;
   auto grad_x = at::empty(x.sizes(), x.options());
   auto grad_w = at::zeros({x.size(-1)}, x.options().dtype(at::kFloat));
   if (x.numel() > 0) rms_norm_backward_cuda_launch(g, x, w, eps, grad_x, grad_w,
