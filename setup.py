@@ -60,12 +60,28 @@ def _cpu_vector_flags() -> list:
     return []
 
 
+def _openmp_flags() -> list:
+    """-fopenmp when torch's CPU parallel backend is OpenMP. at::parallel_for is inlined into the
+    extension and its `#pragma omp parallel` is compiled only under -fopenmp; without the flag
+    every kernel runs on one thread. The libgomp this links against is the one torch has
+    already loaded (same soname), so both share one thread pool."""
+    import sys
+
+    import torch
+
+    if sys.platform != "linux" or not torch._C.has_openmp:
+        return []
+    return ["-fopenmp"]
+
+
 def _extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     debug = os.environ.get("TP_EXT_DEBUG_BUILD", "0") == "1"
     cxx_flags = ["-O3" if not debug else "-O0", "-std=c++17", "-fdiagnostics-color=always"]
     cxx_flags += ["-Wno-deprecated-declarations"] + _cpu_vector_flags()
+    openmp = _openmp_flags()
+    cxx_flags += openmp
     if debug:
         cxx_flags += ["-g"]
     if _want_cuda():
@@ -74,9 +90,10 @@ def _extension():
             "tp_ext._C",
             cpp_sources + cu_sources,
             extra_compile_args={"cxx": cxx_flags + ["-DTP_EXT_WITH_CUDA"], "nvcc": nvcc_flags},
+            extra_link_args=openmp,
         )
     return cpp_extension.CppExtension(
-        "tp_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags}
+        "tp_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=openmp
     )
 
 

@@ -99,15 +99,28 @@ GRAD_ARGS = {"rms_norm": (0, 1), "add_rms_norm": (0, 1, 2), "swiglu": (0,),
 
 
 def _step(fn, args, backward):
-    """One call; with backward, grads of the differentiable args from a sum of the outputs."""
+    """One call; with backward, the grads of the differentiable args for a fixed random upstream
+    gradient per output (contiguous, in the output's dtype, as a following matmul hands back)."""
     out = fn(*args)
     if backward:
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        sum(o.float().sum() for o in outs).backward()
+        torch.autograd.backward(outs, [_upstream_grad(o) for o in outs])
         for a in args:
             if isinstance(a, torch.Tensor):
                 a.grad = None
     return out
+
+
+_UPSTREAM = {}
+
+
+def _upstream_grad(out):
+    """The same random gradient for every call with this shape and dtype (made once, not timed)."""
+    key = (tuple(out.shape), out.dtype)
+    if key not in _UPSTREAM:
+        g = torch.Generator().manual_seed(1)
+        _UPSTREAM[key] = torch.randn(out.shape, generator=g).to(out.dtype)
+    return _UPSTREAM[key]
 
 
 def _prepared(kernel, tokens, dtype, backward):
@@ -118,9 +131,11 @@ def _prepared(kernel, tokens, dtype, backward):
     return args
 
 
-def time_kernels(tokens_list, dtypes, repeats):
+def time_kernels(tokens_list, dtypes, repeats, kernels=tuple(EAGER)):
     rows = []
     for kernel, eager in EAGER.items():
+        if kernel not in kernels:
+            continue
         op = _op(kernel)
         for dname in dtypes:
             for tokens in tokens_list:
@@ -241,12 +256,13 @@ def measure_memory(spec):
     return results
 
 
-def memory_rows(tokens, ce_tokens, dtypes):
-    spec = [[kind, k, d, tokens] for k in EAGER for d in dtypes for kind in ("op", "eager")]
-    spec += [["ce", v, d, ce_tokens] for d in dtypes for v in ("tp_ext", "gather")]
+def memory_rows(tokens, ce_tokens, dtypes, kernels=tuple(EAGER), cross_entropy=True):
+    spec = [[kind, k, d, tokens] for k in kernels for d in dtypes for kind in ("op", "eager")]
+    if cross_entropy:
+        spec += [["ce", v, d, ce_tokens] for d in dtypes for v in ("tp_ext", "gather")]
     res = measure_memory(spec)
     rows = []
-    for k in EAGER:
+    for k in kernels:
         for d in dtypes:
             case = f"{k} {d} tokens={tokens}"
             mine, base = res.get(("op", k, d, tokens)), res.get(("eager", k, d, tokens))
@@ -256,7 +272,7 @@ def memory_rows(tokens, ce_tokens, dtypes):
                 continue
             rows.append(dict(benchmark=BENCH, case=case, metric="fwd+bwd peak memory",
                              value=mine / 2**20, unit="MiB", baseline=base / 2**20))
-    for d in dtypes:
+    for d in dtypes if cross_entropy else ():
         case = f"cross_entropy {d} tokens={ce_tokens} vocab={VOCAB_SHARD}/{VOCAB}"
         mine, base = res.get(("ce", "tp_ext", d, ce_tokens)), res.get(("ce", "gather", d,
                                                                          ce_tokens))
@@ -280,10 +296,14 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--kernels", nargs="+", default=list(EAGER), choices=list(EAGER),
+                   help="time only these kernels")
     p.add_argument("--memory-tokens", type=int, default=1024)
     p.add_argument("--ce-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads (default: torch's, i.e. one per core)")
+    p.add_argument("--no-cross-entropy", action="store_true",
+                   help="skip the cross-entropy memory comparison")
     p.add_argument("--no-save", action="store_true", help="print only, do not append to the CSV")
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -293,8 +313,9 @@ def main():
         memory_worker(json.loads(a.memory_worker))
         return
     load_tp_ext()
-    rows = time_kernels(a.tokens, a.dtypes, a.repeats)
-    rows += memory_rows(a.memory_tokens, a.ce_tokens, a.dtypes)
+    rows = time_kernels(a.tokens, a.dtypes, a.repeats, a.kernels)
+    rows += memory_rows(a.memory_tokens, a.ce_tokens, a.dtypes, a.kernels,
+                        cross_entropy=not a.no_cross_entropy)
     if not a.no_save:
         append_rows(rows)
 

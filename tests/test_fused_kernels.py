@@ -132,6 +132,56 @@ def test_swiglu_parity(dtype, inter):
     close(grads(y, (gu,), g)[0], grads(yr, (gur,), g)[0], dtype, scale=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_rounds_once(dtype):
+    """bf16/fp16: the kernel is the fp64 truth rounded once (an ulp off at most, the rare tie that
+    the approximate exp tips over), and never less accurate than the unfused composite, which
+    rounds silu(gate) and grad * up on the way. 1000 columns: the vector loop and its tail."""
+    torch.manual_seed(0)
+    gu = (torch.randn(64, 2 * 1000) * 4).to(dtype)
+    dy = torch.randn(64, 1000).to(dtype)
+    gd = gu.double().requires_grad_(True)
+    truth = ref_swiglu(gd)
+    (truth_grad,) = torch.autograd.grad(truth, gd, dy.double())
+    mine = ops.swiglu(gu)
+    mine_grad = ops.swiglu_backward(dy, gu)
+    (gl,) = leaves(gu)
+    composite = ref_swiglu(gl)
+    (composite_grad,) = grads(composite, (gl,), dy)
+    eps = torch.finfo(dtype).eps
+    for got, want, unfused in ((mine, truth, composite), (mine_grad, truth_grad, composite_grad)):
+        rounded = want.to(dtype)
+        assert (got != rounded).float().mean() < 0.005
+        torch.testing.assert_close(got.double(), rounded.double(), rtol=eps, atol=1e-30)
+        assert (got.double() - want).abs().max() <= (unfused.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_swiglu_extreme_inputs(dtype):
+    """Huge, tiny, infinite and NaN gates give what the unfused composite gives (no inf / inf where
+    exp(-g) overflows), on the vector path (48 columns) and its tail."""
+    special = [float("inf"), float("-inf"), float("nan"), 100.0, -100.0, 80.0, -80.0, 0.0, -0.0,
+               1e-30, -1e-30, 3e4, -3e4, 3e38, -3e38, 11.0]
+    gate = torch.tensor(special * 3, dtype=torch.float64).to(dtype)
+    gu = torch.cat([gate, torch.full_like(gate, 1.5)]).unsqueeze(0)
+    dy = torch.ones_like(gate).unsqueeze(0)
+    (gl,) = leaves(gu)
+    want = ref_swiglu(gl)
+    (want_grad,) = grads(want, (gl,), dy)
+    torch.testing.assert_close(ops.swiglu(gu), want, atol=1e-30, rtol=TOL[dtype]["rtol"],
+                               equal_nan=True)
+    torch.testing.assert_close(ops.swiglu_backward(dy, gu), want_grad, atol=1e-30,
+                               rtol=TOL[dtype]["rtol"], equal_nan=True)
+
+
+def test_swiglu_double_is_double():
+    """float64 is computed in float64 (gradcheck needs it)."""
+    torch.manual_seed(0)
+    gu = torch.randn(4, 2 * 37, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(ops.swiglu(gu), ref_swiglu(gu), atol=1e-14, rtol=1e-14)
+    assert torch.autograd.gradcheck(ops.swiglu, (gu,))
+
+
 def test_empty_batch():
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(0, 5, 8, dtype=dtype, requires_grad=True)

@@ -60,44 +60,82 @@ std::pair<at::Tensor, at::Tensor> backward_inputs(const at::Tensor& grad_in,
 int64_t grain(int64_t i) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(i, 1)); }
 
 template <typename T>
-inline float round_to(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
-
-template <typename T>
 constexpr bool kReduced = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
 
-// Round fp32 lanes through T and back (bf16/fp16), as the unfused code's intermediate tensors do.
+// exp(-|g|), in (0, 1]: it cannot overflow, whatever g is. Under AVX-512: e^x = 2^n e^r with
+// n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 in two parts, so r is exact to
+// fp32), a Taylor polynomial for e^r and scalef for the 2^n part. Degree 7 for fp32 (truncation
+// error 5e-9, a tenth of an ulp) and degree 5 for bf16/fp16 (2.4e-6; their results keep 8 or 11
+// bits). That is half of SLEEF's instructions, and the exp was most of the kernel's time.
+// Elsewhere SLEEF's exp (fp32) or ATen's exp_u20 (bf16/fp16).
 template <typename T>
-inline Vec round_vec(const Vec& v) {
+inline Vec exp_neg_abs(const Vec& g) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // x = -|g|, floored where e^x is zero in fp32 anyway.
+  const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)),
+                                 _mm512_set1_ps(-110.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2, high bits (exact)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);     // ln 2, the rest
+  // 1 / k!, highest degree first
+  __m512 p;
   if constexpr (kReduced<T>) {
-    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+    p = _mm512_set1_ps(1.f / 120);
   } else {
-    return v;
+    p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
   }
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+#else
+  if constexpr (kReduced<T>) return g.abs().neg().exp_u20();
+  return g.abs().neg().exp();
+#endif
 }
 
-// One element of each pass in fp32, for the tails and for double.
+// 1 / d for d in [1, 2]. Under AVX-512 the 14-bit hardware estimate refined by one Newton step
+// (relative error about 2^-27) replaces the slower division.
+inline Vec reciprocal_1_2(const Vec& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+#else
+  return Vec(1.f) / d;
+#endif
+}
+
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|): no overflow, so a
+// large negative g gives 0 (and silu(g) = -0), not inf / inf.
 template <typename T>
-inline float silu_scalar(float g) {
-  return round_to<T>(g / (1.f + std::exp(-g)));
+inline Vec sigmoid_vec(const Vec& g) {
+  const Vec e = exp_neg_abs<T>(g);
+  const Vec r = reciprocal_1_2(Vec(1.f) + e);
+  return Vec::blendv(r, e * r, g < Vec(0.f));
 }
 
-// Forward on kVec lanes: silu(g) rounded through T, times u (the product is rounded by the store).
+// Forward on kVec fp32 lanes: silu(g) * u, rounded once by the store.
 template <typename T>
 inline Vec swiglu_vec(const Vec& g, const Vec& u) {
-  const Vec one(1.f);
-  return round_vec<T>(g / (one + g.neg().exp())) * u;
+  return g * sigmoid_vec<T>(g) * u;
 }
 
-// Backward on kVec lanes: (d gate, d up) from dy, with the reference's roundings.
+// Backward on kVec fp32 lanes: (d gate, d up) = (dy u s (1 + g (1 - s)), dy g s), s = sigmoid(g).
 template <typename T>
 inline std::pair<Vec, Vec> swiglu_grad_vec(const Vec& g, const Vec& u, const Vec& dy) {
   const Vec one(1.f);
-  const Vec sig = one / (one + g.neg().exp());
-  const Vec dsilu = round_vec<T>(dy * u);
-  return {dsilu * sig * (one + g * (one - sig)), dy * round_vec<T>(g * sig)};
+  const Vec sig = sigmoid_vec<T>(g);
+  return {dy * u * sig * (one + g * (one - sig)), dy * g * sig};
 }
+
+// The same on one element, for the tails and for double (in double).
+template <typename T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // Loads/stores kVec fp32 lanes (float) or 2 x kVec lanes (bf16/fp16, widened to fp32).
 template <typename T>
@@ -136,9 +174,10 @@ void swiglu_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t inter)
                  kReduced<T> ? swiglu_vec<T>(g1, u1) : Vec(0.f));
       }
     }
-    for (; j < inter; ++j)
-      o[j] = static_cast<T>(silu_scalar<T>(static_cast<float>(gate[j])) *
-                            static_cast<float>(up[j]));
+    for (; j < inter; ++j) {
+      const Acc<T> g = static_cast<Acc<T>>(gate[j]);
+      o[j] = static_cast<T>(g / (1 + std::exp(-g)) * static_cast<Acc<T>>(up[j]));
+    }
   }
 }
 
@@ -165,12 +204,11 @@ void swiglu_grad_rows(const T* in, const T* grad, T* out, int64_t begin, int64_t
       }
     }
     for (; j < inter; ++j) {
-      const float g = static_cast<float>(gate[j]), d = static_cast<float>(dy[j]);
-      const float u = static_cast<float>(up[j]);
-      const float sig = 1.f / (1.f + std::exp(-g));
-      const float dsilu = round_to<T>(d * u);  // the reference rounds grad * up first
-      dgate[j] = static_cast<T>(dsilu * sig * (1.f + g * (1.f - sig)));
-      dup[j] = static_cast<T>(d * round_to<T>(g * sig));
+      const Acc<T> g = static_cast<Acc<T>>(gate[j]), d = static_cast<Acc<T>>(dy[j]);
+      const Acc<T> u = static_cast<Acc<T>>(up[j]);
+      const Acc<T> sig = 1 / (1 + std::exp(-g));
+      dgate[j] = static_cast<T>(d * u * sig * (1 + g * (1 - sig)));
+      dup[j] = static_cast<T>(d * g * sig);
     }
   }
 }
