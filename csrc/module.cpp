@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "comm/group.h"
+#include "comm/shm_channel.h"
 #include "comm/stats.h"
 
 namespace py = pybind11;
@@ -20,4 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_timeout_ms", &tp_ext::comm::timeout_ms);
   m.def("_set_consistency_checks", &tp_ext::comm::set_consistency_checks);
   m.def("_consistency_checks", &tp_ext::comm::consistency_checks);
+  m.def("_set_shm_enabled", &tp_ext::comm::set_shm_enabled);
+  m.def("_shm_enabled", &tp_ext::comm::shm_enabled);
+  m.def("_shm_active", [](const std::string& name) { return tp_ext::comm::shm_active(name); });
 }

@@ -39,6 +39,7 @@ __all__ = [
     "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
     "gather_from_sp", "reduce_scatter_to_sp",
     "resolve_group", "group_args", "ranked_group_args", "track", "tag", "CommStats", "set_timeout", "set_consistency_checks",
+    "set_shared_memory", "shared_memory_active",
 ]
 
 
@@ -296,3 +297,21 @@ def set_consistency_checks(enabled: bool) -> None:
     same clear error on each rank if not (one extra small blocking all-gather per call, so async
     ops then wait for their peers to arrive). Also enabled by ``TP_EXT_CHECK_COLLECTIVES=1``."""
     _C._set_consistency_checks(bool(enabled))
+
+
+def set_shared_memory(enabled: bool) -> None:
+    """Whether process groups set up from now on carry the synchronous CPU collectives
+    (all_reduce, all_gather, reduce_scatter and the Megatron pairs built on them) through shared
+    memory when all their ranks are on one host and use gloo: one pass through memory instead of
+    gloo's TCP rounds, for tensors up to ``TP_EXT_SHM_SLOT_BYTES`` (1 MiB) per rank; larger ones
+    still go through gloo. On by default; ``TP_EXT_SHM=0`` turns it off. A group decides once, at
+    its first such collective, and all its ranks decide alike (off if off on any of them)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    _C._set_shm_enabled(enabled)
+
+
+def shared_memory_active(group: GroupLike = None) -> bool:
+    """Whether ``group``'s collectives use the shared-memory channel (False before its first
+    synchronous CPU collective, and for groups that cannot use it)."""
+    return bool(_C._shm_active(_group(group).group_name))

@@ -1,8 +1,10 @@
 #include "collectives.h"
 
+#include "shm_channel.h"
 #include "stats.h"
 
 #include <chrono>
+#include <cstring>
 
 namespace tp_ext::comm {
 
@@ -53,6 +55,57 @@ std::vector<int64_t> with_first(at::IntArrayRef shape, int64_t first) {
   return v;
 }
 
+// ---- the shared-memory path (shm_channel.h) for CPU tensors of same-host gloo groups ----
+
+bool shm_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The channel when this collective may use it: the decision depends only on what every rank
+// agrees on (device, dtype, the largest slot any rank needs), so all ranks take the same path.
+std::shared_ptr<ShmChannel> shm_for(const at::Tensor& x, int64_t max_slot_bytes, const Group& g) {
+  if (!x.device().is_cpu() || !shm_dtype(x.scalar_type())) return nullptr;
+  auto channel = ShmChannel::of(g);
+  return channel && max_slot_bytes <= channel->slot_bytes() ? channel : nullptr;
+}
+
+// Reduces `rows` x `inner` elements at byte `offset` of every slot, in rank order (so every rank
+// that reduces the same rows gets bitwise the same result); bf16/fp16 sums accumulate in fp32.
+at::Tensor reduce_slots(const std::vector<const char*>& slots, int64_t offset, int64_t numel,
+                        const at::TensorOptions& options, Reduce reduce) {
+  auto piece = [&](size_t r) {
+    return at::from_blob(const_cast<char*>(slots[r]) + offset, {numel}, options);
+  };
+  const bool widen = (reduce == Reduce::Sum || reduce == Reduce::Avg) &&
+                     at::isReducedFloatingType(options.dtype().toScalarType());
+  at::Tensor acc = widen ? piece(0).to(at::kFloat) : piece(0).clone();
+  for (size_t r = 1; r < slots.size(); ++r) {
+    const at::Tensor next = piece(r);
+    switch (reduce) {
+      case Reduce::Sum:
+      case Reduce::Avg:
+        acc.add_(next);
+        break;
+      case Reduce::Max:
+        at::maximum_out(acc, acc, next);
+        break;
+      case Reduce::Min:
+        at::minimum_out(acc, acc, next);
+        break;
+      case Reduce::Product:
+        acc.mul_(next);
+        break;
+    }
+  }
+  return widen ? acc.to(options.dtype()) : acc;
+}
+
 }  // namespace
 
 Reduce parse_reduce(c10::string_view reduce, const char* op) {
@@ -72,11 +125,17 @@ at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const 
   auto out = x.clone(at::MemoryFormat::Contiguous);
   if (g.size == 1) return out;
   auto t0 = Clock::now();
-  std::vector<at::Tensor> bufs{out};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = to_c10d(reduce);
-  opts.timeout = op_timeout();
-  wait(g.pg->allreduce(bufs, opts), op, g);
+  if (auto shm = shm_for(x, nbytes(out), g)) {
+    shm->exchange(out.const_data_ptr(), nbytes(out), [&](const std::vector<const char*>& slots) {
+      out = reduce_slots(slots, 0, out.numel(), out.options(), reduce).view(out.sizes());
+    }, op, g);
+  } else {
+    std::vector<at::Tensor> bufs{out};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(reduce);
+    opts.timeout = op_timeout();
+    wait(g.pg->allreduce(bufs, opts), op, g);
+  }
   finish_avg(out, reduce, g);
   record(op, "all_reduce", nbytes(out), seconds_since(t0));
   return out;
@@ -92,8 +151,26 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
   const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
   const bool even = std::all_of(per_rank.begin(), per_rank.end(),
                                 [&](int64_t s) { return s == widest; });
-  // Gather equal-sized slots (padding short pieces) so every backend can do it in one call.
   auto front = dim_to_front(x, dim);
+  const int64_t row_bytes = front.size(0) > 0 ? nbytes(front) / front.size(0)
+      : c10::multiply_integers(front.sizes().slice(1)) * static_cast<int64_t>(x.element_size());
+  if (auto shm = shm_for(x, widest * row_bytes, g)) {  // each rank's rows, unpadded
+    auto t0 = Clock::now();
+    int64_t total = 0;
+    for (int64_t s : per_rank) total += s;
+    auto gathered = at::empty(with_first(front.sizes(), total), front.options());
+    shm->exchange(front.const_data_ptr(), nbytes(front), [&](const std::vector<const char*>& slots) {
+      char* dst = static_cast<char*>(gathered.data_ptr());
+      for (int64_t r = 0; r < g.size; ++r) {
+        std::memcpy(dst, slots[r], per_rank[r] * row_bytes);
+        dst += per_rank[r] * row_bytes;
+      }
+    }, op, g);
+    auto out = dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
+    record(op, "all_gather", nbytes(out), seconds_since(t0));
+    return out;
+  }
+  // Gather equal-sized slots (padding short pieces) so every backend can do it in one call.
   if (front.size(0) < widest) {
     auto padded = at::zeros(with_first(front.sizes(), widest), front.options());
     padded.narrow(0, 0, front.size(0)).copy_(front);
@@ -129,6 +206,22 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
   const bool even = std::all_of(per_rank.begin(), per_rank.end(),
                                 [&](int64_t s) { return s == widest; });
   auto front = dim_to_front(x, dim);
+  if (auto shm = shm_for(x, nbytes(front), g)) {  // every rank publishes all of x
+    auto t0 = Clock::now();
+    int64_t offset = 0;
+    for (int64_t r = 0; r < g.rank; ++r) offset += per_rank[r];
+    const int64_t row = front.size(0) > 0 ? front.numel() / front.size(0) : 0;
+    const auto shape = with_first(front.sizes(), per_rank[g.rank]);
+    at::Tensor mine;
+    shm->exchange(front.const_data_ptr(), nbytes(front), [&](const std::vector<const char*>& slots) {
+      mine = reduce_slots(slots, offset * row * static_cast<int64_t>(x.element_size()),
+                          per_rank[g.rank] * row, front.options(), reduce).view(shape);
+    }, op, g);
+    auto out = (dim == 0 ? mine : mine.movedim(0, dim)).contiguous();
+    finish_avg(out, reduce, g);
+    record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
+    return out;
+  }
   at::Tensor slots = front;
   if (!even) {  // lay each rank's piece into an equal-sized slot (padding is never read back)
     slots = at::zeros(with_first(front.sizes(), widest * g.size), front.options());

@@ -1,0 +1,148 @@
+"""The shared-memory transport of tp_ext's synchronous CPU collectives (csrc/comm/shm_channel.cpp):
+used by same-host gloo groups, exact against a local reference for every reduction and dtype, at
+uneven sizes; tensors above the slot size, and groups with the channel off, go through gloo; the
+channel agrees across ranks on whether to run; a dead peer makes the others raise at once."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_ext
+from tp_ext import _C, comm
+
+from .common import assert_equal, full
+from .dist_utils import launch_once, rank, run_distributed, world_size
+
+SLOT_BYTES = 1 << 20  # the default TP_EXT_SHM_SLOT_BYTES
+
+
+def _inputs(shape, dtype, w):
+    return [full(shape, 100 + r, dtype) for r in range(w)]
+
+
+def _reference(xs, reduce):
+    """Rank-order reduction; bf16/fp16 sums in fp32 and rounded once, as the channel does."""
+    if reduce in ("sum", "avg"):
+        wide = xs[0].dtype in (torch.bfloat16, torch.float16)
+        acc = xs[0].float() if wide else xs[0].clone()
+        for x in xs[1:]:
+            acc += x
+        acc = acc.to(xs[0].dtype)
+        return acc / len(xs) if reduce == "avg" else acc
+    fn = {"max": torch.maximum, "min": torch.minimum, "product": torch.mul}[reduce]
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = fn(acc, x)
+    return acc
+
+
+def _same(got, want, what, exact):
+    """Bitwise through shared memory; through gloo (whose ring adds in another order, and rounds
+    bf16 at every step) within rounding."""
+    if exact or not got.dtype.is_floating_point:
+        assert_equal(got, want, what)
+    else:
+        tol = 2e-2 if got.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_collectives(group_name, expect_active):
+    r, w = rank(), world_size()
+    group = tp_ext.comm.resolve_group(group_name) if group_name else None
+    comm.all_reduce(torch.ones(1), group=group)  # the first collective sets the channel up
+    name = group_name or dist.group.WORLD.group_name
+    assert comm.shared_memory_active(name) == expect_active
+    results = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        xs = _inputs((5, 7), dtype, w)
+        reduces = ["sum", "max", "min", "product"] + (["avg"] if dtype.is_floating_point else [])
+        for reduce in reduces:
+            got = comm.all_reduce(xs[r], reduce, group=group)
+            _same(got, _reference(xs, reduce), f"all_reduce {reduce} {dtype}", expect_active)
+            results[f"all_reduce {reduce} {dtype}"] = got
+        # uneven pieces along dim 1: rank i holds sizes[i] columns (some hold none at w > 3)
+        sizes = tp_ext.shard_sizes(2 * w - 1, w)
+        pieces = [full((3, sizes[i], 2), 200 + i, dtype) for i in range(w)]
+        assert_equal(comm.all_gather(pieces[r], 1, sizes, group=group), torch.cat(pieces, 1),
+                     f"all_gather {dtype}")
+        whole = _inputs((4, 2 * w - 1), dtype, w)
+        want = _reference(whole, "sum").split(sizes, 1)[r]
+        _same(comm.reduce_scatter(whole[r], 1, sizes, group=group), want,
+              f"reduce_scatter {dtype}", expect_active)
+    # above the slot size: the process group carries it, same answer
+    big = [full((SLOT_BYTES // 4 + 3,), 300 + i) for i in range(w)]
+    torch.testing.assert_close(comm.all_reduce(big[r], group=group), sum(big), rtol=1e-6,
+                               atol=1e-6)
+    return results
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_collectives_through_shared_memory(ws):
+    results = run_distributed(_check_collectives, ws, None, True)
+    # every rank holds bitwise the same all-reduce results
+    for key, value in results[0].items():
+        for r in range(1, ws):
+            assert torch.equal(results[r][key], value), key
+
+
+def _with_channel_off(disable_on):
+    """A new group made while the channel is off on `disable_on` ranks: no rank uses it."""
+    comm.set_shared_memory(rank() not in disable_on)
+    try:
+        group = dist.new_group(list(range(world_size())))
+        out = _check_collectives(group.group_name, False)
+        dist.destroy_process_group(group)
+        return len(out)
+    finally:
+        comm.set_shared_memory(True)
+
+
+@pytest.mark.parametrize("disable_on", [(0, 1, 2), (1,)])
+def test_channel_off_uses_gloo_on_every_rank(disable_on):
+    assert run_distributed(_with_channel_off, 3, disable_on)[0] > 0
+
+
+def _mixed_with_async():
+    """Synchronous collectives (shared memory) between an async one (gloo) and its wait."""
+    r, w = rank(), world_size()
+    pending = comm.all_reduce_async(full((64,), r))
+    small = comm.all_gather(full((2, 3), 10 + r), 0)
+    done = comm.wait(pending)
+    assert_equal(small, torch.cat([full((2, 3), 10 + i) for i in range(w)]), "all_gather")
+    torch.testing.assert_close(done, sum(full((64,), i) for i in range(w)))
+    return True
+
+
+def test_async_gloo_and_shared_memory_interleave():
+    assert all(run_distributed(_mixed_with_async, 3))
+
+
+def _dead_peer_small_collectives():
+    """Rank 1 is SIGKILLed while both stream small (shared-memory) all-reduces; rank 0 raises
+    within a fraction of a second, not at the 30 s process-group timeout."""
+    x = torch.ones(16)
+    comm.all_reduce(x)
+    assert _C._shm_active(dist.group.WORLD.group_name)
+    if rank() == 1:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 60:
+            comm.all_reduce(x)
+    except RuntimeError as e:
+        return ("raised", time.monotonic() - t0, str(e))
+    return ("no error", time.monotonic() - t0, "")
+
+
+def test_dead_peer_fails_the_shared_memory_collective_fast():
+    outcome, report = launch_once(_dead_peer_small_collectives, 2, timeout=90, pg_timeout=30.0)
+    ok, (status, elapsed, message) = outcome[0]
+    assert ok and status == "raised", report
+    assert elapsed < 5, f"rank 0 raised only after {elapsed:.1f}s"
+    assert "tp_ext.all_reduce failed on rank 0" in message and "rank 1" in message
+    assert "exited" in message
