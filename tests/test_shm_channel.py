@@ -26,14 +26,15 @@ def _inputs(shape, dtype, w):
 
 
 def _reference(xs, reduce):
-    """Rank-order reduction; bf16/fp16 sums in fp32 and rounded once, as the channel does."""
+    """Rank-order reduction; bf16/fp16 sums and averages in fp32, rounded once, as the channel."""
     if reduce in ("sum", "avg"):
         wide = xs[0].dtype in (torch.bfloat16, torch.float16)
         acc = xs[0].float() if wide else xs[0].clone()
         for x in xs[1:]:
             acc += x
-        acc = acc.to(xs[0].dtype)
-        return acc / len(xs) if reduce == "avg" else acc
+        if reduce == "avg":
+            acc /= len(xs)
+        return acc.to(xs[0].dtype)
     fn = {"max": torch.maximum, "min": torch.minimum, "product": torch.mul}[reduce]
     acc = xs[0]
     for x in xs[1:]:
@@ -70,6 +71,11 @@ def _check_collectives(group_name, expect_active):
         pieces = [full((3, sizes[i], 2), 200 + i, dtype) for i in range(w)]
         assert_equal(comm.all_gather(pieces[r], 1, sizes, group=group), torch.cat(pieces, 1),
                      f"all_gather {dtype}")
+        # rank 0 holds no rows at all
+        sizes0 = [0] + [2] * (w - 1)
+        pieces0 = [full((sizes0[i], 3), 250 + i, dtype) for i in range(w)]
+        assert_equal(comm.all_gather(pieces0[r], 0, sizes0, group=group), torch.cat(pieces0),
+                     f"all_gather with an empty piece {dtype}")
         whole = _inputs((4, 2 * w - 1), dtype, w)
         want = _reference(whole, "sum").split(sizes, 1)[r]
         _same(comm.reduce_scatter(whole[r], 1, sizes, group=group), want,
@@ -122,9 +128,43 @@ def test_async_gloo_and_shared_memory_interleave():
     assert all(run_distributed(_mixed_with_async, 3))
 
 
+def _mismatched_calls():
+    """With the cross-rank checks off, ranks that call different collectives at the same point
+    (a bug in the caller) get an error on every rank, not each other's bytes."""
+    comm.set_consistency_checks(False)
+    group = dist.new_group(list(range(world_size())))
+    comm.all_reduce(torch.ones(1), group=group)
+    assert comm.shared_memory_active(group)
+    x = torch.ones(3)
+    try:
+        if rank() == 0:
+            comm.all_reduce(x, group=group)
+        else:
+            comm.all_gather(x, 0, group=group)
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        message = ""
+    try:  # the channel refuses further use
+        comm.all_reduce(x, group=group)
+        later = ""
+    except RuntimeError as e:
+        later = str(e)
+    dist.destroy_process_group(group)
+    return message, later
+
+
+def test_mismatched_collectives_raise_on_every_rank():
+    for message, later in run_distributed(_mismatched_calls, 3):
+        assert "called a different collective" in message, message
+        assert "out of step" in later, later
+
+
 def _dead_peer_small_collectives():
     """Rank 1 is SIGKILLed while both stream small (shared-memory) all-reduces; rank 0 raises
-    within a fraction of a second, not at the 30 s process-group timeout."""
+    within a fraction of a second, not at the 30 s process-group timeout. (Cross-rank checks off:
+    their gloo all-gather would notice the closed socket first.)"""
+    comm.set_consistency_checks(False)
     x = torch.ones(16)
     comm.all_reduce(x)
     assert _C._shm_active(dist.group.WORLD.group_name)

@@ -75,8 +75,18 @@ std::shared_ptr<ShmChannel> shm_for(const at::Tensor& x, int64_t max_slot_bytes,
   return channel && max_slot_bytes <= channel->slot_bytes() ? channel : nullptr;
 }
 
-// Reduces `rows` x `inner` elements at byte `offset` of every slot, in rank order (so every rank
-// that reduces the same rows gets bitwise the same result); bf16/fp16 sums accumulate in fp32.
+// What a collective is, for the channel to check that all ranks make the same call.
+uint64_t signature(std::initializer_list<int64_t> head, at::IntArrayRef tail = {}) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the values
+  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
+  for (int64_t v : head) mix(v);
+  for (int64_t v : tail) mix(v);
+  return h;
+}
+
+// Reduces `numel` elements at byte `offset` of every slot, in rank order (so every rank that
+// reduces the same elements gets bitwise the same result); bf16/fp16 sums and averages are
+// accumulated, and averages divided, in fp32 and rounded once.
 at::Tensor reduce_slots(const std::vector<const char*>& slots, int64_t offset, int64_t numel,
                         const at::TensorOptions& options, Reduce reduce) {
   auto piece = [&](size_t r) {
@@ -103,6 +113,7 @@ at::Tensor reduce_slots(const std::vector<const char*>& slots, int64_t offset, i
         break;
     }
   }
+  if (reduce == Reduce::Avg) acc.div_(static_cast<int64_t>(slots.size()));
   return widen ? acc.to(options.dtype()) : acc;
 }
 
@@ -126,7 +137,10 @@ at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const 
   if (g.size == 1) return out;
   auto t0 = Clock::now();
   if (auto shm = shm_for(x, nbytes(out), g)) {
-    shm->exchange(out.const_data_ptr(), nbytes(out), [&](const std::vector<const char*>& slots) {
+    const auto sig = signature({1, static_cast<int64_t>(x.scalar_type()), out.numel(),
+                                static_cast<int64_t>(reduce)});
+    shm->exchange(out.const_data_ptr(), nbytes(out), sig,
+                  [&](const std::vector<const char*>& slots) {
       out = reduce_slots(slots, 0, out.numel(), out.options(), reduce).view(out.sizes());
     }, op, g);
   } else {
@@ -135,8 +149,8 @@ at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const 
     opts.reduceOp = to_c10d(reduce);
     opts.timeout = op_timeout();
     wait(g.pg->allreduce(bufs, opts), op, g);
+    finish_avg(out, reduce, g);
   }
-  finish_avg(out, reduce, g);
   record(op, "all_reduce", nbytes(out), seconds_since(t0));
   return out;
 }
@@ -159,9 +173,12 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
     int64_t total = 0;
     for (int64_t s : per_rank) total += s;
     auto gathered = at::empty(with_first(front.sizes(), total), front.options());
-    shm->exchange(front.const_data_ptr(), nbytes(front), [&](const std::vector<const char*>& slots) {
+    const auto sig = signature({2, static_cast<int64_t>(x.scalar_type()), row_bytes}, per_rank);
+    shm->exchange(front.const_data_ptr(), nbytes(front), sig,
+                  [&](const std::vector<const char*>& slots) {
       char* dst = static_cast<char*>(gathered.data_ptr());
       for (int64_t r = 0; r < g.size; ++r) {
+        if (per_rank[r] * row_bytes == 0) continue;
         std::memcpy(dst, slots[r], per_rank[r] * row_bytes);
         dst += per_rank[r] * row_bytes;
       }
@@ -213,12 +230,14 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
     const int64_t row = front.size(0) > 0 ? front.numel() / front.size(0) : 0;
     const auto shape = with_first(front.sizes(), per_rank[g.rank]);
     at::Tensor mine;
-    shm->exchange(front.const_data_ptr(), nbytes(front), [&](const std::vector<const char*>& slots) {
+    const auto sig = signature({3, static_cast<int64_t>(x.scalar_type()), front.numel(),
+                                static_cast<int64_t>(reduce)}, per_rank);
+    shm->exchange(front.const_data_ptr(), nbytes(front), sig,
+                  [&](const std::vector<const char*>& slots) {
       mine = reduce_slots(slots, offset * row * static_cast<int64_t>(x.element_size()),
                           per_rank[g.rank] * row, front.options(), reduce).view(shape);
     }, op, g);
     auto out = (dim == 0 ? mine : mine.movedim(0, dim)).contiguous();
-    finish_avg(out, reduce, g);
     record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
     return out;
   }

@@ -1,6 +1,7 @@
 #include "shm_channel.h"
 
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <fcntl.h>
 #include <sched.h>
@@ -12,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -35,16 +37,14 @@ std::atomic<bool> g_enabled{[] {
   return v == nullptr || std::string(v) != "0";
 }()};
 
+// TP_EXT_SHM_SLOT_BYTES, or -1 when it is not a valid size (reported on every rank after the
+// setup exchange, so that no rank is left waiting in it).
 int64_t slot_bytes_setting() {
   const char* v = std::getenv("TP_EXT_SHM_SLOT_BYTES");
   if (v == nullptr || *v == '\0') return kDefaultSlotBytes;
   char* end = nullptr;
   const long long n = std::strtoll(v, &end, 10);
-  TORCH_CHECK_VALUE(end != v && *end == '\0' && n >= 4096 && n % kLine == 0,
-                    "tp_ext: TP_EXT_SHM_SLOT_BYTES='", v,
-                    "' must be a whole number of bytes, >= 4096 and a multiple of 64 (default ",
-                    kDefaultSlotBytes, ").");
-  return n;
+  return end != v && *end == '\0' && n >= 4096 && n % kLine == 0 ? n : -1;
 }
 
 std::string read_first_line(const char* path) {
@@ -93,6 +93,11 @@ bool all_ok(const std::vector<std::vector<int64_t>>& rows) {
   return true;
 }
 
+// Whether this process can see itself in /proc (so a missing /proc entry means a dead peer).
+bool proc_usable() {
+  return static_cast<bool>(std::ifstream("/proc/" + std::to_string(::getpid()) + "/stat"));
+}
+
 // A peer counts as gone when its process no longer exists or is a zombie.
 bool process_gone(int64_t pid) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
@@ -125,15 +130,20 @@ inline void cpu_relax() {
 
 struct Entry {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> pg;
+  std::shared_ptr<std::mutex> setup_mu = std::make_shared<std::mutex>();
+  bool decided = false;                 // guarded by *setup_mu
   std::shared_ptr<ShmChannel> channel;  // null: the group uses its process group only
-  std::string name;
 };
-std::mutex g_registry_mu;
-std::unordered_map<const c10d::ProcessGroup*, Entry>& registry() {
-  static auto* r = new std::unordered_map<const c10d::ProcessGroup*, Entry>();
+std::mutex g_registry_mu;  // guards the map only; setup runs under the entry's own mutex
+std::unordered_map<const c10d::ProcessGroup*, std::shared_ptr<Entry>>& registry() {
+  static auto* r = new std::unordered_map<const c10d::ProcessGroup*, std::shared_ptr<Entry>>();
   return *r;
 }
-std::atomic<int64_t> g_segments_made{0};
+
+uint64_t random_nonce() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32 ^ rd()) & 0x7fffffffffffffffull;
+}
 
 }  // namespace
 
@@ -141,11 +151,27 @@ void set_shm_enabled(bool on) { g_enabled = on; }
 bool shm_enabled() { return g_enabled; }
 
 bool shm_active(c10::string_view group_name) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  for (auto& [key, entry] : registry())
-    if (entry.name == group_name && !entry.pg.expired()) return entry.channel != nullptr;
-  return false;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  try {
+    pg = c10d::resolve_process_group(std::string(group_name));
+  } catch (const std::exception&) {
+    return false;
+  }
+  std::shared_ptr<Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto found = registry().find(pg.get());
+    if (found == registry().end()) return false;
+    entry = found->second;
+  }
+  std::lock_guard<std::mutex> lock(*entry->setup_mu);
+  return entry->channel != nullptr;
 }
+
+struct alignas(64) ShmChannel::RankLine {
+  std::atomic<uint64_t> arrived;  // the last collective this rank has published
+  uint64_t signature[2];          // of collective seq at [seq & 1], written before `arrived`
+};
 
 ShmChannel::ShmChannel(char* base, int64_t mapped_bytes, int64_t rank, int64_t size,
                        int64_t slot_bytes, std::vector<int64_t> pids)
@@ -158,8 +184,10 @@ ShmChannel::ShmChannel(char* base, int64_t mapped_bytes, int64_t rank, int64_t s
 
 ShmChannel::~ShmChannel() { ::munmap(base_, mapped_bytes_); }
 
-std::atomic<uint64_t>& ShmChannel::arrived(int64_t r) const {
-  return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + r * kLine);
+ShmChannel::RankLine& ShmChannel::line(int64_t r) const {
+  static_assert(sizeof(RankLine) == kLine, "one cache line per rank");
+  static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared-memory counters");
+  return *reinterpret_cast<RankLine*>(base_ + r * kLine);
 }
 
 // Two buffers used in turn: a rank writes buffer (seq & 1) only after every rank has arrived at
@@ -169,16 +197,25 @@ char* ShmChannel::slot(uint64_t seq, int64_t r) const {
 }
 
 std::shared_ptr<ShmChannel> ShmChannel::of(const Group& g) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  auto& reg = registry();
-  for (auto it = reg.begin(); it != reg.end();)  // drop the channels of destroyed groups
-    it = it->second.pg.expired() ? reg.erase(it) : std::next(it);
-  auto found = reg.find(g.pg.get());
-  if (found != reg.end()) return found->second.channel;
-  auto channel = create(g);
-  reg.emplace(g.pg.get(), Entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg), channel,
-                                g.name});
-  return channel;
+  std::shared_ptr<Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto& reg = registry();
+    for (auto it = reg.begin(); it != reg.end();)  // drop the channels of destroyed groups
+      it = it->second->pg.expired() ? reg.erase(it) : std::next(it);
+    auto& slot = reg[g.pg.get()];
+    if (!slot)
+      slot = std::make_shared<Entry>(Entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg)});
+    entry = slot;
+  }
+  // Setup talks to the other ranks: under this group's mutex only, so collectives of other
+  // groups on other threads go on meanwhile.
+  std::lock_guard<std::mutex> lock(*entry->setup_mu);
+  if (!entry->decided) {
+    entry->channel = create(g);
+    entry->decided = true;
+  }
+  return entry->channel;
 }
 
 std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
@@ -190,10 +227,18 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
   // Not gloo (a fake or custom backend): no setup collective either, on every rank alike.
   if (backend != "gloo" || g.size < 2) return nullptr;
 
-  // Round 1: can every rank take part, on one host, and how big are the slots (rank 0 decides)?
-  const int64_t made = g.rank == 0 ? g_segments_made.fetch_add(1) : 0;
-  const auto info = gather_ints(g, {g_enabled ? 1 : 0, host_key(), static_cast<int64_t>(::getpid()),
-                                    slot_bytes_setting(), made});
+  // Round 1: can every rank take part (switch on, /proc usable to watch peers), on one host, and
+  // with which slot size and segment name (rank 0's; its random nonce keeps jobs that share
+  // /dev/shm from meeting, even with equal pids in different PID namespaces)?
+  const int64_t slot_setting = slot_bytes_setting();
+  const auto info = gather_ints(g, {g_enabled && proc_usable() ? 1 : 0, host_key(),
+                                    static_cast<int64_t>(::getpid()), slot_setting,
+                                    static_cast<int64_t>(g.rank == 0 ? random_nonce() : 0)});
+  for (int64_t r = 0; r < g.size; ++r)
+    TORCH_CHECK_VALUE(info[r][3] > 0, "tp_ext: TP_EXT_SHM_SLOT_BYTES on rank ", r,
+                      " of process group '", g.name, "' is not a valid size; it must be a whole "
+                      "number of bytes, >= 4096 and a multiple of 64 (default ", kDefaultSlotBytes,
+                      ").");
   for (const auto& row : info)
     if (row[0] != 1 || row[1] != info[0][1]) return nullptr;
   const int64_t slot_bytes = info[0][3];
@@ -203,42 +248,57 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
   const int64_t bytes = g.size * kLine + 2 * g.size * slot_bytes;
 
   // Round 2: rank 0 creates the segment (fallocate: fail now rather than SIGBUS on a full
-  // /dev/shm); round 3: the others map it; then rank 0 unlinks the name, so nothing outlives the
-  // processes that hold the mapping.
+  // /dev/shm); round 3: the others map it (after checking its size); then rank 0 unlinks the
+  // name, so nothing outlives the processes that hold the mapping. A failed round on any rank
+  // leaves every rank on gloo; an exception (a peer lost during setup) unlinks and unmaps too.
   char* base = nullptr;
+  bool created = false;
   auto map_fd = [&](int fd) {
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    struct stat st {};
+    void* p = ::fstat(fd, &st) == 0 && st.st_size == bytes
+                  ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
     ::close(fd);
     base = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
     return base != nullptr;
   };
-  bool ok = true;
-  if (g.rank == 0) {
-    ::shm_unlink(name.c_str());
-    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      ok = false;
-    } else if (::posix_fallocate(fd, 0, bytes) != 0) {
-      ::close(fd);
-      ok = false;
-    } else {
-      ok = map_fd(fd);
+  auto give_up = [&] {
+    if (created) ::shm_unlink(name.c_str());
+    if (base != nullptr) ::munmap(base, bytes);
+    base = nullptr;
+  };
+  try {
+    bool ok = true;
+    if (g.rank == 0) {
+      const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      created = fd >= 0;
+      if (fd < 0) {
+        ok = false;
+      } else if (::posix_fallocate(fd, 0, bytes) != 0) {
+        ::close(fd);
+        ok = false;
+      } else {
+        ok = map_fd(fd);
+      }
     }
-  }
-  if (!all_ok(gather_ints(g, {ok ? 1 : 0}))) {
-    if (g.rank == 0) ::shm_unlink(name.c_str());
-    if (base) ::munmap(base, bytes);
-    return nullptr;
-  }
-  if (g.rank != 0) {
-    const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-    ok = fd >= 0 && map_fd(fd);
-  }
-  const bool everyone = all_ok(gather_ints(g, {ok ? 1 : 0}));
-  if (g.rank == 0) ::shm_unlink(name.c_str());
-  if (!everyone) {
-    if (base) ::munmap(base, bytes);
-    return nullptr;
+    if (!all_ok(gather_ints(g, {ok ? 1 : 0}))) {
+      give_up();
+      return nullptr;
+    }
+    if (g.rank != 0) {
+      const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+      ok = fd >= 0 && map_fd(fd);
+    }
+    const bool everyone = all_ok(gather_ints(g, {ok ? 1 : 0}));
+    if (created) ::shm_unlink(name.c_str());
+    created = false;
+    if (!everyone) {
+      give_up();
+      return nullptr;
+    }
+  } catch (...) {
+    give_up();
+    throw;
   }
   return std::shared_ptr<ShmChannel>(
       new ShmChannel(base, bytes, g.rank, g.size, slot_bytes, std::move(pids)));
@@ -251,7 +311,7 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
   for (int64_t polls = 0;; ++polls) {
     int64_t missing = -1;
     for (int64_t r = 0; r < size_ && missing < 0; ++r)
-      if (arrived(r).load(std::memory_order_acquire) < seq) missing = r;
+      if (line(r).arrived.load(std::memory_order_acquire) < seq) missing = r;
     if (missing < 0) return;
     // Spin briefly (a peer a few microseconds behind), then yield the core (ranks may outnumber
     // cores), then sleep (a peer that is computing for long should get the CPU).
@@ -267,10 +327,12 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
     }
     if (now >= next_liveness_check) {
       next_liveness_check = now + std::chrono::milliseconds(20);
-      if (process_gone(pids_[missing])) {
+      for (int64_t r = 0; r < size_; ++r) {
+        if (line(r).arrived.load(std::memory_order_acquire) >= seq || !process_gone(pids_[r]))
+          continue;
         broken_ = true;
         TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '",
-                    g.name, "' (", g.size, " ranks): rank ", missing, " (pid ", pids_[missing],
+                    g.name, "' (", g.size, " ranks): rank ", r, " (pid ", pids_[r],
                     ") exited before joining this collective (shared-memory transport).");
       }
     }
@@ -285,7 +347,7 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
   }
 }
 
-void ShmChannel::exchange(const void* data, int64_t nbytes,
+void ShmChannel::exchange(const void* data, int64_t nbytes, uint64_t signature,
                           const std::function<void(const std::vector<const char*>&)>& read,
                           const char* op, const Group& g) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -296,8 +358,19 @@ void ShmChannel::exchange(const void* data, int64_t nbytes,
               " bytes do not fit the shared-memory slot of ", slot_bytes_, " bytes.");
   const uint64_t seq = ++seq_;
   if (nbytes > 0) std::memcpy(slot(seq, rank_), data, nbytes);
-  arrived(rank_).store(seq, std::memory_order_release);
+  // Like the slots, signatures alternate: a rank may already be publishing collective seq + 1
+  // while the others still check seq.
+  line(rank_).signature[seq & 1] = signature;
+  line(rank_).arrived.store(seq, std::memory_order_release);
   wait_for_all(seq, op, g);
+  for (int64_t r = 0; r < size_; ++r) {
+    if (line(r).signature[seq & 1] == signature) continue;
+    broken_ = true;
+    TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '", g.name,
+                "': rank ", r, " called a different collective (another op, dtype, shape or "
+                "sizes) at the same point; every rank must make the same collective calls in the "
+                "same order (TP_EXT_CHECK_COLLECTIVES=1 names the difference).");
+  }
   std::vector<const char*> slots(size_);
   for (int64_t r = 0; r < size_; ++r) slots[r] = slot(seq, r);
   read(slots);

@@ -27,9 +27,11 @@ class ShmChannel {
   static std::shared_ptr<ShmChannel> of(const Group& g);
 
   // Publishes nbytes (<= slot_bytes()) of data as this rank's slot, waits until every rank has
-  // published, then calls read(slots), slots[r] being rank r's bytes. Throws, naming op and the
-  // missing rank, when a peer exits or the collective timeout passes; the channel is then unusable.
-  void exchange(const void* data, int64_t nbytes,
+  // published, then calls read(slots), slots[r] being rank r's bytes. `signature` describes the
+  // collective (kind, dtype, shapes every rank agrees on): ranks that publish different ones raise
+  // instead of reading each other's bytes. Throws, naming op and the missing rank, when a peer
+  // exits or the collective timeout passes; the channel is then unusable.
+  void exchange(const void* data, int64_t nbytes, uint64_t signature,
                 const std::function<void(const std::vector<const char*>&)>& read, const char* op,
                 const Group& g);
 
@@ -44,7 +46,8 @@ class ShmChannel {
              std::vector<int64_t> pids);
   static std::shared_ptr<ShmChannel> create(const Group& g);
   void wait_for_all(uint64_t seq, const char* op, const Group& g);
-  std::atomic<uint64_t>& arrived(int64_t r) const;
+  struct alignas(64) RankLine;  // per rank: arrival counter, signature of its collective
+  RankLine& line(int64_t r) const;
   char* slot(uint64_t seq, int64_t r) const;
 
   char* base_;
