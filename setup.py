@@ -40,7 +40,8 @@ _CPU_ARCH_FLAGS = {
 def _cpu_vector_flags() -> list:
     """The widest vector ISA the building machine has (AVX-512, else AVX2), so at::vec uses its
     512/256-bit implementation and SLEEF's vector exp, as ATen's own kernels do; without these
-    flags at::vec falls back to scalar loops. TP_EXT_CPU_ARCH=none builds portable code;
+    flags at::vec falls back to scalar loops (plus AVX-512 BF16 where the machine has it).
+    TP_EXT_CPU_ARCH=none builds portable code;
     =avx2 or =avx512 forces one (to build on one machine and run on another)."""
     choice = os.environ.get("TP_EXT_CPU_ARCH", "auto").strip().lower()
     if choice not in ("auto", "none", *_CPU_ARCH_FLAGS):
@@ -54,9 +55,11 @@ def _cpu_vector_flags() -> list:
             have = set(next((line.split() for line in f if line.startswith("flags")), []))
     except OSError:
         return []
-    for needed, flags in _CPU_ARCH_FLAGS.values():
+    for name, (needed, flags) in _CPU_ARCH_FLAGS.items():
         if set(needed) <= have:
-            return flags
+            # AVX-512 BF16 converts 32 floats to bf16 in one instruction (kernels' stores)
+            extra = ["-mavx512bf16"] if name == "avx512" and "avx512_bf16" in have else []
+            return flags + extra
     return []
 
 
