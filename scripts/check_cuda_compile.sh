@@ -34,5 +34,15 @@ for src in "${sources[@]}"; do
     -D_GLIBCXX_USE_CXX11_ABI="$abi" -DTORCH_EXTENSION_NAME=_C $includes -Icsrc \
     -c "$src" -o "$out/$(basename "$src").o"
 done
+# The CUDA halves of the C++ files (registration, launches under TP_EXT_WITH_CUDA): g++ syntax
+# check against the CUDA toolkit's headers (where nvcc itself looks; nvcc may be a wrapper).
+cuda_include=$(nvcc --dryrun -x cu -c /dev/null -o /dev/null 2>&1 |
+               sed -n 's/.*INCLUDES="-I\([^"]*\)".*/\1/p' | head -1)
+mapfile -t guarded < <(grep -rl --include='*.cpp' TP_EXT_WITH_CUDA csrc | sort)
+for src in "${guarded[@]}"; do
+  echo "g++ -fsyntax-only -DTP_EXT_WITH_CUDA $src"
+  g++ -std=c++17 -fsyntax-only -DTP_EXT_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$abi" \
+    -DTORCH_EXTENSION_NAME=_C $includes -I"$cuda_include" -Icsrc "$src"
+done
 rm -rf "$out"
-echo "check_cuda_compile: ${#sources[@]} CUDA sources compile"
+echo "check_cuda_compile: ${#sources[@]} CUDA sources compile, ${#guarded[@]} C++ files compile with CUDA on"
