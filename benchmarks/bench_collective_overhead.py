@@ -1,6 +1,7 @@
 """Host overhead of one collective call on a tiny tensor (1 element, fp32, gloo on CPU), at world
 sizes 1 and 2: tp_ext's ops vs DTensor and functional collectives. Median over many calls of
-the wall time per call, microseconds (ratio = tp_ext / baseline)."""
+the wall time per call, microseconds (ratio = tp_ext / baseline). Also one 4 MiB all-reduce
+(1M fp32), where bandwidth rather than overhead counts."""
 
 from __future__ import annotations
 
@@ -57,10 +58,15 @@ def _worker(iters):
         "DTensor Partial->Replicate": lambda: partial.redistribute(mesh, [Replicate()]).to_local(),
         "torch identity fwd+bwd": lambda: (xg * 1).backward(),
     }
+    big = torch.ones(1 << 20)
+    big_cases = {
+        "tp_ext all_reduce 4 MiB": lambda: torch.ops.tp_ext.all_reduce(big, "sum", name, w),
+        "funcol all_reduce 4 MiB": lambda: funcol.all_reduce(big, "sum", pg).wait(),
+    }
     out = {}
-    for label, fn in cases.items():
+    for label, fn in list(cases.items()) + list(big_cases.items()):
         dist.barrier()
-        out[label] = _per_call_us(fn, iters)
+        out[label] = _per_call_us(fn, iters if label in cases else max(20, iters // 20))
     return out
 
 
@@ -72,7 +78,8 @@ def main():
     a = p.parse_args()
     pairs = {"tp_ext all_reduce": "funcol all_reduce",
              "tp_ext reduce_from_tp": "DTensor Partial->Replicate",
-             "tp_ext copy_to_tp fwd+bwd": "torch identity fwd+bwd"}
+             "tp_ext copy_to_tp fwd+bwd": "torch identity fwd+bwd",
+             "tp_ext all_reduce 4 MiB": "funcol all_reduce 4 MiB"}
     rows = []
     for w in a.world_sizes:
         res = run_ranks(_worker, w, a.iters)[0]

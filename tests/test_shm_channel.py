@@ -1,7 +1,7 @@
 """The shared-memory transport of tp_ext's synchronous CPU collectives (csrc/comm/shm_channel.cpp):
 used by same-host gloo groups, exact against a local reference for every reduction and dtype, at
-uneven sizes; tensors above the slot size, and groups with the channel off, go through gloo; the
-channel agrees across ranks on whether to run; a dead peer makes the others raise at once."""
+uneven sizes and above the slot size (several rounds); groups with the channel off use gloo; the
+ranks agree on whether to use it; mismatched calls and a dead peer make the others raise at once."""
 
 import os
 import signal
@@ -80,10 +80,17 @@ def _check_collectives(group_name, expect_active):
         want = _reference(whole, "sum").split(sizes, 1)[r]
         _same(comm.reduce_scatter(whole[r], 1, sizes, group=group), want,
               f"reduce_scatter {dtype}", expect_active)
-    # above the slot size: the process group carries it, same answer
+    # above the slot size (1 MiB): several rounds through the channel, uneven pieces included
     big = [full((SLOT_BYTES // 4 + 3,), 300 + i) for i in range(w)]
-    torch.testing.assert_close(comm.all_reduce(big[r], group=group), sum(big), rtol=1e-6,
-                               atol=1e-6)
+    _same(comm.all_reduce(big[r], group=group), _reference(big, "sum"), "big all_reduce",
+          expect_active)
+    rows = [(SLOT_BYTES // (4 * 64)) + 5 * i for i in range(w)]  # a slot is 4096 rows of 64
+    tall = [full((rows[i], 64), 400 + i) for i in range(w)]
+    assert_equal(comm.all_gather(tall[r], 0, rows, group=group), torch.cat(tall),
+                 "big all_gather")
+    whole_big = [full((64, sum(rows)), 500 + i) for i in range(w)]
+    _same(comm.reduce_scatter(whole_big[r], 1, rows, group=group),
+          _reference(whole_big, "sum").split(rows, 1)[r], "big reduce_scatter", expect_active)
     return results
 
 

@@ -302,9 +302,8 @@ def set_consistency_checks(enabled: bool) -> None:
 def set_shared_memory(enabled: bool) -> None:
     """Whether process groups set up from now on carry the synchronous CPU collectives
     (all_reduce, all_gather, reduce_scatter and the Megatron pairs built on them) through shared
-    memory when all their ranks are on one host and use gloo: one pass through memory instead of
-    gloo's TCP rounds, for tensors up to ``TP_EXT_SHM_SLOT_BYTES`` (1 MiB) per rank; larger ones
-    still go through gloo. On by default; ``TP_EXT_SHM=0`` turns it off. A group decides once, at
+    memory when all their ranks are on one host and use gloo: passes through memory instead of
+    gloo's TCP rounds (in rounds of ``TP_EXT_SHM_SLOT_BYTES``, 1 MiB, per rank). On by default; ``TP_EXT_SHM=0`` turns it off. A group decides once, at
     its first such collective, and all its ranks decide alike (off if off on any of them)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {enabled!r}")

@@ -68,11 +68,12 @@ bool shm_dtype(at::ScalarType t) {
 }
 
 // The channel when this collective may use it: the decision depends only on what every rank
-// agrees on (device, dtype, the largest slot any rank needs), so all ranks take the same path.
-std::shared_ptr<ShmChannel> shm_for(const at::Tensor& x, int64_t max_slot_bytes, const Group& g) {
+// agrees on (device, dtype, the smallest unit a round must carry: an element, or one row of an
+// all-gather), so all ranks take the same path. Larger tensors go in rounds of one slot.
+std::shared_ptr<ShmChannel> shm_for(const at::Tensor& x, int64_t unit_bytes, const Group& g) {
   if (!x.device().is_cpu() || !shm_dtype(x.scalar_type())) return nullptr;
   auto channel = ShmChannel::of(g);
-  return channel && max_slot_bytes <= channel->slot_bytes() ? channel : nullptr;
+  return channel && unit_bytes <= channel->slot_bytes() ? channel : nullptr;
 }
 
 // What a collective is, for the channel to check that all ranks make the same call.
@@ -84,17 +85,17 @@ uint64_t signature(std::initializer_list<int64_t> head, at::IntArrayRef tail = {
   return h;
 }
 
-// Reduces `numel` elements at byte `offset` of every slot, in rank order (so every rank that
-// reduces the same elements gets bitwise the same result); bf16/fp16 sums and averages are
-// accumulated, and averages divided, in fp32 and rounded once.
-at::Tensor reduce_slots(const std::vector<const char*>& slots, int64_t offset, int64_t numel,
-                        const at::TensorOptions& options, Reduce reduce) {
+// Reduces dst.numel() elements at byte `offset` of every slot into dst (contiguous), in rank
+// order, so every rank that reduces the same elements gets bitwise the same result; bf16/fp16
+// sums and averages are accumulated, and averages divided, in fp32 and rounded once.
+void reduce_slots_into(at::Tensor dst, const std::vector<const char*>& slots, int64_t offset,
+                       Reduce reduce) {
   auto piece = [&](size_t r) {
-    return at::from_blob(const_cast<char*>(slots[r]) + offset, {numel}, options);
+    return at::from_blob(const_cast<char*>(slots[r]) + offset, {dst.numel()}, dst.options());
   };
   const bool widen = (reduce == Reduce::Sum || reduce == Reduce::Avg) &&
-                     at::isReducedFloatingType(options.dtype().toScalarType());
-  at::Tensor acc = widen ? piece(0).to(at::kFloat) : piece(0).clone();
+                     at::isReducedFloatingType(dst.scalar_type());
+  at::Tensor acc = widen ? piece(0).to(at::kFloat) : dst.copy_(piece(0));
   for (size_t r = 1; r < slots.size(); ++r) {
     const at::Tensor next = piece(r);
     switch (reduce) {
@@ -114,7 +115,7 @@ at::Tensor reduce_slots(const std::vector<const char*>& slots, int64_t offset, i
     }
   }
   if (reduce == Reduce::Avg) acc.div_(static_cast<int64_t>(slots.size()));
-  return widen ? acc.to(options.dtype()) : acc;
+  if (widen) dst.copy_(acc);
 }
 
 }  // namespace
@@ -136,13 +137,19 @@ at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const 
   auto out = x.clone(at::MemoryFormat::Contiguous);
   if (g.size == 1) return out;
   auto t0 = Clock::now();
-  if (auto shm = shm_for(x, nbytes(out), g)) {
-    const auto sig = signature({1, static_cast<int64_t>(x.scalar_type()), out.numel(),
-                                static_cast<int64_t>(reduce)});
-    shm->exchange(out.const_data_ptr(), nbytes(out), sig,
-                  [&](const std::vector<const char*>& slots) {
-      out = reduce_slots(slots, 0, out.numel(), out.options(), reduce).view(out.sizes());
-    }, op, g);
+  if (auto shm = shm_for(x, x.element_size(), g)) {
+    // In rounds of one slot: publish a piece of out, then overwrite that piece with the result.
+    const int64_t esize = x.element_size(), per_round = shm->slot_bytes() / esize;
+    auto flat = out.view({-1});
+    for (int64_t start = 0; start < flat.numel(); start += per_round) {
+      const int64_t count = std::min(per_round, flat.numel() - start);
+      const auto sig = signature({1, static_cast<int64_t>(x.scalar_type()), flat.numel(),
+                                  static_cast<int64_t>(reduce), start});
+      shm->exchange(static_cast<const char*>(flat.const_data_ptr()) + start * esize, count * esize,
+                    sig, [&](const std::vector<const char*>& slots) {
+        reduce_slots_into(flat.narrow(0, start, count), slots, 0, reduce);
+      }, op, g);
+    }
   } else {
     std::vector<at::Tensor> bufs{out};
     c10d::AllreduceOptions opts;
@@ -168,21 +175,32 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
   auto front = dim_to_front(x, dim);
   const int64_t row_bytes = front.size(0) > 0 ? nbytes(front) / front.size(0)
       : c10::multiply_integers(front.sizes().slice(1)) * static_cast<int64_t>(x.element_size());
-  if (auto shm = shm_for(x, widest * row_bytes, g)) {  // each rank's rows, unpadded
+  if (auto shm = shm_for(x, row_bytes, g)) {
+    // In rounds: each rank publishes up to a slot's worth of its rows (none once it has sent
+    // them all); every rank copies each piece to that rank's place in the output.
     auto t0 = Clock::now();
-    int64_t total = 0;
-    for (int64_t s : per_rank) total += s;
-    auto gathered = at::empty(with_first(front.sizes(), total), front.options());
-    const auto sig = signature({2, static_cast<int64_t>(x.scalar_type()), row_bytes}, per_rank);
-    shm->exchange(front.const_data_ptr(), nbytes(front), sig,
-                  [&](const std::vector<const char*>& slots) {
-      char* dst = static_cast<char*>(gathered.data_ptr());
-      for (int64_t r = 0; r < g.size; ++r) {
-        if (per_rank[r] * row_bytes == 0) continue;
-        std::memcpy(dst, slots[r], per_rank[r] * row_bytes);
-        dst += per_rank[r] * row_bytes;
-      }
-    }, op, g);
+    std::vector<int64_t> first_row(g.size, 0);
+    for (int64_t r = 1; r < g.size; ++r) first_row[r] = first_row[r - 1] + per_rank[r - 1];
+    auto gathered = at::empty(with_first(front.sizes(), first_row.back() + per_rank.back()),
+                              front.options());
+    const int64_t rows_per_round = row_bytes > 0 ? shm->slot_bytes() / row_bytes : widest;
+    char* dst = static_cast<char*>(gathered.data_ptr());
+    const char* src = static_cast<const char*>(front.const_data_ptr());
+    for (int64_t done = 0; done == 0 || done < widest; done += rows_per_round) {
+      auto rows_of = [&](int64_t r) {
+        return std::max<int64_t>(0, std::min(rows_per_round, per_rank[r] - done));
+      };
+      const auto sig = signature({2, static_cast<int64_t>(x.scalar_type()), row_bytes, done},
+                                 per_rank);
+      shm->exchange(src + done * row_bytes, rows_of(g.rank) * row_bytes, sig,
+                    [&](const std::vector<const char*>& slots) {
+        for (int64_t r = 0; r < g.size; ++r)
+          if (rows_of(r) * row_bytes > 0)
+            std::memcpy(dst + (first_row[r] + done) * row_bytes, slots[r],
+                        rows_of(r) * row_bytes);
+      }, op, g);
+      if (rows_per_round == 0) break;
+    }
     auto out = dim == 0 ? gathered : gathered.movedim(0, dim).contiguous();
     record(op, "all_gather", nbytes(out), seconds_since(t0));
     return out;
@@ -223,20 +241,30 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
   const bool even = std::all_of(per_rank.begin(), per_rank.end(),
                                 [&](int64_t s) { return s == widest; });
   auto front = dim_to_front(x, dim);
-  if (auto shm = shm_for(x, nbytes(front), g)) {  // every rank publishes all of x
+  if (auto shm = shm_for(x, x.element_size(), g)) {
+    // In rounds over the whole of x, a slot's worth at a time: every rank publishes that range,
+    // and each reduces the part of it that falls in its own piece.
     auto t0 = Clock::now();
+    const int64_t esize = x.element_size(), per_round = shm->slot_bytes() / esize;
+    const int64_t row = front.size(0) > 0 ? front.numel() / front.size(0) : 0;
     int64_t offset = 0;
     for (int64_t r = 0; r < g.rank; ++r) offset += per_rank[r];
-    const int64_t row = front.size(0) > 0 ? front.numel() / front.size(0) : 0;
-    const auto shape = with_first(front.sizes(), per_rank[g.rank]);
-    at::Tensor mine;
-    const auto sig = signature({3, static_cast<int64_t>(x.scalar_type()), front.numel(),
-                                static_cast<int64_t>(reduce)}, per_rank);
-    shm->exchange(front.const_data_ptr(), nbytes(front), sig,
-                  [&](const std::vector<const char*>& slots) {
-      mine = reduce_slots(slots, offset * row * static_cast<int64_t>(x.element_size()),
-                          per_rank[g.rank] * row, front.options(), reduce).view(shape);
-    }, op, g);
+    const int64_t mine_begin = offset * row, mine_end = (offset + per_rank[g.rank]) * row;
+    auto mine = at::empty(with_first(front.sizes(), per_rank[g.rank]), front.options());
+    auto mine_flat = mine.view({-1});
+    const char* src = static_cast<const char*>(front.const_data_ptr());
+    for (int64_t start = 0; start == 0 || start < front.numel(); start += per_round) {
+      const int64_t count = std::min(per_round, front.numel() - start);
+      const auto sig = signature({3, static_cast<int64_t>(x.scalar_type()), front.numel(),
+                                  static_cast<int64_t>(reduce), start}, per_rank);
+      shm->exchange(src + start * esize, count * esize, sig,
+                    [&](const std::vector<const char*>& slots) {
+        const int64_t lo = std::max(start, mine_begin), hi = std::min(start + count, mine_end);
+        if (lo < hi)
+          reduce_slots_into(mine_flat.narrow(0, lo - mine_begin, hi - lo), slots,
+                            (lo - start) * esize, reduce);
+      }, op, g);
+    }
     auto out = (dim == 0 ? mine : mine.movedim(0, dim)).contiguous();
     record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
     return out;

@@ -4,8 +4,9 @@
 // segment, and once all ranks have published, each reads every rank's slot in place. One pass
 // through memory replaces gloo's rounds of TCP messages over loopback, so the small collectives
 // of tensor and sequence parallelism (activations of a few tokens, norm-weight gradients) take
-// microseconds instead of hundreds. Larger tensors, CUDA tensors, other backends, ranks on
-// several hosts, or TP_EXT_SHM=0 keep using the process group itself.
+// microseconds instead of hundreds. Tensors larger than a slot go in rounds (collectives.cpp);
+// CUDA tensors, other backends, ranks on several hosts, or TP_EXT_SHM=0 keep using the process
+// group itself.
 #pragma once
 
 #include "group.h"
