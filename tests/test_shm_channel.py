@@ -120,6 +120,43 @@ def test_channel_off_uses_gloo_on_every_rank(disable_on):
     assert run_distributed(_with_channel_off, 3, disable_on)[0] > 0
 
 
+def _small_slots():
+    """4 KiB slots: every collective of _check_collectives takes many rounds (a slot holds 1024
+    fp32 values, or 16 of the 64-wide rows), uneven pieces included."""
+    os.environ["TP_EXT_SHM_SLOT_BYTES"] = "4096"
+    try:
+        group = dist.new_group(list(range(world_size())))
+        n = len(_check_collectives(group.group_name, True))
+        dist.destroy_process_group(group)
+        return n
+    finally:
+        del os.environ["TP_EXT_SHM_SLOT_BYTES"]
+
+
+def test_many_rounds_with_small_slots():
+    assert run_distributed(_small_slots, 3)[0] > 0
+
+
+def _bad_slot_size():
+    os.environ["TP_EXT_SHM_SLOT_BYTES"] = "1000" if rank() == 1 else "4096"
+    try:
+        group = dist.new_group(list(range(world_size())))
+        try:
+            comm.all_reduce(torch.ones(2), group=group)
+            return ""
+        except ValueError as e:
+            return str(e)
+        finally:
+            dist.destroy_process_group(group)
+    finally:
+        del os.environ["TP_EXT_SHM_SLOT_BYTES"]
+
+
+def test_bad_slot_size_is_reported_on_every_rank():
+    for message in run_distributed(_bad_slot_size, 2):
+        assert "TP_EXT_SHM_SLOT_BYTES on rank 1" in message and "multiple of 64" in message
+
+
 def _mixed_with_async():
     """Synchronous collectives (shared memory) between an async one (gloo) and its wait."""
     r, w = rank(), world_size()
