@@ -2,8 +2,9 @@
 //
 //   swiglu(gate_up [..., 2I]) = silu(gate) * up   [..., I], gate = gate_up[..., :I], up = [..., I:]
 //   swiglu_backward(grad [..., I], gate_up) -> grad_gate_up [..., 2I]
-// Math in fp32; silu(gate) is rounded to the input dtype before the product, as
-// F.silu(gate) * up does in bf16/fp16, so results match the unfused PyTorch code.
+// Math in fp32 (double for double), rounded to the input dtype once at the end. The unfused
+// bf16/fp16 code also rounds silu(gate) and grad * up on the way, so this is at least as accurate
+// (tests/test_fused_kernels.py: test_swiglu_rounds_once).
 #include "fused.h"
 
 #include <ATen/Dispatch.h>
