@@ -22,6 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_consistency_checks", &tp_ext::comm::set_consistency_checks);
   m.def("_consistency_checks", &tp_ext::comm::consistency_checks);
   m.def("_set_shm_enabled", &tp_ext::comm::set_shm_enabled);
-  m.def("_shm_enabled", &tp_ext::comm::shm_enabled);
   m.def("_shm_active", [](const std::string& name) { return tp_ext::comm::shm_active(name); });
 }

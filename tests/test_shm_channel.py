@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import tp_ext
-from tp_ext import _C, comm
+from tp_ext import comm
 
 from .common import assert_equal, full
 from .dist_utils import launch_once, rank, run_distributed, world_size
@@ -211,7 +211,7 @@ def _dead_peer_small_collectives():
     comm.set_consistency_checks(False)
     x = torch.ones(16)
     comm.all_reduce(x)
-    assert _C._shm_active(dist.group.WORLD.group_name)
+    assert comm.shared_memory_active(dist.group.WORLD)
     if rank() == 1:
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     t0 = time.monotonic()

@@ -134,23 +134,26 @@ at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const 
   check_tensor(x, "x", op);
   check_avg_dtype(x, reduce, op);
   check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
-  auto out = x.clone(at::MemoryFormat::Contiguous);
-  if (g.size == 1) return out;
+  if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
   auto t0 = Clock::now();
+  at::Tensor out;
   if (auto shm = shm_for(x, x.element_size(), g)) {
-    // In rounds of one slot: publish a piece of out, then overwrite that piece with the result.
+    // In rounds of one slot: publish a piece of x, reduce every rank's piece into out.
+    const auto src = x.contiguous();
+    out = at::empty(src.sizes(), src.options());
     const int64_t esize = x.element_size(), per_round = shm->slot_bytes() / esize;
     auto flat = out.view({-1});
     for (int64_t start = 0; start < flat.numel(); start += per_round) {
       const int64_t count = std::min(per_round, flat.numel() - start);
       const auto sig = signature({1, static_cast<int64_t>(x.scalar_type()), flat.numel(),
                                   static_cast<int64_t>(reduce), start});
-      shm->exchange(static_cast<const char*>(flat.const_data_ptr()) + start * esize, count * esize,
+      shm->exchange(static_cast<const char*>(src.const_data_ptr()) + start * esize, count * esize,
                     sig, [&](const std::vector<const char*>& slots) {
         reduce_slots_into(flat.narrow(0, start, count), slots, 0, reduce);
       }, op, g);
     }
   } else {
+    out = x.clone(at::MemoryFormat::Contiguous);
     std::vector<at::Tensor> bufs{out};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(reduce);

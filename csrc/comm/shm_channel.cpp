@@ -148,7 +148,6 @@ uint64_t random_nonce() {
 }  // namespace
 
 void set_shm_enabled(bool on) { g_enabled = on; }
-bool shm_enabled() { return g_enabled; }
 
 bool shm_active(c10::string_view group_name) {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -201,12 +200,14 @@ std::shared_ptr<ShmChannel> ShmChannel::of(const Group& g) {
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     auto& reg = registry();
-    for (auto it = reg.begin(); it != reg.end();)  // drop the channels of destroyed groups
-      it = it->second->pg.expired() ? reg.erase(it) : std::next(it);
-    auto& slot = reg[g.pg.get()];
-    if (!slot)
-      slot = std::make_shared<Entry>(Entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg)});
-    entry = slot;
+    auto found = reg.find(g.pg.get());
+    if (found == reg.end()) {  // a new group: drop the channels of destroyed ones first
+      for (auto it = reg.begin(); it != reg.end();)
+        it = it->second->pg.expired() ? reg.erase(it) : std::next(it);
+      found = reg.emplace(g.pg.get(), std::make_shared<Entry>(Entry{
+                              c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg)})).first;
+    }
+    entry = found->second;
   }
   // Setup talks to the other ranks: under this group's mutex only, so collectives of other
   // groups on other threads go on meanwhile.
@@ -306,7 +307,7 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
 
 void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
   const auto start = Clock::now();
-  const auto timeout = collective_timeout(g);
+  std::chrono::milliseconds timeout{0};  // looked up once the wait is more than a spin
   auto next_liveness_check = start + std::chrono::milliseconds(20);
   for (int64_t polls = 0;; ++polls) {
     int64_t missing = -1;
@@ -319,6 +320,7 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
       cpu_relax();
       continue;
     }
+    if (timeout.count() == 0) timeout = collective_timeout(g);
     const auto now = Clock::now();
     if (now - start < std::chrono::milliseconds(5)) {
       ::sched_yield();

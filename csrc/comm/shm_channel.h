@@ -61,7 +61,6 @@ class ShmChannel {
 
 // Process-wide switch, read when a group's channel is set up (TP_EXT_SHM=0 turns it off).
 void set_shm_enabled(bool on);
-bool shm_enabled();
 // Whether the group with this name has a working channel (false before its first collective).
 bool shm_active(c10::string_view group_name);
 

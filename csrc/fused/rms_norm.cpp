@@ -130,18 +130,33 @@ void forward_rows(const T* x, const T* res, const float* w, double eps, int64_t 
   });
 }
 
+// Checked, contiguous inputs and the outputs of rms_norm / add_rms_norm on any device: weight in
+// fp32, h (= x + residual) only with a residual, out in the promoted dtype.
+struct ForwardArgs {
+  at::ScalarType out_dtype;
+  at::Tensor x, w, res, h, out;
+};
+
+ForwardArgs forward_args(const at::Tensor& x_in, const at::Tensor* res_in,
+                         const at::Tensor& weight, const char* op) {
+  ForwardArgs a;
+  a.out_dtype = check_rms_args(x_in, weight, op);
+  a.x = x_in.contiguous();
+  a.w = weight.to(at::kFloat).contiguous();
+  if (res_in) {
+    a.res = res_in->contiguous();
+    a.h = at::empty(a.x.sizes(), a.x.options());
+  }
+  a.out = at::empty(a.x.sizes(), a.x.options().dtype(a.out_dtype));
+  return a;
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x_in, const at::Tensor* res_in,
                                                const at::Tensor& weight, double eps,
                                                const char* op) {
-  const auto out_dtype = check_rms_args(x_in, weight, op);
-  const auto x = x_in.contiguous();
-  const auto w = weight.to(at::kFloat).contiguous();
-  at::Tensor res, h;
-  if (res_in) {
-    res = res_in->contiguous();
-    h = at::empty(x.sizes(), x.options());
-  }
-  auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  const auto a = forward_args(x_in, res_in, weight, op);
+  const at::Tensor &x = a.x, &w = a.w, &res = a.res, &h = a.h, &out = a.out;
+  const auto out_dtype = a.out_dtype;
   const int64_t hdim = x.size(-1), n = rows_of(x);
   if (n == 0 || hdim == 0) return {out, h};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
@@ -253,17 +268,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& x_in, const at::Tensor* res_in,
                                                 const at::Tensor& weight, double eps,
                                                 const char* op) {
-  const auto out_dtype = check_rms_args(x_in, weight, op);
-  const auto x = x_in.contiguous();
-  const auto w = weight.to(at::kFloat).contiguous();
-  at::Tensor res, h;
-  if (res_in) {
-    res = res_in->contiguous();
-    h = at::empty(x.sizes(), x.options());
-  }
-  auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
-  if (x.numel() > 0) rms_norm_cuda_launch(x, res, w, eps, out, h, c10::cuda::getCurrentCUDAStream().stream());
-  return {out, h};
+  auto a = forward_args(x_in, res_in, weight, op);
+  if (a.x.numel() > 0)
+    rms_norm_cuda_launch(a.x, a.res, a.w, eps, a.out, a.h,
+                         c10::cuda::getCurrentCUDAStream().stream());
+  return {a.out, a.h};
 }
 
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {

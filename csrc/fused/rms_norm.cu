@@ -4,15 +4,11 @@
 #include "fused.h"
 
 #include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 namespace tp_ext::fused {
 namespace {
-
-void check_launch() {
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tp_ext: CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
 
 constexpr int kThreads = 256;
 
@@ -135,7 +131,7 @@ void rms_norm_cuda_launch(const at::Tensor& x, const at::Tensor& residual, const
     else
       launch(out.data_ptr<double>());
   });
-  check_launch();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x,
@@ -148,12 +144,12 @@ void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x,
     rms_norm_backward_kernel<scalar_t><<<n, threads_for(hdim), 0, stream>>>(
         grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), w.const_data_ptr<float>(),
         static_cast<float>(eps), hdim, grad_x.data_ptr<scalar_t>(), rstd.data_ptr<float>());
-    check_launch();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t blocks = (hdim + kThreads - 1) / kThreads;
     rms_norm_weight_grad_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(),
         n, hdim, grad_w_f32.data_ptr<float>());
-    check_launch();
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

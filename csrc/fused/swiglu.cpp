@@ -45,9 +45,13 @@ std::vector<int64_t> half_shape(const at::Tensor& gate_up) {
   return shape;
 }
 
-// Checked, contiguous (gate_up, grad) for swiglu_backward on any device.
-std::pair<at::Tensor, at::Tensor> backward_inputs(const at::Tensor& grad_in,
-                                                  const at::Tensor& gate_up_in) {
+// Checked, contiguous inputs of swiglu_backward on any device, and its output (zeros when there
+// is nothing to compute, so the kernels run only when grad has elements).
+struct BackwardArgs {
+  at::Tensor gate_up, grad, out;
+};
+
+BackwardArgs backward_args(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
   const char* op = "swiglu_backward";
   check_gate_up(gate_up_in, op);
   auto gu = gate_up_in.contiguous();
@@ -55,7 +59,10 @@ std::pair<at::Tensor, at::Tensor> backward_inputs(const at::Tensor& grad_in,
   TORCH_CHECK_VALUE(grad_in.sizes().equals(shape), "tp_ext.", op, ": grad has shape ",
                     grad_in.sizes(), " but gate_up has shape ", gu.sizes(),
                     "; grad must have shape ", at::IntArrayRef(shape), ".");
-  return {gu, grad_in.to(gu.scalar_type()).contiguous()};
+  auto grad = grad_in.to(gu.scalar_type()).contiguous();
+  auto out = grad.numel() == 0 ? at::zeros(gu.sizes(), gu.options())
+                               : at::empty(gu.sizes(), gu.options());
+  return {gu, grad, out};
 }
 
 int64_t grain(int64_t i) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(i, 1)); }
@@ -244,21 +251,19 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up_in) {
 }
 
 at::Tensor swiglu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
-  const auto inputs = backward_inputs(grad_in, gate_up_in);
-  const at::Tensor& gu = inputs.first;
-  const at::Tensor& grad = inputs.second;
-  auto out = at::empty(gu.sizes(), gu.options());
-  const int64_t inter = gu.size(-1) / 2, n = inter == 0 ? 0 : grad.numel() / inter;
-  if (grad.numel() == 0) return out.zero_();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "swiglu_backward", [&] {
-    const scalar_t* in = gu.const_data_ptr<scalar_t>();
-    const scalar_t* gp = grad.const_data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
+  const auto a = backward_args(grad_in, gate_up_in);
+  const int64_t inter = a.gate_up.size(-1) / 2;
+  if (a.grad.numel() == 0) return a.out;
+  const int64_t n = a.grad.numel() / inter;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.gate_up.scalar_type(), "swiglu_backward", [&] {
+    const scalar_t* in = a.gate_up.const_data_ptr<scalar_t>();
+    const scalar_t* gp = a.grad.const_data_ptr<scalar_t>();
+    scalar_t* o = a.out.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain(inter), [&](int64_t begin, int64_t end) {
       swiglu_grad_rows<scalar_t>(in, gp, o, begin, end, inter);
     });
   });
-  return out;
+  return a.out;
 }
 
 #ifdef TP_EXT_WITH_CUDA
@@ -271,13 +276,10 @@ at::Tensor swiglu_cuda(const at::Tensor& gate_up_in) {
 }
 
 at::Tensor swiglu_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
-  const auto inputs = backward_inputs(grad_in, gate_up_in);
-  const at::Tensor& gu = inputs.first;
-  const at::Tensor& grad = inputs.second;
-  auto out = at::empty(gu.sizes(), gu.options());
-  if (grad.numel() == 0) return out.zero_();
-  swiglu_backward_cuda_launch(grad, gu, out, c10::cuda::getCurrentCUDAStream().stream());
-  return out;
+  auto a = backward_args(grad_in, gate_up_in);
+  if (a.grad.numel() > 0)
+    swiglu_backward_cuda_launch(a.grad, a.gate_up, a.out, c10::cuda::getCurrentCUDAStream().stream());
+  return a.out;
 }
 #endif
 

@@ -4,17 +4,13 @@
 #include "fused.h"
 
 #include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <type_traits>
 
 namespace tp_ext::fused {
 namespace {
-
-void check_launch() {
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, "tp_ext: CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
 
 constexpr int kThreads = 256;
 
@@ -63,7 +59,7 @@ void swiglu_cuda_launch(const at::Tensor& gate_up, at::Tensor& out, void* stream
     swiglu_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
         gate_up.const_data_ptr<scalar_t>(), inter, total, out.data_ptr<scalar_t>());
   });
-  check_launch();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void swiglu_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& gate_up,
@@ -75,7 +71,7 @@ void swiglu_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& gate_
         grad.const_data_ptr<scalar_t>(), gate_up.const_data_ptr<scalar_t>(), inter, total,
         grad_gate_up.data_ptr<scalar_t>());
   });
-  check_launch();
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace tp_ext::fused
