@@ -1,10 +1,11 @@
 # The two commands: `make run` (the main job) and `make test` (the test suite). Each installs
-# what it needs first, so both work on a fresh machine. `make demo` runs the collectives demo.
+# what it needs first, so both work on a fresh machine. `make test` runs the linters first
+# (`make lint` alone: ruff, clang-format, import layers). `make demo` runs the collectives demo.
 PY ?= python3
 NPROC ?= 8
 CONFIG ?= configs/qwen2-72b.yaml
 
-.PHONY: install run demo test cuda-check
+.PHONY: install run demo test lint
 
 install:
 	PY=$(PY) bash scripts/install.sh
@@ -15,6 +16,10 @@ run: install
 demo: install
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 -m tp_ext demo
 
+lint: install
+	PY=$(PY) bash scripts/lint.sh
+
 test: install
+	PY=$(PY) bash scripts/lint.sh
 	PY=$(PY) bash scripts/check_cuda_compile.sh
 	$(PY) -m pytest -q tests

@@ -37,10 +37,10 @@ class DistributedTestError(AssertionError):
 
 
 def _reset_tp_ext_state():
-    import tp_ext
-    from tp_ext import _C
+    from tp_ext.distributed.state import PROCESS
+    from tp_ext.ops import _C
 
-    tp_ext.parallel.destroy_parallel()
+    PROCESS.reset()
     # Tests run with cross-rank checks on: a test that calls mismatched collectives gets a clear
     # error on every rank instead of a gloo abort.
     _C._set_consistency_checks(True)

@@ -229,7 +229,8 @@ if where == "data":      # killed while the shard files are being written
         os.kill(os.getpid(), signal.SIGKILL)
     safetensors.torch.save = die
 elif where == "manifest":  # data written, killed before the save is committed
-    checkpoint._write_manifest = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    from tp_ext.checkpoint import dcp
+    dcp.write_manifest = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 torch.manual_seed(123)
 checkpoint.save_sharded(Qwen2ForCausalLM(Qwen2Config.from_file(sys.argv[3])), sys.argv[1])
 """

@@ -29,9 +29,6 @@ def _op_samples():
         ("reduce_scatter", (full_x, 0, sizes, "sum", name, size, r)),
         ("broadcast", (full((3,), 4), 0, name, size)),
         ("all_to_all", (full((n, 2 * w), 5), 1, 0, None, name, size, r)),
-        ("all_reduce_async", (full((3, 4), 6), "sum", name, size)),
-        ("all_gather_async", (full((2, 3), 7), name, size)),
-        ("reduce_scatter_async", (full((2 * w, 3), 8), "sum", name, size)),
         ("copy_to_tp", (grad(full((3, 4), 9)), name, size)),
         ("reduce_from_tp", (grad(full((3, 4), 10)), name, size)),
         ("scatter_to_tp", (grad(full_x), 0, sizes, name, size, r)),
@@ -80,21 +77,12 @@ def _fused_op_samples():
     ]
 
 
-ASYNC_OPS = {"all_reduce_async", "all_gather_async", "reduce_scatter_async"}
-
-
 def _check_opcheck():
     seen = set()
     for op_name, args in _op_samples():
         op = getattr(torch.ops.tp_ext, op_name).default
-        if op_name in ASYNC_OPS:
-            # Every run must be waited on before the next reuses the buffers' work registry.
-            out = op(*args)
-            torch.ops._c10d_functional.wait_tensor(out)
-            tests = ("test_schema", "test_faketensor")
-        else:
-            tests = ("test_schema", "test_autograd_registration", "test_faketensor",
-                     "test_aot_dispatch_dynamic")
+        tests = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
         for t in tests:
             result = torch.library.opcheck(op, args, test_utils=t)
             assert result[t] == "SUCCESS", (op_name, result)

@@ -28,9 +28,8 @@ def _tiny_qwen2():
 
 def _check_qwen2_auto(sequence_parallel):
     reference = _tiny_qwen2()
-    model = tp_ext.parallelize(copy.deepcopy(reference), "auto",
-                               sequence_parallel=sequence_parallel)
-    plan = model.tp_ext_plan
+    model, plan = tp_ext.parallelize(copy.deepcopy(reference), "auto",
+                                     sequence_parallel=sequence_parallel, return_report=True)
     if sequence_parallel and world_size() > 1:
         assert plan["model.layers.0.input_layernorm"].startswith("sequence_parallel")
         assert "reduce-scattered" in plan["model.layers.0.mlp.down_proj"]

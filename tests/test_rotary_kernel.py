@@ -31,7 +31,7 @@ def _inputs(batch, hq, hk, seq, dim, dtype, offset=0, layer_layout=True, seed=0)
 
 
 def _reference(q, k, cos, sin):
-    return apply_rotary(q, cos, sin, False), apply_rotary(k, cos, sin, False)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 # (batch, q heads, kv heads, seq, head_dim): GQA, head_dim 2 / 6 / 130 (odd multiples of 2)
@@ -68,15 +68,16 @@ def test_fp32_matches_apply_rotary_and_layer_rotate_to_rounding():
     ref = _reference(q, k, cos, sin)
     same(out[0], ref[0])
     same(out[1], ref[1])
-    # apply_rotary (one tensor, as the attention layer calls it) goes through the op too
-    same(apply_rotary(q, cos, sin), ref[0])
-    same(apply_rotary(k, cos[:1], sin[:1]), apply_rotary(k, cos[:1], sin[:1], False))
     rope = RotaryEmbedding(128)
     pos = torch.arange(9).expand(2, 9) + 5
-    a = rope.rotate(q, k, pos)
+    a = rope.rotate(q, k, pos)  # the attention layer's path: q and k in one fused op
     b = rope.rotate(q, k, pos, use_kernel=False)
     same(a[0], b[0])
     same(a[1], b[1])
+    # one row of positions for every sequence, as ParallelAttention passes [1, seq]
+    c = rope.rotate(q, k, pos[:1])
+    same(c[0], a[0])
+    same(c[1], a[1])
 
 
 def test_gradcheck_including_cos_sin():

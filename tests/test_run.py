@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tp_ext.config import JobConfig
 from tp_ext.models import ConfigError, Qwen2Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,20 +32,20 @@ def test_main_job_on_8_ranks(tmp_path):
 
 
 def test_flags_override_the_config():
-    config = Qwen2Config.from_file(os.path.join(CONFIGS, "qwen2-72b.yaml"))
+    config = JobConfig.from_file(os.path.join(CONFIGS, "qwen2-72b.yaml"))
     changed = config.with_overrides(tp=4, dtype="float32", seed=7, lr=1e-3, betas=[0.8, 0.9],
                                     weight_decay=None)
     assert (changed.parallel.tp, changed.parallel.dtype, changed.parallel.seed) == (4, "float32", 7)
     assert (changed.optimizer.lr, changed.optimizer.betas) == (1e-3, (0.8, 0.9))
     assert changed.optimizer.weight_decay == config.optimizer.weight_decay  # None: kept
-    assert changed.replace(parallel=config.parallel, optimizer=config.optimizer) == config
+    assert changed.model == config.model
     with pytest.raises(ConfigError, match="optimizer.lr must be a number > 0, got -1"):
         config.with_overrides(lr=-1)
     with pytest.raises(ConfigError, match="parallel.tp must be an int >= 1, got 0"):
         config.with_overrides(tp=0)
     with pytest.raises(ConfigError, match="unknown override 'momentum'"):
         config.with_overrides(momentum=0.9)
-    tiny = config.tiny()
+    tiny = config.model.tiny()
     assert (tiny.architecture, tiny.rope_theta, tiny.rms_norm_eps) == ("qwen2", 1e6, 1e-6)
     assert (tiny.num_attention_heads, tiny.num_key_value_heads, tiny.vocab_size) == (8, 2, 1001)
     original = Qwen2Config.from_file(os.path.join(CONFIGS, "qwen-72b.yaml")).tiny()

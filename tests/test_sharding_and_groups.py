@@ -36,7 +36,8 @@ def _layout(tp, pp):
     state = tp_ext.init_parallel(tp=tp, pp=pp)
     assert tp_ext.init_parallel(tp=tp, pp=pp) is state  # idempotent
     ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
-    assert tp_ext.comm.group_args() == (state.tp_group.group_name, tp)  # the default group is TP
+    default = tp_ext.comm.resolve_group()  # the default group is TP
+    assert (default.name, default.size) == (state.tp_group.group_name, tp)
     return dict(tp=ranks(state.tp_group), dp=ranks(state.dp_group), pp=ranks(state.pp_group),
                 ranks=(state.tp_rank, state.dp_rank, state.pp_rank), dp_size=state.dp)
 

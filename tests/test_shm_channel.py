@@ -54,7 +54,7 @@ def _same(got, want, what, exact):
 
 def _check_collectives(group_name, expect_active):
     r, w = rank(), world_size()
-    group = tp_ext.comm.resolve_group(group_name) if group_name else None
+    group = tp_ext.comm.resolve_group(group_name).group if group_name else None
     comm.all_reduce(torch.ones(1), group=group)  # the first collective sets the channel up
     name = group_name or dist.group.WORLD.group_name
     assert comm.shared_memory_active(name) == expect_active
@@ -158,13 +158,15 @@ def test_bad_slot_size_is_reported_on_every_rank():
 
 
 def _mixed_with_async():
-    """Synchronous collectives (shared memory) between an async one (gloo) and its wait."""
+    """Synchronous collectives (shared memory) between an async gloo one and its wait, on the
+    same group."""
     r, w = rank(), world_size()
-    pending = comm.all_reduce_async(full((64,), r))
+    pending = full((64,), r)
+    work = torch.distributed.all_reduce(pending, async_op=True)
     small = comm.all_gather(full((2, 3), 10 + r), 0)
-    done = comm.wait(pending)
+    work.wait()
     assert_equal(small, torch.cat([full((2, 3), 10 + i) for i in range(w)]), "all_gather")
-    torch.testing.assert_close(done, sum(full((64,), i) for i in range(w)))
+    torch.testing.assert_close(pending, sum(full((64,), i) for i in range(w)))
     return True
 
 

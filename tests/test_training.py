@@ -12,23 +12,25 @@ import torch
 import tp_ext
 from tp_ext import comm
 from tp_ext.layers import TPGroup, local_shards, vocab_parallel_cross_entropy
-from tp_ext.models import Qwen2Config, Qwen2ForCausalLM, hf_to_tp_ext_names
+from tp_ext.config import JobConfig
+from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.training import Trainer, build_optimizer, clip_grad_norm_, grad_norm
 
 from .dist_utils import rank, run_distributed
 from .reference import hf_qwen2
 from .test_layers import assert_rel
 
-CONFIG = Qwen2Config.from_file(
+JOB = JobConfig.from_file(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                  "qwen2-mini.yaml"))
+CONFIG, OPTIMIZER = JOB.model, JOB.optimizer
 STEPS = 5
 MAX_NORM = 0.5  # below the first steps' norms, so clipping is active
 RTOL = 1e-4
 # Weights after training: the k bias's gradient is analytically zero (softmax ignores a shift of
 # every score), so Adam turns rounding noise there into updates of ~1e-3 x lr; a real error
 # moves weights by ~lr.
-WEIGHT_ATOL = 1e-2 * CONFIG.optimizer.lr
+WEIGHT_ATOL = 1e-2 * OPTIMIZER.lr
 
 
 def _ids(batch=4, seq=17, seed=1):
@@ -68,7 +70,7 @@ def _assert_states(actual, expected, what):
 
 def _train_tp():
     model, _ = _model()
-    trainer = Trainer(model, build_optimizer(model, CONFIG.optimizer), max_grad_norm=MAX_NORM)
+    trainer = Trainer(model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM)
     ids = _ids()
     losses, norms = [], []
     for _ in range(STEPS):  # the same data every step: the loss must fall
@@ -82,7 +84,7 @@ def _train_hf():
     """The same steps in plain PyTorch: accumulated mean loss, clip_grad_norm_, AdamW with the
     same parameter groups (decay on matrices only)."""
     hf = _hf_model()
-    settings = CONFIG.optimizer
+    settings = OPTIMIZER
     params = list(hf.parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
@@ -177,7 +179,7 @@ def _check_accumulation():
     for micro_batches in ([(ids, labels)],
                           [(ids[:1], labels[:1]), (ids[1:], labels[1:])]):  # 1 + 3 rows
         model, _ = _model()
-        trainer = Trainer(model, build_optimizer(model, CONFIG.optimizer), max_grad_norm=MAX_NORM)
+        trainer = Trainer(model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM)
         grads = _record_grads(trainer)
         loss = trainer.step(micro_batches)
         results.append((loss, grads[0], dict(model.named_parameters())))
@@ -198,10 +200,10 @@ def _check_data_parallel():
     ids = _ids()
     labels = _labels(ids)  # DP rank 0's half has far fewer targets than rank 1's
     model, _ = _model(state.tp_group)
-    trainer = Trainer(model, build_optimizer(model, CONFIG.optimizer), max_grad_norm=MAX_NORM,
+    trainer = Trainer(model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM,
                       dp_group=state.dp_group)
     reference, _ = _model(TPGroup.local())
-    ref_trainer = Trainer(reference, build_optimizer(reference, CONFIG.optimizer),
+    ref_trainer = Trainer(reference, build_optimizer(reference, OPTIMIZER),
                           max_grad_norm=MAX_NORM)
     grads, ref_grads = _record_grads(trainer), _record_grads(ref_trainer)
     rows = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
@@ -283,8 +285,8 @@ def test_bad_input_gives_clear_errors():
     with pytest.raises(ValueError, match=r"max_norm must be a number > 0, got 0"):
         clip_grad_norm_(model, 0)
     # the two parameter groups
-    groups = build_optimizer(model, CONFIG.optimizer).param_groups
-    assert [g["weight_decay"] for g in groups] == [CONFIG.optimizer.weight_decay, 0.0]
+    groups = build_optimizer(model, OPTIMIZER).param_groups
+    assert [g["weight_decay"] for g in groups] == [OPTIMIZER.weight_decay, 0.0]
     assert all(p.dim() >= 2 for p in groups[0]["params"])
     assert {p.dim() for p in groups[1]["params"]} == {1}
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))

@@ -1,19 +1,23 @@
-"""tp_ext: tensor parallelism for PyTorch, with collectives and kernels as C++/CUDA torch ops."""
+"""tp_ext: tensor parallelism for PyTorch, with collectives and kernels as C++/CUDA torch ops.
 
-import torch  # noqa: F401  (loads libtorch, which _C links against)
+The package's layers, top to bottom (imports point down only; docs/architecture.md):
+cli > config > training > models > parallelize, checkpoint > layers > distributed > ops >
+sharding, validation.
+"""
 
-from tp_ext import _C  # noqa: F401  (loads and registers torch.ops.tp_ext.*)
-from tp_ext import _fake  # noqa: F401
-from tp_ext import _fake_kernels  # noqa: F401
-from tp_ext import _fake_rotary  # noqa: F401
-from tp_ext import comm, layers, random
-from tp_ext.plan import auto_plan, parallelize
-from tp_ext.parallel import ParallelState, init_parallel, parallel_state
+import torch  # noqa: F401  (loads libtorch, which the extension links against)
+
+from tp_ext import ops  # noqa: F401  (loads tp_ext._C: registers torch.ops.tp_ext.* and fakes)
+from tp_ext import checkpoint, layers, models, training
+from tp_ext.distributed import ParallelState, comm, init_parallel, parallel_state
+from tp_ext.distributed import rng as random
+from tp_ext.parallelize import auto_plan, parallelize
 from tp_ext.sharding import shard_offsets, shard_range, shard_sizes, split_tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "comm", "layers", "random", "parallelize", "auto_plan", "init_parallel", "parallel_state", "ParallelState",
-    "shard_sizes", "shard_offsets", "shard_range", "split_tensor",
+    "comm", "layers", "random", "models", "checkpoint", "training", "parallelize", "auto_plan",
+    "init_parallel", "parallel_state", "ParallelState", "shard_sizes", "shard_offsets",
+    "shard_range", "split_tensor",
 ]

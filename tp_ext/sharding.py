@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["shard_sizes", "shard_offsets", "shard_range", "split_tensor"]
+__all__ = ["shard_sizes", "shard_offsets", "shard_range", "split_tensor", "uneven_sizes",
+           "Partition", "HeadLayout"]
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -23,6 +24,14 @@ def shard_sizes(n: int, world_size: int) -> list[int]:
     _check_count("world_size", world_size, 1)
     base, extra = divmod(n, world_size)
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
+def uneven_sizes(sizes) -> "list[int] | None":
+    """The ``sizes`` argument of the collectives for pieces of these sizes: None when every rank
+    holds the same amount (the ops then split evenly), else the list itself. Pass
+    ``shard_sizes(n, world_size)`` for the standard split of ``n`` items."""
+    sizes = [int(s) for s in sizes]
+    return None if len(set(sizes)) <= 1 else sizes
 
 
 def shard_offsets(n: int, world_size: int) -> list[int]:

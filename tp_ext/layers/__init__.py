@@ -1,27 +1,31 @@
 """Tensor-parallel layers: each equals its torch.nn equivalent at any TP size.
 
-Every layer takes ``tp_group`` (a ProcessGroup, a group name, or None for the group made by
-:func:`tp_ext.init_parallel`), can ``load_full_state_dict(full)`` and ``full_state_dict()``, and
-initialises itself so that the gathered weights do not depend on the TP size.
+Every layer takes ``tp_group`` (a ProcessGroup, a group name, a :class:`TPGroup`, or None for the
+group made by :func:`tp_ext.init_parallel`), can ``load_full_state_dict(full)`` and
+``full_state_dict()``, and initialises itself so that the gathered weights do not depend on the
+TP size. Layers communicate only through :mod:`tp_ext.distributed.comm` and run kernels only
+through :mod:`tp_ext.ops`.
 """
 
-from tp_ext.layers.base import (
-    SEQUENCE_DIM, ParallelModule, TPGroup, full_state_dict, load_full_state_dict, local_shards)
+from tp_ext.distributed.groups import TPGroup
+from tp_ext.layers.attention import KVCache, ParallelAttention
+from tp_ext.layers.base import SEQUENCE_DIM, ParallelModule, no_init
+from tp_ext.layers.block import ParallelTransformerBlock
 from tp_ext.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.linear import (
     ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+from tp_ext.layers.loss import vocab_parallel_cross_entropy
+from tp_ext.layers.mlp import ParallelMLP
 from tp_ext.layers.norm import RMSNorm
-from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary
-from tp_ext.layers.transformer import (
-    KVCache, ParallelAttention, ParallelMLP, ParallelTransformerBlock)
+from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
+from tp_ext.layers.state_dict import (
+    full_state_dict, iter_full_tensors, load_full_state_dict, local_shards, state_entries)
 
 __all__ = [
-    "ParallelModule", "TPGroup", "SEQUENCE_DIM", "load_full_state_dict", "full_state_dict",
-    "local_shards",
+    "ParallelModule", "TPGroup", "SEQUENCE_DIM", "no_init", "load_full_state_dict",
+    "full_state_dict", "iter_full_tensors", "local_shards", "state_entries",
     "ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm",
-    "RotaryEmbedding", "apply_rotary", "KVCache", "ParallelAttention", "ParallelMLP",
-    "ParallelTransformerBlock", "vocab_parallel_cross_entropy",
+    "RotaryEmbedding", "apply_rotary", "rotary_embedding", "KVCache", "ParallelAttention",
+    "ParallelMLP", "ParallelTransformerBlock", "vocab_parallel_cross_entropy",
 ]
-

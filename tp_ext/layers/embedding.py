@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tp_ext.distributed import comm
 from tp_ext.layers.base import InitFn, ParallelModule, check_int
 from tp_ext.layers.linear import ColumnParallelLinear
 from tp_ext.sharding import Partition
@@ -91,9 +92,7 @@ class VocabParallelEmbedding(ParallelModule):
                 raise ValueError(f"{type(self).__name__}: sequence-parallel ids must be "
                                  f"[..., seq], got shape {tuple(ids.shape)}")
             return self._scatter_sequence(out)
-        if self.tp_size == 1:
-            return out
-        return torch.ops.tp_ext.reduce_from_tp(out, self.tp.name, self.tp_size)
+        return comm.reduce_from_tp(out, self.tp)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (local rows "

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tp_ext.layers.base import (
-    InitFn, ParallelModule, check_int, default_linear_init, replica_rows, resolve_tp_group,
-    sum_over_replicas)
-from tp_ext.sharding import HeadLayout, Partition
+from tp_ext.distributed import comm
+from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.layers.base import InitFn, ParallelModule, check_int, default_linear_init
+from tp_ext.sharding import HeadLayout, Partition, uneven_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
            "QKVParallelLinear"]
@@ -40,6 +40,34 @@ def _check_features(layer: nn.Module, x: torch.Tensor, expected: int, what: str)
 def _index_buffer(module: nn.Module, name: str, values, device) -> None:
     module.register_buffer(name, torch.tensor(values, dtype=torch.long, device=device),
                            persistent=False)
+
+
+# ---- replicated rows (KV heads held by several ranks) ---------------------------------------------
+
+def sum_over_replicas(local: torch.Tensor, dim: int, tp: TPGroup,
+                      replica_rows: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+    """Identity forward; backward sums the gradient of rows held by several ranks (replicated KV
+    heads) over those ranks, so replicas get the full gradient and stay equal. Only the replicated
+    rows travel: they are packed into a tensor indexed by replicated full row, which is
+    all-reduced (copy_to_tp's backward)."""
+    local_pos, packed_pos, packed_len = replica_rows
+    rows = local.index_select(dim, local_pos)
+    shape = list(local.shape)
+    shape[dim] = packed_len
+    packed = local.new_zeros(shape).index_copy(dim, packed_pos, rows)
+    packed = comm.copy_to_tp(packed, tp)
+    return local.index_copy(dim, local_pos, packed.index_select(dim, packed_pos))
+
+
+def replica_rows(partition: Partition, rank: int) -> Optional[tuple[list[int], list[int], int]]:
+    """(local positions, packed positions, packed length) of ``rank``'s replicated rows; None when
+    no row of the partition is replicated."""
+    if not partition.replicated:
+        return None
+    packed = {i: n for n, i in enumerate(partition.replicated_indices())}
+    mine = partition.local_indices(rank)
+    local_pos = [p for p, i in enumerate(mine) if i in packed]
+    return local_pos, [packed[mine[p]] for p in local_pos], len(packed)
 
 
 class _ParallelLinear(ParallelModule):
@@ -121,7 +149,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             x = self._gather_sequence(x, seq_len)
         elif not self.input_is_gathered:
-            x = self._copy_to_tp(x)
+            x = comm.copy_to_tp(x, self.tp)
         weight = self._replica_summed(self.weight)
         bias = None if self.bias is None else self._replica_summed(self.bias)
         y = F.linear(x, weight, None if self.skip_bias_add else bias)
@@ -134,9 +162,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def gather_features(self, y: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return y
-        sizes = self.partition.local_sizes()
-        y = torch.ops.tp_ext.gather_from_tp(y, -1, None if len(set(sizes)) == 1 else sizes,
-                                            self.tp.name, self.tp_size, self.tp_rank)
+        y = comm.gather_from_tp(y, -1, uneven_sizes(self.partition.local_sizes()), self.tp)
         if hasattr(self, "_gather_index"):  # rank-major order -> the full layer's order
             y = y.index_select(-1, self._gather_index)
         return y
@@ -192,19 +218,16 @@ class RowParallelLinear(_ParallelLinear):
                             f"this rank's share of in_features={self.in_features}")
         else:
             _check_features(self, x, self.in_features, "in_features")
-            if self.tp_size > 1:
-                sizes = self.partition.local_sizes()
-                x = torch.ops.tp_ext.scatter_to_tp(x, -1, None if len(set(sizes)) == 1 else sizes,
-                                                   self.tp.name, self.tp_size, self.tp_rank)
+            x = comm.scatter_to_tp(x, -1, self.partition.local_sizes(), self.tp)
         y = F.linear(x, self.weight)
         bias = self.bias
         if self.sequence_parallel:
             y = self._scatter_sequence(y)
             # The bias now meets only this rank's tokens: its gradient is partial.
             if bias is not None:
-                bias = self._copy_to_tp(bias)
-        elif self.tp_size > 1:
-            y = torch.ops.tp_ext.reduce_from_tp(y, self.tp.name, self.tp_size)
+                bias = comm.copy_to_tp(bias, self.tp)
+        else:
+            y = comm.reduce_from_tp(y, self.tp)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias
@@ -231,7 +254,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("output_sizes must list at least one output size")
         for i, n in enumerate(output_sizes):
             check_int(f"output_sizes[{i}]", n)
-        tp = resolve_tp_group(tp_group)
+        tp = resolve_group(tp_group)
         self.output_sizes = list(output_sizes)
         partition = Partition.merged(self.output_sizes, tp.size)
         super().__init__(in_features, sum(self.output_sizes), bias, gather_output, skip_bias_add,
@@ -259,7 +282,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  num_kv_heads: Optional[int] = None, bias: bool = True,
                  sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
                  init_method: Optional[InitFn] = None):
-        tp = resolve_tp_group(tp_group)
+        tp = resolve_group(tp_group)
         self.head_dim = check_int("head_dim", head_dim)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_heads if num_kv_heads is None

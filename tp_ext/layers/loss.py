@@ -2,7 +2,7 @@
 
 The logits are never gathered: per token, two all-reduces of token-sized tensors (a max, then
 three sums) give the full-vocabulary logsumexp, the target logit and the logit sum, and the
-backward is purely local. See ``torch.ops.tp_ext.vocab_parallel_cross_entropy`` (docs/ops.md).
+backward is purely local. The op: ``tp_ext::vocab_parallel_cross_entropy`` (docs/ops.md).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tp_ext.layers.base import resolve_tp_group
+from tp_ext.distributed import comm
+from tp_ext.distributed.groups import resolve_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -36,16 +37,15 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not supported; use 'none', 'sum' or 'mean'")
-    tp = resolve_tp_group(tp_group)
+    tp = resolve_group(tp_group)
     if tp.group is None:  # no process group at all: the logits are the full vocabulary
         logits = logits_shard.flatten(0, -2)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         loss = F.cross_entropy(logits, target.flatten(), ignore_index=ignore_index,
                                label_smoothing=label_smoothing, reduction="none").view(target.shape)
     else:
-        loss = torch.ops.tp_ext.vocab_parallel_cross_entropy(
-            logits_shard, target, int(ignore_index), float(label_smoothing), tp.name, tp.size,
-            tp.rank)
+        loss = comm.vocab_parallel_cross_entropy(logits_shard, target, ignore_index,
+                                                 label_smoothing, tp)
     if reduction == "none":
         return loss
     if reduction == "sum":

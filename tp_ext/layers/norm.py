@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tp_ext import ops
+from tp_ext.distributed import comm
 from tp_ext.layers.base import ParallelModule, check_int
 
 __all__ = ["RMSNorm"]
@@ -35,12 +37,12 @@ class RMSNorm(ParallelModule):
                              f"must be hidden_size = {self.hidden_size}")
 
     def _weight(self) -> torch.Tensor:
-        return self._copy_to_tp(self.weight) if self.sequence_parallel else self.weight
+        return comm.copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        # Fused op (csrc/fused/rms_norm.cpp): same result as the fp32-then-cast reference.
-        return torch.ops.tp_ext.rms_norm(x, self._weight(), self.eps)
+        # Fused op (csrc/ops/rms_norm.cpp): same result as the fp32-then-cast reference.
+        return ops.rms_norm(x, self._weight(), self.eps)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +50,7 @@ class RMSNorm(ParallelModule):
         same shape and dtype (otherwise, e.g. mixed dtypes under autocast, the unfused sum)."""
         self._check(x)
         if x.shape == residual.shape and x.dtype == residual.dtype:
-            return torch.ops.tp_ext.add_rms_norm(x, residual, self._weight(), self.eps)
+            return ops.add_rms_norm(x, residual, self._weight(), self.eps)
         h = x + residual
         return self(h), h
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tp_ext import ops
 from tp_ext.layers.base import check_int
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "rotary_embedding"]
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for ``position_ids``; :meth:`apply` rotates q and k.
+    """cos/sin tables for ``position_ids``; :meth:`rotate` rotates q and k.
 
     Frequencies ``1 / theta^(2i/d)`` are computed in float32 at each call (cheap, and nothing to
     keep on the right device or to materialise after building on the meta device), then the
@@ -41,13 +42,15 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q`` [batch, heads, seq, head_dim] and ``k`` [batch, kv_heads, seq, head_dim]
         at ``position_ids`` [batch, seq].
 
-        ``use_kernel`` (default) runs both in one ``tp_ext::rotary_embedding`` call (fp32 math,
-        one rounding for bf16/fp16); ``False`` uses the pure-PyTorch :func:`apply_rotary`.
+        ``use_kernel`` (default) runs both in one fused :func:`rotary_embedding` call (what
+        :class:`tp_ext.layers.ParallelAttention` does); ``False`` uses the pure-PyTorch
+        :func:`apply_rotary`. ``position_ids`` of shape [1, seq] apply to every sequence.
         """
+        position_ids = position_ids.expand(q.size(0), -1)
         cos, sin = self(position_ids, q.dtype)
         if use_kernel:
             return rotary_embedding(q, k, cos, sin)
-        return apply_rotary(q, cos, sin, False), apply_rotary(k, cos, sin, False)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope_theta={self.rope_theta}"
@@ -58,26 +61,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 use_kernel: bool = True) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos, sin: [batch, seq, head_dim].
-
-    With ``use_kernel`` (default) and exactly these shapes and one dtype, runs the fused
-    ``tp_ext::rotary_embedding`` op (k: an empty head slice of x); otherwise, e.g. for
-    broadcast cos/sin, the pure-PyTorch ``x * cos + rotate_half(x) * sin``.
-    """
-    if (use_kernel and x.dim() == 4 and cos.shape == sin.shape
-            and cos.shape == (x.shape[0], x.shape[2], x.shape[3])
-            and cos.dtype == sin.dtype == x.dtype):
-        return torch.ops.tp_ext.rotary_embedding(x, x[:, :0], cos, sin)[0]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch RoPE, the reference the fused op is tested against: ``x * cos +
+    rotate_half(x) * sin`` with x ``[batch, heads, seq, head_dim]`` and cos, sin ``[batch or 1,
+    seq, head_dim]``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))`` in one fused op.
+    """``(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))`` in one fused op (fp32 math,
+    one rounding for bf16/fp16).
 
     q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim] (GQA: fewer heads),
     cos, sin: [batch, seq, head_dim] as :class:`RotaryEmbedding` returns them. Differentiable.
     """
-    return torch.ops.tp_ext.rotary_embedding(q, k, cos, sin)
+    return ops.rotary_embedding(q, k, cos, sin)

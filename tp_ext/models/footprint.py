@@ -1,25 +1,24 @@
-"""What a model costs per rank at a TP degree, computed from the real modules built on the meta
-device (nothing is allocated): parameters, bytes, KV cache and communication per token."""
+"""A model's footprint: what it costs per rank at a TP degree, computed from the real modules
+built on the meta device (nothing is allocated): parameters, bytes, KV cache and communication
+per token. (A "plan" in tp_ext is only parallelize's map of module names to styles; a
+"layout" is where tensors live in a checkpoint.)"""
 
 from __future__ import annotations
 
 import torch
 
 from tp_ext.layers import TPGroup
-from tp_ext.models.config import Qwen2Config
-from tp_ext.models.qwen2 import Qwen2ForCausalLM
+from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
-__all__ = ["model_plan"]
+__all__ = ["footprint", "format_footprint"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
 
 
-def model_plan(config: Qwen2Config, tp: int, dtype: str | None = None) -> dict:
-    """Per-rank and total counts for ``config`` split over ``tp`` ranks, in ``dtype``
-    (default: the config's parallel.dtype)."""
+def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
+    """Per-rank and total counts for ``config`` split over ``tp`` ranks, in ``dtype``."""
     config.check_tp(tp)
-    dtype = dtype or config.parallel.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     torch_dtype = _DTYPES[dtype]
@@ -49,16 +48,16 @@ def model_plan(config: Qwen2Config, tp: int, dtype: str | None = None) -> dict:
             "ranks": ranks}
 
 
-def format_plan(plan: dict) -> str:
-    lines = [f"{plan['architecture']} over tp={plan['tp']} ranks, {plan['dtype']}: "
-             f"{plan['parameters_total']:,} parameters ({plan['bytes_total']:,} bytes) in all",
+def format_footprint(fp: dict) -> str:
+    lines = [f"{fp['architecture']} over tp={fp['tp']} ranks, {fp['dtype']}: "
+             f"{fp['parameters_total']:,} parameters ({fp['bytes_total']:,} bytes) in all",
              f"all-reduce per token per layer (forward): "
-             f"{plan['all_reduce_bytes_per_token_per_layer']:,} bytes",
-             f"KV cache per token, whole model: {plan['kv_cache_bytes_per_token_total']:,} bytes",
+             f"{fp['all_reduce_bytes_per_token_per_layer']:,} bytes",
+             f"KV cache per token, whole model: {fp['kv_cache_bytes_per_token_total']:,} bytes",
              f"{'rank':>4} {'parameters':>16} {'bytes':>18} {'q heads':>8} {'kv heads':>9} "
              f"{'KV bytes/token':>15}"]
-    for r in plan["ranks"]:
-        lines.append(f"{r['rank']:>4} {r['parameters']:>16,} {r['bytes'][plan['dtype']]:>18,} "
+    for r in fp["ranks"]:
+        lines.append(f"{r['rank']:>4} {r['parameters']:>16,} {r['bytes'][fp['dtype']]:>18,} "
                      f"{r['query_heads']:>8} {r['kv_heads']:>9} "
                      f"{r['kv_cache_bytes_per_token']:>15,}")
     return "\n".join(lines)

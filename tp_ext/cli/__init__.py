@@ -1,4 +1,5 @@
-"""``tp-ext`` (also ``python -m tp_ext``): command-line entry points.
+"""``tp-ext`` (also ``python -m tp_ext``): the command-line applications on top of the library.
+Each command lives in its own module (``run``, ``demo``); this one parses the arguments.
 
     torchrun --standalone --nproc-per-node 8 -m tp_ext run configs/qwen2-72b.yaml
     tp-ext plan configs/qwen2-72b.yaml --tp 8
@@ -9,95 +10,36 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def _demo(args) -> int:
-    """Every collective and Megatron pair on this process group, checked against a local
-    single-process reference, with the communication accounting printed by rank 0."""
-    import torch
-    import torch.distributed as dist
+    from tp_ext.cli.demo import demo
 
-    import tp_ext
-    from tp_ext import comm
-
-    torch.manual_seed(0)
-    state = tp_ext.init_parallel(tp=args.tp or int(__import__("os").environ.get("WORLD_SIZE", 1)))
-    r, w = state.tp_rank, state.tp
-    say = print if state.rank == 0 else (lambda *a, **k: None)
-    say(f"tp_ext demo: {dist.get_world_size()} ranks, backend {state.backend}, tp={w} "
-        f"pp={state.pp} dp={state.dp}, torch {torch.__version__}")
-
-    tokens, hidden, ffn = 2 * w + 1, 8, 3 * w + 1  # uneven on purpose
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
-    W1 = torch.randn(ffn, hidden, generator=g, dtype=torch.float64)
-    W2 = torch.randn(hidden, ffn, generator=g, dtype=torch.float64)
-    checks = []
-
-    def check(name, got, want):
-        ok = torch.allclose(got, want, rtol=1e-10, atol=1e-10)
-        checks.append(ok)
-        say(f"  {'ok  ' if ok else 'FAIL'} {name}: shape {tuple(got.shape)}")
-
-    t0 = time.perf_counter()
-    with comm.track() as stats:
-        with comm.tag("collectives"):
-            check("all_reduce", comm.all_reduce(X * (r + 1)), X * sum(range(1, w + 1)))
-            piece = tp_ext.split_tensor(X, 0, w)[r]
-            check("all_gather (uneven)", comm.all_gather(piece, 0, tp_ext.shard_sizes(tokens, w)),
-                  X)
-            check("reduce_scatter (uneven)", comm.reduce_scatter(X, 0), piece * w)
-            check("broadcast", comm.broadcast(X * r, src=w - 1), X * (w - 1))
-            check("all_to_all", comm.all_to_all(X, 0, 1),
-                  torch.cat([tp_ext.split_tensor(X, 0, w)[r]] * w, 1))
-        with comm.tag("tp_mlp"):
-            # Megatron MLP with sequence parallelism: gather_from_sp -> column -> row -> reduce-scatter
-            x = piece.clone().requires_grad_()
-            w1 = tp_ext.split_tensor(W1, 0, w)[r].clone().requires_grad_()
-            w2 = tp_ext.split_tensor(W2, 1, w)[r].clone().requires_grad_()
-            h = comm.gather_from_sp(x, 0, tp_ext.shard_sizes(tokens, w))
-            y = comm.reduce_scatter_to_sp(torch.relu(h @ w1.t()) @ w2.t(), 0)
-            y.pow(2).sum().backward()
-        Xr, W1r, W2r = (t.clone().requires_grad_() for t in (X, W1, W2))
-        y_ref = torch.relu(Xr @ W1r.t()) @ W2r.t()
-        y_ref.pow(2).sum().backward()
-        check("TP MLP output", y.detach(), tp_ext.split_tensor(y_ref.detach(), 0, w)[r])
-        check("TP MLP input grad", x.grad, tp_ext.split_tensor(Xr.grad, 0, w)[r])
-        check("TP MLP w1 grad", w1.grad, tp_ext.split_tensor(W1r.grad, 0, w)[r])
-        check("TP MLP w2 grad", w2.grad, tp_ext.split_tensor(W2r.grad, 1, w)[r])
-    elapsed = time.perf_counter() - t0
-    all_ok = comm.all_reduce(torch.tensor([float(all(checks))]), "min").item() == 1.0
-    say("\ncommunication on rank 0:")
-    say(stats.table())
-    say(f"\n{'all checks passed' if all_ok else 'SOME CHECKS FAILED'} on {w} ranks "
-        f"in {elapsed * 1e3:.1f} ms")
-    tp_ext.parallel.destroy_parallel(destroy_process_group=True)
-    return 0 if all_ok else 1
+    return demo(args.tp)
 
 
 def _plan(args) -> int:
-    """Per-rank parameters, bytes, KV cache and communication of a config, on the meta device."""
+    """The footprint of a config: per-rank parameters, bytes, KV cache and communication, on the
+    meta device."""
     import json
 
-    from tp_ext.models import ConfigError, Qwen2Config
-    from tp_ext.models.footprint import format_plan, model_plan
+    from tp_ext.config import JobConfig
+    from tp_ext.models.footprint import footprint, format_footprint
 
     try:
-        config = Qwen2Config.from_file(args.config)
-        plan = model_plan(config, args.tp if args.tp is not None else config.parallel.tp,
-                          args.dtype)
-    except (ConfigError, ValueError) as e:
+        job = JobConfig.from_file(args.config)
+        fp = footprint(job.model, args.tp if args.tp is not None else job.parallel.tp,
+                       args.dtype or job.parallel.dtype)
+    except ValueError as e:  # ConfigError included
         print(f"tp-ext plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    print(json.dumps(fp, indent=2) if args.json else format_footprint(fp))
     return 0
 
 
 def _run(args) -> int:
     """The main job: see tp_ext/run.py."""
-    from tp_ext.models import ConfigError
-    from tp_ext.run import run
+    from tp_ext.cli.run import run
 
     overrides = {"tp": args.tp, "dp": args.dp, "dtype": args.dtype, "seed": args.seed,
                  "lr": args.lr, "weight_decay": args.weight_decay, "betas": args.betas}
@@ -105,7 +47,7 @@ def _run(args) -> int:
         return run(args.config, overrides, small_path=args.small, workdir=args.workdir,
                    steps=args.steps, micro_batches=args.micro_batches,
                    max_new_tokens=args.max_new_tokens, max_grad_norm=args.max_grad_norm)
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:  # ConfigError included
         print(f"tp-ext run: {e}", file=sys.stderr)
         return 2
 

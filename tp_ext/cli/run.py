@@ -1,7 +1,9 @@
-"""The main job, ``tp-ext run CONFIG`` under torchrun: the full-size plan of CONFIG, then a model
-of the same family small enough for any machine, taken through everything the full one needs.
+"""The main job, ``tp-ext run CONFIG`` under torchrun: the full-size footprint of CONFIG, then a
+model of the same family small enough for any machine, taken through everything the full one
+needs. An application on top of the library: it uses only public tp_ext names.
 
-1. Print CONFIG's per-rank plan at this TP degree (built on the meta device, nothing allocated).
+1. Print CONFIG's per-rank footprint at this TP degree (built on the meta device, nothing
+   allocated).
 2. Rank 0 writes a small random checkpoint in Hugging Face format (a sharded index).
 3. Every rank loads its shard of it (slice reads), and checks logits, loss and greedy tokens
    against the single-process model loaded from the same files.
@@ -24,11 +26,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tp_ext import checkpoint
+from tp_ext.checkpoint import peak_rss_bytes
+from tp_ext.config import JobConfig
+from tp_ext.distributed import TPGroup, destroy_parallel, init_parallel
+from tp_ext.layers import vocab_parallel_cross_entropy
+from tp_ext.models import Qwen2ForCausalLM
+from tp_ext.models.footprint import footprint, format_footprint
+from tp_ext.training import Trainer, build_optimizer
+
 __all__ = ["run"]
 
 
 def _memory(device: torch.device) -> dict:
-    from tp_ext.checkpoint import peak_rss_bytes
     out = {"peak_rss_mib": peak_rss_bytes() / 2 ** 20}
     if device.type == "cuda":
         out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
@@ -55,24 +65,18 @@ def _data(config, batch: int, seq: int, seed: int) -> torch.Tensor:
 def run(config_path: str, overrides: dict, small_path: str | None = None,
         workdir: str | None = None, steps: int = 6, micro_batches: int = 2,
         max_new_tokens: int = 16, max_grad_norm: float = 1.0) -> int:
-    import tp_ext
-    from tp_ext import checkpoint
-    from tp_ext.layers.base import TPGroup
-    from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
-    from tp_ext.models.footprint import format_plan, model_plan
-    from tp_ext.training import Trainer, build_optimizer
-
     for name, value in (("steps", steps), ("micro_batches", micro_batches),
                         ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    full = Qwen2Config.from_file(config_path).with_overrides(**overrides)
+    job = JobConfig.from_file(config_path).with_overrides(**overrides)
+    full = job.model
     tp = overrides.get("tp") or world
     full.check_tp(tp)
-    state = tp_ext.init_parallel(tp=tp, pp=full.parallel.pp, dp=full.parallel.dp
-                                 if overrides.get("dp") else None)
+    state = init_parallel(tp=tp, pp=job.parallel.pp, dp=job.parallel.dp
+                          if overrides.get("dp") else None)
     device = state.device
     is_main = state.rank == 0
     say = print if is_main else (lambda *a, **k: None)
@@ -84,13 +88,14 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
 
     say(f"tp-ext run: {world} ranks (tp={state.tp}, dp={state.dp}), backend {state.backend}, "
         f"torch {torch.__version__}, device {device}")
-    say(f"\n[1] plan of {os.path.basename(config_path)} ({full.architecture}) at TP={state.tp}, "
-        "on the meta device:")
-    say(format_plan(model_plan(full, state.tp, full.parallel.dtype)))
+    say(f"\n[1] footprint of {os.path.basename(config_path)} ({full.architecture}) at "
+        f"TP={state.tp}, on the meta device:")
+    say(format_footprint(footprint(full, state.tp, job.parallel.dtype)))
 
     # -- 2. a small random checkpoint of the same family, in Hugging Face format -----------------
-    small = (Qwen2Config.from_file(small_path).with_overrides(**overrides) if small_path
-             else full.tiny())
+    small_job = (JobConfig.from_file(small_path).with_overrides(**overrides) if small_path
+                 else job)
+    small = small_job.model if small_path else full.tiny()
     small.check_tp(state.tp)
     # float32 unless --dtype says otherwise: the parity checks below are then exact to 1e-4
     dtype = getattr(torch, overrides.get("dtype") or "float32")
@@ -99,7 +104,7 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     workdir = workdir or os.path.join(
         tempfile.gettempdir(), f"tp_ext_run_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
     hf_dir = os.path.join(workdir, "hf")
-    torch.manual_seed(small.parallel.seed)
+    torch.manual_seed(small_job.parallel.seed)
     if is_main:
         os.makedirs(workdir, exist_ok=True)
         source = Qwen2ForCausalLM(small, tp_group=TPGroup.local(), dtype=dtype)
@@ -122,7 +127,7 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     say(f"\n[3] loaded across {state.tp} ranks in {load_s:.2f} s; rank 0 read "
         f"{report['read_bytes']:,} of {report['checkpoint_bytes']:,} bytes (its shard: "
         f"{report['shard_bytes']:,})")
-    ids = _data(small, 4, 24, seed=small.parallel.seed + 1).to(device)
+    ids = _data(small, 4, 24, seed=small_job.parallel.seed + 1).to(device)
     with torch.no_grad():
         logits, expected = model(ids), reference(ids)
     scale = expected.abs().max().item()
@@ -130,7 +135,7 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     check("logits equal the single-process model", diff <= tolerance * scale,
           f"max |diff| {diff:.2e} (logit scale {scale:.2f})")
     with torch.no_grad():
-        loss_tp = tp_ext.layers.vocab_parallel_cross_entropy(
+        loss_tp = vocab_parallel_cross_entropy(
             model(ids[:, :-1], local_logits=True), ids[:, 1:], tp_group=state.tp_group)
         loss_ref = F.cross_entropy(expected[:, :-1].reshape(-1, small.vocab_size).float(),
                                    ids[:, 1:].reshape(-1))
@@ -142,10 +147,10 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     del reference
 
     # -- 4. training ---------------------------------------------------------------------------
-    trainer = Trainer(model, build_optimizer(model, small.optimizer),
+    trainer = Trainer(model, build_optimizer(model, small_job.optimizer),
                       max_grad_norm=max_grad_norm,
                       dp_group=state.dp_group if state.dp > 1 else None)
-    batch = _data(small, 4 * micro_batches * state.dp, 32, seed=small.parallel.seed + 2)
+    batch = _data(small, 4 * micro_batches * state.dp, 32, seed=small_job.parallel.seed + 2)
     mine = batch.chunk(state.dp)[state.dp_rank].to(device)  # this DP rank's part
     chunks = list(mine.chunk(micro_batches))
     losses = []
@@ -154,7 +159,7 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
         losses.append(trainer.step(chunks))
     train_s = time.perf_counter() - t0
     train_tokens = batch.numel() * steps
-    say(f"\n[4] {steps} training steps (AdamW lr {small.optimizer.lr:g}, {micro_batches} "
+    say(f"\n[4] {steps} training steps (AdamW lr {small_job.optimizer.lr:g}, {micro_batches} "
         f"micro-batches per step, clip {max_grad_norm}): loss "
         + " -> ".join(f"{x:.3f}" for x in losses))
     check("training loss goes down at every step",
@@ -206,5 +211,5 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
         shutil.rmtree(workdir, ignore_errors=True)
     say(f"\n{'all checks passed' if passed else 'SOME CHECKS FAILED'} on {world} ranks in "
         f"{time.perf_counter() - t_start:.1f} s")
-    tp_ext.parallel.destroy_parallel(destroy_process_group=True)
+    destroy_parallel(destroy_process_group=True)
     return 0 if passed else 1

@@ -3,22 +3,24 @@
 Module names follow Hugging Face's Qwen2 where the layers are not fused: ``model.embed_tokens``,
 ``model.layers.N.{input_layernorm, post_attention_layernorm}``, ``model.norm``, ``lm_head``; the
 fused projections are ``self_attn.qkv_proj`` (q; k; v stacked) and ``mlp.gate_up_proj`` (gate;
-up). :func:`hf_to_tp_ext_names` maps a Hugging Face state dict onto these names.
+up). Where they live in Hugging Face checkpoints: :mod:`tp_ext.models.qwen2.hf_layout`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Optional
 
 import torch
 from torch import nn
 
+from tp_ext import checkpoint
 from tp_ext.layers import (
-    ParallelLMHead, ParallelModule, ParallelTransformerBlock, RMSNorm, VocabParallelEmbedding)
-from tp_ext.layers.base import no_init
-from tp_ext.models.config import Qwen2Config
+    ParallelLMHead, ParallelModule, ParallelTransformerBlock, RMSNorm, VocabParallelEmbedding,
+    no_init)
+from tp_ext.models.qwen2 import hf_layout
+from tp_ext.models.qwen2.config import Qwen2Config
 
-__all__ = ["Qwen2ForCausalLM", "Qwen2Config", "Piece", "checkpoint_layout", "hf_to_tp_ext_names"]
+__all__ = ["Qwen2ForCausalLM"]
 
 
 class _Qwen2Model(ParallelModule):
@@ -58,8 +60,6 @@ class Qwen2ForCausalLM(ParallelModule):
         model.safetensors or a sharded index; Qwen2 or original Qwen format), each rank reading
         only its own slices. ``dtype``: default the checkpoint's. ``model.load_report`` holds
         this rank's bytes read, shard bytes and peak host memory during the load."""
-        from tp_ext import checkpoint
-
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
         checkpoint.reset_peak_rss()
@@ -75,9 +75,19 @@ class Qwen2ForCausalLM(ParallelModule):
     def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -> None:
         """A merged Hugging Face checkpoint that transformers' Qwen2ForCausalLM loads (every
         rank calls it; rank 0 writes)."""
-        from tp_ext import checkpoint
-
         checkpoint.save_hf_checkpoint(self, path, max_shard_bytes)
+
+    # -- what the checkpoint code reads (tp_ext.checkpoint.layout) ------------------------------
+
+    # "qwen2": transformers' Qwen2 names (what saves write); "qwen": the original Qwen's.
+    checkpoint_formats = hf_layout.FORMATS
+
+    def checkpoint_layout(self, fmt: Optional[str] = None):
+        """This model's tensors in a Hugging Face checkpoint of format ``fmt`` (None: "qwen2")."""
+        return hf_layout.checkpoint_layout(self.config, fmt or self.checkpoint_formats[0])
+
+    def hf_config(self, dtype: torch.dtype) -> dict:
+        return hf_layout.hf_config(self.config, dtype)
 
     def forward(self, input_ids: torch.Tensor, local_logits: bool = False,
                 kv_caches=None) -> torch.Tensor:
@@ -102,73 +112,3 @@ class Qwen2ForCausalLM(ParallelModule):
             tokens = torch.cat([tokens, next_token], 1)
             step = next_token
         return tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Rows ``[start, start + rows)`` (dim 0) of checkpoint tensor ``name``."""
-    name: str
-    start: int
-    rows: int
-
-
-def checkpoint_layout(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list[Piece]]:
-    """Where each of this model's full tensors lives in a Hugging Face checkpoint: the pieces,
-    stacked along dim 0, that make it up. ``fmt``: "qwen2" (transformers' Qwen2ForCausalLM
-    names; q/k/v and gate/up separate) or "qwen" (the original Qwen: fused ``attn.c_attn``,
-    ``mlp.w2`` is the gate and ``mlp.w1`` the up projection)."""
-    if fmt not in ("qwen2", "qwen"):
-        raise ValueError(f"fmt must be 'qwen2' or 'qwen', got {fmt!r}")
-    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    q_rows = config.num_attention_heads * config.head_dim
-    kv_rows = config.num_key_value_heads * config.head_dim
-    if fmt == "qwen" and kv_rows != q_rows:
-        raise ValueError("the original Qwen format has no grouped-query attention: "
-                         f"num_key_value_heads={config.num_key_value_heads} must equal "
-                         f"num_attention_heads={config.num_attention_heads}")
-
-    def whole(name, rows):
-        return [Piece(name, 0, rows)]
-
-    layout = {}
-    for i in range(config.num_hidden_layers):
-        ours = f"model.layers.{i}."
-        if fmt == "qwen2":
-            attn, mlp = ours + "self_attn.", ours + "mlp."
-            qkv = [(attn + "q_proj", 0, q_rows), (attn + "k_proj", 0, kv_rows),
-                   (attn + "v_proj", 0, kv_rows)]
-            names = {"input_layernorm": ours + "input_layernorm",
-                     "post_attention_layernorm": ours + "post_attention_layernorm",
-                     "o_proj": attn + "o_proj", "down_proj": mlp + "down_proj",
-                     "gate": mlp + "gate_proj", "up": mlp + "up_proj"}
-        else:
-            theirs = f"transformer.h.{i}."
-            qkv = [(theirs + "attn.c_attn", n * q_rows, q_rows) for n in range(3)]
-            names = {"input_layernorm": theirs + "ln_1", "post_attention_layernorm": theirs + "ln_2",
-                     "o_proj": theirs + "attn.c_proj", "down_proj": theirs + "mlp.c_proj",
-                     "gate": theirs + "mlp.w2", "up": theirs + "mlp.w1"}
-        for leaf in ("weight", "bias"):
-            layout[f"{ours}self_attn.qkv_proj.{leaf}"] = [
-                Piece(f"{name}.{leaf}", start, rows) for name, start, rows in qkv]
-        layout[ours + "input_layernorm.weight"] = whole(names["input_layernorm"] + ".weight", h)
-        layout[ours + "post_attention_layernorm.weight"] = whole(
-            names["post_attention_layernorm"] + ".weight", h)
-        layout[ours + "self_attn.o_proj.weight"] = whole(names["o_proj"] + ".weight", h)
-        layout[ours + "mlp.gate_up_proj.weight"] = [Piece(names["gate"] + ".weight", 0, inter),
-                                                    Piece(names["up"] + ".weight", 0, inter)]
-        layout[ours + "mlp.down_proj.weight"] = whole(names["down_proj"] + ".weight", h)
-    embed = "model.embed_tokens.weight" if fmt == "qwen2" else "transformer.wte.weight"
-    layout["model.embed_tokens.weight"] = whole(embed, vocab)
-    layout["model.norm.weight"] = whole(
-        "model.norm.weight" if fmt == "qwen2" else "transformer.ln_f.weight", h)
-    # A tied head has no tensor of its own in Hugging Face checkpoints.
-    layout["lm_head.weight"] = whole(embed if config.tie_word_embeddings else "lm_head.weight",
-                                     vocab)
-    return layout
-
-
-def hf_to_tp_ext_names(state: dict[str, torch.Tensor], config: Qwen2Config,
-                       fmt: str = "qwen2") -> dict[str, torch.Tensor]:
-    """A Hugging Face state dict (in memory) as full tensors under this model's names."""
-    return {ours: torch.cat([state[p.name][p.start:p.start + p.rows] for p in pieces], 0)
-            for ours, pieces in checkpoint_layout(config, fmt).items()}

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelState", "init_parallel", "parallel_state", "default_tp_group", "valid_layouts"]
+from tp_ext.distributed.state import PROCESS
+
+__all__ = ["ParallelState", "init_parallel", "parallel_state", "destroy_parallel", "valid_layouts"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -48,25 +50,11 @@ class ParallelState:
         return self.dp_group.rank()
 
 
-_STATE: Optional[ParallelState] = None
-
-
 def parallel_state() -> ParallelState:
-    if _STATE is None:
+    """The layout made by :func:`init_parallel` in this process."""
+    if PROCESS.parallel is None:
         raise RuntimeError("tp_ext.init_parallel(tp=...) has not been called in this process")
-    return _STATE
-
-
-def default_tp_group() -> dist.ProcessGroup:
-    """The TP group from init_parallel, else the world group."""
-    if _STATE is not None:
-        return _STATE.tp_group
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "no process group: call tp_ext.init_parallel(tp=...) (or "
-            "torch.distributed.init_process_group) first, or pass group="
-        )
-    return dist.group.WORLD
+    return PROCESS.parallel
 
 
 def valid_layouts(world_size: int, pp: int = 1) -> list[int]:
@@ -108,7 +96,6 @@ def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optio
     if it is not up yet). Backend: NCCL when CUDA is available, else gloo, unless ``backend`` says.
     ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
     """
-    global _STATE
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                    if v not in os.environ]
@@ -126,8 +113,9 @@ def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optio
     backend = dist.get_backend()
     world = dist.get_world_size()
     dp = _resolve_sizes(world, tp, pp, dp)
-    if _STATE is not None and (_STATE.tp, _STATE.pp, _STATE.dp) == (tp, pp, dp):
-        return _STATE  # same layout: reuse the groups (making them again is a collective)
+    current = PROCESS.parallel
+    if current is not None and (current.tp, current.pp, current.dp) == (tp, pp, dp):
+        return current  # same layout: reuse the groups (making them again is a collective)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if tp > local_world or local_world % tp:
         warnings.warn(
@@ -137,18 +125,17 @@ def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optio
     device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
               else torch.device("cpu"))
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    _STATE = ParallelState(
+    PROCESS.parallel = ParallelState(
         mesh=mesh, tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"), tp=tp, pp=pp, dp=dp, rank=dist.get_rank(),
         device=device, backend=backend,
     )
-    return _STATE
+    return PROCESS.parallel
 
 
 def destroy_parallel(destroy_process_group: bool = False) -> None:
     """Forget the groups from init_parallel; with ``destroy_process_group=True`` also tear down
     torch.distributed (every group, the default one last) for a clean exit."""
-    global _STATE
-    _STATE = None
+    PROCESS.parallel = None
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,10 +1,6 @@
-"""Tensor-parallel attention (with a KV cache), SwiGLU MLP and the Qwen2/Llama decoder block.
-
-Each rank computes its own attention heads and its share of the MLP's hidden units: per block,
-one all-reduce after attention and one after the MLP (forward), and the same two backward. With
-``sequence_parallel`` the residual stream stays split along the sequence, and each all-reduce
-becomes an all-gather before the column-parallel layer plus a reduce-scatter after the
-row-parallel one (the same bytes, and norms computed on 1/tp of the tokens).
+"""Tensor-parallel causal grouped-query attention with a KV cache: each rank computes its own
+heads (split whole by :class:`tp_ext.sharding.HeadLayout`), one all-reduce after the output
+projection (forward) and one before the QKV projection (backward).
 
 Inputs are ``[batch, seq, hidden]``; under sequence parallelism ``seq`` is this rank's shard
 (pass ``seq_len`` when the full length does not divide by the TP size). ``position_ids`` are
@@ -18,13 +14,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tp_ext.distributed.rng import tp_rng
 from tp_ext.layers.base import ParallelModule, check_int
-from tp_ext.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tp_ext.layers.norm import RMSNorm
-from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary
-from tp_ext.sharding import Partition
+from tp_ext.layers.linear import QKVParallelLinear, RowParallelLinear
+from tp_ext.layers.rotary import RotaryEmbedding
 
-__all__ = ["KVCache", "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock"]
+__all__ = ["KVCache", "ParallelAttention"]
 
 
 class KVCache:
@@ -64,7 +59,7 @@ class ParallelAttention(ParallelModule):
     (column-parallel), RoPE, scaled dot-product attention, output projection (row-parallel).
 
     Attention dropout (``dropout`` > 0, training only) draws from the TP stream
-    (:func:`tp_ext.random.tp_rng`), so different heads on different ranks get different masks.
+    (:func:`tp_ext.distributed.rng.tp_rng`), so different heads on different ranks get different masks.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
@@ -118,8 +113,7 @@ class ParallelAttention(ParallelModule):
         elif tuple(position_ids.shape) not in ((batch, seq), (1, seq)):
             raise ValueError(f"position_ids must be [batch, seq] = [{batch}, {seq}] (full "
                              f"sequence), got shape {tuple(position_ids.shape)}")
-        cos, sin = self.rotary(position_ids, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary.rotate(q, k, position_ids)  # q and k in one fused op
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         if self.kv_groups_local > 1:
@@ -138,74 +132,6 @@ class ParallelAttention(ParallelModule):
             mask, causal = torch.arange(k.size(2), device=q.device) <= rows, False
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        from tp_ext.random import tp_rng
-
         with tp_rng():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                   dropout_p=dropout)
-
-
-class ParallelMLP(ParallelModule):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with gate and up merged in one column-parallel
-    matmul and down row-parallel. Each rank holds its share of the hidden units (any count)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None):
-        super().__init__()
-        tp = self._setup_tp(tp_group)
-        check_int("intermediate_size", intermediate_size)
-        kw = {"device": device, "dtype": dtype}
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias,
-            sequence_parallel=sequence_parallel, tp_group=tp, **kw)
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias, sequence_parallel=sequence_parallel,
-            tp_group=tp, partition=Partition.split(intermediate_size, tp.size), **kw)
-
-    # torch.ops.tp_ext.swiglu on the merged local [gate | up] output (equal halves); False: the
-    # unfused F.silu(gate) * up.
-    fused_swiglu = True
-
-    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
-        y = self.gate_up_proj(x, seq_len)
-        if self.fused_swiglu:
-            return self.down_proj(torch.ops.tp_ext.swiglu(y), seq_len)
-        gate, up = self.gate_up_proj.split(y)
-        return self.down_proj(F.silu(gate) * up, seq_len)
-
-
-class ParallelTransformerBlock(ParallelModule):
-    """A Qwen2/Llama decoder layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``.
-
-    Full state dict names: ``input_layernorm.weight``, ``self_attn.qkv_proj.{weight,bias}``
-    (q, k, v stacked), ``self_attn.o_proj.weight``, ``post_attention_layernorm.weight``,
-    ``mlp.gate_up_proj.weight`` (gate, up stacked), ``mlp.down_proj.weight``.
-    """
-
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 intermediate_size: int, head_dim: Optional[int] = None,
-                 rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, qkv_bias: bool = True,
-                 attention_dropout: float = 0.0, sequence_parallel: bool = False, tp_group=None,
-                 device=None, dtype=None):
-        super().__init__()
-        tp = self._setup_tp(tp_group)
-        kw = {"device": device, "dtype": dtype}
-        self.sequence_parallel = sequence_parallel
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, sequence_parallel, tp, **kw)
-        self.self_attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, head_dim,
-                                           qkv_bias, False, rope_theta, attention_dropout,
-                                           sequence_parallel, tp, **kw)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, sequence_parallel, tp,
-                                                **kw)
-        self.mlp = ParallelMLP(hidden_size, intermediate_size, False, sequence_parallel, tp, **kw)
-
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, seq_len: Optional[int] = None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), position_ids, kv_cache, seq_len)
-        norm = self.post_attention_layernorm
-        if isinstance(norm, RMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks):
-            normed, h = norm.forward_add(attn, x)  # h = x + attn and its norm in one pass
-        else:  # a replaced or hooked norm must see its own call
-            h = x + attn
-            normed = norm(h)
-        return h + self.mlp(normed, seq_len)

@@ -1,11 +1,7 @@
-"""Model, parallel and optimizer settings for Qwen-family models, from YAML, JSON or a Hugging Face
-config.json, validated with errors that name the field.
-
-tp_ext's own files (configs/*.yaml) have three sections::
-
-    model:     {architecture: qwen2 | qwen, vocab_size, hidden_size, intermediate_size, ...}
-    parallel:  {tp, pp, dp, dtype, seed}
-    optimizer: {lr, weight_decay, betas}
+"""The Qwen2 / Qwen2.5 (and original Qwen) model config: architecture only. Read from a tp_ext
+YAML/JSON file (its ``model:`` section; the job's other sections are
+:class:`tp_ext.config.JobConfig`'s) or a Hugging Face config.json, validated with errors that
+name the field.
 
 Every model field is required and unknown fields are errors. A Hugging Face config.json (it has
 ``model_type``) is read by its own names; fields tp_ext does not use are ignored there.
@@ -14,61 +10,12 @@ Every model field is required and unknown fields are errors. A Hugging Face conf
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any, Optional
-
-import yaml
+from typing import Any
 
 from tp_ext.sharding import HeadLayout
+from tp_ext.validation import ConfigError, check_unknown, read_mapping
 
-__all__ = ["Qwen2Config", "ParallelSettings", "OptimizerSettings", "ConfigError"]
-
-
-class ConfigError(ValueError):
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelSettings:
-    tp: int = 1
-    pp: int = 1
-    dp: Optional[int] = None
-    dtype: str = "float32"
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
-            value = getattr(self, name)
-            if value is None and name == "dp":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"parallel.seed must be an int, got {self.seed!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSettings:
-    """AdamW, with Megatron's defaults for large models."""
-    lr: float = 1.5e-4
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be a number > 0, got {self.lr!r}")
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
-                or self.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay must be a number >= 0, got "
-                              f"{self.weight_decay!r}")
-        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if betas is None or len(betas) != 2 or not all(
-                isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}")
-
-
-_DTYPES = ("float32", "bfloat16", "float16", "float64")
+__all__ = ["Qwen2Config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +33,6 @@ class Qwen2Config:
     rms_norm_eps: float
     tie_word_embeddings: bool = False
     architecture: str = "qwen2"
-    parallel: ParallelSettings = ParallelSettings()
-    optimizer: OptimizerSettings = OptimizerSettings()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -104,9 +49,6 @@ class Qwen2Config:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not a "
                               f"multiple of model.num_key_value_heads={self.num_key_value_heads}")
-        if self.parallel.dtype not in _DTYPES:
-            raise ConfigError(f"parallel.dtype must be one of {_DTYPES}, got "
-                              f"{self.parallel.dtype!r}")
 
     @property
     def head_dim(self) -> int:
@@ -132,29 +74,10 @@ class Qwen2Config:
     def replace(self, **changes) -> "Qwen2Config":
         return dataclasses.replace(self, **changes)
 
-    def with_overrides(self, **flags) -> "Qwen2Config":
-        """The config with command-line flags applied over its parallel and optimizer sections
-        (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``lr``, ``weight_decay``, ``betas``);
-        flags that are None are left as the file has them."""
-        sections = {"parallel": {f.name for f in dataclasses.fields(ParallelSettings)},
-                    "optimizer": {f.name for f in dataclasses.fields(OptimizerSettings)}}
-        unknown = sorted(set(flags) - set().union(*sections.values()))
-        if unknown:
-            raise ConfigError(f"unknown override {unknown[0]!r}; known: "
-                              f"{sorted(set().union(*sections.values()))}")
-        changes = {}
-        for section, names in sections.items():
-            values = {k: v for k, v in flags.items() if k in names and v is not None}
-            if values:
-                if "betas" in values:
-                    values["betas"] = tuple(values["betas"])
-                changes[section] = dataclasses.replace(getattr(self, section), **values)
-        return self.replace(**changes)
-
     def tiny(self) -> "Qwen2Config":
         """A CPU-sized model of the same family (architecture, biases, GQA or not, RoPE theta,
         eps, tying): 8 query heads, 2 KV heads under GQA, a vocabulary of 1001 (not divisible by
-        8) and an MLP of 44 (uneven at TP 3 and 8); parallel and optimizer settings kept."""
+        8) and an MLP of 44 (uneven at TP 3 and 8)."""
         gqa = self.num_key_value_heads < self.num_attention_heads
         return self.replace(vocab_size=1001, hidden_size=64, intermediate_size=44,
                             num_hidden_layers=2, num_attention_heads=8,
@@ -165,51 +88,32 @@ class Qwen2Config:
 
     @classmethod
     def from_file(cls, path: str) -> "Qwen2Config":
-        """Read ``path``: tp_ext YAML/JSON (model/parallel/optimizer sections) or a Hugging Face
+        """Read ``path``: a tp_ext YAML/JSON file (its ``model`` section) or a Hugging Face
         config.json (or a directory holding one)."""
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            text = f.read()
-        try:
-            data = (json.loads(text) if path.endswith(".json") else yaml.safe_load(text))
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-                              f"{e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+        path, data = read_mapping(path)
         try:
             if "model_type" in data or "architectures" in data:
                 return cls.from_hf_dict(data)
-            return cls.from_dict(data)
+            if "model" not in data:
+                raise ConfigError("missing field 'model'")
+            return cls.from_dict(data["model"])
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Qwen2Config":
-        unknown = sorted(set(data) - {"model", "parallel", "optimizer"})
-        if unknown:
-            raise ConfigError(f"unknown top-level field(s) {unknown}; expected model, parallel, "
-                              "optimizer")
-        if "model" not in data:
-            raise ConfigError("missing field 'model'")
-        model = dict(data["model"] or {})
-        fields = {f.name for f in dataclasses.fields(cls)} - {"parallel", "optimizer"}
-        unknown = sorted(set(model) - fields)
-        if unknown:
-            raise ConfigError(f"unknown field(s) model.{unknown[0]}"
-                              f"{' (and ' + ', '.join(unknown[1:]) + ')' if unknown[1:] else ''}; "
-                              f"known fields: {sorted(fields)}")
+    def from_dict(cls, model: dict[str, Any]) -> "Qwen2Config":
+        """From the fields of a ``model:`` section (tp_ext's names)."""
+        if not isinstance(model, dict):
+            raise ConfigError(f"model must be a mapping of fields, got {type(model).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        check_unknown("model.", model, fields)
         required = [f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING]
         missing = [name for name in required if name not in model]
         if missing:
             raise ConfigError(f"missing field model.{missing[0]}"
                               f"{' (also ' + ', '.join(missing[1:]) + ')' if missing[1:] else ''}")
-        return cls(**model, parallel=_section(ParallelSettings, "parallel", data),
-                   optimizer=_section(OptimizerSettings, "optimizer", data))
+        return cls(**model)
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> "Qwen2Config":
@@ -252,14 +156,3 @@ def _pick(data: dict, names: dict[str, str]) -> dict:
         _require(data, theirs)
         values[ours] = data[theirs]
     return values
-
-
-def _section(kind, name: str, data: dict):
-    section = dict(data.get(name) or {})
-    fields = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(section) - fields)
-    if unknown:
-        raise ConfigError(f"unknown field {name}.{unknown[0]}; known fields: {sorted(fields)}")
-    if "betas" in section:
-        section["betas"] = tuple(section["betas"])
-    return kind(**section)

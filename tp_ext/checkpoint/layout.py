@@ -1,0 +1,97 @@
+"""Where a model's tensors live in a Hugging Face checkpoint, as the model declares it.
+
+A model that the checkpoint code can load and save (any model, not only Qwen2) provides:
+
+- ``config``: a dataclass of its architecture (recorded in sharded checkpoints' manifests);
+- ``checkpoint_formats``: the names of the checkpoint formats it can be read from, the first
+  being the one it saves in;
+- ``checkpoint_layout(fmt=None) -> {name: [Piece, ...]}``: for every entry of its
+  ``state_dict()``, the checkpoint tensors that, stacked along dim 0, make up the full tensor
+  in format ``fmt`` (None: the first format);
+- ``hf_config(dtype) -> dict``: the config.json written next to a merged export.
+
+The checkpoint code never imports a model: it reads these, and the layers' shard specs for which
+rows each rank holds. A tensor whose pieces all belong to an earlier entry is tied to it (a tied
+LM head): it is read from that entry's tensors and never written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Piece", "row_reads", "expected_shapes", "tied_names", "model_layout",
+           "detect_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, start + rows)`` (dim 0) of checkpoint tensor ``name``."""
+    name: str
+    start: int
+    rows: int
+
+
+def model_layout(model, fmt=None) -> dict[str, list[Piece]]:
+    """The model's declared layout (see the module docstring), with a clear error if it has none."""
+    declare = getattr(model, "checkpoint_layout", None)
+    if declare is None:
+        from tp_ext.checkpoint.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{type(model).__name__} does not declare a checkpoint layout: give it a "
+            "checkpoint_layout(fmt) method (see tp_ext.checkpoint.layout), or save it with "
+            "torch.distributed.checkpoint directly")
+    return declare(fmt)
+
+
+def detect_layout(model, names) -> dict[str, list[Piece]]:
+    """The layout of the first of the model's formats whose tensors are all among ``names`` (a
+    checkpoint's tensor names); the default format's when none is complete (its check then says
+    what is missing)."""
+    for fmt in getattr(model, "checkpoint_formats", (None,)):
+        try:
+            layout = model_layout(model, fmt)
+        except ValueError:  # a format this model's config cannot have
+            continue
+        if {p.name for pieces in layout.values() for p in pieces} <= set(names):
+            return layout
+    return model_layout(model)
+
+
+def tied_names(entries, layout) -> set[str]:
+    """Names of ``entries`` (in state_dict order) whose pieces all belong to earlier entries."""
+    seen, tied = set(), set()
+    for name, *_ in entries:
+        pieces = {p.name for p in layout[name]}
+        if pieces <= seen:
+            tied.add(name)
+        seen |= pieces
+    return tied
+
+
+def expected_shapes(entries, layout) -> dict[str, tuple[int, ...]]:
+    """Full shape each checkpoint tensor must have, from the model's full shapes and layout."""
+    shapes: dict[str, list[int]] = {}
+    for name, tensor, spec, _ in entries:
+        full = list(tensor.shape)
+        if spec is not None:
+            full[spec[0]] = spec[1].full
+        for piece in layout[name]:
+            rows = max(shapes.get(piece.name, [0])[0], piece.start + piece.rows)
+            shapes[piece.name] = [rows] + full[1:]
+    return {name: tuple(shape) for name, shape in shapes.items()}
+
+
+def row_reads(pieces, offset: int, length: int):
+    """The (piece, first row, end row) reads, in checkpoint-tensor rows, that give rows
+    [offset, offset+length) of the tensor the pieces stack into."""
+    reads, start = [], 0
+    for piece in pieces:
+        lo, hi = max(offset, start), min(offset + length, start + piece.rows)
+        if lo < hi:
+            reads.append((piece, piece.start + lo - start, piece.start + hi - start))
+        start += piece.rows
+    return reads
+
+
+# Large slices are read in pieces of at most this many bytes, each straight into its place in

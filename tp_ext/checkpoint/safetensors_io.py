@@ -1,0 +1,179 @@
+"""Reading Hugging Face safetensors checkpoints by slices: each rank reads only the rows (or
+columns) it holds, straight into its tensors, so its peak host memory stays near its shard."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from tp_ext.checkpoint.errors import CheckpointError
+from tp_ext.checkpoint.layout import row_reads
+
+__all__ = ["SINGLE_FILE", "INDEX_FILE", "SafetensorsFiles", "checkpoint_dtype", "load_local",
+           "check_names_and_shapes", "READ_CHUNK_BYTES"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some Hugging Face checkpoints carry that are recomputed, not loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def checkpoint_dtype(path: str) -> torch.dtype:
+    """The dtype of a Hugging Face checkpoint's floating-point tensors (its first one)."""
+    files = SafetensorsFiles(path)
+    for name in sorted(files.names()):
+        dtype = _DTYPES.get(files.dtype(name))
+        if dtype is not None:
+            return dtype
+    raise CheckpointError(f"{path}: no floating-point tensors in this checkpoint")
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "F64": torch.float64}
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory (single file or sharded index), opened lazily."""
+
+    def __init__(self, path: str) -> None:
+        path = os.fspath(path)
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            self.root, files = os.path.dirname(path), {None: os.path.basename(path)}
+        elif os.path.isdir(path):
+            self.root = path
+            files = self._weight_map(path)
+        else:
+            raise CheckpointError(f"checkpoint path {path!r} does not exist (expected a directory "
+                                  f"with {SINGLE_FILE} or {INDEX_FILE})")
+        # Headers are read once and the files closed again: a file stays memory-mapped only
+        # while one slice is read from it, so mapped pages never add up to the whole checkpoint.
+        self.file_of: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        for file in sorted(set(files.values())):
+            with self._open(file) as handle:
+                present = set(handle.keys())
+                for name in present:
+                    piece = handle.get_slice(name)
+                    self._shapes[name] = tuple(piece.get_shape())
+                    self._dtypes[name] = piece.get_dtype()
+            if None in files:
+                self.file_of = dict.fromkeys(present, file)
+                continue
+            listed = {n for n, f in files.items() if f == file}
+            absent = sorted(listed - present)
+            if absent:
+                raise CheckpointError(f"{INDEX_FILE} lists {absent[0]!r} in {file}, but that "
+                                      f"file does not contain it ({len(absent)} such tensors)")
+        if None not in files:
+            self.file_of = dict(files)
+
+    @staticmethod
+    def _weight_map(root: str) -> dict:
+        index = os.path.join(root, INDEX_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e}); expected "
+                                      '{"weight_map": {tensor name: file name}}') from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to files")
+            return weight_map
+        if os.path.isfile(os.path.join(root, SINGLE_FILE)):
+            return {None: SINGLE_FILE}
+        raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE} in this directory")
+
+    def _open(self, file: str):
+        from safetensors import SafetensorError, safe_open
+        full = os.path.join(self.root, file)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint file {full} is missing")
+        try:
+            return safe_open(full, framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"checkpoint file {full} is corrupt or truncated: {e}") from None
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def where(self, name: str) -> str:
+        return os.path.join(self.root, self.file_of[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        return self._dtypes[name]
+
+    def read(self, name: str, index) -> torch.Tensor:
+        """``tensor[index]`` of checkpoint tensor ``name``: a slice read of just those bytes."""
+        with self._open(self.file_of[name]) as handle:
+            return handle.get_slice(name)[index]
+
+    def nbytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.root, f)) for f in set(self.file_of.values()))
+
+
+READ_CHUNK_BYTES = 16 * 2 ** 20
+
+
+def load_local(files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Tensor) -> int:
+    """Copy this rank's part of one model tensor into ``dest`` by slice reads; returns the
+    bytes read."""
+    reads = []  # (checkpoint name, first row, end row, columns or None, destination block)
+    if spec is None:
+        position = 0
+        for piece, a, b in row_reads(pieces, 0, sum(p.rows for p in pieces)):
+            reads.append((piece.name, a, b, None, dest.narrow(0, position, b - a)))
+            position += b - a
+    else:
+        dim, partition = spec
+        position = 0
+        for offset, length in partition.segments[rank]:
+            if dim == 0:
+                for piece, a, b in row_reads(pieces, offset, length):
+                    reads.append((piece.name, a, b, None, dest.narrow(0, position, b - a)))
+                    position += b - a
+            else:  # one whole tensor, cut along a later dim (row-parallel weights): strided
+                (piece,) = pieces
+                columns = (slice(None),) * (dim - 1) + (slice(offset, offset + length),)
+                reads.append((piece.name, 0, piece.rows, columns,
+                              dest.narrow(dim, position, length)))
+                position += length
+    total = 0
+    for name, a, b, columns, block in reads:
+        row_bytes = max(1, block[:1].numel() * block.element_size())
+        step = max(1, READ_CHUNK_BYTES // row_bytes)
+        for start in range(a, b, step):
+            stop = min(b, start + step)
+            index = (slice(start, stop),) + (columns or ())
+            value = files.read(name, index)
+            block.narrow(0, start - a, stop - start).copy_(value)
+            total += value.numel() * value.element_size()
+    return total
+
+
+def check_names_and_shapes(files: SafetensorsFiles, expected: dict, strict: bool) -> None:
+    present = files.names()
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {files.root} is missing tensor {missing[0]!r}"
+            f"{f' (and {len(missing) - 1} more: {missing[1:4]})' if len(missing) > 1 else ''}; "
+            "does the config match the checkpoint?")
+    extra = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_SUFFIXES))
+    if strict and extra:
+        raise CheckpointError(
+            f"checkpoint {files.root} has tensor {extra[0]!r} (in {files.file_of[extra[0]]}) that "
+            f"this model does not use{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; "
+            "pass strict=False to ignore unused tensors")
+    for name, shape in expected.items():
+        found = files.shape(name)
+        if found != shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {files.where(name)} has shape {list(found)}, but the model's "
+                f"config implies {list(shape)}: the config disagrees with the checkpoint")

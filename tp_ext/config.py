@@ -1,0 +1,106 @@
+"""The job config: what a training or inference job needs besides the model's architecture.
+
+tp_ext's config files (configs/*.yaml) have one section per concern, each validated by the
+class that owns it::
+
+    model:     the architecture (tp_ext.models.Qwen2Config)
+    parallel:  {tp, pp, dp, dtype, seed}           (ParallelSettings, below)
+    optimizer: {lr, weight_decay, betas}           (tp_ext.training.OptimizerSettings)
+
+Unknown sections and fields are errors that name them; every value is checked when the file is
+read, before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from tp_ext.models import Qwen2Config
+from tp_ext.training import OptimizerSettings
+from tp_ext.validation import ConfigError, check_unknown, read_mapping
+
+__all__ = ["JobConfig", "ParallelSettings", "DTYPES"]
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSettings:
+    """How the job is laid out over ranks, and the dtype and seed of its model."""
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None
+    dtype: str = "float32"
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if value is None and name == "dp":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"parallel.seed must be an int, got {self.seed!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"parallel.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+_SECTIONS = {"parallel": ParallelSettings, "optimizer": OptimizerSettings}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    model: Qwen2Config
+    parallel: ParallelSettings = ParallelSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+
+    @classmethod
+    def from_file(cls, path: str) -> "JobConfig":
+        """A tp_ext YAML/JSON job file, or a Hugging Face config.json (default settings)."""
+        path, data = read_mapping(path)
+        try:
+            if "model_type" in data or "architectures" in data:
+                return cls(model=Qwen2Config.from_hf_dict(data))
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+        check_unknown("", data, ["model", *_SECTIONS])
+        if "model" not in data:
+            raise ConfigError("missing field 'model'")
+        sections = {name: _section(kind, name, data) for name, kind in _SECTIONS.items()}
+        return cls(model=Qwen2Config.from_dict(data["model"]), **sections)
+
+    def with_overrides(self, **flags) -> "JobConfig":
+        """The config with command-line flags applied over its parallel and optimizer sections
+        (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``lr``, ``weight_decay``, ``betas``);
+        flags that are None are left as the file has them."""
+        names = {section: {f.name for f in dataclasses.fields(kind)}
+                 for section, kind in _SECTIONS.items()}
+        known = sorted(set().union(*names.values()))
+        unknown = sorted(set(flags) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown override {unknown[0]!r}; known: {known}")
+        changes = {}
+        for section, fields in names.items():
+            values = {k: v for k, v in flags.items() if k in fields and v is not None}
+            if values:
+                if "betas" in values:
+                    values["betas"] = tuple(values["betas"])
+                changes[section] = dataclasses.replace(getattr(self, section), **values)
+        return dataclasses.replace(self, **changes)
+
+
+def _section(kind, name: str, data: dict):
+    section = data.get(name) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{name} must be a mapping of fields, got {type(section).__name__}")
+    check_unknown(f"{name}.", section, [f.name for f in dataclasses.fields(kind)])
+    section = dict(section)
+    if "betas" in section and isinstance(section["betas"], list):
+        section["betas"] = tuple(section["betas"])
+    return kind(**section)

@@ -1,0 +1,118 @@
+"""Full (unsharded) and sharded state dicts of any module holding tp_ext layers.
+
+Each parallel layer records a ``(dim, Partition)`` shard spec per sharded parameter (see
+:class:`tp_ext.layers.base.ParallelModule`). From it: this rank's slices of full tensors
+(:func:`local_shards`, :func:`load_full_state_dict`, local), and full tensors gathered from every
+rank (:func:`iter_full_tensors`, :func:`full_state_dict`, collectives). Checkpoint code reads
+:func:`state_entries`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from tp_ext.distributed import comm
+from tp_ext.layers.base import ParallelModule
+
+__all__ = ["load_full_state_dict", "full_state_dict", "iter_full_tensors", "local_shards",
+           "state_entries"]
+
+
+def _owned_tensors(module: nn.Module):
+    """(name, tensor, owning module, leaf name) for every entry of module.state_dict()."""
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        yield name, tensor, owner, leaf
+
+
+def _spec(owner: nn.Module, leaf: str):
+    return owner.shard_spec(leaf) if isinstance(owner, ParallelModule) else None
+
+
+def state_entries(module: nn.Module):
+    """``(name, tensor, spec, owner)`` for every entry of ``module.state_dict()``: ``spec`` is
+    the owner's ``(dim, Partition)`` for sharded tensors, else None. Checkpoint I/O reads this."""
+    for name, tensor, owner, leaf in _owned_tensors(module):
+        yield name, tensor, _spec(owner, leaf), owner
+
+
+def _full_shape(tensor: torch.Tensor, spec) -> tuple[int, ...]:
+    shape = list(tensor.shape)
+    if spec is not None:
+        shape[spec[0]] = spec[1].full
+    return tuple(shape)
+
+
+def local_shards(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's piece of each full tensor in ``full`` (views where possible), keyed as
+    ``module.state_dict()``; keys the module does not have are ignored."""
+    result = {}
+    for name, _, owner, leaf in _owned_tensors(module):
+        if name in full:
+            spec = _spec(owner, leaf)
+            value = full[name]
+            result[name] = value if spec is None else spec[1].local(value, spec[0], owner.tp_rank)
+    return result
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor],
+                         strict: bool = True) -> None:
+    """Copy this rank's slice of every full tensor in ``full`` into ``module`` (keys as in
+    ``module.state_dict()``; shapes those of the unsharded module). Local, no communication.
+    With ``strict``, missing and unexpected keys are errors that list them."""
+    entries = list(_owned_tensors(module))
+    names = {name for name, *_ in entries}
+    missing = sorted(names - set(full))
+    unexpected = sorted(set(full) - names)
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"load_full_state_dict({type(module).__name__}): missing keys {missing}, unexpected "
+            f"keys {unexpected}; expected exactly {sorted(names)}")
+    for name, tensor, owner, leaf in entries:
+        if name not in full:
+            continue
+        value = full[name]
+        spec = _spec(owner, leaf)
+        expected = _full_shape(tensor, spec)
+        if tuple(value.shape) != expected:
+            hint = "" if spec is None else (
+                f" (this rank holds a slice of {tuple(tensor.shape)}; pass the full tensor, not "
+                "a shard)")
+            raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
+                             f"expected the unsharded shape {expected}{hint}")
+        if tensor.device.type == "meta":
+            raise ValueError(f"load_full_state_dict: {name!r} is on the meta device; call "
+                             "module.to_empty(device=...) first")
+        piece = value if spec is None else spec[1].local(value, spec[0], owner.tp_rank)
+        tensor.copy_(piece)
+
+
+def iter_full_tensors(module: nn.Module):
+    """``(name, full tensor)`` for every entry of ``module.state_dict()``, gathered one at a time
+    (peak memory: one full tensor). A collective per sharded tensor: every rank must iterate."""
+    for name, tensor, owner, leaf in _owned_tensors(module):
+        yield name, _gather_full(tensor, _spec(owner, leaf), owner)
+
+
+@torch.no_grad()
+def _gather_full(tensor: torch.Tensor, spec, owner) -> torch.Tensor:
+    if spec is None or owner.tp_size == 1:
+        return tensor.detach().clone()
+    dim, partition = spec
+    gathered = comm.all_gather(tensor.detach().contiguous(), dim, partition.local_sizes(),
+                               group=owner.tp)
+    if not partition.is_contiguous_split():
+        order = torch.tensor(partition.gather_order(), device=gathered.device)
+        gathered = gathered.index_select(dim, order)
+    return gathered
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every entry of ``module.state_dict()`` as its full (unsharded) tensor, on every rank.
+    A collective over each parallel layer's TP group: every rank must call it."""
+    return dict(iter_full_tensors(module))

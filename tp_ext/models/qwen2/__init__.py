@@ -1,0 +1,8 @@
+"""Qwen2 / Qwen2.5 (and the original Qwen) on tp_ext layers: the model config (architecture
+only), the model, and its Hugging Face checkpoint layout."""
+
+from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.models.qwen2.hf_layout import checkpoint_layout, hf_to_tp_ext_names
+from tp_ext.models.qwen2.model import Qwen2ForCausalLM
+
+__all__ = ["Qwen2Config", "Qwen2ForCausalLM", "checkpoint_layout", "hf_to_tp_ext_names"]

@@ -1,0 +1,241 @@
+"""The Python face of every tp_ext op: one list of op names, a handle per op, and the fake (meta)
+kernels that let torch.compile and torch.export trace them.
+
+Nothing else in tp_ext touches ``torch.ops.tp_ext``: collectives are called through
+:mod:`tp_ext.distributed.comm` (which calls the handles here with a resolved group), compute
+kernels through the handles below. Schemas and their meaning: ``csrc/schemas.cpp`` and
+docs/ops.md; how to add an op: ``csrc/README.md``.
+
+Communicating ops are registered as ORDERED effects: compiled graphs then keep the collectives in
+program order. Without it Inductor may schedule independent collectives in a different order on
+different ranks (each rank compiles its own graph), which pairs the wrong collectives across ranks.
+Output shapes follow from the arguments alone: ops whose result is this rank's piece take
+``group_rank``, so no live process group is needed while tracing.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+# Loading the extension registers every op (static initialisers of its TORCH_LIBRARY blocks).
+# Imported by name: the compiled module is not a Python file the import-layer checker can see.
+_C = importlib.import_module("tp_ext._C")
+
+try:  # torch >= 2.12
+    from torch._library.effects import EffectType
+except ImportError:  # torch 2.11 (the GPU image)
+    from torch._higher_order_ops.effects import _EffectType as EffectType
+
+__all__ = ["COLLECTIVE_OPS", "KERNEL_OPS", "ALL_OPS"]
+
+# ---- the one list of op names ---------------------------------------------------------------------
+
+COLLECTIVE_OPS = (
+    # plain collectives (no autograd)
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+    # Megatron pairs (autograd in C++)
+    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "gather_from_sp",
+    "reduce_scatter_to_sp",
+    # the loss that communicates two token-sized all-reduces
+    "vocab_parallel_cross_entropy",
+)
+KERNEL_OPS = (
+    "rms_norm", "add_rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward",
+    "rotary_embedding", "vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_local_grad",
+)
+ALL_OPS = COLLECTIVE_OPS + KERNEL_OPS
+
+# ---- handles --------------------------------------------------------------------------------------
+
+_lib = torch.ops.tp_ext
+all_reduce = _lib.all_reduce
+all_gather = _lib.all_gather
+reduce_scatter = _lib.reduce_scatter
+broadcast = _lib.broadcast
+all_to_all = _lib.all_to_all
+copy_to_tp = _lib.copy_to_tp
+reduce_from_tp = _lib.reduce_from_tp
+scatter_to_tp = _lib.scatter_to_tp
+gather_from_tp = _lib.gather_from_tp
+gather_from_sp = _lib.gather_from_sp
+reduce_scatter_to_sp = _lib.reduce_scatter_to_sp
+vocab_parallel_cross_entropy = _lib.vocab_parallel_cross_entropy
+rms_norm = _lib.rms_norm  # (x, weight, eps): weight * x / rms(x), fp32 math, one rounding
+add_rms_norm = _lib.add_rms_norm  # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+swiglu = _lib.swiglu  # ([..., 2I] gate | up) -> silu(gate) * up
+rotary_embedding = _lib.rotary_embedding  # (q, k, cos, sin) -> rotated (q, k), RoPE half-rotation
+
+
+# ---- fake kernels: collectives --------------------------------------------------------------------
+
+def _wrap(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _with(x, dim, size):
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
+
+
+def _same(x, *args):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _piece_size(x, dim, sizes, group_size, group_rank):
+    """Size along ``dim`` of this rank's piece of a full ``x``."""
+    return x.size(dim) // group_size if sizes is None else sizes[group_rank]
+
+
+def _gathered(x, dim, sizes, group_name, group_size, group_rank=None):
+    dim = _wrap(dim, x.dim())
+    total = sum(sizes) if sizes is not None else x.size(dim) * group_size
+    return _with(x, dim, total)
+
+
+def _scattered(x, dim, sizes, group_name, group_size, group_rank):
+    dim = _wrap(dim, x.dim())
+    return _with(x, dim, _piece_size(x, dim, sizes, group_size, group_rank))
+
+
+def _reduce_scattered(x, dim, sizes, reduce, group_name, group_size, group_rank):
+    return _scattered(x, dim, sizes, group_name, group_size, group_rank)
+
+
+def _all_to_all(x, scatter_dim, gather_dim, sizes, group_name, group_size, group_rank):
+    scatter_dim, gather_dim = _wrap(scatter_dim, x.dim()), _wrap(gather_dim, x.dim())
+    shape = list(x.shape)
+    shape[scatter_dim] = _piece_size(x, scatter_dim, sizes, group_size, group_rank)
+    shape[gather_dim] = shape[gather_dim] * group_size
+    return x.new_empty(shape)
+
+
+# ---- fake kernels: vocab-parallel cross-entropy ---------------------------------------------------
+
+def _stats_dtype(logits):
+    """Loss and statistics dtype: fp64 for fp64 logits, else fp32 (bf16/half accumulate in fp32)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _tokens(logits):
+    n = 1
+    for s in logits.shape[:-1]:  # not numel // V: a rank's vocabulary shard may be empty
+        n = n * s
+    return n
+
+
+def _vocab_parallel_cross_entropy(logits, target, ignore_index, label_smoothing, group_name,
+                                  group_size, group_rank):
+    return logits.new_empty(target.shape, dtype=_stats_dtype(logits))
+
+
+def _vocab_ce_local_max(logits, group_size, group_rank):
+    return logits.new_empty((_tokens(logits) + group_size,), dtype=_stats_dtype(logits))
+
+
+def _vocab_ce_local_stats(logits, target, max_sizes, ignore_index, group_rank):
+    return logits.new_empty((_tokens(logits), 3), dtype=_stats_dtype(logits))
+
+
+def _vocab_ce_local_grad(grad_loss, logits, target, max_sizes, lse, ignore_index,
+                         label_smoothing, group_rank):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+# ---- fake kernels: fused compute ops (outputs contiguous, as the real kernels') -----------------
+
+def _norm_out(x, weight):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def _rms_norm(x, weight, eps):
+    return _norm_out(x, weight)
+
+
+def _add_rms_norm(x, residual, weight, eps):
+    return _norm_out(x, weight), x.new_empty(x.shape)
+
+
+def _rms_norm_backward(grad, x, weight, eps):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _swiglu(gate_up):
+    torch._check(gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0,
+                 lambda: f"tp_ext.swiglu: gate_up has shape {tuple(gate_up.shape)}; its last "
+                         "dimension must be even (gate and up stacked: [..., 2 * I]).")
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def _swiglu_backward(grad, gate_up):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _rotary_embedding(q, k, cos, sin):
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"tp_ext.rotary_embedding: q and k must be 4-d, got shapes "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}.")
+    want = (q.shape[0], q.shape[2], q.shape[3])
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"tp_ext.rotary_embedding: {name} has shape {tuple(t.shape)} but q "
+                             f"has shape {tuple(q.shape)}; {name} must be [batch, seq, head_dim]"
+                             f" = {list(want)}.")
+    return _strided_like(q), _strided_like(k)
+
+
+def _strided_like(x):
+    # As the kernel: x's strides when head_dim has unit stride, else contiguous.
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_FAKES = {
+    "all_reduce": _same,
+    "all_gather": _gathered,
+    "reduce_scatter": _reduce_scattered,
+    "broadcast": _same,
+    "all_to_all": _all_to_all,
+    "copy_to_tp": _same,
+    "reduce_from_tp": _same,
+    "scatter_to_tp": _scattered,
+    "gather_from_tp": _gathered,
+    "gather_from_sp": _gathered,
+    "reduce_scatter_to_sp": _scattered,
+    "vocab_parallel_cross_entropy": _vocab_parallel_cross_entropy,
+    "vocab_ce_local_max": _vocab_ce_local_max,
+    "vocab_ce_local_stats": _vocab_ce_local_stats,
+    "vocab_ce_local_grad": _vocab_ce_local_grad,
+    "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
+    "rms_norm_backward": _rms_norm_backward,
+    "swiglu": _swiglu,
+    "swiglu_backward": _swiglu_backward,
+    "rotary_embedding": _rotary_embedding,
+}
+assert set(_FAKES) == set(ALL_OPS), "every op in the list has exactly one fake kernel"
+
+for _name in ALL_OPS:
+    torch.library.register_fake(f"tp_ext::{_name}")(_FAKES[_name])
+for _name in COLLECTIVE_OPS:
+    # Local pieces have no effect: the compiler may reorder them freely.
+    torch.library._register_effectful_op(f"tp_ext::{_name}", EffectType.ORDERED)
+
+
+def _keep_inductor_from_reordering_collectives() -> None:
+    """Inductor before torch 2.14 records the ordering edge between two ORDERED-effect ops under
+    the buffer's name but reads it back under the operation's name, so the edge is lost
+    (pytorch/pytorch#188301 fixes it). Its peak-memory reordering pass then moves collectives
+    of a compiled backward into a different order on different ranks (seen at TP=3, where ranks
+    hold different head counts), and the ranks pair the wrong collectives. Until the fix, that
+    pass stays off in processes that use tp_ext; everything else Inductor does is unchanged."""
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 14):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.reorder_for_peak_memory = False
+
+
+_keep_inductor_from_reordering_collectives()

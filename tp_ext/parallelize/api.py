@@ -1,0 +1,117 @@
+"""Tensor-parallelise an existing model in place: swap its nn.Linear and nn.Embedding modules for
+tp_ext layers by a plan, keeping each rank's slice of the existing weights.
+
+    model = transformers.Qwen2ForCausalLM(config)       # same weights on every rank
+    tp_ext.parallelize(model, "auto")    # or {"model.layers.*.self_attn.q_proj": "colwise", ...}
+    logits = model(input_ids).logits                    # equal to the unsharded model's
+
+Styles:
+    colwise     nn.Linear -> ColumnParallelLinear (output features split; output stays split)
+    rowwise     nn.Linear -> RowParallelLinear (input features split; output all-reduced)
+    vocab       nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ParallelLMHead with full
+                logits gathered (the model's own loss and generation keep working)
+    replicate   left as it is (every rank computes it in full)
+    sequence_parallel
+                for norms (RMSNorm/LayerNorm): Megatron's sequence parallelism. The residual
+                stream is split along the sequence from the first norm's decoder layer on;
+                each such norm runs on this rank's shard (its weight gradient all-reduced) and
+                its output is all-gathered once for the column-parallel layers after it, and
+                row-parallel layers reduce-scatter instead of all-reducing. Same bytes as plain
+                TP, 1/tp of the norm work and residual activations.
+
+Attention projections are split by whole heads (HeadLayout) whenever their parent module looks
+like Hugging Face attention (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and a ``head_dim``, with
+head counts in ``config``); the parent's ``num_key_value_groups`` is then set to this rank's
+ratio, so its own attention code runs on the local heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Union
+
+from torch import nn
+
+from tp_ext.distributed.groups import resolve_group
+from tp_ext.layers import ColumnParallelLinear, load_full_state_dict, no_init
+from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
+from tp_ext.parallelize.sequence_parallel import SequenceShards
+from tp_ext.parallelize.styles import attention_layout, convert
+
+__all__ = ["parallelize"]
+
+
+def parallelize(module: nn.Module, plan: Union[str, Mapping[str, str]] = "auto",
+                tp_group=None, verbose: bool = False, sequence_parallel: bool = False,
+                return_report: bool = False):
+    """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
+    return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
+    module name to what was done to it (style and this rank's shard). Nothing is stored on the
+    user's modules beyond the replaced children and the sequence-parallel hooks.
+
+    ``plan``: "auto" (:func:`auto_plan`) or ``{name pattern: style}``. ``tp_group``: the TP group
+    (default: the one from :func:`tp_ext.init_parallel`). ``verbose`` prints the decisions on
+    TP rank 0. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
+    norm.
+    """
+    tp = resolve_group(tp_group)
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan must be 'auto' or a dict of name pattern -> style, got {plan!r}")
+        decided = auto_plan(module, sequence_parallel)
+    elif isinstance(plan, Mapping):
+        decided = resolve_plan(module, plan)
+    else:
+        raise TypeError(f"plan must be 'auto' or a dict, got {type(plan).__name__}")
+
+    report: dict[str, str] = {}
+    sp_norms = [n for n, style in decided.items() if style == "sequence_parallel"]
+    sp = bool(sp_norms) and tp.size > 1
+    shards = SequenceShards(tp)
+    if sp:
+        # The residual stream is split where the first norm's block (decoder layer) begins.
+        first_block = sp_norms[0].rpartition(".")[0]
+        if not first_block:
+            raise ValueError(f"sequence-parallel norm {sp_norms[0]!r} must sit inside a block")
+        module.get_submodule(first_block).register_forward_pre_hook(shards.split,
+                                                                    with_kwargs=True)
+        report[first_block] = "sequence parallel from here: hidden states split along the sequence"
+    for name, style in decided.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        child = getattr(parent, leaf)
+        if style == "replicate" or (style == "sequence_parallel" and not sp):
+            report[name] = f"{style}: unchanged"
+            continue
+        if style == "sequence_parallel":
+            if not is_norm(child):
+                raise ValueError(f"{name}: style 'sequence_parallel' applies to norm modules "
+                                 f"(RMSNorm, LayerNorm), not {type(child).__name__}")
+            # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
+            child.register_forward_hook(shards.gather_output)
+            for p in child.parameters():
+                p.register_hook(shards.all_reduce_grad)
+            report[name] = "sequence_parallel: runs on this rank's shard, output all-gathered"
+            continue
+        full = {k: v.detach() for k, v in child.state_dict().items()}
+        with no_init():
+            new, what = convert(name, child, style, parent, tp, sp)
+        load_full_state_dict(new, full)
+        new.train(child.training)
+        setattr(parent, leaf, new)
+        report[name] = f"{style}: {what}"
+
+    # Hugging Face attention: run its own code on this rank's heads.
+    for name, child in module.named_modules():
+        layout = attention_layout(child, tp) if hasattr(child, "num_key_value_groups") else None
+        if layout is not None and isinstance(child.q_proj, ColumnParallelLinear):
+            heads = layout[0]
+            child.num_key_value_groups = heads.q[tp.rank][1] // heads.kv[tp.rank][1]
+            report[name] = (f"attention: {heads.q[tp.rank][1]} query heads, "
+                            f"{heads.kv[tp.rank][1]} KV heads on this rank")
+    if verbose and tp.rank == 0:
+        width = max((len(n) for n in report), default=0)
+        print(f"tp_ext.parallelize over {tp.size} ranks (rank 0's shards):")
+        for name, what in report.items():
+            print(f"  {name:<{width}}  {what}")
+    return (module, report) if return_report else module

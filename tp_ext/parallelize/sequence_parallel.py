@@ -1,0 +1,47 @@
+"""Megatron's sequence parallelism on an existing model, by hooks (the model's modules keep their
+names in state dicts and checkpoints): the residual stream is split along the sequence where the
+first sequence-parallel norm's block begins, each such norm runs on this rank's shard, and its
+output is all-gathered once for the column-parallel layers after it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tp_ext.distributed import comm
+from tp_ext.distributed.groups import TPGroup
+from tp_ext.sharding import shard_sizes, uneven_sizes
+
+__all__ = ["SequenceShards"]
+
+
+class SequenceShards:
+    """Every rank's sequence-shard length for the current forward, set where the residual stream
+    is split and read where it is gathered (uneven lengths need all ranks' sizes)."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self.sizes: Optional[list[int]] = None
+
+    def split(self, module, args, kwargs):
+        """Forward pre-hook of the first sequence-parallel decoder layer: keep this rank's shard
+        of its hidden states (the gradient is all-gathered back)."""
+        x = args[0] if args else kwargs["hidden_states"]
+        self.sizes = uneven_sizes(shard_sizes(x.size(-2), self.tp.size))
+        x = comm.scatter_to_tp(x, -2, self.sizes, self.tp)
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.gather_from_sp(x, -2, self.sizes, self.tp)
+
+    def gather_output(self, module, args, output):
+        """Forward hook of a sequence-parallel norm: all-gather its output for the
+        column-parallel layers that follow (one gather shared by q, k and v)."""
+        return self.gather(output)
+
+    def all_reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """Gradient hook of a sequence-parallel norm's parameter: each rank saw only its tokens."""
+        return comm.all_reduce(grad, "sum", self.tp)

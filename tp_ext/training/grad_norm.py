@@ -1,0 +1,120 @@
+"""The gradient norm of a tensor-parallel model as if it were unsharded, and clipping by it.
+
+Gradients of sharded parameters live in pieces on the TP ranks; replicated parameters (norms,
+row-parallel biases) and replicated rows (KV heads when ``num_kv_heads < tp``) hold the same
+gradient on every rank that has them. :func:`grad_norm` counts every element of the unsharded
+model exactly once, so it equals ``torch.nn.utils.get_total_norm`` of the unsharded model's
+gradients, with one all-reduce over TP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tp_ext.distributed import comm
+from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.layers import ParallelModule
+from tp_ext.validation import is_number
+
+__all__ = ["grad_norm", "clip_grad_norm_", "model_tp_group"]
+
+
+def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of all of ``model``'s gradients as if it were unsharded: equal to
+    ``torch.nn.utils.get_total_norm`` over the unsharded model's gradients, on every TP rank.
+
+    Sharded parameters contribute their local pieces (rows held by several ranks only on the
+    first of them), replicated parameters only on TP rank 0; the partial sums travel in one
+    all-reduce (a max for ``norm_type=inf``). ``tp_group``: None takes the group of the model's
+    parallel layers. A collective: every TP rank must call it. Returns a 0-d float tensor."""
+    p = _check_norm_type(norm_type)
+    tp = model_tp_group(model, tp_group)
+    terms = []
+    for param, spec in _grads_with_specs(model, tp):
+        g = param.grad
+        if spec is None:
+            if tp.rank != 0 and p != math.inf:  # replicated: identical on every rank
+                continue
+        elif spec[1].replicated and p != math.inf:
+            dim, partition = spec
+            keep = _first_owner_positions(partition, tp.rank)
+            if len(keep) != g.size(dim):
+                g = g.index_select(dim, torch.tensor(keep, device=g.device))
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+        terms.append(torch.linalg.vector_norm(g, p, dtype=acc))
+    device = next((q.device for q in model.parameters()), torch.device("cpu"))
+    if not terms:
+        local = torch.zeros((), device=device)
+    else:
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms) else torch.float32
+        stacked = torch.stack([t.to(dtype) for t in terms])
+        local = stacked.max() if p == math.inf else stacked.pow(p).sum()
+    if tp.size > 1:
+        local = comm.all_reduce(local, "max" if p == math.inf else "sum", group=tp)
+    return local if p == math.inf else local.pow(1.0 / p)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, tp_group=None,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient by ``max_norm / (norm + 1e-6)`` when that is below 1, with the norm
+    from :func:`grad_norm` (so all TP ranks scale alike, as torch.nn.utils.clip_grad_norm_ would
+    on the unsharded model). Returns the norm before clipping."""
+    if not is_number(max_norm) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    total = grad_norm(model, tp_group, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(coef.to(param.grad.dtype))
+    return total
+
+
+def _check_norm_type(norm_type) -> float:
+    if not is_number(norm_type) or not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 or math.inf, got {norm_type!r}")
+    return float(norm_type)
+
+
+def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
+    """The explicit group, else the one group of the model's parallel layers (a group of one
+    for a model without any)."""
+    if tp_group is not None:
+        return resolve_group(tp_group)
+    groups = {}
+    for module in model.modules():
+        tp = getattr(module, "tp", None) if isinstance(module, ParallelModule) else None
+        if tp is not None and tp.size > 1:
+            groups[tp.name] = tp
+    if len(groups) > 1:
+        raise ValueError(f"{type(model).__name__} has layers on several TP groups "
+                         f"({sorted(groups)}); pass tp_group= to say which one to reduce over")
+    return next(iter(groups.values()), TPGroup.local())
+
+
+def _grads_with_specs(model: nn.Module, tp: TPGroup):
+    """(parameter, shard spec or None) for each distinct parameter with a gradient."""
+    seen = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied weights: counted once
+                continue
+            seen.add(id(param))
+            if param.grad is None:
+                continue
+            spec = module.shard_spec(name) if isinstance(module, ParallelModule) else None
+            if spec is not None and spec[1].world_size != tp.size:
+                raise ValueError(
+                    f"{type(module).__name__}.{name} is sharded over {spec[1].world_size} ranks "
+                    f"but tp_group has {tp.size}; pass the group the model was built with")
+            yield param, spec
+
+
+def _first_owner_positions(partition, rank: int) -> list[int]:
+    """Local positions of the rows no lower rank also holds."""
+    earlier = {i for r in range(rank) for i in partition.local_indices(r)}
+    return [pos for pos, i in enumerate(partition.local_indices(rank)) if i not in earlier]
+
+

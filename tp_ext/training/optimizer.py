@@ -1,0 +1,67 @@
+"""AdamW with Megatron's parameter groups, and its settings (the ``optimizer:`` section of a job
+config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tp_ext.validation import ConfigError, is_number
+
+__all__ = ["OptimizerSettings", "build_optimizer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW, with Megatron's defaults for large models."""
+    lr: float = 1.5e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be a number > 0, got {self.lr!r}")
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
+                or self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be a number >= 0, got "
+                              f"{self.weight_decay!r}")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if betas is None or len(betas) != 2 or not all(
+                isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}")
+
+
+def build_optimizer(model: nn.Module, settings: Optional[OptimizerSettings] = None,
+                    **overrides) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters with ``settings``' lr, betas and weight decay
+    (``OptimizerSettings()`` if None; ``overrides`` replace single fields, e.g. ``lr=1e-3``).
+
+    Two parameter groups, as Megatron does: matrices (``dim >= 2``: linear and embedding weights)
+    decay; biases and norm weights do not."""
+    settings = OptimizerSettings() if settings is None else settings
+    if not isinstance(settings, OptimizerSettings):
+        raise TypeError(f"settings must be a tp_ext.training.OptimizerSettings or None, got "
+                        f"{type(settings).__name__}")
+    known = sorted(f.name for f in dataclasses.fields(OptimizerSettings))
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise TypeError(f"build_optimizer: unknown setting(s) {unknown}; known: {known}")
+    settings = dataclasses.replace(settings, **overrides)
+    if not is_number(settings.lr) or not settings.lr > 0:
+        raise ValueError(f"lr must be a number > 0, got {settings.lr!r}")
+    if not is_number(settings.weight_decay) or not settings.weight_decay >= 0:
+        raise ValueError(f"weight_decay must be a number >= 0, got {settings.weight_decay!r}")
+    betas = tuple(settings.betas) if isinstance(settings.betas, (tuple, list)) else ()
+    if len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {settings.betas!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"build_optimizer: {type(model).__name__} has no trainable parameters")
+    groups = [{"params": [p for p in params if p.dim() >= 2],
+               "weight_decay": float(settings.weight_decay)},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(settings.lr),
+                             betas=betas)
