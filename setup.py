@@ -29,11 +29,23 @@ def _want_cuda() -> bool:
 
 
 _CPU_ARCH_FLAGS = {
-    "avx512": (["avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"],
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
-    "avx2": (["avx2", "fma", "f16c"],
-             ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+    "avx512": (
+        ["avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"],
+        [
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mfma",
+            "-mf16c",
+            "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512",
+        ],
+    ),
+    "avx2": (
+        ["avx2", "fma", "f16c"],
+        ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    ),
 }
 
 

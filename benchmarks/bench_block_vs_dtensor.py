@@ -63,13 +63,22 @@ class DTBlock(nn.Module):
         q, k, v = sd["self_attn.qkv_proj.weight"].split([heads * d, kv_heads * d, kv_heads * d])
         qb, kb, vb = sd["self_attn.qkv_proj.bias"].split([heads * d, kv_heads * d, kv_heads * d])
         gate, up = sd["mlp.gate_up_proj.weight"].chunk(2)
-        self.load_state_dict({
-            "input_layernorm.weight": sd["input_layernorm.weight"],
-            "post_attention_layernorm.weight": sd["post_attention_layernorm.weight"],
-            "q_proj.weight": q, "q_proj.bias": qb, "k_proj.weight": k, "k_proj.bias": kb,
-            "v_proj.weight": v, "v_proj.bias": vb, "o_proj.weight": sd["self_attn.o_proj.weight"],
-            "gate_proj.weight": gate, "up_proj.weight": up,
-            "down_proj.weight": sd["mlp.down_proj.weight"]})
+        self.load_state_dict(
+            {
+                "input_layernorm.weight": sd["input_layernorm.weight"],
+                "post_attention_layernorm.weight": sd["post_attention_layernorm.weight"],
+                "q_proj.weight": q,
+                "q_proj.bias": qb,
+                "k_proj.weight": k,
+                "k_proj.bias": kb,
+                "v_proj.weight": v,
+                "v_proj.bias": vb,
+                "o_proj.weight": sd["self_attn.o_proj.weight"],
+                "gate_proj.weight": gate,
+                "up_proj.weight": up,
+                "down_proj.weight": sd["mlp.down_proj.weight"],
+            }
+        )
 
     def _rope(self, x, cos, sin):
         x1, x2 = x.chunk(2, -1)
@@ -112,11 +121,16 @@ class _Sub(nn.Module):  # a module around the attention / MLP, for PrepareModule
 def parallelize_dtensor(block: DTBlock, sp: bool, mesh):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-        parallelize_module)
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj", "gate_proj",
-                                                 "up_proj")}
+    plan = {
+        name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    }
     out = Shard(1) if sp else Replicate()
     plan["o_proj"] = RowwiseParallel(output_layouts=out)
     plan["down_proj"] = RowwiseParallel(output_layouts=out)
@@ -128,14 +142,21 @@ def parallelize_dtensor(block: DTBlock, sp: bool, mesh):
         # one input feeds 3 (q/k/v) or 2 (gate/up) projections: gather it once, as torchtitan does
         for name, fn in (("attn_in", block.attention), ("mlp_in", block.mlp)):
             sub = _Sub(fn)
-            parallelize_module(sub, mesh, PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_output=True))
+            parallelize_module(
+                sub,
+                mesh,
+                PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+            )
             object.__setattr__(block, name, sub)  # not a submodule: no parameters twice
     return block
 
 
 # ---- communication accounting for DTensor (the functional collectives it dispatches) -----------
+
 
 def dtensor_comm_recorder():
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -215,8 +236,9 @@ def _worker(shape_name, repeats, dtype_name):
     variants = {}
     for sp in (False, True):
         for impl, group in (("tp_ext", None), ("tp_ext_gloo", gloo_only)):
-            blk = ParallelTransformerBlock(hidden, heads, kv, inter, hd, sequence_parallel=sp,
-                                           tp_group=group, dtype=dtype)
+            blk = ParallelTransformerBlock(
+                hidden, heads, kv, inter, hd, sequence_parallel=sp, tp_group=group, dtype=dtype
+            )
             blk.load_full_state_dict({k: v.to(dtype) for k, v in ref.state_dict().items()})
             variants[(impl, sp)] = blk
         d = DTBlock(hidden, heads, kv, hd, inter).to(dtype)
@@ -249,8 +271,11 @@ def _worker(shape_name, repeats, dtype_name):
             with comm.track() as stats:
                 y = step(key, x)
             bus = stats.bus_bytes(w)
-            counts = {c: stats.count(collective=c) for c in
-                      ("all_reduce", "all_gather", "reduce_scatter") if stats.count(collective=c)}
+            counts = {
+                c: stats.count(collective=c)
+                for c in ("all_reduce", "all_gather", "reduce_scatter")
+                if stats.count(collective=c)
+            }
         else:
             rec = dtensor_comm_recorder()
             with rec:
@@ -263,8 +288,12 @@ def _worker(shape_name, repeats, dtype_name):
             gx = torch.cat([t for t in _all_gather(x.grad.contiguous())], 1)
         else:
             y, gx = y.detach(), x.grad
-        results[key] = {"bus_bytes": bus, "counts": counts, "out_err": _rel(y, Y),
-                        "dx_err": _rel(gx, Y_ref_grad)}
+        results[key] = {
+            "bus_bytes": bus,
+            "counts": counts,
+            "out_err": _rel(y, Y),
+            "dx_err": _rel(gx, Y_ref_grad),
+        }
     # timing: variants interleaved per repeat so machine noise hits all alike
     times = {k: [] for k in variants}
     inputs = {k: make_input(k[1]) for k in variants}
@@ -295,8 +324,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed steps per variant (default: 30 small, 3 large)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed steps per variant (default: 30 small, 3 large)",
+    )
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
@@ -310,33 +343,71 @@ def main():
             res = run_ranks(_worker, w, shape, repeats, a.dtype)[0]
             minimum = 4 * batch * seq * hidden * esize * 2 * (w - 1) / w
             for sp in (False, True):
-                case = (f"{shape} h={hidden} s={seq} {a.dtype} tp={w}"
-                        f"{' sp' if sp else ''}")
+                case = f"{shape} h={hidden} s={seq} {a.dtype} tp={w}{' sp' if sp else ''}"
                 mine, theirs = res[("tp_ext", sp)], res[("dtensor", sp)]
                 gloo = res[("tp_ext_gloo", sp)]
-                rows.append(dict(benchmark=BENCH, case=case, metric="step time",
-                                 value=mine["time"] * 1e3, unit="ms",
-                                 baseline=theirs["time"] * 1e3))
-                rows.append(dict(benchmark=BENCH, case=case, metric="step time, tp_ext over gloo",
-                                 value=gloo["time"] * 1e3, unit="ms",
-                                 baseline=theirs["time"] * 1e3))
+                rows.append(
+                    dict(
+                        benchmark=BENCH,
+                        case=case,
+                        metric="step time",
+                        value=mine["time"] * 1e3,
+                        unit="ms",
+                        baseline=theirs["time"] * 1e3,
+                    )
+                )
+                rows.append(
+                    dict(
+                        benchmark=BENCH,
+                        case=case,
+                        metric="step time, tp_ext over gloo",
+                        value=gloo["time"] * 1e3,
+                        unit="ms",
+                        baseline=theirs["time"] * 1e3,
+                    )
+                )
                 for impl, r in (("tp_ext", mine), ("dtensor", theirs)):
-                    rows.append(dict(benchmark=BENCH, case=case, metric=f"{impl} bus bytes",
-                                     value=float(r["bus_bytes"]), unit="B", baseline=minimum))
-                    rows.append(dict(benchmark=BENCH, case=case, metric=f"{impl} collectives",
-                                     value=" ".join(f"{c}={n}" for c, n in
-                                                    sorted(r["counts"].items())), unit=""))
-                    rows.append(dict(benchmark=BENCH, case=case, metric=f"{impl} output rel err",
-                                     value=max(r["out_err"], r["dx_err"]), unit=""))
+                    rows.append(
+                        dict(
+                            benchmark=BENCH,
+                            case=case,
+                            metric=f"{impl} bus bytes",
+                            value=float(r["bus_bytes"]),
+                            unit="B",
+                            baseline=minimum,
+                        )
+                    )
+                    rows.append(
+                        dict(
+                            benchmark=BENCH,
+                            case=case,
+                            metric=f"{impl} collectives",
+                            value=" ".join(f"{c}={n}" for c, n in sorted(r["counts"].items())),
+                            unit="",
+                        )
+                    )
+                    rows.append(
+                        dict(
+                            benchmark=BENCH,
+                            case=case,
+                            metric=f"{impl} output rel err",
+                            value=max(r["out_err"], r["dx_err"]),
+                            unit="",
+                        )
+                    )
                 ratio = mine["time"] / theirs["time"]
-                print(f"{case:36s} tp_ext {mine['time'] * 1e3:9.2f} ms  DTensor "
-                      f"{theirs['time'] * 1e3:9.2f} ms  ratio {ratio:.3f} (target <= "
-                      f"{targets[shape]}; over gloo only {gloo['time'] * 1e3:.2f} ms, ratio "
-                      f"{gloo['time'] / theirs['time']:.3f})  bus bytes tp_ext {mine['bus_bytes']:.0f} DTensor "
-                      f"{theirs['bus_bytes']:.0f} min {minimum:.0f}  collectives "
-                      f"{mine['counts']} vs {theirs['counts']}  err tp_ext "
-                      f"{mine['out_err']:.1e}/{mine['dx_err']:.1e} DTensor "
-                      f"{theirs['out_err']:.1e}/{theirs['dx_err']:.1e}", flush=True)
+                print(
+                    f"{case:36s} tp_ext {mine['time'] * 1e3:9.2f} ms  DTensor "
+                    f"{theirs['time'] * 1e3:9.2f} ms  ratio {ratio:.3f} (target <= "
+                    f"{targets[shape]}; over gloo only {gloo['time'] * 1e3:.2f} ms, ratio "
+                    f"{gloo['time'] / theirs['time']:.3f})  "
+                    f"bus bytes tp_ext {mine['bus_bytes']:.0f} DTensor "
+                    f"{theirs['bus_bytes']:.0f} min {minimum:.0f}  collectives "
+                    f"{mine['counts']} vs {theirs['counts']}  err tp_ext "
+                    f"{mine['out_err']:.1e}/{mine['dx_err']:.1e} DTensor "
+                    f"{theirs['out_err']:.1e}/{theirs['dx_err']:.1e}",
+                    flush=True,
+                )
     if not a.no_save:
         append_rows(rows)
 

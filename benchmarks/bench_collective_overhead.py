@@ -76,10 +76,12 @@ def main():
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
-    pairs = {"tp_ext all_reduce": "funcol all_reduce",
-             "tp_ext reduce_from_tp": "DTensor Partial->Replicate",
-             "tp_ext copy_to_tp fwd+bwd": "torch identity fwd+bwd",
-             "tp_ext all_reduce 4 MiB": "funcol all_reduce 4 MiB"}
+    pairs = {
+        "tp_ext all_reduce": "funcol all_reduce",
+        "tp_ext reduce_from_tp": "DTensor Partial->Replicate",
+        "tp_ext copy_to_tp fwd+bwd": "torch identity fwd+bwd",
+        "tp_ext all_reduce 4 MiB": "funcol all_reduce 4 MiB",
+    }
     rows = []
     for w in a.world_sizes:
         res = run_ranks(_worker, w, a.iters)[0]
@@ -89,8 +91,16 @@ def main():
                 base = res[pairs[label]]
             elif label in ("DTensor Partial->Replicate", "dist.all_reduce"):
                 base = res["tp_ext all_reduce"]
-            rows.append(dict(benchmark=BENCH, case=f"{label} ws={w}", metric="time per call",
-                             value=us, unit="us", baseline=base))
+            rows.append(
+                dict(
+                    benchmark=BENCH,
+                    case=f"{label} ws={w}",
+                    metric="time per call",
+                    value=us,
+                    unit="us",
+                    baseline=base,
+                )
+            )
             print(f"ws={w} {label:30s} {us:9.1f} us" + (f"  (vs {base:.1f} us)" if base else ""))
     if not a.no_save:
         append_rows(rows)

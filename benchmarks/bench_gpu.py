@@ -56,18 +56,20 @@ def kernel_cases(tokens):
     def r(*s):
         return torch.randn(*s, dtype=dt, device=dev)
 
-    pos = torch.arange(tokens, device=dev).float()[:, None] / (10000.0 ** (
-        torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
+    pos = torch.arange(tokens, device=dev).float()[:, None] / (
+        10000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM)
+    )
     emb = torch.cat((pos, pos), -1)[None]
     e = 2  # bytes per element
-    T, H, I, D = tokens, HIDDEN, INTER, HEAD_DIM
+    T, H, I, D = tokens, HIDDEN, INTER, HEAD_DIM  # noqa: E741 (I: the MLP width)
     return {  # name: (args, bytes read + written by an ideal kernel)
         "rms_norm": ([r(T, H), r(H), 1e-6], (2 * T * H + H) * e),
         "add_rms_norm": ([r(T, H), r(T, H), r(H), 1e-6], (4 * T * H + H) * e),
         "swiglu": ([r(T, 2 * I)], 3 * T * I * e),
-        "rotary_embedding": ([r(1, Q_HEADS, T, D), r(1, KV_HEADS, T, D), emb.cos().to(dt),
-                              emb.sin().to(dt)],
-                             (2 * (Q_HEADS + KV_HEADS) * T * D + 2 * T * D) * e),
+        "rotary_embedding": (
+            [r(1, Q_HEADS, T, D), r(1, KV_HEADS, T, D), emb.cos().to(dt), emb.sin().to(dt)],
+            (2 * (Q_HEADS + KV_HEADS) * T * D + 2 * T * D) * e,
+        ),
     }, EAGER
 
 
@@ -81,36 +83,63 @@ def bench_kernels(tokens, repeats):
         if hasattr(torch.ops.tp_ext, name):
             fns["tp_ext"] = getattr(torch.ops.tp_ext, name)
         else:
-            rows.append(dict(benchmark=BENCH, case=case, metric="status", value="missing",
-                             unit=""))
+            rows.append(dict(benchmark=BENCH, case=case, metric="status", value="missing", unit=""))
         t = {}
         for label, fn in fns.items():
             try:
                 t[label] = cuda_time(lambda: fn(*args), repeats=repeats)
             except Exception as e:  # noqa: BLE001
                 print(f"{case} {label}: error {e}")
-                rows.append(dict(benchmark=BENCH, case=case, metric=f"{label} time",
-                                 value=f"error: {type(e).__name__}", unit=""))
+                rows.append(
+                    dict(
+                        benchmark=BENCH,
+                        case=case,
+                        metric=f"{label} time",
+                        value=f"error: {type(e).__name__}",
+                        unit="",
+                    )
+                )
         for label, s in t.items():
-            rows.append(dict(benchmark=BENCH, case=case, metric=f"{label} bytes/s vs copy",
-                             value=nbytes / s / 1e9, unit="GB/s", baseline=nbytes / t_copy / 1e9))
+            rows.append(
+                dict(
+                    benchmark=BENCH,
+                    case=case,
+                    metric=f"{label} bytes/s vs copy",
+                    value=nbytes / s / 1e9,
+                    unit="GB/s",
+                    baseline=nbytes / t_copy / 1e9,
+                )
+            )
         if "tp_ext" in t:
             for label in ("eager", "torch.compile"):
                 if label in t:
-                    rows.append(dict(benchmark=BENCH, case=case, metric=f"time vs {label}",
-                                     value=t["tp_ext"] * 1e6, unit="us",
-                                     baseline=t[label] * 1e6))
-        print(case, {k: f"{v * 1e6:.1f} us" for k, v in t.items()},
-              f"copy {t_copy * 1e6:.1f} us, ideal bytes {nbytes}")
+                    rows.append(
+                        dict(
+                            benchmark=BENCH,
+                            case=case,
+                            metric=f"time vs {label}",
+                            value=t["tp_ext"] * 1e6,
+                            unit="us",
+                            baseline=t[label] * 1e6,
+                        )
+                    )
+        print(
+            case,
+            {k: f"{v * 1e6:.1f} us" for k, v in t.items()},
+            f"copy {t_copy * 1e6:.1f} us, ideal bytes {nbytes}",
+        )
     return rows
 
 
 def layer_flops(tokens):
-    T, H, D, I = tokens, HIDDEN, HEAD_DIM, INTER
-    fwd = (2 * T * H * (Q_HEADS + 2 * KV_HEADS) * D  # qkv
-           + 2 * T * Q_HEADS * D * H  # o
-           + 2 * T * H * 2 * I + 2 * T * I * H  # gate_up, down
-           + 2 * T * T * Q_HEADS * D)  # causal QK^T and PV (half of the full 4 T^2 h d)
+    T, H, D, I = tokens, HIDDEN, HEAD_DIM, INTER  # noqa: E741 (I: the MLP width)
+    fwd = (
+        2 * T * H * (Q_HEADS + 2 * KV_HEADS) * D  # qkv
+        + 2 * T * Q_HEADS * D * H  # o
+        + 2 * T * H * 2 * I
+        + 2 * T * I * H  # gate_up, down
+        + 2 * T * T * Q_HEADS * D
+    )  # causal QK^T and PV (half of the full 4 T^2 h d)
     return 3 * fwd  # forward + backward
 
 
@@ -126,8 +155,16 @@ def bench_layer(tokens, repeats, device="cuda"):
     rows = []
     for sp in (False, True):
         torch.manual_seed(0)
-        blk = ParallelTransformerBlock(HIDDEN, Q_HEADS * TP, KV_HEADS * TP, INTER * TP,
-                                       HEAD_DIM, sequence_parallel=sp, device=device, dtype=dt)
+        blk = ParallelTransformerBlock(
+            HIDDEN,
+            Q_HEADS * TP,
+            KV_HEADS * TP,
+            INTER * TP,
+            HEAD_DIM,
+            sequence_parallel=sp,
+            device=device,
+            dtype=dt,
+        )
         local = tokens // TP if sp else tokens
         x = torch.randn(1, local, HIDDEN, device=device, dtype=dt, requires_grad=True)
 
@@ -144,12 +181,30 @@ def bench_layer(tokens, repeats, device="cuda"):
         t_mm = cuda_time(lambda: a @ b, repeats=repeats)
         mm_rate = 2 * tokens * HIDDEN * 2 * INTER / t_mm
         case = f"qwen2-72b layer tp=8 rank0 bf16 tokens={tokens}{' sp' if sp else ''}"
-        rows.append(dict(benchmark=BENCH, case=case, metric="fwd+bwd time", value=t * 1e3,
-                         unit="ms", baseline=flops / mm_rate * 1e3))
-        rows.append(dict(benchmark=BENCH, case=case, metric="TFLOP/s", value=flops / t / 1e12,
-                         unit="TFLOP/s", baseline=mm_rate / 1e12))
-        print(f"{case}: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s vs matmul "
-              f"{mm_rate / 1e12:.1f} TFLOP/s")
+        rows.append(
+            dict(
+                benchmark=BENCH,
+                case=case,
+                metric="fwd+bwd time",
+                value=t * 1e3,
+                unit="ms",
+                baseline=flops / mm_rate * 1e3,
+            )
+        )
+        rows.append(
+            dict(
+                benchmark=BENCH,
+                case=case,
+                metric="TFLOP/s",
+                value=flops / t / 1e12,
+                unit="TFLOP/s",
+                baseline=mm_rate / 1e12,
+            )
+        )
+        print(
+            f"{case}: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s vs matmul "
+            f"{mm_rate / 1e12:.1f} TFLOP/s"
+        )
     return rows
 
 

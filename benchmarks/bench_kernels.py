@@ -42,6 +42,7 @@ def _op(name):
 
 # ---- eager composites (what the layers do without the kernels) ----------------------------------
 
+
 def eager_rms_norm(x, w, eps=EPS):
     dtype = x.dtype
     xf = x.float()
@@ -70,6 +71,7 @@ def eager_rotary(q, k, cos, sin):
 
 # ---- cases: name -> (make inputs, eager fn, op name, differentiable input indices) -------------
 
+
 def _inputs(kernel, tokens, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
 
@@ -84,18 +86,31 @@ def _inputs(kernel, tokens, dtype, seed=0):
         return [r(tokens, 2 * INTER)]
     if kernel == "rotary_embedding":
         batch, seq = 1, tokens
-        pos = torch.arange(seq).float()[:, None] / (10000.0 ** (
-            torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+        pos = torch.arange(seq).float()[:, None] / (
+            10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+        )
         emb = torch.cat((pos, pos), -1)[None]
-        return [r(batch, Q_HEADS, seq, HEAD_DIM), r(batch, KV_HEADS, seq, HEAD_DIM),
-                emb.cos().to(dtype), emb.sin().to(dtype)]
+        return [
+            r(batch, Q_HEADS, seq, HEAD_DIM),
+            r(batch, KV_HEADS, seq, HEAD_DIM),
+            emb.cos().to(dtype),
+            emb.sin().to(dtype),
+        ]
     raise KeyError(kernel)
 
 
-EAGER = {"rms_norm": eager_rms_norm, "add_rms_norm": eager_add_rms_norm,
-         "swiglu": eager_swiglu, "rotary_embedding": eager_rotary}
-GRAD_ARGS = {"rms_norm": (0, 1), "add_rms_norm": (0, 1, 2), "swiglu": (0,),
-             "rotary_embedding": (0, 1)}
+EAGER = {
+    "rms_norm": eager_rms_norm,
+    "add_rms_norm": eager_add_rms_norm,
+    "swiglu": eager_swiglu,
+    "rotary_embedding": eager_rotary,
+}
+GRAD_ARGS = {
+    "rms_norm": (0, 1),
+    "add_rms_norm": (0, 1, 2),
+    "swiglu": (0,),
+    "rotary_embedding": (0, 1),
+}
 
 
 def _step(fn, args, backward):
@@ -141,8 +156,9 @@ def time_kernels(tokens_list, dtypes, repeats, kernels=tuple(EAGER)):
             for tokens in tokens_list:
                 case = f"{kernel} {dname} tokens={tokens}"
                 if op is None:
-                    rows.append(dict(benchmark=BENCH, case=case, metric="status",
-                                     value="missing", unit=""))
+                    rows.append(
+                        dict(benchmark=BENCH, case=case, metric="status", value="missing", unit="")
+                    )
                     print(f"{case}: op missing")
                     continue
                 for backward in (False, True):
@@ -150,22 +166,43 @@ def time_kernels(tokens_list, dtypes, repeats, kernels=tuple(EAGER)):
                     args = _prepared(kernel, tokens, DTYPES[dname], backward)
                     try:
                         with torch.no_grad() if not backward else torch.enable_grad():
-                            t_op, t_eager = bench_pair(lambda: _step(op, args, backward),
-                                                       lambda: _step(eager, args, backward), 2,
-                                                       repeats)
+                            t_op, t_eager = bench_pair(
+                                lambda: _step(op, args, backward),
+                                lambda: _step(eager, args, backward),
+                                2,
+                                repeats,
+                            )
                     except Exception as e:  # noqa: BLE001 - an op with another signature
-                        rows.append(dict(benchmark=BENCH, case=case, metric=metric,
-                                         value=f"error: {type(e).__name__}", unit=""))
+                        rows.append(
+                            dict(
+                                benchmark=BENCH,
+                                case=case,
+                                metric=metric,
+                                value=f"error: {type(e).__name__}",
+                                unit="",
+                            )
+                        )
                         print(f"{case} {metric}: error {e}")
                         continue
-                    rows.append(dict(benchmark=BENCH, case=case, metric=metric,
-                                     value=t_op * 1e3, unit="ms", baseline=t_eager * 1e3))
-                    print(f"{case:40s} {metric:13s} tp_ext {t_op * 1e3:8.3f} ms  eager "
-                          f"{t_eager * 1e3:8.3f} ms  ratio {t_op / t_eager:.3f}")
+                    rows.append(
+                        dict(
+                            benchmark=BENCH,
+                            case=case,
+                            metric=metric,
+                            value=t_op * 1e3,
+                            unit="ms",
+                            baseline=t_eager * 1e3,
+                        )
+                    )
+                    print(
+                        f"{case:40s} {metric:13s} tp_ext {t_op * 1e3:8.3f} ms  eager "
+                        f"{t_eager * 1e3:8.3f} ms  ratio {t_op / t_eager:.3f}"
+                    )
     return rows
 
 
 # ---- peak memory, in a child process ------------------------------------------------------------
+
 
 def _status_kb(field):
     with open("/proc/self/status") as f:
@@ -198,8 +235,9 @@ def _ce_tp_ext(shard, target):
 
     # the op under tp_ext.layers.vocab_parallel_cross_entropy, on a TP group of one
     pg = dist.group.WORLD
-    loss = torch.ops.tp_ext.vocab_parallel_cross_entropy(shard, target, -100, 0.0, pg.group_name,
-                                                         1, 0)
+    loss = torch.ops.tp_ext.vocab_parallel_cross_entropy(
+        shard, target, -100, 0.0, pg.group_name, 1, 0
+    )
     (loss.sum() / target.numel()).backward()
 
 
@@ -215,8 +253,9 @@ def memory_worker(spec):
                 if not dist.is_initialized():
                     import tempfile
 
-                    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(),
-                                            rank=0, world_size=1)
+                    dist.init_process_group(
+                        "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1
+                    )
                     load_tp_ext()
                 g = torch.Generator().manual_seed(0)
                 shard = torch.randn(tokens, VOCAB_SHARD, generator=g).to(dtype)
@@ -237,15 +276,21 @@ def memory_worker(spec):
                 peak = _peak_of(lambda: _step(fn, args, True))
             print(json.dumps([kind, kernel, dname, tokens, peak]), flush=True)
         except Exception as e:  # noqa: BLE001
-            print(json.dumps([kind, kernel, dname, tokens, f"error: {type(e).__name__}: {e}"]),
-                  flush=True)
+            print(
+                json.dumps([kind, kernel, dname, tokens, f"error: {type(e).__name__}: {e}"]),
+                flush=True,
+            )
 
 
 def measure_memory(spec):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-worker",
-                          json.dumps(spec)], env=env, capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--memory-worker", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode:
         print(out.stderr[-3000:], file=sys.stderr)
     results = {}
@@ -267,25 +312,59 @@ def memory_rows(tokens, ce_tokens, dtypes, kernels=tuple(EAGER), cross_entropy=T
             case = f"{k} {d} tokens={tokens}"
             mine, base = res.get(("op", k, d, tokens)), res.get(("eager", k, d, tokens))
             if not isinstance(mine, int) or not isinstance(base, int):
-                rows.append(dict(benchmark=BENCH, case=case, metric="fwd+bwd peak memory",
-                                 value="missing" if mine is None else str(mine), unit=""))
+                rows.append(
+                    dict(
+                        benchmark=BENCH,
+                        case=case,
+                        metric="fwd+bwd peak memory",
+                        value="missing" if mine is None else str(mine),
+                        unit="",
+                    )
+                )
                 continue
-            rows.append(dict(benchmark=BENCH, case=case, metric="fwd+bwd peak memory",
-                             value=mine / 2**20, unit="MiB", baseline=base / 2**20))
+            rows.append(
+                dict(
+                    benchmark=BENCH,
+                    case=case,
+                    metric="fwd+bwd peak memory",
+                    value=mine / 2**20,
+                    unit="MiB",
+                    baseline=base / 2**20,
+                )
+            )
     for d in dtypes if cross_entropy else ():
         case = f"cross_entropy {d} tokens={ce_tokens} vocab={VOCAB_SHARD}/{VOCAB}"
-        mine, base = res.get(("ce", "tp_ext", d, ce_tokens)), res.get(("ce", "gather", d,
-                                                                         ce_tokens))
+        mine, base = (
+            res.get(("ce", "tp_ext", d, ce_tokens)),
+            res.get(("ce", "gather", d, ce_tokens)),
+        )
         if isinstance(mine, int) and isinstance(base, int):
-            rows.append(dict(benchmark=BENCH, case=case, metric="fwd+bwd peak memory",
-                             value=mine / 2**20, unit="MiB", baseline=base / 2**20))
+            rows.append(
+                dict(
+                    benchmark=BENCH,
+                    case=case,
+                    metric="fwd+bwd peak memory",
+                    value=mine / 2**20,
+                    unit="MiB",
+                    baseline=base / 2**20,
+                )
+            )
         else:
-            rows.append(dict(benchmark=BENCH, case=case, metric="fwd+bwd peak memory",
-                             value=str(mine if mine is not None else base), unit=""))
+            rows.append(
+                dict(
+                    benchmark=BENCH,
+                    case=case,
+                    metric="fwd+bwd peak memory",
+                    value=str(mine if mine is not None else base),
+                    unit="",
+                )
+            )
     for r in rows:
         if r.get("unit") == "MiB":
-            print(f"{r['case']:48s} peak tp_ext {r['value']:9.1f} MiB  baseline "
-                  f"{r['baseline']:9.1f} MiB  ratio {r['value'] / max(r['baseline'], 1e-9):.3f}")
+            print(
+                f"{r['case']:48s} peak tp_ext {r['value']:9.1f} MiB  baseline "
+                f"{r['baseline']:9.1f} MiB  ratio {r['value'] / max(r['baseline'], 1e-9):.3f}"
+            )
         else:
             print(f"{r['case']:48s} peak: {r['value']}")
     return rows
@@ -296,14 +375,24 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--kernels", nargs="+", default=list(EAGER), choices=list(EAGER),
-                   help="time only these kernels")
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=list(EAGER),
+        choices=list(EAGER),
+        help="time only these kernels",
+    )
     p.add_argument("--memory-tokens", type=int, default=1024)
     p.add_argument("--ce-tokens", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None,
-                   help="intra-op threads (default: torch's, i.e. one per core)")
-    p.add_argument("--no-cross-entropy", action="store_true",
-                   help="skip the cross-entropy memory comparison")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads (default: torch's, i.e. one per core)",
+    )
+    p.add_argument(
+        "--no-cross-entropy", action="store_true", help="skip the cross-entropy memory comparison"
+    )
     p.add_argument("--no-save", action="store_true", help="print only, do not append to the CSV")
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -314,8 +403,9 @@ def main():
         return
     load_tp_ext()
     rows = time_kernels(a.tokens, a.dtypes, a.repeats, a.kernels)
-    rows += memory_rows(a.memory_tokens, a.ce_tokens, a.dtypes, a.kernels,
-                        cross_entropy=not a.no_cross_entropy)
+    rows += memory_rows(
+        a.memory_tokens, a.ce_tokens, a.dtypes, a.kernels, cross_entropy=not a.no_cross_entropy
+    )
     if not a.no_save:
         append_rows(rows)
 

@@ -20,8 +20,21 @@ from collections.abc import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results.csv")
-COLUMNS = ["date", "machine", "torch", "commit", "benchmark", "case", "metric", "value", "unit",
-           "baseline", "ratio", "command", "load"]
+COLUMNS = [
+    "date",
+    "machine",
+    "torch",
+    "commit",
+    "benchmark",
+    "case",
+    "metric",
+    "value",
+    "unit",
+    "baseline",
+    "ratio",
+    "command",
+    "load",
+]
 
 
 def machine() -> str:
@@ -47,18 +60,28 @@ def machine() -> str:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         return "unknown"
 
 
 def command_line() -> str:
-    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)]
-                                + sys.argv[1:])
+    return "python " + " ".join(
+        shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]
+    )
 
 
 def load_average() -> str:
@@ -73,9 +96,14 @@ def append_rows(rows: Iterable[dict], path: str = RESULTS) -> None:
     baseline); the rest of the columns are filled in here."""
     import torch
 
-    common = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "torch": torch.__version__, "commit": git_commit(),
-              "command": command_line(), "load": load_average()}
+    common = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "command": command_line(),
+        "load": load_average(),
+    }
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
@@ -84,8 +112,12 @@ def append_rows(rows: Iterable[dict], path: str = RESULTS) -> None:
         for row in rows:
             row = {**common, **row}
             base = row.get("baseline")
-            if row.get("ratio") in (None, "") and isinstance(base, (int, float)) and base and \
-                    isinstance(row.get("value"), (int, float)):
+            if (
+                row.get("ratio") in (None, "")
+                and isinstance(base, (int, float))
+                and base
+                and isinstance(row.get("value"), (int, float))
+            ):
                 row["ratio"] = row["value"] / base
             for k in ("value", "baseline", "ratio"):
                 if isinstance(row.get(k), float):
@@ -107,8 +139,9 @@ def read_rows(path: str = RESULTS, latest: bool = True) -> list[dict]:
     return list(newest.values())
 
 
-def bench(fn: Callable[[], object], warmup: int = 3, repeats: int = 10,
-          min_time: float = 0.0) -> float:
+def bench(
+    fn: Callable[[], object], warmup: int = 3, repeats: int = 10, min_time: float = 0.0
+) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
@@ -121,8 +154,9 @@ def bench(fn: Callable[[], object], warmup: int = 3, repeats: int = 10,
     return statistics.median(times)
 
 
-def bench_pair(f: Callable[[], object], g: Callable[[], object], warmup: int = 3,
-               repeats: int = 10) -> tuple[float, float]:
+def bench_pair(
+    f: Callable[[], object], g: Callable[[], object], warmup: int = 3, repeats: int = 10
+) -> tuple[float, float]:
     """Median wall times of ``f()`` and ``g()``, called alternately so that load changes on a
     shared machine hit both alike."""
     for _ in range(warmup):
@@ -149,8 +183,10 @@ def run_ranks(fn, world_size: int, *args):
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "rendezvous")
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, init, results, args))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world_size, init, results, args))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         out = {}
@@ -176,8 +212,9 @@ def _rank_main(fn, rank, world_size, init, results, args):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init}", rank=rank, world_size=world_size
+        )
         import tp_ext  # noqa: F401
 
         results.put((rank, True, fn(*args)))
@@ -204,6 +241,8 @@ def load_tp_ext() -> str:
         libs = glob.glob(os.path.join(ROOT, "tp_ext", "_C*.so"))
         if libs:
             torch.ops.load_library(libs[0])
-        print(f"warning: import tp_ext failed ({type(e).__name__}: {e}); loaded {libs}",
-              file=sys.stderr)
+        print(
+            f"warning: import tp_ext failed ({type(e).__name__}: {e}); loaded {libs}",
+            file=sys.stderr,
+        )
         return f"{type(e).__name__}: {e}"

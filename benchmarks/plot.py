@@ -33,13 +33,17 @@ def main():
     for bench in sorted({r["benchmark"] for r in rows}):
         sel = [r for r in rows if r["benchmark"] == bench]
         metrics = sorted({r["metric"] for r in sel})
-        fig, axes = plt.subplots(len(metrics), 1, figsize=(10, 1.2 + 0.32 * len(sel) + 0.8 *
-                                                           len(metrics)), squeeze=False)
+        fig, axes = plt.subplots(
+            len(metrics), 1, figsize=(10, 1.2 + 0.32 * len(sel) + 0.8 * len(metrics)), squeeze=False
+        )
         for ax, metric in zip(axes[:, 0], metrics):
             mr = [r for r in sel if r["metric"] == metric]
             ratios = [_float(r["ratio"]) for r in mr]
-            ax.barh([r["case"] for r in mr], ratios,
-                    color=["tab:green" if x <= 1 else "tab:red" for x in ratios])
+            ax.barh(
+                [r["case"] for r in mr],
+                ratios,
+                color=["tab:green" if x <= 1 else "tab:red" for x in ratios],
+            )
             ax.axvline(1.0, color="k", ls="--", lw=0.8)
             if max(ratios) / max(min(ratios), 1e-12) > 4:
                 ax.set_xscale("log")

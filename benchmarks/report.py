@@ -28,16 +28,23 @@ def tables(path=RESULTS) -> str:
         sel = [r for r in rows if r["benchmark"] == bench]
         out.append(f"### {bench}\n")
         for key in sorted({(r["command"], r["machine"], r["torch"], r["commit"]) for r in sel}):
-            dates = sorted(r["date"] for r in sel if (r["command"], r["machine"], r["torch"],
-                                                       r["commit"]) == key)
+            dates = sorted(
+                r["date"]
+                for r in sel
+                if (r["command"], r["machine"], r["torch"], r["commit"]) == key
+            )
             loads = sorted({r.get("load", "") for r in sel if r["command"] == key[0]})
-            out.append(f"- `{key[0]}` — {key[1]}, torch {key[2]}, commit {key[3]}, "
-                       f"{dates[0]}, load average {'/'.join(loads)}")
+            out.append(
+                f"- `{key[0]}` — {key[1]}, torch {key[2]}, commit {key[3]}, "
+                f"{dates[0]}, load average {'/'.join(loads)}"
+            )
         out.append("\n| case | metric | tp_ext | baseline | ratio | unit |")
         out.append("|---|---|---:|---:|---:|---|")
         for r in sel:
-            out.append(f"| {r['case']} | {r['metric']} | {_fmt(r['value'])} | "
-                       f"{_fmt(r['baseline'])} | {_fmt(r['ratio'])} | {r['unit']} |")
+            out.append(
+                f"| {r['case']} | {r['metric']} | {_fmt(r['value'])} | "
+                f"{_fmt(r['baseline'])} | {_fmt(r['ratio'])} | {r['unit']} |"
+            )
         out.append("")
     return "\n".join(out)
 

@@ -1,6 +1,6 @@
 """Tensor-parallelise a Hugging Face model you already have, and check it against the original.
 
-    torchrun --nproc-per-node 2 examples/parallelize_hf_model.py
+torchrun --nproc-per-node 2 examples/parallelize_hf_model.py
 """
 
 import copy
@@ -14,8 +14,14 @@ import tp_ext
 def main() -> None:
     state = tp_ext.init_parallel(tp=2)
     config = transformers.Qwen2Config(
-        vocab_size=1001, hidden_size=64, intermediate_size=44, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=44,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)  # the same full weights on every rank
     reference = transformers.Qwen2ForCausalLM(config)
     model, report = tp_ext.parallelize(copy.deepcopy(reference), "auto", return_report=True)

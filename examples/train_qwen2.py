@@ -1,6 +1,6 @@
 """Train a small Qwen2 (configs/qwen2-mini.yaml) with tensor parallelism over every rank.
 
-    torchrun --nproc-per-node 2 examples/train_qwen2.py
+torchrun --nproc-per-node 2 examples/train_qwen2.py
 """
 
 import os
@@ -12,8 +12,9 @@ from tp_ext.config import JobConfig
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.training import Trainer, build_optimizer
 
-CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                      "qwen2-mini.yaml")
+CONFIG = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "configs", "qwen2-mini.yaml"
+)
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1)  # a learnable toy language: counting by 1 to 3
     start = torch.randint(0, job.model.vocab_size, (8, 1), generator=g)
-    ids = (start + torch.randint(1, 4, (8, 1), generator=g) * torch.arange(32))
+    ids = start + torch.randint(1, 4, (8, 1), generator=g) * torch.arange(32)
     ids = ids % job.model.vocab_size
     losses = [trainer.step(list(ids.chunk(2))) for _ in range(5)]  # 2 micro-batches a step
     if state.rank == 0:

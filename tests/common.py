@@ -14,11 +14,15 @@ def full(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def assert_equal(actual, expected, what: str):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
 
 
 def assert_close(actual, expected, what: str, rtol=1e-6, atol=1e-6):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")

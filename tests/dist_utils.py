@@ -59,7 +59,10 @@ def _worker(rank, world_size, init_file, tasks, results, stack_dir, pg_timeout):
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout),
     )
     import tp_ext  # noqa: F401
@@ -88,9 +91,11 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, init_file, self.tasks[r], self.results, self.dir,
-                              pg_timeout))
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, init_file, self.tasks[r], self.results, self.dir, pg_timeout),
+            )
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -104,7 +109,9 @@ class _Pool:
         deadline = time.monotonic() + timeout
         while len(outcome) < self.world_size:
             now = time.monotonic()
-            if now > deadline or (first_failure is not None and now > first_failure + FAILURE_GRACE):
+            if now > deadline or (
+                first_failure is not None and now > first_failure + FAILURE_GRACE
+            ):
                 break
             try:
                 rank, ok, payload = self.results.get(timeout=0.1)
@@ -167,8 +174,10 @@ def _report(fn, world_size, outcome, pool, timeout) -> str:
             if not ok:
                 lines.append(str(payload).rstrip())
         else:
-            lines.append(f"--- rank {r}: still running (killed; timeout {timeout:.0f}s or "
-                         f"another rank failed). Its stack:\n{stacks[r]}")
+            lines.append(
+                f"--- rank {r}: still running (killed; timeout {timeout:.0f}s or "
+                f"another rank failed). Its stack:\n{stacks[r]}"
+            )
     return "\n".join(lines)
 
 
@@ -188,8 +197,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     raise DistributedTestError(message)
 
 
-def launch_once(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
-                pg_timeout: float = PG_TIMEOUT, **kwargs):
+def launch_once(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT,
+    pg_timeout: float = PG_TIMEOUT,
+    **kwargs,
+):
     """Fresh processes for one call. Returns ``(outcome, report)``: ``outcome[rank] = (ok,
     payload)`` for ranks that answered, and the text run_distributed would have raised."""
     pool = _Pool(world_size, pg_timeout=pg_timeout)

@@ -26,7 +26,7 @@ def ref_rope(x, positions, theta):
     angles = positions[..., None].float() * inv_freq  # [b, s, d/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)[:, None]
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -42,15 +42,20 @@ class RefAttention(nn.Module):
         if positions is None:
             positions = torch.arange(s).expand(b, s)
         q, k, v = self.qkv_proj(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim,
-             self.kv_heads * self.head_dim], -1)
+            [
+                self.heads * self.head_dim,
+                self.kv_heads * self.head_dim,
+                self.kv_heads * self.head_dim,
+            ],
+            -1,
+        )
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = ref_rope(q, positions, self.theta), ref_rope(k, positions, self.theta)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = (q @ k.transpose(-1, -2)) / self.head_dim ** 0.5
+        scores = (q @ k.transpose(-1, -2)) / self.head_dim**0.5
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         out = scores.softmax(-1) @ v
@@ -85,20 +90,28 @@ class RefBlock(nn.Module):
 def random_state(module: nn.Module, seed: int) -> dict:
     """Random values for every entry of module's state dict (norm weights too, so they matter)."""
     g = torch.Generator().manual_seed(seed)
-    return {k: (torch.randn(v.shape, generator=g, dtype=torch.float64) * 0.5).to(v.dtype)
-            for k, v in module.state_dict().items()}
+    return {
+        k: (torch.randn(v.shape, generator=g, dtype=torch.float64) * 0.5).to(v.dtype)
+        for k, v in module.state_dict().items()
+    }
 
 
 def hf_qwen2(config, seed: int = 0):
     """transformers' Qwen2ForCausalLM (fp32) for a tp_ext Qwen2Config, seeded: the reference
     model of the model, checkpoint and training tests."""
     import transformers  # requirements-dev.txt; a missing reference fails the test
+
     hf_config = transformers.Qwen2Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
     torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(hf_config).float()

@@ -8,8 +8,16 @@ import torch.distributed as dist
 import tp_ext
 from tp_ext import comm
 from tp_ext.layers import (
-    ColumnParallelLinear, ParallelAttention, ParallelLMHead, ParallelTransformerBlock,
-    QKVParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding, full_state_dict)
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelLMHead,
+    ParallelTransformerBlock,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    full_state_dict,
+)
 
 from .common import full
 from .dist_utils import rank, run_distributed, world_size
@@ -51,8 +59,9 @@ def _check_megatron_minimum():
     assert sp.count(collective="all_reduce") == 2
     assert sp.bytes(collective="all_reduce") == 2 * HIDDEN * 4, sp.table()
     # the same traffic on the wire for the activations
-    assert (sp.bus_bytes(w, collective="all_gather") + sp.bus_bytes(w, collective="reduce_scatter")
-            == plain.bus_bytes(w))
+    assert sp.bus_bytes(w, collective="all_gather") + sp.bus_bytes(
+        w, collective="reduce_scatter"
+    ) == plain.bus_bytes(w)
 
 
 @pytest.mark.parametrize("ws", LAYER_WORLD_SIZES)
@@ -74,7 +83,7 @@ def _check_kv_cache_decoding():
         cache = attn.new_kv_cache(batch=2, max_length=9)
         outs = [attn(X[:, :5], kv_cache=cache)]
         for t in range(5, 9):
-            outs.append(attn(X[:, t:t + 1], kv_cache=cache))
+            outs.append(attn(X[:, t : t + 1], kv_cache=cache))
         assert cache.length == 9
         assert_rel(torch.cat(outs, 1), expected, "decoding with the KV cache")
         with pytest.raises(ValueError, match="max_length"):
@@ -92,13 +101,15 @@ def test_kv_cache_decoding_matches_full_attention(ws):
 def _build_all(tp_group):
     """Every kind of layer, built from the same seed."""
     torch.manual_seed(1234)
-    return torch.nn.ModuleDict({
-        "block": ParallelTransformerBlock(HIDDEN, HEADS, 2, INTER, HEAD_DIM, tp_group=tp_group),
-        "embed": VocabParallelEmbedding(1001, HIDDEN, padding_idx=0, tp_group=tp_group),
-        "head": ParallelLMHead(1001, HIDDEN, tp_group=tp_group),
-        "column": ColumnParallelLinear(HIDDEN, 10, tp_group=tp_group),
-        "row": RowParallelLinear(10, HIDDEN, tp_group=tp_group),
-    })
+    return torch.nn.ModuleDict(
+        {
+            "block": ParallelTransformerBlock(HIDDEN, HEADS, 2, INTER, HEAD_DIM, tp_group=tp_group),
+            "embed": VocabParallelEmbedding(1001, HIDDEN, padding_idx=0, tp_group=tp_group),
+            "head": ParallelLMHead(1001, HIDDEN, tp_group=tp_group),
+            "column": ColumnParallelLinear(HIDDEN, 10, tp_group=tp_group),
+            "row": RowParallelLinear(10, HIDDEN, tp_group=tp_group),
+        }
+    )
 
 
 def _check_init_is_tp_invariant():
@@ -129,15 +140,18 @@ def _check_rng():
         sharded = torch.rand(64)
         mask = torch.nn.functional.dropout(torch.ones(64), 0.5)
     replicated_after = torch.rand(64)
-    every = [torch.stack(comm.all_gather(t[None], 0).unbind(0)) for t in
-             (replicated_before, sharded, mask, replicated_after)]
+    every = [
+        torch.stack(comm.all_gather(t[None], 0).unbind(0))
+        for t in (replicated_before, sharded, mask, replicated_after)
+    ]
     for name, rows in zip(("before", "tp", "mask", "after"), every):
         same = all(torch.equal(rows[0], rows[k]) for k in range(w))
         if name in ("before", "after"):
             assert same, f"replicated-region draws ({name}) differ across TP ranks"
         else:
-            assert w == 1 or not any(torch.equal(rows[i], rows[j]) for i in range(w)
-                                     for j in range(i + 1, w)), f"{name}: TP ranks repeat"
+            assert w == 1 or not any(
+                torch.equal(rows[i], rows[j]) for i in range(w) for j in range(i + 1, w)
+            ), f"{name}: TP ranks repeat"
     # the TP stream does not advance the default one
     tp_ext.random.manual_seed(42)
     first = torch.rand(64)
@@ -159,18 +173,23 @@ def _check_bad_input():
     with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
         QKVParallelLinear(12, 2, 6, 4)
     if w == 8:
-        with pytest.raises(ValueError, match=r"cannot be split over 8 ranks.*one of \[1, 2, 3, 4, 5, 6\]"):
+        with pytest.raises(
+            ValueError, match=r"cannot be split over 8 ranks.*one of \[1, 2, 3, 4, 5, 6\]"
+        ):
             ParallelAttention(12, 6, 6, 2)
     with pytest.raises(KeyError, match="missing keys"):
         ColumnParallelLinear(6, 10).load_full_state_dict({"weight": torch.zeros(10, 6)})
     if w > 1:
         layer = ColumnParallelLinear(6, 10)
         with pytest.raises(ValueError, match="expected the unsharded shape"):
-            layer.load_full_state_dict({"weight": layer.weight.detach(),
-                                        "bias": torch.zeros(10)})
+            layer.load_full_state_dict({"weight": layer.weight.detach(), "bias": torch.zeros(10)})
         with pytest.raises(ValueError, match="same tp_group"):
-            ParallelLMHead(11, 4, tie_to=VocabParallelEmbedding(11, 4, tp_group=TPGroup.local()),
-                           tp_group=dist.group.WORLD)
+            ParallelLMHead(
+                11,
+                4,
+                tie_to=VocabParallelEmbedding(11, 4, tp_group=TPGroup.local()),
+                tp_group=dist.group.WORLD,
+            )
     with pytest.raises(ValueError, match="outside the vocabulary"):
         VocabParallelEmbedding(11, 4)(torch.tensor([3, 11]))
     if w > 1:  # 5 positions cannot be this rank's share of 7

@@ -44,30 +44,45 @@ def _write_original_qwen(hf_model, config: Qwen2Config, path: str) -> None:
     w2 the gate), with its config.json."""
     os.makedirs(path, exist_ok=True)
     sd = hf_model.state_dict()
-    out = {"transformer.wte.weight": sd["model.embed_tokens.weight"],
-           "transformer.ln_f.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    out = {
+        "transformer.wte.weight": sd["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": sd["model.norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
     for i in range(config.num_hidden_layers):
         a, b = f"model.layers.{i}.", f"transformer.h.{i}."
         for leaf in ("weight", "bias"):
             out[f"{b}attn.c_attn.{leaf}"] = torch.cat(
-                [sd[f"{a}self_attn.{p}_proj.{leaf}"] for p in "qkv"])
-        out.update({b + "ln_1.weight": sd[a + "input_layernorm.weight"],
-                    b + "ln_2.weight": sd[a + "post_attention_layernorm.weight"],
-                    b + "attn.c_proj.weight": sd[a + "self_attn.o_proj.weight"],
-                    b + "mlp.w1.weight": sd[a + "mlp.up_proj.weight"],
-                    b + "mlp.w2.weight": sd[a + "mlp.gate_proj.weight"],
-                    b + "mlp.c_proj.weight": sd[a + "mlp.down_proj.weight"]})
+                [sd[f"{a}self_attn.{p}_proj.{leaf}"] for p in "qkv"]
+            )
+        out.update(
+            {
+                b + "ln_1.weight": sd[a + "input_layernorm.weight"],
+                b + "ln_2.weight": sd[a + "post_attention_layernorm.weight"],
+                b + "attn.c_proj.weight": sd[a + "self_attn.o_proj.weight"],
+                b + "mlp.w1.weight": sd[a + "mlp.up_proj.weight"],
+                b + "mlp.w2.weight": sd[a + "mlp.gate_proj.weight"],
+                b + "mlp.c_proj.weight": sd[a + "mlp.down_proj.weight"],
+            }
+        )
     save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["QWenLMHeadModel"], "model_type": "qwen",
-                   "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-                   "intermediate_size": 2 * config.intermediate_size,
-                   "num_hidden_layers": config.num_hidden_layers,
-                   "num_attention_heads": config.num_attention_heads,
-                   "kv_channels": config.head_dim,
-                   "max_position_embeddings": config.max_position_embeddings,
-                   "rotary_emb_base": config.rope_theta,
-                   "layer_norm_epsilon": config.rms_norm_eps}, f)
+        json.dump(
+            {
+                "architectures": ["QWenLMHeadModel"],
+                "model_type": "qwen",
+                "vocab_size": config.vocab_size,
+                "hidden_size": config.hidden_size,
+                "intermediate_size": 2 * config.intermediate_size,
+                "num_hidden_layers": config.num_hidden_layers,
+                "num_attention_heads": config.num_attention_heads,
+                "kv_channels": config.head_dim,
+                "max_position_embeddings": config.max_position_embeddings,
+                "rotary_emb_base": config.rope_theta,
+                "layer_norm_epsilon": config.rms_norm_eps,
+            },
+            f,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +102,16 @@ def hf_dirs(tmp_path_factory):
 
 def _load_and_compare(path, reference_path):
     import transformers
+
     model = Qwen2ForCausalLM.from_pretrained(path, progress=rank() == 0)
     reference = transformers.Qwen2ForCausalLM.from_pretrained(reference_path).float().eval()
     ids = _ids(model.config)
     with torch.no_grad():
         assert_rel(model(ids), reference(ids).logits, "logits against transformers", rtol=1e-4)
-        assert torch.equal(model.generate(ids[:, :4], 5),
-                           reference.generate(ids[:, :4], max_new_tokens=5, do_sample=False))
+        assert torch.equal(
+            model.generate(ids[:, :4], 5),
+            reference.generate(ids[:, :4], max_new_tokens=5, do_sample=False),
+        )
     report = model.load_report
     # each rank read exactly its own slices: bytes read == the bytes it holds
     assert report["read_bytes"] == report["shard_bytes"], report
@@ -103,8 +121,9 @@ def _load_and_compare(path, reference_path):
 @pytest.mark.parametrize("ws", [1, 2, 3, 4, 8])
 def test_from_pretrained_sharded_index_matches_transformers(hf_dirs, ws):
     assert os.path.isfile(hf_dirs / "sharded" / "model.safetensors.index.json")
-    reports = run_distributed(_load_and_compare, ws, str(hf_dirs / "sharded"),
-                              str(hf_dirs / "sharded"), timeout=300)
+    reports = run_distributed(
+        _load_and_compare, ws, str(hf_dirs / "sharded"), str(hf_dirs / "sharded"), timeout=300
+    )
     total = reports[0]["checkpoint_bytes"]
     if ws >= 4:  # every rank holds (and reads) well under the whole checkpoint
         assert max(r["read_bytes"] for r in reports) < 0.45 * total
@@ -131,20 +150,22 @@ def _peak_memory(path, chunk_bytes):
 def test_peak_host_memory_near_the_shard(tmp_path):
     """A checkpoint dominated by the embedding and LM head (2 x 32 MiB): at TP=4 each rank's
     peak memory growth while loading stays near its quarter, far below the whole file."""
-    config = Qwen2Config.from_file(MINI).replace(vocab_size=65536, hidden_size=128,
-                                                 num_hidden_layers=1)
+    config = Qwen2Config.from_file(MINI).replace(
+        vocab_size=65536, hidden_size=128, num_hidden_layers=1
+    )
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(str(tmp_path / "big"))
     del model
-    chunk = 2 * 2 ** 20
+    chunk = 2 * 2**20
     reports = run_distributed(_peak_memory, 4, str(tmp_path / "big"), chunk)
     for r in reports:
         # its shard, plus a read chunk in flight (mapped and copied) and some allocator slack
-        assert r["peak_rss_increase_bytes"] < r["shard_bytes"] + 2 * chunk + 12 * 2 ** 20, r
+        assert r["peak_rss_increase_bytes"] < r["shard_bytes"] + 2 * chunk + 12 * 2**20, r
         assert r["peak_rss_increase_bytes"] < 0.45 * r["checkpoint_bytes"], r
 
 
 # ---- Hugging Face export -------------------------------------------------------------------------
+
 
 def _export(path, max_shard_bytes):
     torch.manual_seed(7)
@@ -155,20 +176,27 @@ def _export(path, max_shard_bytes):
         return model(ids)
 
 
-@pytest.mark.parametrize("ws,max_shard_bytes", [(3, 5 * 1024 ** 3), (4, 150_000)])
+@pytest.mark.parametrize("ws,max_shard_bytes", [(3, 5 * 1024**3), (4, 150_000)])
 def test_export_merged_checkpoint_loads_in_transformers(tmp_path, ws, max_shard_bytes):
     import transformers
+
     path = str(tmp_path / "export")
     logits = run_distributed(_export, ws, path, max_shard_bytes)[0]
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json")) == (
-        max_shard_bytes < 10 ** 6)
+        max_shard_bytes < 10**6
+    )
     reference = transformers.Qwen2ForCausalLM.from_pretrained(path).float().eval()
     with torch.no_grad():
-        assert_rel(reference(_ids(Qwen2Config.from_file(MINI))).logits, logits,
-                   "transformers on the export", rtol=1e-5)
+        assert_rel(
+            reference(_ids(Qwen2Config.from_file(MINI))).logits,
+            logits,
+            "transformers on the export",
+            rtol=1e-5,
+        )
 
 
 # ---- sharded checkpoints (DCP) -------------------------------------------------------------------
+
 
 def _save_at(path, seed):
     torch.manual_seed(seed)
@@ -240,8 +268,12 @@ checkpoint.save_sharded(Qwen2ForCausalLM(Qwen2Config.from_file(sys.argv[3])), sy
 def test_killed_save_leaves_the_previous_checkpoint(tmp_path, where):
     path = str(tmp_path / "ckpt")
     _save_at(path, 4)
-    done = subprocess.run([sys.executable, "-c", _KILLED_SAVE, path, where, MINI],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, path, where, MINI],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert os.path.isdir(path + ".partial")
     _load_at(path)  # the previous checkpoint, bitwise
@@ -262,8 +294,10 @@ def test_kill_between_the_renames_is_recovered(tmp_path):
 
 # ---- bad input, on every rank --------------------------------------------------------------------
 
+
 def _expect_error(path, config_changes, pattern, only_rank=None, good_path=None):
     import re
+
     config = Qwen2Config.from_file(MINI).replace(**config_changes)
     model = Qwen2ForCausalLM(config)
     use = path if only_rank is None or rank() == only_rank else good_path
@@ -280,6 +314,7 @@ def _expect_error(path, config_changes, pattern, only_rank=None, good_path=None)
 
 def _copy(src, dst):
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
@@ -289,39 +324,54 @@ def test_bad_checkpoints_fail_clearly_on_every_rank(hf_dirs, tmp_path):
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     # missing tensor
     bad = _copy(sharded, tmp_path / "missing")
-    index_missing = {**index, "weight_map": {k: v for k, v in index["weight_map"].items()
-                                             if k != "model.layers.1.mlp.up_proj.weight"}}
+    index_missing = {
+        **index,
+        "weight_map": {
+            k: v for k, v in index["weight_map"].items() if k != "model.layers.1.mlp.up_proj.weight"
+        },
+    }
     json.dump(index_missing, open(os.path.join(bad, "model.safetensors.index.json"), "w"))
-    run_distributed(_expect_error, 3, str(bad), {}, "missing tensor "
-                    "'model.layers.1.mlp.up_proj.weight'")
+    run_distributed(
+        _expect_error, 3, str(bad), {}, "missing tensor 'model.layers.1.mlp.up_proj.weight'"
+    )
     # extra tensor
     bad = _copy(str(hf_dirs / "single"), tmp_path / "extra")
     tensors = load_file(os.path.join(bad, "model.safetensors"))
     tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
     save_file(tensors, os.path.join(bad, "model.safetensors"))
-    run_distributed(_expect_error, 2, str(bad), {}, "'model.layers.0.mlp.extra.weight'.*does not use")
+    run_distributed(
+        _expect_error, 2, str(bad), {}, "'model.layers.0.mlp.extra.weight'.*does not use"
+    )
     # config disagrees with the checkpoint: a shape mismatch naming the tensor
-    run_distributed(_expect_error, 3, sharded, {"intermediate_size": 40},
-                    r"'model.layers.0.mlp.gate_proj.weight' in .* has shape \[44, 64\].*"
-                    r"\[40, 64\]")
+    run_distributed(
+        _expect_error,
+        3,
+        sharded,
+        {"intermediate_size": 40},
+        r"'model.layers.0.mlp.gate_proj.weight' in .* has shape \[44, 64\].*"
+        r"\[40, 64\]",
+    )
     # truncated and corrupt files
     bad = _copy(sharded, tmp_path / "truncated")
     victim = os.path.join(bad, sorted(set(index["weight_map"].values()))[-1])
     data = open(victim, "rb").read()
-    open(victim, "wb").write(data[:len(data) // 2])
-    run_distributed(_expect_error, 3, str(bad), {}, f"{os.path.basename(victim)} is corrupt or "
-                    "truncated")
+    open(victim, "wb").write(data[: len(data) // 2])
+    run_distributed(
+        _expect_error, 3, str(bad), {}, f"{os.path.basename(victim)} is corrupt or truncated"
+    )
     open(victim, "wb").write(b"not a safetensors file at all" * 10)
     run_distributed(_expect_error, 2, str(bad), {}, "corrupt or truncated")
     # a broken file seen by one rank only: the others raise too instead of going on
     run_distributed(_expect_error, 3, str(bad), {}, "corrupt or truncated", 1, sharded)
     with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint.load_hf_checkpoint(Qwen2ForCausalLM(Qwen2Config.from_file(MINI)),
-                                      str(tmp_path / "nowhere"), progress=False)
+        checkpoint.load_hf_checkpoint(
+            Qwen2ForCausalLM(Qwen2Config.from_file(MINI)), str(tmp_path / "nowhere"), progress=False
+        )
 
 
 def _load_sharded_error(path, changes, pattern):
     import re
+
     model = Qwen2ForCausalLM(Qwen2Config.from_file(MINI).replace(**changes))
     with pytest.raises(CheckpointError) as info:
         checkpoint.load_sharded(model, path)
@@ -331,8 +381,13 @@ def _load_sharded_error(path, changes, pattern):
 def test_bad_sharded_checkpoints(tmp_path):
     path = str(tmp_path / "ckpt")
     run_distributed(_save_at, 2, path, 4)
-    run_distributed(_load_sharded_error, 2, path, {"intermediate_size": 40},
-                    "intermediate_size=44.*intermediate_size=40")
+    run_distributed(
+        _load_sharded_error,
+        2,
+        path,
+        {"intermediate_size": 40},
+        "intermediate_size=44.*intermediate_size=40",
+    )
     shard = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]
     with open(os.path.join(path, shard), "r+b") as f:
         f.truncate(1000)

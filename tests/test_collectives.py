@@ -1,8 +1,6 @@
 """Plain collectives against single-process references, even and uneven sizes, every
 dimension, at world sizes 1-4."""
 
-import time
-
 import pytest
 import torch
 
@@ -21,7 +19,9 @@ def _check_all_reduce():
         xs = [full(SHAPE, 100 + k, dtype) for k in range(w)]
         stacked = torch.stack([x.double() for x in xs])
         expected = {
-            "sum": stacked.sum(0), "max": stacked.max(0).values, "min": stacked.min(0).values,
+            "sum": stacked.sum(0),
+            "max": stacked.max(0).values,
+            "min": stacked.min(0).values,
             "product": stacked.prod(0),
         }
         if dtype.is_floating_point:
@@ -33,8 +33,13 @@ def _check_all_reduce():
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-6
             if reduce == "product" and dtype == torch.bfloat16:
                 tol = 5e-2
-            assert_close(out.double(), ref.to(dtype).double(), f"all_reduce {reduce} {dtype}",
-                         rtol=tol, atol=tol)
+            assert_close(
+                out.double(),
+                ref.to(dtype).double(),
+                f"all_reduce {reduce} {dtype}",
+                rtol=tol,
+                atol=tol,
+            )
 
 
 def _check_gather_scatter():
@@ -53,18 +58,28 @@ def _check_gather_scatter():
             got = comm.reduce_scatter(xs[r], dim)  # sizes from the shard policy
             assert_close(got, ref, f"reduce_scatter dim={dim}")
             got = comm.reduce_scatter(xs[r], dim, reduce="max")
-            assert_close(got, tp_ext.split_tensor(torch.stack(xs).max(0).values, dim, w)[r],
-                         f"reduce_scatter max dim={dim}")
+            assert_close(
+                got,
+                tp_ext.split_tensor(torch.stack(xs).max(0).values, dim, w)[r],
+                f"reduce_scatter max dim={dim}",
+            )
         # non-contiguous input gathers the same values
         whole = full(SHAPE, 3, torch.float32)
         t_piece = tp_ext.split_tensor(whole.transpose(0, 2), dim, w)[r]
         assert not t_piece.is_contiguous() or t_piece.numel() <= 1
-        got = comm.all_gather(t_piece, dim, sizes=tp_ext.shard_sizes(whole.transpose(0, 2).size(dim), w))
-        assert_equal(got, whole.transpose(0, 2).contiguous(), f"all_gather non-contiguous dim={dim}")
+        got = comm.all_gather(
+            t_piece, dim, sizes=tp_ext.shard_sizes(whole.transpose(0, 2).size(dim), w)
+        )
+        assert_equal(
+            got, whole.transpose(0, 2).contiguous(), f"all_gather non-contiguous dim={dim}"
+        )
     # even all_gather needs no sizes
     x = full((2, 3), 11 + r)
-    assert_equal(comm.all_gather(x, 1), torch.cat([full((2, 3), 11 + k) for k in range(w)], 1),
-                 "all_gather even")
+    assert_equal(
+        comm.all_gather(x, 1),
+        torch.cat([full((2, 3), 11 + k) for k in range(w)], 1),
+        "all_gather even",
+    )
 
 
 def _check_broadcast_all_to_all():
@@ -75,18 +90,18 @@ def _check_broadcast_all_to_all():
     for scatter_dim in range(3):
         for gather_dim in range(3):
             xs = [full(SHAPE, 900 + k, torch.float32) for k in range(w)]
-            ref = torch.cat([tp_ext.split_tensor(xs[k], scatter_dim, w)[r] for k in range(w)],
-                            gather_dim)
+            ref = torch.cat(
+                [tp_ext.split_tensor(xs[k], scatter_dim, w)[r] for k in range(w)], gather_dim
+            )
             got = comm.all_to_all(xs[r], scatter_dim, gather_dim)
             assert_equal(got, ref, f"all_to_all scatter={scatter_dim} gather={gather_dim}")
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-@pytest.mark.parametrize("check", [_check_all_reduce, _check_gather_scatter,
-                                   _check_broadcast_all_to_all],
-                         ids=["all_reduce", "gather_scatter_uneven_any_dim",
-                              "broadcast_all_to_all"])
+@pytest.mark.parametrize(
+    "check",
+    [_check_all_reduce, _check_gather_scatter, _check_broadcast_all_to_all],
+    ids=["all_reduce", "gather_scatter_uneven_any_dim", "broadcast_all_to_all"],
+)
 def test_collective_matches_reference(check, ws):
     run_distributed(check, ws)
-
-

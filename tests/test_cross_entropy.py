@@ -37,7 +37,9 @@ def _rel_err(actual, expected):
 
 
 def _assert_rel(actual, expected, tol, what):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     if expected.numel() == 0:  # an empty vocabulary shard
         return
     err = _rel_err(actual, expected)
@@ -47,8 +49,13 @@ def _assert_rel(actual, expected, tol, what):
 def _reference(logits, target, ignore_index, eps, reduction, upstream):
     """F.cross_entropy on the full logits; returns (loss, gradient of the full logits)."""
     x = logits.detach().clone().requires_grad_()
-    loss = F.cross_entropy(x.view(-1, x.size(-1)), target.view(-1), ignore_index=ignore_index,
-                           label_smoothing=eps, reduction=reduction)
+    loss = F.cross_entropy(
+        x.view(-1, x.size(-1)),
+        target.view(-1),
+        ignore_index=ignore_index,
+        label_smoothing=eps,
+        reduction=reduction,
+    )
     if reduction == "none":
         loss = loss.view(target.shape)
     loss.backward(upstream)
@@ -59,14 +66,25 @@ def _parallel(logits, target, ignore_index, eps, reduction, upstream, group=None
     """This rank's shard through vocab_parallel_cross_entropy; (loss, gradient of the shard)."""
     r, w = rank(), world_size()
     shard = tp_ext.split_tensor(logits, -1, w)[r].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, target, group, ignore_index=ignore_index,
-                                        label_smoothing=eps, reduction=reduction)
+    loss = vocab_parallel_cross_entropy(
+        shard, target, group, ignore_index=ignore_index, label_smoothing=eps, reduction=reduction
+    )
     loss.backward(upstream.to(loss.dtype))
     return loss.detach(), shard.grad
 
 
-def _compare(vocab, dtype, ignore_index, eps, reduction, seed, ref_dtype=None, tol=None,
-             group=None, target=None):
+def _compare(
+    vocab,
+    dtype,
+    ignore_index,
+    eps,
+    reduction,
+    seed,
+    ref_dtype=None,
+    tol=None,
+    group=None,
+    target=None,
+):
     r, w = rank(), world_size()
     ref_dtype = ref_dtype or dtype
     tol = tol if tol is not None else TOL[dtype]
@@ -94,8 +112,16 @@ def _check_matches_cross_entropy():
         _compare(vocab, dtype, 1, 0.1, "mean", seed=vocab + 8)
     # bf16 logits: fp32 statistics, close to the fp32 reference at bf16 tolerance
     for reduction in ("none", "mean"):
-        _compare(vocab, torch.bfloat16, -100, 0.1, reduction, seed=vocab + 9,
-                 ref_dtype=torch.float32, tol=2e-2)
+        _compare(
+            vocab,
+            torch.bfloat16,
+            -100,
+            0.1,
+            reduction,
+            seed=vocab + 9,
+            ref_dtype=torch.float32,
+            tol=2e-2,
+        )
     for vocab in small:  # fewer entries than ranks: the last ranks hold empty shards
         for eps in (0.0, 0.1):
             _compare(vocab, torch.float64, -100, eps, "none", seed=vocab + 7)
@@ -154,8 +180,9 @@ def _check_accounting():
             assert stats.records == [], "a single rank communicates nothing"
             continue
         # a max all-reduce of [N + W] (token maxima and shard sizes), a sum of [N, 3]
-        assert stats.count() == 2 and stats.count("fwd", "all_reduce", "all_reduce") == 2, \
+        assert stats.count() == 2 and stats.count("fwd", "all_reduce", "all_reduce") == 2, (
             stats.table()
+        )
         assert stats.bytes() == stats_bytes * ((N + w) + 3 * N), (dtype, stats.table())
         assert stats.count("bwd") == 0, "the backward is local"
 
@@ -166,8 +193,9 @@ def test_accounting_two_token_sized_all_reduces(ws):
 
 
 def _loss_fn(shard, target, group):
-    return vocab_parallel_cross_entropy(shard, target, group, ignore_index=-100,
-                                        label_smoothing=0.1, reduction="mean")
+    return vocab_parallel_cross_entropy(
+        shard, target, group, ignore_index=-100, label_smoothing=0.1, reduction="mean"
+    )
 
 
 def _check_compile(backend):
@@ -199,18 +227,25 @@ def test_compile_fullgraph_forward_and_backward(ws, backend):
 class _Loss(torch.nn.Module):
     def __init__(self, group):
         super().__init__()
-        self.group_name, self.group_size, self.group_rank = group.group_name, group.size(), group.rank()
+        self.group_name, self.group_size, self.group_rank = (
+            group.group_name,
+            group.size(),
+            group.rank(),
+        )
 
     def forward(self, shard, target):
         return torch.ops.tp_ext.vocab_parallel_cross_entropy(
-            shard, target, -100, 0.1, self.group_name, self.group_size, self.group_rank)
+            shard, target, -100, 0.1, self.group_name, self.group_size, self.group_rank
+        )
 
 
 @torch.jit.script
-def _scripted_loss(shard: torch.Tensor, target: torch.Tensor, group_name: str, group_size: int,
-                   group_rank: int) -> torch.Tensor:
-    return torch.ops.tp_ext.vocab_parallel_cross_entropy(shard, target, -100, 0.1, group_name,
-                                                         group_size, group_rank).sum()
+def _scripted_loss(
+    shard: torch.Tensor, target: torch.Tensor, group_name: str, group_size: int, group_rank: int
+) -> torch.Tensor:
+    return torch.ops.tp_ext.vocab_parallel_cross_entropy(
+        shard, target, -100, 0.1, group_name, group_size, group_rank
+    ).sum()
 
 
 def _check_export_torchscript_inference():
@@ -249,8 +284,11 @@ def _check_bad_inputs():
     for bad_id in (vocab, -1):
         t = target.clone()
         t[1, 2] = bad_id
-        with pytest.raises(ValueError, match=rf"target id {bad_id} .*outside the vocabulary "
-                                             rf"\[0, {vocab}\).*ignore_index=-100"):
+        with pytest.raises(
+            ValueError,
+            match=rf"target id {bad_id} .*outside the vocabulary "
+            rf"\[0, {vocab}\).*ignore_index=-100",
+        ):
             vocab_parallel_cross_entropy(shard, t)
     with pytest.raises(ValueError, match=r"target has shape \[2, 6\] .*logits.shape\[:-1\]"):
         vocab_parallel_cross_entropy(shard, torch.zeros(BATCH, SEQ + 1, dtype=torch.long))
@@ -263,8 +301,9 @@ def _check_bad_inputs():
     with pytest.raises(ValueError, match="reduction='avg' is not supported; use 'none', 'sum'"):
         vocab_parallel_cross_entropy(shard, target, reduction="avg")
     with pytest.raises(ValueError, match="group_rank=7 but this process is rank"):
-        torch.ops.tp_ext.vocab_parallel_cross_entropy(shard, target, -100, 0.0,
-                                                      dist.group.WORLD.group_name, w, 7)
+        torch.ops.tp_ext.vocab_parallel_cross_entropy(
+            shard, target, -100, 0.0, dist.group.WORLD.group_name, w, 7
+        )
     # every rank raised at the same point, so the group is still in step
     ok = vocab_parallel_cross_entropy(shard, target, reduction="sum")
     assert torch.isfinite(ok)
@@ -277,6 +316,7 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ws):
 
 # ---- the local (non-communicating) kernels against PyTorch, one process ----
 
+
 def _local_reference(logits, target, sizes, rank_, ignore_index, eps, grad_loss):
     """max, stats and gradient of the local pieces, in float64 PyTorch."""
     x = logits.double().reshape(target.numel(), logits.size(-1))
@@ -286,10 +326,14 @@ def _local_reference(logits, target, sizes, rank_, ignore_index, eps, grad_loss)
     m = local_max + 0.5  # a "global" max above the local one, as after the all-reduce
     local = t - start
     mine = (t != ignore_index) & (local >= 0) & (local < x.size(-1))
-    picked = (x.gather(-1, local.clamp(0, max(x.size(-1) - 1, 0)).unsqueeze(-1)).squeeze(-1)
-              if x.size(-1) else torch.zeros_like(m))
-    stats = torch.stack([(x - m[:, None]).exp().sum(-1), torch.where(mine, picked, 0), x.sum(-1)],
-                        -1)
+    picked = (
+        x.gather(-1, local.clamp(0, max(x.size(-1) - 1, 0)).unsqueeze(-1)).squeeze(-1)
+        if x.size(-1)
+        else torch.zeros_like(m)
+    )
+    stats = torch.stack(
+        [(x - m[:, None]).exp().sum(-1), torch.where(mine, picked, 0), x.sum(-1)], -1
+    )
     lse = m + 1.0  # any per-token value works for the gradient formula
     grad = (x - lse[:, None]).exp() - eps / vocab
     grad[mine, local[mine]] -= 1 - eps
@@ -306,8 +350,9 @@ def _check_local_kernels(device, dtype, vocab_local, sizes, rank_, eps=0.1, igno
     target[0, :3] = torch.arange(start, start + 3).clamp(max=sum(sizes) - 1)  # some in this shard
     target[1, 2] = ignore_index
     grad_loss = torch.randn(3, 7, generator=g)
-    ref_max, m, ref_stats, lse, ref_grad = _local_reference(logits, target, sizes, rank_,
-                                                            ignore_index, eps, grad_loss)
+    ref_max, m, ref_stats, lse, ref_grad = _local_reference(
+        logits, target, sizes, rank_, ignore_index, eps, grad_loss
+    )
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     ops = torch.ops.tp_ext
     dev = lambda t: t.to(device)  # noqa: E731
@@ -321,16 +366,33 @@ def _check_local_kernels(device, dtype, vocab_local, sizes, rank_, eps=0.1, igno
     scale = logits.double().abs().sum(-1).max().item() if vocab_local else 0.0
     tol = dict(atol=1e-6 * scale + 1e-5, rtol=1e-5) if dtype != torch.float64 else {}
     torch.testing.assert_close(stats.cpu().double(), ref_stats, **tol)
-    grad = ops.vocab_ce_local_grad(dev(grad_loss.to(acc)), dev(logits), dev(target), dev(max_sizes),
-                                   dev(lse.to(acc)), ignore_index, eps, rank_)
-    gtol = {torch.float64: {}, torch.float32: dict(atol=1e-5, rtol=1e-4),
-            torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=1e-3, rtol=2e-3)}
+    grad = ops.vocab_ce_local_grad(
+        dev(grad_loss.to(acc)),
+        dev(logits),
+        dev(target),
+        dev(max_sizes),
+        dev(lse.to(acc)),
+        ignore_index,
+        eps,
+        rank_,
+    )
+    gtol = {
+        torch.float64: {},
+        torch.float32: dict(atol=1e-5, rtol=1e-4),
+        torch.bfloat16: dict(atol=1e-2, rtol=2e-2),
+        torch.float16: dict(atol=1e-3, rtol=2e-3),
+    }
     assert grad.dtype == dtype and grad.shape == logits.shape
     torch.testing.assert_close(grad.cpu().double(), ref_grad, **gtol[dtype])
 
 
-LOCAL_CASES = [(37, [37], 0), (5, [4, 5, 3], 1), (0, [6, 6, 0], 2), (1001, [1000, 1001], 1),
-               (33000, [33000, 33000], 0)]
+LOCAL_CASES = [
+    (37, [37], 0),
+    (5, [4, 5, 3], 1),
+    (0, [6, 6, 0], 2),
+    (1001, [1000, 1001], 1),
+    (33000, [33000, 33000], 0),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

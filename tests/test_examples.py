@@ -14,8 +14,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_example_runs_and_checks_itself(script):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         os.path.join(ROOT, "examples", script)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(ROOT, "examples", script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout

@@ -65,8 +65,9 @@ def _collective_with_dead_peer(pg_timeout):
 
 def test_dead_rank_makes_the_others_raise():
     pg_timeout = 10.0
-    outcome, report = launch_once(_collective_with_dead_peer, 2, pg_timeout, timeout=90,
-                                  pg_timeout=pg_timeout)
+    outcome, report = launch_once(
+        _collective_with_dead_peer, 2, pg_timeout, timeout=90, pg_timeout=pg_timeout
+    )
     assert 1 not in outcome or not outcome[1][0], "rank 1 was killed"
     ok, (status, elapsed, message) = outcome[0]
     assert ok and status == "raised", report
@@ -83,7 +84,7 @@ def _stalled_peer_times_out():
     t0 = time.monotonic()
     try:
         comm.all_reduce(torch.ones(4))
-    except RuntimeError as e:
+    except RuntimeError:
         return ("raised", time.monotonic() - t0)
     return ("no error", time.monotonic() - t0)
 
@@ -108,26 +109,59 @@ def _check_bad_input():
     name = dist.group.WORLD.group_name
     x = full((5, 4), 1)
     ops = torch.ops.tp_ext
-    _expect(ValueError, ["group_name='nope'", "unknown process group"], ops.all_reduce, x, "sum",
-            "nope", w)
+    _expect(
+        ValueError,
+        ["group_name='nope'", "unknown process group"],
+        ops.all_reduce,
+        x,
+        "sum",
+        "nope",
+        w,
+    )
     _expect(ValueError, ["group_size=7", f"has {w} ranks"], ops.all_reduce, x, "sum", name, 7)
     _expect(ValueError, ["group_rank=5", f"rank {r}"], ops.scatter_to_tp, x, 0, None, name, w, 5)
     _expect(ValueError, ["reduce='mean'", "'avg'"], comm.all_reduce, x, "mean")
-    _expect(ValueError, ["reduce='avg'", "floating-point", "Long"], comm.all_reduce,
-            torch.ones(3, dtype=torch.long), "avg")
+    _expect(
+        ValueError,
+        ["reduce='avg'", "floating-point", "Long"],
+        comm.all_reduce,
+        torch.ones(3, dtype=torch.long),
+        "avg",
+    )
     _expect(ValueError, ["dim=3", "out of range", "[-2, 1]"], comm.all_gather, x, 3)
-    _expect(ValueError, [f"sizes has {w + 1} entries", f"{w} ranks"], comm.all_gather, x, 0,
-            [5] * (w + 1))
+    _expect(
+        ValueError,
+        [f"sizes has {w + 1} entries", f"{w} ranks"],
+        comm.all_gather,
+        x,
+        0,
+        [5] * (w + 1),
+    )
     _expect(ValueError, ["sizes[", "this rank", "x.size(0)=5"], comm.all_gather, x, 0, [9] * w)
-    _expect(ValueError, ["add up to", "x.size(1)=4", "shard_sizes"], comm.reduce_scatter, x, 1,
-            [1] * w)
+    _expect(
+        ValueError, ["add up to", "x.size(1)=4", "shard_sizes"], comm.reduce_scatter, x, 1, [1] * w
+    )
     _expect(ValueError, ["src=", "not a rank"], comm.broadcast, x, w)
     _expect(ValueError, ["0-d tensor"], comm.all_gather, torch.tensor(1.0), 0)
     if w > 1:
-        _expect(ValueError, ["x.size(0)=", "does not divide evenly", "shard_sizes"],
-                ops.reduce_scatter, full((w + 1, 2), 1), 0, None, "sum", name, w, r)
-    _expect(ValueError, ["not differentiable", "requires grad", "copy_to_tp"], comm.all_reduce,
-            x.clone().requires_grad_())
+        _expect(
+            ValueError,
+            ["x.size(0)=", "does not divide evenly", "shard_sizes"],
+            ops.reduce_scatter,
+            full((w + 1, 2), 1),
+            0,
+            None,
+            "sum",
+            name,
+            w,
+            r,
+        )
+    _expect(
+        ValueError,
+        ["not differentiable", "requires grad", "copy_to_tp"],
+        comm.all_reduce,
+        x.clone().requires_grad_(),
+    )
     _expect(TypeError, ["group must be"], comm.all_reduce, x, "sum", 3)
     _expect(ValueError, ["dense", "to_dense"], comm.all_reduce, x.to_sparse())
     # non-contiguous input is handled, not refused
@@ -139,13 +173,19 @@ def _check_bad_input():
     # ranks that disagree on dtype or shape: the same clear error on every rank, not a hang/abort
     comm.set_consistency_checks(True)
     mixed = torch.ones(3, dtype=torch.float64 if r == 1 else torch.float32)
-    _expect(ValueError, ["do not match", "rank 1", "dtype=Double", "rank 0", "dtype=Float"],
-            comm.all_reduce, mixed)
+    _expect(
+        ValueError,
+        ["do not match", "rank 1", "dtype=Double", "rank 0", "dtype=Float"],
+        comm.all_reduce,
+        mixed,
+    )
     shaped = torch.ones(3 + r)
     _expect(ValueError, ["do not match", "shape=[3]", "shape=[4]"], comm.all_reduce, shaped)
     # uneven gathers may differ along the gathered dim, but nowhere else
-    torch.testing.assert_close(comm.all_gather(torch.ones(1 + r, 2), 0, [1 + k for k in range(w)]),
-                               torch.ones(sum(1 + k for k in range(w)), 2))
+    torch.testing.assert_close(
+        comm.all_gather(torch.ones(1 + r, 2), 0, [1 + k for k in range(w)]),
+        torch.ones(sum(1 + k for k in range(w)), 2),
+    )
     _expect(ValueError, ["do not match"], comm.all_gather, torch.ones(2, 1 + r), 0)
 
 

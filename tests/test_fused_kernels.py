@@ -9,8 +9,11 @@ import tp_ext  # noqa: F401  (registers torch.ops.tp_ext)
 
 ops = torch.ops.tp_ext
 EPS = 1e-6
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
 
 
 def ref_rms_norm(x, w, eps=EPS):
@@ -33,10 +36,13 @@ def grads(out, inputs, g):
 
 def close(a, b, dtype, scale=1.0):
     tol = TOL[dtype]
-    torch.testing.assert_close(a.float(), b.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale)
+    torch.testing.assert_close(
+        a.float(), b.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale
+    )
 
 
 # ---- opcheck ----
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(dtype):
@@ -46,17 +52,29 @@ def test_opcheck(dtype):
     w = torch.randn(16, dtype=dtype, requires_grad=True)
     gu = torch.randn(3, 5, 24, dtype=dtype, requires_grad=True)
     # The gradient is checked against our own parity tests (bf16 finite differences are too noisy).
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    tests = (
+        "test_schema",
+        "test_autograd_registration",
+        "test_faketensor",
+        "test_aot_dispatch_dynamic",
+    )
     torch.library.opcheck(ops.rms_norm, (x, w, EPS), test_utils=tests)
     torch.library.opcheck(ops.add_rms_norm, (x, r, w, EPS), test_utils=tests)
     torch.library.opcheck(ops.swiglu, (gu,), test_utils=tests)
-    torch.library.opcheck(ops.rms_norm_backward, (torch.randn_like(x), x.detach(), w.detach(), EPS),
-                          test_utils=tests[:1] + tests[2:3])
-    torch.library.opcheck(ops.swiglu_backward, (torch.randn(3, 5, 12, dtype=dtype), gu.detach()),
-                          test_utils=tests[:1] + tests[2:3])
+    torch.library.opcheck(
+        ops.rms_norm_backward,
+        (torch.randn_like(x), x.detach(), w.detach(), EPS),
+        test_utils=tests[:1] + tests[2:3],
+    )
+    torch.library.opcheck(
+        ops.swiglu_backward,
+        (torch.randn(3, 5, 12, dtype=dtype), gu.detach()),
+        test_utils=tests[:1] + tests[2:3],
+    )
 
 
 # ---- parity: forward and backward ----
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [1, 7, 64, 8193])
@@ -116,7 +134,9 @@ def test_rms_norm_fp32_is_tight_and_mixed_dtypes_promote():
     torch.testing.assert_close(y, ref_rms_norm(xb, w), atol=1e-5, rtol=1e-5)
     # fp64 follows the reference too (computed in fp32, cast back)
     xd, wd = x.double(), w.double()
-    torch.testing.assert_close(ops.rms_norm(xd, wd, EPS), ref_rms_norm(xd, wd), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        ops.rms_norm(xd, wd, EPS), ref_rms_norm(xd, wd), atol=1e-6, rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -160,18 +180,36 @@ def test_swiglu_rounds_once(dtype):
 def test_swiglu_extreme_inputs(dtype):
     """Huge, tiny, infinite and NaN gates give what the unfused composite gives (no inf / inf where
     exp(-g) overflows), on the vector path (48 columns) and its tail."""
-    special = [float("inf"), float("-inf"), float("nan"), 100.0, -100.0, 80.0, -80.0, 0.0, -0.0,
-               1e-30, -1e-30, 3e4, -3e4, 3e38, -3e38, 11.0]
+    special = [
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        100.0,
+        -100.0,
+        80.0,
+        -80.0,
+        0.0,
+        -0.0,
+        1e-30,
+        -1e-30,
+        3e4,
+        -3e4,
+        3e38,
+        -3e38,
+        11.0,
+    ]
     gate = torch.tensor(special * 3, dtype=torch.float64).to(dtype)
     gu = torch.cat([gate, torch.full_like(gate, 1.5)]).unsqueeze(0)
     dy = torch.ones_like(gate).unsqueeze(0)
     (gl,) = leaves(gu)
     want = ref_swiglu(gl)
     (want_grad,) = grads(want, (gl,), dy)
-    torch.testing.assert_close(ops.swiglu(gu), want, atol=1e-30, rtol=TOL[dtype]["rtol"],
-                               equal_nan=True)
-    torch.testing.assert_close(ops.swiglu_backward(dy, gu), want_grad, atol=1e-30,
-                               rtol=TOL[dtype]["rtol"], equal_nan=True)
+    torch.testing.assert_close(
+        ops.swiglu(gu), want, atol=1e-30, rtol=TOL[dtype]["rtol"], equal_nan=True
+    )
+    torch.testing.assert_close(
+        ops.swiglu_backward(dy, gu), want_grad, atol=1e-30, rtol=TOL[dtype]["rtol"], equal_nan=True
+    )
 
 
 def test_swiglu_fp32_accuracy():
@@ -183,7 +221,7 @@ def test_swiglu_fp32_accuracy():
         gd = gu.double()
         truth = ref_swiglu(gd)
         rel = (ops.swiglu(gu).double() - truth).abs() / truth.abs().clamp_min(1e-30)
-        assert rel.max().item() < 8 * 2.0 ** -24, (scale, rel.max().item())
+        assert rel.max().item() < 8 * 2.0**-24, (scale, rel.max().item())
 
 
 def test_swiglu_double_is_double():
@@ -213,7 +251,7 @@ def test_empty_batch():
 def test_non_contiguous_inputs():
     torch.manual_seed(0)
     x = torch.randn(16, 6).t()  # [6, 16], non-contiguous
-    w = torch.randn(32)[::2]     # strided weight
+    w = torch.randn(32)[::2]  # strided weight
     r = torch.randn(16, 6).t()
     assert not x.is_contiguous() and not w.is_contiguous()
     torch.testing.assert_close(ops.rms_norm(x, w, EPS), ref_rms_norm(x, w))
@@ -257,8 +295,13 @@ def test_compile_fullgraph_aot_eager():
         h = x + r
         return (ref_rms_norm(h, w2) * ref_rms_norm(h, w1)).sum() + ref_swiglu(gu).sum()
 
-    args = [torch.randn(3, 4, 16), torch.randn(3, 4, 16), torch.randn(16), torch.randn(16),
-            torch.randn(3, 4, 10)]
+    args = [
+        torch.randn(3, 4, 16),
+        torch.randn(3, 4, 16),
+        torch.randn(16),
+        torch.randn(16),
+        torch.randn(3, 4, 10),
+    ]
     a, b = leaves(*args), leaves(*args)
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(*a)
     ref = f_ref(*b)

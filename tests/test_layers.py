@@ -8,9 +8,20 @@ from torch import nn
 
 import tp_ext
 from tp_ext.layers import (
-    ColumnParallelLinear, MergedColumnParallelLinear, ParallelAttention, ParallelLMHead,
-    ParallelMLP, ParallelTransformerBlock, QKVParallelLinear, RMSNorm, RowParallelLinear,
-    VocabParallelEmbedding, full_state_dict, load_full_state_dict, local_shards)
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelAttention,
+    ParallelLMHead,
+    ParallelMLP,
+    ParallelTransformerBlock,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    full_state_dict,
+    load_full_state_dict,
+    local_shards,
+)
 
 from .common import full
 from .dist_utils import rank, run_distributed, world_size
@@ -22,7 +33,9 @@ RTOL = 1e-5
 
 def assert_rel(actual, expected, what, rtol=RTOL):
     assert actual is not None, f"{what}: no gradient"
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     if expected.numel() == 0:  # e.g. the empty sequence shard of 7 positions over 8 ranks
         return
     scale = expected.abs().max().clamp_min(1e-30)
@@ -88,27 +101,32 @@ def _check_linears():
         for gather in (False, True):
             for skip in (False, True):
                 what = f"column(6->10, bias={bias}, gather_output={gather}, skip_bias_add={skip})"
-                layer, ref = _loaded(ColumnParallelLinear(6, 10, bias, gather, skip),
-                                     nn.Linear(6, 10, bias), 1)
+                layer, ref = _loaded(
+                    ColumnParallelLinear(6, 10, bias, gather, skip), nn.Linear(6, 10, bias), 1
+                )
                 _check_column(layer, ref, what)
     layer, ref = _loaded(MergedColumnParallelLinear(6, [10, 7]), nn.Linear(6, 17), 2)
     _check_column(layer, ref, "merged(6->[10,7])")
-    layer, ref = _loaded(MergedColumnParallelLinear(6, [10, 7], gather_output=True),
-                         nn.Linear(6, 17), 2)
+    layer, ref = _loaded(
+        MergedColumnParallelLinear(6, [10, 7], gather_output=True), nn.Linear(6, 17), 2
+    )
     _check_column(layer, ref, "merged(6->[10,7], gather_output)")
     for heads, kv in [(8, 2), (12, 3), (6, 6), (4, 4)]:
         if heads < w:
             continue
-        layer, ref = _loaded(QKVParallelLinear(12, 2, heads, kv), nn.Linear(12, (heads + 2 * kv) * 2), 3)
+        layer, ref = _loaded(
+            QKVParallelLinear(12, 2, heads, kv), nn.Linear(12, (heads + 2 * kv) * 2), 3
+        )
         _check_column(layer, ref, f"qkv(heads={heads}, kv={kv})")
 
     for input_is_parallel in (True, False):
         for bias, skip in ((True, False), (True, True), (False, False)):
             what = f"row(10->6, input_is_parallel={input_is_parallel}, bias={bias}, skip={skip})"
-            layer, ref = _loaded(RowParallelLinear(10, 6, bias, input_is_parallel, skip),
-                                 nn.Linear(10, 6, bias), 4)
+            layer, ref = _loaded(
+                RowParallelLinear(10, 6, bias, input_is_parallel, skip), nn.Linear(10, 6, bias), 4
+            )
             x_full = full((2, 3, 10), 13)
-            x_in = (layer.partition.local(x_full, -1, rank()) if input_is_parallel else x_full)
+            x_in = layer.partition.local(x_full, -1, rank()) if input_is_parallel else x_full
             x, xr = x_in.clone().requires_grad_(), x_full.clone().requires_grad_()
             out = layer(x)
             y = out[0] + (out[1] if out[1] is not None else 0) if skip else out
@@ -117,7 +135,9 @@ def _check_linears():
             g = full(ref_y.shape, 14)
             y.backward(g)
             ref_y.backward(g)
-            expected_dx = layer.partition.local(xr.grad, -1, rank()) if input_is_parallel else xr.grad
+            expected_dx = (
+                layer.partition.local(xr.grad, -1, rank()) if input_is_parallel else xr.grad
+            )
             assert_rel(x.grad, expected_dx, f"{what}: input gradient")
             _check_param_grads(layer, ref, what)
 
@@ -133,8 +153,9 @@ def _check_vocab(backend=None):
     ids[0, :3] = torch.tensor([0, 3, V - 1])  # the edges and the padding id
     for padding_idx, sp in ((None, False), (3, False), (None, True)):
         what = f"embedding(V={V}, padding_idx={padding_idx}, sequence_parallel={sp})"
-        layer, ref = _loaded(VocabParallelEmbedding(V, D, padding_idx, sp),
-                             nn.Embedding(V, D, padding_idx), 5)
+        layer, ref = _loaded(
+            VocabParallelEmbedding(V, D, padding_idx, sp), nn.Embedding(V, D, padding_idx), 5
+        )
         y, ref_y = _maybe_compiled(layer, backend)(ids), ref(ids)
         g = full(ref_y.shape, 15)
         if sp:
@@ -154,7 +175,10 @@ def _check_vocab(backend=None):
     # sequence-parallel head: this rank's tokens in, all tokens' local-vocabulary logits out
     layer, ref = _loaded(ParallelLMHead(V, D, sequence_parallel=True), nn.Linear(D, V, False), 6)
     X = full((2, 7, D), 21)
-    x, xr = tp_ext.split_tensor(X, 1, w)[r].contiguous().requires_grad_(), X.clone().requires_grad_()
+    x, xr = (
+        tp_ext.split_tensor(X, 1, w)[r].contiguous().requires_grad_(),
+        X.clone().requires_grad_(),
+    )
     y, ref_y = _maybe_compiled(layer, backend)(x, seq_len=7), ref(xr)
     assert_rel(y, ref_y[..., layer.partition.local_indices(r)], "sequence-parallel head: output")
     g, g_full = _column_upstream(layer, ref_y.shape, 22)
@@ -214,7 +238,7 @@ def _check_norm():
 
 # hidden, heads, kv heads, head_dim, intermediate: uneven everywhere at 3 and 8 ranks
 BLOCK_CONFIGS = {
-    "gqa": (16, 8, 2, 4, 20),        # 2 KV heads: replicated at 4 and 8 ranks
+    "gqa": (16, 8, 2, 4, 20),  # 2 KV heads: replicated at 4 and 8 ranks
     "mha-uneven": (12, 6, 6, 2, 10),  # 6 heads over 4 ranks: [2, 2, 1, 1]
 }
 
@@ -222,8 +246,9 @@ BLOCK_CONFIGS = {
 def _block_pair(kind, config, sp):
     hidden, heads, kv, head_dim, inter = config
     if kind == "block":
-        layer = ParallelTransformerBlock(hidden, heads, kv, inter, head_dim, 1e-6, 10000.0,
-                                         sequence_parallel=sp)
+        layer = ParallelTransformerBlock(
+            hidden, heads, kv, inter, head_dim, 1e-6, 10000.0, sequence_parallel=sp
+        )
         ref = RefBlock(hidden, heads, kv, inter, head_dim)
     elif kind == "attention":
         layer = ParallelAttention(hidden, heads, kv, head_dim, sequence_parallel=sp)
@@ -289,7 +314,8 @@ def test_attention_mlp_block_match_reference(ws):
 # configuration at 1 and 3 ranks; every configuration and world size is traced through Dynamo and
 # AOTAutograd (fullgraph, fake kernels, C++ autograd, effect ordering) with the aot_eager backend.
 COMPILE_CASES = [(1, "inductor", ("gqa",)), (3, "inductor", ("gqa",))] + [
-    (ws, "aot_eager", tuple(BLOCK_CONFIGS)) for ws in LAYER_WORLD_SIZES]
+    (ws, "aot_eager", tuple(BLOCK_CONFIGS)) for ws in LAYER_WORLD_SIZES
+]
 
 
 @pytest.mark.parametrize("ws,backend,configs", COMPILE_CASES)

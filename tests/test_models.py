@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tp_ext.models import ConfigError, Qwen2Config, Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.config import JobConfig
+from tp_ext.models import ConfigError, Qwen2Config, Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.models.footprint import footprint
 
 from .dist_utils import run_distributed
@@ -41,7 +41,8 @@ def test_full_size_footprints_have_the_exact_counts():
     assert sum(r["parameters"] for r in qwen["ranks"]) == 72_287_920_128 + 7 * norms
     uneven = footprint(_config("qwen2-mini.yaml"), 3)
     assert sum(r["parameters"] for r in uneven["ranks"]) == uneven["parameters_total"] + 2 * (
-        2 * 2 * 64 + 64) + 2 * 2 * 8 * (64 + 1)  # norms, and KV head 0's k and v rows on 2 ranks
+        2 * 2 * 64 + 64
+    ) + 2 * 2 * 8 * (64 + 1)  # norms, and KV head 0's k and v rows on 2 ranks
 
 
 def test_config_errors_name_the_field(tmp_path):
@@ -63,10 +64,18 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_hf_config_json_is_read(tmp_path):
     import transformers  # requirements-dev.txt; a missing reference fails the test
-    hf = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=44,
-                                  num_hidden_layers=2, num_attention_heads=8,
-                                  num_key_value_heads=2, max_position_embeddings=256,
-                                  rope_theta=1e6, rms_norm_eps=1e-6)
+
+    hf = transformers.Qwen2Config(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=44,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    )
     hf.save_pretrained(str(tmp_path))
     config = Qwen2Config.from_file(str(tmp_path))
     mini = _config("qwen2-mini.yaml")
@@ -74,15 +83,37 @@ def test_hf_config_json_is_read(tmp_path):
 
 
 def test_cli_plan_json():
-    out = subprocess.run([sys.executable, "-m", "tp_ext", "plan",
-                          os.path.join(CONFIGS, "qwen2-72b.yaml"), "--tp", "8", "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tp_ext",
+            "plan",
+            os.path.join(CONFIGS, "qwen2-72b.yaml"),
+            "--tp",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     plan = json.loads(out)
     assert plan["parameters_total"] == 72_706_203_648
     assert plan["ranks"][7]["parameters"] == 9_089_429_504
-    bad = subprocess.run([sys.executable, "-m", "tp_ext", "plan",
-                          os.path.join(CONFIGS, "qwen2-mini.yaml"), "--tp", "9"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tp_ext",
+            "plan",
+            os.path.join(CONFIGS, "qwen2-mini.yaml"),
+            "--tp",
+            "9",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "use one of" in bad.stderr
 
 
@@ -97,8 +128,10 @@ def _check_against_hf():
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert_rel(model(ids), reference(ids).logits, "logits against transformers", rtol=1e-4)
-        assert torch.equal(model.generate(ids[:, :4], 6),
-                           reference.generate(ids[:, :4], max_new_tokens=6, do_sample=False))
+        assert torch.equal(
+            model.generate(ids[:, :4], 6),
+            reference.generate(ids[:, :4], max_new_tokens=6, do_sample=False),
+        )
 
 
 @pytest.mark.parametrize("ws", [1, 3, 8])

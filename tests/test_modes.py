@@ -36,9 +36,18 @@ def _op_samples():
         ("gather_from_sp", (grad(piece), 0, sizes, name, size, r)),
         ("reduce_scatter_to_sp", (grad(full_x), 0, sizes, name, size, r)),
         # vocabulary of n split unevenly; target ids on every rank's shard, one ignored
-        ("vocab_parallel_cross_entropy",
-         (grad(tp_ext.split_tensor(full((2, 3, n), 11), -1, w)[r].contiguous()),
-          torch.tensor([[0, n - 1, -100], [n // 2, 1, 2]]), -100, 0.1, name, size, r)),
+        (
+            "vocab_parallel_cross_entropy",
+            (
+                grad(tp_ext.split_tensor(full((2, 3, n), 11), -1, w)[r].contiguous()),
+                torch.tensor([[0, n - 1, -100], [n // 2, 1, 2]]),
+                -100,
+                0.1,
+                name,
+                size,
+                r,
+            ),
+        ),
     ]
 
 
@@ -59,7 +68,7 @@ def _local_op_samples():
 
 
 def _fused_op_samples():
-    """Fused compute ops (csrc/fused, csrc/kernels): local, checked in this process (tests/test_fused_kernels.py
+    """Fused compute ops (csrc/ops): local, checked in this process (tests/test_fused_kernels.py
     has their parity tests). The forward ops take inputs requiring grad (C++ autograd)."""
     grad = lambda t: t.clone().requires_grad_()  # noqa: E731
     x = full((2, 3, 8), 14)
@@ -72,8 +81,15 @@ def _fused_op_samples():
         ("swiglu", (grad(gu),)),
         ("swiglu_backward", (full((2, 3, 5), 19), gu)),
         # q [batch, heads, seq, head_dim] and k with fewer heads (GQA); cos/sin [batch, seq, dim]
-        ("rotary_embedding", (grad(full((2, 4, 3, 6), 20)), grad(full((2, 2, 3, 6), 21)),
-                              full((2, 3, 6), 22), full((2, 3, 6), 23))),
+        (
+            "rotary_embedding",
+            (
+                grad(full((2, 4, 3, 6), 20)),
+                grad(full((2, 2, 3, 6), 21)),
+                full((2, 3, 6), 22),
+                full((2, 3, 6), 23),
+            ),
+        ),
     ]
 
 
@@ -81,8 +97,12 @@ def _check_opcheck():
     seen = set()
     for op_name, args in _op_samples():
         op = getattr(torch.ops.tp_ext, op_name).default
-        tests = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")
+        tests = (
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_dynamic",
+        )
         for t in tests:
             result = torch.library.opcheck(op, args, test_utils=t)
             assert result[t] == "SUCCESS", (op_name, result)
@@ -94,8 +114,9 @@ def _check_opcheck():
 def test_opcheck_every_op(ws):
     checked = run_distributed(_check_opcheck, ws, timeout=300)[0]
     checked = set(checked) | {op_name for op_name, _ in _local_op_samples() + _fused_op_samples()}
-    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
-                  if n.startswith("tp_ext::")}
+    registered = {
+        n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("tp_ext::")
+    }
     assert checked == registered, f"ops without an opcheck: {registered - checked}"
 
 
@@ -111,7 +132,9 @@ def _tp_block(x, w1_local, w2_local, group, seq_sizes, ffn_sizes):
     h = comm.gather_from_sp(x, 0, sizes=seq_sizes, group=group)
     a = torch.relu(comm.copy_to_tp(h, group) @ w1_local.t())  # (seq, ffn_local)
     partial = a @ w2_local.t()
-    y_sp = comm.reduce_scatter_to_sp(partial, 0, sizes=seq_sizes, group=group)  # (seq_local, hidden)
+    y_sp = comm.reduce_scatter_to_sp(
+        partial, 0, sizes=seq_sizes, group=group
+    )  # (seq_local, hidden)
     y = comm.reduce_from_tp(partial, group)  # (seq, hidden)
     z = comm.gather_from_tp(a, -1, sizes=ffn_sizes, group=group)  # (seq, ffn)
     peak = comm.all_reduce(z.detach().abs().amax(), "max", group)
@@ -145,8 +168,9 @@ def _check_compile():
     # the compiled graph holds the tp_ext ops (not a graph break around them)
     explanation = torch._dynamo.explain(_tp_block)(*_block_inputs())
     assert explanation.graph_break_count == 0
-    ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes
-           if n.op == "call_function"}
+    ops = {
+        str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"
+    }
     assert any("tp_ext" in o for o in ops), ops
 
 
@@ -163,8 +187,9 @@ class _Exportable(torch.nn.Module):
 
     def forward(self, x):
         y = torch.ops.tp_ext.copy_to_tp(x, self.group_name, self.group_size) * 2
-        y = torch.ops.tp_ext.gather_from_tp(y, 0, self.sizes, self.group_name, self.group_size,
-                                            self.group_rank)
+        y = torch.ops.tp_ext.gather_from_tp(
+            y, 0, self.sizes, self.group_name, self.group_size, self.group_rank
+        )
         return torch.ops.tp_ext.all_reduce(y, "sum", self.group_name, self.group_size)
 
 
@@ -175,8 +200,11 @@ def _check_export():
     m = _Exportable(dist.group.WORLD.group_name, w, r, sizes)
     ep = torch.export.export(m, (x,))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    assert {"tp_ext.copy_to_tp.default", "tp_ext.gather_from_tp.default",
-            "tp_ext.all_reduce.default"} <= targets, targets
+    assert {
+        "tp_ext.copy_to_tp.default",
+        "tp_ext.gather_from_tp.default",
+        "tp_ext.all_reduce.default",
+    } <= targets, targets
     assert_close(ep.module()(x), m(x), "exported vs eager")
 
 
@@ -186,8 +214,9 @@ def test_export(ws):
 
 
 @torch.jit.script
-def _scripted(x: torch.Tensor, group_name: str, group_size: int, group_rank: int,
-              sizes: list[int]) -> torch.Tensor:
+def _scripted(
+    x: torch.Tensor, group_name: str, group_size: int, group_rank: int, sizes: list[int]
+) -> torch.Tensor:
     y = torch.ops.tp_ext.gather_from_tp(x * 3.0, 0, sizes, group_name, group_size, group_rank)
     y = torch.ops.tp_ext.copy_to_tp(y, group_name, group_size)  # replicated: enter a TP region
     return torch.ops.tp_ext.reduce_from_tp(y, group_name, group_size) / group_size
@@ -211,7 +240,9 @@ def _check_torchscript():
     assert_close(x.grad, torch.full_like(x, 3.0), "scripted backward", rtol=1e-12, atol=1e-12)
     y = full((3,), 40 + r, torch.float64)
     expected = sum(full((3,), 40 + k, torch.float64) for k in range(w)) / w
-    assert_close(_scripted_plain(y, dist.group.WORLD.group_name, w), expected, "scripted all_reduce")
+    assert_close(
+        _scripted_plain(y, dist.group.WORLD.group_name, w), expected, "scripted all_reduce"
+    )
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3])

@@ -12,8 +12,11 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_the_op_list_is_exactly_what_the_extension_registers():
-    registered = {name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith("tp_ext::")}
+    registered = {
+        name.split("::", 1)[1]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("tp_ext::")
+    }
     assert registered == set(ops.ALL_OPS)
     assert not set(ops.COLLECTIVE_OPS) & set(ops.KERNEL_OPS)
 
@@ -21,9 +24,10 @@ def test_the_op_list_is_exactly_what_the_extension_registers():
 def test_every_op_has_a_fake_kernel():
     for name in ops.ALL_OPS:
         op = getattr(torch.ops.tp_ext, name).default
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") or \
-            torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None, \
-            name
+        assert (
+            torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
+            or torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None
+        ), name
 
 
 def test_only_ops_py_touches_torch_ops_tp_ext():
@@ -36,4 +40,6 @@ def test_only_ops_py_touches_torch_ops_tp_ext():
             with open(path) as f:
                 if re.search(r"torch\.ops\.tp_ext\.[A-Za-z_]", f.read()):
                     offenders.append(os.path.relpath(path, PACKAGE))
-    assert offenders == [], f"call the op through tp_ext.ops or tp_ext.distributed.comm: {offenders}"
+    assert offenders == [], (
+        f"call the op through tp_ext.ops or tp_ext.distributed.comm: {offenders}"
+    )

@@ -64,8 +64,14 @@ def _check_pair(name, dim):
     assert_close(x.grad, ref_grad, f"{name} dim={dim} gradient", rtol=1e-12, atol=1e-12)
 
 
-PAIRS = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "gather_from_sp",
-         "reduce_scatter_to_sp"]
+PAIRS = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "gather_from_tp",
+    "gather_from_sp",
+    "reduce_scatter_to_sp",
+]
 
 
 def _check_all_pairs():
@@ -92,8 +98,13 @@ def _check_pairs_compose_to_unsharded_linear():
     (Xr @ Wr.t()).backward(G)
     assert_close(y, X @ W.t(), "output", rtol=1e-12, atol=1e-12)
     assert_close(x.grad, Xr.grad, "input gradient", rtol=1e-12, atol=1e-12)
-    assert_close(w_local.grad, tp_ext.split_tensor(Wr.grad, 0, w)[r], "weight gradient",
-                 rtol=1e-12, atol=1e-12)
+    assert_close(
+        w_local.grad,
+        tp_ext.split_tensor(Wr.grad, 0, w)[r],
+        "weight gradient",
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("ws", WORLD_SIZES)

@@ -6,21 +6,33 @@ import copy
 
 import pytest
 import torch
+import transformers  # noqa: E402  (requirements-dev.txt: missing fails, never skips)
 
 import tp_ext
-from tp_ext.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, local_shards
+from tp_ext.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    local_shards,
+)
 
 from .dist_utils import rank, run_distributed, world_size
 from .test_layers import assert_rel
 
-import transformers  # noqa: E402  (requirements-dev.txt: missing fails, never skips)
-
 
 def _tiny_qwen2():
     config = transformers.Qwen2Config(
-        vocab_size=1001, hidden_size=32, intermediate_size=20, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        vocab_size=1001,
+        hidden_size=32,
+        intermediate_size=20,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)  # the same weights on every rank
     return transformers.Qwen2ForCausalLM(config).float()
@@ -28,8 +40,9 @@ def _tiny_qwen2():
 
 def _check_qwen2_auto(sequence_parallel):
     reference = _tiny_qwen2()
-    model, plan = tp_ext.parallelize(copy.deepcopy(reference), "auto",
-                                     sequence_parallel=sequence_parallel, return_report=True)
+    model, plan = tp_ext.parallelize(
+        copy.deepcopy(reference), "auto", sequence_parallel=sequence_parallel, return_report=True
+    )
     if sequence_parallel and world_size() > 1:
         assert plan["model.layers.0.input_layernorm"].startswith("sequence_parallel")
         assert "reduce-scattered" in plan["model.layers.0.mlp.down_proj"]
@@ -63,10 +76,14 @@ def test_parallelize_auto_on_hf_qwen2_matches_unsharded(ws, sequence_parallel):
 
 def _check_explicit_plan_and_errors():
     reference = _tiny_qwen2()
-    plan = {"model.layers.*.self_attn.[qkv]_proj": "colwise",
-            "model.layers.*.self_attn.o_proj": "rowwise",
-            "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-            "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "replicate"}
+    plan = {
+        "model.layers.*.self_attn.[qkv]_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "replicate",
+    }
     model = tp_ext.parallelize(copy.deepcopy(reference), plan)
     assert isinstance(model.model.layers[1].self_attn.k_proj, ColumnParallelLinear)
     assert isinstance(model.model.layers[1].mlp.down_proj, RowParallelLinear)
@@ -83,10 +100,13 @@ def _check_explicit_plan_and_errors():
         tp_ext.parallelize(copy.deepcopy(reference), {"model.norm": "rowwise"})
     if world_size() > 1:
         with pytest.raises(ValueError, match="applies to norm modules"):
-            tp_ext.parallelize(copy.deepcopy(reference), {"model.layers.*.input_layernorm":
-                                                          "sequence_parallel",
-                                                          "model.layers.0.mlp.up_proj":
-                                                          "sequence_parallel"})
+            tp_ext.parallelize(
+                copy.deepcopy(reference),
+                {
+                    "model.layers.*.input_layernorm": "sequence_parallel",
+                    "model.layers.0.mlp.up_proj": "sequence_parallel",
+                },
+            )
     return rank()
 
 

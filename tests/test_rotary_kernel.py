@@ -93,7 +93,9 @@ def test_only_one_output_used():
     k.requires_grad_()
     qo, _ = rotary_embedding(q, k, cos, sin)
     qo.sum().backward()
-    torch.testing.assert_close(q.grad, torch.autograd.grad(_reference(q, k, cos, sin)[0].sum(), q)[0])
+    torch.testing.assert_close(
+        q.grad, torch.autograd.grad(_reference(q, k, cos, sin)[0].sum(), q)[0]
+    )
     assert k.grad is None or not k.grad.any()
 
 
@@ -101,8 +103,9 @@ def test_only_one_output_used():
 def test_opcheck(dtype):
     for layer_layout in (True, False):
         q, k, cos, sin = _inputs(2, 4, 2, 5, 6, dtype, layer_layout=layer_layout)
-        torch.library.opcheck(torch.ops.tp_ext.rotary_embedding,
-                              (q.requires_grad_(), k.requires_grad_(), cos, sin))
+        torch.library.opcheck(
+            torch.ops.tp_ext.rotary_embedding, (q.requires_grad_(), k.requires_grad_(), cos, sin)
+        )
         torch.library.opcheck(torch.ops.tp_ext.rotary_embedding, (q.detach(), k.detach(), cos, sin))
 
 

@@ -15,17 +15,37 @@ CONFIGS = os.path.join(ROOT, "configs")
 
 def test_main_job_on_8_ranks(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-         "-m", "tp_ext", "run", os.path.join(CONFIGS, "qwen2-72b.yaml"), "--steps", "4",
-         "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=400, cwd=ROOT)  # this checkout's tp_ext
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "8",
+            "-m",
+            "tp_ext",
+            "run",
+            os.path.join(CONFIGS, "qwen2-72b.yaml"),
+            "--steps",
+            "4",
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )  # this checkout's tp_ext
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "72,706,203,648 parameters" in out and "9,089,429,504" in out  # the full-size plan
-    for line in ("ok   logits equal the single-process model",
-                 "ok   greedy tokens equal the single-process model",
-                 "ok   training loss goes down at every step",
-                 "ok   sharded DCP checkpoint reloads bitwise", "all checks passed on 8 ranks"):
+    for line in (
+        "ok   logits equal the single-process model",
+        "ok   greedy tokens equal the single-process model",
+        "ok   training loss goes down at every step",
+        "ok   sharded DCP checkpoint reloads bitwise",
+        "all checks passed on 8 ranks",
+    ):
         assert line in out, out
     assert "FAIL" not in out
     assert os.path.isfile(tmp_path / "work" / "export" / "config.json")
@@ -33,8 +53,9 @@ def test_main_job_on_8_ranks(tmp_path):
 
 def test_flags_override_the_config():
     config = JobConfig.from_file(os.path.join(CONFIGS, "qwen2-72b.yaml"))
-    changed = config.with_overrides(tp=4, dtype="float32", seed=7, lr=1e-3, betas=[0.8, 0.9],
-                                    weight_decay=None)
+    changed = config.with_overrides(
+        tp=4, dtype="float32", seed=7, lr=1e-3, betas=[0.8, 0.9], weight_decay=None
+    )
     assert (changed.parallel.tp, changed.parallel.dtype, changed.parallel.seed) == (4, "float32", 7)
     assert (changed.optimizer.lr, changed.optimizer.betas) == (1e-3, (0.8, 0.9))
     assert changed.optimizer.weight_decay == config.optimizer.weight_decay  # None: kept
@@ -53,9 +74,22 @@ def test_flags_override_the_config():
 
 
 def test_run_rejects_bad_flags_before_starting():
-    for flags, message in ((["--lr", "-1"], "optimizer.lr"), (["--tp", "0"], "parallel.tp must be an int >= 1"),
-                           (["--steps", "0"], "--steps must be an int >= 1")):
-        done = subprocess.run([sys.executable, "-m", "tp_ext", "run",
-                               os.path.join(CONFIGS, "qwen2-72b.yaml"), *flags],
-                              capture_output=True, text=True, timeout=120)
+    for flags, message in (
+        (["--lr", "-1"], "optimizer.lr"),
+        (["--tp", "0"], "parallel.tp must be an int >= 1"),
+        (["--steps", "0"], "--steps must be an int >= 1"),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tp_ext",
+                "run",
+                os.path.join(CONFIGS, "qwen2-72b.yaml"),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)

@@ -6,13 +6,21 @@ import torch.distributed as dist
 
 import tp_ext
 
-from .dist_utils import rank, run_distributed, world_size
+from .dist_utils import run_distributed, world_size
 
 
-@pytest.mark.parametrize("n,w,expected", [
-    (10, 4, [3, 3, 2, 2]), (8, 4, [2, 2, 2, 2]), (1001, 8, [126] + [125] * 7),
-    (2, 4, [1, 1, 0, 0]), (0, 3, [0, 0, 0]), (152064, 8, [19008] * 8), (29568, 8, [3696] * 8),
-])
+@pytest.mark.parametrize(
+    "n,w,expected",
+    [
+        (10, 4, [3, 3, 2, 2]),
+        (8, 4, [2, 2, 2, 2]),
+        (1001, 8, [126] + [125] * 7),
+        (2, 4, [1, 1, 0, 0]),
+        (0, 3, [0, 0, 0]),
+        (152064, 8, [19008] * 8),
+        (29568, 8, [3696] * 8),
+    ],
+)
 def test_shard_sizes_policy(n, w, expected):
     assert tp_ext.shard_sizes(n, w) == expected
     offsets = tp_ext.shard_offsets(n, w)
@@ -38,8 +46,13 @@ def _layout(tp, pp):
     ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
     default = tp_ext.comm.resolve_group()  # the default group is TP
     assert (default.name, default.size) == (state.tp_group.group_name, tp)
-    return dict(tp=ranks(state.tp_group), dp=ranks(state.dp_group), pp=ranks(state.pp_group),
-                ranks=(state.tp_rank, state.dp_rank, state.pp_rank), dp_size=state.dp)
+    return dict(
+        tp=ranks(state.tp_group),
+        dp=ranks(state.dp_group),
+        pp=ranks(state.pp_group),
+        ranks=(state.tp_rank, state.dp_rank, state.pp_rank),
+        dp_size=state.dp,
+    )
 
 
 @pytest.mark.parametrize("ws,tp,pp", [(8, 2, 2), (8, 8, 1), (4, 2, 1), (3, 3, 1), (1, 1, 1)])

@@ -69,28 +69,45 @@ def _check_collectives(group_name, expect_active):
         # uneven pieces along dim 1: rank i holds sizes[i] columns (some hold none at w > 3)
         sizes = tp_ext.shard_sizes(2 * w - 1, w)
         pieces = [full((3, sizes[i], 2), 200 + i, dtype) for i in range(w)]
-        assert_equal(comm.all_gather(pieces[r], 1, sizes, group=group), torch.cat(pieces, 1),
-                     f"all_gather {dtype}")
+        assert_equal(
+            comm.all_gather(pieces[r], 1, sizes, group=group),
+            torch.cat(pieces, 1),
+            f"all_gather {dtype}",
+        )
         # rank 0 holds no rows at all
         sizes0 = [0] + [2] * (w - 1)
         pieces0 = [full((sizes0[i], 3), 250 + i, dtype) for i in range(w)]
-        assert_equal(comm.all_gather(pieces0[r], 0, sizes0, group=group), torch.cat(pieces0),
-                     f"all_gather with an empty piece {dtype}")
+        assert_equal(
+            comm.all_gather(pieces0[r], 0, sizes0, group=group),
+            torch.cat(pieces0),
+            f"all_gather with an empty piece {dtype}",
+        )
         whole = _inputs((4, 2 * w - 1), dtype, w)
         want = _reference(whole, "sum").split(sizes, 1)[r]
-        _same(comm.reduce_scatter(whole[r], 1, sizes, group=group), want,
-              f"reduce_scatter {dtype}", expect_active)
+        _same(
+            comm.reduce_scatter(whole[r], 1, sizes, group=group),
+            want,
+            f"reduce_scatter {dtype}",
+            expect_active,
+        )
     # above the slot size (1 MiB): several rounds through the channel, uneven pieces included
     big = [full((SLOT_BYTES // 4 + 3,), 300 + i) for i in range(w)]
-    _same(comm.all_reduce(big[r], group=group), _reference(big, "sum"), "big all_reduce",
-          expect_active)
+    _same(
+        comm.all_reduce(big[r], group=group),
+        _reference(big, "sum"),
+        "big all_reduce",
+        expect_active,
+    )
     rows = [(SLOT_BYTES // (4 * 64)) + 5 * i for i in range(w)]  # a slot is 4096 rows of 64
     tall = [full((rows[i], 64), 400 + i) for i in range(w)]
-    assert_equal(comm.all_gather(tall[r], 0, rows, group=group), torch.cat(tall),
-                 "big all_gather")
+    assert_equal(comm.all_gather(tall[r], 0, rows, group=group), torch.cat(tall), "big all_gather")
     whole_big = [full((64, sum(rows)), 500 + i) for i in range(w)]
-    _same(comm.reduce_scatter(whole_big[r], 1, rows, group=group),
-          _reference(whole_big, "sum").split(rows, 1)[r], "big reduce_scatter", expect_active)
+    _same(
+        comm.reduce_scatter(whole_big[r], 1, rows, group=group),
+        _reference(whole_big, "sum").split(rows, 1)[r],
+        "big reduce_scatter",
+        expect_active,
+    )
     return results
 
 

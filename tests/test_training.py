@@ -11,8 +11,8 @@ import torch
 
 import tp_ext
 from tp_ext import comm
-from tp_ext.layers import TPGroup, local_shards, vocab_parallel_cross_entropy
 from tp_ext.config import JobConfig
+from tp_ext.layers import TPGroup, local_shards, vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.training import Trainer, build_optimizer, clip_grad_norm_, grad_norm
 
@@ -21,8 +21,10 @@ from .reference import hf_qwen2
 from .test_layers import assert_rel
 
 JOB = JobConfig.from_file(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                 "qwen2-mini.yaml"))
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "qwen2-mini.yaml"
+    )
+)
 CONFIG, OPTIMIZER = JOB.model, JOB.optimizer
 STEPS = 5
 MAX_NORM = 0.5  # below the first steps' norms, so clipping is active
@@ -34,8 +36,9 @@ WEIGHT_ATOL = 1e-2 * OPTIMIZER.lr
 
 
 def _ids(batch=4, seq=17, seed=1):
-    return torch.randint(0, CONFIG.vocab_size, (batch, seq),
-                         generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, CONFIG.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _hf_model():
@@ -54,19 +57,26 @@ def _record_grads(trainer):
     """Gradients by name as the optimizer sees them (after accumulation, DP sync, clipping)."""
     seen = []
     params = list(trainer.model.named_parameters())
-    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(
-        {name: p.grad.clone() for name, p in params}))
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append({name: p.grad.clone() for name, p in params})
+    )
     return seen
 
 
 def _assert_states(actual, expected, what):
     assert sorted(actual) == sorted(expected), what
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=WEIGHT_ATOL,
-                                   msg=lambda m, name=name: f"{what}: {name}: {m}")
+        torch.testing.assert_close(
+            actual[name],
+            expected[name],
+            rtol=RTOL,
+            atol=WEIGHT_ATOL,
+            msg=lambda m, name=name: f"{what}: {name}: {m}",
+        )
 
 
 # ---- loss curves: TP=k == TP=1 == transformers --------------------------------------------------
+
 
 def _train_tp():
     model, _ = _model()
@@ -87,9 +97,13 @@ def _train_hf():
     settings = OPTIMIZER
     params = list(hf.parameters())
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=settings.lr, betas=settings.betas)
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+        betas=settings.betas,
+    )
     ids = _ids()
     losses, norms = [], []
     for _ in range(STEPS):
@@ -135,11 +149,13 @@ def test_loss_curve_at_tp_k_matches_tp1(ws, tp1_run):
 
 # ---- the gradient norm --------------------------------------------------------------------------
 
+
 def _check_grad_norm():
     model, hf = _model()
     ids = _ids(2, 9)
-    loss = vocab_parallel_cross_entropy(model(ids, local_logits=True)[:, :-1], ids[:, 1:],
-                                        tp_group=model.tp)
+    loss = vocab_parallel_cross_entropy(
+        model(ids, local_logits=True)[:, :-1], ids[:, 1:], tp_group=model.tp
+    )
     loss.backward()
     hf(ids, labels=ids).loss.backward()
     hf_grads = [p.grad for p in hf.parameters()]
@@ -149,8 +165,9 @@ def _check_grad_norm():
     max_norm = grad_norm(model).item() / 3
     expected = torch.nn.utils.clip_grad_norm_(hf.parameters(), max_norm)
     assert_rel(clip_grad_norm_(model, max_norm), expected, "clip_grad_norm_'s total", 1e-5)
-    clipped = local_shards(model, hf_to_tp_ext_names(
-        {n: p.grad for n, p in hf.named_parameters()}, CONFIG))
+    clipped = local_shards(
+        model, hf_to_tp_ext_names({n: p.grad for n, p in hf.named_parameters()}, CONFIG)
+    )
     for name, param in model.named_parameters():
         assert_rel(param.grad, clipped[name], f"clipped gradient of {name}", 1e-5)
     return model.model.layers[0].self_attn.qkv_proj.partition.replicated
@@ -164,6 +181,7 @@ def test_grad_norm_equals_the_unsharded_models(ws):
 
 # ---- accumulation, collectives, data parallelism ------------------------------------------------
 
+
 def _labels(ids):
     """Some targets ignored, unevenly over the rows: the mean must weight by token count."""
     labels = ids.clone()
@@ -176,8 +194,10 @@ def _check_accumulation():
     ids = _ids()
     labels = _labels(ids)
     results = []
-    for micro_batches in ([(ids, labels)],
-                          [(ids[:1], labels[:1]), (ids[1:], labels[1:])]):  # 1 + 3 rows
+    for micro_batches in (
+        [(ids, labels)],
+        [(ids[:1], labels[:1]), (ids[1:], labels[1:])],
+    ):  # 1 + 3 rows
         model, _ = _model()
         trainer = Trainer(model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM)
         grads = _record_grads(trainer)
@@ -200,33 +220,39 @@ def _check_data_parallel():
     ids = _ids()
     labels = _labels(ids)  # DP rank 0's half has far fewer targets than rank 1's
     model, _ = _model(state.tp_group)
-    trainer = Trainer(model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM,
-                      dp_group=state.dp_group)
+    trainer = Trainer(
+        model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM, dp_group=state.dp_group
+    )
     reference, _ = _model(TPGroup.local())
-    ref_trainer = Trainer(reference, build_optimizer(reference, OPTIMIZER),
-                          max_grad_norm=MAX_NORM)
+    ref_trainer = Trainer(reference, build_optimizer(reference, OPTIMIZER), max_grad_norm=MAX_NORM)
     grads, ref_grads = _record_grads(trainer), _record_grads(ref_trainer)
     rows = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
-    mine = [(ids[rows][i:i + 1], labels[rows][i:i + 1]) for i in range(2)]
+    mine = [(ids[rows][i : i + 1], labels[rows][i : i + 1]) for i in range(2)]
     for step in range(3):
         loss = trainer.step(mine)
         ref_loss = ref_trainer.step([(ids, labels)])
         assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (step, loss, ref_loss)
-        assert abs(trainer.last_grad_norm - ref_trainer.last_grad_norm) <= \
-            RTOL * ref_trainer.last_grad_norm, step
+        assert (
+            abs(trainer.last_grad_norm - ref_trainer.last_grad_norm)
+            <= RTOL * ref_trainer.last_grad_norm
+        ), step
     expected = local_shards(model, ref_grads[0])
     for name, grad in grads[0].items():
         assert_rel(grad, expected[name], f"first step's gradient of {name}", RTOL)
-    _assert_states(model.full_state_dict(), dict(reference.state_dict()),
-                   "weights after 3 steps at tp=2, dp=2 against TP=1 on the whole batch")
+    _assert_states(
+        model.full_state_dict(),
+        dict(reference.state_dict()),
+        "weights after 3 steps at tp=2, dp=2 against TP=1 on the whole batch",
+    )
 
     # The trainer's own collectives do not grow with the number of micro-batches.
     counts = []
     for n in (1, 4):
         with comm.track() as stats:
             trainer.step([(ids[rows][:, :9], labels[rows][:, :9])] * n)
-        counts.append({t: stats.count(tag=t)
-                       for t in ("train.dp_sync", "train.grad_norm", "train.compute")})
+        counts.append(
+            {t: stats.count(tag=t) for t in ("train.dp_sync", "train.grad_norm", "train.compute")}
+        )
     one, four = counts
     assert one["train.dp_sync"] == four["train.dp_sync"] == 1, counts
     assert one["train.grad_norm"] == four["train.grad_norm"] == 1, counts
@@ -240,6 +266,7 @@ def test_data_parallel_tp2_dp2_equals_tp1_on_the_whole_batch():
 
 
 # ---- bf16 autocast, bad input -------------------------------------------------------------------
+
 
 def _bf16_step():
     ids = _ids()
@@ -271,8 +298,11 @@ def test_bad_input_gives_clear_errors():
     ids = _ids(2, 9)
     with pytest.raises(ValueError, match=r"got one tensor of shape \(2, 9\); pass \[input_ids\]"):
         trainer.step(ids)
-    with pytest.raises(ValueError, match=r"micro_batches\[1\]: labels must be .*\(2, 9\).*"
-                                         r"shape \(2, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"micro_batches\[1\]: labels must be .*\(2, 9\).*"
+        r"shape \(2, 8\)",
+    ):
         trainer.step([ids, (ids, ids[:, 1:])])
     with pytest.raises(ValueError, match=r"micro_batches\[0\]: input_ids must be .*\(9,\)"):
         trainer.step([ids[0]])

@@ -7,8 +7,13 @@ sharding, validation.
 
 import torch  # noqa: F401  (loads libtorch, which the extension links against)
 
-from tp_ext import ops  # noqa: F401  (loads tp_ext._C: registers torch.ops.tp_ext.* and fakes)
-from tp_ext import checkpoint, layers, models, training
+from tp_ext import (
+    checkpoint,
+    layers,
+    models,
+    ops,  # noqa: F401  (loads tp_ext._C: registers torch.ops.tp_ext.* and fakes)
+    training,
+)
 from tp_ext.distributed import ParallelState, comm, init_parallel, parallel_state
 from tp_ext.distributed import rng as random
 from tp_ext.parallelize import auto_plan, parallelize
@@ -17,7 +22,19 @@ from tp_ext.sharding import shard_offsets, shard_range, shard_sizes, split_tenso
 __version__ = "0.1.0"
 
 __all__ = [
-    "comm", "layers", "random", "models", "checkpoint", "training", "parallelize", "auto_plan",
-    "init_parallel", "parallel_state", "ParallelState", "shard_sizes", "shard_offsets",
-    "shard_range", "split_tensor",
+    "comm",
+    "layers",
+    "random",
+    "models",
+    "checkpoint",
+    "training",
+    "parallelize",
+    "auto_plan",
+    "init_parallel",
+    "parallel_state",
+    "ParallelState",
+    "shard_sizes",
+    "shard_offsets",
+    "shard_range",
+    "split_tensor",
 ]

@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 @dataclasses.dataclass(frozen=True)
 class ParallelSettings:
     """How the job is laid out over ranks, and the dtype and seed of its model."""
+
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None
@@ -79,8 +80,10 @@ class JobConfig:
         """The config with command-line flags applied over its parallel and optimizer sections
         (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``lr``, ``weight_decay``, ``betas``);
         flags that are None are left as the file has them."""
-        names = {section: {f.name for f in dataclasses.fields(kind)}
-                 for section, kind in _SECTIONS.items()}
+        names = {
+            section: {f.name for f in dataclasses.fields(kind)}
+            for section, kind in _SECTIONS.items()
+        }
         known = sorted(set().union(*names.values()))
         unknown = sorted(set(flags) - set(known))
         if unknown:

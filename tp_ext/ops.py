@@ -30,24 +30,39 @@ except ImportError:  # torch 2.11 (the GPU image)
 
 __all__ = ["COLLECTIVE_OPS", "KERNEL_OPS", "ALL_OPS"]
 
-# ---- the one list of op names ---------------------------------------------------------------------
+# ---- the one list of op names --------------------------------------------------------------------
 
 COLLECTIVE_OPS = (
     # plain collectives (no autograd)
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
     # Megatron pairs (autograd in C++)
-    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "gather_from_sp",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "gather_from_tp",
+    "gather_from_sp",
     "reduce_scatter_to_sp",
     # the loss that communicates two token-sized all-reduces
     "vocab_parallel_cross_entropy",
 )
 KERNEL_OPS = (
-    "rms_norm", "add_rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward",
-    "rotary_embedding", "vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_local_grad",
+    "rms_norm",
+    "add_rms_norm",
+    "rms_norm_backward",
+    "swiglu",
+    "swiglu_backward",
+    "rotary_embedding",
+    "vocab_ce_local_max",
+    "vocab_ce_local_stats",
+    "vocab_ce_local_grad",
 )
 ALL_OPS = COLLECTIVE_OPS + KERNEL_OPS
 
-# ---- handles --------------------------------------------------------------------------------------
+# ---- handles -------------------------------------------------------------------------------------
 
 _lib = torch.ops.tp_ext
 all_reduce = _lib.all_reduce
@@ -63,12 +78,15 @@ gather_from_sp = _lib.gather_from_sp
 reduce_scatter_to_sp = _lib.reduce_scatter_to_sp
 vocab_parallel_cross_entropy = _lib.vocab_parallel_cross_entropy
 rms_norm = _lib.rms_norm  # (x, weight, eps): weight * x / rms(x), fp32 math, one rounding
-add_rms_norm = _lib.add_rms_norm  # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+add_rms_norm = (
+    _lib.add_rms_norm
+)  # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
 swiglu = _lib.swiglu  # ([..., 2I] gate | up) -> silu(gate) * up
 rotary_embedding = _lib.rotary_embedding  # (q, k, cos, sin) -> rotated (q, k), RoPE half-rotation
 
 
-# ---- fake kernels: collectives --------------------------------------------------------------------
+# ---- fake kernels: collectives -------------------------------------------------------------------
+
 
 def _wrap(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
@@ -112,7 +130,8 @@ def _all_to_all(x, scatter_dim, gather_dim, sizes, group_name, group_size, group
     return x.new_empty(shape)
 
 
-# ---- fake kernels: vocab-parallel cross-entropy ---------------------------------------------------
+# ---- fake kernels: vocab-parallel cross-entropy --------------------------------------------------
+
 
 def _stats_dtype(logits):
     """Loss and statistics dtype: fp64 for fp64 logits, else fp32 (bf16/half accumulate in fp32)."""
@@ -126,8 +145,9 @@ def _tokens(logits):
     return n
 
 
-def _vocab_parallel_cross_entropy(logits, target, ignore_index, label_smoothing, group_name,
-                                  group_size, group_rank):
+def _vocab_parallel_cross_entropy(
+    logits, target, ignore_index, label_smoothing, group_name, group_size, group_rank
+):
     return logits.new_empty(target.shape, dtype=_stats_dtype(logits))
 
 
@@ -139,12 +159,14 @@ def _vocab_ce_local_stats(logits, target, max_sizes, ignore_index, group_rank):
     return logits.new_empty((_tokens(logits), 3), dtype=_stats_dtype(logits))
 
 
-def _vocab_ce_local_grad(grad_loss, logits, target, max_sizes, lse, ignore_index,
-                         label_smoothing, group_rank):
+def _vocab_ce_local_grad(
+    grad_loss, logits, target, max_sizes, lse, ignore_index, label_smoothing, group_rank
+):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 # ---- fake kernels: fused compute ops (outputs contiguous, as the real kernels') -----------------
+
 
 def _norm_out(x, weight):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
@@ -163,9 +185,11 @@ def _rms_norm_backward(grad, x, weight, eps):
 
 
 def _swiglu(gate_up):
-    torch._check(gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0,
-                 lambda: f"tp_ext.swiglu: gate_up has shape {tuple(gate_up.shape)}; its last "
-                         "dimension must be even (gate and up stacked: [..., 2 * I]).")
+    torch._check(
+        gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0,
+        lambda: f"tp_ext.swiglu: gate_up has shape {tuple(gate_up.shape)}; its last "
+        "dimension must be even (gate and up stacked: [..., 2 * I]).",
+    )
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
@@ -175,14 +199,18 @@ def _swiglu_backward(grad, gate_up):
 
 def _rotary_embedding(q, k, cos, sin):
     if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"tp_ext.rotary_embedding: q and k must be 4-d, got shapes "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}.")
+        raise ValueError(
+            f"tp_ext.rotary_embedding: q and k must be 4-d, got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}."
+        )
     want = (q.shape[0], q.shape[2], q.shape[3])
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != want:
-            raise ValueError(f"tp_ext.rotary_embedding: {name} has shape {tuple(t.shape)} but q "
-                             f"has shape {tuple(q.shape)}; {name} must be [batch, seq, head_dim]"
-                             f" = {list(want)}.")
+            raise ValueError(
+                f"tp_ext.rotary_embedding: {name} has shape {tuple(t.shape)} but q "
+                f"has shape {tuple(q.shape)}; {name} must be [batch, seq, head_dim]"
+                f" = {list(want)}."
+            )
     return _strided_like(q), _strided_like(k)
 
 

@@ -1,16 +1,24 @@
 """How tensors are split across ranks: the one policy every layer, loader and checkpoint uses.
 
 Policy (the same as ``numpy.array_split``): ``n`` items over ``world_size`` ranks give every rank
-``n // world_size`` items and the first ``n % world_size`` ranks one extra, in rank order. Sizes never
-differ by more than one, no padding is added, and ``n < world_size`` leaves the last ranks empty.
+``n // world_size`` items and the first ``n % world_size`` ranks one extra, in rank order. Sizes
+never differ by more than one, no padding is added, and ``n < world_size`` leaves the last ranks
+empty.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["shard_sizes", "shard_offsets", "shard_range", "split_tensor", "uneven_sizes",
-           "Partition", "HeadLayout"]
+__all__ = [
+    "shard_sizes",
+    "shard_offsets",
+    "shard_range",
+    "split_tensor",
+    "uneven_sizes",
+    "Partition",
+    "HeadLayout",
+]
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -89,7 +97,8 @@ class Partition:
     def __init__(self, full: int, segments) -> None:
         self.full = full
         self.segments: tuple[tuple[Segment, ...], ...] = tuple(
-            tuple((int(o), int(n)) for o, n in rank_segments if n > 0) for rank_segments in segments)
+            tuple((int(o), int(n)) for o, n in rank_segments if n > 0) for rank_segments in segments
+        )
         owners = [0] * full  # how many ranks hold each index
         for rank_segments in self.segments:
             for offset, length in rank_segments:
@@ -170,8 +179,10 @@ class Partition:
         return where
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Partition) and (self.full, self.segments) == (other.full,
-                                                                              other.segments)
+        return isinstance(other, Partition) and (self.full, self.segments) == (
+            other.full,
+            other.segments,
+        )
 
     def __repr__(self) -> str:
         return f"Partition(full={self.full}, segments={self.segments})"
@@ -197,7 +208,8 @@ class HeadLayout:
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
-                f"(each KV head serves num_heads/num_kv_heads query heads)")
+                f"(each KV head serves num_heads/num_kv_heads query heads)"
+            )
         group = num_heads // num_kv_heads
         self.num_heads, self.num_kv_heads, self.world_size = num_heads, num_kv_heads, world_size
         self.q: list[tuple[int, int]] = []
@@ -215,7 +227,8 @@ class HeadLayout:
                     f"{world_size} ranks: KV head groups of {group} query heads would be served "
                     f"by up to {max(replicas)} ranks, leaving some ranks without a query head. "
                     f"Use a tensor-parallel size these heads fit: one of "
-                    f"{[w for w in range(1, num_heads + 1) if _fits(num_heads, num_kv_heads, w)]}")
+                    f"{[w for w in range(1, num_heads + 1) if _fits(num_heads, num_kv_heads, w)]}"
+                )
             for kv_head, count in enumerate(replicas):
                 for replica in range(count):
                     offset, size = shard_range(group, count, replica)
@@ -223,12 +236,14 @@ class HeadLayout:
                     self.q.append((kv_head * group + offset, size))
 
     def q_partition(self, head_dim: int) -> Partition:
-        return Partition(self.num_heads * head_dim,
-                         [[(s * head_dim, n * head_dim)] for s, n in self.q])
+        return Partition(
+            self.num_heads * head_dim, [[(s * head_dim, n * head_dim)] for s, n in self.q]
+        )
 
     def kv_partition(self, head_dim: int) -> Partition:
-        return Partition(self.num_kv_heads * head_dim,
-                         [[(s * head_dim, n * head_dim)] for s, n in self.kv])
+        return Partition(
+            self.num_kv_heads * head_dim, [[(s * head_dim, n * head_dim)] for s, n in self.kv]
+        )
 
     def qkv_partition(self, head_dim: int) -> Partition:
         """The fused [q | k | v] projection: rank r holds its q rows, then k rows, then v rows."""
@@ -236,9 +251,13 @@ class HeadLayout:
         kv_rows = self.num_kv_heads * head_dim
         segments = []
         for (qs, qn), (ks, kn) in zip(self.q, self.kv):
-            segments.append([(qs * head_dim, qn * head_dim),
-                             (q_rows + ks * head_dim, kn * head_dim),
-                             (q_rows + kv_rows + ks * head_dim, kn * head_dim)])
+            segments.append(
+                [
+                    (qs * head_dim, qn * head_dim),
+                    (q_rows + ks * head_dim, kn * head_dim),
+                    (q_rows + kv_rows + ks * head_dim, kn * head_dim),
+                ]
+            )
         return Partition(q_rows + 2 * kv_rows, segments)
 
     def kv_index_for_q(self, rank: int) -> list[int]:

@@ -44,8 +44,9 @@ def check_unknown(section: str, given, known) -> None:
     unknown = sorted(set(given) - set(known))
     if unknown:
         more = f" (and {', '.join(unknown[1:])})" if unknown[1:] else ""
-        raise ConfigError(f"unknown field {section}{unknown[0]}{more}; known fields: "
-                          f"{sorted(known)}")
+        raise ConfigError(
+            f"unknown field {section}{unknown[0]}{more}; known fields: {sorted(known)}"
+        )
 
 
 def is_number(x) -> bool:

@@ -14,10 +14,27 @@ from tp_ext.checkpoint.dcp import load_sharded, save_sharded
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from tp_ext.checkpoint.layout import Piece
-from tp_ext.checkpoint.memory import current_rss_bytes, import_readers, peak_rss_bytes, reset_peak_rss
+from tp_ext.checkpoint.memory import (
+    current_rss_bytes,
+    import_readers,
+    peak_rss_bytes,
+    reset_peak_rss,
+)
 from tp_ext.checkpoint.safetensors_io import READ_CHUNK_BYTES, checkpoint_dtype
 
-__all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "save_sharded",
-           "load_sharded", "complete_checkpoint", "checkpoint_dtype", "peak_rss_bytes",
-           "reset_peak_rss", "current_rss_bytes", "import_readers", "Piece", "MANIFEST",
-           "READ_CHUNK_BYTES"]
+__all__ = [
+    "CheckpointError",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+    "save_sharded",
+    "load_sharded",
+    "complete_checkpoint",
+    "checkpoint_dtype",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "current_rss_bytes",
+    "import_readers",
+    "Piece",
+    "MANIFEST",
+    "READ_CHUNK_BYTES",
+]

@@ -56,10 +56,14 @@ def complete_checkpoint(path: str) -> str:
         if os.path.isfile(manifest):
             break
     else:
-        hint = (f" ({path}.partial holds an interrupted save)"
-                if os.path.isdir(path + ".partial") else "")
-        raise CheckpointError(f"{path} is not a complete tp_ext checkpoint: {MANIFEST} is "
-                              f"missing{hint}")
+        hint = (
+            f" ({path}.partial holds an interrupted save)"
+            if os.path.isdir(path + ".partial")
+            else ""
+        )
+        raise CheckpointError(
+            f"{path} is not a complete tp_ext checkpoint: {MANIFEST} is missing{hint}"
+        )
     try:
         with open(manifest) as f:
             info = json.load(f)
@@ -71,8 +75,10 @@ def complete_checkpoint(path: str) -> str:
         if not os.path.isfile(full):
             raise CheckpointError(f"checkpoint file {full} is missing")
         if os.path.getsize(full) != size:
-            raise CheckpointError(f"checkpoint file {full} has {os.path.getsize(full)} bytes, "
-                                  f"the manifest says {size}: truncated or overwritten")
+            raise CheckpointError(
+                f"checkpoint file {full} has {os.path.getsize(full)} bytes, "
+                f"the manifest says {size}: truncated or overwritten"
+            )
     return candidate
 
 

@@ -16,7 +16,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tp_ext.checkpoint.atomic import MANIFEST, commit, complete_checkpoint, start_save, write_manifest
+from tp_ext.checkpoint.atomic import (
+    MANIFEST,
+    commit,
+    complete_checkpoint,
+    start_save,
+    write_manifest,
+)
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import tp_size
 from tp_ext.checkpoint.layout import model_layout, row_reads, tied_names
@@ -41,8 +47,9 @@ class _Chunk(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, offsets: tuple[int, ...], size: tuple[int, ...]):
-        chunk = torch.Tensor._make_wrapper_subclass(cls, size, dtype=local.dtype,
-                                                    device=local.device)
+        chunk = torch.Tensor._make_wrapper_subclass(
+            cls, size, dtype=local.dtype, device=local.device
+        )
         chunk._local, chunk._offsets = local, torch.Size(offsets)
         return chunk
 
@@ -52,17 +59,27 @@ class _Chunk(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj):
         from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata, MetadataIndex, TensorProperties)
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-        return [WriteItem(index=MetadataIndex(fqn, self._offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=self._offsets,
-                                                         sizes=self._local.size()),
-                              properties=TensorProperties.create_from_tensor(self._local),
-                              size=self.size()))]
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, self._offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=self._offsets, sizes=self._local.size()),
+                    properties=TensorProperties.create_from_tensor(self._local),
+                    size=self.size(),
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(offsets=self._offsets, sizes=self._local.size())]
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
@@ -92,8 +109,13 @@ def _dcp_state_dict(model) -> dict[str, torch.Tensor]:
             if dim == 0:  # qwen2 layout: every piece is a whole checkpoint tensor
                 for piece, a, b in row_reads(pieces, offset, length):
                     block = tensor.narrow(0, local_start, b - a)
-                    _add_chunk(state, piece.name, block, (a,) + (0,) * (tensor.dim() - 1),
-                               (piece.rows, *tensor.shape[1:]))
+                    _add_chunk(
+                        state,
+                        piece.name,
+                        block,
+                        (a,) + (0,) * (tensor.dim() - 1),
+                        (piece.rows, *tensor.shape[1:]),
+                    )
                     local_start += b - a
             else:
                 (piece,) = pieces
@@ -109,8 +131,10 @@ def _dcp_state_dict(model) -> dict[str, torch.Tensor]:
 
 def _add_chunk(state, name, block, offsets, size) -> None:
     if name in state:  # one chunk per name per rank: DCP's safetensors files key by name
-        raise CheckpointError(f"{name}: this rank holds two separate blocks of it, which the "
-                              "sharded format cannot store")
+        raise CheckpointError(
+            f"{name}: this rank holds two separate blocks of it, which the "
+            "sharded format cannot store"
+        )
     state[name] = _Chunk(block, offsets, size)
 
 
@@ -124,14 +148,24 @@ def save_sharded(model, path: str, step: Optional[int] = None) -> None:
     partial = start_save(path, world)
     state = _dcp_state_dict(model)
     with _single_process_is_intended(distributed):
-        dcp.save(state, storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True),
-                 no_dist=not distributed)
+        dcp.save(
+            state,
+            storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True),
+            no_dist=not distributed,
+        )
 
     def finish():
         if world.rank != 0:
             return
-        write_manifest(partial, {"format": "tp_ext-dcp-v1", "tp": tp_size(model),
-                                 "step": step, "config": _model_fields(model.config)})
+        write_manifest(
+            partial,
+            {
+                "format": "tp_ext-dcp-v1",
+                "tp": tp_size(model),
+                "step": step,
+                "config": _model_fields(model.config),
+            },
+        )
         commit(partial, os.fspath(path))
 
     comm.barrier(world)
@@ -165,24 +199,30 @@ def load_sharded(model, path: str) -> dict:
         with open(os.path.join(directory, MANIFEST)) as f:
             info = json.load(f)
         if info.get("format") != "tp_ext-dcp-v1":
-            raise CheckpointError(f"{directory} is a {info.get('format')!r} checkpoint, not a "
-                                  "sharded one; use load_hf_checkpoint / from_pretrained")
+            raise CheckpointError(
+                f"{directory} is a {info.get('format')!r} checkpoint, not a "
+                "sharded one; use load_hf_checkpoint / from_pretrained"
+            )
         ours = _model_fields(model.config)
         saved = info.get("config", {})
-        differ = [k for k in ours if k in saved and saved[k] != ours[k] and
-                  k not in ("architecture",)]
+        differ = [
+            k for k in ours if k in saved and saved[k] != ours[k] and k not in ("architecture",)
+        ]
         if differ:
             k = differ[0]
-            raise CheckpointError(f"{directory} was saved from a model with {k}={saved[k]!r}; "
-                                  f"this model has {k}={ours[k]!r}")
+            raise CheckpointError(
+                f"{directory} was saved from a model with {k}={saved[k]!r}; "
+                f"this model has {k}={ours[k]!r}"
+            )
         return directory, info
 
     directory, info = comm.everywhere(world, f"loading {path}", check, CheckpointError)
     state = _dcp_state_dict(model)
     try:
         with _single_process_is_intended(distributed):
-            dcp.load(state, storage_reader=HuggingFaceStorageReader(directory),
-                     no_dist=not distributed)
+            dcp.load(
+                state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed
+            )
     except Exception as e:  # DCP already raises on every rank (it gathers failures)
         raise CheckpointError(f"loading {directory}: {e}") from e
     return info

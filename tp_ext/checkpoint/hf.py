@@ -25,7 +25,12 @@ from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.layout import detect_layout, expected_shapes, model_layout, tied_names
 from tp_ext.checkpoint.memory import peak_rss_bytes
 from tp_ext.checkpoint.safetensors_io import (
-    INDEX_FILE, SINGLE_FILE, SafetensorsFiles, check_names_and_shapes, load_local)
+    INDEX_FILE,
+    SINGLE_FILE,
+    SafetensorsFiles,
+    check_names_and_shapes,
+    load_local,
+)
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup
 from tp_ext.layers import ParallelModule, iter_full_tensors, state_entries
@@ -44,8 +49,9 @@ def tp_size(model) -> int:
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model, path: str, fmt: Optional[str] = None, strict: bool = True,
-                       progress: bool = True) -> dict:
+def load_hf_checkpoint(
+    model, path: str, fmt: Optional[str] = None, strict: bool = True, progress: bool = True
+) -> dict:
     """Load a Hugging Face checkpoint directory into a tp_ext model, each rank reading only its
     own slices. ``fmt``: one of the model's ``checkpoint_formats`` (None: the one whose tensor
     names the checkpoint has; a Qwen2 model reads "qwen2" and "qwen"). Returns a report: bytes
@@ -60,16 +66,17 @@ def load_hf_checkpoint(model, path: str, fmt: Optional[str] = None, strict: bool
         check_names_and_shapes(files, expected_shapes(entries, layout), strict)
         for name, tensor, *_ in entries:
             if tensor.device.type == "meta":
-                raise CheckpointError(f"{name} is on the meta device; build the model on a real "
-                                      "device (or call to_empty) before loading")
+                raise CheckpointError(
+                    f"{name} is on the meta device; build the model on a real "
+                    "device (or call to_empty) before loading"
+                )
         return files, layout
 
     files, layout = comm.everywhere(group, f"loading {path}", prepare, CheckpointError)
 
     def read():
         read_bytes = 0
-        bar = _progress(len(entries), f"loading {os.path.basename(os.path.normpath(path))}",
-                        show)
+        bar = _progress(len(entries), f"loading {os.path.basename(os.path.normpath(path))}", show)
         for name, tensor, spec, owner in entries:
             rank = owner.tp_rank if isinstance(owner, ParallelModule) else 0
             read_bytes += load_local(files, layout[name], spec, rank, tensor)
@@ -79,8 +86,12 @@ def load_hf_checkpoint(model, path: str, fmt: Optional[str] = None, strict: bool
 
     read_bytes = comm.everywhere(group, f"loading {path}", read, CheckpointError)
     shard_bytes = sum(t.numel() * t.element_size() for _, t, *_ in entries)
-    return {"read_bytes": read_bytes, "shard_bytes": shard_bytes,
-            "checkpoint_bytes": files.nbytes(), "peak_rss_bytes": peak_rss_bytes()}
+    return {
+        "read_bytes": read_bytes,
+        "shard_bytes": shard_bytes,
+        "checkpoint_bytes": files.nbytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 class _NoBar:
@@ -95,11 +106,12 @@ def _progress(total: int, desc: str, show: bool):
     if not show:
         return _NoBar()
     from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
 
 
 @torch.no_grad()
-def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Write a merged Hugging Face (transformers Qwen2ForCausalLM) checkpoint of ``model`` to
     directory ``path``: config.json, and model.safetensors or shards with an index. A collective:
     every rank calls it; tensors are gathered one at a time and rank 0 writes."""
@@ -118,8 +130,11 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -
     for name, tensor, spec, _ in entries:
         if name in tied:
             continue
-        numel = tensor.numel() // (tensor.shape[spec[0]] or 1) * spec[1].full if spec else \
-            tensor.numel()
+        numel = (
+            tensor.numel() // (tensor.shape[spec[0]] or 1) * spec[1].full
+            if spec
+            else tensor.numel()
+        )
         sizes[name] = numel * tensor.element_size()
     files, current, used = [], [], 0
     for name, size in sizes.items():
@@ -129,15 +144,20 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -
         current.append(name)
         used += size
     files.append(current)
-    names = ([SINGLE_FILE] if len(files) == 1 else
-             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    names = (
+        [SINGLE_FILE]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     file_of = {name: names[i] for i, group_names in enumerate(files) for name in group_names}
     partial = start_save(path, group)
 
     def write_all():
         pending = {file: {} for file in names}  # tensors of each file not yet written
-        needed = {file: sum(len(layout[n]) for n in group_names)
-                  for file, group_names in zip(names, files)}
+        needed = {
+            file: sum(len(layout[n]) for n in group_names)
+            for file, group_names in zip(names, files)
+        }
         weight_map = {}
         for name, full in iter_full_tensors(model):  # a collective: every rank iterates
             if not writer or name not in file_of:
@@ -145,19 +165,19 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -
             file = file_of[name]
             start = 0
             for piece in layout[name]:
-                pending[file][piece.name] = full[start:start + piece.rows].contiguous()
+                pending[file][piece.name] = full[start : start + piece.rows].contiguous()
                 weight_map[piece.name] = file
                 start += piece.rows
             if len(pending[file]) == needed[file]:
-                save_file(pending.pop(file), os.path.join(partial, file),
-                          metadata={"format": "pt"})
+                save_file(pending.pop(file), os.path.join(partial, file), metadata={"format": "pt"})
         if not writer:
             return
         if len(names) > 1:
             total = sum(sizes.values())
             with open(os.path.join(partial, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
-                          indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                )
         with open(os.path.join(partial, "config.json"), "w") as f:
             json.dump(model.hf_config(dtype), f, indent=2)
         write_manifest(partial, {"format": "huggingface", "tp": group.size})

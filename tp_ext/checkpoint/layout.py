@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Piece", "row_reads", "expected_shapes", "tied_names", "model_layout",
-           "detect_layout"]
+__all__ = ["Piece", "row_reads", "expected_shapes", "tied_names", "model_layout", "detect_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Rows ``[start, start + rows)`` (dim 0) of checkpoint tensor ``name``."""
+
     name: str
     start: int
     rows: int
@@ -40,7 +40,8 @@ def model_layout(model, fmt=None) -> dict[str, list[Piece]]:
         raise CheckpointError(
             f"{type(model).__name__} does not declare a checkpoint layout: give it a "
             "checkpoint_layout(fmt) method (see tp_ext.checkpoint.layout), or save it with "
-            "torch.distributed.checkpoint directly")
+            "torch.distributed.checkpoint directly"
+        )
     return declare(fmt)
 
 

@@ -35,6 +35,7 @@ def peak_rss_bytes() -> int:
     peak = _proc_status_bytes("VmHWM")
     if peak is None:
         import resource
+
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return peak
 

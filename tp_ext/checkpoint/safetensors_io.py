@@ -11,8 +11,15 @@ import torch
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.layout import row_reads
 
-__all__ = ["SINGLE_FILE", "INDEX_FILE", "SafetensorsFiles", "checkpoint_dtype", "load_local",
-           "check_names_and_shapes", "READ_CHUNK_BYTES"]
+__all__ = [
+    "SINGLE_FILE",
+    "INDEX_FILE",
+    "SafetensorsFiles",
+    "checkpoint_dtype",
+    "load_local",
+    "check_names_and_shapes",
+    "READ_CHUNK_BYTES",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,8 +37,7 @@ def checkpoint_dtype(path: str) -> torch.dtype:
     raise CheckpointError(f"{path}: no floating-point tensors in this checkpoint")
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-           "F64": torch.float64}
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 class SafetensorsFiles:
@@ -45,8 +51,10 @@ class SafetensorsFiles:
             self.root = path
             files = self._weight_map(path)
         else:
-            raise CheckpointError(f"checkpoint path {path!r} does not exist (expected a directory "
-                                  f"with {SINGLE_FILE} or {INDEX_FILE})")
+            raise CheckpointError(
+                f"checkpoint path {path!r} does not exist (expected a directory "
+                f"with {SINGLE_FILE} or {INDEX_FILE})"
+            )
         # Headers are read once and the files closed again: a file stays memory-mapped only
         # while one slice is read from it, so mapped pages never add up to the whole checkpoint.
         self.file_of: dict[str, str] = {}
@@ -65,8 +73,10 @@ class SafetensorsFiles:
             listed = {n for n, f in files.items() if f == file}
             absent = sorted(listed - present)
             if absent:
-                raise CheckpointError(f"{INDEX_FILE} lists {absent[0]!r} in {file}, but that "
-                                      f"file does not contain it ({len(absent)} such tensors)")
+                raise CheckpointError(
+                    f"{INDEX_FILE} lists {absent[0]!r} in {file}, but that "
+                    f"file does not contain it ({len(absent)} such tensors)"
+                )
         if None not in files:
             self.file_of = dict(files)
 
@@ -78,8 +88,10 @@ class SafetensorsFiles:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e}); expected "
-                                      '{"weight_map": {tensor name: file name}}') from None
+                raise CheckpointError(
+                    f"{index}: not a valid safetensors index ({e}); expected "
+                    '{"weight_map": {tensor name: file name}}'
+                ) from None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: weight_map must map tensor names to files")
             return weight_map
@@ -89,6 +101,7 @@ class SafetensorsFiles:
 
     def _open(self, file: str):
         from safetensors import SafetensorError, safe_open
+
         full = os.path.join(self.root, file)
         if not os.path.isfile(full):
             raise CheckpointError(f"checkpoint file {full} is missing")
@@ -118,7 +131,7 @@ class SafetensorsFiles:
         return sum(os.path.getsize(os.path.join(self.root, f)) for f in set(self.file_of.values()))
 
 
-READ_CHUNK_BYTES = 16 * 2 ** 20
+READ_CHUNK_BYTES = 16 * 2**20
 
 
 def load_local(files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Tensor) -> int:
@@ -141,8 +154,9 @@ def load_local(files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Ten
             else:  # one whole tensor, cut along a later dim (row-parallel weights): strided
                 (piece,) = pieces
                 columns = (slice(None),) * (dim - 1) + (slice(offset, offset + length),)
-                reads.append((piece.name, 0, piece.rows, columns,
-                              dest.narrow(dim, position, length)))
+                reads.append(
+                    (piece.name, 0, piece.rows, columns, dest.narrow(dim, position, length))
+                )
                 position += length
     total = 0
     for name, a, b, columns, block in reads:
@@ -164,16 +178,19 @@ def check_names_and_shapes(files: SafetensorsFiles, expected: dict, strict: bool
         raise CheckpointError(
             f"checkpoint {files.root} is missing tensor {missing[0]!r}"
             f"{f' (and {len(missing) - 1} more: {missing[1:4]})' if len(missing) > 1 else ''}; "
-            "does the config match the checkpoint?")
+            "does the config match the checkpoint?"
+        )
     extra = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_SUFFIXES))
     if strict and extra:
         raise CheckpointError(
             f"checkpoint {files.root} has tensor {extra[0]!r} (in {files.file_of[extra[0]]}) that "
             f"this model does not use{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; "
-            "pass strict=False to ignore unused tensors")
+            "pass strict=False to ignore unused tensors"
+        )
     for name, shape in expected.items():
         found = files.shape(name)
         if found != shape:
             raise CheckpointError(
                 f"tensor {name!r} in {files.where(name)} has shape {list(found)}, but the model's "
-                f"config implies {list(shape)}: the config disagrees with the checkpoint")
+                f"config implies {list(shape)}: the config disagrees with the checkpoint"
+            )

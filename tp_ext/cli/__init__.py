@@ -28,8 +28,11 @@ def _plan(args) -> int:
 
     try:
         job = JobConfig.from_file(args.config)
-        fp = footprint(job.model, args.tp if args.tp is not None else job.parallel.tp,
-                       args.dtype or job.parallel.dtype)
+        fp = footprint(
+            job.model,
+            args.tp if args.tp is not None else job.parallel.tp,
+            args.dtype or job.parallel.dtype,
+        )
     except ValueError as e:  # ConfigError included
         print(f"tp-ext plan: {e}", file=sys.stderr)
         return 2
@@ -41,12 +44,26 @@ def _run(args) -> int:
     """The main job: see tp_ext/run.py."""
     from tp_ext.cli.run import run
 
-    overrides = {"tp": args.tp, "dp": args.dp, "dtype": args.dtype, "seed": args.seed,
-                 "lr": args.lr, "weight_decay": args.weight_decay, "betas": args.betas}
+    overrides = {
+        "tp": args.tp,
+        "dp": args.dp,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "betas": args.betas,
+    }
     try:
-        return run(args.config, overrides, small_path=args.small, workdir=args.workdir,
-                   steps=args.steps, micro_batches=args.micro_batches,
-                   max_new_tokens=args.max_new_tokens, max_grad_norm=args.max_grad_norm)
+        return run(
+            args.config,
+            overrides,
+            small_path=args.small,
+            workdir=args.workdir,
+            steps=args.steps,
+            micro_batches=args.micro_batches,
+            max_new_tokens=args.max_new_tokens,
+            max_grad_norm=args.max_grad_norm,
+        )
     except ValueError as e:  # ConfigError included
         print(f"tp-ext run: {e}", file=sys.stderr)
         return 2
@@ -55,26 +72,43 @@ def _run(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tp-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run every collective and pair across ranks and check them "
-                                       "(launch with torchrun)")
+    demo = sub.add_parser(
+        "demo",
+        help="run every collective and pair across ranks and check them (launch with torchrun)",
+    )
     demo.add_argument("--tp", type=int, default=None, help="TP degree (default: world size)")
     demo.set_defaults(func=_demo)
-    plan = sub.add_parser("plan", help="per-rank parameters, bytes, KV cache and communication of "
-                                       "a model config, without allocating it")
+    plan = sub.add_parser(
+        "plan",
+        help="per-rank parameters, bytes, KV cache and communication of "
+        "a model config, without allocating it",
+    )
     plan.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
     plan.add_argument("--tp", type=int, default=None, help="TP degree (default: the config's)")
-    plan.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64 "
-                                                    "(default: the config's parallel.dtype)")
+    plan.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 or float64 (default: the config's parallel.dtype)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
-    run = sub.add_parser("run", help="the main job (launch with torchrun): full-size plan, then a "
-                                     "small model of the family loaded sharded, checked, "
-                                     "trained, saved and sampled")
+    run = sub.add_parser(
+        "run",
+        help="the main job (launch with torchrun): full-size plan, then a "
+        "small model of the family loaded sharded, checked, "
+        "trained, saved and sampled",
+    )
     run.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
-    run.add_argument("--small", default=None, help="config of the model actually run (default: "
-                                                   "a tiny model of CONFIG's family)")
-    run.add_argument("--workdir", default=None, help="where checkpoints are written (default: "
-                                                     "a directory under the system temp dir)")
+    run.add_argument(
+        "--small",
+        default=None,
+        help="config of the model actually run (default: a tiny model of CONFIG's family)",
+    )
+    run.add_argument(
+        "--workdir",
+        default=None,
+        help="where checkpoints are written (default: a directory under the system temp dir)",
+    )
     group = run.add_argument_group("overrides of the config's parallel and optimizer settings")
     group.add_argument("--tp", type=int, default=None, help="TP degree (default: world size)")
     group.add_argument("--dp", type=int, default=None, help="data-parallel degree")
@@ -84,8 +118,9 @@ def main(argv=None) -> int:
     group.add_argument("--weight-decay", type=float, default=None)
     group.add_argument("--betas", type=float, nargs=2, default=None)
     run.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
-    run.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation "
-                                                                  "micro-batches per step")
+    run.add_argument(
+        "--micro-batches", type=int, default=2, help="gradient accumulation micro-batches per step"
+    )
     run.add_argument("--max-new-tokens", type=int, default=16)
     run.add_argument("--max-grad-norm", type=float, default=1.0)
     run.set_defaults(func=_run)

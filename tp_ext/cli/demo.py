@@ -23,8 +23,10 @@ def demo(tp=None) -> int:
     state = tp_ext.init_parallel(tp=tp or int(os.environ.get("WORLD_SIZE", 1)))
     r, w = state.tp_rank, state.tp
     say = print if state.rank == 0 else (lambda *a, **k: None)
-    say(f"tp_ext demo: {dist.get_world_size()} ranks, backend {state.backend}, tp={w} "
-        f"pp={state.pp} dp={state.dp}, torch {torch.__version__}")
+    say(
+        f"tp_ext demo: {dist.get_world_size()} ranks, backend {state.backend}, tp={w} "
+        f"pp={state.pp} dp={state.dp}, torch {torch.__version__}"
+    )
 
     tokens, hidden, ffn = 2 * w + 1, 8, 3 * w + 1  # uneven on purpose
     g = torch.Generator().manual_seed(1)
@@ -43,14 +45,18 @@ def demo(tp=None) -> int:
         with comm.tag("collectives"):
             check("all_reduce", comm.all_reduce(X * (r + 1)), X * sum(range(1, w + 1)))
             piece = tp_ext.split_tensor(X, 0, w)[r]
-            check("all_gather (uneven)", comm.all_gather(piece, 0, tp_ext.shard_sizes(tokens, w)),
-                  X)
+            check(
+                "all_gather (uneven)", comm.all_gather(piece, 0, tp_ext.shard_sizes(tokens, w)), X
+            )
             check("reduce_scatter (uneven)", comm.reduce_scatter(X, 0), piece * w)
             check("broadcast", comm.broadcast(X * r, src=w - 1), X * (w - 1))
-            check("all_to_all", comm.all_to_all(X, 0, 1),
-                  torch.cat([tp_ext.split_tensor(X, 0, w)[r]] * w, 1))
+            check(
+                "all_to_all",
+                comm.all_to_all(X, 0, 1),
+                torch.cat([tp_ext.split_tensor(X, 0, w)[r]] * w, 1),
+            )
         with comm.tag("tp_mlp"):
-            # Megatron MLP with sequence parallelism: gather_from_sp -> column -> row -> reduce-scatter
+            # Megatron MLP, sequence parallel: gather_from_sp, column, row, reduce-scatter
             x = piece.clone().requires_grad_()
             w1 = tp_ext.split_tensor(W1, 0, w)[r].clone().requires_grad_()
             w2 = tp_ext.split_tensor(W2, 1, w)[r].clone().requires_grad_()
@@ -68,7 +74,9 @@ def demo(tp=None) -> int:
     all_ok = comm.all_reduce(torch.tensor([float(all(checks))]), "min").item() == 1.0
     say("\ncommunication on rank 0:")
     say(stats.table())
-    say(f"\n{'all checks passed' if all_ok else 'SOME CHECKS FAILED'} on {w} ranks "
-        f"in {elapsed * 1e3:.1f} ms")
+    say(
+        f"\n{'all checks passed' if all_ok else 'SOME CHECKS FAILED'} on {w} ranks "
+        f"in {elapsed * 1e3:.1f} ms"
+    )
     destroy_parallel(destroy_process_group=True)
     return 0 if all_ok else 1

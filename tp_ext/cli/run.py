@@ -39,9 +39,9 @@ __all__ = ["run"]
 
 
 def _memory(device: torch.device) -> dict:
-    out = {"peak_rss_mib": peak_rss_bytes() / 2 ** 20}
+    out = {"peak_rss_mib": peak_rss_bytes() / 2**20}
     if device.type == "cuda":
-        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
 
 
@@ -62,11 +62,21 @@ def _data(config, batch: int, seq: int, seed: int) -> torch.Tensor:
     return (start + stride * torch.arange(seq)) % config.vocab_size
 
 
-def run(config_path: str, overrides: dict, small_path: str | None = None,
-        workdir: str | None = None, steps: int = 6, micro_batches: int = 2,
-        max_new_tokens: int = 16, max_grad_norm: float = 1.0) -> int:
-    for name, value in (("steps", steps), ("micro_batches", micro_batches),
-                        ("max_new_tokens", max_new_tokens)):
+def run(
+    config_path: str,
+    overrides: dict,
+    small_path: str | None = None,
+    workdir: str | None = None,
+    steps: int = 6,
+    micro_batches: int = 2,
+    max_new_tokens: int = 16,
+    max_grad_norm: float = 1.0,
+) -> int:
+    for name, value in (
+        ("steps", steps),
+        ("micro_batches", micro_batches),
+        ("max_new_tokens", max_new_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
     t_start = time.perf_counter()
@@ -75,8 +85,9 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     full = job.model
     tp = overrides.get("tp") or world
     full.check_tp(tp)
-    state = init_parallel(tp=tp, pp=job.parallel.pp, dp=job.parallel.dp
-                          if overrides.get("dp") else None)
+    state = init_parallel(
+        tp=tp, pp=job.parallel.pp, dp=job.parallel.dp if overrides.get("dp") else None
+    )
     device = state.device
     is_main = state.rank == 0
     say = print if is_main else (lambda *a, **k: None)
@@ -86,15 +97,18 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
         checks.append((name, bool(ok)))
         say(f"  {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
 
-    say(f"tp-ext run: {world} ranks (tp={state.tp}, dp={state.dp}), backend {state.backend}, "
-        f"torch {torch.__version__}, device {device}")
-    say(f"\n[1] footprint of {os.path.basename(config_path)} ({full.architecture}) at "
-        f"TP={state.tp}, on the meta device:")
+    say(
+        f"tp-ext run: {world} ranks (tp={state.tp}, dp={state.dp}), backend {state.backend}, "
+        f"torch {torch.__version__}, device {device}"
+    )
+    say(
+        f"\n[1] footprint of {os.path.basename(config_path)} ({full.architecture}) at "
+        f"TP={state.tp}, on the meta device:"
+    )
     say(format_footprint(footprint(full, state.tp, job.parallel.dtype)))
 
     # -- 2. a small random checkpoint of the same family, in Hugging Face format -----------------
-    small_job = (JobConfig.from_file(small_path).with_overrides(**overrides) if small_path
-                 else job)
+    small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
     small = small_job.model if small_path else full.tiny()
     small.check_tp(state.tp)
     # float32 unless --dtype says otherwise: the parity checks below are then exact to 1e-4
@@ -102,7 +116,8 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     keep = workdir is not None  # a temporary workdir is removed at the end
     workdir = workdir or os.path.join(
-        tempfile.gettempdir(), f"tp_ext_run_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
+        tempfile.gettempdir(), f"tp_ext_run_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
+    )
     hf_dir = os.path.join(workdir, "hf")
     torch.manual_seed(small_job.parallel.seed)
     if is_main:
@@ -112,44 +127,60 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
         del source
     dist.barrier()
     files = sorted(os.listdir(hf_dir))
-    say(f"\n[2] small {small.architecture} model (vocab {small.vocab_size}, hidden "
+    say(
+        f"\n[2] small {small.architecture} model (vocab {small.vocab_size}, hidden "
         f"{small.hidden_size}, {small.num_attention_heads} heads / {small.num_key_value_heads} "
         f"KV heads, {small.num_hidden_layers} layers, {dtype}) written to {hf_dir}: "
-        f"{len([f for f in files if f.endswith('.safetensors')])} safetensors files + index")
+        f"{len([f for f in files if f.endswith('.safetensors')])} safetensors files + index"
+    )
 
     # -- 3. sharded load, parity with the single-process model -----------------------------------
     t0 = time.perf_counter()
     model = Qwen2ForCausalLM.from_pretrained(hf_dir, tp_group=state.tp_group, device=device)
     load_s = time.perf_counter() - t0
     report = model.load_report
-    reference = Qwen2ForCausalLM.from_pretrained(hf_dir, tp_group=TPGroup.local(), device=device,
-                                                 progress=False)
-    say(f"\n[3] loaded across {state.tp} ranks in {load_s:.2f} s; rank 0 read "
+    reference = Qwen2ForCausalLM.from_pretrained(
+        hf_dir, tp_group=TPGroup.local(), device=device, progress=False
+    )
+    say(
+        f"\n[3] loaded across {state.tp} ranks in {load_s:.2f} s; rank 0 read "
         f"{report['read_bytes']:,} of {report['checkpoint_bytes']:,} bytes (its shard: "
-        f"{report['shard_bytes']:,})")
+        f"{report['shard_bytes']:,})"
+    )
     ids = _data(small, 4, 24, seed=small_job.parallel.seed + 1).to(device)
     with torch.no_grad():
         logits, expected = model(ids), reference(ids)
     scale = expected.abs().max().item()
     diff = (logits - expected).abs().max().item()
-    check("logits equal the single-process model", diff <= tolerance * scale,
-          f"max |diff| {diff:.2e} (logit scale {scale:.2f})")
+    check(
+        "logits equal the single-process model",
+        diff <= tolerance * scale,
+        f"max |diff| {diff:.2e} (logit scale {scale:.2f})",
+    )
     with torch.no_grad():
         loss_tp = vocab_parallel_cross_entropy(
-            model(ids[:, :-1], local_logits=True), ids[:, 1:], tp_group=state.tp_group)
-        loss_ref = F.cross_entropy(expected[:, :-1].reshape(-1, small.vocab_size).float(),
-                                   ids[:, 1:].reshape(-1))
-    check("vocab-parallel loss equals F.cross_entropy", abs(loss_tp.item() - loss_ref.item())
-          <= tolerance * max(1.0, loss_ref.item()), f"{loss_tp.item():.6f} vs {loss_ref.item():.6f}")
+            model(ids[:, :-1], local_logits=True), ids[:, 1:], tp_group=state.tp_group
+        )
+        loss_ref = F.cross_entropy(
+            expected[:, :-1].reshape(-1, small.vocab_size).float(), ids[:, 1:].reshape(-1)
+        )
+    check(
+        "vocab-parallel loss equals F.cross_entropy",
+        abs(loss_tp.item() - loss_ref.item()) <= tolerance * max(1.0, loss_ref.item()),
+        f"{loss_tp.item():.6f} vs {loss_ref.item():.6f}",
+    )
     prompt = ids[:, :6]
     same = torch.equal(model.generate(prompt, 8), reference.generate(prompt, 8))
     check("greedy tokens equal the single-process model", same)
     del reference
 
     # -- 4. training ---------------------------------------------------------------------------
-    trainer = Trainer(model, build_optimizer(model, small_job.optimizer),
-                      max_grad_norm=max_grad_norm,
-                      dp_group=state.dp_group if state.dp > 1 else None)
+    trainer = Trainer(
+        model,
+        build_optimizer(model, small_job.optimizer),
+        max_grad_norm=max_grad_norm,
+        dp_group=state.dp_group if state.dp > 1 else None,
+    )
     batch = _data(small, 4 * micro_batches * state.dp, 32, seed=small_job.parallel.seed + 2)
     mine = batch.chunk(state.dp)[state.dp_rank].to(device)  # this DP rank's part
     chunks = list(mine.chunk(micro_batches))
@@ -159,25 +190,33 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
         losses.append(trainer.step(chunks))
     train_s = time.perf_counter() - t0
     train_tokens = batch.numel() * steps
-    say(f"\n[4] {steps} training steps (AdamW lr {small_job.optimizer.lr:g}, {micro_batches} "
+    say(
+        f"\n[4] {steps} training steps (AdamW lr {small_job.optimizer.lr:g}, {micro_batches} "
         f"micro-batches per step, clip {max_grad_norm}): loss "
-        + " -> ".join(f"{x:.3f}" for x in losses))
-    check("training loss goes down at every step",
-          all(b < a for a, b in zip(losses, losses[1:])), f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+        + " -> ".join(f"{x:.3f}" for x in losses)
+    )
+    check(
+        "training loss goes down at every step",
+        all(b < a for a, b in zip(losses, losses[1:])),
+        f"{losses[0]:.3f} -> {losses[-1]:.3f}",
+    )
 
     # -- 5. sharded save/reload, merged export ---------------------------------------------------
     sharded = os.path.join(workdir, "sharded")
     checkpoint.save_sharded(model, sharded, step=steps)
     fresh = Qwen2ForCausalLM(small, tp_group=state.tp_group, device=device, dtype=dtype)
     info = checkpoint.load_sharded(fresh, sharded)
-    bitwise = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                     fresh.state_dict().values()))
+    bitwise = all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
     check("sharded DCP checkpoint reloads bitwise", bitwise and info["step"] == steps)
     del fresh
     model.save_pretrained(os.path.join(workdir, "export"))
-    say(f"\n[5] saved {sharded} (DCP, one file per rank) and a merged Hugging Face export in "
-        f"{os.path.join(workdir, 'export')}" + ("" if keep else " (temporary; --workdir keeps "
-                                                 "them)"))
+    say(
+        f"\n[5] saved {sharded} (DCP, one file per rank) and a merged Hugging Face export in "
+        f"{os.path.join(workdir, 'export')}"
+        + ("" if keep else " (temporary; --workdir keeps them)")
+    )
 
     # -- 6. generation, throughput, memory -------------------------------------------------------
     prompt = ids[:, :8]
@@ -186,30 +225,51 @@ def run(config_path: str, overrides: dict, small_path: str | None = None,
     gen_s = time.perf_counter() - t0
     generated = tokens.numel() - prompt.numel()
     check("generation produced every token", tokens.shape == (prompt.size(0), 8 + max_new_tokens))
-    say(f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
-        f"cache; first sequence: {tokens[0, 8:].tolist()}")
+    say(
+        f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
+        f"cache; first sequence: {tokens[0, 8:].tolist()}"
+    )
     memory = _memory(device)
-    rows = _gather_rows([memory["peak_rss_mib"], memory.get("peak_gpu_mib", 0.0),
-                         report["shard_bytes"] / 2 ** 20,
-                         report["peak_rss_increase_bytes"] / 2 ** 20], device)
-    say(f"    training {train_tokens / train_s:,.0f} tokens/s; generation "
-        f"{generated / gen_s:,.1f} tokens/s ({gen_s / max_new_tokens * 1e3:.1f} ms per step)")
-    say("    rank  peak host MiB" + ("  peak GPU MiB" if device.type == "cuda" else "")
-        + "  shard MiB  host MiB added while loading")
+    rows = _gather_rows(
+        [
+            memory["peak_rss_mib"],
+            memory.get("peak_gpu_mib", 0.0),
+            report["shard_bytes"] / 2**20,
+            report["peak_rss_increase_bytes"] / 2**20,
+        ],
+        device,
+    )
+    say(
+        f"    training {train_tokens / train_s:,.0f} tokens/s; generation "
+        f"{generated / gen_s:,.1f} tokens/s ({gen_s / max_new_tokens * 1e3:.1f} ms per step)"
+    )
+    say(
+        "    rank  peak host MiB"
+        + ("  peak GPU MiB" if device.type == "cuda" else "")
+        + "  shard MiB  host MiB added while loading"
+    )
     for r, (rss, gpu, shard, load) in enumerate(rows):
-        say(f"    {r:>4}  {rss:>13.1f}" + (f"  {gpu:>12.1f}" if device.type == "cuda" else "")
-            + f"  {shard:>9.3f}  {load:>10.1f}")
-    say("    (peak host memory is mostly the Python and torch runtime; the load adds the shard "
-        "plus at most one 16 MiB read piece, see docs/checkpoints.md)")
+        say(
+            f"    {r:>4}  {rss:>13.1f}"
+            + (f"  {gpu:>12.1f}" if device.type == "cuda" else "")
+            + f"  {shard:>9.3f}  {load:>10.1f}"
+        )
+    say(
+        "    (peak host memory is mostly the Python and torch runtime; the load adds the shard "
+        "plus at most one 16 MiB read piece, see docs/checkpoints.md)"
+    )
 
-    flags = torch.tensor([min((ok for _, ok in checks), default=True)], dtype=torch.float32,
-                         device=device)
+    flags = torch.tensor(
+        [min((ok for _, ok in checks), default=True)], dtype=torch.float32, device=device
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     passed = flags.item() == 1.0
     dist.barrier()
     if is_main and not keep:
         shutil.rmtree(workdir, ignore_errors=True)
-    say(f"\n{'all checks passed' if passed else 'SOME CHECKS FAILED'} on {world} ranks in "
-        f"{time.perf_counter() - t_start:.1f} s")
+    say(
+        f"\n{'all checks passed' if passed else 'SOME CHECKS FAILED'} on {world} ranks in "
+        f"{time.perf_counter() - t_start:.1f} s"
+    )
     destroy_parallel(destroy_process_group=True)
     return 0 if passed else 1

@@ -6,7 +6,24 @@ streams (:mod:`.rng`) and the accounting and settings of the C++ communication l
 from tp_ext.distributed import accounting, comm, rng
 from tp_ext.distributed.groups import GroupLike, TPGroup, default_group, resolve_group
 from tp_ext.distributed.mesh import (
-    ParallelState, destroy_parallel, init_parallel, parallel_state, valid_layouts)
+    ParallelState,
+    destroy_parallel,
+    init_parallel,
+    parallel_state,
+    valid_layouts,
+)
 
-__all__ = ["accounting", "comm", "rng", "GroupLike", "TPGroup", "default_group", "resolve_group",
-           "ParallelState", "destroy_parallel", "init_parallel", "parallel_state", "valid_layouts"]
+__all__ = [
+    "accounting",
+    "comm",
+    "rng",
+    "GroupLike",
+    "TPGroup",
+    "default_group",
+    "resolve_group",
+    "ParallelState",
+    "destroy_parallel",
+    "init_parallel",
+    "parallel_state",
+    "valid_layouts",
+]

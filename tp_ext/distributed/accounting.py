@@ -12,8 +12,16 @@ from collections.abc import Iterator
 from tp_ext.distributed.groups import GroupLike, resolve_group
 from tp_ext.ops import _C
 
-__all__ = ["CommRecord", "CommStats", "track", "tag", "set_timeout", "set_consistency_checks",
-           "set_shared_memory", "shared_memory_active"]
+__all__ = [
+    "CommRecord",
+    "CommStats",
+    "track",
+    "tag",
+    "set_timeout",
+    "set_consistency_checks",
+    "set_shared_memory",
+    "shared_memory_active",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +49,13 @@ class CommStats:
         self.records: list[CommRecord] = []
 
     def _filter(self, tag=None, op=None, collective=None):
-        return [r for r in self.records
-                if (tag is None or r.tag == tag) and (op is None or r.op == op)
-                and (collective is None or r.collective == collective)]
+        return [
+            r
+            for r in self.records
+            if (tag is None or r.tag == tag)
+            and (op is None or r.op == op)
+            and (collective is None or r.collective == collective)
+        ]
 
     def bytes(self, tag=None, op=None, collective=None) -> int:
         return sum(r.bytes for r in self._filter(tag, op, collective))
@@ -58,8 +70,10 @@ class CommStats:
         tensor moves exactly what one all-reduce of it does (sequence parallelism's claim)."""
         factor = {"all_reduce": 2.0}
         share = (world_size - 1) / world_size
-        return sum(r.bytes * factor.get(r.collective, 1.0) * share
-                   for r in self._filter(tag, op, collective))
+        return sum(
+            r.bytes * factor.get(r.collective, 1.0) * share
+            for r in self._filter(tag, op, collective)
+        )
 
     def seconds(self, tag=None, op=None, collective=None) -> float:
         return sum(r.seconds for r in self._filter(tag, op, collective))
@@ -67,8 +81,10 @@ class CommStats:
     def table(self) -> str:
         lines = [f"{'tag':<16} {'op':<22} {'collective':<15} {'count':>7} {'bytes':>14} {'ms':>10}"]
         for r in self.records:
-            lines.append(f"{r.tag:<16} {r.op:<22} {r.collective:<15} {r.count:>7} "
-                         f"{r.bytes:>14,} {r.seconds * 1e3:>10.3f}")
+            lines.append(
+                f"{r.tag:<16} {r.op:<22} {r.collective:<15} {r.count:>7} "
+                f"{r.bytes:>14,} {r.seconds * 1e3:>10.3f}"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -79,9 +95,9 @@ class CommStats:
 def track() -> Iterator[CommStats]:
     """Record every tp_ext collective of this process inside the block::
 
-        with tp_ext.comm.track() as stats:
-            loss = model(x).sum(); loss.backward()
-        print(stats.table()); stats.bytes(collective="all_reduce")
+    with tp_ext.comm.track() as stats:
+        loss = model(x).sum(); loss.backward()
+    print(stats.table()); stats.bytes(collective="all_reduce")
     """
     if _C._tracking():
         raise RuntimeError("tp_ext.comm.track() blocks cannot be nested")
@@ -127,8 +143,9 @@ def set_shared_memory(enabled: bool) -> None:
     """Whether process groups set up from now on carry the synchronous CPU collectives
     (all_reduce, all_gather, reduce_scatter and the Megatron pairs built on them) through shared
     memory when all their ranks are on one host and use gloo: passes through memory instead of
-    gloo's TCP rounds (in rounds of ``TP_EXT_SHM_SLOT_BYTES``, 1 MiB, per rank). On by default; ``TP_EXT_SHM=0`` turns it off. A group decides once, at
-    its first such collective, and all its ranks decide alike (off if off on any of them)."""
+    gloo's TCP rounds (in rounds of ``TP_EXT_SHM_SLOT_BYTES``, 1 MiB, per rank). On by default;
+    ``TP_EXT_SHM=0`` turns it off. A group decides once, at its first such collective, and all
+    its ranks decide alike (off if off on any of them)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {enabled!r}")
     _C._set_shm_enabled(enabled)

@@ -30,18 +30,41 @@ import torch.distributed as dist
 
 from tp_ext import ops
 from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the public face)
-    CommStats, set_consistency_checks, set_shared_memory, set_timeout, shared_memory_active, tag,
-    track)
+    CommStats,
+    set_consistency_checks,
+    set_shared_memory,
+    set_timeout,
+    shared_memory_active,
+    tag,
+    track,
+)
 from tp_ext.distributed.groups import GroupLike, TPGroup, resolve_group
 from tp_ext.sharding import shard_sizes, uneven_sizes
 
 __all__ = [
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
-    "copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
-    "gather_from_sp", "reduce_scatter_to_sp", "vocab_parallel_cross_entropy",
-    "everywhere", "barrier", "resolve_group", "TPGroup",
-    "track", "tag", "CommStats", "set_timeout", "set_consistency_checks",
-    "set_shared_memory", "shared_memory_active",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "gather_from_tp",
+    "gather_from_sp",
+    "reduce_scatter_to_sp",
+    "vocab_parallel_cross_entropy",
+    "everywhere",
+    "barrier",
+    "resolve_group",
+    "TPGroup",
+    "track",
+    "tag",
+    "CommStats",
+    "set_timeout",
+    "set_consistency_checks",
+    "set_shared_memory",
+    "shared_memory_active",
 ]
 
 
@@ -49,8 +72,10 @@ def _live(group: GroupLike, op: str) -> TPGroup:
     """The resolved group, which must be able to communicate (or be a group of one)."""
     g = resolve_group(group)
     if g.group is None and g.size > 1:
-        raise RuntimeError(f"tp_ext.comm.{op}: {g} has no process group behind it (a virtual "
-                           "group for shapes only); build the layer with a real group to run it")
+        raise RuntimeError(
+            f"tp_ext.comm.{op}: {g} has no process group behind it (a virtual "
+            "group for shapes only); build the layer with a real group to run it"
+        )
     return g
 
 
@@ -68,31 +93,41 @@ def _piece_sizes(sizes) -> Optional[list[int]]:
 
 # ---- plain collectives --------------------------------------------------------------------------
 
+
 def all_reduce(x: torch.Tensor, reduce: str = "sum", group: GroupLike = None) -> torch.Tensor:
-    """Reduce ``x`` over the group (``sum``, ``avg``, ``max``, ``min``, ``product``); x is unchanged."""
+    """Reduce ``x`` over the group (``sum``, ``avg``, ``max``, ``min``, ``product``); x is
+    unchanged."""
     g = _live(group, "all_reduce")
     if g.group is None:
         return x.clone()
     return ops.all_reduce(x, reduce, g.name, g.size)
 
 
-def all_gather(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
-               group: GroupLike = None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; ``sizes[r]`` is rank r's size there if uneven."""
+def all_gather(
+    x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None, group: GroupLike = None
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; ``sizes[r]`` is rank r's size there if
+    uneven."""
     g = _live(group, "all_gather")
     if g.group is None:
         return x.clone()
     return ops.all_gather(x, dim, None if sizes is None else list(sizes), g.name, g.size)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
-                   reduce: str = "sum", group: GroupLike = None) -> torch.Tensor:
+def reduce_scatter(
+    x: torch.Tensor,
+    dim: int = 0,
+    sizes: Optional[Sequence[int]] = None,
+    reduce: str = "sum",
+    group: GroupLike = None,
+) -> torch.Tensor:
     """Reduce ``x`` over the group and keep this rank's piece along ``dim`` (shard_sizes policy)."""
     g = _live(group, "reduce_scatter")
     if g.group is None:
         return x.clone()
-    return ops.reduce_scatter(x, dim, _split_sizes(x, dim, g, sizes), reduce, g.name, g.size,
-                              g.rank)
+    return ops.reduce_scatter(
+        x, dim, _split_sizes(x, dim, g, sizes), reduce, g.name, g.size, g.rank
+    )
 
 
 def broadcast(x: torch.Tensor, src: int = 0, group: GroupLike = None) -> torch.Tensor:
@@ -103,18 +138,25 @@ def broadcast(x: torch.Tensor, src: int = 0, group: GroupLike = None) -> torch.T
     return ops.broadcast(x, src, g.name, g.size)
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int,
-               sizes: Optional[Sequence[int]] = None, group: GroupLike = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+) -> torch.Tensor:
     """Send piece r of ``x`` (split along ``scatter_dim``) to rank r; concatenate what arrives along
     ``gather_dim``. All ranks pass tensors of the same shape."""
     g = _live(group, "all_to_all")
     if g.group is None:
         return x.clone()
-    return ops.all_to_all(x, scatter_dim, gather_dim, _split_sizes(x, scatter_dim, g, sizes),
-                          g.name, g.size, g.rank)
+    return ops.all_to_all(
+        x, scatter_dim, gather_dim, _split_sizes(x, scatter_dim, g, sizes), g.name, g.size, g.rank
+    )
 
 
 # ---- differentiable Megatron pairs --------------------------------------------------------------
+
 
 def copy_to_tp(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward."""
@@ -128,8 +170,9 @@ def reduce_from_tp(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
     return x if g.size == 1 else ops.reduce_from_tp(x, g.name, g.size)
 
 
-def scatter_to_tp(x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]] = None,
-                  group: GroupLike = None) -> torch.Tensor:
+def scatter_to_tp(
+    x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]] = None, group: GroupLike = None
+) -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` forward, all-gather of the gradient backward."""
     g = _live(group, "scatter_to_tp")
     if g.size == 1:
@@ -137,8 +180,9 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]]
     return ops.scatter_to_tp(x, dim, _split_sizes(x, dim, g, sizes), g.name, g.size, g.rank)
 
 
-def gather_from_tp(x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]] = None,
-                   group: GroupLike = None) -> torch.Tensor:
+def gather_from_tp(
+    x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]] = None, group: GroupLike = None
+) -> torch.Tensor:
     """All-gather along ``dim`` forward, this rank's slice of the gradient backward."""
     g = _live(group, "gather_from_tp")
     if g.size == 1:
@@ -146,8 +190,9 @@ def gather_from_tp(x: torch.Tensor, dim: int = -1, sizes: Optional[Sequence[int]
     return ops.gather_from_tp(x, dim, _piece_sizes(sizes), g.name, g.size, g.rank)
 
 
-def gather_from_sp(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
-                   group: GroupLike = None) -> torch.Tensor:
+def gather_from_sp(
+    x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None, group: GroupLike = None
+) -> torch.Tensor:
     """All-gather of sequence shards forward, reduce-scatter of the gradient backward."""
     g = _live(group, "gather_from_sp")
     if g.size == 1:
@@ -155,33 +200,41 @@ def gather_from_sp(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]]
     return ops.gather_from_sp(x, dim, _piece_sizes(sizes), g.name, g.size, g.rank)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None,
-                         group: GroupLike = None) -> torch.Tensor:
+def reduce_scatter_to_sp(
+    x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None, group: GroupLike = None
+) -> torch.Tensor:
     """Reduce-scatter into sequence shards forward, all-gather of the gradient backward."""
     g = _live(group, "reduce_scatter_to_sp")
     if g.size == 1:
         return x
-    return ops.reduce_scatter_to_sp(x, dim, _split_sizes(x, dim, g, sizes), g.name, g.size,
-                                    g.rank)
+    return ops.reduce_scatter_to_sp(x, dim, _split_sizes(x, dim, g, sizes), g.name, g.size, g.rank)
 
 
 # ---- the loss that communicates -----------------------------------------------------------------
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
-                                 ignore_index: int, label_smoothing: float,
-                                 group: GroupLike = None) -> torch.Tensor:
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    group: GroupLike = None,
+) -> torch.Tensor:
     """Per-token cross-entropy of logits split along the vocabulary over the group (the op; the
     layer-level function with reductions is :func:`tp_ext.layers.vocab_parallel_cross_entropy`).
     Two token-sized all-reduces forward, none backward."""
     g = _live(group, "vocab_parallel_cross_entropy")
-    return ops.vocab_parallel_cross_entropy(logits_shard, target, int(ignore_index),
-                                            float(label_smoothing), g.name, g.size, g.rank)
+    return ops.vocab_parallel_cross_entropy(
+        logits_shard, target, int(ignore_index), float(label_smoothing), g.name, g.size, g.rank
+    )
 
 
 # ---- agreement across ranks ---------------------------------------------------------------------
 
-def everywhere(group: GroupLike, what: str, fn: Callable[[], Any],
-               error: type[Exception] = RuntimeError) -> Any:
+
+def everywhere(
+    group: GroupLike, what: str, fn: Callable[[], Any], error: type[Exception] = RuntimeError
+) -> Any:
     """Run ``fn`` on every rank of ``group``; if it raised on any rank, raise on all of them (the
     failing rank re-raises its own exception, the others ``error`` naming the first failing
     rank), so no rank goes on into a collective the others left. One small all-gather."""
@@ -200,7 +253,7 @@ def everywhere(group: GroupLike, what: str, fn: Callable[[], Any],
     mine = torch.zeros(4096, dtype=torch.uint8, device=device)
     mine[0] = 1 if failure is not None else 0
     if message:
-        mine[1:1 + len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        mine[1 : 1 + len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in range(g.size)]
     dist.all_gather(everyone, mine, group=g.group)
     for rank, row in enumerate(everyone):

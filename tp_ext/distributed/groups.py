@@ -17,8 +17,7 @@ class TPGroup:
     """A process group resolved once: ``group`` (None for a group of one or a virtual group),
     ``name`` (its c10d name, what the ops take), ``size`` and this process's ``rank`` in it."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], name: str, size: int,
-                 rank: int) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], name: str, size: int, rank: int) -> None:
         self.group, self.name, self.size, self.rank = group, name, size, rank
 
     @classmethod
@@ -73,8 +72,11 @@ def resolve_group(group: GroupLike = None) -> TPGroup:
         except Exception as e:
             raise ValueError(
                 f"group={group!r} is not the name of a live process group; pass a ProcessGroup "
-                "or its .group_name after init_process_group / tp_ext.init_parallel") from e
+                "or its .group_name after init_process_group / tp_ext.init_parallel"
+            ) from e
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a ProcessGroup, a group name, a TPGroup or None, got "
-                        f"{type(group).__name__}")
+        raise TypeError(
+            f"group must be a ProcessGroup, a group name, a TPGroup or None, got "
+            f"{type(group).__name__}"
+        )
     return TPGroup.of(group)

@@ -90,15 +90,21 @@ def _resolve_sizes(world: int, tp: int, pp: int, dp: Optional[int]) -> int:
     return dp
 
 
-def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optional[str] = None,
-                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> ParallelState:
+def init_parallel(
+    tp: int,
+    pp: int = 1,
+    dp: Optional[int] = None,
+    backend: Optional[str] = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> ParallelState:
     """Set up TP/PP/DP groups (and the default process group from torchrun's env:// variables
     if it is not up yet). Backend: NCCL when CUDA is available, else gloo, unless ``backend`` says.
     ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
     """
     if not dist.is_initialized():
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if v not in os.environ]
+        missing = [
+            v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+        ]
         if missing:
             raise RuntimeError(
                 f"init_parallel needs torchrun's environment; {', '.join(missing)} not set. Launch "
@@ -120,15 +126,27 @@ def init_parallel(tp: int, pp: int = 1, dp: Optional[int] = None, backend: Optio
     if tp > local_world or local_world % tp:
         warnings.warn(
             f"tp={tp} does not fit inside a node of {local_world} ranks: TP all-reduces will "
-            "cross nodes. Prefer a tp that divides the ranks per node.", stacklevel=2)
+            "cross nodes. Prefer a tp that divides the ranks per node.",
+            stacklevel=2,
+        )
     device_type = "cuda" if backend == "nccl" else "cpu"
-    device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
-              else torch.device("cpu"))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     PROCESS.parallel = ParallelState(
-        mesh=mesh, tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
-        dp_group=mesh.get_group("dp"), tp=tp, pp=pp, dp=dp, rank=dist.get_rank(),
-        device=device, backend=backend,
+        mesh=mesh,
+        tp_group=mesh.get_group("tp"),
+        pp_group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        rank=dist.get_rank(),
+        device=device,
+        backend=backend,
     )
     return PROCESS.parallel
 

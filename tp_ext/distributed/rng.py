@@ -6,8 +6,9 @@ Two streams per process:
 - a TP stream, seeded differently on each TP rank: work on sharded activations (dropout on this
   rank's attention heads) must not repeat the same mask on every shard.
 
-``with tp_ext.distributed.rng.tp_rng():`` swaps the TP stream in (for the CPU and, when used, the current
-CUDA device) and swaps back afterwards, so the default stream is not advanced by it.
+``with tp_rng():`` (also ``tp_ext.random.tp_rng``) swaps the TP stream in (for the CPU and, when
+used, the current CUDA device) and swaps back afterwards, so the default stream is not advanced
+by it.
 Initialisation needs no TP stream: layers draw full tensors from the default generator and keep
 their slice, so a model built at TP=k equals the same model built at TP=1.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
 import torch
 
 from tp_ext.distributed.groups import resolve_group
@@ -57,7 +59,9 @@ def tp_rng() -> Iterator[None]:
     """Draw from this rank's TP stream inside the block."""
     states = PROCESS.tp_rng_states
     if PROCESS.tp_seed is None:
-        raise RuntimeError("call tp_ext.distributed.rng.manual_seed(seed) on every rank before tp_rng()")
+        raise RuntimeError(
+            "call tp_ext.distributed.rng.manual_seed(seed) on every rank before tp_rng()"
+        )
     devices = ["cpu"]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         devices.append("cuda")

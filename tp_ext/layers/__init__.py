@@ -13,19 +13,46 @@ from tp_ext.layers.base import SEQUENCE_DIM, ParallelModule, no_init
 from tp_ext.layers.block import ParallelTransformerBlock
 from tp_ext.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_ext.layers.linear import (
-    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.mlp import ParallelMLP
 from tp_ext.layers.norm import RMSNorm
 from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
 from tp_ext.layers.state_dict import (
-    full_state_dict, iter_full_tensors, load_full_state_dict, local_shards, state_entries)
+    full_state_dict,
+    iter_full_tensors,
+    load_full_state_dict,
+    local_shards,
+    state_entries,
+)
 
 __all__ = [
-    "ParallelModule", "TPGroup", "SEQUENCE_DIM", "no_init", "load_full_state_dict",
-    "full_state_dict", "iter_full_tensors", "local_shards", "state_entries",
-    "ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
-    "QKVParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "RMSNorm",
-    "RotaryEmbedding", "apply_rotary", "rotary_embedding", "KVCache", "ParallelAttention",
-    "ParallelMLP", "ParallelTransformerBlock", "vocab_parallel_cross_entropy",
+    "ParallelModule",
+    "TPGroup",
+    "SEQUENCE_DIM",
+    "no_init",
+    "load_full_state_dict",
+    "full_state_dict",
+    "iter_full_tensors",
+    "local_shards",
+    "state_entries",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "rotary_embedding",
+    "KVCache",
+    "ParallelAttention",
+    "ParallelMLP",
+    "ParallelTransformerBlock",
+    "vocab_parallel_cross_entropy",
 ]

@@ -25,8 +25,9 @@ __all__ = ["KVCache", "ParallelAttention"]
 class KVCache:
     """Keys and values of this rank's KV heads for decoding, preallocated to ``max_length``."""
 
-    def __init__(self, batch: int, max_length: int, num_kv_heads: int, head_dim: int,
-                 device=None, dtype=None):
+    def __init__(
+        self, batch: int, max_length: int, num_kv_heads: int, head_dim: int, device=None, dtype=None
+    ):
         shape = (batch, num_kv_heads, max_length, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -37,13 +38,17 @@ class KVCache:
         """Append ``k``, ``v`` ([batch, kv_heads, new, head_dim]); return everything so far."""
         end = self.length + k.size(2)
         if end > self.max_length:
-            raise ValueError(f"KVCache: {end} positions exceed max_length={self.max_length}; "
-                             "make the cache with a larger max_length")
+            raise ValueError(
+                f"KVCache: {end} positions exceed max_length={self.max_length}; "
+                "make the cache with a larger max_length"
+            )
         if k.shape[:2] != self.k.shape[:2] or k.size(3) != self.k.size(3):
-            raise ValueError(f"KVCache: keys of shape {tuple(k.shape)} do not fit a cache of "
-                             f"shape {tuple(self.k.shape)}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
+            raise ValueError(
+                f"KVCache: keys of shape {tuple(k.shape)} do not fit a cache of "
+                f"shape {tuple(self.k.shape)}"
+            )
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -59,49 +64,82 @@ class ParallelAttention(ParallelModule):
     (column-parallel), RoPE, scaled dot-product attention, output projection (row-parallel).
 
     Attention dropout (``dropout`` > 0, training only) draws from the TP stream
-    (:func:`tp_ext.distributed.rng.tp_rng`), so different heads on different ranks get different masks.
+    (:func:`tp_ext.distributed.rng.tp_rng`), so different heads on different ranks get different
+    masks.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, qkv_bias: bool = True, out_bias: bool = False,
-                 rope_theta: float = 10000.0, dropout: float = 0.0,
-                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        qkv_bias: bool = True,
+        out_bias: bool = False,
+        rope_theta: float = 10000.0,
+        dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = self._setup_tp(tp_group)
         check_int("hidden_size", hidden_size)
         check_int("num_heads", num_heads)
         if head_dim is None:
             if hidden_size % num_heads:
-                raise ValueError(f"hidden_size={hidden_size} is not divisible by "
-                                 f"num_heads={num_heads}; pass head_dim explicitly")
+                raise ValueError(
+                    f"hidden_size={hidden_size} is not divisible by "
+                    f"num_heads={num_heads}; pass head_dim explicitly"
+                )
             head_dim = hidden_size // num_heads
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.hidden_size, self.head_dim, self.dropout = hidden_size, head_dim, dropout
         self.sequence_parallel = sequence_parallel
         kw = {"device": device, "dtype": dtype}
-        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads,
-                                          qkv_bias, sequence_parallel, tp, **kw)
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, sequence_parallel, tp, **kw
+        )
         layout = self.qkv_proj.layout
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.num_heads_local = self.qkv_proj.num_heads_local
         self.num_kv_heads_local = self.qkv_proj.num_kv_heads_local
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, out_bias,
-                                        sequence_parallel=sequence_parallel, tp_group=tp,
-                                        partition=layout.q_partition(head_dim), **kw)
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim,
+            hidden_size,
+            out_bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=tp,
+            partition=layout.q_partition(head_dim),
+            **kw,
+        )
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
         # Local query heads served by each local KV head (the layout keeps them contiguous).
         self.kv_groups_local = self.num_heads_local // self.num_kv_heads_local
 
     def new_kv_cache(self, batch: int, max_length: int) -> KVCache:
-        return KVCache(batch, max_length, self.num_kv_heads_local, self.head_dim,
-                       self.qkv_proj.weight.device, self.qkv_proj.weight.dtype)
+        return KVCache(
+            batch,
+            max_length,
+            self.num_kv_heads_local,
+            self.head_dim,
+            self.qkv_proj.weight.device,
+            self.qkv_proj.weight.dtype,
+        )
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        seq_len: Optional[int] = None,
+    ) -> torch.Tensor:
         if x.dim() != 3:
-            raise ValueError(f"ParallelAttention: input must be [batch, seq, hidden], got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"ParallelAttention: input must be [batch, seq, hidden], got shape {tuple(x.shape)}"
+            )
         q, k, v = self.qkv_proj.split(self.qkv_proj(x, seq_len))
         batch, seq = q.shape[0], q.shape[1]  # full sequence, also under sequence parallelism
         q = q.view(batch, seq, self.num_heads_local, self.head_dim).transpose(1, 2)
@@ -111,8 +149,10 @@ class ParallelAttention(ParallelModule):
         if position_ids is None:
             position_ids = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
         elif tuple(position_ids.shape) not in ((batch, seq), (1, seq)):
-            raise ValueError(f"position_ids must be [batch, seq] = [{batch}, {seq}] (full "
-                             f"sequence), got shape {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids must be [batch, seq] = [{batch}, {seq}] (full "
+                f"sequence), got shape {tuple(position_ids.shape)}"
+            )
         q, k = self.rotary.rotate(q, k, position_ids)  # q and k in one fused op
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
@@ -133,5 +173,6 @@ class ParallelAttention(ParallelModule):
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         with tp_rng():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  dropout_p=dropout)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout
+            )

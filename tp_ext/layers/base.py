@@ -26,14 +26,21 @@ from tp_ext.distributed.groups import TPGroup, resolve_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.sharding import Partition, shard_sizes, uneven_sizes
 
-__all__ = ["ParallelModule", "TPGroup", "SEQUENCE_DIM", "no_init", "check_int",
-           "default_linear_init"]
+__all__ = [
+    "ParallelModule",
+    "TPGroup",
+    "SEQUENCE_DIM",
+    "no_init",
+    "check_int",
+    "default_linear_init",
+]
 
 # Sequence parallelism shards the sequence axis: dim 1 of [batch, seq, hidden], dim 0 of
 # [tokens, hidden]; -2 names both.
 SEQUENCE_DIM = -2
 
 InitFn = Callable[[torch.Tensor], None]
+
 
 @contextlib.contextmanager
 def no_init():
@@ -67,7 +74,8 @@ class ParallelModule(nn.Module):
         if partition.world_size != self.tp_size:
             raise ValueError(
                 f"{type(self).__name__}: a partition over {partition.world_size} ranks does not "
-                f"fit a TP group of {self.tp_size} ranks")
+                f"fit a TP group of {self.tp_size} ranks"
+            )
         self._shard_specs[param_name] = (dim, partition)
 
     def shard_spec(self, param_name: str) -> Optional[tuple[int, Partition]]:
@@ -79,7 +87,8 @@ class ParallelModule(nn.Module):
             if (child.tp.name, child.tp_size) != (self.tp.name, self.tp_size):
                 raise ValueError(
                     f"{type(self).__name__}: sub-layer {type(child).__name__} uses TP group "
-                    f"{child.tp} but this layer uses {self.tp}; build both with the same tp_group")
+                    f"{child.tp} but this layer uses {self.tp}; build both with the same tp_group"
+                )
 
     # -- sequence parallelism: the residual stream split along the sequence ----------------------
 
@@ -93,13 +102,16 @@ class ParallelModule(nn.Module):
             raise ValueError(
                 f"{type(self).__name__}: sequence-parallel input has {local} positions on rank "
                 f"{self.tp_rank}, but seq_len={seq_len} over {self.tp_size} ranks gives this rank "
-                f"{sizes[self.tp_rank]} (tp_ext.shard_sizes({seq_len}, {self.tp_size}) = {sizes})")
+                f"{sizes[self.tp_rank]} (tp_ext.shard_sizes({seq_len}, {self.tp_size}) = {sizes})"
+            )
         return uneven_sizes(sizes)
 
     def _gather_sequence(self, x: torch.Tensor, seq_len: Optional[int]) -> torch.Tensor:
         if x.dim() < 2:
-            raise ValueError(f"{type(self).__name__}: sequence-parallel input must be "
-                             f"[..., seq, features], got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: sequence-parallel input must be "
+                f"[..., seq, features], got shape {tuple(x.shape)}"
+            )
         if self.tp_size == 1:
             return x
         return comm.gather_from_sp(x, SEQUENCE_DIM, self._sp_sizes(x, seq_len), self.tp)
@@ -127,7 +139,7 @@ class ParallelModule(nn.Module):
         init(full)
         param.copy_(partition.local(full, dim, self.tp_rank))
 
-    # -- full state dicts ---------------------------------------------------------------------------
+    # -- full state dicts --------------------------------------------------------------------------
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load this rank's slices of the full (unsharded) tensors in ``full``; see

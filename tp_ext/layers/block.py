@@ -33,25 +33,52 @@ class ParallelTransformerBlock(ParallelModule):
     ``mlp.gate_up_proj.weight`` (gate, up stacked), ``mlp.down_proj.weight``.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 intermediate_size: int, head_dim: Optional[int] = None,
-                 rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, qkv_bias: bool = True,
-                 attention_dropout: float = 0.0, sequence_parallel: bool = False, tp_group=None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        intermediate_size: int,
+        head_dim: Optional[int] = None,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        qkv_bias: bool = True,
+        attention_dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = self._setup_tp(tp_group)
         kw = {"device": device, "dtype": dtype}
         self.sequence_parallel = sequence_parallel
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, sequence_parallel, tp, **kw)
-        self.self_attn = ParallelAttention(hidden_size, num_heads, num_kv_heads, head_dim,
-                                           qkv_bias, False, rope_theta, attention_dropout,
-                                           sequence_parallel, tp, **kw)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, sequence_parallel, tp,
-                                                **kw)
+        self.self_attn = ParallelAttention(
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            qkv_bias,
+            False,
+            rope_theta,
+            attention_dropout,
+            sequence_parallel,
+            tp,
+            **kw,
+        )
+        self.post_attention_layernorm = RMSNorm(
+            hidden_size, rms_norm_eps, sequence_parallel, tp, **kw
+        )
         self.mlp = ParallelMLP(hidden_size, intermediate_size, False, sequence_parallel, tp, **kw)
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, seq_len: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        seq_len: Optional[int] = None,
+    ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), position_ids, kv_cache, seq_len)
         norm = self.post_attention_layernorm
         if isinstance(norm, RMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks):

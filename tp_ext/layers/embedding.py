@@ -25,26 +25,35 @@ class VocabParallelEmbedding(ParallelModule):
     into sequence shards instead (the output is then ``[..., seq_local, dim]``).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int,
-                 padding_idx: Optional[int] = None, sequence_parallel: bool = False,
-                 tp_group=None, device=None, dtype=None, init_method: Optional[InitFn] = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+    ):
         super().__init__()
         self._setup_tp(tp_group)
         self.num_embeddings = check_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_int("embedding_dim", embedding_dim)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx={padding_idx} must be in "
-                                 f"[{-num_embeddings}, {num_embeddings - 1}]")
+                raise ValueError(
+                    f"padding_idx={padding_idx} must be in "
+                    f"[{-num_embeddings}, {num_embeddings - 1}]"
+                )
             padding_idx %= num_embeddings
         self.padding_idx = padding_idx
         self.sequence_parallel = sequence_parallel
         self.partition = Partition.split(num_embeddings, self.tp_size)
-        (self.vocab_start, n_local), = self.partition.segments[self.tp_rank] or ((0, 0),)
+        ((self.vocab_start, n_local),) = self.partition.segments[self.tp_rank] or ((0, 0),)
         self.vocab_end = self.vocab_start + n_local
         self.num_embeddings_local = n_local
-        self.weight = nn.Parameter(torch.empty(n_local, embedding_dim, device=device,
-                                               dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(n_local, embedding_dim, device=device, dtype=dtype))
         self._set_shard("weight", 0, self.partition)
         local_pad = None
         if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end:
@@ -69,11 +78,14 @@ class VocabParallelEmbedding(ParallelModule):
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high
-                raise ValueError(f"{type(self).__name__}: token id {bad} is outside the "
-                                 f"vocabulary [0, {self.num_embeddings})")
+                raise ValueError(
+                    f"{type(self).__name__}: token id {bad} is outside the "
+                    f"vocabulary [0, {self.num_embeddings})"
+                )
         else:  # no host sync on accelerators: a device-side assert
-            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                                "token id outside the vocabulary")
+            torch._assert_async(
+                ((ids >= 0) & (ids < self.num_embeddings)).all(), "token id outside the vocabulary"
+            )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
@@ -89,15 +101,19 @@ class VocabParallelEmbedding(ParallelModule):
                 out = out.masked_fill(outside.unsqueeze(-1), 0)
         if self.sequence_parallel:
             if out.dim() < 2:
-                raise ValueError(f"{type(self).__name__}: sequence-parallel ids must be "
-                                 f"[..., seq], got shape {tuple(ids.shape)}")
+                raise ValueError(
+                    f"{type(self).__name__}: sequence-parallel ids must be "
+                    f"[..., seq], got shape {tuple(ids.shape)}"
+                )
             return self._scatter_sequence(out)
         return comm.reduce_from_tp(out, self.tp)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows "
-                f"[{self.vocab_start}, {self.vocab_end})), tp={self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (local rows "
+            f"[{self.vocab_start}, {self.vocab_end})), tp={self.tp_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class ParallelLMHead(ColumnParallelLinear):
@@ -109,20 +125,42 @@ class ParallelLMHead(ColumnParallelLinear):
     With ``sequence_parallel`` its input is this rank's sequence shard (gathered here).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 tie_to: Optional[VocabParallelEmbedding] = None, tp_group=None, device=None,
-                 dtype=None, init_method: Optional[InitFn] = None, input_is_gathered: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        tie_to: Optional[VocabParallelEmbedding] = None,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+        input_is_gathered: bool = False,
+    ):
         if tie_to is not None:
             if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, hidden_size):
                 raise ValueError(
                     f"tie_to has shape ({tie_to.num_embeddings}, {tie_to.embedding_dim}); a tied "
-                    f"head needs ({vocab_size}, {hidden_size})")
+                    f"head needs ({vocab_size}, {hidden_size})"
+                )
             if bias:
                 raise ValueError("a tied LM head has no bias; pass bias=False")
             tp_group = tie_to.tp if tp_group is None else tp_group
-        super().__init__(hidden_size, vocab_size, bias, gather_output, False, sequence_parallel,
-                         tp_group, device, dtype, init_method, input_is_gathered=input_is_gathered)
+        super().__init__(
+            hidden_size,
+            vocab_size,
+            bias,
+            gather_output,
+            False,
+            sequence_parallel,
+            tp_group,
+            device,
+            dtype,
+            init_method,
+            input_is_gathered=input_is_gathered,
+        )
         self.vocab_size = vocab_size
         if tie_to is not None:
             self._check_same_group(tie_to)

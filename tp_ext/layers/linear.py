@@ -24,8 +24,12 @@ from tp_ext.distributed.groups import TPGroup, resolve_group
 from tp_ext.layers.base import InitFn, ParallelModule, check_int, default_linear_init
 from tp_ext.sharding import HeadLayout, Partition, uneven_sizes
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
-           "QKVParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+]
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -34,18 +38,22 @@ def _check_features(layer: nn.Module, x: torch.Tensor, expected: int, what: str)
     if x.dim() == 0 or x.size(-1) != expected:
         raise ValueError(
             f"{type(layer).__name__}: input has shape {tuple(x.shape)} but its last dimension must "
-            f"be {what} = {expected}")
+            f"be {what} = {expected}"
+        )
 
 
 def _index_buffer(module: nn.Module, name: str, values, device) -> None:
-    module.register_buffer(name, torch.tensor(values, dtype=torch.long, device=device),
-                           persistent=False)
+    module.register_buffer(
+        name, torch.tensor(values, dtype=torch.long, device=device), persistent=False
+    )
 
 
-# ---- replicated rows (KV heads held by several ranks) ---------------------------------------------
+# ---- replicated rows (KV heads held by several ranks) --------------------------------------------
 
-def sum_over_replicas(local: torch.Tensor, dim: int, tp: TPGroup,
-                      replica_rows: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+
+def sum_over_replicas(
+    local: torch.Tensor, dim: int, tp: TPGroup, replica_rows: tuple[torch.Tensor, torch.Tensor, int]
+) -> torch.Tensor:
     """Identity forward; backward sums the gradient of rows held by several ranks (replicated KV
     heads) over those ranks, so replicas get the full gradient and stay equal. Only the replicated
     rows travel: they are packed into a tensor indexed by replicated full row, which is
@@ -95,29 +103,44 @@ class ColumnParallelLinear(_ParallelLinear):
     divide by the TP size.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = False, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
-                 init_method: Optional[InitFn] = None, partition: Optional[Partition] = None,
-                 input_is_gathered: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+        partition: Optional[Partition] = None,
+        input_is_gathered: bool = False,
+    ):
         super().__init__()
         self._setup_linear(in_features, out_features, tp_group)
         # The caller gathered sequence shards already (tp_ext.parallelize's sequence parallelism,
         # one gather shared by q, k and v): that gather's backward sums the input gradient.
         self.input_is_gathered = input_is_gathered
         if input_is_gathered and sequence_parallel:
-            raise ValueError("input_is_gathered=True means the input is already the full "
-                             "sequence; it cannot be combined with sequence_parallel=True")
+            raise ValueError(
+                "input_is_gathered=True means the input is already the full "
+                "sequence; it cannot be combined with sequence_parallel=True"
+            )
         if gather_output and sequence_parallel:
-            raise ValueError("gather_output=True cannot be combined with sequence_parallel=True: "
-                             "a sequence-parallel column layer feeds a row-parallel one")
+            raise ValueError(
+                "gather_output=True cannot be combined with sequence_parallel=True: "
+                "a sequence-parallel column layer feeds a row-parallel one"
+            )
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel
         if partition is None:
             partition = Partition.split(out_features, self.tp_size)
         if partition.full != out_features:
-            raise ValueError(f"partition covers {partition.full} outputs, not "
-                             f"out_features={out_features}")
+            raise ValueError(
+                f"partition covers {partition.full} outputs, not out_features={out_features}"
+            )
         self.partition = partition
         self.out_features_local = partition.local_size(self.tp_rank)
         kw = {"device": device, "dtype": dtype}
@@ -141,8 +164,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def _replica_summed(self, t: torch.Tensor) -> torch.Tensor:
         if not (self._replicas and torch.is_grad_enabled() and t.requires_grad):
             return t
-        return sum_over_replicas(t, 0, self.tp,
-                                 (self._replica_local, self._replica_packed, self._replica_len))
+        return sum_over_replicas(
+            t, 0, self.tp, (self._replica_local, self._replica_packed, self._replica_len)
+        )
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
         _check_features(self, x, self.in_features, "in_features")
@@ -168,10 +192,12 @@ class ColumnParallelLinear(_ParallelLinear):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.out_features_local}), bias={self.bias is not None}, "
-                f"tp={self.tp_size}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.out_features_local}), bias={self.bias is not None}, "
+            f"tp={self.tp_size}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -183,22 +209,36 @@ class RowParallelLinear(_ParallelLinear):
     once. ``skip_bias_add`` returns ``(output, bias)``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 input_is_parallel: bool = True, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
-                 init_method: Optional[InitFn] = None, partition: Optional[Partition] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+        partition: Optional[Partition] = None,
+    ):
         super().__init__()
         self._setup_linear(in_features, out_features, tp_group)
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input "
-                             "comes from a column-parallel layer)")
+            raise ValueError(
+                "sequence_parallel=True needs input_is_parallel=True (the input "
+                "comes from a column-parallel layer)"
+            )
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel
         if partition is None:
             partition = Partition.split(in_features, self.tp_size)
         if partition.full != in_features or partition.replicated:
-            raise ValueError(f"a row-parallel partition must cover in_features={in_features} "
-                             f"once, got {partition}")
+            raise ValueError(
+                f"a row-parallel partition must cover in_features={in_features} "
+                f"once, got {partition}"
+            )
         self.partition = partition
         self.in_features_local = partition.local_size(self.tp_rank)
         kw = {"device": device, "dtype": dtype}
@@ -214,8 +254,12 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
         if self.input_is_parallel:
-            _check_features(self, x, self.in_features_local,
-                            f"this rank's share of in_features={self.in_features}")
+            _check_features(
+                self,
+                x,
+                self.in_features_local,
+                f"this rank's share of in_features={self.in_features}",
+            )
         else:
             _check_features(self, x, self.in_features, "in_features")
             x = comm.scatter_to_tp(x, -1, self.partition.local_sizes(), self.tp)
@@ -233,9 +277,11 @@ class RowParallelLinear(_ParallelLinear):
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.in_features_local}), "
-                f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features} (local {self.in_features_local}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -246,10 +292,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     with ``sum(output_sizes)`` outputs. :meth:`split` cuts a local output into its parts.
     """
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = True,
-                 gather_output: bool = False, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
-                 init_method: Optional[InitFn] = None):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+    ):
         if not output_sizes:
             raise ValueError("output_sizes must list at least one output size")
         for i, n in enumerate(output_sizes):
@@ -257,8 +312,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = resolve_group(tp_group)
         self.output_sizes = list(output_sizes)
         partition = Partition.merged(self.output_sizes, tp.size)
-        super().__init__(in_features, sum(self.output_sizes), bias, gather_output, skip_bias_add,
-                         sequence_parallel, tp, device, dtype, init_method, partition)
+        super().__init__(
+            in_features,
+            sum(self.output_sizes),
+            bias,
+            gather_output,
+            skip_bias_add,
+            sequence_parallel,
+            tp,
+            device,
+            dtype,
+            init_method,
+            partition,
+        )
         self.output_sizes_local = [n for _, n in partition.segments[self.tp_rank]]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -278,24 +344,47 @@ class QKVParallelLinear(ColumnParallelLinear):
     separates them.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int,
-                 num_kv_heads: Optional[int] = None, bias: bool = True,
-                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None,
-                 init_method: Optional[InitFn] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+    ):
         tp = resolve_group(tp_group)
         self.head_dim = check_int("head_dim", head_dim)
         self.num_heads = check_int("num_heads", num_heads)
-        self.num_kv_heads = check_int("num_kv_heads", num_heads if num_kv_heads is None
-                                      else num_kv_heads)
+        self.num_kv_heads = check_int(
+            "num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads
+        )
         self.layout = HeadLayout(self.num_heads, self.num_kv_heads, tp.size)
         partition = self.layout.qkv_partition(head_dim)
-        super().__init__(hidden_size, partition.full, bias, False, False, sequence_parallel, tp,
-                         device, dtype, init_method, partition)
+        super().__init__(
+            hidden_size,
+            partition.full,
+            bias,
+            False,
+            False,
+            sequence_parallel,
+            tp,
+            device,
+            dtype,
+            init_method,
+            partition,
+        )
         self.num_heads_local = self.layout.q[self.tp_rank][1]
         self.num_kv_heads_local = self.layout.kv[self.tp_rank][1]
-        self.output_sizes_local = [self.num_heads_local * head_dim,
-                                   self.num_kv_heads_local * head_dim,
-                                   self.num_kv_heads_local * head_dim]
+        self.output_sizes_local = [
+            self.num_heads_local * head_dim,
+            self.num_kv_heads_local * head_dim,
+            self.num_kv_heads_local * head_dim,
+        ]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, k, v)`` of a local output, each ``[..., heads_local * head_dim]``."""
@@ -303,7 +392,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         return q, k, v
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.in_features}, head_dim={self.head_dim}, "
-                f"heads={self.num_heads} (local {self.num_heads_local}), "
-                f"kv_heads={self.num_kv_heads} (local {self.num_kv_heads_local}), "
-                f"bias={self.bias is not None}, tp={self.tp_size}")
+        return (
+            f"hidden_size={self.in_features}, head_dim={self.head_dim}, "
+            f"heads={self.num_heads} (local {self.num_heads_local}), "
+            f"kv_heads={self.num_kv_heads} (local {self.num_kv_heads_local}), "
+            f"bias={self.bias is not None}, tp={self.tp_size}"
+        )

@@ -18,10 +18,14 @@ __all__ = ["vocab_parallel_cross_entropy"]
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
-                                 tp_group=None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0,
-                                 reduction: str = "mean") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    tp_group=None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """``F.cross_entropy(full_logits.view(-1, V), target.view(-1), ...)`` from this rank's shard.
 
     ``logits_shard``: ``[..., V_r]``, this rank's slice of the vocabulary (last) dim, split over
@@ -41,11 +45,17 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if tp.group is None:  # no process group at all: the logits are the full vocabulary
         logits = logits_shard.flatten(0, -2)
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        loss = F.cross_entropy(logits, target.flatten(), ignore_index=ignore_index,
-                               label_smoothing=label_smoothing, reduction="none").view(target.shape)
+        loss = F.cross_entropy(
+            logits,
+            target.flatten(),
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction="none",
+        ).view(target.shape)
     else:
-        loss = comm.vocab_parallel_cross_entropy(logits_shard, target, ignore_index,
-                                                 label_smoothing, tp)
+        loss = comm.vocab_parallel_cross_entropy(
+            logits_shard, target, ignore_index, label_smoothing, tp
+        )
     if reduction == "none":
         return loss
     if reduction == "sum":

@@ -17,8 +17,15 @@ class RMSNorm(ParallelModule):
     Face's Qwen2/Llama RMSNorm). The weight is replicated; with ``sequence_parallel`` each rank
     normalises only its sequence shard, so the weight's gradient is all-reduced over TP."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, sequence_parallel: bool = False,
-                 tp_group=None, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        sequence_parallel: bool = False,
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self._setup_tp(tp_group)
         self.hidden_size = check_int("hidden_size", hidden_size)
@@ -33,8 +40,10 @@ class RMSNorm(ParallelModule):
 
     def _check(self, x: torch.Tensor) -> None:
         if x.dim() == 0 or x.size(-1) != self.hidden_size:
-            raise ValueError(f"RMSNorm: input has shape {tuple(x.shape)} but its last dimension "
-                             f"must be hidden_size = {self.hidden_size}")
+            raise ValueError(
+                f"RMSNorm: input has shape {tuple(x.shape)} but its last dimension "
+                f"must be hidden_size = {self.hidden_size}"
+            )
 
     def _weight(self) -> torch.Tensor:
         return comm.copy_to_tp(self.weight, self.tp) if self.sequence_parallel else self.weight
@@ -44,8 +53,9 @@ class RMSNorm(ParallelModule):
         # Fused op (csrc/ops/rms_norm.cpp): same result as the fp32-then-cast reference.
         return ops.rms_norm(x, self._weight(), self.eps)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(h), h)`` with ``h = x + residual``, in one pass when x and residual have the
         same shape and dtype (otherwise, e.g. mixed dtypes under autocast, the unfused sum)."""
         self._check(x)

@@ -30,15 +30,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
         """``(cos, sin)``, each ``[*position_ids.shape, head_dim]``."""
-        inv_freq = 1.0 / (self.rope_theta ** (
-            torch.arange(0, self.head_dim, 2, dtype=torch.float, device=position_ids.device)
-            / self.head_dim))
+        inv_freq = 1.0 / (
+            self.rope_theta
+            ** (
+                torch.arange(0, self.head_dim, 2, dtype=torch.float, device=position_ids.device)
+                / self.head_dim
+            )
+        )
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor,
-               use_kernel: bool = True):
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, use_kernel: bool = True
+    ):
         """Rotate ``q`` [batch, heads, seq, head_dim] and ``k`` [batch, kv_heads, seq, head_dim]
         at ``position_ids`` [batch, seq].
 

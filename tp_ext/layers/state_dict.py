@@ -17,8 +17,13 @@ from torch import nn
 from tp_ext.distributed import comm
 from tp_ext.layers.base import ParallelModule
 
-__all__ = ["load_full_state_dict", "full_state_dict", "iter_full_tensors", "local_shards",
-           "state_entries"]
+__all__ = [
+    "load_full_state_dict",
+    "full_state_dict",
+    "iter_full_tensors",
+    "local_shards",
+    "state_entries",
+]
 
 
 def _owned_tensors(module: nn.Module):
@@ -60,8 +65,9 @@ def local_shards(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[st
 
 
 @torch.no_grad()
-def load_full_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor],
-                         strict: bool = True) -> None:
+def load_full_state_dict(
+    module: nn.Module, full: Mapping[str, torch.Tensor], strict: bool = True
+) -> None:
     """Copy this rank's slice of every full tensor in ``full`` into ``module`` (keys as in
     ``module.state_dict()``; shapes those of the unsharded module). Local, no communication.
     With ``strict``, missing and unexpected keys are errors that list them."""
@@ -72,7 +78,8 @@ def load_full_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor],
     if strict and (missing or unexpected):
         raise KeyError(
             f"load_full_state_dict({type(module).__name__}): missing keys {missing}, unexpected "
-            f"keys {unexpected}; expected exactly {sorted(names)}")
+            f"keys {unexpected}; expected exactly {sorted(names)}"
+        )
     for name, tensor, owner, leaf in entries:
         if name not in full:
             continue
@@ -80,14 +87,23 @@ def load_full_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor],
         spec = _spec(owner, leaf)
         expected = _full_shape(tensor, spec)
         if tuple(value.shape) != expected:
-            hint = "" if spec is None else (
-                f" (this rank holds a slice of {tuple(tensor.shape)}; pass the full tensor, not "
-                "a shard)")
-            raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
-                             f"expected the unsharded shape {expected}{hint}")
+            hint = (
+                ""
+                if spec is None
+                else (
+                    f" (this rank holds a slice of {tuple(tensor.shape)}; pass the full "
+                    "tensor, not a shard)"
+                )
+            )
+            raise ValueError(
+                f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
+                f"expected the unsharded shape {expected}{hint}"
+            )
         if tensor.device.type == "meta":
-            raise ValueError(f"load_full_state_dict: {name!r} is on the meta device; call "
-                             "module.to_empty(device=...) first")
+            raise ValueError(
+                f"load_full_state_dict: {name!r} is on the meta device; call "
+                "module.to_empty(device=...) first"
+            )
         piece = value if spec is None else spec[1].local(value, spec[0], owner.tp_rank)
         tensor.copy_(piece)
 
@@ -104,8 +120,9 @@ def _gather_full(tensor: torch.Tensor, spec, owner) -> torch.Tensor:
     if spec is None or owner.tp_size == 1:
         return tensor.detach().clone()
     dim, partition = spec
-    gathered = comm.all_gather(tensor.detach().contiguous(), dim, partition.local_sizes(),
-                               group=owner.tp)
+    gathered = comm.all_gather(
+        tensor.detach().contiguous(), dim, partition.local_sizes(), group=owner.tp
+    )
     if not partition.is_contiguous_split():
         order = torch.tensor(partition.gather_order(), device=gathered.device)
         gathered = gathered.index_select(dim, order)

@@ -12,8 +12,12 @@ from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 __all__ = ["footprint", "format_footprint"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
@@ -25,39 +29,57 @@ def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
     element = torch.empty((), dtype=torch_dtype).element_size()
     ranks = []
     for rank in range(tp):
-        model = Qwen2ForCausalLM(config, TPGroup.virtual(tp, rank), device="meta",
-                                 dtype=torch_dtype)
+        model = Qwen2ForCausalLM(
+            config, TPGroup.virtual(tp, rank), device="meta", dtype=torch_dtype
+        )
         params = sum(p.numel() for p in model.parameters())
         attn = model.model.layers[0].self_attn
-        kv_per_token = (2 * config.num_hidden_layers * attn.num_kv_heads_local * attn.head_dim
-                        * element)
-        ranks.append({"rank": rank, "parameters": params, "bytes": {dtype: params * element},
-                      "query_heads": attn.num_heads_local, "kv_heads": attn.num_kv_heads_local,
-                      "kv_cache_bytes_per_token": kv_per_token})
+        kv_per_token = (
+            2 * config.num_hidden_layers * attn.num_kv_heads_local * attn.head_dim * element
+        )
+        ranks.append(
+            {
+                "rank": rank,
+                "parameters": params,
+                "bytes": {dtype: params * element},
+                "query_heads": attn.num_heads_local,
+                "kv_heads": attn.num_kv_heads_local,
+                "kv_cache_bytes_per_token": kv_per_token,
+            }
+        )
     full = Qwen2ForCausalLM(config, TPGroup.local(), device="meta", dtype=torch_dtype)
     total = sum(p.numel() for p in full.parameters())
     # Forward: one all-reduce of hidden-size activations after attention and one after the MLP.
     all_reduce = 0 if tp == 1 else 2 * config.hidden_size * element
-    return {"architecture": config.architecture, "tp": tp, "dtype": dtype,
-            "parameters_total": total, "bytes_total": total * element,
-            "all_reduce_bytes_per_token_per_layer": all_reduce,
-            # the unsharded model's (replicated KV heads are not counted twice)
-            "kv_cache_bytes_per_token_total": (2 * config.num_hidden_layers
-                                               * config.num_key_value_heads * config.head_dim
-                                               * element),
-            "ranks": ranks}
+    return {
+        "architecture": config.architecture,
+        "tp": tp,
+        "dtype": dtype,
+        "parameters_total": total,
+        "bytes_total": total * element,
+        "all_reduce_bytes_per_token_per_layer": all_reduce,
+        # the unsharded model's (replicated KV heads are not counted twice)
+        "kv_cache_bytes_per_token_total": (
+            2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+        ),
+        "ranks": ranks,
+    }
 
 
 def format_footprint(fp: dict) -> str:
-    lines = [f"{fp['architecture']} over tp={fp['tp']} ranks, {fp['dtype']}: "
-             f"{fp['parameters_total']:,} parameters ({fp['bytes_total']:,} bytes) in all",
-             f"all-reduce per token per layer (forward): "
-             f"{fp['all_reduce_bytes_per_token_per_layer']:,} bytes",
-             f"KV cache per token, whole model: {fp['kv_cache_bytes_per_token_total']:,} bytes",
-             f"{'rank':>4} {'parameters':>16} {'bytes':>18} {'q heads':>8} {'kv heads':>9} "
-             f"{'KV bytes/token':>15}"]
+    lines = [
+        f"{fp['architecture']} over tp={fp['tp']} ranks, {fp['dtype']}: "
+        f"{fp['parameters_total']:,} parameters ({fp['bytes_total']:,} bytes) in all",
+        f"all-reduce per token per layer (forward): "
+        f"{fp['all_reduce_bytes_per_token_per_layer']:,} bytes",
+        f"KV cache per token, whole model: {fp['kv_cache_bytes_per_token_total']:,} bytes",
+        f"{'rank':>4} {'parameters':>16} {'bytes':>18} {'q heads':>8} {'kv heads':>9} "
+        f"{'KV bytes/token':>15}",
+    ]
     for r in fp["ranks"]:
-        lines.append(f"{r['rank']:>4} {r['parameters']:>16,} {r['bytes'][fp['dtype']]:>18,} "
-                     f"{r['query_heads']:>8} {r['kv_heads']:>9} "
-                     f"{r['kv_cache_bytes_per_token']:>15,}")
+        lines.append(
+            f"{r['rank']:>4} {r['parameters']:>16,} {r['bytes'][fp['dtype']]:>18,} "
+            f"{r['query_heads']:>8} {r['kv_heads']:>9} "
+            f"{r['kv_cache_bytes_per_token']:>15,}"
+        )
     return "\n".join(lines)

@@ -41,9 +41,14 @@ from tp_ext.parallelize.styles import attention_layout, convert
 __all__ = ["parallelize"]
 
 
-def parallelize(module: nn.Module, plan: Union[str, Mapping[str, str]] = "auto",
-                tp_group=None, verbose: bool = False, sequence_parallel: bool = False,
-                return_report: bool = False):
+def parallelize(
+    module: nn.Module,
+    plan: Union[str, Mapping[str, str]] = "auto",
+    tp_group=None,
+    verbose: bool = False,
+    sequence_parallel: bool = False,
+    return_report: bool = False,
+):
     """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
     return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
     module name to what was done to it (style and this rank's shard). Nothing is stored on the
@@ -57,7 +62,9 @@ def parallelize(module: nn.Module, plan: Union[str, Mapping[str, str]] = "auto",
     tp = resolve_group(tp_group)
     if isinstance(plan, str):
         if plan != "auto":
-            raise ValueError(f"plan must be 'auto' or a dict of name pattern -> style, got {plan!r}")
+            raise ValueError(
+                f"plan must be 'auto' or a dict of name pattern -> style, got {plan!r}"
+            )
         decided = auto_plan(module, sequence_parallel)
     elif isinstance(plan, Mapping):
         decided = resolve_plan(module, plan)
@@ -73,8 +80,7 @@ def parallelize(module: nn.Module, plan: Union[str, Mapping[str, str]] = "auto",
         first_block = sp_norms[0].rpartition(".")[0]
         if not first_block:
             raise ValueError(f"sequence-parallel norm {sp_norms[0]!r} must sit inside a block")
-        module.get_submodule(first_block).register_forward_pre_hook(shards.split,
-                                                                    with_kwargs=True)
+        module.get_submodule(first_block).register_forward_pre_hook(shards.split, with_kwargs=True)
         report[first_block] = "sequence parallel from here: hidden states split along the sequence"
     for name, style in decided.items():
         parent_name, _, leaf = name.rpartition(".")
@@ -85,8 +91,10 @@ def parallelize(module: nn.Module, plan: Union[str, Mapping[str, str]] = "auto",
             continue
         if style == "sequence_parallel":
             if not is_norm(child):
-                raise ValueError(f"{name}: style 'sequence_parallel' applies to norm modules "
-                                 f"(RMSNorm, LayerNorm), not {type(child).__name__}")
+                raise ValueError(
+                    f"{name}: style 'sequence_parallel' applies to norm modules "
+                    f"(RMSNorm, LayerNorm), not {type(child).__name__}"
+                )
             # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
             child.register_forward_hook(shards.gather_output)
             for p in child.parameters():
@@ -107,8 +115,10 @@ def parallelize(module: nn.Module, plan: Union[str, Mapping[str, str]] = "auto",
         if layout is not None and isinstance(child.q_proj, ColumnParallelLinear):
             heads = layout[0]
             child.num_key_value_groups = heads.q[tp.rank][1] // heads.kv[tp.rank][1]
-            report[name] = (f"attention: {heads.q[tp.rank][1]} query heads, "
-                            f"{heads.kv[tp.rank][1]} KV heads on this rank")
+            report[name] = (
+                f"attention: {heads.q[tp.rank][1]} query heads, "
+                f"{heads.kv[tp.rank][1]} KV heads on this rank"
+            )
     if verbose and tp.rank == 0:
         width = max((len(n) for n in report), default=0)
         print(f"tp_ext.parallelize over {tp.size} ranks (rank 0's shards):")

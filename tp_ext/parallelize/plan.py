@@ -55,8 +55,9 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             example = ", ".join(names[:6])
-            raise ValueError(f"plan pattern {pattern!r} matches no module; names look like: "
-                             f"{example}, ...")
+            raise ValueError(
+                f"plan pattern {pattern!r} matches no module; names look like: {example}, ..."
+            )
         for name in matched:
             decided.setdefault(name, style)
     return decided

@@ -9,7 +9,12 @@ from typing import Optional
 from torch import nn
 
 from tp_ext.distributed.groups import TPGroup
-from tp_ext.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tp_ext.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from tp_ext.sharding import HeadLayout
 
 __all__ = ["convert", "attention_layout"]
@@ -18,43 +23,61 @@ __all__ = ["convert", "attention_layout"]
 def attention_layout(parent: nn.Module, tp: TPGroup) -> Optional[tuple[HeadLayout, int]]:
     config = getattr(parent, "config", None)
     head_dim = getattr(parent, "head_dim", None)
-    if config is None or head_dim is None or not all(
-            hasattr(parent, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if (
+        config is None
+        or head_dim is None
+        or not all(hasattr(parent, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    ):
         return None
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     return HeadLayout(heads, kv, tp.size), head_dim
 
 
-def convert(name: str, child: nn.Module, style: str, parent: nn.Module, tp: TPGroup,
-             sp: bool):
+def convert(name: str, child: nn.Module, style: str, parent: nn.Module, tp: TPGroup, sp: bool):
     """The tp_ext layer replacing ``child``, and a line saying what was done."""
     leaf = name.rpartition(".")[2]
     kw = {"tp_group": tp, "device": None, "dtype": None}
     if style == "vocab" and isinstance(child, nn.Embedding):
         kw.update(device=child.weight.device, dtype=child.weight.dtype)
-        new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, child.padding_idx,
-                                     **kw)
+        new = VocabParallelEmbedding(
+            child.num_embeddings, child.embedding_dim, child.padding_idx, **kw
+        )
         return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}"
     if not isinstance(child, nn.Linear):
-        raise ValueError(f"{name}: style {style!r} applies to nn.Linear"
-                         f"{' or nn.Embedding' if style == 'vocab' else ''}, not "
-                         f"{type(child).__name__}")
+        raise ValueError(
+            f"{name}: style {style!r} applies to nn.Linear"
+            f"{' or nn.Embedding' if style == 'vocab' else ''}, not "
+            f"{type(child).__name__}"
+        )
     kw.update(device=child.weight.device, dtype=child.weight.dtype)
     bias = child.bias is not None
     layout = attention_layout(parent, tp)
     if style == "vocab":
-        new = ParallelLMHead(child.out_features, child.in_features, bias, gather_output=True,
-                             input_is_gathered=sp, **kw)
+        new = ParallelLMHead(
+            child.out_features,
+            child.in_features,
+            bias,
+            gather_output=True,
+            input_is_gathered=sp,
+            **kw,
+        )
         return new, f"vocab-parallel head, rows {new.partition.segments[tp.rank]}, logits gathered"
     if style == "colwise":
         partition = None
         if layout is not None and leaf in ("q_proj", "k_proj", "v_proj"):
             heads, head_dim = layout
-            partition = (heads.q_partition(head_dim) if leaf == "q_proj"
-                         else heads.kv_partition(head_dim))
-        new = ColumnParallelLinear(child.in_features, child.out_features, bias,
-                                   partition=partition, input_is_gathered=sp, **kw)
+            partition = (
+                heads.q_partition(head_dim) if leaf == "q_proj" else heads.kv_partition(head_dim)
+            )
+        new = ColumnParallelLinear(
+            child.in_features,
+            child.out_features,
+            bias,
+            partition=partition,
+            input_is_gathered=sp,
+            **kw,
+        )
         how = "by heads" if partition is not None else "by rows"
         return new, f"column-parallel {how}, local outputs {new.out_features_local}"
     if style == "rowwise":
@@ -62,8 +85,16 @@ def convert(name: str, child: nn.Module, style: str, parent: nn.Module, tp: TPGr
         if layout is not None and leaf == "o_proj":
             heads, head_dim = layout
             partition = heads.q_partition(head_dim)
-        new = RowParallelLinear(child.in_features, child.out_features, bias, partition=partition,
-                                sequence_parallel=sp, **kw)
-        return new, (f"row-parallel, local inputs {new.in_features_local}"
-                     f"{', output reduce-scattered' if sp else ''}")
+        new = RowParallelLinear(
+            child.in_features,
+            child.out_features,
+            bias,
+            partition=partition,
+            sequence_parallel=sp,
+            **kw,
+        )
+        return new, (
+            f"row-parallel, local inputs {new.in_features_local}"
+            f"{', output reduce-scattered' if sp else ''}"
+        )
     raise AssertionError(style)

@@ -57,8 +57,9 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
     return local if p == math.inf else local.pow(1.0 / p)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, tp_group=None,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, tp_group=None, norm_type: float = 2.0
+) -> torch.Tensor:
     """Scale every gradient by ``max_norm / (norm + 1e-6)`` when that is below 1, with the norm
     from :func:`grad_norm` (so all TP ranks scale alike, as torch.nn.utils.clip_grad_norm_ would
     on the unsharded model). Returns the norm before clipping."""
@@ -89,8 +90,10 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
         if tp is not None and tp.size > 1:
             groups[tp.name] = tp
     if len(groups) > 1:
-        raise ValueError(f"{type(model).__name__} has layers on several TP groups "
-                         f"({sorted(groups)}); pass tp_group= to say which one to reduce over")
+        raise ValueError(
+            f"{type(model).__name__} has layers on several TP groups "
+            f"({sorted(groups)}); pass tp_group= to say which one to reduce over"
+        )
     return next(iter(groups.values()), TPGroup.local())
 
 
@@ -108,7 +111,8 @@ def _grads_with_specs(model: nn.Module, tp: TPGroup):
             if spec is not None and spec[1].world_size != tp.size:
                 raise ValueError(
                     f"{type(module).__name__}.{name} is sharded over {spec[1].world_size} ranks "
-                    f"but tp_group has {tp.size}; pass the group the model was built with")
+                    f"but tp_group has {tp.size}; pass the group the model was built with"
+                )
             yield param, spec
 
 
@@ -116,5 +120,3 @@ def _first_owner_positions(partition, rank: int) -> list[int]:
     """Local positions of the rows no lower rank also holds."""
     earlier = {i for r in range(rank) for i in partition.local_indices(r)}
     return [pos for pos, i in enumerate(partition.local_indices(rank)) if i not in earlier]
-
-

@@ -17,6 +17,7 @@ __all__ = ["OptimizerSettings", "build_optimizer"]
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
     """AdamW, with Megatron's defaults for large models."""
+
     lr: float = 1.5e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -24,18 +25,26 @@ class OptimizerSettings:
     def __post_init__(self) -> None:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
             raise ConfigError(f"optimizer.lr must be a number > 0, got {self.lr!r}")
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
-                or self.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay must be a number >= 0, got "
-                              f"{self.weight_decay!r}")
+        if (
+            isinstance(self.weight_decay, bool)
+            or not isinstance(self.weight_decay, (int, float))
+            or self.weight_decay < 0
+        ):
+            raise ConfigError(
+                f"optimizer.weight_decay must be a number >= 0, got {self.weight_decay!r}"
+            )
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if betas is None or len(betas) != 2 or not all(
-                isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        if (
+            betas is None
+            or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+        ):
             raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}")
 
 
-def build_optimizer(model: nn.Module, settings: Optional[OptimizerSettings] = None,
-                    **overrides) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, settings: Optional[OptimizerSettings] = None, **overrides
+) -> torch.optim.AdamW:
     """AdamW over ``model``'s trainable parameters with ``settings``' lr, betas and weight decay
     (``OptimizerSettings()`` if None; ``overrides`` replace single fields, e.g. ``lr=1e-3``).
 
@@ -43,8 +52,10 @@ def build_optimizer(model: nn.Module, settings: Optional[OptimizerSettings] = No
     decay; biases and norm weights do not."""
     settings = OptimizerSettings() if settings is None else settings
     if not isinstance(settings, OptimizerSettings):
-        raise TypeError(f"settings must be a tp_ext.training.OptimizerSettings or None, got "
-                        f"{type(settings).__name__}")
+        raise TypeError(
+            f"settings must be a tp_ext.training.OptimizerSettings or None, got "
+            f"{type(settings).__name__}"
+        )
     known = sorted(f.name for f in dataclasses.fields(OptimizerSettings))
     unknown = sorted(set(overrides) - set(known))
     if unknown:
@@ -60,8 +71,11 @@ def build_optimizer(model: nn.Module, settings: Optional[OptimizerSettings] = No
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"build_optimizer: {type(model).__name__} has no trainable parameters")
-    groups = [{"params": [p for p in params if p.dim() >= 2],
-               "weight_decay": float(settings.weight_decay)},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(settings.lr),
-                             betas=betas)
+    groups = [
+        {
+            "params": [p for p in params if p.dim() >= 2],
+            "weight_decay": float(settings.weight_decay),
+        },
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(settings.lr), betas=betas)

@@ -44,16 +44,27 @@ class Trainer:
     DP rank); targets equal to ``ignore_index`` do not count.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 max_grad_norm: Optional[float] = None, dp_group=None, tp_group=None,
-                 autocast_dtype: Optional[torch.dtype] = None, ignore_index: int = -100) -> None:
-        if max_grad_norm is not None and (not is_number(max_grad_norm) or
-                                          not max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a number > 0, or None for no clipping; got "
-                             f"{max_grad_norm!r}")
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        max_grad_norm: Optional[float] = None,
+        dp_group=None,
+        tp_group=None,
+        autocast_dtype: Optional[torch.dtype] = None,
+        ignore_index: int = -100,
+    ) -> None:
+        if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
+            raise ValueError(
+                f"max_grad_norm must be a number > 0, or None for no clipping; got "
+                f"{max_grad_norm!r}"
+            )
         if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
-            raise TypeError(f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16) or "
-                            f"None, got {autocast_dtype!r}")
+            raise TypeError(
+                f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16) or "
+                f"None, got {autocast_dtype!r}"
+            )
         self.model = model
         if optimizer is None:
             optimizer = build_optimizer(model)
@@ -77,8 +88,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # Known before any forward: scale each micro-batch's summed loss by the local token
         # count, so the accumulated gradient is that of the mean (no host sync needed).
-        count = torch.stack([(labels[:, 1:] != self.ignore_index).sum()
-                             for _, labels in batches]).sum()
+        count = torch.stack(
+            [(labels[:, 1:] != self.ignore_index).sum() for _, labels in batches]
+        ).sum()
         scale = count.clamp_min(1).float()
         count = count.float()
         loss_sum = torch.zeros((), device=batches[0][0].device)
@@ -87,8 +99,12 @@ class Trainer:
                 with self._autocast(ids.device):
                     logits = self.model(ids, local_logits=True)
                     loss = vocab_parallel_cross_entropy(
-                        logits[:, :-1], labels[:, 1:], tp_group=self.tp,
-                        ignore_index=self.ignore_index, reduction="sum")
+                        logits[:, :-1],
+                        labels[:, 1:],
+                        tp_group=self.tp,
+                        ignore_index=self.ignore_index,
+                        reduction="sum",
+                    )
                 (loss / scale).backward()
                 loss_sum += loss.detach().float()
         if self.dp_group is not None and self.dp_group.size > 1:
@@ -103,27 +119,44 @@ class Trainer:
 
     def _check(self, micro_batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(micro_batches, torch.Tensor):
-            raise ValueError(f"micro_batches must be a list of micro-batches, got one tensor of "
-                             f"shape {tuple(micro_batches.shape)}; pass [input_ids]")
+            raise ValueError(
+                f"micro_batches must be a list of micro-batches, got one tensor of "
+                f"shape {tuple(micro_batches.shape)}; pass [input_ids]"
+            )
         if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
-            raise ValueError(f"micro_batches must be a non-empty list of input_ids tensors or "
-                             f"(input_ids, labels) pairs, got {micro_batches!r}")
+            raise ValueError(
+                f"micro_batches must be a non-empty list of input_ids tensors or "
+                f"(input_ids, labels) pairs, got {micro_batches!r}"
+            )
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         batches = []
         for i, item in enumerate(micro_batches):
-            ids, labels = (item, item.long()) if isinstance(item, torch.Tensor) else (
-                tuple(item) if isinstance(item, (list, tuple)) and len(item) == 2 else (None, None))
+            ids, labels = (
+                (item, item.long())
+                if isinstance(item, torch.Tensor)
+                else (
+                    tuple(item)
+                    if isinstance(item, (list, tuple)) and len(item) == 2
+                    else (None, None)
+                )
+            )
             if not isinstance(ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
-                raise ValueError(f"micro_batches[{i}] must be an input_ids tensor or an "
-                                 f"(input_ids, labels) pair of tensors, got {type(item).__name__}")
+                raise ValueError(
+                    f"micro_batches[{i}] must be an input_ids tensor or an "
+                    f"(input_ids, labels) pair of tensors, got {type(item).__name__}"
+                )
             if ids.dim() != 2 or ids.size(1) < 2 or ids.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"micro_batches[{i}]: input_ids must be an int64/int32 tensor "
-                                 f"[batch, seq] with seq >= 2, got {ids.dtype} of shape "
-                                 f"{tuple(ids.shape)}")
+                raise ValueError(
+                    f"micro_batches[{i}]: input_ids must be an int64/int32 tensor "
+                    f"[batch, seq] with seq >= 2, got {ids.dtype} of shape "
+                    f"{tuple(ids.shape)}"
+                )
             if labels.shape != ids.shape or labels.dtype != torch.int64:
-                raise ValueError(f"micro_batches[{i}]: labels must be an int64 tensor of the "
-                                 f"input_ids' shape {tuple(ids.shape)} (shifted here), got "
-                                 f"{labels.dtype} of shape {tuple(labels.shape)}")
+                raise ValueError(
+                    f"micro_batches[{i}]: labels must be an int64 tensor of the "
+                    f"input_ids' shape {tuple(ids.shape)} (shifted here), got "
+                    f"{labels.dtype} of shape {tuple(labels.shape)}"
+                )
             batches.append((ids.to(device), labels.to(device)))
         return batches
 
@@ -137,8 +170,10 @@ class Trainer:
         """One all-reduce of every gradient, the loss sum and the token count: gradients become
         the gradient of the mean over all DP ranks' tokens (weighted by each rank's count)."""
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype)
-                  for p in params]
+        pieces = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype)
+            for p in params
+        ]
         flat = torch.cat(pieces + [loss_sum.view(1).to(dtype), count.view(1).to(dtype)])
         flat[:-2] *= scale.to(dtype)  # back to the gradient of this rank's summed loss
         with comm.tag("train.dp_sync"):
@@ -148,7 +183,7 @@ class Trainer:
         offset = 0
         for p in params:
             n = p.numel()
-            grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+            grad = flat[offset : offset + n].view_as(p).to(p.dtype)
             if p.grad is None:
                 p.grad = grad
             else:

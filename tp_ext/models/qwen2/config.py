@@ -21,7 +21,9 @@ __all__ = ["Qwen2Config"]
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
     """A Qwen2 / Qwen2.5 model, or the original Qwen (``architecture: qwen``: fused c_attn, no
-    GQA; its config's ``intermediate_size`` counts w1 and w2 together, this one is per projection)."""
+    GQA; its config's ``intermediate_size`` counts w1 and w2 together, this one is per
+    projection)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,20 +37,32 @@ class Qwen2Config:
     architecture: str = "qwen2"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model.{name} must be an int >= 1, got {value!r}")
         if self.architecture not in ("qwen2", "qwen"):
-            raise ConfigError(f"model.architecture must be 'qwen2' or 'qwen', got "
-                              f"{self.architecture!r}")
+            raise ConfigError(
+                f"model.architecture must be 'qwen2' or 'qwen', got {self.architecture!r}"
+            )
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                              f"model.num_attention_heads={self.num_attention_heads}")
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not a "
-                              f"multiple of model.num_key_value_heads={self.num_key_value_heads}")
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not a "
+                f"multiple of model.num_key_value_heads={self.num_key_value_heads}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -69,7 +83,8 @@ class Qwen2Config:
         if tp not in self.valid_tp_sizes(max(tp, 1)):
             raise ConfigError(
                 f"tp={tp} cannot split {self.num_attention_heads} attention heads / "
-                f"{self.num_key_value_heads} KV heads; use one of {self.valid_tp_sizes()}")
+                f"{self.num_key_value_heads} KV heads; use one of {self.valid_tp_sizes()}"
+            )
 
     def replace(self, **changes) -> "Qwen2Config":
         return dataclasses.replace(self, **changes)
@@ -79,10 +94,15 @@ class Qwen2Config:
         eps, tying): 8 query heads, 2 KV heads under GQA, a vocabulary of 1001 (not divisible by
         8) and an MLP of 44 (uneven at TP 3 and 8)."""
         gqa = self.num_key_value_heads < self.num_attention_heads
-        return self.replace(vocab_size=1001, hidden_size=64, intermediate_size=44,
-                            num_hidden_layers=2, num_attention_heads=8,
-                            num_key_value_heads=2 if gqa else 8,
-                            max_position_embeddings=min(self.max_position_embeddings, 256))
+        return self.replace(
+            vocab_size=1001,
+            hidden_size=64,
+            intermediate_size=44,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2 if gqa else 8,
+            max_position_embeddings=min(self.max_position_embeddings, 256),
+        )
 
     # -- files ----------------------------------------------------------------------------------
 
@@ -107,41 +127,58 @@ class Qwen2Config:
             raise ConfigError(f"model must be a mapping of fields, got {type(model).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         check_unknown("model.", model, fields)
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         missing = [name for name in required if name not in model]
         if missing:
-            raise ConfigError(f"missing field model.{missing[0]}"
-                              f"{' (also ' + ', '.join(missing[1:]) + ')' if missing[1:] else ''}")
+            raise ConfigError(
+                f"missing field model.{missing[0]}"
+                f"{' (also ' + ', '.join(missing[1:]) + ')' if missing[1:] else ''}"
+            )
         return cls(**model)
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> "Qwen2Config":
         architectures = data.get("architectures") or []
         if data.get("model_type") == "qwen" or "QWenLMHeadModel" in architectures:
-            names = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
-                     "num_hidden_layers": "num_hidden_layers",
-                     "num_attention_heads": "num_attention_heads",
-                     "max_position_embeddings": "max_position_embeddings",
-                     "rope_theta": "rotary_emb_base", "rms_norm_eps": "layer_norm_epsilon"}
+            names = {
+                "vocab_size": "vocab_size",
+                "hidden_size": "hidden_size",
+                "num_hidden_layers": "num_hidden_layers",
+                "num_attention_heads": "num_attention_heads",
+                "max_position_embeddings": "max_position_embeddings",
+                "rope_theta": "rotary_emb_base",
+                "rms_norm_eps": "layer_norm_epsilon",
+            }
             values = _pick(data, names)
             _require(data, "intermediate_size")
-            values.update(intermediate_size=data["intermediate_size"] // 2,
-                          num_key_value_heads=values["num_attention_heads"],
-                          tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-                          architecture="qwen")
+            values.update(
+                intermediate_size=data["intermediate_size"] // 2,
+                num_key_value_heads=values["num_attention_heads"],
+                tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+                architecture="qwen",
+            )
             return cls(**values)
-        names = {n: n for n in ("vocab_size", "hidden_size", "intermediate_size",
-                                "num_hidden_layers", "num_attention_heads",
-                                "max_position_embeddings", "rms_norm_eps")}
+        names = {
+            n: n
+            for n in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+                "rms_norm_eps",
+            )
+        }
         values = _pick(data, names)
         rope = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
         if rope is None:
             raise ConfigError("missing field rope_theta")
-        values.update(rope_theta=float(rope),
-                      num_key_value_heads=data.get("num_key_value_heads",
-                                                   values["num_attention_heads"]),
-                      tie_word_embeddings=bool(data.get("tie_word_embeddings", False)))
+        values.update(
+            rope_theta=float(rope),
+            num_key_value_heads=data.get("num_key_value_heads", values["num_attention_heads"]),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        )
         return cls(**values)
 
 

@@ -25,9 +25,11 @@ def checkpoint_layout(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
     if fmt == "qwen" and kv_rows != q_rows:
-        raise ValueError("the original Qwen format has no grouped-query attention: "
-                         f"num_key_value_heads={config.num_key_value_heads} must equal "
-                         f"num_attention_heads={config.num_attention_heads}")
+        raise ValueError(
+            "the original Qwen format has no grouped-query attention: "
+            f"num_key_value_heads={config.num_key_value_heads} must equal "
+            f"num_attention_heads={config.num_attention_heads}"
+        )
 
     def whole(name, rows):
         return [Piece(name, 0, rows)]
@@ -37,56 +39,81 @@ def checkpoint_layout(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list
         ours = f"model.layers.{i}."
         if fmt == "qwen2":
             attn, mlp = ours + "self_attn.", ours + "mlp."
-            qkv = [(attn + "q_proj", 0, q_rows), (attn + "k_proj", 0, kv_rows),
-                   (attn + "v_proj", 0, kv_rows)]
-            names = {"input_layernorm": ours + "input_layernorm",
-                     "post_attention_layernorm": ours + "post_attention_layernorm",
-                     "o_proj": attn + "o_proj", "down_proj": mlp + "down_proj",
-                     "gate": mlp + "gate_proj", "up": mlp + "up_proj"}
+            qkv = [
+                (attn + "q_proj", 0, q_rows),
+                (attn + "k_proj", 0, kv_rows),
+                (attn + "v_proj", 0, kv_rows),
+            ]
+            names = {
+                "input_layernorm": ours + "input_layernorm",
+                "post_attention_layernorm": ours + "post_attention_layernorm",
+                "o_proj": attn + "o_proj",
+                "down_proj": mlp + "down_proj",
+                "gate": mlp + "gate_proj",
+                "up": mlp + "up_proj",
+            }
         else:
             theirs = f"transformer.h.{i}."
             qkv = [(theirs + "attn.c_attn", n * q_rows, q_rows) for n in range(3)]
-            names = {"input_layernorm": theirs + "ln_1", "post_attention_layernorm": theirs + "ln_2",
-                     "o_proj": theirs + "attn.c_proj", "down_proj": theirs + "mlp.c_proj",
-                     "gate": theirs + "mlp.w2", "up": theirs + "mlp.w1"}
+            names = {
+                "input_layernorm": theirs + "ln_1",
+                "post_attention_layernorm": theirs + "ln_2",
+                "o_proj": theirs + "attn.c_proj",
+                "down_proj": theirs + "mlp.c_proj",
+                "gate": theirs + "mlp.w2",
+                "up": theirs + "mlp.w1",
+            }
         for leaf in ("weight", "bias"):
             layout[f"{ours}self_attn.qkv_proj.{leaf}"] = [
-                Piece(f"{name}.{leaf}", start, rows) for name, start, rows in qkv]
+                Piece(f"{name}.{leaf}", start, rows) for name, start, rows in qkv
+            ]
         layout[ours + "input_layernorm.weight"] = whole(names["input_layernorm"] + ".weight", h)
         layout[ours + "post_attention_layernorm.weight"] = whole(
-            names["post_attention_layernorm"] + ".weight", h)
+            names["post_attention_layernorm"] + ".weight", h
+        )
         layout[ours + "self_attn.o_proj.weight"] = whole(names["o_proj"] + ".weight", h)
-        layout[ours + "mlp.gate_up_proj.weight"] = [Piece(names["gate"] + ".weight", 0, inter),
-                                                    Piece(names["up"] + ".weight", 0, inter)]
+        layout[ours + "mlp.gate_up_proj.weight"] = [
+            Piece(names["gate"] + ".weight", 0, inter),
+            Piece(names["up"] + ".weight", 0, inter),
+        ]
         layout[ours + "mlp.down_proj.weight"] = whole(names["down_proj"] + ".weight", h)
     embed = "model.embed_tokens.weight" if fmt == "qwen2" else "transformer.wte.weight"
     layout["model.embed_tokens.weight"] = whole(embed, vocab)
     layout["model.norm.weight"] = whole(
-        "model.norm.weight" if fmt == "qwen2" else "transformer.ln_f.weight", h)
+        "model.norm.weight" if fmt == "qwen2" else "transformer.ln_f.weight", h
+    )
     # A tied head has no tensor of its own in Hugging Face checkpoints.
-    layout["lm_head.weight"] = whole(embed if config.tie_word_embeddings else "lm_head.weight",
-                                     vocab)
+    layout["lm_head.weight"] = whole(
+        embed if config.tie_word_embeddings else "lm_head.weight", vocab
+    )
     return layout
 
 
-def hf_to_tp_ext_names(state: dict[str, torch.Tensor], config: Qwen2Config,
-                       fmt: str = "qwen2") -> dict[str, torch.Tensor]:
+def hf_to_tp_ext_names(
+    state: dict[str, torch.Tensor], config: Qwen2Config, fmt: str = "qwen2"
+) -> dict[str, torch.Tensor]:
     """A Hugging Face state dict (in memory) as full tensors under this model's names."""
-    return {ours: torch.cat([state[p.name][p.start:p.start + p.rows] for p in pieces], 0)
-            for ours, pieces in checkpoint_layout(config, fmt).items()}
+    return {
+        ours: torch.cat([state[p.name][p.start : p.start + p.rows] for p in pieces], 0)
+        for ours, pieces in checkpoint_layout(config, fmt).items()
+    }
 
 
 def hf_config(config: Qwen2Config, dtype: torch.dtype) -> dict:
     """The config.json of a merged export that transformers' Qwen2ForCausalLM loads."""
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

@@ -15,8 +15,13 @@ from torch import nn
 
 from tp_ext import checkpoint
 from tp_ext.layers import (
-    ParallelLMHead, ParallelModule, ParallelTransformerBlock, RMSNorm, VocabParallelEmbedding,
-    no_init)
+    ParallelLMHead,
+    ParallelModule,
+    ParallelTransformerBlock,
+    RMSNorm,
+    VocabParallelEmbedding,
+    no_init,
+)
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 
@@ -30,11 +35,19 @@ class _Qwen2Model(ParallelModule):
         kw = {"tp_group": tp, "device": device, "dtype": dtype}
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            ParallelTransformerBlock(config.hidden_size, config.num_attention_heads,
-                                     config.num_key_value_heads, config.intermediate_size,
-                                     config.head_dim, config.rms_norm_eps, config.rope_theta,
-                                     qkv_bias=True, **kw)
-            for _ in range(config.num_hidden_layers))
+            ParallelTransformerBlock(
+                config.hidden_size,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                config.intermediate_size,
+                config.head_dim,
+                config.rms_norm_eps,
+                config.rope_theta,
+                qkv_bias=True,
+                **kw,
+            )
+            for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
 
@@ -50,12 +63,24 @@ class Qwen2ForCausalLM(ParallelModule):
         self.config = config
         self.model = _Qwen2Model(config, tp, device, dtype)
         self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, tp_group=tp, device=device, dtype=dtype,
-            tie_to=self.model.embed_tokens if config.tie_word_embeddings else None)
+            config.vocab_size,
+            config.hidden_size,
+            tp_group=tp,
+            device=device,
+            dtype=dtype,
+            tie_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str, tp_group=None, dtype=None, device=None,
-                        strict: bool = True, progress: bool = True) -> "Qwen2ForCausalLM":
+    def from_pretrained(
+        cls,
+        path: str,
+        tp_group=None,
+        dtype=None,
+        device=None,
+        strict: bool = True,
+        progress: bool = True,
+    ) -> "Qwen2ForCausalLM":
         """Build the model from a Hugging Face checkpoint directory (config.json with
         model.safetensors or a sharded index; Qwen2 or original Qwen format), each rank reading
         only its own slices. ``dtype``: default the checkpoint's. ``model.load_report`` holds
@@ -72,7 +97,7 @@ class Qwen2ForCausalLM(ParallelModule):
         model.load_report = report
         return model
 
-    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 1024**3) -> None:
         """A merged Hugging Face checkpoint that transformers' Qwen2ForCausalLM loads (every
         rank calls it; rank 0 writes)."""
         checkpoint.save_hf_checkpoint(self, path, max_shard_bytes)
@@ -89,8 +114,9 @@ class Qwen2ForCausalLM(ParallelModule):
     def hf_config(self, dtype: torch.dtype) -> dict:
         return hf_layout.hf_config(self.config, dtype)
 
-    def forward(self, input_ids: torch.Tensor, local_logits: bool = False,
-                kv_caches=None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, local_logits: bool = False, kv_caches=None
+    ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, None, None if kv_caches is None else kv_caches[i])
@@ -100,12 +126,17 @@ class Qwen2ForCausalLM(ParallelModule):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding: the prompt once, then one token at a time through the KV caches."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
-                max_new_tokens < 0:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         batch, prompt = input_ids.shape
-        caches = [layer.self_attn.new_kv_cache(batch, prompt + max_new_tokens)
-                  for layer in self.model.layers]
+        caches = [
+            layer.self_attn.new_kv_cache(batch, prompt + max_new_tokens)
+            for layer in self.model.layers
+        ]
         tokens, step = input_ids, input_ids
         for _ in range(max_new_tokens):
             next_token = self(step, kv_caches=caches)[:, -1].argmax(-1, keepdim=True)
