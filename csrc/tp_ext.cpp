@@ -1,5 +1,5 @@
 // Every tp_ext op schema, in one place. Kernels live next to their family:
-//   comm/collective_ops.cpp   plain and async collectives (CPU and CUDA kernels)
+//   comm/collective_ops.cpp   plain collectives (CPU and CUDA kernels)
 //   comm/megatron_pairs.cpp   differentiable Megatron pairs (CPU/CUDA kernels + C++ autograd)
 //   loss/vocab_cross_entropy.cpp           local pieces of the vocab-parallel cross-entropy (CPU)
 //   loss/vocab_parallel_cross_entropy.cpp  the communicating loss op (C++ autograd)
@@ -26,11 +26,6 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def(
       "all_to_all(Tensor x, int scatter_dim, int gather_dim, int[]? sizes, str group_name, "
       "int group_size, int group_rank) -> Tensor");
-
-  // ---- async collectives: return at once; torch.ops._c10d_functional.wait_tensor completes ----
-  m.def("all_reduce_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
-  m.def("all_gather_async(Tensor x, str group_name, int group_size) -> Tensor");
-  m.def("reduce_scatter_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
 
   // ---- Megatron pairs (forward / backward), autograd in C++ ----
   m.def("copy_to_tp(Tensor x, str group_name, int group_size) -> Tensor");      // id / all-reduce
