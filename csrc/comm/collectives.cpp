@@ -1,10 +1,11 @@
 #include "collectives.h"
 
-#include "shm_channel.h"
-#include "stats.h"
-
 #include <chrono>
 #include <cstring>
+
+#include "../common/checks.h"
+#include "shm_channel.h"
+#include "stats.h"
 
 namespace tp_ext::comm {
 

@@ -2,7 +2,8 @@
 // on the backend's work, records accounting under `op`, and never modifies its input.
 #pragma once
 
-#include "group.h"
+#include "../common/group.h"
+#include "collective_checks.h"
 
 namespace tp_ext::comm {
 

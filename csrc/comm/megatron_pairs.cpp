@@ -4,10 +4,11 @@
 //
 // The backward calls the registered tp_ext collectives through the dispatcher (never c10d
 // directly), so torch.compile / AOTAutograd trace them into the backward graph.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "../common/checks.h"
+#include "../common/dispatch.h"
 #include "collectives.h"
 
 namespace tp_ext::comm {
@@ -74,10 +75,6 @@ using GatherSig = at::Tensor(const at::Tensor&, int64_t, at::OptionalIntArrayRef
                              int64_t);
 using NoDimOpSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t);
 
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("tp_ext::") + name).c_str(), "");
-}
-
 bool has_dim(Pair p) { return p != Pair::CopyToTp && p != Pair::ReduceFromTp; }
 
 // Calls the pair's own op below the autograd key (so its forward kernel, or a fake kernel while
@@ -93,7 +90,7 @@ at::Tensor call_below_autograd(Pair p, const at::Tensor& x, int64_t dim,
 }
 
 // Every step is a registered op, so the backward graph says which rank it is for (see
-// tp_ext.cpp) and the rank-dependent slicing happens inside the op at run time.
+// schemas.cpp) and the rank-dependent slicing happens inside the op at run time.
 at::Tensor run_backward_step(Step step, const at::Tensor& grad, int64_t dim,
                              at::OptionalIntArrayRef sizes, const std::string& group_name,
                              int64_t group_size, int64_t group_rank) {

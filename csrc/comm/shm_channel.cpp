@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #endif
 
+#include "collective_checks.h"
+
 namespace tp_ext::comm {
 
 namespace {

@@ -1,10 +1,8 @@
-// CUDA kernels of the local pieces of tp_ext.vocab_parallel_cross_entropy (see
-// vocab_cross_entropy.cpp for the maths and the CPU kernels; the argument checks are shared).
+// CUDA kernels of the local pieces of tp_ext.vocab_parallel_cross_entropy and their registration
+// at the CUDA key (see vocab_cross_entropy.cpp for the maths and the CPU kernels; the argument
+// checks are shared).
 // One block per token row, threads striding over the vocabulary shard, fp32 accumulation (fp64
 // for fp64 logits); no [tokens, vocab] temporaries beyond the logits and their gradient.
-#include "vocab_cross_entropy.h"
-
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 // c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
 // compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
@@ -15,7 +13,10 @@
 
 #include <limits>
 
-namespace tp_ext::loss {
+#include "../common/dispatch.h"
+#include "vocab_cross_entropy.h"
+
+namespace tp_ext::ops {
 namespace {
 
 constexpr int kThreads = 256;
@@ -116,7 +117,7 @@ at::Tensor local_max_cuda(const at::Tensor& logits, int64_t group_size, int64_t 
   const Rows& rows = a.rows;
   at::Tensor& out = a.out;
   if (rows.n == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_max_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     local_max_kernel<scalar_t, acc_t><<<rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         rows.logits.const_data_ptr<scalar_t>(), out.data_ptr<acc_t>(), rows.v);
@@ -131,7 +132,7 @@ at::Tensor local_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
   const c10::cuda::CUDAGuard guard(logits.device());
   auto a = prepare_stats(logits, target, max_sizes, ignore_index, group_rank);
   if (a.rows.n == 0) return a.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     local_stats_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
@@ -149,7 +150,7 @@ at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits
   const c10::cuda::CUDAGuard guard(logits.device());
   auto a = prepare_grad(grad_loss, logits, target, max_sizes, lse, label_smoothing, group_rank);
   if (a.rows.n == 0 || a.rows.v == 0) return a.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_grad_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_grad_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t eps = static_cast<acc_t>(label_smoothing);
     const acc_t smooth = a.layout.vocab > 0 ? eps / static_cast<acc_t>(a.layout.vocab) : acc_t(0);
@@ -163,10 +164,10 @@ at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits
 }
 
 }  // namespace
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("vocab_ce_local_max", &tp_ext::loss::local_max_cuda);
-  m.impl("vocab_ce_local_stats", &tp_ext::loss::local_stats_cuda);
-  m.impl("vocab_ce_local_grad", &tp_ext::loss::local_grad_cuda);
+  m.impl("vocab_ce_local_max", &tp_ext::ops::local_max_cuda);
+  m.impl("vocab_ce_local_stats", &tp_ext::ops::local_stats_cuda);
+  m.impl("vocab_ce_local_grad", &tp_ext::ops::local_grad_cuda);
 }

@@ -1,5 +1,6 @@
-// CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy (the
-// CUDA kernels are in vocab_cross_entropy.cu; both share the argument checks below).
+// CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy, their
+// argument checks and setup (shared with the CUDA kernels in vocab_cross_entropy.cu) and their
+// registration at the CPU and Autograd keys.
 //
 // Rank r holds logits[..., V_r]: vocabulary entries [vocab_start, vocab_start + V_r) of V. With
 // the N tokens flattened, m_i the global max of token i's logits and lse_i its logsumexp:
@@ -10,11 +11,10 @@
 //                                  it), sum_j l_ij (for label smoothing over the full vocabulary)
 //   vocab_ce_local_grad   [.., V_r] g_i * (exp(l_ij - lse_i) - (1 - eps) [j == target_i] - eps/V),
 //                                  0 for ignored tokens
-// Each is one pass over the logits, parallel over tokens (at::vec inner loops), with no [tokens, vocab] temporaries
-// beyond the logits and their gradient. Accumulation is in fp32 (fp64 for fp64 logits).
+// Each is one pass over the logits, parallel over tokens (at::vec inner loops), with no
+// [tokens, vocab] temporaries beyond the logits and their gradient. Accumulation is in fp32 (fp64 for fp64 logits).
 #include "vocab_cross_entropy.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -27,8 +27,9 @@
 #include <sstream>
 #include <vector>
 
-namespace tp_ext::loss {
+#include "../common/dispatch.h"
 
+namespace tp_ext::ops {
 
 void check_logits(const at::Tensor& logits, const char* op) {
   TORCH_CHECK_VALUE(logits.defined(), "tp_ext.", op, ": logits is an undefined tensor.");
@@ -218,7 +219,7 @@ at::Tensor local_max_cpu(const at::Tensor& logits, int64_t group_size, int64_t g
   auto a = prepare_local_max(logits, group_size, group_rank);
   const Rows& rows = a.rows;
   at::Tensor& out = a.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_max", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
@@ -244,7 +245,7 @@ at::Tensor local_stats_cpu(const at::Tensor& logits, const at::Tensor& target_in
                            const at::Tensor& max_sizes_in, int64_t ignore_index,
                            int64_t group_rank) {
   auto a = prepare_stats(logits, target_in, max_sizes_in, ignore_index, group_rank);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
@@ -287,7 +288,7 @@ at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
                           int64_t group_rank) {
   auto a = prepare_grad(grad_loss, logits, target_in, max_sizes_in, lse_in, label_smoothing,
                         group_rank);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_grad", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_grad", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
@@ -327,34 +328,14 @@ at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
   return a.out;
 }
 
-// No CUDA kernels yet (CPU only); a clear error instead of the dispatcher's "no kernel" message.
-void cuda_not_implemented(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack*) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "tp_ext.", op.schema().name().substr(8),
-                              " has no CUDA kernel yet (CPU only); move logits and target to the "
-                              "CPU, or gather the logits and use torch.nn.functional.cross_entropy.");
-}
-
 }  // namespace
-
-void register_cuda_not_implemented(torch::Library& m, const char* name) {
-  m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_implemented>());
-}
-
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("vocab_ce_local_max", &tp_ext::loss::local_max_cpu);
-  m.impl("vocab_ce_local_stats", &tp_ext::loss::local_stats_cpu);
-  m.impl("vocab_ce_local_grad", &tp_ext::loss::local_grad_cpu);
+  m.impl("vocab_ce_local_max", &tp_ext::ops::local_max_cpu);
+  m.impl("vocab_ce_local_stats", &tp_ext::ops::local_stats_cpu);
+  m.impl("vocab_ce_local_grad", &tp_ext::ops::local_grad_cpu);
 }
-
-// With CUDA, vocab_cross_entropy.cu registers the real kernels instead.
-#ifndef TP_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  for (const char* name : {"vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_local_grad"})
-    tp_ext::loss::register_cuda_not_implemented(m, name);
-}
-#endif
 
 // The local pieces have no derivative of their own: vocab_parallel_cross_entropy's autograd
 // covers them. Asking for one (e.g. double backward) raises "not implemented" at backward time.

@@ -13,14 +13,15 @@
 // heads. Math in fp32 (fp64 for fp64).
 #include "rotary_embedding.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-namespace tp_ext::kernels {
+#include "../common/dispatch.h"
+
+namespace tp_ext::ops {
 
 void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                        const at::Tensor& sin) {
@@ -57,7 +58,7 @@ void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                     "q must be floating point, got ", q.scalar_type(), ".");
 }
 
-at::Tensor out_like(const at::Tensor& x) {
+at::Tensor rotary_out_like(const at::Tensor& x) {
   auto out = at::empty_like(x, at::MemoryFormat::Preserve);
   // The kernels write head_dim with unit stride; other dense layouts get a contiguous output.
   return out.stride(3) == 1 ? out : at::empty(x.sizes(), x.options());
@@ -136,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_cpu(const at::Tensor& q_in, const at::
   const auto q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   const auto k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  auto q_out = out_like(q_in), k_out = out_like(k_in);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding",
+  auto q_out = rotary_out_like(q_in), k_out = rotary_out_like(k_in);
+  TP_EXT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rotary_embedding",
                                   [&] {
     rotate_cpu<scalar_t>(q, q_out, cos, sin);
     rotate_cpu<scalar_t>(k, k_out, cos, sin);
@@ -146,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_cpu(const at::Tensor& q_in, const at::
 }
 
 c10::OperatorHandle rotary_handle() {
-  static auto h = c10::Dispatcher::singleton().findSchemaOrThrow("tp_ext::rotary_embedding", "");
+  static auto h = op_handle("rotary_embedding");
   return h;
 }
 
@@ -215,19 +216,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at
 }
 
 }  // namespace
-}  // namespace tp_ext::kernels
-
-TORCH_LIBRARY_FRAGMENT(tp_ext, m) {
-  // HF rotate_half RoPE on q [B, Hq, S, D] and k [B, Hk, S, D] (Hq != Hk allowed: GQA) with
-  // cos/sin [B, S, D] broadcast over heads: x * cos + rotate_half(x) * sin. Outputs keep the
-  // inputs' strides. Differentiable in q, k, cos and sin.
-  m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
-}
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("rotary_embedding", &tp_ext::kernels::rotary_cpu);
+  m.impl("rotary_embedding", &tp_ext::ops::rotary_cpu);
 }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  m.impl("rotary_embedding", &tp_ext::kernels::rotary_autograd);
+  m.impl("rotary_embedding", &tp_ext::ops::rotary_autograd);
 }

@@ -11,22 +11,17 @@
 // Every step is a registered op called through the dispatcher below autograd, so torch.compile /
 // AOTAutograd trace the collectives (ordered effects) and the local kernels into the graph, as the
 // Megatron pairs do (comm/megatron_pairs.cpp).
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "../comm/group.h"
+#include "../common/dispatch.h"
+#include "../common/group.h"
 #include "vocab_cross_entropy.h"
 
-namespace tp_ext::loss {
+namespace tp_ext::ops {
 namespace {
 
 constexpr const char* kOp = "vocab_parallel_cross_entropy";
-
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("tp_ext::") + name).c_str(),
-                                                        "");
-}
 
 at::Tensor call_all_reduce(const at::Tensor& x, const char* reduce, c10::string_view group_name,
                            int64_t group_size) {
@@ -74,7 +69,7 @@ Forward run_forward(const at::Tensor& logits, const at::Tensor& target, int64_t 
   check_logits_target(logits, target, kOp);
   check_label_smoothing(label_smoothing, kOp);
   if (!logits.is_meta())  // checks group_size and group_rank against the live group
-    comm::resolve_group(group_name, group_size, logits.device(), kOp, group_rank);
+    resolve_group(group_name, group_size, logits.device(), kOp, group_rank);
 
   const auto max_sizes = call_all_reduce(call_local_max(logits, group_size, group_rank), "max",
                                          group_name, group_size);
@@ -142,17 +137,18 @@ at::Tensor autograd_kernel(const at::Tensor& logits, const at::Tensor& target,
 }
 
 }  // namespace
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops
 
+// Device-generic (no .cu): the same kernel serves CPU and CUDA tensors, since every step it calls
+// dispatches to that device's kernels (the local pieces) or backend (the all-reduces).
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::forward_kernel);
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::ops::forward_kernel);
 }
 
-// Device-generic: the local pieces dispatch to their CPU or CUDA kernels.
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::forward_kernel);
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::ops::forward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::autograd_kernel);
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::ops::autograd_kernel);
 }
