@@ -16,6 +16,9 @@ namespace tp_ext::comm {
 void set_timeout_ms(int64_t ms);
 int64_t timeout_ms();
 std::chrono::milliseconds op_timeout();  // goes into each collective's options; c10d's "unset" when 0
+// work->wait(), with errors that name the op, the rank and the group. On gloo (CPU) this blocks
+// until the collective is done; on NCCL it makes the current CUDA stream wait for the collective
+// and returns without blocking the host (unless the process group is set up for blocking waits).
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op, const Group& g);
 
 // Opt-in (TP_EXT_CHECK_COLLECTIVES=1 or tp_ext.comm.set_consistency_checks(True)): before each

@@ -15,6 +15,8 @@ using Clock = std::chrono::steady_clock;
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
+// Host time since t0, as recorded in the accounting: the collective's duration on gloo and the
+// shared-memory channel, only the time to enqueue it on NCCL (stats.h).
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
