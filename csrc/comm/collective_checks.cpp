@@ -75,10 +75,11 @@ void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64
   os << ", or other arguments):";
   for (int64_t r = 0; r < g.size; ++r) {
     std::vector<int64_t> shape;
-    for (int64_t d = 0; d < std::min<int64_t>(acc[r][2], kMaxDims); ++d) shape.push_back(acc[r][4 + d]);
-    os << "\n  rank " << r << ": op#" << acc[r][0] << " dtype="
-       << c10::toString(static_cast<at::ScalarType>(acc[r][1])) << " shape=" << shape_str(shape)
-       << " arg=" << acc[r][3];
+    for (int64_t d = 0; d < std::min<int64_t>(acc[r][2], kMaxDims); ++d)
+      shape.push_back(acc[r][4 + d]);
+    os << "\n  rank " << r << ": op#" << acc[r][0]
+       << " dtype=" << c10::toString(static_cast<at::ScalarType>(acc[r][1]))
+       << " shape=" << shape_str(shape) << " arg=" << acc[r][3];
   }
   os << "\nEvery rank must call the same collective with the same dtype and shape.";
   TORCH_CHECK_VALUE(false, os.str());

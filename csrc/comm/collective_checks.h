@@ -15,7 +15,8 @@ namespace tp_ext::comm {
 // init_process_group / tp_ext.init_parallel).
 void set_timeout_ms(int64_t ms);
 int64_t timeout_ms();
-std::chrono::milliseconds op_timeout();  // goes into each collective's options; c10d's "unset" when 0
+// Goes into each collective's options; c10d's "unset" when the timeout is 0.
+std::chrono::milliseconds op_timeout();
 // work->wait(), with errors that name the op, the rank and the group. On gloo (CPU) this blocks
 // until the collective is done; on NCCL it makes the current CUDA stream wait for the collective
 // and returns without blocking the host (unless the process group is set up for blocking waits).

@@ -68,10 +68,10 @@ void dense_only(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
                     "first.");
 }
 
-constexpr const char* kAllOps[] = {
-    "all_reduce",     "all_gather",     "reduce_scatter", "broadcast",      "all_to_all",
-    "copy_to_tp",     "reduce_from_tp", "scatter_to_tp",  "gather_from_tp", "gather_from_sp",
-    "reduce_scatter_to_sp"};
+constexpr const char* kAllOps[] = {"all_reduce",     "all_gather",          "reduce_scatter",
+                                   "broadcast",      "all_to_all",          "copy_to_tp",
+                                   "reduce_from_tp", "scatter_to_tp",       "gather_from_tp",
+                                   "gather_from_sp", "reduce_scatter_to_sp"};
 
 void register_sparse_errors(torch::Library& m) {
   for (const char* name : kAllOps)

@@ -28,7 +28,7 @@ bool tracking();
 void set_tracking(bool on);
 void reset_stats();
 std::vector<StatRow> stats_snapshot();  // (tag, op, collective, count, bytes, seconds)
-void set_tag(const std::string& tag);    // process-wide, so backward (engine threads) sees it too
+void set_tag(const std::string& tag);   // process-wide, so backward (engine threads) sees it too
 std::string get_tag();
 // Adds one call (no-op while tracking is off); `seconds` as described above.
 void record(const char* op, const char* collective, int64_t bytes, double seconds);

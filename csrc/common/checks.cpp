@@ -12,8 +12,9 @@ void check_tensor(const at::Tensor& x, const char* arg, const char* op) {
 }
 
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op) {
-  TORCH_CHECK_VALUE(ndim >= 1, "tp_ext.", op, ": needs a tensor with at least one dimension, got a "
-                    "0-d tensor; reshape it with x.reshape(1).");
+  TORCH_CHECK_VALUE(ndim >= 1, "tp_ext.", op,
+                    ": needs a tensor with at least one dimension, got a 0-d tensor; reshape it "
+                    "with x.reshape(1).");
   TORCH_CHECK_VALUE(dim >= -ndim && dim < ndim, "tp_ext.", op, ": ", arg, "=", dim,
                     " is out of range for a tensor with ", ndim, " dimensions; use a value in [",
                     -ndim, ", ", ndim - 1, "].");

@@ -66,8 +66,9 @@ RmsNormBackwardArgs rms_norm_backward_args(const at::Tensor& grad_in, const at::
                                            const at::Tensor& weight) {
   const char* op = "rms_norm_backward";
   check_rms_args(x_in, weight, op);
-  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op, ": grad has shape ",
-                    grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(), ".");
+  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op,
+                    ": grad has shape ", grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(),
+                    ".");
   return {x_in.contiguous(), grad_in.to(at::kFloat).contiguous(),
           weight.to(at::kFloat).contiguous()};
 }
@@ -233,12 +234,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
             for (; j < hdim; ++j) dw[j] += gi[j] * tmp[j];
             // dx = rstd * dn - x * rstd^3 * mean(dn * x), dn = g * w
             mul_rows(gi, wp, dn.data(), hdim);
-            const float c3 = rstd * rstd * rstd * dot(dn.data(), v.data(), hdim) /
-                             static_cast<float>(hdim);
+            const float c3 =
+                rstd * rstd * rstd * dot(dn.data(), v.data(), hdim) / static_cast<float>(hdim);
             const Vec rv(rstd), cv(c3);
             j = 0;
             for (; j + kVec <= hdim; j += kVec)
-              (Vec::loadu(dn.data() + j) * rv - Vec::loadu(v.data() + j) * cv).store(tmp.data() + j);
+              (Vec::loadu(dn.data() + j) * rv - Vec::loadu(v.data() + j) * cv)
+                  .store(tmp.data() + j);
             for (; j < hdim; ++j) tmp[j] = dn[j] * rstd - v[j] * c3;
             store_row(tmp.data(), gx + i * hdim, hdim);
           }
@@ -263,8 +265,8 @@ class RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto handle = op_handle("rms_norm")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    static auto handle =
+        op_handle("rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
     ctx->save_for_backward({x, weight});
     ctx->saved_data["eps"] = eps;
     return handle.call(x, weight, eps);
@@ -300,7 +302,8 @@ class AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     const auto saved = ctx->get_saved_variables();
     at::Tensor gh = grads[1], gw;
     if (grads[0].defined()) {
-      auto [gx, gw_] = call_backward(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble());
+      auto [gx, gw_] =
+          call_backward(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble());
       gh = gh.defined() ? gx + gh : gx;
       gw = gw_;
     }

@@ -93,8 +93,8 @@ __global__ void rms_norm_backward_kernel(const float* __restrict__ g, const T* _
 // Weight gradient: one thread per column, summing over rows (coalesced along each row).
 template <typename T>
 __global__ void rms_norm_weight_grad_kernel(const float* __restrict__ g, const T* __restrict__ x,
-                                            const float* __restrict__ rstd, int64_t n,
-                                            int64_t hdim, float* __restrict__ gw) {
+                                            const float* __restrict__ rstd, int64_t n, int64_t hdim,
+                                            float* __restrict__ gw) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= hdim) return;
   float acc = 0.f;
@@ -137,9 +137,9 @@ void rms_norm_cuda_launch(const at::Tensor& x, const at::Tensor& residual, const
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x,
-                                   const at::Tensor& w, double eps, at::Tensor& grad_x,
-                                   at::Tensor& grad_w_f32, cudaStream_t stream) {
+void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w,
+                                   double eps, at::Tensor& grad_x, at::Tensor& grad_w_f32,
+                                   cudaStream_t stream) {
   const int64_t hdim = x.size(-1), n = x.numel() / hdim;
   auto rstd = at::empty({n}, x.options().dtype(at::kFloat));
   TP_EXT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_backward_cuda", [&] {
@@ -149,8 +149,8 @@ void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x,
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t blocks = (hdim + kThreads - 1) / kThreads;
     rms_norm_weight_grad_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(),
-        n, hdim, grad_w_f32.data_ptr<float>());
+        grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(), n,
+        hdim, grad_w_f32.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

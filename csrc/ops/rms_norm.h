@@ -20,8 +20,8 @@ struct RmsNormArgs {
   at::ScalarType out_dtype;
   at::Tensor x, w, res, h, out;
 };
-RmsNormArgs rms_norm_args(const at::Tensor& x, const at::Tensor* residual,
-                          const at::Tensor& weight, const char* op);
+RmsNormArgs rms_norm_args(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                          const char* op);
 
 // Checked, contiguous inputs of rms_norm_backward on any device; grad (in the output dtype)
 // and weight in fp32, where the math is done.

@@ -24,10 +24,10 @@ struct View4 {
 };
 
 template <typename scalar_t>
-__global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k,
-                              View4<scalar_t> qo, View4<scalar_t> ko,
-                              const scalar_t* __restrict__ cos, const scalar_t* __restrict__ sin,
-                              int64_t batch, int64_t seq, int64_t half) {
+__global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k, View4<scalar_t> qo,
+                              View4<scalar_t> ko, const scalar_t* __restrict__ cos,
+                              const scalar_t* __restrict__ sin, int64_t batch, int64_t seq,
+                              int64_t half) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t q_rows = batch * q.heads * seq;
   const int64_t total = (q_rows + batch * k.heads * seq) * half;
@@ -46,7 +46,8 @@ __global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k,
     const int64_t t = (b * seq + s) * d;  // cos/sin are contiguous [B, S, D]
     const acc_t a = x[j], bb = x[j + half];
     y[j] = static_cast<scalar_t>(a * acc_t(cos[t + j]) - bb * acc_t(sin[t + j]));
-    y[j + half] = static_cast<scalar_t>(bb * acc_t(cos[t + j + half]) + a * acc_t(sin[t + j + half]));
+    y[j + half] =
+        static_cast<scalar_t>(bb * acc_t(cos[t + j + half]) + a * acc_t(sin[t + j + half]));
   }
 }
 
@@ -84,6 +85,4 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q_in, const at:
 }  // namespace
 }  // namespace tp_ext::ops
 
-TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("rotary_embedding", &tp_ext::ops::rotary_cuda);
-}
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { m.impl("rotary_embedding", &tp_ext::ops::rotary_cuda); }

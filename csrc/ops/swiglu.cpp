@@ -48,8 +48,8 @@ SwigluBackwardArgs swiglu_backward_args(const at::Tensor& grad_in, const at::Ten
                     grad_in.sizes(), " but gate_up has shape ", gu.sizes(),
                     "; grad must have shape ", at::IntArrayRef(shape), ".");
   auto grad = grad_in.to(gu.scalar_type()).contiguous();
-  auto out = grad.numel() == 0 ? at::zeros(gu.sizes(), gu.options())
-                               : at::empty(gu.sizes(), gu.options());
+  auto out =
+      grad.numel() == 0 ? at::zeros(gu.sizes(), gu.options()) : at::empty(gu.sizes(), gu.options());
   return {gu, grad, out};
 }
 
@@ -73,12 +73,12 @@ template <typename T>
 inline Vec exp_neg_abs(const Vec& g) {
 #if defined(CPU_CAPABILITY_AVX512)
   // x = -|g|, floored where e^x is zero in fp32 anyway.
-  const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)),
-                                 _mm512_set1_ps(-110.f));
+  const __m512 x =
+      _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)), _mm512_set1_ps(-110.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2, high bits (exact)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);     // ln 2, the rest
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // ln 2, the rest
   // 1 / k!, highest degree first
   __m512 p;
   if constexpr (kReduced<T>) {
@@ -184,8 +184,7 @@ void swiglu_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t inter)
       for (; j + L::width <= inter; j += L::width) {
         const auto [g0, g1] = L::load(gate + j);
         const auto [u0, u1] = L::load(up + j);
-        L::store(o + j, swiglu_vec<T>(g0, u0),
-                 kReduced<T> ? swiglu_vec<T>(g1, u1) : Vec(0.f));
+        L::store(o + j, swiglu_vec<T>(g0, u0), kReduced<T> ? swiglu_vec<T>(g1, u1) : Vec(0.f));
       }
     }
     for (; j < inter; ++j) {

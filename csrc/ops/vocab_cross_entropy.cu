@@ -30,7 +30,9 @@ struct MaxOp {
 };
 struct SumOp {
   template <typename T>
-  __device__ T operator()(T a, T b) const { return a + b; }
+  __device__ T operator()(T a, T b) const {
+    return a + b;
+  }
 };
 
 // Reduces one value per thread over the block; every thread gets the result. `shared` holds
@@ -127,17 +129,17 @@ at::Tensor local_max_cuda(const at::Tensor& logits, int64_t group_size, int64_t 
 }
 
 at::Tensor local_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
-                            const at::Tensor& max_sizes, int64_t ignore_index,
-                            int64_t group_rank) {
+                            const at::Tensor& max_sizes, int64_t ignore_index, int64_t group_rank) {
   const c10::cuda::CUDAGuard guard(logits.device());
   auto a = prepare_stats(logits, target, max_sizes, ignore_index, group_rank);
   if (a.rows.n == 0) return a.out;
   TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    local_stats_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
-        a.max_sizes.const_data_ptr<acc_t>(), a.out.data_ptr<acc_t>(), a.rows.v,
-        a.layout.vocab_start, ignore_index);
+    local_stats_kernel<scalar_t, acc_t>
+        <<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+            a.max_sizes.const_data_ptr<acc_t>(), a.out.data_ptr<acc_t>(), a.rows.v,
+            a.layout.vocab_start, ignore_index);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return a.out;
@@ -154,10 +156,11 @@ at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t eps = static_cast<acc_t>(label_smoothing);
     const acc_t smooth = a.layout.vocab > 0 ? eps / static_cast<acc_t>(a.layout.vocab) : acc_t(0);
-    local_grad_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
-        a.g.const_data_ptr<acc_t>(), a.lse.const_data_ptr<acc_t>(), a.out.data_ptr<scalar_t>(),
-        a.rows.v, a.layout.vocab_start, ignore_index, eps, smooth);
+    local_grad_kernel<scalar_t, acc_t>
+        <<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+            a.g.const_data_ptr<acc_t>(), a.lse.const_data_ptr<acc_t>(), a.out.data_ptr<scalar_t>(),
+            a.rows.v, a.layout.vocab_start, ignore_index, eps, smooth);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return a.out;

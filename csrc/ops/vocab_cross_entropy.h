@@ -62,7 +62,7 @@ struct GradArgs {
   at::Tensor out;             // contiguous, logits' shape
 };
 GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits,
-                      const at::Tensor& target, const at::Tensor& max_sizes,
-                      const at::Tensor& lse, double label_smoothing, int64_t group_rank);
+                      const at::Tensor& target, const at::Tensor& max_sizes, const at::Tensor& lse,
+                      double label_smoothing, int64_t group_rank);
 
 }  // namespace tp_ext::ops

@@ -73,9 +73,9 @@ Forward run_forward(const at::Tensor& logits, const at::Tensor& target, int64_t 
 
   const auto max_sizes = call_all_reduce(call_local_max(logits, group_size, group_rank), "max",
                                          group_name, group_size);
-  const auto totals = call_all_reduce(
-      call_local_stats(logits, target, max_sizes, ignore_index, group_rank), "sum", group_name,
-      group_size);
+  const auto totals =
+      call_all_reduce(call_local_stats(logits, target, max_sizes, ignore_index, group_rank), "sum",
+                      group_name, group_size);
 
   const auto shape = target.sym_sizes();
   const auto n = target.sym_numel();
@@ -100,13 +100,11 @@ at::Tensor forward_kernel(const at::Tensor& logits, const at::Tensor& target, in
       .loss;
 }
 
-class VocabParallelCrossEntropy
-    : public torch::autograd::Function<VocabParallelCrossEntropy> {
+class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-                            const std::string& group_name, int64_t group_size,
-                            int64_t group_rank) {
+                            const std::string& group_name, int64_t group_size, int64_t group_rank) {
     auto f = run_forward(logits, target, ignore_index, label_smoothing, group_name, group_size,
                          group_rank);
     // The logits themselves, not a softmax copy: no extra [tokens, vocab] tensor is kept.
@@ -120,18 +118,17 @@ class VocabParallelCrossEntropy
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto grad_logits = call_local_grad(grads[0], saved[0], saved[1], saved[2], saved[3],
-                                       ctx->saved_data["ignore_index"].toInt(),
-                                       ctx->saved_data["label_smoothing"].toDouble(),
-                                       ctx->saved_data["group_rank"].toInt());
+    auto grad_logits = call_local_grad(
+        grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["ignore_index"].toInt(),
+        ctx->saved_data["label_smoothing"].toDouble(), ctx->saved_data["group_rank"].toInt());
     return {grad_logits,  at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor autograd_kernel(const at::Tensor& logits, const at::Tensor& target,
-                           int64_t ignore_index, double label_smoothing,
-                           c10::string_view group_name, int64_t group_size, int64_t group_rank) {
+at::Tensor autograd_kernel(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                           double label_smoothing, c10::string_view group_name, int64_t group_size,
+                           int64_t group_rank) {
   return VocabParallelCrossEntropy::apply(logits, target, ignore_index, label_smoothing,
                                           std::string(group_name), group_size, group_rank);
 }
