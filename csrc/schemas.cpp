@@ -1,4 +1,4 @@
-// Every tp_ext op schema, and only schemas: the one TORCH_LIBRARY(tp_ext) block. Kernels register
+// Every tp_ext op schema, and only schemas: the one TORCH_LIBRARY block of tp_ext. Kernels register
 // themselves with TORCH_LIBRARY_IMPL next to their code (csrc/README.md: where each op's files are
 // and the registration rule); Python wrappers and fake kernels are in the tp_ext package.
 //
