@@ -3,7 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "comm/group.h"
+#include "comm/collective_checks.h"
 #include "comm/shm_channel.h"
 #include "comm/stats.h"
 

@@ -1,4 +1,4 @@
-// Kernels of the plain and async collectives. The same code serves CPU and CUDA tensors: the
+// Kernels of the plain collectives. The same code serves CPU and CUDA tensors: the
 // process group's backend (gloo, NCCL) does the device work.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
@@ -41,25 +41,6 @@ at::Tensor all_to_all_op(const at::Tensor& x, int64_t scatter_dim, int64_t gathe
   return all_to_all(x, scatter_dim, gather_dim, sizes, g, "all_to_all");
 }
 
-at::Tensor all_reduce_async_op(const at::Tensor& x, c10::string_view reduce,
-                               c10::string_view group_name, int64_t group_size) {
-  auto g = resolve_group(group_name, group_size, x.device(), "all_reduce_async");
-  return all_reduce_start(x, parse_reduce(reduce, "all_reduce_async"), g, "all_reduce_async");
-}
-
-at::Tensor all_gather_async_op(const at::Tensor& x, c10::string_view group_name,
-                               int64_t group_size) {
-  auto g = resolve_group(group_name, group_size, x.device(), "all_gather_async");
-  return all_gather_start(x, g, "all_gather_async");
-}
-
-at::Tensor reduce_scatter_async_op(const at::Tensor& x, c10::string_view reduce,
-                                   c10::string_view group_name, int64_t group_size) {
-  auto g = resolve_group(group_name, group_size, x.device(), "reduce_scatter_async");
-  return reduce_scatter_start(x, parse_reduce(reduce, "reduce_scatter_async"), g,
-                              "reduce_scatter_async");
-}
-
 // Autograd kernel of every plain collective: they have no gradient formula (the Megatron pairs
 // do), so asking for one is an error that says what to use, not PyTorch's silent fallback.
 void not_differentiable(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
@@ -87,11 +68,10 @@ void dense_only(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
                     "first.");
 }
 
-constexpr const char* kAllOps[] = {
-    "all_reduce",     "all_gather",       "reduce_scatter",       "broadcast",
-    "all_to_all",     "all_reduce_async", "all_gather_async",     "reduce_scatter_async",
-    "copy_to_tp",     "reduce_from_tp",   "scatter_to_tp",        "gather_from_tp",
-    "gather_from_sp", "reduce_scatter_to_sp"};
+constexpr const char* kAllOps[] = {"all_reduce",     "all_gather",          "reduce_scatter",
+                                   "broadcast",      "all_to_all",          "copy_to_tp",
+                                   "reduce_from_tp", "scatter_to_tp",       "gather_from_tp",
+                                   "gather_from_sp", "reduce_scatter_to_sp"};
 
 void register_sparse_errors(torch::Library& m) {
   for (const char* name : kAllOps)
@@ -104,9 +84,6 @@ void register_kernels(torch::Library& m) {
   m.impl("reduce_scatter", &reduce_scatter_op);
   m.impl("broadcast", &broadcast_op);
   m.impl("all_to_all", &all_to_all_op);
-  m.impl("all_reduce_async", &all_reduce_async_op);
-  m.impl("all_gather_async", &all_gather_async_op);
-  m.impl("reduce_scatter_async", &reduce_scatter_async_op);
 }
 
 }  // namespace
@@ -119,7 +96,6 @@ TORCH_LIBRARY_IMPL(tp_ext, SparseCPU, m) { tp_ext::comm::register_sparse_errors(
 TORCH_LIBRARY_IMPL(tp_ext, SparseCUDA, m) { tp_ext::comm::register_sparse_errors(m); }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  for (const char* name : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
-                           "all_reduce_async", "all_gather_async", "reduce_scatter_async"})
+  for (const char* name : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&tp_ext::comm::not_differentiable>());
 }

@@ -1,10 +1,11 @@
 #include "collectives.h"
 
-#include "shm_channel.h"
-#include "stats.h"
-
 #include <chrono>
 #include <cstring>
+
+#include "../common/checks.h"
+#include "shm_channel.h"
+#include "stats.h"
 
 namespace tp_ext::comm {
 
@@ -14,6 +15,8 @@ using Clock = std::chrono::steady_clock;
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
+// Host time since t0, as recorded in the accounting: the collective's duration on gloo and the
+// shared-memory channel, only the time to enqueue it on NCCL (stats.h).
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -38,10 +41,10 @@ void finish_avg(at::Tensor& t, Reduce r, const Group& g) {
 }
 
 void check_avg_dtype(const at::Tensor& x, Reduce r, const char* op) {
-  TORCH_CHECK_VALUE(r != Reduce::Avg || at::isFloatingType(x.scalar_type()) ||
-                        at::isComplexType(x.scalar_type()),
-                    "tp_ext.", op, ": reduce='avg' needs a floating-point tensor, got ",
-                    x.scalar_type(), "; use reduce='sum' and divide, or convert x to float.");
+  TORCH_CHECK_VALUE(
+      r != Reduce::Avg || at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type()),
+      "tp_ext.", op, ": reduce='avg' needs a floating-point tensor, got ", x.scalar_type(),
+      "; use reduce='sum' and divide, or convert x to float.");
 }
 
 // x with `dim` moved to the front, contiguous; every collective below works on dim 0.
@@ -59,8 +62,15 @@ std::vector<int64_t> with_first(at::IntArrayRef shape, int64_t first) {
 
 bool shm_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
-    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
       return true;
     default:
       return false;
@@ -173,19 +183,20 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
   check_consistent(g, op, x, dim, dim);
   if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
   const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
-  const bool even = std::all_of(per_rank.begin(), per_rank.end(),
-                                [&](int64_t s) { return s == widest; });
+  const bool even =
+      std::all_of(per_rank.begin(), per_rank.end(), [&](int64_t s) { return s == widest; });
   auto front = dim_to_front(x, dim);
   const int64_t row_bytes = front.size(0) > 0 ? nbytes(front) / front.size(0)
-      : c10::multiply_integers(front.sizes().slice(1)) * static_cast<int64_t>(x.element_size());
+                                              : c10::multiply_integers(front.sizes().slice(1)) *
+                                                    static_cast<int64_t>(x.element_size());
   if (auto shm = shm_for(x, row_bytes, g)) {
     // In rounds: each rank publishes up to a slot's worth of its rows (none once it has sent
     // them all); every rank copies each piece to that rank's place in the output.
     auto t0 = Clock::now();
     std::vector<int64_t> first_row(g.size, 0);
     for (int64_t r = 1; r < g.size; ++r) first_row[r] = first_row[r - 1] + per_rank[r - 1];
-    auto gathered = at::empty(with_first(front.sizes(), first_row.back() + per_rank.back()),
-                              front.options());
+    auto gathered =
+        at::empty(with_first(front.sizes(), first_row.back() + per_rank.back()), front.options());
     const int64_t rows_per_round = row_bytes > 0 ? shm->slot_bytes() / row_bytes : widest;
     char* dst = static_cast<char*>(gathered.data_ptr());
     const char* src = static_cast<const char*>(front.const_data_ptr());
@@ -193,14 +204,13 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
       auto rows_of = [&](int64_t r) {
         return std::max<int64_t>(0, std::min(rows_per_round, per_rank[r] - done));
       };
-      const auto sig = signature({2, static_cast<int64_t>(x.scalar_type()), row_bytes, done},
-                                 per_rank);
+      const auto sig =
+          signature({2, static_cast<int64_t>(x.scalar_type()), row_bytes, done}, per_rank);
       shm->exchange(src + done * row_bytes, rows_of(g.rank) * row_bytes, sig,
                     [&](const std::vector<const char*>& slots) {
         for (int64_t r = 0; r < g.size; ++r)
           if (rows_of(r) * row_bytes > 0)
-            std::memcpy(dst + (first_row[r] + done) * row_bytes, slots[r],
-                        rows_of(r) * row_bytes);
+            std::memcpy(dst + (first_row[r] + done) * row_bytes, slots[r], rows_of(r) * row_bytes);
       }, op, g);
       if (rows_per_round == 0) break;
     }
@@ -241,8 +251,8 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
   check_consistent(g, op, x, -1, dim * 8 + static_cast<int64_t>(reduce));
   if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
   const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
-  const bool even = std::all_of(per_rank.begin(), per_rank.end(),
-                                [&](int64_t s) { return s == widest; });
+  const bool even =
+      std::all_of(per_rank.begin(), per_rank.end(), [&](int64_t s) { return s == widest; });
   auto front = dim_to_front(x, dim);
   if (auto shm = shm_for(x, x.element_size(), g)) {
     // In rounds over the whole of x, a slot's worth at a time: every rank publishes that range,
@@ -259,7 +269,8 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
     for (int64_t start = 0; start == 0 || start < front.numel(); start += per_round) {
       const int64_t count = std::min(per_round, front.numel() - start);
       const auto sig = signature({3, static_cast<int64_t>(x.scalar_type()), front.numel(),
-                                  static_cast<int64_t>(reduce), start}, per_rank);
+                                  static_cast<int64_t>(reduce), start},
+                                 per_rank);
       shm->exchange(src + start * esize, count * esize, sig,
                     [&](const std::vector<const char*>& slots) {
         const int64_t lo = std::max(start, mine_begin), hi = std::min(start + count, mine_end);
@@ -349,59 +360,6 @@ at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef
   int64_t offset = 0;
   for (int64_t r = 0; r < g.rank; ++r) offset += per_rank[r];
   return x.narrow(dim, offset, per_rank[g.rank]).clone(at::MemoryFormat::Contiguous);
-}
-
-at::Tensor all_reduce_start(const at::Tensor& x, Reduce reduce, const Group& g, const char* op) {
-  check_tensor(x, "x", op);
-  TORCH_CHECK_VALUE(reduce != Reduce::Avg, "tp_ext.", op,
-                    ": reduce='avg' is not available asynchronously; use 'sum' and divide after "
-                    "the wait.");
-  check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
-  auto out = x.clone(at::MemoryFormat::Contiguous);
-  if (g.size == 1) return out;
-  auto t0 = Clock::now();
-  std::vector<at::Tensor> bufs{out};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = to_c10d(reduce);
-  opts.timeout = op_timeout();
-  c10d::register_work(out, g.pg->allreduce(bufs, opts));
-  record(op, "all_reduce", nbytes(out), seconds_since(t0));
-  return out;
-}
-
-at::Tensor all_gather_start(const at::Tensor& x, const Group& g, const char* op) {
-  check_tensor(x, "x", op);
-  wrap_dim(0, x.dim(), "dim", op);
-  check_consistent(g, op, x, -1, 0);
-  auto front = x.contiguous();
-  if (g.size == 1) return front.clone();
-  auto out = at::empty(with_first(front.sizes(), front.size(0) * g.size), front.options());
-  auto t0 = Clock::now();
-  c10d::AllgatherOptions opts;
-  opts.timeout = op_timeout();
-  c10d::register_work(out, g.pg->_allgather_base(out, front, opts));
-  record(op, "all_gather", nbytes(out), seconds_since(t0));
-  return out;
-}
-
-at::Tensor reduce_scatter_start(const at::Tensor& x, Reduce reduce, const Group& g,
-                                const char* op) {
-  check_tensor(x, "x", op);
-  TORCH_CHECK_VALUE(reduce != Reduce::Avg, "tp_ext.", op,
-                    ": reduce='avg' is not available asynchronously; use 'sum' and divide after "
-                    "the wait.");
-  rank_sizes(x, wrap_dim(0, x.dim(), "dim", op), c10::nullopt, g, /*for_full_input=*/true, op);
-  check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
-  auto front = x.contiguous();
-  if (g.size == 1) return front.clone();
-  auto out = at::empty(with_first(front.sizes(), front.size(0) / g.size), front.options());
-  auto t0 = Clock::now();
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = to_c10d(reduce);
-  opts.timeout = op_timeout();
-  c10d::register_work(out, g.pg->_reduce_scatter_base(out, front, opts));
-  record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
-  return out;
 }
 
 }  // namespace tp_ext::comm

@@ -1,9 +1,9 @@
 // The collectives every tp_ext communication op is built from. Each takes a resolved Group, waits
-// for completion (or returns the pending work for the async ops), records accounting under `op`,
-// and never modifies its input.
+// on the backend's work, records accounting under `op`, and never modifies its input.
 #pragma once
 
-#include "group.h"
+#include "../common/group.h"
+#include "collective_checks.h"
 
 namespace tp_ext::comm {
 
@@ -25,12 +25,5 @@ at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_d
 // This rank's piece of x along `dim` (no communication); a copy, never a view of x.
 at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
                        const Group& g, const char* op);
-
-// Async: start the collective, register its work with c10d so that
-// torch.ops._c10d_functional.wait_tensor(out) completes it, and return `out` at once.
-at::Tensor all_reduce_start(const at::Tensor& x, Reduce reduce, const Group& g, const char* op);
-at::Tensor all_gather_start(const at::Tensor& x, const Group& g, const char* op);
-at::Tensor reduce_scatter_start(const at::Tensor& x, Reduce reduce, const Group& g,
-                                const char* op);
 
 }  // namespace tp_ext::comm

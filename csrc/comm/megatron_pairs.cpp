@@ -4,10 +4,11 @@
 //
 // The backward calls the registered tp_ext collectives through the dispatcher (never c10d
 // directly), so torch.compile / AOTAutograd trace them into the backward graph.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "../common/checks.h"
+#include "../common/dispatch.h"
 #include "collectives.h"
 
 namespace tp_ext::comm {
@@ -15,7 +16,14 @@ namespace {
 
 enum class Step { Identity, AllReduce, Split, AllGather, ReduceScatter };
 
-enum class Pair { CopyToTp, ReduceFromTp, ScatterToTp, GatherFromTp, GatherFromSp, ReduceScatterToSp };
+enum class Pair {
+  CopyToTp,
+  ReduceFromTp,
+  ScatterToTp,
+  GatherFromTp,
+  GatherFromSp,
+  ReduceScatterToSp
+};
 
 struct PairSpec {
   const char* name;
@@ -74,10 +82,6 @@ using GatherSig = at::Tensor(const at::Tensor&, int64_t, at::OptionalIntArrayRef
                              int64_t);
 using NoDimOpSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t);
 
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("tp_ext::") + name).c_str(), "");
-}
-
 bool has_dim(Pair p) { return p != Pair::CopyToTp && p != Pair::ReduceFromTp; }
 
 // Calls the pair's own op below the autograd key (so its forward kernel, or a fake kernel while
@@ -93,7 +97,7 @@ at::Tensor call_below_autograd(Pair p, const at::Tensor& x, int64_t dim,
 }
 
 // Every step is a registered op, so the backward graph says which rank it is for (see
-// tp_ext.cpp) and the rank-dependent slicing happens inside the op at run time.
+// schemas.cpp) and the rank-dependent slicing happens inside the op at run time.
 at::Tensor run_backward_step(Step step, const at::Tensor& grad, int64_t dim,
                              at::OptionalIntArrayRef sizes, const std::string& group_name,
                              int64_t group_size, int64_t group_rank) {
@@ -106,8 +110,9 @@ at::Tensor run_backward_step(Step step, const at::Tensor& grad, int64_t dim,
     case Step::AllReduce:
       return op_handle("all_reduce").typed<ReduceSig>().call(grad, "sum", group_name, group_size);
     case Step::AllGather:
-      return op_handle("all_gather").typed<GatherSig>().call(grad, dim, sizes, group_name,
-                                                             group_size);
+      return op_handle("all_gather")
+          .typed<GatherSig>()
+          .call(grad, dim, sizes, group_name, group_size);
     case Step::ReduceScatter:
       return op_handle("reduce_scatter")
           .typed<ScatterSig>()
@@ -126,17 +131,15 @@ class MegatronPair : public torch::autograd::Function<MegatronPair> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             int64_t pair, int64_t dim, c10::optional<std::vector<int64_t>> sizes,
-                            const std::string& group_name, int64_t group_size,
-                            int64_t group_rank) {
+                            const std::string& group_name, int64_t group_size, int64_t group_rank) {
     ctx->saved_data["pair"] = pair;
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["sizes"] = sizes.has_value() ? c10::IValue(*sizes) : c10::IValue();
     ctx->saved_data["group_name"] = group_name;
     ctx->saved_data["group_size"] = group_size;
     ctx->saved_data["group_rank"] = group_rank;
-    at::OptionalIntArrayRef sizes_ref = sizes.has_value()
-                                            ? at::OptionalIntArrayRef(*sizes)
-                                            : at::OptionalIntArrayRef(c10::nullopt);
+    at::OptionalIntArrayRef sizes_ref =
+        sizes.has_value() ? at::OptionalIntArrayRef(*sizes) : at::OptionalIntArrayRef(c10::nullopt);
     return call_below_autograd(static_cast<Pair>(pair), x, dim, sizes_ref, group_name, group_size,
                                group_rank);
   }

@@ -23,13 +23,15 @@
 #include <immintrin.h>
 #endif
 
+#include "collective_checks.h"
+
 namespace tp_ext::comm {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kLine = 64;                         // one cache line per rank's counter
+constexpr int64_t kLine = 64;                            // one cache line per rank's counter
 constexpr int64_t kDefaultSlotBytes = int64_t(1) << 20;  // per rank and buffer
 
 std::atomic<bool> g_enabled{[] {
@@ -55,7 +57,7 @@ std::string read_first_line(const char* path) {
 }
 
 std::string inode_of(const char* path) {
-  struct stat st {};
+  struct stat st{};
   return ::stat(path, &st) == 0 ? std::to_string(st.st_ino) : "?";
 }
 
@@ -204,8 +206,9 @@ std::shared_ptr<ShmChannel> ShmChannel::of(const Group& g) {
     if (found == reg.end()) {  // a new group: drop the channels of destroyed ones first
       for (auto it = reg.begin(); it != reg.end();)
         it = it->second->pg.expired() ? reg.erase(it) : std::next(it);
-      found = reg.emplace(g.pg.get(), std::make_shared<Entry>(Entry{
-                              c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg)})).first;
+      found = reg.emplace(g.pg.get(), std::make_shared<Entry>(
+                                          Entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(g.pg)}))
+                  .first;
     }
     entry = found->second;
   }
@@ -232,14 +235,15 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
   // with which slot size and segment name (rank 0's; its random nonce keeps jobs that share
   // /dev/shm from meeting, even with equal pids in different PID namespaces)?
   const int64_t slot_setting = slot_bytes_setting();
-  const auto info = gather_ints(g, {g_enabled && proc_usable() ? 1 : 0, host_key(),
-                                    static_cast<int64_t>(::getpid()), slot_setting,
-                                    static_cast<int64_t>(g.rank == 0 ? random_nonce() : 0)});
+  const auto info = gather_ints(
+      g, {g_enabled && proc_usable() ? 1 : 0, host_key(), static_cast<int64_t>(::getpid()),
+          slot_setting, static_cast<int64_t>(g.rank == 0 ? random_nonce() : 0)});
   for (int64_t r = 0; r < g.size; ++r)
     TORCH_CHECK_VALUE(info[r][3] > 0, "tp_ext: TP_EXT_SHM_SLOT_BYTES on rank ", r,
-                      " of process group '", g.name, "' is not a valid size; it must be a whole "
-                      "number of bytes, >= 4096 and a multiple of 64 (default ", kDefaultSlotBytes,
-                      ").");
+                      " of process group '", g.name,
+                      "' is not a valid size; it must be a whole number of bytes, >= 4096 and a "
+                      "multiple of 64 (default ",
+                      kDefaultSlotBytes, ").");
   for (const auto& row : info)
     if (row[0] != 1 || row[1] != info[0][1]) return nullptr;
   const int64_t slot_bytes = info[0][3];
@@ -255,7 +259,7 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
   char* base = nullptr;
   bool created = false;
   auto map_fd = [&](int fd) {
-    struct stat st {};
+    struct stat st{};
     void* p = ::fstat(fd, &st) == 0 && st.st_size == bytes
                   ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                   : MAP_FAILED;
@@ -333,15 +337,15 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
         if (line(r).arrived.load(std::memory_order_acquire) >= seq || !process_gone(pids_[r]))
           continue;
         broken_ = true;
-        TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '",
-                    g.name, "' (", g.size, " ranks): rank ", r, " (pid ", pids_[r],
+        TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '", g.name,
+                    "' (", g.size, " ranks): rank ", r, " (pid ", pids_[r],
                     ") exited before joining this collective (shared-memory transport).");
       }
     }
     if (now - start > timeout) {
       broken_ = true;
-      TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '",
-                  g.name, "' (", g.size, " ranks): timed out after ", timeout.count(),
+      TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '", g.name,
+                  "' (", g.size, " ranks): timed out after ", timeout.count(),
                   " ms waiting for rank ", missing,
                   " to join this collective (shared-memory transport; tp_ext.comm.set_timeout "
                   "or the process group's timeout sets the limit).");
@@ -369,8 +373,9 @@ void ShmChannel::exchange(const void* data, int64_t nbytes, uint64_t signature,
     if (line(r).signature[seq & 1] == signature) continue;
     broken_ = true;
     TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '", g.name,
-                "': rank ", r, " called a different collective (another op, dtype, shape or "
-                "sizes) at the same point; every rank must make the same collective calls in the "
+                "': rank ", r,
+                " called a different collective (another op, dtype, shape or sizes) at the same "
+                "point; every rank must make the same collective calls in the "
                 "same order (TP_EXT_CHECK_COLLECTIVES=1 names the difference).");
   }
   std::vector<const char*> slots(size_);

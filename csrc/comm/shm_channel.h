@@ -9,14 +9,14 @@
 // group itself.
 #pragma once
 
-#include "group.h"
-
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
+
+#include "../common/group.h"
 
 namespace tp_ext::comm {
 

@@ -10,7 +10,7 @@ namespace {
 struct Totals {
   int64_t count = 0;
   int64_t bytes = 0;
-  double seconds = 0.0;
+  double seconds = 0.0;  // host time; for NCCL only the time to enqueue (stats.h)
 };
 std::atomic<bool> g_tracking{false};
 std::mutex g_mutex;

@@ -1,10 +1,10 @@
-// Shared by the vocab-parallel cross-entropy's local kernels and its communicating op.
+// Shared by the vocab-parallel cross-entropy's local kernels (CPU: vocab_cross_entropy.cpp, CUDA:
+// vocab_cross_entropy.cu) and its communicating op (vocab_parallel_cross_entropy.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
-namespace tp_ext::loss {
+namespace tp_ext::ops {
 
 // dtype of the per-token statistics and of the loss: fp64 for fp64 logits, else fp32 (bf16 and
 // half logits accumulate in fp32).
@@ -62,11 +62,7 @@ struct GradArgs {
   at::Tensor out;             // contiguous, logits' shape
 };
 GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits,
-                      const at::Tensor& target, const at::Tensor& max_sizes,
-                      const at::Tensor& lse, double label_smoothing, int64_t group_rank);
+                      const at::Tensor& target, const at::Tensor& max_sizes, const at::Tensor& lse,
+                      double label_smoothing, int64_t group_rank);
 
-// Registers, at the CUDA key, a kernel that raises NotImplementedError for op `name`: the loss
-// has CPU kernels only for now.
-void register_cuda_not_implemented(torch::Library& m, const char* name);
-
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops

@@ -11,22 +11,17 @@
 // Every step is a registered op called through the dispatcher below autograd, so torch.compile /
 // AOTAutograd trace the collectives (ordered effects) and the local kernels into the graph, as the
 // Megatron pairs do (comm/megatron_pairs.cpp).
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "../comm/group.h"
+#include "../common/dispatch.h"
+#include "../common/group.h"
 #include "vocab_cross_entropy.h"
 
-namespace tp_ext::loss {
+namespace tp_ext::ops {
 namespace {
 
 constexpr const char* kOp = "vocab_parallel_cross_entropy";
-
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("tp_ext::") + name).c_str(),
-                                                        "");
-}
 
 at::Tensor call_all_reduce(const at::Tensor& x, const char* reduce, c10::string_view group_name,
                            int64_t group_size) {
@@ -74,13 +69,13 @@ Forward run_forward(const at::Tensor& logits, const at::Tensor& target, int64_t 
   check_logits_target(logits, target, kOp);
   check_label_smoothing(label_smoothing, kOp);
   if (!logits.is_meta())  // checks group_size and group_rank against the live group
-    comm::resolve_group(group_name, group_size, logits.device(), kOp, group_rank);
+    resolve_group(group_name, group_size, logits.device(), kOp, group_rank);
 
   const auto max_sizes = call_all_reduce(call_local_max(logits, group_size, group_rank), "max",
                                          group_name, group_size);
-  const auto totals = call_all_reduce(
-      call_local_stats(logits, target, max_sizes, ignore_index, group_rank), "sum", group_name,
-      group_size);
+  const auto totals =
+      call_all_reduce(call_local_stats(logits, target, max_sizes, ignore_index, group_rank), "sum",
+                      group_name, group_size);
 
   const auto shape = target.sym_sizes();
   const auto n = target.sym_numel();
@@ -105,13 +100,11 @@ at::Tensor forward_kernel(const at::Tensor& logits, const at::Tensor& target, in
       .loss;
 }
 
-class VocabParallelCrossEntropy
-    : public torch::autograd::Function<VocabParallelCrossEntropy> {
+class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-                            const std::string& group_name, int64_t group_size,
-                            int64_t group_rank) {
+                            const std::string& group_name, int64_t group_size, int64_t group_rank) {
     auto f = run_forward(logits, target, ignore_index, label_smoothing, group_name, group_size,
                          group_rank);
     // The logits themselves, not a softmax copy: no extra [tokens, vocab] tensor is kept.
@@ -125,34 +118,34 @@ class VocabParallelCrossEntropy
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto grad_logits = call_local_grad(grads[0], saved[0], saved[1], saved[2], saved[3],
-                                       ctx->saved_data["ignore_index"].toInt(),
-                                       ctx->saved_data["label_smoothing"].toDouble(),
-                                       ctx->saved_data["group_rank"].toInt());
+    auto grad_logits = call_local_grad(
+        grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["ignore_index"].toInt(),
+        ctx->saved_data["label_smoothing"].toDouble(), ctx->saved_data["group_rank"].toInt());
     return {grad_logits,  at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor autograd_kernel(const at::Tensor& logits, const at::Tensor& target,
-                           int64_t ignore_index, double label_smoothing,
-                           c10::string_view group_name, int64_t group_size, int64_t group_rank) {
+at::Tensor autograd_kernel(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                           double label_smoothing, c10::string_view group_name, int64_t group_size,
+                           int64_t group_rank) {
   return VocabParallelCrossEntropy::apply(logits, target, ignore_index, label_smoothing,
                                           std::string(group_name), group_size, group_rank);
 }
 
 }  // namespace
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops
 
+// Device-generic (no .cu): the same kernel serves CPU and CUDA tensors, since every step it calls
+// dispatches to that device's kernels (the local pieces) or backend (the all-reduces).
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::forward_kernel);
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::ops::forward_kernel);
 }
 
-// Device-generic: the local pieces dispatch to their CPU or CUDA kernels.
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::forward_kernel);
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::ops::forward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  m.impl("vocab_parallel_cross_entropy", &tp_ext::loss::autograd_kernel);
+  m.impl("vocab_parallel_cross_entropy", &tp_ext::ops::autograd_kernel);
 }

@@ -1,13 +1,13 @@
-// SwiGLU on a merged gate/up projection, CPU kernels and C++ autograd.
+// SwiGLU on a merged gate/up projection: the shared argument setup, the CPU kernels and the C++
+// autograd (CUDA kernels: swiglu.cu).
 //
 //   swiglu(gate_up [..., 2I]) = silu(gate) * up   [..., I], gate = gate_up[..., :I], up = [..., I:]
 //   swiglu_backward(grad [..., I], gate_up) -> grad_gate_up [..., 2I]
 // Math in fp32 (double for double), rounded to the input dtype once at the end. The unfused
 // bf16/fp16 code also rounds silu(gate) and grad * up on the way, so this is at least as accurate
 // (tests/test_fused_kernels.py: test_swiglu_rounds_once).
-#include "fused.h"
+#include "swiglu.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -15,19 +15,13 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
-#ifdef TP_EXT_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>  // at::cuda::getCurrentCUDAStream is this function
-#endif
-
 #include <cmath>
 #include <utility>
 #include <vector>
 
-namespace tp_ext::fused {
-namespace {
+#include "../common/dispatch.h"
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVec = Vec::size();
+namespace tp_ext::ops {
 
 void check_gate_up(const at::Tensor& gate_up, const char* op) {
   TORCH_CHECK_VALUE(gate_up.defined() && gate_up.layout() == at::kStrided, "tp_ext.", op,
@@ -39,31 +33,30 @@ void check_gate_up(const at::Tensor& gate_up, const char* op) {
                     "; its last dimension must be even (gate and up stacked: [..., 2 * I]).");
 }
 
-std::vector<int64_t> half_shape(const at::Tensor& gate_up) {
+std::vector<int64_t> swiglu_out_shape(const at::Tensor& gate_up) {
   auto shape = gate_up.sizes().vec();
   shape.back() /= 2;
   return shape;
 }
 
-// Checked, contiguous inputs of swiglu_backward on any device, and its output (zeros when there
-// is nothing to compute, so the kernels run only when grad has elements).
-struct BackwardArgs {
-  at::Tensor gate_up, grad, out;
-};
-
-BackwardArgs backward_args(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
+SwigluBackwardArgs swiglu_backward_args(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
   const char* op = "swiglu_backward";
   check_gate_up(gate_up_in, op);
   auto gu = gate_up_in.contiguous();
-  const auto shape = half_shape(gu);
+  const auto shape = swiglu_out_shape(gu);
   TORCH_CHECK_VALUE(grad_in.sizes().equals(shape), "tp_ext.", op, ": grad has shape ",
                     grad_in.sizes(), " but gate_up has shape ", gu.sizes(),
                     "; grad must have shape ", at::IntArrayRef(shape), ".");
   auto grad = grad_in.to(gu.scalar_type()).contiguous();
-  auto out = grad.numel() == 0 ? at::zeros(gu.sizes(), gu.options())
-                               : at::empty(gu.sizes(), gu.options());
+  auto out =
+      grad.numel() == 0 ? at::zeros(gu.sizes(), gu.options()) : at::empty(gu.sizes(), gu.options());
   return {gu, grad, out};
 }
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
 
 int64_t grain(int64_t i) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(i, 1)); }
 
@@ -80,12 +73,12 @@ template <typename T>
 inline Vec exp_neg_abs(const Vec& g) {
 #if defined(CPU_CAPABILITY_AVX512)
   // x = -|g|, floored where e^x is zero in fp32 anyway.
-  const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)),
-                                 _mm512_set1_ps(-110.f));
+  const __m512 x =
+      _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)), _mm512_set1_ps(-110.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2, high bits (exact)
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);     // ln 2, the rest
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // ln 2, the rest
   // 1 / k!, highest degree first
   __m512 p;
   if constexpr (kReduced<T>) {
@@ -191,8 +184,7 @@ void swiglu_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t inter)
       for (; j + L::width <= inter; j += L::width) {
         const auto [g0, g1] = L::load(gate + j);
         const auto [u0, u1] = L::load(up + j);
-        L::store(o + j, swiglu_vec<T>(g0, u0),
-                 kReduced<T> ? swiglu_vec<T>(g1, u1) : Vec(0.f));
+        L::store(o + j, swiglu_vec<T>(g0, u0), kReduced<T> ? swiglu_vec<T>(g1, u1) : Vec(0.f));
       }
     }
     for (; j < inter; ++j) {
@@ -237,10 +229,10 @@ void swiglu_grad_rows(const T* in, const T* grad, T* out, int64_t begin, int64_t
 at::Tensor swiglu_cpu(const at::Tensor& gate_up_in) {
   check_gate_up(gate_up_in, "swiglu");
   const auto gu = gate_up_in.contiguous();
-  auto out = at::empty(half_shape(gu), gu.options());
+  auto out = at::empty(swiglu_out_shape(gu), gu.options());
   const int64_t inter = out.size(-1), n = inter == 0 ? 0 : out.numel() / inter;
   if (out.numel() == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "swiglu", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(gu.scalar_type(), "swiglu", [&] {
     const scalar_t* in = gu.const_data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain(inter), [&](int64_t begin, int64_t end) {
@@ -251,11 +243,11 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up_in) {
 }
 
 at::Tensor swiglu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
-  const auto a = backward_args(grad_in, gate_up_in);
+  const auto a = swiglu_backward_args(grad_in, gate_up_in);
   const int64_t inter = a.gate_up.size(-1) / 2;
   if (a.grad.numel() == 0) return a.out;
   const int64_t n = a.grad.numel() / inter;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.gate_up.scalar_type(), "swiglu_backward", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(a.gate_up.scalar_type(), "swiglu_backward", [&] {
     const scalar_t* in = a.gate_up.const_data_ptr<scalar_t>();
     const scalar_t* gp = a.grad.const_data_ptr<scalar_t>();
     scalar_t* o = a.out.data_ptr<scalar_t>();
@@ -266,39 +258,19 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& gate
   return a.out;
 }
 
-#ifdef TP_EXT_WITH_CUDA
-at::Tensor swiglu_cuda(const at::Tensor& gate_up_in) {
-  check_gate_up(gate_up_in, "swiglu");
-  const auto gu = gate_up_in.contiguous();
-  auto out = at::empty(half_shape(gu), gu.options());
-  if (out.numel() > 0) swiglu_cuda_launch(gu, out, c10::cuda::getCurrentCUDAStream().stream());
-  return out;
-}
-
-at::Tensor swiglu_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
-  auto a = backward_args(grad_in, gate_up_in);
-  if (a.grad.numel() > 0)
-    swiglu_backward_cuda_launch(a.grad, a.gate_up, a.out, c10::cuda::getCurrentCUDAStream().stream());
-  return a.out;
-}
-#endif
-
 class SwigluFn : public torch::autograd::Function<SwigluFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto handle = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tp_ext::swiglu", "")
-                             .typed<at::Tensor(const at::Tensor&)>();
+    static auto handle = op_handle("swiglu").typed<at::Tensor(const at::Tensor&)>();
     ctx->save_for_backward({gate_up});
     return handle.call(gate_up);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static auto handle = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("tp_ext::swiglu_backward", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+    static auto handle =
+        op_handle("swiglu_backward").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
     if (!grads[0].defined()) return {at::Tensor()};
     return {handle.call(grads[0], ctx->get_saved_variables()[0])};
   }
@@ -307,27 +279,14 @@ class SwigluFn : public torch::autograd::Function<SwigluFn> {
 at::Tensor swiglu_autograd(const at::Tensor& gate_up) { return SwigluFn::apply(gate_up); }
 
 }  // namespace
-}  // namespace tp_ext::fused
-
-TORCH_LIBRARY_FRAGMENT(tp_ext, m) {
-  // ---- fused activation (csrc/fused/swiglu.cpp) ----
-  m.def("swiglu(Tensor gate_up) -> Tensor");
-  m.def("swiglu_backward(Tensor grad, Tensor gate_up) -> Tensor");
-}
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("swiglu", &tp_ext::fused::swiglu_cpu);
-  m.impl("swiglu_backward", &tp_ext::fused::swiglu_backward_cpu);
+  m.impl("swiglu", &tp_ext::ops::swiglu_cpu);
+  m.impl("swiglu_backward", &tp_ext::ops::swiglu_backward_cpu);
 }
-
-#ifdef TP_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("swiglu", &tp_ext::fused::swiglu_cuda);
-  m.impl("swiglu_backward", &tp_ext::fused::swiglu_backward_cuda);
-}
-#endif
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  m.impl("swiglu", &tp_ext::fused::swiglu_autograd);
+  m.impl("swiglu", &tp_ext::ops::swiglu_autograd);
   m.impl("swiglu_backward", torch::autograd::autogradNotImplementedFallback());
 }

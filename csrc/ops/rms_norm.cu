@@ -1,13 +1,18 @@
-// CUDA kernels of rms_norm / add_rms_norm / rms_norm_backward (see rms_norm.cpp for the math).
-// One block per row, fp32 accumulation, block reduction through warp shuffles; launched on the
-// current stream. Inputs arrive contiguous; the weight arrives as fp32.
-#include "fused.h"
-
-#include <ATen/Dispatch.h>
+// CUDA kernels of rms_norm / add_rms_norm / rms_norm_backward (see rms_norm.cpp for the math, the
+// shared argument setup and the autograd) and their registration at the CUDA key. One block per
+// row, fp32 accumulation, block reduction through warp shuffles; launched on the current stream.
+// Inputs arrive contiguous; the weight arrives as fp32.
 #include <c10/cuda/CUDAException.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
+// compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
-namespace tp_ext::fused {
+#include "../common/dispatch.h"
+#include "rms_norm.h"
+
+namespace tp_ext::ops {
 namespace {
 
 constexpr int kThreads = 256;
@@ -88,8 +93,8 @@ __global__ void rms_norm_backward_kernel(const float* __restrict__ g, const T* _
 // Weight gradient: one thread per column, summing over rows (coalesced along each row).
 template <typename T>
 __global__ void rms_norm_weight_grad_kernel(const float* __restrict__ g, const T* __restrict__ x,
-                                            const float* __restrict__ rstd, int64_t n,
-                                            int64_t hdim, float* __restrict__ gw) {
+                                            const float* __restrict__ rstd, int64_t n, int64_t hdim,
+                                            float* __restrict__ gw) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= hdim) return;
   float acc = 0.f;
@@ -104,14 +109,12 @@ int threads_for(int64_t hdim) {
   return t;
 }
 
-}  // namespace
-
+// x, grad: contiguous [N, H]; w: contiguous fp32 [H]; out in the promoted dtype.
 void rms_norm_cuda_launch(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
-                          double eps, at::Tensor& out, at::Tensor& h, void* stream_ptr) {
-  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+                          double eps, at::Tensor& out, at::Tensor& h, cudaStream_t stream) {
   const int64_t hdim = x.size(-1), n = x.numel() / hdim;
   const bool with_res = residual.defined();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_cuda", [&] {
     auto launch = [&](auto* out_ptr) {
       using O = std::remove_pointer_t<decltype(out_ptr)>;
       if (with_res)
@@ -134,23 +137,62 @@ void rms_norm_cuda_launch(const at::Tensor& x, const at::Tensor& residual, const
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x,
-                                   const at::Tensor& w, double eps, at::Tensor& grad_x,
-                                   at::Tensor& grad_w_f32, void* stream_ptr) {
-  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w,
+                                   double eps, at::Tensor& grad_x, at::Tensor& grad_w_f32,
+                                   cudaStream_t stream) {
   const int64_t hdim = x.size(-1), n = x.numel() / hdim;
   auto rstd = at::empty({n}, x.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_backward_cuda", [&] {
     rms_norm_backward_kernel<scalar_t><<<n, threads_for(hdim), 0, stream>>>(
         grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), w.const_data_ptr<float>(),
         static_cast<float>(eps), hdim, grad_x.data_ptr<scalar_t>(), rstd.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t blocks = (hdim + kThreads - 1) / kThreads;
     rms_norm_weight_grad_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(),
-        n, hdim, grad_w_f32.data_ptr<float>());
+        grad.const_data_ptr<float>(), x.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(), n,
+        hdim, grad_w_f32.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
-}  // namespace tp_ext::fused
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& x_in, const at::Tensor* res_in,
+                                                const at::Tensor& weight, double eps,
+                                                const char* op) {
+  auto a = rms_norm_args(x_in, res_in, weight, op);
+  if (a.x.numel() > 0)
+    rms_norm_cuda_launch(a.x, a.res, a.w, eps, a.out, a.h, c10::cuda::getCurrentCUDAStream());
+  return {a.out, a.h};
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(forward_cuda(x, nullptr, weight, eps, "rms_norm"));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x,
+                                                     const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  check_rms_args(x, weight, "add_rms_norm");
+  check_residual(x, residual);
+  return forward_cuda(x, &residual, weight, eps, "add_rms_norm");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_in,
+                                                          const at::Tensor& x_in,
+                                                          const at::Tensor& weight, double eps) {
+  const auto in = rms_norm_backward_args(grad_in, x_in, weight);
+  const at::Tensor &x = in.x, &g = in.grad, &w = in.weight;
+  auto grad_x = at::empty(x.sizes(), x.options());
+  auto grad_w = at::zeros({x.size(-1)}, x.options().dtype(at::kFloat));
+  if (x.numel() > 0)
+    rms_norm_backward_cuda_launch(g, x, w, eps, grad_x, grad_w, c10::cuda::getCurrentCUDAStream());
+  return {grad_x, grad_w.to(weight.scalar_type())};
+}
+
+}  // namespace
+}  // namespace tp_ext::ops
+
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
+  m.impl("rms_norm", &tp_ext::ops::rms_norm_cuda);
+  m.impl("add_rms_norm", &tp_ext::ops::add_rms_norm_cuda);
+  m.impl("rms_norm_backward", &tp_ext::ops::rms_norm_backward_cuda);
+}

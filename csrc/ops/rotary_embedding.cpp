@@ -13,14 +13,15 @@
 // heads. Math in fp32 (fp64 for fp64).
 #include "rotary_embedding.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-namespace tp_ext::kernels {
+#include "../common/dispatch.h"
+
+namespace tp_ext::ops {
 
 void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                        const at::Tensor& sin) {
@@ -32,32 +33,31 @@ void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const auto& d = q.sym_size(3);
   TORCH_CHECK_VALUE(d % 2 == 0, op, "head_dim must be even, got q of shape ", q.sym_sizes(),
                     " (head_dim ", d, ").");
-  TORCH_CHECK_VALUE(k.sym_size(0) == q.sym_size(0) && k.sym_size(2) == q.sym_size(2) &&
-                        k.sym_size(3) == d,
-                    op, "k of shape ", k.sym_sizes(), " does not match q of shape ", q.sym_sizes(),
-                    " in batch, seq or head_dim (only the head count may differ).");
+  TORCH_CHECK_VALUE(
+      k.sym_size(0) == q.sym_size(0) && k.sym_size(2) == q.sym_size(2) && k.sym_size(3) == d, op,
+      "k of shape ", k.sym_sizes(), " does not match q of shape ", q.sym_sizes(),
+      " in batch, seq or head_dim (only the head count may differ).");
   const c10::SymInt want[3] = {q.sym_size(0), q.sym_size(2), d};
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos},
                                 std::pair<const char*, const at::Tensor&>{"sin", sin}}) {
-    TORCH_CHECK_VALUE(t.sym_sizes().equals(c10::SymIntArrayRef(want, 3)), op, name,
-                      " has shape ", t.sym_sizes(), " but q has shape ", q.sym_sizes(), "; ",
-                      name, " must be [batch, seq, head_dim] = [", want[0], ", ", want[1], ", ",
-                      want[2], "].");
+    TORCH_CHECK_VALUE(t.sym_sizes().equals(c10::SymIntArrayRef(want, 3)), op, name, " has shape ",
+                      t.sym_sizes(), " but q has shape ", q.sym_sizes(), "; ", name,
+                      " must be [batch, seq, head_dim] = [", want[0], ", ", want[1], ", ", want[2],
+                      "].");
   }
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k", k},
                                 std::pair<const char*, const at::Tensor&>{"cos", cos},
                                 std::pair<const char*, const at::Tensor&>{"sin", sin}}) {
-    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), op, name, " has dtype ",
-                      t.scalar_type(), " but q has dtype ", q.scalar_type(),
-                      "; pass all four in one dtype.");
-    TORCH_CHECK_VALUE(t.device() == q.device(), op, name, " is on ", t.device(),
-                      " but q is on ", q.device(), ".");
+    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), op, name, " has dtype ", t.scalar_type(),
+                      " but q has dtype ", q.scalar_type(), "; pass all four in one dtype.");
+    TORCH_CHECK_VALUE(t.device() == q.device(), op, name, " is on ", t.device(), " but q is on ",
+                      q.device(), ".");
   }
-  TORCH_CHECK_VALUE(at::isFloatingType(q.scalar_type()), op,
-                    "q must be floating point, got ", q.scalar_type(), ".");
+  TORCH_CHECK_VALUE(at::isFloatingType(q.scalar_type()), op, "q must be floating point, got ",
+                    q.scalar_type(), ".");
 }
 
-at::Tensor out_like(const at::Tensor& x) {
+at::Tensor rotary_out_like(const at::Tensor& x) {
   auto out = at::empty_like(x, at::MemoryFormat::Preserve);
   // The kernels write head_dim with unit stride; other dense layouts get a contiguous output.
   return out.stride(3) == 1 ? out : at::empty(x.sizes(), x.options());
@@ -83,8 +83,7 @@ void rotate_cpu(const at::Tensor& x, at::Tensor& out, const at::Tensor& cos,
                    [&](int64_t begin, int64_t end) {
     // Per-chunk fp32 scratch: x halves, cos and sin rows, converted once.
     std::vector<acc_t> buf(6 * h);
-    acc_t *a = buf.data(), *b = a + h, *clo = b + h, *chi = clo + h, *slo = chi + h,
-          *shi = slo + h;
+    acc_t *a = buf.data(), *b = a + h, *clo = b + h, *chi = clo + h, *slo = chi + h, *shi = slo + h;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = r % S, bh = r / S, hh = bh % H, bb = bh / H;
       const scalar_t* xr = xp + bb * xs0 + hh * xs1 + s * xs2;
@@ -136,9 +135,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_cpu(const at::Tensor& q_in, const at::
   const auto q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   const auto k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  auto q_out = out_like(q_in), k_out = out_like(k_in);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding",
-                                  [&] {
+  auto q_out = rotary_out_like(q_in), k_out = rotary_out_like(k_in);
+  TP_EXT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rotary_embedding", [&] {
     rotate_cpu<scalar_t>(q, q_out, cos, sin);
     rotate_cpu<scalar_t>(k, k_out, cos, sin);
   });
@@ -146,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_cpu(const at::Tensor& q_in, const at::
 }
 
 c10::OperatorHandle rotary_handle() {
-  static auto h = c10::Dispatcher::singleton().findSchemaOrThrow("tp_ext::rotary_embedding", "");
+  static auto h = op_handle("rotary_embedding");
   return h;
 }
 
@@ -215,19 +213,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at
 }
 
 }  // namespace
-}  // namespace tp_ext::kernels
+}  // namespace tp_ext::ops
 
-TORCH_LIBRARY_FRAGMENT(tp_ext, m) {
-  // HF rotate_half RoPE on q [B, Hq, S, D] and k [B, Hk, S, D] (Hq != Hk allowed: GQA) with
-  // cos/sin [B, S, D] broadcast over heads: x * cos + rotate_half(x) * sin. Outputs keep the
-  // inputs' strides. Differentiable in q, k, cos and sin.
-  m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("rotary_embedding", &tp_ext::kernels::rotary_cpu);
-}
+TORCH_LIBRARY_IMPL(tp_ext, CPU, m) { m.impl("rotary_embedding", &tp_ext::ops::rotary_cpu); }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  m.impl("rotary_embedding", &tp_ext::kernels::rotary_autograd);
+  m.impl("rotary_embedding", &tp_ext::ops::rotary_autograd);
 }

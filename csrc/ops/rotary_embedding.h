@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-namespace tp_ext::kernels {
+namespace tp_ext::ops {
 
 // Checks q [B, Hq, S, D], k [B, Hk, S, D], cos/sin [B, S, D] (D even, same dtype/device) and
 // raises errors naming the argument and the shapes.
@@ -11,6 +11,6 @@ void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& sin);
 
 // Output for x: x's strides when dense with unit head_dim stride, else contiguous.
-at::Tensor out_like(const at::Tensor& x);
+at::Tensor rotary_out_like(const at::Tensor& x);
 
-}  // namespace tp_ext::kernels
+}  // namespace tp_ext::ops

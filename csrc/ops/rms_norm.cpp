@@ -1,4 +1,5 @@
-// RMSNorm and residual-add + RMSNorm (Hugging Face semantics), CPU kernels and C++ autograd.
+// RMSNorm and residual-add + RMSNorm (Hugging Face semantics): the shared argument setup, the CPU
+// kernels and the C++ autograd (CUDA kernels: rms_norm.cu).
 //
 //   rms_norm(x, w, eps)            = w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
 //   add_rms_norm(x, r, w, eps)     = (rms_norm(h, w, eps), h) with h = x + r in x's dtype
@@ -6,23 +7,20 @@
 //                                      extra saved output, and keeps the forward schema plain)
 // Output dtype is torch's promotion of x and weight, as in the reference. Rows are independent:
 // parallel over rows, each row converted to fp32 once and processed with Vectorized<float>.
-#include "fused.h"
+#include "rms_norm.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
-#ifdef TP_EXT_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>  // at::cuda::getCurrentCUDAStream is this function
-#endif
-
 #include <cmath>
 #include <vector>
 
-namespace tp_ext::fused {
+#include "../common/dispatch.h"
+
+namespace tp_ext::ops {
 
 at::ScalarType check_rms_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK_VALUE(x.defined() && weight.defined(), "tp_ext.", op, ": undefined tensor argument.");
@@ -39,6 +37,40 @@ at::ScalarType check_rms_args(const at::Tensor& x, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(weight.device() == x.device(), "tp_ext.", op, ": weight is on ",
                     weight.device(), " but x is on ", x.device(), ".");
   return at::promote_types(x.scalar_type(), weight.scalar_type());
+}
+
+void check_residual(const at::Tensor& x, const at::Tensor& residual) {
+  TORCH_CHECK_VALUE(residual.defined() && residual.sym_sizes().equals(x.sym_sizes()) &&
+                        residual.scalar_type() == x.scalar_type() &&
+                        residual.device() == x.device(),
+                    "tp_ext.add_rms_norm: residual (shape ", residual.sym_sizes(), ", ",
+                    residual.scalar_type(), ") must match x (shape ", x.sym_sizes(), ", ",
+                    x.scalar_type(), ") in shape, dtype and device.");
+}
+
+RmsNormArgs rms_norm_args(const at::Tensor& x_in, const at::Tensor* res_in,
+                          const at::Tensor& weight, const char* op) {
+  RmsNormArgs a;
+  a.out_dtype = check_rms_args(x_in, weight, op);
+  a.x = x_in.contiguous();
+  a.w = weight.to(at::kFloat).contiguous();
+  if (res_in) {
+    a.res = res_in->contiguous();
+    a.h = at::empty(a.x.sizes(), a.x.options());
+  }
+  a.out = at::empty(a.x.sizes(), a.x.options().dtype(a.out_dtype));
+  return a;
+}
+
+RmsNormBackwardArgs rms_norm_backward_args(const at::Tensor& grad_in, const at::Tensor& x_in,
+                                           const at::Tensor& weight) {
+  const char* op = "rms_norm_backward";
+  check_rms_args(x_in, weight, op);
+  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op,
+                    ": grad has shape ", grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(),
+                    ".");
+  return {x_in.contiguous(), grad_in.to(at::kFloat).contiguous(),
+          weight.to(at::kFloat).contiguous()};
 }
 
 namespace {
@@ -130,36 +162,15 @@ void forward_rows(const T* x, const T* res, const float* w, double eps, int64_t 
   });
 }
 
-// Checked, contiguous inputs and the outputs of rms_norm / add_rms_norm on any device: weight in
-// fp32, h (= x + residual) only with a residual, out in the promoted dtype.
-struct ForwardArgs {
-  at::ScalarType out_dtype;
-  at::Tensor x, w, res, h, out;
-};
-
-ForwardArgs forward_args(const at::Tensor& x_in, const at::Tensor* res_in,
-                         const at::Tensor& weight, const char* op) {
-  ForwardArgs a;
-  a.out_dtype = check_rms_args(x_in, weight, op);
-  a.x = x_in.contiguous();
-  a.w = weight.to(at::kFloat).contiguous();
-  if (res_in) {
-    a.res = res_in->contiguous();
-    a.h = at::empty(a.x.sizes(), a.x.options());
-  }
-  a.out = at::empty(a.x.sizes(), a.x.options().dtype(a.out_dtype));
-  return a;
-}
-
 std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x_in, const at::Tensor* res_in,
                                                const at::Tensor& weight, double eps,
                                                const char* op) {
-  const auto a = forward_args(x_in, res_in, weight, op);
+  const auto a = rms_norm_args(x_in, res_in, weight, op);
   const at::Tensor &x = a.x, &w = a.w, &res = a.res, &h = a.h, &out = a.out;
   const auto out_dtype = a.out_dtype;
   const int64_t hdim = x.size(-1), n = rows_of(x);
   if (n == 0 || hdim == 0) return {out, h};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* rp = res_in ? res.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* hp = res_in ? h.data_ptr<scalar_t>() : nullptr;
     if (out_dtype == x.scalar_type()) {
@@ -177,31 +188,6 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& x_in, const at:
   return {out, h};
 }
 
-void check_residual(const at::Tensor& x, const at::Tensor& residual) {
-  TORCH_CHECK_VALUE(residual.defined() && residual.sym_sizes().equals(x.sym_sizes()) &&
-                        residual.scalar_type() == x.scalar_type() &&
-                        residual.device() == x.device(),
-                    "tp_ext.add_rms_norm: residual (shape ", residual.sym_sizes(), ", ",
-                    residual.scalar_type(), ") must match x (shape ", x.sym_sizes(), ", ",
-                    x.scalar_type(), ") in shape, dtype and device.");
-}
-
-// Checked, contiguous inputs of rms_norm_backward on any device; grad (in the output dtype)
-// and weight in fp32, where the math is done.
-struct BackwardInputs {
-  at::Tensor x, grad, weight;
-};
-
-BackwardInputs backward_inputs(const at::Tensor& grad_in, const at::Tensor& x_in,
-                               const at::Tensor& weight) {
-  const char* op = "rms_norm_backward";
-  check_rms_args(x_in, weight, op);
-  TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op, ": grad has shape ",
-                    grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(), ".");
-  return {x_in.contiguous(), grad_in.to(at::kFloat).contiguous(),
-          weight.to(at::kFloat).contiguous()};
-}
-
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return std::get<0>(forward_cpu(x, nullptr, weight, eps, "rms_norm"));
 }
@@ -216,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_in,
                                                          const at::Tensor& x_in,
                                                          const at::Tensor& weight, double eps) {
-  const auto in = backward_inputs(grad_in, x_in, weight);
+  const auto in = rms_norm_backward_args(grad_in, x_in, weight);
   const at::Tensor &x = in.x, &g = in.grad, &w = in.weight;
   auto grad_x = at::empty(x.sizes(), x.options());
   const int64_t hdim = x.size(-1), n = rows_of(x);
@@ -224,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   const int64_t chunks = std::min<int64_t>(n, std::max<int64_t>(1, at::get_num_threads()));
   auto partial = at::zeros({chunks, hdim}, x.options().dtype(at::kFloat));
   if (n > 0 && hdim > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward", [&] {
+    TP_EXT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       const float* gp = g.const_data_ptr<float>();
       const float* wp = w.const_data_ptr<float>();
@@ -248,12 +234,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
             for (; j < hdim; ++j) dw[j] += gi[j] * tmp[j];
             // dx = rstd * dn - x * rstd^3 * mean(dn * x), dn = g * w
             mul_rows(gi, wp, dn.data(), hdim);
-            const float c3 = rstd * rstd * rstd * dot(dn.data(), v.data(), hdim) /
-                             static_cast<float>(hdim);
+            const float c3 =
+                rstd * rstd * rstd * dot(dn.data(), v.data(), hdim) / static_cast<float>(hdim);
             const Vec rv(rstd), cv(c3);
             j = 0;
             for (; j + kVec <= hdim; j += kVec)
-              (Vec::loadu(dn.data() + j) * rv - Vec::loadu(v.data() + j) * cv).store(tmp.data() + j);
+              (Vec::loadu(dn.data() + j) * rv - Vec::loadu(v.data() + j) * cv)
+                  .store(tmp.data() + j);
             for (; j < hdim; ++j) tmp[j] = dn[j] * rstd - v[j] * c3;
             store_row(tmp.data(), gx + i * hdim, hdim);
           }
@@ -264,53 +251,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   return {grad_x, partial.sum(0).to(weight.scalar_type())};
 }
 
-#ifdef TP_EXT_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& x_in, const at::Tensor* res_in,
-                                                const at::Tensor& weight, double eps,
-                                                const char* op) {
-  auto a = forward_args(x_in, res_in, weight, op);
-  if (a.x.numel() > 0)
-    rms_norm_cuda_launch(a.x, a.res, a.w, eps, a.out, a.h,
-                         c10::cuda::getCurrentCUDAStream().stream());
-  return {a.out, a.h};
-}
-
-at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<0>(forward_cuda(x, nullptr, weight, eps, "rms_norm"));
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x,
-                                                     const at::Tensor& residual,
-                                                     const at::Tensor& weight, double eps) {
-  check_rms_args(x, weight, "add_rms_norm");
-  check_residual(x, residual);
-  return forward_cuda(x, &residual, weight, eps, "add_rms_norm");
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_in,
-                                                          const at::Tensor& x_in,
-                                                          const at::Tensor& weight, double eps) {
-  const auto in = backward_inputs(grad_in, x_in, weight);
-  const at::Tensor &x = in.x, &g = in.grad, &w = in.weight;
-  auto grad_x = at::empty(x.sizes(), x.options());
-  auto grad_w = at::zeros({x.size(-1)}, x.options().dtype(at::kFloat));
-  if (x.numel() > 0) rms_norm_backward_cuda_launch(g, x, w, eps, grad_x, grad_w,
-                                                     c10::cuda::getCurrentCUDAStream().stream());
-  return {grad_x, grad_w.to(weight.scalar_type())};
-}
-#endif
-
-// Calls an op below autograd (the kernels registered at CPU / CUDA).
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
-
 using BwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, double);
 
 std::tuple<at::Tensor, at::Tensor> call_backward(const at::Tensor& grad, const at::Tensor& x,
                                                  const at::Tensor& w, double eps) {
-  static auto handle = op_handle("tp_ext::rms_norm_backward").typed<BwdSig>();
+  static auto handle = op_handle("rms_norm_backward").typed<BwdSig>();
   return handle.call(grad, x, w, eps);
 }
 
@@ -319,8 +265,8 @@ class RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto handle = op_handle("tp_ext::rms_norm")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    static auto handle =
+        op_handle("rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
     ctx->save_for_backward({x, weight});
     ctx->saved_data["eps"] = eps;
     return handle.call(x, weight, eps);
@@ -342,7 +288,7 @@ class AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
                                                 const at::Tensor& weight, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto handle =
-        op_handle("tp_ext::add_rms_norm")
+        op_handle("add_rms_norm")
             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                       const at::Tensor&, double)>();
     auto [out, h] = handle.call(x, residual, weight, eps);
@@ -356,7 +302,8 @@ class AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     const auto saved = ctx->get_saved_variables();
     at::Tensor gh = grads[1], gw;
     if (grads[0].defined()) {
-      auto [gx, gw_] = call_backward(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble());
+      auto [gx, gw_] =
+          call_backward(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble());
       gh = gh.defined() ? gx + gh : gx;
       gw = gw_;
     }
@@ -377,32 +324,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_autograd(const at::Tensor& x,
 }
 
 }  // namespace
-}  // namespace tp_ext::fused
-
-TORCH_LIBRARY_FRAGMENT(tp_ext, m) {
-  // ---- fused norms (csrc/fused/rms_norm.cpp): fp32 math, output dtype promote(x, weight) ----
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
-}
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("rms_norm", &tp_ext::fused::rms_norm_cpu);
-  m.impl("add_rms_norm", &tp_ext::fused::add_rms_norm_cpu);
-  m.impl("rms_norm_backward", &tp_ext::fused::rms_norm_backward_cpu);
+  m.impl("rms_norm", &tp_ext::ops::rms_norm_cpu);
+  m.impl("add_rms_norm", &tp_ext::ops::add_rms_norm_cpu);
+  m.impl("rms_norm_backward", &tp_ext::ops::rms_norm_backward_cpu);
 }
-
-#ifdef TP_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("rms_norm", &tp_ext::fused::rms_norm_cuda);
-  m.impl("add_rms_norm", &tp_ext::fused::add_rms_norm_cuda);
-  m.impl("rms_norm_backward", &tp_ext::fused::rms_norm_backward_cuda);
-}
-#endif
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  m.impl("rms_norm", &tp_ext::fused::rms_norm_autograd);
-  m.impl("add_rms_norm", &tp_ext::fused::add_rms_norm_autograd);
+  m.impl("rms_norm", &tp_ext::ops::rms_norm_autograd);
+  m.impl("add_rms_norm", &tp_ext::ops::add_rms_norm_autograd);
   // No double backward.
   m.impl("rms_norm_backward", torch::autograd::autogradNotImplementedFallback());
 }

@@ -1,5 +1,6 @@
-// CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy (the
-// CUDA kernels are in vocab_cross_entropy.cu; both share the argument checks below).
+// CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy, their
+// argument checks and setup (shared with the CUDA kernels in vocab_cross_entropy.cu) and their
+// registration at the CPU and Autograd keys.
 //
 // Rank r holds logits[..., V_r]: vocabulary entries [vocab_start, vocab_start + V_r) of V. With
 // the N tokens flattened, m_i the global max of token i's logits and lse_i its logsumexp:
@@ -10,11 +11,11 @@
 //                                  it), sum_j l_ij (for label smoothing over the full vocabulary)
 //   vocab_ce_local_grad   [.., V_r] g_i * (exp(l_ij - lse_i) - (1 - eps) [j == target_i] - eps/V),
 //                                  0 for ignored tokens
-// Each is one pass over the logits, parallel over tokens (at::vec inner loops), with no [tokens, vocab] temporaries
-// beyond the logits and their gradient. Accumulation is in fp32 (fp64 for fp64 logits).
+// Each is one pass over the logits, parallel over tokens (at::vec inner loops), with no
+// [tokens, vocab] temporaries beyond the logits and their gradient. Accumulation is in fp32 (fp64
+// for fp64 logits).
 #include "vocab_cross_entropy.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -27,8 +28,9 @@
 #include <sstream>
 #include <vector>
 
-namespace tp_ext::loss {
+#include "../common/dispatch.h"
 
+namespace tp_ext::ops {
 
 void check_logits(const at::Tensor& logits, const char* op) {
   TORCH_CHECK_VALUE(logits.defined(), "tp_ext.", op, ": logits is an undefined tensor.");
@@ -36,9 +38,9 @@ void check_logits(const at::Tensor& logits, const char* op) {
                     ": logits must be a dense (strided) tensor, got layout ", logits.layout(),
                     "; call .to_dense() first.");
   const auto dt = logits.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
-                    "tp_ext.", op, ": logits must be floating point (float32, float64, bfloat16 or "
-                    "float16), got ", dt, ".");
+  TORCH_CHECK_VALUE(
+      dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf, "tp_ext.",
+      op, ": logits must be floating point (float32, float64, bfloat16 or float16), got ", dt, ".");
   TORCH_CHECK_VALUE(logits.dim() >= 1, "tp_ext.", op,
                     ": logits must have a vocabulary dimension (shape [..., V_local]), got a 0-d "
                     "tensor.");
@@ -55,9 +57,8 @@ void check_logits_target(const at::Tensor& logits, const at::Tensor& target, con
                     "; pass target.long().");
   const auto lead = logits.sym_sizes().slice(0, logits.dim() - 1);
   TORCH_CHECK_VALUE(target.sym_sizes().equals(lead), "tp_ext.", op, ": target has shape ",
-                    target.sym_sizes(), " but logits have shape ",
-                    logits.sym_sizes(), "; target must have shape logits.shape[:-1] = ",
-                    lead, ".");
+                    target.sym_sizes(), " but logits have shape ", logits.sym_sizes(),
+                    "; target must have shape logits.shape[:-1] = ", lead, ".");
   TORCH_CHECK_VALUE(target.device() == logits.device(), "tp_ext.", op, ": target is on ",
                     target.device(), " but logits are on ", logits.device(),
                     "; move both to the same device.");
@@ -65,8 +66,8 @@ void check_logits_target(const at::Tensor& logits, const at::Tensor& target, con
 
 void check_label_smoothing(double label_smoothing, const char* op) {
   TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0, "tp_ext.", op,
-                    ": label_smoothing=", label_smoothing, " is outside [0, 1]; use a value in "
-                    "[0, 1] (0 disables smoothing).");
+                    ": label_smoothing=", label_smoothing,
+                    " is outside [0, 1]; use a value in [0, 1] (0 disables smoothing).");
 }
 
 Rows rows_of(const at::Tensor& logits) {
@@ -79,16 +80,15 @@ Rows rows_of(const at::Tensor& logits) {
 Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_rank,
                    at::ScalarType logits_dtype, const char* op) {
   const auto want = stats_dtype(logits_dtype);
-  TORCH_CHECK_VALUE(max_sizes.dim() == 1 && max_sizes.scalar_type() == want &&
-                        max_sizes.numel() > rows.n,
-                    "tp_ext.", op, ": max_sizes must be the 1-d ", want,
-                    " tensor [N + group_size] from vocab_ce_local_max (all-reduced with max), with "
-                    "N = ", rows.n, " tokens; got shape ", max_sizes.sizes(), " and dtype ",
-                    max_sizes.scalar_type(), ".");
+  TORCH_CHECK_VALUE(
+      max_sizes.dim() == 1 && max_sizes.scalar_type() == want && max_sizes.numel() > rows.n,
+      "tp_ext.", op, ": max_sizes must be the 1-d ", want,
+      " tensor [N + group_size] from vocab_ce_local_max (all-reduced with max), with N = ", rows.n,
+      " tokens; got shape ", max_sizes.sizes(), " and dtype ", max_sizes.scalar_type(), ".");
   const int64_t world = max_sizes.numel() - rows.n;
-  TORCH_CHECK_VALUE(group_rank >= 0 && group_rank < world, "tp_ext.", op, ": group_rank=",
-                    group_rank, " is outside [0, ", world, ") (max_sizes holds ", world,
-                    " rank sizes).");
+  TORCH_CHECK_VALUE(group_rank >= 0 && group_rank < world, "tp_ext.", op,
+                    ": group_rank=", group_rank, " is outside [0, ", world, ") (max_sizes holds ",
+                    world, " rank sizes).");
   auto sizes = max_sizes.narrow(0, rows.n, world).to(at::kCPU, at::kDouble).contiguous();
   const double* s = sizes.const_data_ptr<double>();
   Layout out{0, 0};
@@ -101,9 +101,9 @@ Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_
     if (r < group_rank) out.vocab_start += size;
     out.vocab += size;
   }
-  TORCH_CHECK_VALUE(static_cast<int64_t>(s[group_rank]) == rows.v, "tp_ext.", op,
-                    ": logits hold ", rows.v, " vocabulary entries but max_sizes says rank ",
-                    group_rank, " holds ", s[group_rank],
+  TORCH_CHECK_VALUE(static_cast<int64_t>(s[group_rank]) == rows.v, "tp_ext.", op, ": logits hold ",
+                    rows.v, " vocabulary entries but max_sizes says rank ", group_rank, " holds ",
+                    s[group_rank],
                     "; every rank must pass its own logits shard and its group_rank.");
   return out;
 }
@@ -120,12 +120,12 @@ void check_targets(const at::Tensor& target_in, int64_t ignore_index, int64_t vo
   }
   const int64_t* t = target.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < target.numel(); ++i) {
-    TORCH_CHECK_VALUE(t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab),
-                      "tp_ext.vocab_parallel_cross_entropy: target id ", t[i],
-                      " (at flat position ", i, ") is outside the vocabulary [0, ", vocab,
-                      ") (V = the sum of every rank's logits shard size) and is not ignore_index=",
-                      ignore_index, "; targets must be class ids in [0, ", vocab,
-                      ") or ignore_index.");
+    TORCH_CHECK_VALUE(
+        t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab),
+        "tp_ext.vocab_parallel_cross_entropy: target id ", t[i], " (at flat position ", i,
+        ") is outside the vocabulary [0, ", vocab,
+        ") (V = the sum of every rank's logits shard size) and is not ignore_index=", ignore_index,
+        "; targets must be class ids in [0, ", vocab, ") or ignore_index.");
   }
 }
 
@@ -136,17 +136,17 @@ LocalMaxArgs prepare_local_max(const at::Tensor& logits, int64_t group_size, int
   check_logits(logits, op);
   auto rows = rows_of(logits);
   // Sizes travel as floats: exact up to 2^24 in fp32.
-  TORCH_CHECK_VALUE(rows.v < (int64_t{1} << 24), "tp_ext.", op, ": a vocabulary shard of ",
-                    rows.v, " entries is too large (at most 2^24 - 1 per rank).");
-  auto out = at::zeros({rows.n + group_size},
-                       logits.options().dtype(stats_dtype(logits.scalar_type())));
+  TORCH_CHECK_VALUE(rows.v < (int64_t{1} << 24), "tp_ext.", op, ": a vocabulary shard of ", rows.v,
+                    " entries is too large (at most 2^24 - 1 per rank).");
+  auto out =
+      at::zeros({rows.n + group_size}, logits.options().dtype(stats_dtype(logits.scalar_type())));
   // This rank's size slot, written once here so the kernels only fill the N maxima.
   out.narrow(0, rows.n + group_rank, 1).fill_(static_cast<double>(rows.v));
   return {std::move(rows), std::move(out)};
 }
 
-StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& max_sizes_in,
-                        int64_t ignore_index, int64_t group_rank) {
+StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target,
+                        const at::Tensor& max_sizes_in, int64_t ignore_index, int64_t group_rank) {
   const char* op = "vocab_ce_local_stats";
   check_logits_target(logits, target, op);
   auto rows = rows_of(logits);
@@ -160,9 +160,9 @@ StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target, cons
   return {std::move(rows), std::move(max_sizes), layout, std::move(t), std::move(out)};
 }
 
-GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
-                      const at::Tensor& max_sizes_in, const at::Tensor& lse_in, double label_smoothing,
-                      int64_t group_rank) {
+GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits,
+                      const at::Tensor& target, const at::Tensor& max_sizes_in,
+                      const at::Tensor& lse_in, double label_smoothing, int64_t group_rank) {
   const char* op = "vocab_ce_local_grad";
   check_logits_target(logits, target, op);
   check_label_smoothing(label_smoothing, op);
@@ -171,19 +171,21 @@ GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits, con
   const auto layout = read_layout(max_sizes, rows, group_rank, logits.scalar_type(), op);
   const auto acc_dtype = stats_dtype(logits.scalar_type());
   TORCH_CHECK_VALUE(grad_loss.numel() == rows.n && lse_in.numel() == rows.n, "tp_ext.", op,
-                    ": grad_loss and lse must hold one value per token (", rows.n,
-                    "), got shapes ", grad_loss.sizes(), " and ", lse_in.sizes(), ".");
-  TORCH_CHECK_VALUE(at::isFloatingType(grad_loss.scalar_type()) && lse_in.scalar_type() == acc_dtype,
-                    "tp_ext.", op, ": grad_loss must be floating point and lse ", acc_dtype,
-                    ", got ", grad_loss.scalar_type(), " and ", lse_in.scalar_type(), ".");
+                    ": grad_loss and lse must hold one value per token (", rows.n, "), got shapes ",
+                    grad_loss.sizes(), " and ", lse_in.sizes(), ".");
+  TORCH_CHECK_VALUE(
+      at::isFloatingType(grad_loss.scalar_type()) && lse_in.scalar_type() == acc_dtype, "tp_ext.",
+      op, ": grad_loss must be floating point and lse ", acc_dtype, ", got ",
+      grad_loss.scalar_type(), " and ", lse_in.scalar_type(), ".");
   TORCH_CHECK_VALUE(grad_loss.device() == logits.device() && lse_in.device() == logits.device(),
                     "tp_ext.", op, ": grad_loss (", grad_loss.device(), ") and lse (",
                     lse_in.device(), ") must be on the logits' device (", logits.device(), ").");
   // Token-sized: a gradient expanded from a reduction (stride 0) becomes a plain vector here.
   auto g = grad_loss.reshape({rows.n}).to(acc_dtype).contiguous();
   auto lse = lse_in.reshape({rows.n}).contiguous();
+  auto t = target.contiguous();
   auto out = at::empty(logits.sizes(), logits.options());  // contiguous
-  return {std::move(rows), layout, target.contiguous(), std::move(g), std::move(lse), std::move(out)};
+  return {std::move(rows), layout, std::move(t), std::move(g), std::move(lse), std::move(out)};
 }
 
 namespace {
@@ -218,7 +220,7 @@ at::Tensor local_max_cpu(const at::Tensor& logits, int64_t group_size, int64_t g
   auto a = prepare_local_max(logits, group_size, group_rank);
   const Rows& rows = a.rows;
   at::Tensor& out = a.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_max", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
@@ -244,7 +246,7 @@ at::Tensor local_stats_cpu(const at::Tensor& logits, const at::Tensor& target_in
                            const at::Tensor& max_sizes_in, int64_t ignore_index,
                            int64_t group_rank) {
   auto a = prepare_stats(logits, target_in, max_sizes_in, ignore_index, group_rank);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
@@ -285,9 +287,9 @@ at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
                           const at::Tensor& target_in, const at::Tensor& max_sizes_in,
                           const at::Tensor& lse_in, int64_t ignore_index, double label_smoothing,
                           int64_t group_rank) {
-  auto a = prepare_grad(grad_loss, logits, target_in, max_sizes_in, lse_in, label_smoothing,
-                        group_rank);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_grad", [&] {
+  auto a =
+      prepare_grad(grad_loss, logits, target_in, max_sizes_in, lse_in, label_smoothing, group_rank);
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_grad", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
@@ -327,34 +329,14 @@ at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
   return a.out;
 }
 
-// No CUDA kernels yet (CPU only); a clear error instead of the dispatcher's "no kernel" message.
-void cuda_not_implemented(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack*) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "tp_ext.", op.schema().name().substr(8),
-                              " has no CUDA kernel yet (CPU only); move logits and target to the "
-                              "CPU, or gather the logits and use torch.nn.functional.cross_entropy.");
-}
-
 }  // namespace
-
-void register_cuda_not_implemented(torch::Library& m, const char* name) {
-  m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_implemented>());
-}
-
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("vocab_ce_local_max", &tp_ext::loss::local_max_cpu);
-  m.impl("vocab_ce_local_stats", &tp_ext::loss::local_stats_cpu);
-  m.impl("vocab_ce_local_grad", &tp_ext::loss::local_grad_cpu);
+  m.impl("vocab_ce_local_max", &tp_ext::ops::local_max_cpu);
+  m.impl("vocab_ce_local_stats", &tp_ext::ops::local_stats_cpu);
+  m.impl("vocab_ce_local_grad", &tp_ext::ops::local_grad_cpu);
 }
-
-// With CUDA, vocab_cross_entropy.cu registers the real kernels instead.
-#ifndef TP_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  for (const char* name : {"vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_local_grad"})
-    tp_ext::loss::register_cuda_not_implemented(m, name);
-}
-#endif
 
 // The local pieces have no derivative of their own: vocab_parallel_cross_entropy's autograd
 // covers them. Asking for one (e.g. double backward) raises "not implemented" at backward time.

@@ -1,11 +1,11 @@
-#include "group.h"
-
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include "collective_checks.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <numeric>
 #include <sstream>
+
+#include "../common/checks.h"
 
 namespace tp_ext::comm {
 
@@ -17,45 +17,7 @@ bool env_flag(const char* name) {
   return v != nullptr && std::string(v) != "" && std::string(v) != "0";
 }
 std::atomic<bool> g_consistency_checks{env_flag("TP_EXT_CHECK_COLLECTIVES")};
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << "]";
-  return os.str();
-}
 }  // namespace
-
-Group resolve_group(c10::string_view group_name, int64_t group_size, const at::Device& device,
-                    const char* op, int64_t group_rank) {
-  std::string name(group_name);
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  try {
-    pg = c10d::resolve_process_group(name);
-  } catch (const std::exception&) {
-    TORCH_CHECK_VALUE(false, "tp_ext.", op, ": unknown process group name group_name='", name,
-                      "'. Pass the group_name of a live group (e.g. tp_ext.init_parallel(...).tp_group"
-                      ".group_name, or dist.group.WORLD.group_name) after init_process_group.");
-  }
-  TORCH_CHECK_VALUE(group_size == pg->getSize(), "tp_ext.", op, ": group_size=", group_size,
-                    " but process group '", name, "' has ", pg->getSize(),
-                    " ranks; pass group_size=", pg->getSize(), ".");
-  TORCH_CHECK_VALUE(group_rank < 0 || group_rank == pg->getRank(), "tp_ext.", op,
-                    ": group_rank=", group_rank, " but this process is rank ", pg->getRank(),
-                    " of process group '", name, "'; pass group_rank=group.rank() (a traced graph "
-                    "is specific to the rank that traced it).");
-  try {
-    pg->getBackend(device.type());
-  } catch (const std::exception&) {
-    TORCH_CHECK_VALUE(false, "tp_ext.", op, ": process group '", name,
-                      "' has no backend for tensors on ", device,
-                      "; move the tensor to a device the group serves (gloo: cpu; nccl: cuda) or "
-                      "create the group with a backend for ",
-                      device.type(), ".");
-  }
-  return Group{pg, name, pg->getRank(), pg->getSize()};
-}
 
 void set_timeout_ms(int64_t ms) {
   TORCH_CHECK_VALUE(ms >= 0, "tp_ext.comm.set_timeout: timeout must be >= 0 seconds, got ",
@@ -113,29 +75,14 @@ void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64
   os << ", or other arguments):";
   for (int64_t r = 0; r < g.size; ++r) {
     std::vector<int64_t> shape;
-    for (int64_t d = 0; d < std::min<int64_t>(acc[r][2], kMaxDims); ++d) shape.push_back(acc[r][4 + d]);
-    os << "\n  rank " << r << ": op#" << acc[r][0] << " dtype="
-       << c10::toString(static_cast<at::ScalarType>(acc[r][1])) << " shape=" << shape_str(shape)
-       << " arg=" << acc[r][3];
+    for (int64_t d = 0; d < std::min<int64_t>(acc[r][2], kMaxDims); ++d)
+      shape.push_back(acc[r][4 + d]);
+    os << "\n  rank " << r << ": op#" << acc[r][0]
+       << " dtype=" << c10::toString(static_cast<at::ScalarType>(acc[r][1]))
+       << " shape=" << shape_str(shape) << " arg=" << acc[r][3];
   }
   os << "\nEvery rank must call the same collective with the same dtype and shape.";
   TORCH_CHECK_VALUE(false, os.str());
-}
-
-void check_tensor(const at::Tensor& x, const char* arg, const char* op) {
-  TORCH_CHECK_VALUE(x.defined(), "tp_ext.", op, ": ", arg, " is an undefined tensor.");
-  TORCH_CHECK_VALUE(x.layout() == at::kStrided, "tp_ext.", op, ": ", arg,
-                    " must be a dense (strided) tensor, got layout ", x.layout(),
-                    "; call .to_dense() first.");
-}
-
-int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op) {
-  TORCH_CHECK_VALUE(ndim >= 1, "tp_ext.", op, ": needs a tensor with at least one dimension, got a "
-                    "0-d tensor; reshape it with x.reshape(1).");
-  TORCH_CHECK_VALUE(dim >= -ndim && dim < ndim, "tp_ext.", op, ": ", arg, "=", dim,
-                    " is out of range for a tensor with ", ndim, " dimensions; use a value in [",
-                    -ndim, ", ", ndim - 1, "].");
-  return dim < 0 ? dim + ndim : dim;
 }
 
 std::vector<int64_t> rank_sizes(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,

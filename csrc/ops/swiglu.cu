@@ -1,15 +1,20 @@
-// CUDA kernels of swiglu / swiglu_backward (see swiglu.cpp for the math): elementwise over
-// [N, I] with a grid-stride loop, fp32 math (double for double), one rounding, on the current
-// stream. Inputs arrive contiguous.
-#include "fused.h"
-
-#include <ATen/Dispatch.h>
+// CUDA kernels of swiglu / swiglu_backward (see swiglu.cpp for the math, the shared argument
+// setup and the autograd) and their registration at the CUDA key: elementwise over [N, I] with a
+// grid-stride loop, fp32 math (double for double), one rounding, on the current stream. Inputs
+// arrive contiguous.
 #include <c10/cuda/CUDAException.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
+// compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
 #include <type_traits>
 
-namespace tp_ext::fused {
+#include "../common/dispatch.h"
+#include "swiglu.h"
+
+namespace tp_ext::ops {
 namespace {
 
 constexpr int kThreads = 256;
@@ -50,12 +55,9 @@ int64_t blocks_for(int64_t total) {
   return std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, cap));
 }
 
-}  // namespace
-
-void swiglu_cuda_launch(const at::Tensor& gate_up, at::Tensor& out, void* stream_ptr) {
-  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+void swiglu_cuda_launch(const at::Tensor& gate_up, at::Tensor& out, cudaStream_t stream) {
   const int64_t inter = out.size(-1), total = out.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "swiglu_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(gate_up.scalar_type(), "swiglu_cuda", [&] {
     swiglu_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
         gate_up.const_data_ptr<scalar_t>(), inter, total, out.data_ptr<scalar_t>());
   });
@@ -63,10 +65,9 @@ void swiglu_cuda_launch(const at::Tensor& gate_up, at::Tensor& out, void* stream
 }
 
 void swiglu_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& gate_up,
-                                 at::Tensor& grad_gate_up, void* stream_ptr) {
-  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+                                 at::Tensor& grad_gate_up, cudaStream_t stream) {
   const int64_t inter = grad.size(-1), total = grad.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "swiglu_backward_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(gate_up.scalar_type(), "swiglu_backward_cuda", [&] {
     swiglu_backward_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
         grad.const_data_ptr<scalar_t>(), gate_up.const_data_ptr<scalar_t>(), inter, total,
         grad_gate_up.data_ptr<scalar_t>());
@@ -74,4 +75,25 @@ void swiglu_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& gate_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace tp_ext::fused
+at::Tensor swiglu_cuda(const at::Tensor& gate_up_in) {
+  check_gate_up(gate_up_in, "swiglu");
+  const auto gu = gate_up_in.contiguous();
+  auto out = at::empty(swiglu_out_shape(gu), gu.options());
+  if (out.numel() > 0) swiglu_cuda_launch(gu, out, c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
+  auto a = swiglu_backward_args(grad_in, gate_up_in);
+  if (a.grad.numel() > 0)
+    swiglu_backward_cuda_launch(a.grad, a.gate_up, a.out, c10::cuda::getCurrentCUDAStream());
+  return a.out;
+}
+
+}  // namespace
+}  // namespace tp_ext::ops
+
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
+  m.impl("swiglu", &tp_ext::ops::swiglu_cuda);
+  m.impl("swiglu_backward", &tp_ext::ops::swiglu_backward_cuda);
+}

@@ -1,10 +1,8 @@
-// CUDA kernels of the local pieces of tp_ext.vocab_parallel_cross_entropy (see
-// vocab_cross_entropy.cpp for the maths and the CPU kernels; the argument checks are shared).
+// CUDA kernels of the local pieces of tp_ext.vocab_parallel_cross_entropy and their registration
+// at the CUDA key (see vocab_cross_entropy.cpp for the maths and the CPU kernels; the argument
+// checks are shared).
 // One block per token row, threads striding over the vocabulary shard, fp32 accumulation (fp64
 // for fp64 logits); no [tokens, vocab] temporaries beyond the logits and their gradient.
-#include "vocab_cross_entropy.h"
-
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 // c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
 // compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
@@ -15,7 +13,10 @@
 
 #include <limits>
 
-namespace tp_ext::loss {
+#include "../common/dispatch.h"
+#include "vocab_cross_entropy.h"
+
+namespace tp_ext::ops {
 namespace {
 
 constexpr int kThreads = 256;
@@ -29,7 +30,9 @@ struct MaxOp {
 };
 struct SumOp {
   template <typename T>
-  __device__ T operator()(T a, T b) const { return a + b; }
+  __device__ T operator()(T a, T b) const {
+    return a + b;
+  }
 };
 
 // Reduces one value per thread over the block; every thread gets the result. `shared` holds
@@ -116,7 +119,7 @@ at::Tensor local_max_cuda(const at::Tensor& logits, int64_t group_size, int64_t 
   const Rows& rows = a.rows;
   at::Tensor& out = a.out;
   if (rows.n == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_max_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_max_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     local_max_kernel<scalar_t, acc_t><<<rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         rows.logits.const_data_ptr<scalar_t>(), out.data_ptr<acc_t>(), rows.v);
@@ -126,17 +129,17 @@ at::Tensor local_max_cuda(const at::Tensor& logits, int64_t group_size, int64_t 
 }
 
 at::Tensor local_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
-                            const at::Tensor& max_sizes, int64_t ignore_index,
-                            int64_t group_rank) {
+                            const at::Tensor& max_sizes, int64_t ignore_index, int64_t group_rank) {
   const c10::cuda::CUDAGuard guard(logits.device());
   auto a = prepare_stats(logits, target, max_sizes, ignore_index, group_rank);
   if (a.rows.n == 0) return a.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    local_stats_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
-        a.max_sizes.const_data_ptr<acc_t>(), a.out.data_ptr<acc_t>(), a.rows.v,
-        a.layout.vocab_start, ignore_index);
+    local_stats_kernel<scalar_t, acc_t>
+        <<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+            a.max_sizes.const_data_ptr<acc_t>(), a.out.data_ptr<acc_t>(), a.rows.v,
+            a.layout.vocab_start, ignore_index);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return a.out;
@@ -149,24 +152,25 @@ at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits
   const c10::cuda::CUDAGuard guard(logits.device());
   auto a = prepare_grad(grad_loss, logits, target, max_sizes, lse, label_smoothing, group_rank);
   if (a.rows.n == 0 || a.rows.v == 0) return a.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "vocab_ce_local_grad_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_grad_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t eps = static_cast<acc_t>(label_smoothing);
     const acc_t smooth = a.layout.vocab > 0 ? eps / static_cast<acc_t>(a.layout.vocab) : acc_t(0);
-    local_grad_kernel<scalar_t, acc_t><<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
-        a.g.const_data_ptr<acc_t>(), a.lse.const_data_ptr<acc_t>(), a.out.data_ptr<scalar_t>(),
-        a.rows.v, a.layout.vocab_start, ignore_index, eps, smooth);
+    local_grad_kernel<scalar_t, acc_t>
+        <<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
+            a.g.const_data_ptr<acc_t>(), a.lse.const_data_ptr<acc_t>(), a.out.data_ptr<scalar_t>(),
+            a.rows.v, a.layout.vocab_start, ignore_index, eps, smooth);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return a.out;
 }
 
 }  // namespace
-}  // namespace tp_ext::loss
+}  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("vocab_ce_local_max", &tp_ext::loss::local_max_cuda);
-  m.impl("vocab_ce_local_stats", &tp_ext::loss::local_stats_cuda);
-  m.impl("vocab_ce_local_grad", &tp_ext::loss::local_grad_cuda);
+  m.impl("vocab_ce_local_max", &tp_ext::ops::local_max_cuda);
+  m.impl("vocab_ce_local_stats", &tp_ext::ops::local_stats_cuda);
+  m.impl("vocab_ce_local_grad", &tp_ext::ops::local_grad_cuda);
 }

@@ -1,35 +1,25 @@
-// Process groups resolved by name, argument checks shared by every collective, the collective
-// timeout, and the opt-in cross-rank consistency check.
+// What every collective does around its backend call: per-rank sizes from the `sizes` argument,
+// the opt-in cross-rank consistency check, the collective timeout and the wait on c10d's work.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
-#include <string>
 #include <vector>
+
+#include "../common/group.h"
 
 namespace tp_ext::comm {
 
-// A process group found in c10d's registry, already checked against the size the caller passed.
-struct Group {
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  std::string name;
-  int64_t rank;
-  int64_t size;
-};
-
-// Finds `group_name` in c10d's registry and checks that it has `group_size` ranks, that this
-// process is rank `group_rank` of it (when given, >= 0) and that it has a backend for `device`.
-// `op` names the calling op in error messages.
-Group resolve_group(c10::string_view group_name, int64_t group_size, const at::Device& device,
-                    const char* op, int64_t group_rank = -1);
-
-// Timeout applied to every tp_ext collective's wait; 0 means the group's own timeout (the one
-// given to init_process_group / tp_ext.init_parallel).
+// Timeout applied to every tp_ext collective; 0 means the group's own timeout (the one given to
+// init_process_group / tp_ext.init_parallel).
 void set_timeout_ms(int64_t ms);
 int64_t timeout_ms();
-std::chrono::milliseconds op_timeout();  // goes into each collective's options; c10d's "unset" when 0
+// Goes into each collective's options; c10d's "unset" when the timeout is 0.
+std::chrono::milliseconds op_timeout();
+// work->wait(), with errors that name the op, the rank and the group. On gloo (CPU) this blocks
+// until the collective is done; on NCCL it makes the current CUDA stream wait for the collective
+// and returns without blocking the host (unless the process group is set up for blocking waits).
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op, const Group& g);
 
 // Opt-in (TP_EXT_CHECK_COLLECTIVES=1 or tp_ext.comm.set_consistency_checks(True)): before each
@@ -40,10 +30,6 @@ bool consistency_checks();
 // `free_dim` (>= 0) is a dimension that may legitimately differ between ranks (uneven gathers).
 void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64_t free_dim,
                       int64_t extra);
-
-// Argument checks that name the argument, its value and what would work.
-void check_tensor(const at::Tensor& x, const char* arg, const char* op);
-int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op);
 
 // Per-rank sizes along a dimension, from the optional `sizes` argument.
 //   for_full_input=true: x holds the whole dimension (scatter / reduce-scatter); sum(sizes) must

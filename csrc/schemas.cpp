@@ -1,9 +1,6 @@
-// Every tp_ext op schema, in one place. Kernels live next to their family:
-//   comm/collective_ops.cpp   plain and async collectives (CPU and CUDA kernels)
-//   comm/megatron_pairs.cpp   differentiable Megatron pairs (CPU/CUDA kernels + C++ autograd)
-//   loss/vocab_cross_entropy.cpp           local pieces of the vocab-parallel cross-entropy (CPU)
-//   loss/vocab_parallel_cross_entropy.cpp  the communicating loss op (C++ autograd)
-// Fake (meta) kernels for all of them are in tp_ext/_fake.py.
+// Every tp_ext op schema, and only schemas: the one TORCH_LIBRARY block of tp_ext. Kernels register
+// themselves with TORCH_LIBRARY_IMPL next to their code (csrc/README.md: where each op's files are
+// and the registration rule); Python wrappers and fake kernels are in the tp_ext package.
 //
 // Communicating ops name their process group by `group_name` (c10d's registry) and pass
 // `group_size`, as torch's own _c10d_functional ops do: graphs stay serialisable and the fake
@@ -15,7 +12,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(tp_ext, m) {
-  // ---- plain collectives: no autograd (use the pairs below for training) ----
+  // ---- plain collectives (comm/collective_ops.cpp): no autograd (the pairs below train) ----
   // reduce in {sum, avg, max, min, product}
   m.def("all_reduce(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
   m.def("all_gather(Tensor x, int dim, int[]? sizes, str group_name, int group_size) -> Tensor");
@@ -27,12 +24,7 @@ TORCH_LIBRARY(tp_ext, m) {
       "all_to_all(Tensor x, int scatter_dim, int gather_dim, int[]? sizes, str group_name, "
       "int group_size, int group_rank) -> Tensor");
 
-  // ---- async collectives: return at once; torch.ops._c10d_functional.wait_tensor completes ----
-  m.def("all_reduce_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
-  m.def("all_gather_async(Tensor x, str group_name, int group_size) -> Tensor");
-  m.def("reduce_scatter_async(Tensor x, str reduce, str group_name, int group_size) -> Tensor");
-
-  // ---- Megatron pairs (forward / backward), autograd in C++ ----
+  // ---- Megatron pairs (comm/megatron_pairs.cpp): forward / backward, autograd in C++ ----
   m.def("copy_to_tp(Tensor x, str group_name, int group_size) -> Tensor");      // id / all-reduce
   m.def("reduce_from_tp(Tensor x, str group_name, int group_size) -> Tensor");  // all-reduce / id
   m.def(  // split / all-gather
@@ -48,11 +40,12 @@ TORCH_LIBRARY(tp_ext, m) {
       "reduce_scatter_to_sp(Tensor x, int dim, int[]? sizes, str group_name, int group_size, "
       "int group_rank) -> Tensor");
 
-  // ---- loss ----
+  // ---- loss (ops/vocab_parallel_cross_entropy.cpp, ops/vocab_cross_entropy.{cpp,cu}) ----
   // Cross-entropy of logits split over the group along the vocabulary (last) dim, by the
   // shard_sizes policy. Per-token loss (fp32; fp64 for fp64 logits), shape target.shape, 0 where
   // target == ignore_index; label smoothing over the full vocabulary. Two token-sized all-reduces
   // forward (max, then sum), none backward; every rank's shard size travels in the first one.
+  // Autograd in C++ (backward: vocab_ce_local_grad).
   m.def(
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int ignore_index, "
       "float label_smoothing, str group_name, int group_size, int group_rank) -> Tensor");
@@ -67,4 +60,25 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def(  // gradient of the logits shard given the loss gradient and the per-token logsumexp
       "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "
       "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
+
+  // ---- fused norms (ops/rms_norm.{cpp,cu}): fp32 math, output dtype promote(x, weight) ----
+  // rms_norm = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype) (Hugging
+  // Face's RMSNorm); add_rms_norm = (rms_norm(h), h) with h = x + residual in x's dtype.
+  // Autograd in C++ through rms_norm_backward (grad_x, grad_weight; rstd recomputed).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+
+  // ---- fused activation (ops/swiglu.{cpp,cu}) ----
+  // swiglu = silu(gate) * up with gate, up the halves of gate_up's last dim; fp32 math (fp64 for
+  // fp64) rounded once. Autograd in C++ through swiglu_backward (-> grad_gate_up).
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate_up) -> Tensor");
+
+  // ---- rotary embedding (ops/rotary_embedding.{cpp,cu}) ----
+  // HF rotate_half RoPE on q [B, Hq, S, D] and k [B, Hk, S, D] (Hq != Hk allowed: GQA) with
+  // cos/sin [B, S, D] broadcast over heads: x * cos + rotate_half(x) * sin. Outputs keep the
+  // inputs' strides. Differentiable in q, k, cos and sin: the backward is this op again with
+  // sin' = -(sin_hi, sin_lo) (no separate backward op).
+  m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }

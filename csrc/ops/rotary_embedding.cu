@@ -1,10 +1,7 @@
-// CUDA kernel of tp_ext::rotary_embedding (maths, checks and autograd: rotary_embedding.cpp).
-// One launch rotates q and k: a grid-stride loop over (row, pair) where rows are q's
-// [B, Hq, S] then k's [B, Hk, S] and a pair is (j, j + D/2); fp32 math (fp64 for fp64).
-#ifdef TP_EXT_WITH_CUDA
-#include "rotary_embedding.h"
-
-#include <ATen/Dispatch.h>
+// CUDA kernel of tp_ext::rotary_embedding (maths, checks and autograd: rotary_embedding.cpp) and
+// its registration at the CUDA key. One launch rotates q and k: a grid-stride loop over
+// (row, pair) where rows are q's [B, Hq, S] then k's [B, Hk, S] and a pair is (j, j + D/2); fp32
+// math (fp64 for fp64).
 #include <ATen/OpMathType.h>
 // c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
 // compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
@@ -13,7 +10,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-namespace tp_ext::kernels {
+#include "../common/dispatch.h"
+#include "rotary_embedding.h"
+
+namespace tp_ext::ops {
 namespace {
 
 // A [B, H, S, D] tensor with unit stride along D.
@@ -24,10 +24,10 @@ struct View4 {
 };
 
 template <typename scalar_t>
-__global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k,
-                              View4<scalar_t> qo, View4<scalar_t> ko,
-                              const scalar_t* __restrict__ cos, const scalar_t* __restrict__ sin,
-                              int64_t batch, int64_t seq, int64_t half) {
+__global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k, View4<scalar_t> qo,
+                              View4<scalar_t> ko, const scalar_t* __restrict__ cos,
+                              const scalar_t* __restrict__ sin, int64_t batch, int64_t seq,
+                              int64_t half) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t q_rows = batch * q.heads * seq;
   const int64_t total = (q_rows + batch * k.heads * seq) * half;
@@ -46,7 +46,8 @@ __global__ void rotary_kernel(View4<const scalar_t> q, View4<const scalar_t> k,
     const int64_t t = (b * seq + s) * d;  // cos/sin are contiguous [B, S, D]
     const acc_t a = x[j], bb = x[j + half];
     y[j] = static_cast<scalar_t>(a * acc_t(cos[t + j]) - bb * acc_t(sin[t + j]));
-    y[j + half] = static_cast<scalar_t>(bb * acc_t(cos[t + j + half]) + a * acc_t(sin[t + j + half]));
+    y[j + half] =
+        static_cast<scalar_t>(bb * acc_t(cos[t + j + half]) + a * acc_t(sin[t + j + half]));
   }
 }
 
@@ -62,14 +63,14 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q_in, const at:
   const auto q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   const auto k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  auto q_out = out_like(q_in), k_out = out_like(k_in);
+  auto q_out = rotary_out_like(q_in), k_out = rotary_out_like(k_in);
   const int64_t batch = q.size(0), seq = q.size(2), half = q.size(3) / 2;
   const int64_t total = batch * (q.size(1) + k.size(1)) * seq * half;
   if (total == 0) return {q_out, k_out};
   constexpr int threads = 256;
   // Enough blocks to fill the GPU; the grid-stride loop covers the rest.
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535 * 8);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding_cuda", [&] {
+  TP_EXT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rotary_embedding_cuda", [&] {
     rotary_kernel<scalar_t><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         view_of<const scalar_t>(q.const_data_ptr<scalar_t>(), q),
         view_of<const scalar_t>(k.const_data_ptr<scalar_t>(), k),
@@ -82,9 +83,6 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q_in, const at:
 }
 
 }  // namespace
-}  // namespace tp_ext::kernels
+}  // namespace tp_ext::ops
 
-TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("rotary_embedding", &tp_ext::kernels::rotary_cuda);
-}
-#endif  // TP_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { m.impl("rotary_embedding", &tp_ext::ops::rotary_cuda); }

@@ -1,0 +1,32 @@
+#include "checks.h"
+
+#include <sstream>
+
+namespace tp_ext {
+
+void check_tensor(const at::Tensor& x, const char* arg, const char* op) {
+  TORCH_CHECK_VALUE(x.defined(), "tp_ext.", op, ": ", arg, " is an undefined tensor.");
+  TORCH_CHECK_VALUE(x.layout() == at::kStrided, "tp_ext.", op, ": ", arg,
+                    " must be a dense (strided) tensor, got layout ", x.layout(),
+                    "; call .to_dense() first.");
+}
+
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op) {
+  TORCH_CHECK_VALUE(ndim >= 1, "tp_ext.", op,
+                    ": needs a tensor with at least one dimension, got a 0-d tensor; reshape it "
+                    "with x.reshape(1).");
+  TORCH_CHECK_VALUE(dim >= -ndim && dim < ndim, "tp_ext.", op, ": ", arg, "=", dim,
+                    " is out of range for a tensor with ", ndim, " dimensions; use a value in [",
+                    -ndim, ", ", ndim - 1, "].");
+  return dim < 0 ? dim + ndim : dim;
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+}  // namespace tp_ext

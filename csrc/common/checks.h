@@ -1,0 +1,20 @@
+// Argument checks shared by every tp_ext op: each error names the op, the argument, its value and
+// what would work.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace tp_ext {
+
+// x is defined and dense (strided).
+void check_tensor(const at::Tensor& x, const char* arg, const char* op);
+
+// `dim` (argument `arg`) wrapped into [0, ndim); ndim must be >= 1.
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op);
+
+// "[a, b, c]", for error messages.
+std::string shape_str(at::IntArrayRef s);
+
+}  // namespace tp_ext
