@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tp_ext import checkpoint
 from tp_ext.checkpoint import peak_rss_bytes
 from tp_ext.config import JobConfig
-from tp_ext.distributed import TPGroup, destroy_parallel, init_parallel
+from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
@@ -47,10 +47,8 @@ def _memory(device: torch.device) -> dict:
 
 def _gather_rows(values: list[float], device) -> list[list[float]]:
     """Every rank's ``values`` (same length everywhere), on every rank."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    return [r.tolist() for r in rows]
+    mine = torch.tensor([values], dtype=torch.float64, device=device)
+    return comm.all_gather(mine, 0, group=dist.group.WORLD).tolist()
 
 
 def _data(config, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -125,7 +123,7 @@ def run(
         source = Qwen2ForCausalLM(small, tp_group=TPGroup.local(), dtype=dtype)
         source.save_pretrained(hf_dir, max_shard_bytes=200_000)
         del source
-    dist.barrier()
+    comm.barrier(dist.group.WORLD)
     files = sorted(os.listdir(hf_dir))
     say(
         f"\n[2] small {small.architecture} model (vocab {small.vocab_size}, hidden "
@@ -262,9 +260,8 @@ def run(
     flags = torch.tensor(
         [min((ok for _, ok in checks), default=True)], dtype=torch.float32, device=device
     )
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    passed = flags.item() == 1.0
-    dist.barrier()
+    passed = comm.all_reduce(flags, "min", group=dist.group.WORLD).item() == 1.0
+    comm.barrier(dist.group.WORLD)
     if is_main and not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     say(
