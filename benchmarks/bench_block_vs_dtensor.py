@@ -328,7 +328,7 @@ def main():
         "--repeats",
         type=int,
         default=None,
-        help="timed steps per variant (default: 30 small, 3 large)",
+        help="timed steps per variant (default: 30 small, 7 large)",
     )
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--no-save", action="store_true")
@@ -339,7 +339,7 @@ def main():
         hidden, heads, kv, hd, inter, batch, seq = SHAPES[shape]
         esize = 4 if a.dtype == "fp32" else 2
         for w in a.world_sizes:
-            repeats = a.repeats or (30 if shape == "small" else 3)
+            repeats = a.repeats or (30 if shape == "small" else 7)
             res = run_ranks(_worker, w, shape, repeats, a.dtype)[0]
             minimum = 4 * batch * seq * hidden * esize * 2 * (w - 1) / w
             for sp in (False, True):
