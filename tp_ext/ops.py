@@ -15,7 +15,9 @@ Output shapes follow from the arguments alone: ops whose result is this rank's p
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
 
 import torch
 
@@ -245,12 +247,6 @@ _FAKES = {
 }
 assert set(_FAKES) == set(ALL_OPS), "every op in the list has exactly one fake kernel"
 
-for _name in ALL_OPS:
-    torch.library.register_fake(f"tp_ext::{_name}")(_FAKES[_name])
-for _name in COLLECTIVE_OPS:
-    # Local pieces have no effect: the compiler may reorder them freely.
-    torch.library._register_effectful_op(f"tp_ext::{_name}", EffectType.ORDERED)
-
 
 def _keep_inductor_from_reordering_collectives() -> None:
     """Inductor before torch 2.14 records the ordering edge between two ORDERED-effect ops under
@@ -258,12 +254,33 @@ def _keep_inductor_from_reordering_collectives() -> None:
     (pytorch/pytorch#188301 fixes it). Its peak-memory reordering pass then moves collectives
     of a compiled backward into a different order on different ranks (seen at TP=3, where ranks
     hold different head counts), and the ranks pair the wrong collectives. Until the fix, that
-    pass stays off in processes that use tp_ext; everything else Inductor does is unchanged."""
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    if (major, minor) < (2, 14):
-        import torch._inductor.config as inductor_config
+    pass is turned off once a graph with a tp_ext collective is traced for Inductor (the fake
+    kernels below call this; Inductor's config is loaded by then). Everything else Inductor does
+    is unchanged, and importing tp_ext alone leaves the compiler's settings alone."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and _INDUCTOR_LOSES_EFFECT_ORDER and config.reorder_for_peak_memory:
+        config.reorder_for_peak_memory = False
 
-        inductor_config.reorder_for_peak_memory = False
+
+_INDUCTOR_LOSES_EFFECT_ORDER = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 14)
 
 
-_keep_inductor_from_reordering_collectives()
+def _ordered(fake):
+    """A collective's fake kernel: also keeps Inductor from reordering collectives (above)."""
+
+    @functools.wraps(fake)
+    def traced(*args):
+        _keep_inductor_from_reordering_collectives()
+        return fake(*args)
+
+    return traced
+
+
+for _name in ALL_OPS:
+    fake = _FAKES[_name]
+    torch.library.register_fake(f"tp_ext::{_name}")(
+        _ordered(fake) if _name in COLLECTIVE_OPS else fake
+    )
+for _name in COLLECTIVE_OPS:
+    # Local pieces have no effect: the compiler may reorder them freely.
+    torch.library._register_effectful_op(f"tp_ext::{_name}", EffectType.ORDERED)
