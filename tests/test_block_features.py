@@ -152,10 +152,10 @@ def _check_rng():
             assert w == 1 or not any(
                 torch.equal(rows[i], rows[j]) for i in range(w) for j in range(i + 1, w)
             ), f"{name}: TP ranks repeat"
-    # the TP stream does not advance the default one
+    # the replicated stream advanced by the one draw the block took (tests/test_rng.py)
     tp_ext.random.manual_seed(42)
-    first = torch.rand(64)
-    assert torch.equal(first, replicated_before)
+    assert torch.equal(torch.rand(64), replicated_before)
+    torch.randint(0, 2**62, ())
     assert torch.equal(torch.rand(64), replicated_after)
 
 

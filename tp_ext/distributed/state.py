@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-import torch
-
 __all__ = ["ProcessState", "PROCESS"]
 
 
@@ -19,15 +17,15 @@ __all__ = ["ProcessState", "PROCESS"]
 class ProcessState:
     # the ParallelState of init_parallel (tp_ext.distributed.mesh), None before it
     parallel: Optional[Any] = None
-    # TP random stream: the seed of this rank's stream and its saved state per device type
-    tp_seed: Optional[int] = None
-    tp_rng_states: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # TP random stream (tp_ext.distributed.rng): this rank's place in it (None before
+    # manual_seed), and how many tp_rng() blocks are open
+    tp_rng_rank: Optional[int] = None
+    tp_rng_depth: int = 0
     # False while layers are built to be loaded right after (tp_ext.layers.base.no_init)
     init_weights: bool = True
 
     def reset(self) -> None:
-        self.parallel, self.tp_seed, self.init_weights = None, None, True
-        self.tp_rng_states.clear()
+        self.parallel, self.tp_rng_rank, self.tp_rng_depth, self.init_weights = None, None, 0, True
 
 
 PROCESS = ProcessState()
