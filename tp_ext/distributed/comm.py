@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tp_ext import ops
+from tp_ext.distributed import peers
 from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the public face)
     CommStats,
     set_consistency_checks,
@@ -238,12 +239,16 @@ def everywhere(
     """Run ``fn`` on every rank of ``group``; if it raised on any rank, raise on all of them (the
     failing rank re-raises its own exception, the others ``error`` naming the first failing
     rank), so no rank goes on into a collective the others left. One small all-gather."""
+    g = resolve_group(group)
+    try:
+        peers.record(g)  # once per group: lets later errors name a rank that died
+    except RuntimeError as e:
+        raise error(f"{what}: {e}{peers.explain(g)}") from e
     result, failure = None, None
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
         failure = e
-    g = resolve_group(group)
     if g.group is None or g.size == 1:
         if failure is not None:
             raise failure
@@ -255,7 +260,10 @@ def everywhere(
     if message:
         mine[1 : 1 + len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in range(g.size)]
-    dist.all_gather(everyone, mine, group=g.group)
+    try:
+        dist.all_gather(everyone, mine, group=g.group)
+    except RuntimeError as e:  # a rank died: say which, if it was on this host
+        raise error(f"{what}: {e}{peers.explain(g)}") from (failure or e)
     for rank, row in enumerate(everyone):
         if row[0].item():
             if failure is not None:

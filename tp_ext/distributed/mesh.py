@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tp_ext.distributed import peers
 from tp_ext.distributed.state import PROCESS
 
 __all__ = ["ParallelState", "init_parallel", "parallel_state", "destroy_parallel", "valid_layouts"]
@@ -148,6 +149,7 @@ def init_parallel(
         device=device,
         backend=backend,
     )
+    peers.record(dist.group.WORLD)  # lets errors name a rank that died (one small all-gather)
     return PROCESS.parallel
 
 

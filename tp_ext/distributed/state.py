@@ -23,9 +23,12 @@ class ProcessState:
     tp_rng_depth: int = 0
     # False while layers are built to be loaded right after (tp_ext.layers.base.no_init)
     init_weights: bool = True
+    # every rank's (pid, host) per group name, to name dead ranks (tp_ext.distributed.peers)
+    peers: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
 
     def reset(self) -> None:
         self.parallel, self.tp_rng_rank, self.tp_rng_depth, self.init_weights = None, None, 0, True
+        self.peers.clear()
 
 
 PROCESS = ProcessState()
