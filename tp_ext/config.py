@@ -18,11 +18,22 @@ from typing import Any, Optional
 
 from tp_ext.models import Qwen2Config
 from tp_ext.training import OptimizerSettings
-from tp_ext.validation import ConfigError, check_unknown, read_mapping
+from tp_ext.validation import ConfigError, Field, check_fields, check_unknown, read_mapping
 
-__all__ = ["JobConfig", "ParallelSettings", "DTYPES"]
+__all__ = ["JobConfig", "ParallelSettings", "DTYPES", "PARALLEL_FIELDS"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+# Degrees are bounded by what torch.distributed launches (a 2**16-rank job is far beyond any
+# cluster tp_ext targets); seeds by what torch.manual_seed takes (the job adds small offsets).
+_DEGREE = Field("int", 1, 2**16)
+PARALLEL_FIELDS = {
+    "tp": _DEGREE,
+    "pp": _DEGREE,
+    "dp": _DEGREE,
+    "dtype": Field("choice", choices=DTYPES),
+    "seed": Field("int", 0, 2**62),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +47,10 @@ class ParallelSettings:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
-            value = getattr(self, name)
-            if value is None and name == "dp":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"parallel.seed must be an int, got {self.seed!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"parallel.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        values = dataclasses.asdict(self)
+        if self.dp is None:  # None: all ranks not used by TP and PP
+            del values["dp"]
+        check_fields("parallel.", values, PARALLEL_FIELDS)
 
 
 _SECTIONS = {"parallel": ParallelSettings, "optimizer": OptimizerSettings}
@@ -92,14 +97,15 @@ class JobConfig:
         for section, fields in names.items():
             values = {k: v for k, v in flags.items() if k in fields and v is not None}
             if values:
-                if "betas" in values:
+                if isinstance(values.get("betas"), list):
                     values["betas"] = tuple(values["betas"])
                 changes[section] = dataclasses.replace(getattr(self, section), **values)
         return dataclasses.replace(self, **changes)
 
 
 def _section(kind, name: str, data: dict):
-    section = data.get(name) or {}
+    section = data.get(name)
+    section = {} if section is None else section  # an empty section: the defaults
     if not isinstance(section, dict):
         raise ConfigError(f"{name} must be a mapping of fields, got {type(section).__name__}")
     check_unknown(f"{name}.", section, [f.name for f in dataclasses.fields(kind)])
