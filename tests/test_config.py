@@ -268,6 +268,16 @@ HF_BAD = [
         "rope_theta=1000000.0 and rope_parameters.rope_theta=10000.0 disagree; give one",
     ),
     (
+        dict(HF, model_type="llama", architectures=["LlamaForCausalLM"]),
+        "model_type 'llama' (architectures ['LlamaForCausalLM']) is not a model tp_ext "
+        "implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen ('qwen')",
+    ),
+    (
+        dict(HF, model_type="qwen2_moe"),
+        "model_type 'qwen2_moe' (architectures ['Qwen2ForCausalLM']) is not a model tp_ext "
+        "implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen ('qwen')",
+    ),
+    (
         dict(HF, use_sliding_window=True),
         "use_sliding_window is true; this model implements full attention only, so it would "
         "compute wrong logits past the window",

@@ -165,7 +165,16 @@ class Qwen2Config:
         names (no coercion: "2" is not 2, "false" is not a bool); a null optional field takes
         transformers' default; RoPE scaling, which this model does not implement, is refused."""
         architectures = data.get("architectures") or []
-        original = data.get("model_type") == "qwen" or "QWenLMHeadModel" in architectures
+        model_type = data.get("model_type")
+        if model_type not in (None, "qwen2", "qwen") or not isinstance(architectures, list):
+            # e.g. llama or qwen2_moe: same field names, another model; read as Qwen2 it would
+            # plan and build the wrong thing
+            raise ConfigError(
+                f"model_type {model_type!r} (architectures {architectures!r}) is not a model "
+                "tp_ext implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen "
+                "('qwen')"
+            )
+        original = model_type == "qwen" or "QWenLMHeadModel" in architectures
         names = dict(_HF_NAMES, **(_QWEN_NAMES if original else {}))
         values = {o: _required(data, t) for o, t in names.items() if o != "rope_theta"}
         if data.get("use_sliding_window"):
