@@ -182,6 +182,18 @@ def test_flags_checked_against_the_config_before_starting(tmp_path, capsys):
             f"--workdir {str(foreign / 'notes.txt')!r} is a file, not a directory",
         ),
     ]
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x80\x81 not text")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    cases += [
+        (
+            ["--small", str(tmp_path / "nope.yaml")],
+            f"config file {str(tmp_path / 'nope.yaml')!r} does not exist",
+        ),
+        (["--small", str(binary)], f"config file {str(binary)!r} cannot be read as UTF-8 text"),
+        (["--small", str(broken)], f"{broken}: not valid YAML: while parsing a flow sequence"),
+    ]
     for flags, message in cases:
         assert main(["run", MINI, *flags]) == 2
         assert f"tp-ext run: {message}" in capsys.readouterr().err

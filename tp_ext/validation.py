@@ -29,8 +29,11 @@ def read_mapping(path: str) -> tuple[str, dict[str, Any]]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
-    with open(path) as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text: name the file
+        raise ConfigError(f"config file {path!r} cannot be read as UTF-8 text: {e}") from None
     is_json = path.endswith(".json")
     try:
         data = json.loads(text) if is_json else yaml.safe_load(text)
