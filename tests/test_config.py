@@ -168,6 +168,15 @@ def test_sections_and_fields_by_name(tmp_path):
     assert (job.parallel, job.optimizer) == (ParallelSettings(), OptimizerSettings())
 
 
+def test_job_sections_must_be_their_classes():
+    model = Qwen2Config(**GOOD["model"])
+    with pytest.raises(ConfigError, match=r"^JobConfig.model must be a Qwen2Config, got dict$"):
+        JobConfig(model=GOOD["model"])
+    with pytest.raises(ConfigError, match=r"^JobConfig.parallel must be a ParallelSettings, got"):
+        JobConfig(model=model, parallel={"tp": 2})
+    assert JobConfig(model=model).optimizer == OptimizerSettings()
+
+
 def test_large_published_models_pass():
     """Bounds a demanding user does not hit: Llama-3.1-405B's shape, Gemma's vocabulary, a
     10M-token context, and the shipped 72B configs."""

@@ -24,8 +24,8 @@ __all__ = ["JobConfig", "ParallelSettings", "DTYPES", "PARALLEL_FIELDS"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
-# Degrees are bounded by what torch.distributed launches (a 2**16-rank job is far beyond any
-# cluster tp_ext targets); seeds by what torch.manual_seed takes (the job adds small offsets).
+# Degrees up to 2**16 ranks, far beyond any cluster tp_ext targets; seeds up to 2**62:
+# torch.manual_seed takes 64 bits, and the job adds small offsets to the seed.
 _DEGREE = Field("int", 1, 2**16)
 PARALLEL_FIELDS = {
     "tp": _DEGREE,
@@ -61,6 +61,14 @@ class JobConfig:
     model: Qwen2Config
     parallel: ParallelSettings = ParallelSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
+
+    def __post_init__(self) -> None:  # each section checked its own values when it was built
+        for name, kind in (("model", Qwen2Config), *_SECTIONS.items()):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(
+                    f"JobConfig.{name} must be a {kind.__name__}, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
 
     @classmethod
     def from_file(cls, path: str) -> "JobConfig":
