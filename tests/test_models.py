@@ -137,3 +137,64 @@ def _check_against_hf():
 @pytest.mark.parametrize("ws", [1, 3, 8])
 def test_qwen2_model_matches_transformers(ws):
     run_distributed(_check_against_hf, ws, timeout=300)
+
+
+_LOAD_AND_MEASURE = """
+import json, sys
+from tp_ext.checkpoint import CheckpointError
+from tp_ext.models import Qwen2ForCausalLM
+
+def vm_peak():  # virtual peak: torch.empty maps pages without touching them, so RSS misses it
+    for line in open("/proc/self/status"):
+        if line.startswith("VmPeak:"):
+            return int(line.split()[1]) * 1024
+
+Qwen2ForCausalLM.from_pretrained  # imports done before measuring
+before = vm_peak()
+try:
+    Qwen2ForCausalLM.from_pretrained(sys.argv[1], progress=False)
+    error = None
+except CheckpointError as e:
+    error = str(e)
+print(json.dumps({"error": error, "grew": vm_peak() - before}))
+"""
+
+
+def test_from_pretrained_checks_the_checkpoint_before_allocating(tmp_path):
+    """config.json says a ~205 MB model; the checkpoint's tensors disagree (wrong shape, or one
+    missing). The error must come before the model is allocated: the process's peak virtual
+    memory (VmPeak, in a fresh process) grows by far less than the model."""
+    from safetensors.torch import load_file, save_file
+
+    small = _config("qwen2-mini.yaml").replace(hidden_size=512, intermediate_size=1024)
+    Qwen2ForCausalLM(small).save_pretrained(str(tmp_path / "wrong_shape"))
+    big = json.loads((tmp_path / "wrong_shape" / "config.json").read_text())
+    big["vocab_size"] = 50_000  # 2 x 50,000 x 512 float32 = 205 MB of embeddings
+    (tmp_path / "wrong_shape" / "config.json").write_text(json.dumps(big))
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    tensors = load_file(str(tmp_path / "wrong_shape" / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    tensors["model.embed_tokens.weight"] = torch.zeros(50_000, 1)  # a header only needs a shape
+    tensors["lm_head.weight"] = torch.zeros(50_000, 1)
+    save_file(tensors, str(missing / "model.safetensors"))
+    (missing / "config.json").write_text(json.dumps(big))
+    expected = {
+        "wrong_shape": "tensor 'model.embed_tokens.weight' in {} has shape [1001, 512], but the "
+        "model's config implies [50000, 512]: the config disagrees with the checkpoint",
+        "missing": "checkpoint {} is missing tensor 'model.layers.1.mlp.down_proj.weight'; "
+        "does the config match the checkpoint?",
+    }
+    for name, message in expected.items():
+        where = tmp_path / name
+        where = where / "model.safetensors" if name == "wrong_shape" else where
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_AND_MEASURE, str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["error"] == message.format(where), (result, done.stderr[-2000:])
+        assert result["grew"] < 60 * 2**20, result  # the model is 205 MB

@@ -18,11 +18,22 @@ from typing import Any, Optional
 
 from tp_ext.models import Qwen2Config
 from tp_ext.training import OptimizerSettings
-from tp_ext.validation import ConfigError, check_unknown, read_mapping
+from tp_ext.validation import ConfigError, Field, check_fields, check_unknown, read_mapping
 
-__all__ = ["JobConfig", "ParallelSettings", "DTYPES"]
+__all__ = ["JobConfig", "ParallelSettings", "DTYPES", "PARALLEL_FIELDS"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+# Degrees up to 2**16 ranks, far beyond any cluster tp_ext targets; seeds up to 2**62:
+# torch.manual_seed takes 64 bits, and the job adds small offsets to the seed.
+_DEGREE = Field("int", 1, 2**16)
+PARALLEL_FIELDS = {
+    "tp": _DEGREE,
+    "pp": _DEGREE,
+    "dp": _DEGREE,
+    "dtype": Field("choice", choices=DTYPES),
+    "seed": Field("int", 0, 2**62),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +47,10 @@ class ParallelSettings:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
-            value = getattr(self, name)
-            if value is None and name == "dp":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"parallel.seed must be an int, got {self.seed!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"parallel.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        values = dataclasses.asdict(self)
+        if self.dp is None:  # None: all ranks not used by TP and PP
+            del values["dp"]
+        check_fields("parallel.", values, PARALLEL_FIELDS)
 
 
 _SECTIONS = {"parallel": ParallelSettings, "optimizer": OptimizerSettings}
@@ -56,6 +61,14 @@ class JobConfig:
     model: Qwen2Config
     parallel: ParallelSettings = ParallelSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
+
+    def __post_init__(self) -> None:  # each section checked its own values when it was built
+        for name, kind in (("model", Qwen2Config), *_SECTIONS.items()):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(
+                    f"JobConfig.{name} must be a {kind.__name__}, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
 
     @classmethod
     def from_file(cls, path: str) -> "JobConfig":
@@ -92,14 +105,15 @@ class JobConfig:
         for section, fields in names.items():
             values = {k: v for k, v in flags.items() if k in fields and v is not None}
             if values:
-                if "betas" in values:
+                if isinstance(values.get("betas"), list):
                     values["betas"] = tuple(values["betas"])
                 changes[section] = dataclasses.replace(getattr(self, section), **values)
         return dataclasses.replace(self, **changes)
 
 
 def _section(kind, name: str, data: dict):
-    section = data.get(name) or {}
+    section = data.get(name)
+    section = {} if section is None else section  # an empty section: the defaults
     if not isinstance(section, dict):
         raise ConfigError(f"{name} must be a mapping of fields, got {type(section).__name__}")
     check_unknown(f"{name}.", section, [f.name for f in dataclasses.fields(kind)])

@@ -6,13 +6,15 @@ Errors name the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
-__all__ = ["ConfigError", "read_mapping", "check_unknown", "is_number"]
+__all__ = ["ConfigError", "Field", "check_fields", "read_mapping", "check_unknown", "is_number"]
 
 
 class ConfigError(ValueError):
@@ -27,8 +29,11 @@ def read_mapping(path: str) -> tuple[str, dict[str, Any]]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
-    with open(path) as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text: name the file
+        raise ConfigError(f"config file {path!r} cannot be read as UTF-8 text: {e}") from None
     is_json = path.endswith(".json")
     try:
         data = json.loads(text) if is_json else yaml.safe_load(text)
@@ -52,3 +57,77 @@ def check_unknown(section: str, given, known) -> None:
 def is_number(x) -> bool:
     """An int or float, not a bool (True is an int to Python, never a learning rate)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """The rule for one config value: its kind and, for numbers, its range.
+
+    ``kind``: "int" (a whole number, not a bool, not a float such as 2.0 or a string "2"),
+    "float" (an int or float, finite), "bool" (true or false only: the string "false" would be
+    truthy), "choice" (one of ``choices``), "betas" (two floats in [0, 1)). ``low``/``high``
+    bound numbers; ``low_open``/``high_open`` exclude the bound itself. ``why`` says where an
+    upper bound comes from; it is part of the message."""
+
+    kind: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+    why: str = ""
+
+    def allowed(self) -> str:
+        """What is allowed, in words: the second half of every error message."""
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "choice":
+            return f"one of {', '.join(map(str, self.choices))}"
+        if self.kind == "betas":
+            return "two numbers in [0, 1), e.g. [0.9, 0.95]"
+        noun = "an integer" if self.kind == "int" else "a finite number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"{noun} in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{noun} {'>' if self.low_open else '>='} {_num(self.low)}"
+        else:
+            text = noun
+        return text + (f" ({self.why})" if self.why else "")
+
+    def ok(self, value) -> bool:
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "choice":
+            return isinstance(value, str) and value in self.choices
+        if self.kind == "betas":
+            beta = Field("float", 0, 1, high_open=True)
+            return isinstance(value, (list, tuple)) and len(value) == 2 and all(map(beta.ok, value))
+        if self.kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            return False
+        if not is_number(value) or not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+
+def _num(x) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+def check_fields(section: str, values: dict[str, Any], table: dict[str, Field]) -> None:
+    """Check every value of ``values`` named in ``table`` (None is a bad value too; callers leave
+    optional fields that are None out of ``values``). The error names ``section`` + the field,
+    the value (and its type, when the type is wrong) and what is allowed."""
+    for name, rule in table.items():
+        if name not in values or rule.ok(values[name]):
+            continue
+        value = values[name]
+        shown = repr(value)
+        wrong_type = not is_number(value) and not isinstance(value, (list, tuple))
+        if wrong_type or (rule.kind == "int" and isinstance(value, float)):
+            shown += f" ({type(value).__name__})"
+        raise ConfigError(f"{section}{name} must be {rule.allowed()}, got {shown}")

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tp_ext.cli.flags import BETA, RUN_FIELDS, flag_type
+from tp_ext.config import DTYPES, PARALLEL_FIELDS
+from tp_ext.training.optimizer import OPTIMIZER_FIELDS
+
 
 def _demo(args) -> int:
     from tp_ext.cli.demo import demo
@@ -76,7 +80,12 @@ def main(argv=None) -> int:
         "demo",
         help="run every collective and pair across ranks and check them (launch with torchrun)",
     )
-    demo.add_argument("--tp", type=int, default=None, help="TP degree (default: world size)")
+    demo.add_argument(
+        "--tp",
+        type=flag_type(PARALLEL_FIELDS["tp"]),
+        default=None,
+        help="TP degree (default: world size)",
+    )
     demo.set_defaults(func=_demo)
     plan = sub.add_parser(
         "plan",
@@ -84,11 +93,17 @@ def main(argv=None) -> int:
         "a model config, without allocating it",
     )
     plan.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
-    plan.add_argument("--tp", type=int, default=None, help="TP degree (default: the config's)")
+    plan.add_argument(
+        "--tp",
+        type=flag_type(PARALLEL_FIELDS["tp"]),
+        default=None,
+        help="TP degree (default: the config's)",
+    )
     plan.add_argument(
         "--dtype",
         default=None,
-        help="float32, bfloat16, float16 or float64 (default: the config's parallel.dtype)",
+        choices=DTYPES,
+        help="dtype of the parameters (default: the config's parallel.dtype)",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
@@ -107,22 +122,31 @@ def main(argv=None) -> int:
     run.add_argument(
         "--workdir",
         default=None,
-        help="where checkpoints are written (default: a directory under the system temp dir)",
+        help="keep the checkpoints in this directory (created if absent). An existing one must "
+        "be empty or one an earlier tp-ext run wrote: anything else is refused, never written "
+        "into. Default: a fresh private temporary directory (mode 0700), removed at the end",
     )
     group = run.add_argument_group("overrides of the config's parallel and optimizer settings")
-    group.add_argument("--tp", type=int, default=None, help="TP degree (default: world size)")
-    group.add_argument("--dp", type=int, default=None, help="data-parallel degree")
-    group.add_argument("--dtype", default=None, help="dtype of the small model (default float32)")
-    group.add_argument("--seed", type=int, default=None)
-    group.add_argument("--lr", type=float, default=None)
-    group.add_argument("--weight-decay", type=float, default=None)
-    group.add_argument("--betas", type=float, nargs=2, default=None)
-    run.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
-    run.add_argument(
-        "--micro-batches", type=int, default=2, help="gradient accumulation micro-batches per step"
+    group.add_argument(
+        "--tp", type=flag_type(PARALLEL_FIELDS["tp"]), help="TP degree (default: world size)"
     )
-    run.add_argument("--max-new-tokens", type=int, default=16)
-    run.add_argument("--max-grad-norm", type=float, default=1.0)
+    group.add_argument("--dp", type=flag_type(PARALLEL_FIELDS["dp"]), help="data-parallel degree")
+    group.add_argument("--dtype", choices=DTYPES, help="dtype of the small model (default float32)")
+    group.add_argument("--seed", type=flag_type(PARALLEL_FIELDS["seed"]))
+    group.add_argument("--lr", type=flag_type(OPTIMIZER_FIELDS["lr"]))
+    group.add_argument("--weight-decay", type=flag_type(OPTIMIZER_FIELDS["weight_decay"]))
+    group.add_argument("--betas", type=flag_type(BETA), nargs=2)
+    run.add_argument(
+        "--steps", type=flag_type(RUN_FIELDS["steps"]), default=6, help="training steps (default 6)"
+    )
+    run.add_argument(
+        "--micro-batches",
+        type=flag_type(RUN_FIELDS["micro-batches"]),
+        default=2,
+        help="gradient accumulation micro-batches per step (default 2)",
+    )
+    run.add_argument("--max-new-tokens", type=flag_type(RUN_FIELDS["max-new-tokens"]), default=16)
+    run.add_argument("--max-grad-norm", type=flag_type(RUN_FIELDS["max-grad-norm"]), default=1.0)
     run.set_defaults(func=_run)
     args = parser.parse_args(argv)
     return args.func(args)

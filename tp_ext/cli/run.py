@@ -17,9 +17,9 @@ the ranks talk over gloo; on CUDA machines the same command runs with NCCL.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
-import tempfile
 import time
 
 import torch
@@ -28,12 +28,15 @@ import torch.nn.functional as F
 
 from tp_ext import checkpoint
 from tp_ext.checkpoint import peak_rss_bytes
+from tp_ext.cli.flags import RUN_FIELDS
+from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
 from tp_ext.config import JobConfig
 from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
 from tp_ext.layers import vocab_parallel_cross_entropy
-from tp_ext.models import Qwen2ForCausalLM
+from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
 from tp_ext.training import Trainer, build_optimizer
+from tp_ext.validation import check_fields
 
 __all__ = ["run"]
 
@@ -60,6 +63,22 @@ def _data(config, batch: int, seq: int, seed: int) -> torch.Tensor:
     return (start + stride * torch.arange(seq)) % config.vocab_size
 
 
+_PROMPT = 8  # prompt tokens of the generation step
+
+
+@dataclasses.dataclass
+class _Job:
+    config_path: str
+    job: JobConfig
+    small_job: JobConfig
+    small: Qwen2Config
+    dtype: torch.dtype  # of the small model: --dtype, else float32 (parity exact to 1e-4)
+    steps: int
+    micro_batches: int
+    max_new_tokens: int
+    max_grad_norm: float
+
+
 def run(
     config_path: str,
     overrides: dict,
@@ -70,22 +89,61 @@ def run(
     max_new_tokens: int = 16,
     max_grad_norm: float = 1.0,
 ) -> int:
-    for name, value in (
-        ("steps", steps),
-        ("micro_batches", micro_batches),
-        ("max_new_tokens", max_new_tokens),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+    # Everything a user gives is read and checked before torch.distributed starts.
+    flags = {"steps": steps, "micro-batches": micro_batches, "max-new-tokens": max_new_tokens}
+    check_fields("--", dict(flags, **{"max-grad-norm": max_grad_norm}), RUN_FIELDS)
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     job = JobConfig.from_file(config_path).with_overrides(**overrides)
-    full = job.model
     tp = overrides.get("tp") or world
-    full.check_tp(tp)
+    job.model.check_tp(tp)
+    small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
+    small = small_job.model if small_path else job.model.tiny()
+    small.check_tp(tp)
+    if _PROMPT + max_new_tokens > small.max_position_embeddings:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens} plus the {_PROMPT}-token prompt exceeds the small "
+            f"model's max_position_embeddings {small.max_position_embeddings}"
+        )
+    if workdir is not None:
+        check_workdir(workdir)
+    inputs = _Job(
+        config_path,
+        job,
+        small_job,
+        small,
+        getattr(torch, overrides.get("dtype") or "float32"),
+        steps,
+        micro_batches,
+        max_new_tokens,
+        max_grad_norm,
+    )
     state = init_parallel(
         tp=tp, pp=job.parallel.pp, dp=job.parallel.dp if overrides.get("dp") else None
     )
+    path = None
+    try:
+        made = comm.everywhere(
+            dist.group.WORLD,
+            "creating the work directory",
+            lambda: make_workdir(workdir) if state.rank == 0 else None,
+            OSError,
+        )
+        path = share_path(made, dist.group.WORLD, state.device)
+        status = _job(state, inputs, path, keep=workdir is not None, world=world, t_start=t_start)
+        comm.barrier(dist.group.WORLD)  # every rank is done with the files
+        return status
+    finally:  # also after an error: no temporary checkpoints are left behind
+        if state.rank == 0 and workdir is None and path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        destroy_parallel(destroy_process_group=True)
+
+
+def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: float) -> int:
+    job, small_job, small, dtype = inputs.job, inputs.small_job, inputs.small, inputs.dtype
+    steps, micro_batches = inputs.steps, inputs.micro_batches
+    max_new_tokens, max_grad_norm = inputs.max_new_tokens, inputs.max_grad_norm
+    full, config_path = job.model, inputs.config_path
     device = state.device
     is_main = state.rank == 0
     say = print if is_main else (lambda *a, **k: None)
@@ -106,20 +164,10 @@ def run(
     say(format_footprint(footprint(full, state.tp, job.parallel.dtype)))
 
     # -- 2. a small random checkpoint of the same family, in Hugging Face format -----------------
-    small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
-    small = small_job.model if small_path else full.tiny()
-    small.check_tp(state.tp)
-    # float32 unless --dtype says otherwise: the parity checks below are then exact to 1e-4
-    dtype = getattr(torch, overrides.get("dtype") or "float32")
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-    keep = workdir is not None  # a temporary workdir is removed at the end
-    workdir = workdir or os.path.join(
-        tempfile.gettempdir(), f"tp_ext_run_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
-    )
     hf_dir = os.path.join(workdir, "hf")
     torch.manual_seed(small_job.parallel.seed)
     if is_main:
-        os.makedirs(workdir, exist_ok=True)
         source = Qwen2ForCausalLM(small, tp_group=TPGroup.local(), dtype=dtype)
         source.save_pretrained(hf_dir, max_shard_bytes=200_000)
         del source
@@ -217,15 +265,18 @@ def run(
     )
 
     # -- 6. generation, throughput, memory -------------------------------------------------------
-    prompt = ids[:, :8]
+    prompt = ids[:, :_PROMPT]
     t0 = time.perf_counter()
     tokens = model.generate(prompt, max_new_tokens)
     gen_s = time.perf_counter() - t0
     generated = tokens.numel() - prompt.numel()
-    check("generation produced every token", tokens.shape == (prompt.size(0), 8 + max_new_tokens))
+    check(
+        "generation produced every token",
+        tokens.shape == (prompt.size(0), _PROMPT + max_new_tokens),
+    )
     say(
         f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
-        f"cache; first sequence: {tokens[0, 8:].tolist()}"
+        f"cache; first sequence: {tokens[0, _PROMPT:].tolist()}"
     )
     memory = _memory(device)
     rows = _gather_rows(
@@ -261,12 +312,8 @@ def run(
         [min((ok for _, ok in checks), default=True)], dtype=torch.float32, device=device
     )
     passed = comm.all_reduce(flags, "min", group=dist.group.WORLD).item() == 1.0
-    comm.barrier(dist.group.WORLD)
-    if is_main and not keep:
-        shutil.rmtree(workdir, ignore_errors=True)
     say(
         f"\n{'all checks passed' if passed else 'SOME CHECKS FAILED'} on {world} ranks in "
         f"{time.perf_counter() - t_start:.1f} s"
     )
-    destroy_parallel(destroy_process_group=True)
     return 0 if passed else 1

@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tp_ext.validation import ConfigError, is_number
+from tp_ext.validation import Field, check_fields, is_number
 
-__all__ = ["OptimizerSettings", "build_optimizer"]
+__all__ = ["OptimizerSettings", "OPTIMIZER_FIELDS", "build_optimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,23 +23,16 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.95)
 
     def __post_init__(self) -> None:
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be a number > 0, got {self.lr!r}")
-        if (
-            isinstance(self.weight_decay, bool)
-            or not isinstance(self.weight_decay, (int, float))
-            or self.weight_decay < 0
-        ):
-            raise ConfigError(
-                f"optimizer.weight_decay must be a number >= 0, got {self.weight_decay!r}"
-            )
-        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if (
-            betas is None
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
-        ):
-            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas!r}")
+        check_fields("optimizer.", dataclasses.asdict(self), OPTIMIZER_FIELDS)
+
+
+# AdamW diverges far below lr 1; weight decay above 1 would shrink weights by more than lr per
+# step (decoupled decay multiplies by 1 - lr * wd). Both bounds are beyond any working setting.
+OPTIMIZER_FIELDS = {
+    "lr": Field("float", 0, 1, low_open=True),
+    "weight_decay": Field("float", 0, 1),
+    "betas": Field("betas"),
+}
 
 
 def build_optimizer(

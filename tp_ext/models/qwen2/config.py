@@ -13,16 +13,40 @@ import dataclasses
 from typing import Any
 
 from tp_ext.sharding import HeadLayout
-from tp_ext.validation import ConfigError, check_unknown, read_mapping
+from tp_ext.validation import ConfigError, Field, check_fields, check_unknown, read_mapping
 
-__all__ = ["Qwen2Config"]
+__all__ = ["Qwen2Config", "MODEL_FIELDS"]
+
+
+def _size(high: int, why: str) -> Field:
+    return Field("int", 1, high, why=why)
+
+
+# Every model field's rule. Upper bounds are far above any published model (Qwen2-72B: vocab
+# 152,064, hidden 8,192, MLP 29,568, 80 layers, 64 heads; Llama-3.1-405B: hidden 16,384, MLP
+# 53,248, 126 layers, 128 heads; the largest vocabularies are ~256k) and exist so a typo such as
+# 1e8 layers fails at once instead of building modules for hours.
+MODEL_FIELDS = {
+    "vocab_size": _size(2**22, "16x the largest published vocabularies"),
+    "hidden_size": _size(2**17, "8x the widest published models"),
+    "intermediate_size": _size(2**20, "20x the widest published MLPs"),
+    "num_hidden_layers": _size(512, "4x the deepest published models; a plan builds each"),
+    "num_attention_heads": _size(4096, "32x published models"),
+    "num_key_value_heads": _size(4096, "32x published models"),
+    "max_position_embeddings": _size(2**24, "512x Qwen2-72B's 32,768 tokens"),
+    "rope_theta": Field("float", 0, low_open=True),
+    "rms_norm_eps": Field("float", 0, 1, low_open=True, high_open=True),
+    "tie_word_embeddings": Field("bool"),
+    "architecture": Field("choice", choices=("qwen2", "qwen")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
     """A Qwen2 / Qwen2.5 model, or the original Qwen (``architecture: qwen``: fused c_attn, no
     GQA; its config's ``intermediate_size`` counts w1 and w2 together, this one is per
-    projection)."""
+    projection). Every field is checked on construction (:data:`MODEL_FIELDS`, then the rules
+    between fields), so no path builds a model from a bad value."""
 
     vocab_size: int
     hidden_size: int
@@ -37,31 +61,27 @@ class Qwen2Config:
     architecture: str = "qwen2"
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"model.{name} must be an int >= 1, got {value!r}")
-        if self.architecture not in ("qwen2", "qwen"):
-            raise ConfigError(
-                f"model.architecture must be 'qwen2' or 'qwen', got {self.architecture!r}"
-            )
-        if self.hidden_size % self.num_attention_heads:
+        check_fields("model.", dataclasses.asdict(self), MODEL_FIELDS)
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if self.hidden_size % heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
-                f"model.num_attention_heads={self.num_attention_heads}"
+                f"model.num_attention_heads={heads}"
             )
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.head_dim % 2:
             raise ConfigError(
-                f"model.num_attention_heads={self.num_attention_heads} is not a "
-                f"multiple of model.num_key_value_heads={self.num_key_value_heads}"
+                f"model.hidden_size / model.num_attention_heads = {self.head_dim} (the head "
+                "size) must be even: rotary embedding turns pairs of values"
+            )
+        if heads % kv:
+            raise ConfigError(
+                f"model.num_attention_heads={heads} is not a multiple of "
+                f"model.num_key_value_heads={kv}"
+            )
+        if self.architecture == "qwen" and kv != heads:
+            raise ConfigError(
+                f"model.architecture 'qwen' (the original Qwen) has no grouped-query attention: "
+                f"model.num_key_value_heads must equal model.num_attention_heads={heads}, got {kv}"
             )
 
     @property
@@ -80,11 +100,14 @@ class Qwen2Config:
         return result
 
     def check_tp(self, tp: int) -> None:
-        if tp not in self.valid_tp_sizes(max(tp, 1)):
+        check_fields("", {"tp": tp}, {"tp": Field("int", 1)})
+        try:  # the one direct check: listing sizes up to a huge tp would loop for long
+            HeadLayout(self.num_attention_heads, self.num_key_value_heads, tp)
+        except ValueError:
             raise ConfigError(
                 f"tp={tp} cannot split {self.num_attention_heads} attention heads / "
                 f"{self.num_key_value_heads} KV heads; use one of {self.valid_tp_sizes()}"
-            )
+            ) from None
 
     def replace(self, **changes) -> "Qwen2Config":
         return dataclasses.replace(self, **changes)
@@ -138,58 +161,96 @@ class Qwen2Config:
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> "Qwen2Config":
+        """From a Hugging Face config.json's fields. Values are checked under the file's own
+        names (no coercion: "2" is not 2, "false" is not a bool); a null optional field takes
+        transformers' default; RoPE scaling, which this model does not implement, is refused."""
         architectures = data.get("architectures") or []
-        if data.get("model_type") == "qwen" or "QWenLMHeadModel" in architectures:
-            names = {
-                "vocab_size": "vocab_size",
-                "hidden_size": "hidden_size",
-                "num_hidden_layers": "num_hidden_layers",
-                "num_attention_heads": "num_attention_heads",
-                "max_position_embeddings": "max_position_embeddings",
-                "rope_theta": "rotary_emb_base",
-                "rms_norm_eps": "layer_norm_epsilon",
-            }
-            values = _pick(data, names)
-            _require(data, "intermediate_size")
-            values.update(
-                intermediate_size=data["intermediate_size"] // 2,
-                num_key_value_heads=values["num_attention_heads"],
-                tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-                architecture="qwen",
+        model_type = data.get("model_type")
+        if model_type not in (None, "qwen2", "qwen") or not isinstance(architectures, list):
+            # e.g. llama or qwen2_moe: same field names, another model; read as Qwen2 it would
+            # plan and build the wrong thing
+            raise ConfigError(
+                f"model_type {model_type!r} (architectures {architectures!r}) is not a model "
+                "tp_ext implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen "
+                "('qwen')"
             )
-            return cls(**values)
-        names = {
-            n: n
-            for n in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "max_position_embeddings",
-                "rms_norm_eps",
+        original = model_type == "qwen" or "QWenLMHeadModel" in architectures
+        names = dict(_HF_NAMES, **(_QWEN_NAMES if original else {}))
+        values = {o: _required(data, t) for o, t in names.items() if o != "rope_theta"}
+        if data.get("use_sliding_window"):
+            raise ConfigError(
+                "use_sliding_window is true; this model implements full attention only, so it "
+                "would compute wrong logits past the window"
             )
-        }
-        values = _pick(data, names)
-        rope = data.get("rope_theta", (data.get("rope_parameters") or {}).get("rope_theta"))
-        if rope is None:
-            raise ConfigError("missing field rope_theta")
-        values.update(
-            rope_theta=float(rope),
-            num_key_value_heads=data.get("num_key_value_heads", values["num_attention_heads"]),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-        )
+        values["rope_theta"] = _rope_theta(data, names["rope_theta"])
+        tie = data.get("tie_word_embeddings")
+        values["tie_word_embeddings"] = False if tie is None else tie
+        if not original:  # null: transformers' default, no grouped-query attention
+            kv = data.get("num_key_value_heads")
+            values["num_key_value_heads"] = values["num_attention_heads"] if kv is None else kv
+        check_fields("", {names.get(k, k): v for k, v in values.items()}, _hf_table(names))
+        if original:  # its intermediate_size counts w1 and w2 together
+            if values["intermediate_size"] % 2:
+                raise ConfigError(
+                    f"intermediate_size must be even for the original Qwen (w1 and w2 together),"
+                    f" got {values['intermediate_size']}"
+                )
+            values["intermediate_size"] //= 2
+            values.update(num_key_value_heads=values["num_attention_heads"], architecture="qwen")
         return cls(**values)
 
 
-def _require(data, name):
+# Our field -> its name in a Hugging Face Qwen2 config.json, and where the original Qwen differs.
+_HF_NAMES = {
+    n: n
+    for n in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+    )
+}
+_QWEN_NAMES = {"rope_theta": "rotary_emb_base", "rms_norm_eps": "layer_norm_epsilon"}
+
+
+def _hf_table(names: dict) -> dict:
+    table = {theirs: MODEL_FIELDS[ours] for ours, theirs in names.items()}
+    for name in ("tie_word_embeddings", "num_key_value_heads"):  # same name in both
+        table[name] = MODEL_FIELDS[name]
+    return table
+
+
+def _required(data: dict, name: str):
     if name not in data:
         raise ConfigError(f"missing field {name}")
+    return data[name]
 
 
-def _pick(data: dict, names: dict[str, str]) -> dict:
-    values = {}
-    for ours, theirs in names.items():
-        _require(data, theirs)
-        values[ours] = data[theirs]
-    return values
+def _rope_theta(data: dict, name: str):
+    """RoPE's base, from ``rope_theta`` or transformers 5's ``rope_parameters`` (one dict, or
+    one per attention type); only plain RoPE is implemented, so scaling is an error, never
+    silently ignored."""
+    params = data.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention", params)  # per attention type: Qwen2 has one
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters must be a mapping, got {params!r}")
+    for key, scaling in (("rope_parameters", params), ("rope_scaling", data.get("rope_scaling"))):
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind not in ("default", None):
+            raise ConfigError(
+                f"{key} has rope_type {kind!r}; only plain RoPE (rope_type 'default') is "
+                "implemented, so this checkpoint would compute wrong logits"
+            )
+    top, nested = data.get(name), (params or {}).get("rope_theta")
+    if top is not None and nested is not None and top != nested:
+        raise ConfigError(
+            f"{name}={top!r} and rope_parameters.rope_theta={nested!r} disagree; give one"
+        )
+    if top is None and nested is None:
+        raise ConfigError(f"missing field {name} (or rope_parameters.rope_theta)")
+    return top if top is not None else nested

@@ -14,6 +14,10 @@ import torch
 from torch import nn
 
 from tp_ext import checkpoint
+from tp_ext.checkpoint.hf import model_group
+from tp_ext.checkpoint.layout import detect_layout, expected_shapes
+from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
+from tp_ext.distributed import comm
 from tp_ext.layers import (
     ParallelLMHead,
     ParallelModule,
@@ -21,6 +25,7 @@ from tp_ext.layers import (
     RMSNorm,
     VocabParallelEmbedding,
     no_init,
+    state_entries,
 )
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
@@ -88,8 +93,14 @@ class Qwen2ForCausalLM(ParallelModule):
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
         checkpoint.reset_peak_rss()
-        config = Qwen2Config.from_file(path)
+        config = Qwen2Config.from_file(path)  # every field checked
         dtype = dtype or checkpoint.checkpoint_dtype(path)
+        # The checkpoint's files, names and shapes are checked against the model built on the
+        # meta device (nothing allocated) before the real one: a checkpoint that disagrees with
+        # its config.json fails at once, not after allocating the model.
+        meta = cls(config, tp_group=tp_group, device="meta", dtype=dtype)
+        _check_checkpoint(meta, path, strict)
+        del meta
         with no_init():
             model = cls(config, tp_group=tp_group, device=device, dtype=dtype)
         report = checkpoint.load_hf_checkpoint(model, path, strict=strict, progress=progress)
@@ -143,3 +154,17 @@ class Qwen2ForCausalLM(ParallelModule):
             tokens = torch.cat([tokens, next_token], 1)
             step = next_token
         return tokens
+
+
+def _check_checkpoint(model: Qwen2ForCausalLM, path: str, strict: bool) -> None:
+    """The checks load_hf_checkpoint makes before reading (files present and readable, every
+    tensor the model needs with its full shape, no unused ones when ``strict``), on a
+    meta-device ``model``; an error on any rank raises on all."""
+    entries = list(state_entries(model))
+
+    def check():
+        files = SafetensorsFiles(path)
+        layout = detect_layout(model, files.names())
+        check_names_and_shapes(files, expected_shapes(entries, layout), strict)
+
+    comm.everywhere(model_group(model), f"checking {path}", check, checkpoint.CheckpointError)
