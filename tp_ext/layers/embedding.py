@@ -23,6 +23,8 @@ class VocabParallelEmbedding(ParallelModule):
     Each rank looks up the ids that fall in its vocabulary range (others give zero rows), and
     the partial results are all-reduced; with ``sequence_parallel`` they are reduce-scattered
     into sequence shards instead (the output is then ``[..., seq_local, dim]``).
+    ``output_scale`` multiplies the looked-up rows, in the weight's dtype (Gemma's scaled
+    embedding).
     """
 
     def __init__(
@@ -35,9 +37,11 @@ class VocabParallelEmbedding(ParallelModule):
         device=None,
         dtype=None,
         init_method: Optional[InitFn] = None,
+        output_scale: Optional[float] = None,
     ):
         super().__init__()
         self._setup_tp(tp_group)
+        self.output_scale = None if output_scale is None else float(output_scale)
         self.num_embeddings = check_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_int("embedding_dim", embedding_dim)
         if padding_idx is not None:
@@ -99,6 +103,8 @@ class VocabParallelEmbedding(ParallelModule):
             else:
                 out = F.embedding(local_ids, self.weight, self._local_padding_idx)
                 out = out.masked_fill(outside.unsqueeze(-1), 0)
+        if self.output_scale is not None:  # the scale rounded to the weight's dtype, as Gemma's
+            out = out * torch.tensor(self.output_scale, dtype=out.dtype)
         if self.sequence_parallel:
             if out.dim() < 2:
                 raise ValueError(

@@ -32,8 +32,9 @@ from typing import Union
 
 from torch import nn
 
+from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
-from tp_ext.layers import ColumnParallelLinear, load_full_state_dict, no_init
+from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
 from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
 from tp_ext.parallelize.styles import attention_layout, convert
@@ -60,6 +61,12 @@ def parallelize(
     norm.
     """
     tp = resolve_group(tp_group)
+    done = [n for n, m in module.named_modules() if isinstance(m, ParallelModule)]
+    if done:
+        raise ValueError(
+            f"{type(module).__name__} already holds tp_ext layers ({done[0]!r}, ...): it was "
+            "parallelized before (or built from tp_ext layers); parallelize each model once"
+        )
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(
@@ -82,7 +89,12 @@ def parallelize(
             raise ValueError(f"sequence-parallel norm {sp_norms[0]!r} must sit inside a block")
         module.get_submodule(first_block).register_forward_pre_hook(shards.split, with_kwargs=True)
         report[first_block] = "sequence parallel from here: hidden states split along the sequence"
-    for name, style in decided.items():
+    shared = _shared_parameters(module)
+    _check_ties(module, decided, shared)
+    converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
+    # Embeddings first, so an LM head tied to one finds it converted.
+    order = sorted(decided.items(), key=lambda item: not _is_embedding(module, item[0]))
+    for name, style in order:
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         child = getattr(parent, leaf)
@@ -98,13 +110,18 @@ def parallelize(
             # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
             child.register_forward_hook(shards.gather_output)
             for p in child.parameters():
-                p.register_hook(shards.all_reduce_grad)
+                if p.requires_grad:  # frozen weights (fine-tuning) have no gradient to reduce
+                    p.register_hook(shards.all_reduce_grad)
             report[name] = "sequence_parallel: runs on this rank's shard, output all-gathered"
             continue
+        tie_to = _tied_embedding(name, child, shared, converted)
         full = {k: v.detach() for k, v in child.state_dict().items()}
         with no_init():
-            new, what = convert(name, child, style, parent, tp, sp)
+            new, what = convert(name, child, style, parent, tp, sp, tie_to)
         load_full_state_dict(new, full)
+        for param_name, param in child.named_parameters(recurse=False):
+            getattr(new, param_name).requires_grad_(param.requires_grad)  # frozen stays frozen
+            converted[id(param)] = new
         new.train(child.training)
         setattr(parent, leaf, new)
         report[name] = f"{style}: {what}"
@@ -115,9 +132,11 @@ def parallelize(
         if layout is not None and isinstance(child.q_proj, ColumnParallelLinear):
             heads = layout[0]
             child.num_key_value_groups = heads.q[tp.rank][1] // heads.kv[tp.rank][1]
+            per_head = _sum_gradients_over_heads(child, tp)
             report[name] = (
                 f"attention: {heads.q[tp.rank][1]} query heads, "
                 f"{heads.kv[tp.rank][1]} KV heads on this rank"
+                + (f"; {', '.join(per_head)} gradients summed over TP" if per_head else "")
             )
     if verbose and tp.rank == 0:
         width = max((len(n) for n in report), default=0)
@@ -125,3 +144,66 @@ def parallelize(
         for name, what in report.items():
             print(f"  {name:<{width}}  {what}")
     return (module, report) if return_report else module
+
+
+def _is_embedding(module: nn.Module, name: str) -> bool:
+    return isinstance(module.get_submodule(name), nn.Embedding)
+
+
+def _shared_parameters(module: nn.Module) -> dict[int, list[str]]:
+    """For each parameter owned by more than one module: the names of its owners."""
+    owners: dict[int, list[str]] = {}
+    for name, child in module.named_modules(remove_duplicate=False):
+        for param in child.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    return {pid: names for pid, names in owners.items() if len(set(names)) > 1}
+
+
+def _check_ties(module: nn.Module, decided: dict[str, str], shared) -> None:
+    """Every shared parameter stays shared: either no owner is converted, or it is an embedding
+    and an LM head both given the 'vocab' style (the head is then tied to the new embedding).
+    Anything else would be silently untied, so it is refused."""
+    for owner_names in shared.values():
+        owners = sorted(set(owner_names))
+        styles = {n: decided.get(n, "replicate") for n in owners}
+        if all(style in ("replicate", "sequence_parallel") for style in styles.values()):
+            continue
+        kinds = [type(module.get_submodule(n)).__name__ for n in owners]
+        embedding_and_head = (
+            len(owners) == 2
+            and all(style == "vocab" for style in styles.values())
+            and any(isinstance(module.get_submodule(n), nn.Embedding) for n in owners)
+            and any(isinstance(module.get_submodule(n), nn.Linear) for n in owners)
+        )
+        if not embedding_and_head:
+            raise ValueError(
+                f"modules {owners} share a parameter and would be split differently "
+                f"({styles}; {kinds}): parallelize keeps a tie only between an embedding and an "
+                "LM head both given the 'vocab' style; give them that style or untie them first"
+            )
+
+
+def _tied_embedding(name: str, child: nn.Module, shared, converted):
+    """The converted embedding an LM head shares its weight with (see _check_ties), or None."""
+    weight = getattr(child, "weight", None)
+    if isinstance(child, nn.Linear) and weight is not None and id(weight) in shared:
+        return converted.get(id(weight))
+    return None
+
+
+def _sum_gradients_over_heads(attention: nn.Module, tp) -> list[str]:
+    """Replicated parameters inside head-split attention (Qwen3's and Gemma 3's per-head
+    ``q_norm``/``k_norm``) see only this rank's heads, so their gradients are partial sums: a
+    hook adds them up over the TP group (replicated KV heads are right too: each replica's
+    gradient comes from different query heads). Returns the parameters' names."""
+    hooked = []
+    for sub_name, sub in attention.named_modules():
+        if isinstance(sub, ParallelModule) or any(
+            isinstance(m, ParallelModule) for m in sub.modules()
+        ):
+            continue
+        for param_name, param in sub.named_parameters(recurse=False):
+            if param.requires_grad:
+                param.register_hook(lambda grad: comm.all_reduce(grad, "sum", tp))
+                hooked.append(f"{sub_name}.{param_name}" if sub_name else param_name)
+    return hooked

@@ -22,18 +22,44 @@ def is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
+def is_plain(module: nn.Module, base: type) -> bool:
+    """``module`` computes exactly what ``base`` computes (its class or a subclass that does not
+    override forward): only then may auto swap it for a tp_ext layer."""
+    return isinstance(module, base) and type(module).forward is base.forward
+
+
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """An embedding whose only change is multiplying its output by ``embed_scale`` (Gemma 3's
+    ``...ScaledWordEmbedding``): converted with that scale."""
+    return (
+        isinstance(module, nn.Embedding)
+        and hasattr(module, "embed_scale")
+        and type(module).__name__.endswith("ScaledWordEmbedding")
+    )
+
+
+# Fused projections auto does not split: where q, k and v (or gate and up) meet is model code.
+_FUSED = {"qkv_proj", "gate_up_proj", "query_key_value", "c_attn", "W_pack", "Wqkv", "c_fc"}
+
+
 def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
     """The split decided for every nn.Linear and nn.Embedding of a Llama/Qwen-style model:
     column for q/k/v/gate/up, row for o/down, vocabulary for embeddings and the LM head, replicate
-    for anything else; with ``sequence_parallel``, every norm too."""
+    for anything else; with ``sequence_parallel``, every norm too.
+
+    Only modules whose semantics auto knows are converted (plain ``nn.Linear`` and
+    ``nn.Embedding``, and Gemma's scaled embedding). A module it would leave whole that holds a
+    large weight (a matmul of the model's width: GPT-2's ``Conv1D``, fused ``qkv_proj``, MoE
+    experts) is refused with a ValueError naming it, since replicating it silently would leave
+    the model unsharded or inconsistent; pass a plan for such models."""
     plan = {}
     for name, child in module.named_modules():
         leaf = name.rpartition(".")[2]
         if sequence_parallel and is_norm(child):
             plan[name] = "sequence_parallel"
-        elif isinstance(child, nn.Embedding):
+        elif is_plain(child, nn.Embedding) or is_scaled_embedding(child):
             plan[name] = "vocab"
-        elif isinstance(child, nn.Linear):
+        elif is_plain(child, nn.Linear):
             if leaf in _AUTO_COLWISE:
                 plan[name] = "colwise"
             elif leaf in _AUTO_ROWWISE:
@@ -42,7 +68,48 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
                 plan[name] = "vocab"
             else:
                 plan[name] = "replicate"
+    _refuse_large_unsplit(module, plan)
     return plan
+
+
+def _width(module: nn.Module):
+    hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+    if isinstance(hidden, int):
+        return hidden
+    dims = [m.embedding_dim for m in module.modules() if isinstance(m, nn.Embedding)]
+    return max(dims, default=None)
+
+
+def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str]) -> None:
+    """Refuse when auto would leave a module with a model-width weight whole (see auto_plan)."""
+    hidden = _width(module)
+    if hidden is None:
+        return
+    big = max(2, hidden // 2)
+    unsplit = []
+    for name, child in module.named_modules():
+        if plan.get(name, "replicate") != "replicate" or is_norm(child):
+            continue
+        for param in child.parameters(recurse=False):
+            if sum(1 for d in param.shape if d >= big) >= 2:
+                unsplit.append((name, child))
+                break
+    if unsplit:
+        listed = ", ".join(f"{n} ({type(c).__name__})" for n, c in unsplit[:4])
+        more = f" and {len(unsplit) - 4} more" if len(unsplit) > 4 else ""
+        fused = [n for n, _ in unsplit if n.rpartition(".")[2] in _FUSED]
+        why = (
+            " (fused projections: where their parts meet is model code auto does not know)"
+            if fused
+            else ""
+        )
+        raise ValueError(
+            f"parallelize(plan='auto') does not know how to split {listed}{more}{why}; left "
+            "whole they would hold the model's large matmuls on every rank. Pass a plan of name "
+            "patterns to styles instead, e.g. {'*.q_proj': 'colwise', '*.o_proj': 'rowwise', "
+            "...} (styles: colwise, rowwise, vocab, sequence_parallel, replicate; 'replicate' "
+            "keeps a module whole on purpose)"
+        )
 
 
 def resolve_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

@@ -34,16 +34,28 @@ def attention_layout(parent: nn.Module, tp: TPGroup) -> Optional[tuple[HeadLayou
     return HeadLayout(heads, kv, tp.size), head_dim
 
 
-def convert(name: str, child: nn.Module, style: str, parent: nn.Module, tp: TPGroup, sp: bool):
-    """The tp_ext layer replacing ``child``, and a line saying what was done."""
+def convert(
+    name: str,
+    child: nn.Module,
+    style: str,
+    parent: nn.Module,
+    tp: TPGroup,
+    sp: bool,
+    tie_to: Optional[VocabParallelEmbedding] = None,
+):
+    """The tp_ext layer replacing ``child``, and a line saying what was done. ``tie_to``: the
+    converted embedding an LM head shares its weight with."""
     leaf = name.rpartition(".")[2]
     kw = {"tp_group": tp, "device": None, "dtype": None}
     if style == "vocab" and isinstance(child, nn.Embedding):
         kw.update(device=child.weight.device, dtype=child.weight.dtype)
+        scale = getattr(child, "embed_scale", None)  # Gemma's scaled embedding
+        scale = None if scale is None else float(scale)
         new = VocabParallelEmbedding(
-            child.num_embeddings, child.embedding_dim, child.padding_idx, **kw
+            child.num_embeddings, child.embedding_dim, child.padding_idx, output_scale=scale, **kw
         )
-        return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}"
+        scaled = "" if scale is None else f", output scaled by {scale:g}"
+        return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}{scaled}"
     if not isinstance(child, nn.Linear):
         raise ValueError(
             f"{name}: style {style!r} applies to nn.Linear"
@@ -60,9 +72,12 @@ def convert(name: str, child: nn.Module, style: str, parent: nn.Module, tp: TPGr
             bias,
             gather_output=True,
             input_is_gathered=sp,
+            tie_to=tie_to,
             **kw,
         )
-        return new, f"vocab-parallel head, rows {new.partition.segments[tp.rank]}, logits gathered"
+        tied = ", weight tied to the embedding" if tie_to is not None else ""
+        rows = new.partition.segments[tp.rank]
+        return new, f"vocab-parallel head, rows {rows}, logits gathered{tied}"
     if style == "colwise":
         partition = None
         if layout is not None and leaf in ("q_proj", "k_proj", "v_proj"):

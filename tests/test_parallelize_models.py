@@ -1,0 +1,189 @@
+"""parallelize(model, "auto") on tiny random configs of the decoders users bring from transformers,
+at TP 2 and 3: logits (and, for tied and frozen cases, gradients) equal to the unsharded model, or
+a clear refusal naming the module before anything runs. The decisions are listed in
+docs/layers.md ("parallelize")."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import tp_ext
+from tp_ext.layers import local_shards
+
+from .dist_utils import run_distributed
+from .test_layers import assert_rel
+
+VOCAB = 101  # not divisible by 2 or 3
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=44,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _cfg(name, **extra):
+    cls = getattr(transformers, name)
+    return cls(**{**COMMON, **extra})
+
+
+# (architecture, config factory, model class, expected: "exact" or a fragment of the refusal)
+CASES = [
+    ("llama", lambda: _cfg("LlamaConfig"), "LlamaForCausalLM", "exact"),
+    ("mistral", lambda: _cfg("MistralConfig"), "MistralForCausalLM", "exact"),
+    ("qwen2", lambda: _cfg("Qwen2Config"), "Qwen2ForCausalLM", "exact"),
+    (
+        "qwen2 tied",
+        lambda: _cfg("Qwen2Config", tie_word_embeddings=True),
+        "Qwen2ForCausalLM",
+        "exact",
+    ),
+    ("qwen3", lambda: _cfg("Qwen3Config", head_dim=8), "Qwen3ForCausalLM", "exact"),
+    ("gemma", lambda: _cfg("GemmaConfig", head_dim=8), "GemmaForCausalLM", "exact"),
+    ("gemma2", lambda: _cfg("Gemma2Config", head_dim=8), "Gemma2ForCausalLM", "exact"),
+    ("gemma3", lambda: _cfg("Gemma3TextConfig", head_dim=8), "Gemma3ForCausalLM", "exact"),
+    (
+        "mixtral",
+        lambda: _cfg("MixtralConfig", num_local_experts=4),
+        "MixtralForCausalLM",
+        "MixtralExperts",
+    ),
+    ("phi3", lambda: _cfg("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", "qkv_proj"),
+    (
+        "gpt2",
+        lambda: transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64
+        ),
+        "GPT2LMHeadModel",
+        "Conv1D",
+    ),
+    (
+        "opt",
+        lambda: transformers.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            ffn_dim=44,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            max_position_embeddings=64,
+            word_embed_proj_dim=48,
+        ),
+        "OPTForCausalLM",
+        "out_proj",
+    ),
+    (
+        "falcon",
+        lambda: transformers.FalconConfig(
+            vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6
+        ),
+        "FalconForCausalLM",
+        "query_key_value",
+    ),
+    (
+        "gpt-neox",
+        lambda: transformers.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=44,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+        ),
+        "GPTNeoXForCausalLM",
+        "query_key_value",
+    ),
+    ("starcoder2", lambda: _cfg("Starcoder2Config"), "Starcoder2ForCausalLM", "c_fc"),
+]
+
+
+def _build(config_fn, model_name):
+    config = config_fn()
+    config._attn_implementation = "eager"  # every architecture has it (sdpa not all)
+    torch.manual_seed(0)  # the same full weights on every rank
+    return getattr(transformers, model_name)(config).float().eval()
+
+
+def _check_architectures():
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    for arch, config_fn, model_name, expected in CASES:
+        reference = _build(config_fn, model_name)
+        model = copy.deepcopy(reference)
+        if expected != "exact":
+            with pytest.raises(ValueError, match=expected) as info:
+                tp_ext.parallelize(model, "auto")
+            assert "Pass a plan" in str(info.value), (arch, str(info.value))
+            assert not any(isinstance(m, tp_ext.layers.ParallelModule) for m in model.modules())
+            seen[arch] = "refused"
+            continue
+        model, report = tp_ext.parallelize(model, "auto", return_report=True)
+        with torch.no_grad():
+            assert_rel(model(ids).logits, reference(ids).logits, f"{arch}: logits")
+        seen[arch] = "exact"
+        if arch in ("qwen2 tied", "gemma3"):  # ties kept: one parameter, the full model's grads
+            head, embed = model.lm_head, model.model.embed_tokens
+            assert head.weight is embed.weight, f"{arch}: the tie was broken"
+            assert "tied" in report["lm_head"], report["lm_head"]
+            model.train(), reference.train()
+            model(ids, labels=ids).loss.backward()
+            reference(ids, labels=ids).loss.backward()
+            expected_grads = local_shards(
+                model, {n: p.grad for n, p in reference.named_parameters()}
+            )
+            for name, p in model.named_parameters():
+                assert_rel(p.grad, expected_grads[name], f"{arch}: gradient of {name}")
+    return seen
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_auto_on_the_decoders_users_bring(ws):
+    seen = run_distributed(_check_architectures, ws, timeout=600)[0]
+    assert seen == {arch: ("exact" if e == "exact" else "refused") for arch, _, _, e in CASES}
+
+
+def _check_frozen_parameters_with_sequence_parallel():
+    reference = _build(lambda: _cfg("Qwen2Config"), "Qwen2ForCausalLM").train()
+    for name, p in reference.named_parameters():  # fine-tuning: freeze everything but the MLPs
+        p.requires_grad_("mlp" in name)
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto", sequence_parallel=True)
+    frozen = {n for n, p in reference.named_parameters() if not p.requires_grad}
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids).loss.backward()
+    reference(ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    expected = local_shards(model, grads)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert p.grad is None, name
+        else:
+            assert_rel(p.grad, expected[name], f"gradient of {name}")
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_frozen_parameters_with_sequence_parallel(ws):
+    run_distributed(_check_frozen_parameters_with_sequence_parallel, ws)
+
+
+def _check_misuse():
+    model = _build(lambda: _cfg("Qwen2Config"), "Qwen2ForCausalLM")
+    tp_ext.parallelize(model, "auto")
+    with pytest.raises(ValueError, match="already holds tp_ext layers"):
+        tp_ext.parallelize(model, "auto")
+    tied = _build(lambda: _cfg("Qwen2Config", tie_word_embeddings=True), "Qwen2ForCausalLM")
+    with pytest.raises(ValueError, match="share a parameter"):
+        tp_ext.parallelize(tied, {"model.embed_tokens": "vocab", "lm_head": "replicate"})
+    heads = _build(
+        lambda: _cfg("Qwen2Config", num_attention_heads=2, num_key_value_heads=1, hidden_size=16),
+        "Qwen2ForCausalLM",
+    )
+    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+        tp_ext.parallelize(heads, "auto")
+
+
+def test_misuse_is_refused_clearly():
+    run_distributed(_check_misuse, 3)
