@@ -171,6 +171,8 @@ def test_frozen_parameters_with_sequence_parallel(ws):
 
 def _check_misuse():
     model = _build(lambda: _cfg("Qwen2Config"), "Qwen2ForCausalLM")
+    with pytest.raises(ValueError, match="plan must be 'auto' or a dict"):
+        tp_ext.parallelize(model, "Auto")
     tp_ext.parallelize(model, "auto")
     with pytest.raises(ValueError, match="already holds tp_ext layers"):
         tp_ext.parallelize(model, "auto")
