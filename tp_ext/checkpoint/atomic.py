@@ -113,12 +113,15 @@ def start_save(path, group) -> Staging:
         target = checkpoint_target(path)
         _check_replaceable(target)
         versions = target + VERSIONS
-        os.makedirs(versions, exist_ok=True)
         name = f"v-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:12]}"
         directory = os.path.join(versions, name)
-        fd = os.open(directory + ".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # before the directory exists: cleanup never sees it free
-        os.mkdir(directory)
+        try:
+            os.makedirs(versions, exist_ok=True)
+            fd = os.open(directory + ".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # before the directory exists: never seen unlocked
+            os.mkdir(directory)
+        except OSError as e:
+            raise CheckpointError(f"cannot save a checkpoint at {path}: {e}") from None
         return directory, fd
 
     directory, fd = comm.everywhere(g, f"saving {path}", create, CheckpointError)
@@ -148,9 +151,11 @@ def saving(path, group, info: dict):
                 publish(staging)
 
         comm.everywhere(g, f"saving {path}", commit, CheckpointError)
-    except BaseException:
+    except BaseException as e:
         if g.rank == 0 and staging._lock is not None:
             _abandon(staging)
+        if isinstance(e, OSError):  # a full disk, a permission: still a CheckpointError
+            raise CheckpointError(f"saving {path}: {e}") from e
         raise
 
 
@@ -222,6 +227,13 @@ def remove_unused_versions(target: str) -> None:
         finally:
             os.close(fd)
         shutil.rmtree(trash, ignore_errors=True)
+    parent, base = os.path.split(target)
+    for name in os.listdir(parent):  # symlinks of saves killed before they were swapped in
+        if name.startswith(f".{base}.v-") and name.endswith(".link"):
+            version = os.path.join(versions, name[len(base) + 2 : -len(".link")])
+            if not os.path.exists(version):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(parent, name))
     for leftover in (target + ".old", target + ".partial"):
         shutil.rmtree(leftover, ignore_errors=True)
 

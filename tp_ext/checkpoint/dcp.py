@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
@@ -25,6 +26,10 @@ from tp_ext.distributed.groups import TPGroup
 from tp_ext.layers import state_entries
 
 __all__ = ["save_sharded", "load_sharded"]
+
+
+# DCP's gathered failure is a BaseException, which ``except Exception`` would let through.
+_DCP_ERRORS = (Exception, CheckpointException)
 
 
 def _world():
@@ -157,7 +162,7 @@ def save_sharded(model, path: str, step: Optional[int] = None) -> None:
                     storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
                     no_dist=not distributed,
                 )
-        except Exception as e:  # DCP raises on every rank (it gathers failures)
+        except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
             raise CheckpointError(f"saving {path}: {e}") from e
 
 
@@ -255,5 +260,5 @@ def _read(directory, info, state, distributed, path) -> None:
     try:
         with _single_process_is_intended(distributed):
             dcp.load(state, storage_reader=reader, no_dist=not distributed)
-    except Exception as e:  # DCP already raises on every rank (it gathers failures)
+    except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
         raise CheckpointError(f"loading {path} ({directory}): {e}") from e
