@@ -264,23 +264,29 @@ def _resolve(path) -> tuple[str, Optional[int]]:
 
 @contextlib.contextmanager
 def reading(path, group=None):
-    """The directory to read for ``path``, the same on every rank of ``group`` (rank 0
-    resolves it), kept from removal by a shared lock until the block ends."""
+    """The directory to read for ``path``, kept from removal by a shared lock until the block
+    ends. Every rank resolves its own ``path``; where they land on different versions of one
+    checkpoint (a save published in between), all read rank 0's."""
     g = comm.resolve_group(group)
-    directory, fd = comm.everywhere(
-        g,
-        f"loading {path}",
-        lambda: _resolve(path) if g.rank == 0 else (None, None),
-        CheckpointError,
-    )
-    directory = share_text(g, directory or "")
-    if g.rank != 0 and os.path.exists(directory + ".lock"):
-        fd = _lock(directory, shared=True)
+    directory, fd = comm.everywhere(g, f"loading {path}", lambda: _resolve(path), CheckpointError)
+    first = gather_texts(g, directory)[0]
+    if (
+        first != directory
+        and _is_version(first)
+        and os.path.dirname(first) == os.path.dirname(directory)
+    ):
+        if fd is not None:
+            os.close(fd)
+        directory, fd = first, _lock(first, shared=True)  # rank 0 holds it: it still exists
     try:
         yield directory
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _is_version(directory: str) -> bool:
+    return os.path.dirname(directory).endswith(VERSIONS)
 
 
 def complete_checkpoint(path) -> str:
