@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -82,10 +83,14 @@ def test_concurrent_saves_and_loads_see_one_save_entirely(tmp_path, kind):
     path = str(tmp_path / "ckpt")
     states = {seed: _state(seed) for seed in (1, 2)}
     load = _loaded_hf if kind == "hf" else _loaded_sharded
-    if kind == "hf":
-        checkpoint.save_hf_checkpoint(_model(1), path, max_shard_bytes=200_000)
-    else:
-        checkpoint.save_sharded(_model(1), path)
+
+    def save(seed):
+        if kind == "hf":
+            checkpoint.save_hf_checkpoint(_model(seed), path, max_shard_bytes=200_000)
+        else:
+            checkpoint.save_sharded(_model(seed), path)
+
+    save(1)
     writers = [
         subprocess.Popen(
             [sys.executable, "-c", _WRITER, path, str(seed), "6", kind, MINI],
@@ -103,8 +108,9 @@ def test_concurrent_saves_and_loads_see_one_save_entirely(tmp_path, kind):
     for w in writers:
         assert w.wait(timeout=120) == 0, w.stderr.read()
     assert any(_same(load(path), s) for s in states.values())
-    # only the current version remains (the loads released theirs, the last save removed them)
-    checkpoint.save_sharded(_model(2), path) if kind == "sharded" else None
+    # versions still read during the last publish are removed by the next save
+    save(2)
+    assert _same(load(path), states[2])
     assert len([v for v in _versions(path) if not v.endswith(".lock")]) == 1, _versions(path)
 
 
@@ -120,7 +126,14 @@ def _killed_save(path, where, seed):
     model = _model(seed)
     pid = os.fork()
     if pid:
-        return os.waitpid(pid, 0)[1]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"the save killed at {where} did not end in 120 s")
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
