@@ -244,6 +244,7 @@ def remove_unused_versions(target: str) -> None:
 def _resolve(path) -> tuple[str, Optional[int]]:
     """The directory to read for ``path`` and the shared lock held on it (None: unversioned)."""
     target = checkpoint_target(path)
+    previous = None
     for _ in range(100):
         current = _current(target)
         if current is None:
@@ -253,6 +254,9 @@ def _resolve(path) -> tuple[str, Optional[int]]:
             return current, fd
         if fd is not None:
             os.close(fd)  # removed between resolving and locking: a newer one is current
+        if current == previous:  # still the same missing version: nothing newer is coming
+            raise CheckpointError(f"checkpoint {path} points at {current}, which is missing")
+        previous = current
     else:
         raise CheckpointError(f"{path}: the checkpoint kept changing while it was resolved")
     if os.path.exists(target):  # a plain directory (or file), not saved by versions
