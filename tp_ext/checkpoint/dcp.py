@@ -8,29 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import warnings
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from tp_ext.checkpoint.atomic import (
-    MANIFEST,
-    commit,
-    complete_checkpoint,
-    start_save,
-    write_manifest,
-)
+from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import tp_size
 from tp_ext.checkpoint.layout import model_layout, row_reads, tied_names
+from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup
 from tp_ext.layers import state_entries
 
 __all__ = ["save_sharded", "load_sharded"]
+
+
+# DCP's gathered failure is a BaseException, which ``except Exception`` would let through.
+_DCP_ERRORS = (Exception, CheckpointException)
 
 
 def _world():
@@ -140,36 +139,31 @@ def _add_chunk(state, name, block, offsets, size) -> None:
 
 def save_sharded(model, path: str, step: Optional[int] = None) -> None:
     """Save ``model`` as a sharded DCP checkpoint in directory ``path`` (every rank calls it and
-    writes only its own rows). Atomic: ``path`` is replaced only once the save is complete."""
+    writes only its own rows). Atomic (:mod:`tp_ext.checkpoint.atomic`): ``path`` changes to
+    the new checkpoint in one step once it is complete."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     distributed, world = _world()
-    partial = start_save(path, world)
-    state = _dcp_state_dict(model)
-    with _single_process_is_intended(distributed):
-        dcp.save(
-            state,
-            storage_writer=HuggingFaceStorageWriter(partial, save_distributed=True),
-            no_dist=not distributed,
-        )
-
-    def finish():
-        if world.rank != 0:
-            return
-        write_manifest(
-            partial,
-            {
-                "format": "tp_ext-dcp-v1",
-                "tp": tp_size(model),
-                "step": step,
-                "config": _model_fields(model.config),
-            },
-        )
-        commit(partial, os.fspath(path))
-
-    comm.barrier(world)
-    comm.everywhere(world, f"saving {path}", finish, CheckpointError)
+    state = comm.everywhere(
+        world, f"saving {path}", lambda: _dcp_state_dict(model), CheckpointError
+    )
+    info = {
+        "format": "tp_ext-dcp-v1",
+        "tp": tp_size(model),
+        "step": step,
+        "config": _model_fields(model.config),
+    }
+    with saving(path, world, info) as directory:
+        try:
+            with _single_process_is_intended(distributed):
+                dcp.save(
+                    state,
+                    storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
+                    no_dist=not distributed,
+                )
+        except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
+            raise CheckpointError(f"saving {path}: {e}") from e
 
 
 @contextlib.contextmanager
@@ -187,42 +181,84 @@ def _model_fields(config) -> dict:
 
 def load_sharded(model, path: str) -> dict:
     """Load a checkpoint written by :func:`save_sharded` at any TP degree into ``model`` (at
-    its own). Checks the manifest, file sizes and model config first, on every rank. Returns
-    the manifest (``tp`` it was saved at, ``step``)."""
+    its own). Checks the manifest (sizes, sha256s, dtypes) and model config first, on every
+    rank; reads only the files the manifest lists. Returns the manifest (``tp`` it was saved
+    at, ``step``)."""
+    distributed, world = _world()
+    with reading(path, world) as directory:
+
+        def check():
+            if not os.path.isfile(os.path.join(directory, MANIFEST)):
+                raise CheckpointError(
+                    f"{path} is not a complete tp_ext checkpoint: {MANIFEST} is missing"
+                )
+            info = read_manifest(directory)
+            if info.get("format") != "tp_ext-dcp-v1":
+                raise CheckpointError(
+                    f"{directory} is a {info.get('format')!r} checkpoint, not a "
+                    "sharded one; use load_hf_checkpoint / from_pretrained"
+                )
+            check_files(directory, info, hashes=True, group=world)
+            _check_config(directory, info, model)
+            state = _dcp_state_dict(model)
+            _check_dtypes(directory, info, state)
+            return info, state
+
+        info, state = comm.everywhere(world, f"loading {path}", check, CheckpointError)
+        _read(directory, info, state, distributed, path)
+    return info
+
+
+def _check_config(directory, info, model) -> None:
+    ours = _model_fields(model.config)
+    saved = info.get("config", {})
+    differ = [k for k in ours if k in saved and saved[k] != ours[k] and k != "architecture"]
+    if differ:
+        k = differ[0]
+        raise CheckpointError(
+            f"{directory} was saved from a model with {k}={saved[k]!r}; "
+            f"this model has {k}={ours[k]!r}"
+        )
+
+
+def _check_dtypes(directory, info, state) -> None:
+    """DCP converts whatever it reads into the model's dtype: allow only exact conversions
+    (to a wider float type); anything else is an error naming the tensor and both dtypes."""
+    from safetensors.torch import _getdtype
+
+    for name, tensor in state.items():
+        stored = info.get("dtypes", {}).get(name)
+        if stored is None:
+            continue
+        dtype = _getdtype(stored)
+        exact = dtype == tensor.dtype or (
+            dtype.is_floating_point
+            and tensor.dtype.is_floating_point
+            and torch.finfo(tensor.dtype).bits > torch.finfo(dtype).bits
+        )
+        if not exact:
+            raise CheckpointError(
+                f"tensor {name!r} in {directory} is stored as {dtype}, the model's is "
+                f"{tensor.dtype}: build the model in {dtype} to load it exactly"
+            )
+
+
+def _read(directory, info, state, distributed, path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    distributed, world = _world()
+    class ListedFiles(FileSystem):
+        """DCP's reader takes every .safetensors file in the directory; only the manifest's
+        files are checkpoint files (one added later must not become a source of weights)."""
 
-    def check():
-        directory = complete_checkpoint(path)
-        with open(os.path.join(directory, MANIFEST)) as f:
-            info = json.load(f)
-        if info.get("format") != "tp_ext-dcp-v1":
-            raise CheckpointError(
-                f"{directory} is a {info.get('format')!r} checkpoint, not a "
-                "sharded one; use load_hf_checkpoint / from_pretrained"
-            )
-        ours = _model_fields(model.config)
-        saved = info.get("config", {})
-        differ = [
-            k for k in ours if k in saved and saved[k] != ours[k] and k not in ("architecture",)
-        ]
-        if differ:
-            k = differ[0]
-            raise CheckpointError(
-                f"{directory} was saved from a model with {k}={saved[k]!r}; "
-                f"this model has {k}={ours[k]!r}"
-            )
-        return directory, info
+        def ls(self, p):
+            return [f for f in super().ls(p) if os.path.basename(f) in info["files"]]
 
-    directory, info = comm.everywhere(world, f"loading {path}", check, CheckpointError)
-    state = _dcp_state_dict(model)
+    reader = HuggingFaceStorageReader(directory)
+    reader.fs = ListedFiles()
     try:
         with _single_process_is_intended(distributed):
-            dcp.load(
-                state, storage_reader=HuggingFaceStorageReader(directory), no_dist=not distributed
-            )
-    except Exception as e:  # DCP already raises on every rank (it gathers failures)
-        raise CheckpointError(f"loading {directory}: {e}") from e
-    return info
+            dcp.load(state, storage_reader=reader, no_dist=not distributed)
+    except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
+        raise CheckpointError(f"loading {path} ({directory}): {e}") from e

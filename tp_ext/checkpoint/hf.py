@@ -20,9 +20,10 @@ from typing import Optional
 
 import torch
 
-from tp_ext.checkpoint.atomic import commit, start_save, write_manifest
+from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.layout import detect_layout, expected_shapes, model_layout, tied_names
+from tp_ext.checkpoint.manifest import MANIFEST, check_files, check_listed, read_manifest
 from tp_ext.checkpoint.memory import peak_rss_bytes
 from tp_ext.checkpoint.safetensors_io import (
     INDEX_FILE,
@@ -50,18 +51,33 @@ def tp_size(model) -> int:
 
 @torch.no_grad()
 def load_hf_checkpoint(
-    model, path: str, fmt: Optional[str] = None, strict: bool = True, progress: bool = True
+    model,
+    path: str,
+    fmt: Optional[str] = None,
+    strict: bool = True,
+    progress: bool = True,
+    lossy_dtypes: bool = False,
 ) -> dict:
     """Load a Hugging Face checkpoint directory into a tp_ext model, each rank reading only its
     own slices. ``fmt``: one of the model's ``checkpoint_formats`` (None: the one whose tensor
-    names the checkpoint has; a Qwen2 model reads "qwen2" and "qwen"). Returns a report: bytes
-    read by this rank, its shard size, and its peak host memory."""
-    entries = list(state_entries(model))
+    names the checkpoint has; a Qwen2 model reads "qwen2" and "qwen"). ``lossy_dtypes``: round
+    between float16 and bfloat16 where values differ (see ``safetensors_io.converted``).
+    Returns a report: bytes read by this rank, its shard size, and its peak host memory."""
     group = model_group(model)
+    with reading(path, group) as directory:
+        return _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes)
+
+
+def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) -> dict:
+    entries = list(state_entries(model))
     show = progress and group.rank == 0
 
     def prepare():
-        files = SafetensorsFiles(path)
+        files = SafetensorsFiles(directory)
+        if os.path.isfile(os.path.join(directory, MANIFEST)):  # saved by tp_ext: verified
+            info = read_manifest(directory)
+            check_listed(directory, info, files.paths())
+            check_files(directory, info, hashes=True, group=group)
         layout = detect_layout(model, files.names()) if fmt is None else model_layout(model, fmt)
         check_names_and_shapes(files, expected_shapes(entries, layout), strict)
         for name, tensor, *_ in entries:
@@ -79,7 +95,7 @@ def load_hf_checkpoint(
         bar = _progress(len(entries), f"loading {os.path.basename(os.path.normpath(path))}", show)
         for name, tensor, spec, owner in entries:
             rank = owner.tp_rank if isinstance(owner, ParallelModule) else 0
-            read_bytes += load_local(files, layout[name], spec, rank, tensor)
+            read_bytes += load_local(files, layout[name], spec, rank, tensor, lossy_dtypes)
             bar.update(1)
         bar.close()
         return read_bytes
@@ -150,38 +166,37 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
         else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
     file_of = {name: names[i] for i, group_names in enumerate(files) for name in group_names}
-    partial = start_save(path, group)
 
-    def write_all():
-        pending = {file: {} for file in names}  # tensors of each file not yet written
-        needed = {
-            file: sum(len(layout[n]) for n in group_names)
-            for file, group_names in zip(names, files)
-        }
-        weight_map = {}
-        for name, full in iter_full_tensors(model):  # a collective: every rank iterates
-            if not writer or name not in file_of:
-                continue
-            file = file_of[name]
-            start = 0
-            for piece in layout[name]:
-                pending[file][piece.name] = full[start : start + piece.rows].contiguous()
-                weight_map[piece.name] = file
-                start += piece.rows
-            if len(pending[file]) == needed[file]:
-                save_file(pending.pop(file), os.path.join(partial, file), metadata={"format": "pt"})
-        if not writer:
-            return
-        if len(names) > 1:
-            total = sum(sizes.values())
-            with open(os.path.join(partial, INDEX_FILE), "w") as f:
-                json.dump(
-                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
-                )
-        with open(os.path.join(partial, "config.json"), "w") as f:
-            json.dump(model.hf_config(dtype), f, indent=2)
-        write_manifest(partial, {"format": "huggingface", "tp": group.size})
-        commit(partial, os.fspath(path))
+    with saving(path, group, {"format": "huggingface", "tp": group.size}) as directory:
 
-    comm.everywhere(group, f"saving {path}", write_all, CheckpointError)
-    comm.barrier(group)
+        def write_all():
+            pending = {file: {} for file in names}  # tensors of each file not yet written
+            needed = {
+                file: sum(len(layout[n]) for n in group_names)
+                for file, group_names in zip(names, files)
+            }
+            weight_map = {}
+            for name, full in iter_full_tensors(model):  # a collective: every rank iterates
+                if not writer or name not in file_of:
+                    continue
+                file = file_of[name]
+                start = 0
+                for piece in layout[name]:
+                    pending[file][piece.name] = full[start : start + piece.rows].contiguous()
+                    weight_map[piece.name] = file
+                    start += piece.rows
+                if len(pending[file]) == needed[file]:
+                    out = os.path.join(directory, file)
+                    save_file(pending.pop(file), out, metadata={"format": "pt"})
+            if not writer:
+                return
+            if len(names) > 1:
+                total = sum(sizes.values())
+                with open(os.path.join(directory, INDEX_FILE), "w") as f:
+                    json.dump(
+                        {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                    )
+            with open(os.path.join(directory, "config.json"), "w") as f:
+                json.dump(model.hf_config(dtype), f, indent=2)
+
+        comm.everywhere(group, f"saving {path}", write_all, CheckpointError)

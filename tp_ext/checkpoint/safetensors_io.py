@@ -18,6 +18,8 @@ __all__ = [
     "checkpoint_dtype",
     "load_local",
     "check_names_and_shapes",
+    "file_inside",
+    "header_dtypes",
     "READ_CHUNK_BYTES",
 ]
 
@@ -40,16 +42,51 @@ def checkpoint_dtype(path: str) -> torch.dtype:
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
+def file_inside(root: str, name, source: str) -> str:
+    """The path of file ``name`` that ``source`` (an index, a manifest) names in directory
+    ``root``: it must exist and, symlinks resolved, lie inside ``root`` (or, for a Hugging Face
+    hub snapshot, in its repository's ``blobs``, where the snapshot's symlinks point)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{source} in {root} names {name!r} as a file; expected a file name")
+    full = os.path.join(root, name)
+    real, base = os.path.realpath(full), os.path.realpath(root)
+    allowed = [base]
+    if os.path.basename(os.path.dirname(base)) == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(os.path.dirname(base)), "blobs"))
+    if not any(real.startswith(a + os.sep) for a in allowed):
+        raise CheckpointError(
+            f"{source} in {root} names {name!r}, which is {real}, outside the checkpoint "
+            "directory: only files inside it are read"
+        )
+    if not os.path.isfile(real):
+        raise CheckpointError(f"checkpoint file {full} is missing")
+    return full
+
+
+def header_dtypes(path: str) -> dict[str, str]:
+    """Every tensor's dtype in the header of safetensors file ``path`` ("BF16", "F32", ...)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            return {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {e}") from None
+
+
 class SafetensorsFiles:
     """The tensors of a checkpoint directory (single file or sharded index), opened lazily."""
 
     def __init__(self, path: str) -> None:
         path = os.fspath(path)
-        if os.path.isfile(path) and path.endswith(".safetensors"):
+        if os.path.isfile(path) and path.endswith(".safetensors"):  # the file the user named
             self.root, files = os.path.dirname(path), {None: os.path.basename(path)}
+            self._paths = {files[None]: path}
         elif os.path.isdir(path):
             self.root = path
             files = self._weight_map(path)
+            source = INDEX_FILE if None not in files else "the directory"
+            self._paths = {f: file_inside(path, f, source) for f in set(files.values())}
         else:
             raise CheckpointError(
                 f"checkpoint path {path!r} does not exist (expected a directory "
@@ -102,7 +139,7 @@ class SafetensorsFiles:
     def _open(self, file: str):
         from safetensors import SafetensorError, safe_open
 
-        full = os.path.join(self.root, file)
+        full = self._paths[file]
         if not os.path.isfile(full):
             raise CheckpointError(f"checkpoint file {full} is missing")
         try:
@@ -114,7 +151,11 @@ class SafetensorsFiles:
         return set(self.file_of)
 
     def where(self, name: str) -> str:
-        return os.path.join(self.root, self.file_of[name])
+        return self._paths[self.file_of[name]]
+
+    def paths(self) -> list[str]:
+        """Every file this checkpoint's tensors are read from."""
+        return sorted(set(self._paths.values()))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
@@ -128,15 +169,17 @@ class SafetensorsFiles:
             return handle.get_slice(name)[index]
 
     def nbytes(self) -> int:
-        return sum(os.path.getsize(os.path.join(self.root, f)) for f in set(self.file_of.values()))
+        return sum(os.path.getsize(p) for p in self.paths())
 
 
 READ_CHUNK_BYTES = 16 * 2**20
 
 
-def load_local(files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Tensor) -> int:
-    """Copy this rank's part of one model tensor into ``dest`` by slice reads; returns the
-    bytes read."""
+def load_local(
+    files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Tensor, lossy_dtypes=False
+) -> int:
+    """Copy this rank's part of one model tensor into ``dest`` by slice reads, converting dtypes
+    as :func:`converted` allows; returns the bytes read."""
     reads = []  # (checkpoint name, first row, end row, columns or None, destination block)
     if spec is None:
         position = 0
@@ -166,9 +209,49 @@ def load_local(files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Ten
             stop = min(b, start + step)
             index = (slice(start, stop),) + (columns or ())
             value = files.read(name, index)
-            block.narrow(0, start - a, stop - start).copy_(value)
+            block.narrow(0, start - a, stop - start).copy_(
+                converted(value, block.dtype, name, files.where(name), lossy_dtypes)
+            )
             total += value.numel() * value.element_size()
     return total
+
+
+def converted(value: torch.Tensor, dtype, name: str, where: str, lossy: bool) -> torch.Tensor:
+    """``value`` (read from tensor ``name`` in file ``where``) in the model's ``dtype``:
+
+    - a wider float type converts exactly (float16/bfloat16 -> float32 -> float64);
+    - a narrower one rounds, which is what a lower-precision model means (e.g. from_pretrained
+      with dtype=bfloat16 on a float32 checkpoint), but never overflows to inf;
+    - float16 <-> bfloat16 hold different sets of values (a header edited from one to the other
+      keeps the file's size): allowed only where every value converts exactly, or ``lossy``;
+    - integer <-> floating point: an error."""
+    if value.dtype == dtype:
+        return value
+    if not (value.is_floating_point() and dtype.is_floating_point):
+        raise CheckpointError(
+            f"tensor {name!r} in {where} is stored as {value.dtype}, the model's tensor is "
+            f"{dtype}: no conversion between integer and floating-point types"
+        )
+    out = value.to(dtype)
+    src_bits, dst_bits = torch.finfo(value.dtype).bits, torch.finfo(dtype).bits
+    if dst_bits > src_bits:
+        return out
+    if dst_bits < src_bits or lossy:
+        overflow = torch.isinf(out) & torch.isfinite(value)
+        if overflow.any():
+            raise CheckpointError(
+                f"tensor {name!r} in {where} holds {value[overflow][0].item()}, beyond the "
+                f"range of the model's {dtype}: build the model in {value.dtype}"
+            )
+        return out
+    back = out.to(value.dtype)
+    if not bool(((back == value) | (back.isnan() & value.isnan())).all()):
+        raise CheckpointError(
+            f"tensor {name!r} in {where} is stored as {value.dtype}, the model's tensor is "
+            f"{dtype}, and its values do not convert exactly (is the file's header right?); "
+            f"build the model in float32, or pass lossy_dtypes=True to round"
+        )
+    return out
 
 
 def check_names_and_shapes(files: SafetensorsFiles, expected: dict, strict: bool) -> None:
