@@ -21,7 +21,7 @@ from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import tp_size
 from tp_ext.checkpoint.layout import model_layout, row_reads, tied_names
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
-from tp_ext.distributed import comm
+from tp_ext.distributed import comm, peers
 from tp_ext.distributed.groups import TPGroup
 from tp_ext.layers import state_entries
 
@@ -163,7 +163,7 @@ def save_sharded(model, path: str, step: Optional[int] = None) -> None:
                     no_dist=not distributed,
                 )
         except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
-            raise CheckpointError(f"saving {path}: {e}") from e
+            raise CheckpointError(f"saving {path}: {e}{peers.explain(world)}") from e
 
 
 @contextlib.contextmanager
@@ -205,7 +205,7 @@ def load_sharded(model, path: str) -> dict:
             return info, state
 
         info, state = comm.everywhere(world, f"loading {path}", check, CheckpointError)
-        _read(directory, info, state, distributed, path)
+        _read(directory, info, state, world, distributed, path)
     return info
 
 
@@ -243,7 +243,7 @@ def _check_dtypes(directory, info, state) -> None:
             )
 
 
-def _read(directory, info, state, distributed, path) -> None:
+def _read(directory, info, state, world, distributed, path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -261,4 +261,4 @@ def _read(directory, info, state, distributed, path) -> None:
         with _single_process_is_intended(distributed):
             dcp.load(state, storage_reader=reader, no_dist=not distributed)
     except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
-        raise CheckpointError(f"loading {path} ({directory}): {e}") from e
+        raise CheckpointError(f"loading {path} ({directory}): {e}{peers.explain(world)}") from e

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,17 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def explain(group: GroupLike = None) -> str:
-    """A sentence naming the exited ranks of ``group``, or "" when none is known to have exited."""
+def explain(group: GroupLike = None, wait: float = 1.0) -> str:
+    """A sentence naming the exited ranks of ``group``, or "" when none is known to have exited.
+    Called on an error path: a peer's sockets close while it is still exiting, so this looks
+    again for up to ``wait`` seconds before saying nothing."""
+    deadline = time.monotonic() + wait
     gone = exited(group)
+    while (
+        not gone and PROCESS.peers.get(resolve_group(group).name) and (time.monotonic() < deadline)
+    ):
+        time.sleep(0.05)
+        gone = exited(group)
     if not gone:
         return ""
     names = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in gone)
