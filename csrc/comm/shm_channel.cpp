@@ -4,10 +4,12 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -164,9 +166,28 @@ bool shm_active(c10::string_view group_name) {
 }
 
 struct alignas(64) ShmChannel::RankLine {
-  std::atomic<uint64_t> arrived;  // the last collective this rank has published
-  uint64_t signature[2];          // of collective seq at [seq & 1], written before `arrived`
+  std::atomic<uint64_t> arrived;   // the last collective this rank has published
+  uint64_t signature[2];           // of collective seq at [seq & 1], written before `arrived`
+  std::atomic<uint32_t> sleepers;  // ranks blocked on `wake` waiting for this rank to arrive
+  std::atomic<uint32_t> wake;      // a futex word, bumped when this rank arrives with sleepers
 };
+
+namespace {
+
+// Blocks until *word != expected, a wake, or `timeout` (shared, not process-private: the word
+// lives in the segment every rank maps).
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds timeout) {
+  struct timespec ts{static_cast<time_t>(timeout.count() / 1000),
+                     static_cast<long>(timeout.count() % 1000) * 1000000};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+            0);
+}
+
+}  // namespace
 
 ShmChannel::ShmChannel(char* base, int64_t mapped_bytes, int64_t rank, int64_t size,
                        int64_t slot_bytes, std::vector<int64_t> pids)
@@ -313,16 +334,15 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
   const auto start = Clock::now();
   std::chrono::milliseconds timeout{0};  // looked up once the wait is more than a spin
   auto next_liveness_check = start + std::chrono::milliseconds(20);
-  std::chrono::microseconds nap{20};
   for (int64_t polls = 0;; ++polls) {
     int64_t missing = -1;
     for (int64_t r = 0; r < size_ && missing < 0; ++r)
       if (line(r).arrived.load(std::memory_order_acquire) < seq) missing = r;
     if (missing < 0) return;
     // Spin briefly (a peer a few microseconds behind), then yield the core for up to 1 ms (ranks
-    // may outnumber cores), then sleep with exponential backoff up to 1 ms: a rank waiting for a
-    // peer that computes for long costs well under 1% of a core, and a late peer is noticed
-    // within 1 ms.
+    // may outnumber cores), then block on the missing rank's futex, which it bumps when it
+    // arrives: a rank waiting for a peer that computes for long uses next to no CPU, and wakes at
+    // once when the peer comes. The 20 ms cap keeps the liveness and timeout checks going.
     if (polls < 2000) {
       cpu_relax();
       continue;
@@ -332,8 +352,13 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
     if (now - start < std::chrono::milliseconds(1)) {
       ::sched_yield();
     } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+      // Announce the sleeper before re-checking `arrived` (both seq_cst, as the publisher's store
+      // of `arrived` and load of `sleepers`): either it sees us, or we see its arrival.
+      RankLine& peer = line(missing);
+      peer.sleepers.fetch_add(1);
+      const uint32_t word = peer.wake.load();
+      if (peer.arrived.load() < seq) futex_wait(&peer.wake, word, std::chrono::milliseconds(20));
+      peer.sleepers.fetch_sub(1);
     }
     if (now >= next_liveness_check) {
       next_liveness_check = now + std::chrono::milliseconds(20);
@@ -371,7 +396,12 @@ void ShmChannel::exchange(const void* data, int64_t nbytes, uint64_t signature,
   // Like the slots, signatures alternate: a rank may already be publishing collective seq + 1
   // while the others still check seq.
   line(rank_).signature[seq & 1] = signature;
-  line(rank_).arrived.store(seq, std::memory_order_release);
+  RankLine& mine = line(rank_);
+  mine.arrived.store(seq);  // seq_cst: ordered before the load of sleepers (wait_for_all)
+  if (mine.sleepers.load() > 0) {
+    mine.wake.fetch_add(1);
+    futex_wake_all(&mine.wake);
+  }
   wait_for_all(seq, op, g);
   for (int64_t r = 0; r < size_; ++r) {
     if (line(r).signature[seq & 1] == signature) continue;
