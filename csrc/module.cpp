@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_get_tag", &tp_ext::comm::get_tag);
   m.def("_set_timeout_ms", &tp_ext::comm::set_timeout_ms);
   m.def("_timeout_ms", &tp_ext::comm::timeout_ms);
+  // None: follow the environment variable again (TP_EXT_CHECK_COLLECTIVES, TP_EXT_SHM).
   m.def("_set_consistency_checks", &tp_ext::comm::set_consistency_checks);
   m.def("_consistency_checks", &tp_ext::comm::consistency_checks);
   m.def("_set_shm_enabled", &tp_ext::comm::set_shm_enabled);

@@ -170,6 +170,39 @@ def _check_bad_input():
     torch.testing.assert_close(comm.all_reduce(t), t * w)
     if w == 1:
         return
+    # sizes that are wrong on this rank alone raise before communicating, with or without the
+    # cross-rank check, for every op that takes sizes
+    comm.set_consistency_checks(False)
+    y = full((2 * w, 3), 1)
+    _expect(
+        ValueError,
+        ["sizes[0]=-1", "negative"],
+        comm.all_to_all,
+        y,
+        0,
+        0,
+        [-1, 2 * w + 1] + [0] * (w - 2),
+    )
+    _expect(ValueError, [f"sizes has {w - 1} entries"], comm.all_to_all, y, 0, 0, [2] * (w - 1))
+    _expect(ValueError, ["add up to", f"x.size(0)={2 * w}"], comm.all_to_all, y, 0, 0, [1] * w)
+    _expect(ValueError, ["add up to"], comm.reduce_scatter_to_sp, y, 0, [3] * w)
+    _expect(ValueError, ["add up to"], comm.scatter_to_tp, y, 0, [3] * w)
+    _expect(
+        ValueError,
+        [f"sizes[{r}]=3", "this rank", "x.size(0)=2"],
+        comm.gather_from_sp,
+        y[:2],
+        0,
+        [3] * w,
+    )
+    _expect(
+        ValueError,
+        ["sizes[1]=-2", "negative"],
+        comm.gather_from_tp,
+        y[:2],
+        0,
+        [2, -2] + [2] * (w - 2),
+    )
     # ranks that disagree on dtype or shape: the same clear error on every rank, not a hang/abort
     comm.set_consistency_checks(True)
     mixed = torch.ones(3, dtype=torch.float64 if r == 1 else torch.float32)

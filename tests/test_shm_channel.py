@@ -129,7 +129,7 @@ def _with_channel_off(disable_on):
         dist.destroy_process_group(group)
         return len(out)
     finally:
-        comm.set_shared_memory(True)
+        comm.set_shared_memory(None)
 
 
 @pytest.mark.parametrize("disable_on", [(0, 1, 2), (1,)])
@@ -171,7 +171,134 @@ def _bad_slot_size():
 
 def test_bad_slot_size_is_reported_on_every_rank():
     for message in run_distributed(_bad_slot_size, 2):
-        assert "TP_EXT_SHM_SLOT_BYTES on rank 1" in message and "multiple of 64" in message
+        assert "TP_EXT_SHM_SLOT_BYTES" in message and "rank 1" in message, message
+        assert "multiple of 64" in message, message
+
+
+BAD_SETTINGS = [
+    ("TP_EXT_SHM_SLOT_BYTES", str(1 << 62)),  # used to overflow the segment size: SIGSEGV
+    ("TP_EXT_SHM_SLOT_BYTES", str(1 << 31)),  # above the 1 GiB limit
+    ("TP_EXT_SHM_SLOT_BYTES", "99999999999999999999999"),  # beyond int64
+    ("TP_EXT_SHM_SLOT_BYTES", "-4096"),
+    ("TP_EXT_SHM_SLOT_BYTES", "4k"),
+    ("TP_EXT_SHM", "maybe"),
+    ("TP_EXT_SHM", "2"),
+    ("TP_EXT_CHECK_COLLECTIVES", "please"),
+]
+
+
+def _bad_settings(on_ranks):
+    """Each bad setting, on `on_ranks` only: every rank raises at the group's first collective,
+    the bad rank naming variable and value, the others naming the rank and variable."""
+    messages = []
+    for name, value in BAD_SETTINGS:
+        if rank() in on_ranks:
+            os.environ[name] = value
+        try:
+            group = dist.new_group(list(range(world_size())))
+            try:
+                comm.all_reduce(torch.ones(2), group=group)
+                messages.append((name, value, ""))
+            except ValueError as e:
+                messages.append((name, value, str(e)))
+            dist.destroy_process_group(group)
+        finally:
+            os.environ.pop(name, None)
+    return messages
+
+
+@pytest.mark.parametrize("ws,on_ranks", [(2, (0, 1)), (3, (1,))])
+def test_bad_environment_settings_raise_on_every_rank(ws, on_ranks):
+    for r, messages in enumerate(run_distributed(_bad_settings, ws, on_ranks)):
+        for name, value, message in messages:
+            assert name in message, f"rank {r}, {name}={value!r}: {message!r}"
+            if r in on_ranks:
+                assert f"{name}='{value}'" in message and "use " in message, message
+            else:
+                assert f"rank {on_ranks[0]}" in message and "allowed:" in message, message
+
+
+def _env_switch_on_some_ranks(how, off_on):
+    """The channel switched off on some ranks only (TP_EXT_SHM=0 or set_shared_memory(False)):
+    every rank takes gloo, and the results are exact."""
+    r, w = rank(), world_size()
+    if r in off_on:
+        if how == "env":
+            os.environ["TP_EXT_SHM"] = "0"
+        else:
+            comm.set_shared_memory(False)
+    try:
+        group = dist.new_group(list(range(w)))
+        xs = [full((5,), 10 + k) for k in range(w)]
+        got = comm.all_reduce(xs[r], group=group)
+        gathered = comm.all_gather(xs[r], 0, group=group)
+        active = comm.shared_memory_active(group)
+        dist.destroy_process_group(group)
+    finally:
+        os.environ.pop("TP_EXT_SHM", None)
+        comm.set_shared_memory(None)
+    torch.testing.assert_close(got, sum(xs))
+    assert_equal(gathered, torch.cat(xs), "all_gather")
+    return active
+
+
+@pytest.mark.parametrize("how", ["env", "set_shared_memory"])
+@pytest.mark.parametrize("ws,off_on", [(2, (1,)), (3, (0, 2))])
+def test_transport_switch_on_some_ranks_only(how, ws, off_on):
+    assert run_distributed(_env_switch_on_some_ranks, ws, how, off_on, timeout=60) == [False] * ws
+
+
+def _segments_of(pid):
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"tp_ext_{pid}_")]
+
+
+def _die_in_setup(stage):
+    """Rank 0 kills itself at `stage` of the channel setup (test-only hook); the others raise
+    and remove the segment. Returns rank 0's pid (its segments are named after it)."""
+    pids = [None] * world_size()
+    dist.all_gather_object(pids, os.getpid())
+    if rank() == 0:
+        os.environ["TP_EXT_TEST_DIE_IN_SHM_SETUP"] = stage
+    try:
+        comm.all_reduce(torch.ones(2))
+    except RuntimeError as e:
+        return pids[0], str(e)
+    return pids[0], ""
+
+
+@pytest.mark.parametrize("stage", ["created", "mapped"])
+@pytest.mark.parametrize("ws", [2, 3])
+def test_rank0_dying_in_setup_leaves_no_segment(stage, ws):
+    outcome, report = launch_once(_die_in_setup, ws, stage, timeout=60, pg_timeout=20.0)
+    assert 0 not in outcome or not outcome[0][0], report
+    for r in range(1, ws):
+        ok, (pid0, message) = outcome[r]
+        assert ok and message, report  # the survivors raised
+    assert _segments_of(pid0) == [], _segments_of(pid0)
+
+
+def _idle_cpu_while_waiting():
+    """Rank 1 joins 1.5 s late; the CPU time rank 0 spends waiting in the channel."""
+    import resource
+
+    comm.set_consistency_checks(False)  # so the wait is in the channel, not the check's gloo call
+    comm.all_reduce(torch.ones(1))
+    assert comm.shared_memory_active(dist.group.WORLD)
+    if rank() == 1:
+        time.sleep(1.5)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.monotonic()
+    comm.all_reduce(torch.ones(1))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return cpu, time.monotonic() - t0
+
+
+def test_waiting_rank_stays_idle():
+    cpu, elapsed = run_distributed(_idle_cpu_while_waiting, 2)[0]
+    assert elapsed > 1.0, elapsed
+    # before the futex wait: about 14% of a core (0.2 s here); now about 1% (0.015 s)
+    assert cpu < 0.06, f"rank 0 used {cpu:.3f} s of CPU waiting {elapsed:.2f} s"
 
 
 def _mixed_with_async():

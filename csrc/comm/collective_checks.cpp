@@ -6,17 +6,15 @@
 #include <sstream>
 
 #include "../common/checks.h"
+#include "settings.h"
 
 namespace tp_ext::comm {
 
 namespace {
 std::atomic<int64_t> g_timeout_ms{0};
-
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::string(v) != "" && std::string(v) != "0";
-}
-std::atomic<bool> g_consistency_checks{env_flag("TP_EXT_CHECK_COLLECTIVES")};
+// The check's switch: TP_EXT_CHECK_COLLECTIVES until set_consistency_checks(true/false). A bad
+// value leaves it off here and is raised on every rank by the group's setup (shm_channel.cpp).
+std::atomic<bool> g_consistency_checks{read_env().checks};
 }  // namespace
 
 void set_timeout_ms(int64_t ms) {
@@ -41,21 +39,31 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op, const Grou
   }
 }
 
-void set_consistency_checks(bool on) { g_consistency_checks = on; }
+void set_consistency_checks(c10::optional<bool> on) {
+  g_consistency_checks = on.has_value() ? *on : read_env().checks;
+}
 bool consistency_checks() { return g_consistency_checks; }
 
 void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64_t free_dim,
-                      int64_t extra) {
+                      at::OptionalIntArrayRef sizes, int64_t extra) {
   if (!g_consistency_checks || g.size == 1) return;
-  constexpr int64_t kMaxDims = 8;
-  constexpr int64_t kLen = 4 + kMaxDims;
+  // One fixed-length row per rank: what the message shows (up to kMax dims and sizes), plus a
+  // hash of everything, so differences beyond kMax entries are caught too.
+  constexpr int64_t kMax = 8;
+  enum { kOp, kDtype, kNdim, kExtra, kNsizes, kHash, kShape };
+  constexpr int64_t kSizes = kShape + kMax, kLen = kSizes + kMax;
+  std::vector<int64_t> shape = x.sizes().vec();
+  if (free_dim >= 0) shape[free_dim] = -2;  // may differ between ranks (uneven gathers)
+  const std::vector<int64_t> sz = sizes.has_value() ? sizes->vec() : std::vector<int64_t>{};
   std::vector<int64_t> fp(kLen, -1);
-  fp[0] = static_cast<int64_t>(std::hash<std::string>{}(op) & 0x7fffffffffff);
-  fp[1] = static_cast<int64_t>(x.scalar_type());
-  fp[2] = x.dim();
-  fp[3] = extra;
-  for (int64_t d = 0; d < std::min<int64_t>(x.dim(), kMaxDims); ++d)
-    fp[4 + d] = d == free_dim ? -2 : x.size(d);
+  fp[kOp] = static_cast<int64_t>(std::hash<std::string>{}(op) & 0x7fffffffffff);
+  fp[kDtype] = static_cast<int64_t>(x.scalar_type());
+  fp[kNdim] = x.dim();
+  fp[kExtra] = extra;
+  fp[kNsizes] = sizes.has_value() ? static_cast<int64_t>(sz.size()) : -1;
+  fp[kHash] = static_cast<int64_t>(call_signature(0, x.scalar_type(), shape, sz, {}) >> 1);
+  for (int64_t d = 0; d < std::min<int64_t>(x.dim(), kMax); ++d) fp[kShape + d] = shape[d];
+  for (int64_t i = 0; i < std::min<int64_t>(sz.size(), kMax); ++i) fp[kSizes + i] = sz[i];
   auto mine = at::tensor(fp, at::TensorOptions().dtype(at::kLong)).to(x.device());
   auto all = at::empty({g.size * kLen}, mine.options());
   c10d::AllgatherOptions opts;
@@ -68,21 +76,39 @@ void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64
   for (int64_t r = 1; r < g.size && same; ++r)
     for (int64_t i = 0; i < kLen; ++i) same = same && acc[r][i] == acc[0][i];
   if (same) return;
+  auto row = [&](int64_t r, int64_t at, int64_t n) {
+    std::vector<int64_t> v;
+    for (int64_t i = 0; i < std::min(n, kMax); ++i) v.push_back(acc[r][at + i]);
+    return shape_str(v) + (n > kMax ? "..." : "");
+  };
   std::ostringstream os;
   os << "tp_ext." << op << ": ranks of process group '" << g.name
      << "' called collectives that do not match (op, dtype, shape";
-  if (free_dim >= 0) os << " outside dim " << free_dim;
-  os << ", or other arguments):";
+  if (free_dim >= 0) os << " outside dim " << free_dim << " (shown as -2)";
+  os << ", sizes, or other arguments such as dim or reduce):";
   for (int64_t r = 0; r < g.size; ++r) {
-    std::vector<int64_t> shape;
-    for (int64_t d = 0; d < std::min<int64_t>(acc[r][2], kMaxDims); ++d)
-      shape.push_back(acc[r][4 + d]);
-    os << "\n  rank " << r << ": op#" << acc[r][0]
-       << " dtype=" << c10::toString(static_cast<at::ScalarType>(acc[r][1]))
-       << " shape=" << shape_str(shape) << " arg=" << acc[r][3];
+    os << "\n  rank " << r << ": op#" << acc[r][kOp]
+       << " dtype=" << c10::toString(static_cast<at::ScalarType>(acc[r][kDtype]))
+       << " shape=" << row(r, kShape, acc[r][kNdim])
+       << " sizes=" << (acc[r][kNsizes] < 0 ? "None" : row(r, kSizes, acc[r][kNsizes]))
+       << " arg=" << acc[r][kExtra];
   }
-  os << "\nEvery rank must call the same collective with the same dtype and shape.";
+  os << "\nEvery rank must call the same collective with the same dtype, shape, sizes and dim.";
   TORCH_CHECK_VALUE(false, os.str());
+}
+
+uint64_t call_signature(int64_t kind, at::ScalarType dtype, at::IntArrayRef shape,
+                        at::IntArrayRef sizes, std::initializer_list<int64_t> args) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the values, each list prefixed by its length
+  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
+  mix(kind);
+  mix(static_cast<int64_t>(dtype));
+  mix(static_cast<int64_t>(shape.size()));
+  for (int64_t v : shape) mix(v);
+  mix(static_cast<int64_t>(sizes.size()));
+  for (int64_t v : sizes) mix(v);
+  for (int64_t v : args) mix(v);
+  return h;
 }
 
 std::vector<int64_t> rank_sizes(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,

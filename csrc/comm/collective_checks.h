@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <initializer_list>
 #include <vector>
 
 #include "../common/group.h"
@@ -25,11 +26,19 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op, const Grou
 // Opt-in (TP_EXT_CHECK_COLLECTIVES=1 or tp_ext.comm.set_consistency_checks(True)): before each
 // collective, all ranks exchange the op, dtype and shape and raise the same clear error when they
 // disagree, instead of hanging or reading garbage.
-void set_consistency_checks(bool on);
+// nullopt: follow TP_EXT_CHECK_COLLECTIVES again.
+void set_consistency_checks(c10::optional<bool> on);
 bool consistency_checks();
-// `free_dim` (>= 0) is a dimension that may legitimately differ between ranks (uneven gathers).
+// `free_dim` (>= 0) is a dimension that may legitimately differ between ranks (uneven gathers);
+// `sizes` and `extra` (the op's other arguments: dim, reduce, src) must match on every rank.
 void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64_t free_dim,
-                      int64_t extra);
+                      at::OptionalIntArrayRef sizes, int64_t extra);
+
+// A hash of everything every rank must agree on for one call: the kind of collective, dtype,
+// shape (a free dimension given as -2), the sizes list and other arguments. The shared-memory
+// channel compares it at every round (always on, no extra communication).
+uint64_t call_signature(int64_t kind, at::ScalarType dtype, at::IntArrayRef shape,
+                        at::IntArrayRef sizes, std::initializer_list<int64_t> args);
 
 // Per-rank sizes along a dimension, from the optional `sizes` argument.
 //   for_full_input=true: x holds the whole dimension (scatter / reduce-scatter); sum(sizes) must

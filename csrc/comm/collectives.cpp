@@ -77,22 +77,38 @@ bool shm_dtype(at::ScalarType t) {
   }
 }
 
-// The channel when this collective may use it: the decision depends only on what every rank
-// agrees on (device, dtype, the smallest unit a round must carry: an element, or one row of an
-// all-gather), so all ranks take the same path. Larger tensors go in rounds of one slot.
-std::shared_ptr<ShmChannel> shm_for(const at::Tensor& x, int64_t unit_bytes, const Group& g) {
-  if (!x.device().is_cpu() || !shm_dtype(x.scalar_type())) return nullptr;
-  auto channel = ShmChannel::of(g);
-  return channel && unit_bytes <= channel->slot_bytes() ? channel : nullptr;
+// The group's channel, set up at its first CPU collective of any kind (so every rank sets it up
+// at the same call), or nullptr. Every collective of a group with a channel passes a round
+// through it with its call signature, so ranks that disagree (sizes, shape, dim, dtype, op) raise
+// together instead of reaching gloo with mismatched sizes (which aborts the process) or hanging.
+std::shared_ptr<ShmChannel> channel_of(const at::Tensor& x, const Group& g, const char* op) {
+  return x.device().is_cpu() ? ShmChannel::of(g, op) : nullptr;
 }
 
-// What a collective is, for the channel to check that all ranks make the same call.
-uint64_t signature(std::initializer_list<int64_t> head, at::IntArrayRef tail = {}) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the values
-  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
-  for (int64_t v : head) mix(v);
-  for (int64_t v : tail) mix(v);
-  return h;
+// Whether the payload itself goes through the channel: decided from what the signature covers
+// (dtype, the smallest unit a round must carry: an element, or one row of an all-gather), so all
+// ranks that passed the signature check take the same path. Larger tensors go in rounds.
+bool payload_fits(const std::shared_ptr<ShmChannel>& shm, const at::Tensor& x, int64_t unit_bytes) {
+  return shm && shm_dtype(x.scalar_type()) && unit_bytes <= shm->slot_bytes();
+}
+
+// The signature of round `start` of a call.
+uint64_t round_sig(uint64_t call, int64_t start) {
+  return (call ^ static_cast<uint64_t>(start)) * 1099511628211ull;
+}
+
+// A call whose payload goes through the process group: one empty round first, so ranks that
+// disagree fail together on the signature.
+void announce(const std::shared_ptr<ShmChannel>& shm, uint64_t sig, const char* op,
+              const Group& g) {
+  if (shm) shm->exchange(nullptr, 0, sig, [](const std::vector<const char*>&) {}, op, g);
+}
+
+// x's shape with `free_dim` (a dimension that may differ between ranks) as -2.
+std::vector<int64_t> fixed_shape(const at::Tensor& x, int64_t free_dim) {
+  auto v = x.sizes().vec();
+  if (free_dim >= 0) v[free_dim] = -2;
+  return v;
 }
 
 // Reduces dst.numel() elements at byte `offset` of every slot into dst (contiguous), in rank
@@ -143,11 +159,14 @@ Reduce parse_reduce(c10::string_view reduce, const char* op) {
 at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const char* op) {
   check_tensor(x, "x", op);
   check_avg_dtype(x, reduce, op);
-  check_consistent(g, op, x, -1, static_cast<int64_t>(reduce));
   if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, c10::nullopt, static_cast<int64_t>(reduce));
+  const auto call =
+      call_signature(1, x.scalar_type(), x.sizes(), {}, {static_cast<int64_t>(reduce)});
   auto t0 = Clock::now();
   at::Tensor out;
-  if (auto shm = shm_for(x, x.element_size(), g)) {
+  if (payload_fits(shm, x, x.element_size())) {
     // In rounds of one slot: publish a piece of x, reduce every rank's piece into out.
     const auto src = x.contiguous();
     out = at::empty(src.sizes(), src.options());
@@ -155,14 +174,13 @@ at::Tensor all_reduce(const at::Tensor& x, Reduce reduce, const Group& g, const 
     auto flat = out.view({-1});
     for (int64_t start = 0; start < flat.numel(); start += per_round) {
       const int64_t count = std::min(per_round, flat.numel() - start);
-      const auto sig = signature({1, static_cast<int64_t>(x.scalar_type()), flat.numel(),
-                                  static_cast<int64_t>(reduce), start});
       shm->exchange(static_cast<const char*>(src.const_data_ptr()) + start * esize, count * esize,
-                    sig, [&](const std::vector<const char*>& slots) {
+                    round_sig(call, start), [&](const std::vector<const char*>& slots) {
         reduce_slots_into(flat.narrow(0, start, count), slots, 0, reduce);
       }, op, g);
     }
   } else {
+    announce(shm, call, op, g);
     out = x.clone(at::MemoryFormat::Contiguous);
     std::vector<at::Tensor> bufs{out};
     c10d::AllreduceOptions opts;
@@ -180,8 +198,11 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
   check_tensor(x, "x", op);
   dim = wrap_dim(dim, x.dim(), "dim", op);
   const auto per_rank = rank_sizes(x, dim, sizes, g, /*for_full_input=*/false, op);
-  check_consistent(g, op, x, dim, dim);
   if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  const auto shm = channel_of(x, g, op);
+  // Each rank's size along dim is in per_rank, so that dim may differ between ranks.
+  check_consistent(g, op, x, dim, per_rank, dim);
+  const auto call = call_signature(2, x.scalar_type(), fixed_shape(x, dim), per_rank, {dim});
   const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
   const bool even =
       std::all_of(per_rank.begin(), per_rank.end(), [&](int64_t s) { return s == widest; });
@@ -189,7 +210,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
   const int64_t row_bytes = front.size(0) > 0 ? nbytes(front) / front.size(0)
                                               : c10::multiply_integers(front.sizes().slice(1)) *
                                                     static_cast<int64_t>(x.element_size());
-  if (auto shm = shm_for(x, row_bytes, g)) {
+  if (payload_fits(shm, x, row_bytes)) {
     // In rounds: each rank publishes up to a slot's worth of its rows (none once it has sent
     // them all); every rank copies each piece to that rank's place in the output.
     auto t0 = Clock::now();
@@ -204,9 +225,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
       auto rows_of = [&](int64_t r) {
         return std::max<int64_t>(0, std::min(rows_per_round, per_rank[r] - done));
       };
-      const auto sig =
-          signature({2, static_cast<int64_t>(x.scalar_type()), row_bytes, done}, per_rank);
-      shm->exchange(src + done * row_bytes, rows_of(g.rank) * row_bytes, sig,
+      shm->exchange(src + done * row_bytes, rows_of(g.rank) * row_bytes, round_sig(call, done),
                     [&](const std::vector<const char*>& slots) {
         for (int64_t r = 0; r < g.size; ++r)
           if (rows_of(r) * row_bytes > 0)
@@ -218,6 +237,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef 
     record(op, "all_gather", nbytes(out), seconds_since(t0));
     return out;
   }
+  announce(shm, call, op, g);
   // Gather equal-sized slots (padding short pieces) so every backend can do it in one call.
   if (front.size(0) < widest) {
     auto padded = at::zeros(with_first(front.sizes(), widest), front.options());
@@ -248,13 +268,16 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
   check_avg_dtype(x, reduce, op);
   dim = wrap_dim(dim, x.dim(), "dim", op);
   const auto per_rank = rank_sizes(x, dim, sizes, g, /*for_full_input=*/true, op);
-  check_consistent(g, op, x, -1, dim * 8 + static_cast<int64_t>(reduce));
   if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, per_rank, dim * 8 + static_cast<int64_t>(reduce));
+  const auto call =
+      call_signature(3, x.scalar_type(), x.sizes(), per_rank, {dim, static_cast<int64_t>(reduce)});
   const int64_t widest = *std::max_element(per_rank.begin(), per_rank.end());
   const bool even =
       std::all_of(per_rank.begin(), per_rank.end(), [&](int64_t s) { return s == widest; });
   auto front = dim_to_front(x, dim);
-  if (auto shm = shm_for(x, x.element_size(), g)) {
+  if (payload_fits(shm, x, x.element_size())) {
     // In rounds over the whole of x, a slot's worth at a time: every rank publishes that range,
     // and each reduces the part of it that falls in its own piece.
     auto t0 = Clock::now();
@@ -268,10 +291,7 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
     const char* src = static_cast<const char*>(front.const_data_ptr());
     for (int64_t start = 0; start == 0 || start < front.numel(); start += per_round) {
       const int64_t count = std::min(per_round, front.numel() - start);
-      const auto sig = signature({3, static_cast<int64_t>(x.scalar_type()), front.numel(),
-                                  static_cast<int64_t>(reduce), start},
-                                 per_rank);
-      shm->exchange(src + start * esize, count * esize, sig,
+      shm->exchange(src + start * esize, count * esize, round_sig(call, start),
                     [&](const std::vector<const char*>& slots) {
         const int64_t lo = std::max(start, mine_begin), hi = std::min(start + count, mine_end);
         if (lo < hi)
@@ -283,6 +303,7 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, at::OptionalIntArray
     record(op, "reduce_scatter", nbytes(x), seconds_since(t0));
     return out;
   }
+  announce(shm, call, op, g);
   at::Tensor slots = front;
   if (!even) {  // lay each rank's piece into an equal-sized slot (padding is never read back)
     slots = at::zeros(with_first(front.sizes(), widest * g.size), front.options());
@@ -312,9 +333,11 @@ at::Tensor broadcast(const at::Tensor& x, int64_t src, const Group& g, const cha
   TORCH_CHECK_VALUE(src >= 0 && src < g.size, "tp_ext.", op, ": src=", src,
                     " is not a rank of group '", g.name, "'; use a group rank in [0, ", g.size - 1,
                     "].");
-  check_consistent(g, op, x, -1, src);
   auto out = x.clone(at::MemoryFormat::Contiguous);
   if (g.size == 1) return out;
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, c10::nullopt, src);
+  announce(shm, call_signature(4, x.scalar_type(), x.sizes(), {}, {src}), op, g);
   auto t0 = Clock::now();
   std::vector<at::Tensor> bufs{out};
   c10d::BroadcastOptions opts;
@@ -331,8 +354,11 @@ at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_d
   scatter_dim = wrap_dim(scatter_dim, x.dim(), "scatter_dim", op);
   gather_dim = wrap_dim(gather_dim, x.dim(), "gather_dim", op);
   const auto send = rank_sizes(x, scatter_dim, sizes, g, /*for_full_input=*/true, op);
-  check_consistent(g, op, x, -1, scatter_dim * 64 + gather_dim);
   if (g.size == 1) return x.clone(at::MemoryFormat::Contiguous);
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, send, scatter_dim * 64 + gather_dim);
+  announce(shm, call_signature(5, x.scalar_type(), x.sizes(), send, {scatter_dim, gather_dim}), op,
+           g);
   auto front = dim_to_front(x, scatter_dim);
   const int64_t mine = send[g.rank];  // every rank sends me a piece of this size
   auto recv = at::empty(with_first(front.sizes(), mine * g.size), front.options());

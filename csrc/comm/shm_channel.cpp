@@ -4,9 +4,12 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -24,6 +27,7 @@
 #endif
 
 #include "collective_checks.h"
+#include "settings.h"
 
 namespace tp_ext::comm {
 
@@ -31,22 +35,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kLine = 64;                            // one cache line per rank's counter
-constexpr int64_t kDefaultSlotBytes = int64_t(1) << 20;  // per rank and buffer
+constexpr int64_t kLine = 64;  // one cache line per rank's counter
 
-std::atomic<bool> g_enabled{[] {
-  const char* v = std::getenv("TP_EXT_SHM");
-  return v == nullptr || std::string(v) != "0";
-}()};
+// set_shm_enabled's value: -1 follows TP_EXT_SHM (read at each group's setup), else 0 / 1.
+std::atomic<int> g_enabled{-1};
 
-// TP_EXT_SHM_SLOT_BYTES, or -1 when it is not a valid size (reported on every rank after the
-// setup exchange, so that no rank is left waiting in it).
-int64_t slot_bytes_setting() {
-  const char* v = std::getenv("TP_EXT_SHM_SLOT_BYTES");
-  if (v == nullptr || *v == '\0') return kDefaultSlotBytes;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return end != v && *end == '\0' && n >= 4096 && n % kLine == 0 ? n : -1;
+// The test-only hook of settings.h: rank 0 dies at `stage` of the setup.
+void maybe_die(const char* stage, const Group& g) {
+  if (g.rank == 0 && test_die_stage() == stage) ::raise(SIGKILL);
 }
 
 std::string read_first_line(const char* path) {
@@ -149,7 +145,7 @@ uint64_t random_nonce() {
 
 }  // namespace
 
-void set_shm_enabled(bool on) { g_enabled = on; }
+void set_shm_enabled(c10::optional<bool> on) { g_enabled = on.has_value() ? int(*on) : -1; }
 
 bool shm_active(c10::string_view group_name) {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -170,9 +166,28 @@ bool shm_active(c10::string_view group_name) {
 }
 
 struct alignas(64) ShmChannel::RankLine {
-  std::atomic<uint64_t> arrived;  // the last collective this rank has published
-  uint64_t signature[2];          // of collective seq at [seq & 1], written before `arrived`
+  std::atomic<uint64_t> arrived;   // the last collective this rank has published
+  uint64_t signature[2];           // of collective seq at [seq & 1], written before `arrived`
+  std::atomic<uint32_t> sleepers;  // ranks blocked on `wake` waiting for this rank to arrive
+  std::atomic<uint32_t> wake;      // a futex word, bumped when this rank arrives with sleepers
 };
+
+namespace {
+
+// Blocks until *word != expected, a wake, or `timeout` (shared, not process-private: the word
+// lives in the segment every rank maps).
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds timeout) {
+  struct timespec ts{static_cast<time_t>(timeout.count() / 1000),
+                     static_cast<long>(timeout.count() % 1000) * 1000000};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+            0);
+}
+
+}  // namespace
 
 ShmChannel::ShmChannel(char* base, int64_t mapped_bytes, int64_t rank, int64_t size,
                        int64_t slot_bytes, std::vector<int64_t> pids)
@@ -197,7 +212,7 @@ char* ShmChannel::slot(uint64_t seq, int64_t r) const {
   return base_ + size_ * kLine + ((seq & 1) * size_ + r) * slot_bytes_;
 }
 
-std::shared_ptr<ShmChannel> ShmChannel::of(const Group& g) {
+std::shared_ptr<ShmChannel> ShmChannel::of(const Group& g, const char* op) {
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
@@ -216,34 +231,40 @@ std::shared_ptr<ShmChannel> ShmChannel::of(const Group& g) {
   // groups on other threads go on meanwhile.
   std::lock_guard<std::mutex> lock(*entry->setup_mu);
   if (!entry->decided) {
-    entry->channel = create(g);
+    entry->channel = create(g, op);
     entry->decided = true;
   }
   return entry->channel;
 }
 
-std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
+std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g, const char* op) {
+  const EnvSettings env = read_env();
   std::string backend;
   try {
     backend = g.pg->getBackend(c10::DeviceType::CPU)->getBackendName();
   } catch (const std::exception&) {
   }
-  // Not gloo (a fake or custom backend): no setup collective either, on every rank alike.
-  if (backend != "gloo" || g.size < 2) return nullptr;
+  // Not gloo (a fake or custom backend): no setup collective either, on every rank alike; bad
+  // settings are this rank's own error.
+  if (backend != "gloo" || g.size < 2) {
+    TORCH_CHECK_VALUE(env.error.empty(), env.error);
+    return nullptr;
+  }
 
-  // Round 1: can every rank take part (switch on, /proc usable to watch peers), on one host, and
-  // with which slot size and segment name (rank 0's; its random nonce keeps jobs that share
-  // /dev/shm from meeting, even with equal pids in different PID namespaces)?
-  const int64_t slot_setting = slot_bytes_setting();
+  // Round 1: are every rank's settings valid; can every rank take part (switch on, /proc usable
+  // to watch peers), on one host; with which slot size and segment name (rank 0's; its random
+  // nonce keeps jobs that share /dev/shm from meeting, even with equal pids in different PID
+  // namespaces)? Every rank decides from the same table, so all take the same transport.
+  const bool enabled = g_enabled >= 0 ? g_enabled == 1 : env.shm;
   const auto info = gather_ints(
-      g, {g_enabled && proc_usable() ? 1 : 0, host_key(), static_cast<int64_t>(::getpid()),
-          slot_setting, static_cast<int64_t>(g.rank == 0 ? random_nonce() : 0)});
+      g, {enabled && proc_usable() ? 1 : 0, host_key(), static_cast<int64_t>(::getpid()),
+          env.slot_bytes, static_cast<int64_t>(g.rank == 0 ? random_nonce() : 0), env.bad});
+  TORCH_CHECK_VALUE(env.error.empty(), env.error, " (rank ", g.rank, " of process group '", g.name,
+                    "', at its first collective, tp_ext.", op, ")");
   for (int64_t r = 0; r < g.size; ++r)
-    TORCH_CHECK_VALUE(info[r][3] > 0, "tp_ext: TP_EXT_SHM_SLOT_BYTES on rank ", r,
-                      " of process group '", g.name,
-                      "' is not a valid size; it must be a whole number of bytes, >= 4096 and a "
-                      "multiple of 64 (default ",
-                      kDefaultSlotBytes, ").");
+    TORCH_CHECK_VALUE(info[r][5] == 0, "tp_ext.", op, ": rank ", r, " of process group '", g.name,
+                      "' has an invalid environment setting:", describe_bad(info[r][5]),
+                      "; its own error names the value. Fix it there (every rank raises).");
   for (const auto& row : info)
     if (row[0] != 1 || row[1] != info[0][1]) return nullptr;
   const int64_t slot_bytes = info[0][3];
@@ -253,11 +274,11 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
   const int64_t bytes = g.size * kLine + 2 * g.size * slot_bytes;
 
   // Round 2: rank 0 creates the segment (fallocate: fail now rather than SIGBUS on a full
-  // /dev/shm); round 3: the others map it (after checking its size); then rank 0 unlinks the
+  // /dev/shm); round 3: the others map it (after checking its size); then every rank unlinks the
   // name, so nothing outlives the processes that hold the mapping. A failed round on any rank
-  // leaves every rank on gloo; an exception (a peer lost during setup) unlinks and unmaps too.
+  // leaves every rank on gloo. Every rank knows the name from round 1, so when a peer is lost
+  // during setup (rank 0 included: an exception here) the survivors unlink it too.
   char* base = nullptr;
-  bool created = false;
   auto map_fd = [&](int fd) {
     struct stat st{};
     void* p = ::fstat(fd, &st) == 0 && st.st_size == bytes
@@ -268,7 +289,7 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
     return base != nullptr;
   };
   auto give_up = [&] {
-    if (created) ::shm_unlink(name.c_str());
+    ::shm_unlink(name.c_str());  // whoever created it, and even if it never was (ENOENT)
     if (base != nullptr) ::munmap(base, bytes);
     base = nullptr;
   };
@@ -276,7 +297,6 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
     bool ok = true;
     if (g.rank == 0) {
       const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-      created = fd >= 0;
       if (fd < 0) {
         ok = false;
       } else if (::posix_fallocate(fd, 0, bytes) != 0) {
@@ -285,6 +305,7 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
       } else {
         ok = map_fd(fd);
       }
+      maybe_die("created", g);
     }
     if (!all_ok(gather_ints(g, {ok ? 1 : 0}))) {
       give_up();
@@ -295,8 +316,8 @@ std::shared_ptr<ShmChannel> ShmChannel::create(const Group& g) {
       ok = fd >= 0 && map_fd(fd);
     }
     const bool everyone = all_ok(gather_ints(g, {ok ? 1 : 0}));
-    if (created) ::shm_unlink(name.c_str());
-    created = false;
+    maybe_die("mapped", g);
+    ::shm_unlink(name.c_str());
     if (!everyone) {
       give_up();
       return nullptr;
@@ -318,18 +339,26 @@ void ShmChannel::wait_for_all(uint64_t seq, const char* op, const Group& g) {
     for (int64_t r = 0; r < size_ && missing < 0; ++r)
       if (line(r).arrived.load(std::memory_order_acquire) < seq) missing = r;
     if (missing < 0) return;
-    // Spin briefly (a peer a few microseconds behind), then yield the core (ranks may outnumber
-    // cores), then sleep (a peer that is computing for long should get the CPU).
+    // Spin briefly (a peer a few microseconds behind), then yield the core for up to 1 ms (ranks
+    // may outnumber cores), then block on the missing rank's futex, which it bumps when it
+    // arrives: a rank waiting for a peer that computes for long uses next to no CPU, and wakes at
+    // once when the peer comes. The 20 ms cap keeps the liveness and timeout checks going.
     if (polls < 2000) {
       cpu_relax();
       continue;
     }
     if (timeout.count() == 0) timeout = collective_timeout(g);
     const auto now = Clock::now();
-    if (now - start < std::chrono::milliseconds(5)) {
+    if (now - start < std::chrono::milliseconds(1)) {
       ::sched_yield();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      // Announce the sleeper before re-checking `arrived` (both seq_cst, as the publisher's store
+      // of `arrived` and load of `sleepers`): either it sees us, or we see its arrival.
+      RankLine& peer = line(missing);
+      peer.sleepers.fetch_add(1);
+      const uint32_t word = peer.wake.load();
+      if (peer.arrived.load() < seq) futex_wait(&peer.wake, word, std::chrono::milliseconds(20));
+      peer.sleepers.fetch_sub(1);
     }
     if (now >= next_liveness_check) {
       next_liveness_check = now + std::chrono::milliseconds(20);
@@ -367,7 +396,12 @@ void ShmChannel::exchange(const void* data, int64_t nbytes, uint64_t signature,
   // Like the slots, signatures alternate: a rank may already be publishing collective seq + 1
   // while the others still check seq.
   line(rank_).signature[seq & 1] = signature;
-  line(rank_).arrived.store(seq, std::memory_order_release);
+  RankLine& mine = line(rank_);
+  mine.arrived.store(seq);  // seq_cst: ordered before the load of sleepers (wait_for_all)
+  if (mine.sleepers.load() > 0) {
+    mine.wake.fetch_add(1);
+    futex_wake_all(&mine.wake);
+  }
   wait_for_all(seq, op, g);
   for (int64_t r = 0; r < size_; ++r) {
     if (line(r).signature[seq & 1] == signature) continue;

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "../common/group.h"
@@ -25,7 +26,9 @@ class ShmChannel {
   // The channel of g, set up on first use: a collective over g (every rank must reach it at the
   // same point, as the synchronous collectives do). nullptr where the channel cannot serve g, on
   // every rank alike.
-  static std::shared_ptr<ShmChannel> of(const Group& g);
+  // Also where bad environment settings (settings.h) are raised, on every rank; `op` names the
+  // collective in that error.
+  static std::shared_ptr<ShmChannel> of(const Group& g, const char* op);
 
   // Publishes nbytes (<= slot_bytes()) of data as this rank's slot, waits until every rank has
   // published, then calls read(slots), slots[r] being rank r's bytes. `signature` describes the
@@ -45,7 +48,7 @@ class ShmChannel {
  private:
   ShmChannel(char* base, int64_t mapped_bytes, int64_t rank, int64_t size, int64_t slot_bytes,
              std::vector<int64_t> pids);
-  static std::shared_ptr<ShmChannel> create(const Group& g);
+  static std::shared_ptr<ShmChannel> create(const Group& g, const char* op);
   void wait_for_all(uint64_t seq, const char* op, const Group& g);
   struct alignas(64) RankLine;  // per rank: arrival counter, signature of its collective
   RankLine& line(int64_t r) const;
@@ -59,8 +62,9 @@ class ShmChannel {
   std::mutex mu_;
 };
 
-// Process-wide switch, read when a group's channel is set up (TP_EXT_SHM=0 turns it off).
-void set_shm_enabled(bool on);
+// Process-wide switch, read when a group's channel is set up; nullopt (the default) follows
+// TP_EXT_SHM. Each rank's choice goes into the setup exchange: off on any rank is off on all.
+void set_shm_enabled(c10::optional<bool> on);
 // Whether the group with this name has a working channel (false before its first collective).
 bool shm_active(c10::string_view group_name);
 

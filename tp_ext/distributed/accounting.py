@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Optional
 
 from tp_ext.distributed.groups import GroupLike, resolve_group
 from tp_ext.ops import _C
@@ -132,22 +133,26 @@ def set_timeout(seconds: float) -> None:
     _C._set_timeout_ms(int(seconds * 1000))
 
 
-def set_consistency_checks(enabled: bool) -> None:
-    """Before every collective, check that all ranks agree on op, dtype and shape, and raise the
-    same clear error on each rank if not (one extra small blocking all-gather per call, so async
-    ops then wait for their peers to arrive). Also enabled by ``TP_EXT_CHECK_COLLECTIVES=1``."""
-    _C._set_consistency_checks(bool(enabled))
+def set_consistency_checks(enabled: Optional[bool]) -> None:
+    """Before every collective, check that all ranks agree on op, dtype, shape, ``sizes`` and the
+    other arguments (dim, reduce, src), and raise the same clear error on each rank if not (one
+    extra small blocking all-gather per call, so async ops then wait for their peers to arrive).
+    Also enabled by ``TP_EXT_CHECK_COLLECTIVES=1``; ``None`` follows that variable again.
+    Groups with the shared-memory channel compare a signature of every call even without it."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True, False or None, got {enabled!r}")
+    _C._set_consistency_checks(enabled)
 
 
-def set_shared_memory(enabled: bool) -> None:
+def set_shared_memory(enabled: Optional[bool]) -> None:
     """Whether process groups set up from now on carry the synchronous CPU collectives
     (all_reduce, all_gather, reduce_scatter and the Megatron pairs built on them) through shared
     memory when all their ranks are on one host and use gloo: passes through memory instead of
     gloo's TCP rounds (in rounds of ``TP_EXT_SHM_SLOT_BYTES``, 1 MiB, per rank). On by default;
-    ``TP_EXT_SHM=0`` turns it off. A group decides once, at its first such collective, and all
-    its ranks decide alike (off if off on any of them)."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    ``TP_EXT_SHM=0`` turns it off, and ``None`` follows that variable again. A group decides once,
+    at its first collective, and all its ranks decide alike (off if off on any of them)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True, False or None, got {enabled!r}")
     _C._set_shm_enabled(enabled)
 
 
