@@ -220,7 +220,7 @@ def test_workdir_rules(tmp_path, monkeypatch):
 def _share(path):
     import torch.distributed as dist
 
-    return share_path(path if dist.get_rank() == 0 else None, dist.group.WORLD, "cpu")
+    return share_path(path if dist.get_rank() == 0 else None, dist.group.WORLD)
 
 
 def test_rank_0_shares_the_workdir_path():

@@ -27,7 +27,6 @@ import time
 import uuid
 from typing import Optional
 
-from tp_ext.checkpoint.agree import gather_texts, share_text
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.manifest import (
     MANIFEST,
@@ -125,7 +124,7 @@ def start_save(path, group) -> Staging:
         return directory, fd
 
     directory, fd = comm.everywhere(g, f"saving {path}", create, CheckpointError)
-    directory = share_text(g, directory or "")
+    directory = comm.broadcast_text(directory or "", 0, g)
     return Staging(os.path.dirname(directory)[: -len(VERSIONS)], directory, fd)
 
 
@@ -142,7 +141,7 @@ def saving(path, group, info: dict):
             g, f"saving {path}", lambda: hash_files(staging.directory, g), CheckpointError
         )
         hashes = {}
-        for text in gather_texts(g, json.dumps(mine)):
+        for text in comm.all_gather_text(json.dumps(mine), g):
             hashes.update(json.loads(text))
 
         def commit():
@@ -273,7 +272,7 @@ def reading(path, group=None):
     checkpoint (a save published in between), all read rank 0's."""
     g = comm.resolve_group(group)
     directory, fd = comm.everywhere(g, f"loading {path}", lambda: _resolve(path), CheckpointError)
-    first = gather_texts(g, directory)[0]
+    first = comm.broadcast_text(directory, 0, g)
     if (
         first != directory
         and _is_version(first)

@@ -129,7 +129,7 @@ def run(
             lambda: make_workdir(workdir) if state.rank == 0 else None,
             OSError,
         )
-        path = share_path(made, dist.group.WORLD, state.device)
+        path = share_path(made, dist.group.WORLD)
         status = _job(state, inputs, path, keep=workdir is not None, world=world, t_start=t_start)
         comm.barrier(dist.group.WORLD)  # every rank is done with the files
         return status

@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-import torch
-
 from tp_ext.distributed import comm
 
 __all__ = ["MARKER", "check_workdir", "make_workdir", "share_path"]
@@ -56,14 +54,7 @@ def make_workdir(workdir: str | None) -> str:
     return path
 
 
-def share_path(path: str | None, group, device) -> str:
-    """Rank 0's ``path`` on every rank of ``group`` (other ranks pass None): its UTF-8 bytes as a
-    uint8 tensor through ``comm.broadcast`` (a fixed-size buffer: one collective, no pickle)."""
-    buffer = torch.zeros(_MAX_PATH_BYTES + 8, dtype=torch.uint8, device=device)
-    if path is not None:
-        data = os.fsencode(path)
-        buffer[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        buffer[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    received = comm.broadcast(buffer, 0, group=group).cpu()
-    length = int(received[:8].view(torch.int64).item())
-    return os.fsdecode(bytes(received[8 : 8 + length].tolist()))
+def share_path(path: str | None, group) -> str:
+    """Rank 0's ``path`` on every rank of ``group`` (other ranks pass None), as bytes through
+    ``comm.broadcast_text`` (no pickle)."""
+    return comm.broadcast_text("" if path is None else path, 0, group)

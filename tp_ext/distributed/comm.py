@@ -230,6 +230,32 @@ def vocab_parallel_cross_entropy(
     )
 
 
+# ---- small texts (paths, digests), as bytes in tensors: torch's object collectives pickle ------
+
+
+def all_gather_text(text: str, group: GroupLike = None) -> list[str]:
+    """Every rank's ``text``, in rank order (a collective of the group; no pickle)."""
+    g = _live(group, "all_gather_text")
+    if g.group is None or g.size == 1:
+        return [text]
+    data = text.encode() + b"\0"  # never empty: every rank sends at least one byte
+    device = _device_of(g)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = all_gather(length, group=g).tolist()
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    everyone = all_gather(mine, 0, lengths, g).cpu()
+    texts, start = [], 0
+    for n in lengths:
+        texts.append(bytes(everyone[start : start + n - 1].tolist()).decode())
+        start += n
+    return texts
+
+
+def broadcast_text(text: str, src: int = 0, group: GroupLike = None) -> str:
+    """Rank ``src``'s ``text`` on every rank (the others pass anything, e.g. "")."""
+    return all_gather_text(text, group)[src]
+
+
 # ---- agreement across ranks ---------------------------------------------------------------------
 
 
@@ -254,7 +280,7 @@ def everywhere(
             raise failure
         return result
     message = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()[:4000]
-    device = "cuda" if dist.get_backend(g.group) == "nccl" else "cpu"
+    device = _device_of(g)
     mine = torch.zeros(4096, dtype=torch.uint8, device=device)
     mine[0] = 1 if failure is not None else 0
     if message:
@@ -271,6 +297,11 @@ def everywhere(
             text = bytes(row[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
             raise error(f"{what} failed on rank {rank} of the group: {text}")
     return result
+
+
+def _device_of(g: TPGroup) -> str:
+    """Where a group's tensors must live: CUDA for NCCL, else the CPU."""
+    return "cuda" if dist.get_backend(g.group) == "nccl" else "cpu"
 
 
 def barrier(group: GroupLike) -> None:
