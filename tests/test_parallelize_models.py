@@ -145,8 +145,13 @@ def test_auto_on_the_decoders_users_bring(ws):
     assert seen == {arch: ("exact" if e == "exact" else "refused") for arch, _, _, e in CASES}
 
 
-def _check_frozen_parameters_with_sequence_parallel():
-    reference = _build(lambda: _cfg("Qwen2Config"), "Qwen2ForCausalLM").train()
+def _check_frozen_parameters_with_sequence_parallel(arch):
+    config = (
+        (lambda: _cfg("Qwen3Config", head_dim=8))
+        if arch == "qwen3"
+        else (lambda: _cfg("Qwen2Config"))
+    )
+    reference = _build(config, f"{'Qwen3' if arch == 'qwen3' else 'Qwen2'}ForCausalLM").train()
     for name, p in reference.named_parameters():  # fine-tuning: freeze everything but the MLPs
         p.requires_grad_("mlp" in name)
     model = tp_ext.parallelize(copy.deepcopy(reference), "auto", sequence_parallel=True)
@@ -165,8 +170,9 @@ def _check_frozen_parameters_with_sequence_parallel():
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-def test_frozen_parameters_with_sequence_parallel(ws):
-    run_distributed(_check_frozen_parameters_with_sequence_parallel, ws)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: per-head norms stay head-local
+def test_frozen_parameters_with_sequence_parallel(ws, arch):
+    run_distributed(_check_frozen_parameters_with_sequence_parallel, ws, arch)
 
 
 def _check_misuse():

@@ -308,7 +308,9 @@ def test_bad_input_gives_clear_errors():
         trainer.step([ids[0]])
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['lrr'\]"):
         build_optimizer(model, lrr=1e-3)
-    with pytest.raises(ValueError, match=r"lr must be a number > 0, got -0\.1"):
+    with pytest.raises(
+        ValueError, match=r"optimizer.lr must be a finite number in \(0, 1\], got -0\.1"
+    ):
         build_optimizer(model, lr=-0.1)
     with pytest.raises(ValueError, match=r"norm_type must be .*got -1"):
         grad_norm(model, norm_type=-1)

@@ -53,9 +53,10 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
     experts) is refused with a ValueError naming it, since replicating it silently would leave
     the model unsharded or inconsistent; pass a plan for such models."""
     plan = {}
+    width = _width(module)
     for name, child in module.named_modules():
         leaf = name.rpartition(".")[2]
-        if sequence_parallel and is_norm(child):
+        if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
             plan[name] = "sequence_parallel"
         elif is_plain(child, nn.Embedding) or is_scaled_embedding(child):
             plan[name] = "vocab"
@@ -70,6 +71,13 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
                 plan[name] = "replicate"
     _refuse_large_unsplit(module, plan)
     return plan
+
+
+def _norms_the_residual_stream(norm: nn.Module, width) -> bool:
+    """A norm over the model's width (input/post-attention/final norms), not a per-head one
+    (Qwen3's q_norm/k_norm run on attention heads, which sequence parallelism does not split)."""
+    weight = getattr(norm, "weight", None)
+    return width is None or weight is None or weight.numel() == width
 
 
 def _width(module: nn.Module):
@@ -88,7 +96,7 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str]) -> None:
     big = max(2, hidden // 2)
     unsplit = []
     for name, child in module.named_modules():
-        if plan.get(name, "replicate") != "replicate" or is_norm(child):
+        if plan.get(name, "replicate") not in ("replicate", "sequence_parallel") or is_norm(child):
             continue
         for param in child.parameters(recurse=False):
             if sum(1 for d in param.shape if d >= big) >= 2:
