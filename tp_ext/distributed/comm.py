@@ -39,7 +39,7 @@ from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the p
     tag,
     track,
 )
-from tp_ext.distributed.groups import GroupLike, TPGroup, resolve_group
+from tp_ext.distributed.groups import GroupLike, TPGroup, device_of, resolve_group
 from tp_ext.sharding import shard_sizes, uneven_sizes
 
 __all__ = [
@@ -239,7 +239,7 @@ def all_gather_text(text: str, group: GroupLike = None) -> list[str]:
     if g.group is None or g.size == 1:
         return [text]
     data = text.encode() + b"\0"  # never empty: every rank sends at least one byte
-    device = _device_of(g)
+    device = device_of(g)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = all_gather(length, group=g).tolist()
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
@@ -280,7 +280,7 @@ def everywhere(
             raise failure
         return result
     message = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()[:4000]
-    device = _device_of(g)
+    device = device_of(g)
     mine = torch.zeros(4096, dtype=torch.uint8, device=device)
     mine[0] = 1 if failure is not None else 0
     if message:
@@ -297,11 +297,6 @@ def everywhere(
             text = bytes(row[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
             raise error(f"{what} failed on rank {rank} of the group: {text}")
     return result
-
-
-def _device_of(g: TPGroup) -> str:
-    """Where a group's tensors must live: CUDA for NCCL, else the CPU."""
-    return "cuda" if dist.get_backend(g.group) == "nccl" else "cpu"
 
 
 def barrier(group: GroupLike) -> None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tp_ext.distributed.state import PROCESS
 
-__all__ = ["TPGroup", "GroupLike", "resolve_group", "default_group"]
+__all__ = ["TPGroup", "GroupLike", "resolve_group", "default_group", "device_of"]
 
 
 class TPGroup:
@@ -45,6 +45,11 @@ class TPGroup:
 
 
 GroupLike = Union[TPGroup, dist.ProcessGroup, str, None]
+
+
+def device_of(g: TPGroup) -> str:
+    """Where tensors for a group's collectives must live: CUDA for NCCL, else the CPU."""
+    return "cuda" if dist.get_backend(g.group) == "nccl" else "cpu"
 
 
 def default_group() -> Optional[dist.ProcessGroup]:

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tp_ext.distributed.groups import GroupLike, resolve_group
+from tp_ext.distributed.groups import GroupLike, device_of, resolve_group
 from tp_ext.distributed.state import PROCESS
 
 __all__ = ["record", "exited", "explain"]
@@ -26,7 +26,7 @@ def record(group: GroupLike = None) -> None:
     if g.group is None or g.size == 1 or g.name in PROCESS.peers:
         return
     mine = f"{os.getpid()} {socket.gethostname()}".encode()[:_WIDTH].ljust(_WIDTH, b"\0")
-    device = "cuda" if dist.get_backend(g.group) == "nccl" else "cpu"
+    device = device_of(g)
     row = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
     rows = [torch.empty_like(row) for _ in range(g.size)]
     dist.all_gather(rows, row, group=g.group)

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tp_ext.validation import Field, check_fields, is_number
+from tp_ext.validation import Field, check_fields
 
 __all__ = ["OptimizerSettings", "OPTIMIZER_FIELDS", "build_optimizer"]
 
@@ -53,14 +53,9 @@ def build_optimizer(
     unknown = sorted(set(overrides) - set(known))
     if unknown:
         raise TypeError(f"build_optimizer: unknown setting(s) {unknown}; known: {known}")
+    # replace() runs OptimizerSettings' own checks on the overridden values
     settings = dataclasses.replace(settings, **overrides)
-    if not is_number(settings.lr) or not settings.lr > 0:
-        raise ValueError(f"lr must be a number > 0, got {settings.lr!r}")
-    if not is_number(settings.weight_decay) or not settings.weight_decay >= 0:
-        raise ValueError(f"weight_decay must be a number >= 0, got {settings.weight_decay!r}")
-    betas = tuple(settings.betas) if isinstance(settings.betas, (tuple, list)) else ()
-    if len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {settings.betas!r}")
+    betas = tuple(settings.betas)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"build_optimizer: {type(model).__name__} has no trainable parameters")
