@@ -18,6 +18,8 @@ __all__ = [
     "uneven_sizes",
     "Partition",
     "HeadLayout",
+    "StageLayout",
+    "STAGE_ORDERS",
 ]
 
 
@@ -276,3 +278,94 @@ def _fits(num_heads: int, num_kv_heads: int, world_size: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+STAGE_ORDERS = ("loop", "v")
+
+
+class StageLayout:
+    """Which pipeline stages a rank holds and which decoder layers each stage runs.
+
+    ``num_stages = pp * virtual_stages``. Layers go to stages in order, split by the one policy
+    (``shard_sizes``: earlier stages take the extra layer) or by ``split`` (layers per stage).
+    Stage 0 also holds the embedding; the last stage the final norm and the LM head.
+
+    Stages sit on pipeline ranks in one of two orders (the schedules need one or the other):
+    ``"loop"`` puts stage ``s`` on rank ``s % pp`` (GPipe, 1F1B, Interleaved1F1B,
+    InterleavedZeroBubble); ``"v"`` (``virtual_stages=2``) puts stages ``r`` and ``2*pp - 1 - r``
+    on rank ``r``, so the first and last stage share rank 0 (ZBVZeroBubble, DualPipeV).
+    """
+
+    def __init__(
+        self, num_layers: int, pp: int = 1, virtual_stages: int = 1, split=None, order: str = "loop"
+    ):
+        _check_count("num_layers", num_layers, 0)
+        _check_count("pp", pp, 1)
+        _check_count("virtual_stages", virtual_stages, 1)
+        if order not in STAGE_ORDERS:
+            raise ValueError(f"stage_order must be one of {STAGE_ORDERS}, got {order!r}")
+        if order == "v" and virtual_stages != 2:
+            raise ValueError(
+                f"stage_order='v' places two stages on each rank; it needs virtual_stages=2, "
+                f"got virtual_stages={virtual_stages}"
+            )
+        self.num_layers, self.pp, self.virtual_stages, self.order = (
+            num_layers,
+            pp,
+            virtual_stages,
+            order,
+        )
+        self.num_stages = pp * virtual_stages
+        if split is None:
+            if num_layers < self.num_stages:
+                raise ValueError(
+                    f"{num_layers} decoder layers cannot fill {self.num_stages} pipeline stages "
+                    f"(pp={pp} x virtual_stages={virtual_stages}); every stage needs at least "
+                    f"one layer: use pp * virtual_stages <= {num_layers}"
+                )
+            counts = shard_sizes(num_layers, self.num_stages)
+        else:
+            counts = list(split) if isinstance(split, (list, tuple)) else None
+            if (
+                counts is None
+                or len(counts) != self.num_stages
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
+                or sum(counts) != num_layers
+            ):
+                raise ValueError(
+                    f"pipeline_split must list the layers of each of the {self.num_stages} "
+                    f"stages (pp={pp} x virtual_stages={virtual_stages}), each >= 1, summing to "
+                    f"num_layers={num_layers}; got {split!r} (the default split would be "
+                    f"{shard_sizes(num_layers, self.num_stages) if num_layers else []})"
+                )
+        self.layer_counts = counts
+        self._starts = [sum(counts[:s]) for s in range(self.num_stages)]
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages rank ``pp_rank`` of the pipeline group holds, in the order it runs them."""
+        if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < self.pp:
+            raise ValueError(f"pp_rank must be an int in [0, {self.pp - 1}], got {pp_rank!r}")
+        if self.order == "v":
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + chunk * self.pp for chunk in range(self.virtual_stages)]
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that holds ``stage``."""
+        if self.order == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def layers_of(self, stage: int) -> range:
+        """Global indices of the decoder layers ``stage`` runs."""
+        return range(self._starts[stage], self._starts[stage] + self.layer_counts[stage])
+
+    @property
+    def last_stage(self) -> int:
+        return self.num_stages - 1
+
+    def __repr__(self) -> str:
+        return (
+            f"StageLayout(num_layers={self.num_layers}, pp={self.pp}, "
+            f"virtual_stages={self.virtual_stages}, order={self.order!r}, "
+            f"layer_counts={self.layer_counts})"
+        )

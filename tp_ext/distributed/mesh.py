@@ -20,7 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tp_ext.distributed import peers
 from tp_ext.distributed.state import PROCESS
 
-__all__ = ["ParallelState", "init_parallel", "parallel_state", "destroy_parallel", "valid_layouts"]
+__all__ = [
+    "ParallelState",
+    "init_parallel",
+    "parallel_state",
+    "destroy_parallel",
+    "valid_layouts",
+    "tied_embedding_group",
+]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -153,9 +160,31 @@ def init_parallel(
     return PROCESS.parallel
 
 
+def tied_embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:
+    """The group of the first and last pipeline rank with this rank's (dp, tp) position, over
+    which a tied embedding's two copies (embedding on the first stage, LM head on the last) are
+    kept equal; None on the ranks in between, and when pp == 1. Made on first use by every rank
+    (making groups is a collective), then kept with the state."""
+    if state.pp == 1:
+        return None
+    groups = PROCESS.tied_groups.get(id(state))
+    if groups is None:
+        ranks = state.mesh.mesh  # [pp, dp, tp] -> global rank
+        groups = {}
+        for d in range(state.dp):
+            for t in range(state.tp):
+                pair = [int(ranks[0, d, t]), int(ranks[state.pp - 1, d, t])]
+                groups[(d, t)] = dist.new_group(pair)
+        PROCESS.tied_groups[id(state)] = groups
+    if state.pp_rank not in (0, state.pp - 1):
+        return None
+    return groups[(state.dp_rank, state.tp_rank)]
+
+
 def destroy_parallel(destroy_process_group: bool = False) -> None:
     """Forget the groups from init_parallel; with ``destroy_process_group=True`` also tear down
     torch.distributed (every group, the default one last) for a clean exit."""
     PROCESS.parallel = None
+    PROCESS.tied_groups.clear()
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()

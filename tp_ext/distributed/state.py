@@ -25,10 +25,13 @@ class ProcessState:
     init_weights: bool = True
     # every rank's (pid, host) per group name, to name dead ranks (tp_ext.distributed.peers)
     peers: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
+    # groups of the first and last pipeline rank, per layout (tp_ext.distributed.mesh)
+    tied_groups: dict[int, dict] = dataclasses.field(default_factory=dict)
 
     def reset(self) -> None:
         self.parallel, self.tp_rng_rank, self.tp_rng_depth, self.init_weights = None, None, 0, True
         self.peers.clear()
+        self.tied_groups.clear()
 
 
 PROCESS = ProcessState()

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
 from tp_ext.layers.base import ParallelModule
@@ -117,6 +118,8 @@ def iter_full_tensors(module: nn.Module):
 
 @torch.no_grad()
 def _gather_full(tensor: torch.Tensor, spec, owner) -> torch.Tensor:
+    if isinstance(tensor, DTensor):  # sharded over data-parallel ranks too (FSDP2): whole first
+        tensor = tensor.full_tensor()
     if spec is None or owner.tp_size == 1:
         return tensor.detach().clone()
     dim, partition = spec

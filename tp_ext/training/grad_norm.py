@@ -10,16 +10,19 @@ gradients, with one all-reduce over TP.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup, resolve_group
 from tp_ext.layers import ParallelModule
 from tp_ext.validation import is_number
 
-__all__ = ["grad_norm", "clip_grad_norm_", "model_tp_group"]
+__all__ = ["grad_norm", "clip_grad_norm_", "parallel_grad_norm", "scale_grads_", "model_tp_group"]
 
 
 def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.Tensor:
@@ -32,29 +35,77 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
     parallel layers. A collective: every TP rank must call it. Returns a 0-d float tensor."""
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, tp_group)
+    local = _local_norm_power(model, tp, p)
+    if tp.size > 1:
+        local = comm.all_reduce(local, "max" if p == math.inf else "sum", group=tp)
+    return local if p == math.inf else local.pow(1.0 / p)
+
+
+def parallel_grad_norm(
+    model: nn.Module, parallel, data_parallel: Optional[str], norm_type: float = 2.0
+) -> torch.Tensor:
+    """:func:`grad_norm` of a model built with ``parallel=`` (TP x PP x DP): every stage's
+    gradients, TP shards counted once, a tied embedding's two copies once, DDP replicas not
+    added (only DP rank 0's count), FSDP2's DP shards each once. One all-reduce over all
+    ranks; every rank gets the same norm."""
+    p = _check_norm_type(norm_type)
+    tp = model_tp_group(model, parallel.tp_group)
+    skip = set()
+    if getattr(model, "tied_across_stages", False) and model.lm_head is not None:
+        skip = {id(model.lm_head.weight)}  # the tied head's copy; the embedding's counts
+    replicated_dp = data_parallel != "fsdp" and parallel.dp > 1
+    if replicated_dp and parallel.dp_rank != 0 and p != math.inf:
+        local = torch.zeros((), device=parallel.device)
+    else:
+        local = _local_norm_power(model, tp, p, skip, parallel if not replicated_dp else None)
+    local = comm.all_reduce(
+        local.float() if local.dtype != torch.float64 else local,
+        "max" if p == math.inf else "sum",
+        group=dist.group.WORLD,
+    )
+    return local if p == math.inf else local.pow(1.0 / p)
+
+
+def _local_norm_power(model, tp: TPGroup, p: float, skip=frozenset(), dp_shards=None):
+    """This rank's share of sum(|g|^p) (or max |g| for p = inf) over the unsharded gradients.
+    ``dp_shards``: the ParallelState when gradients are FSDP2 shards along dim 0 over DP."""
     terms = []
     for param, spec in _grads_with_specs(model, tp):
+        if id(param) in skip:
+            continue
         g = param.grad
+        shard = None
+        if isinstance(g, DTensor):
+            g = g.to_local()
+            shard = _dp_rows(param.shape[0], dp_shards) if dp_shards is not None else None
         if spec is None:
             if tp.rank != 0 and p != math.inf:  # replicated: identical on every rank
                 continue
         elif spec[1].replicated and p != math.inf:
             dim, partition = spec
             keep = _first_owner_positions(partition, tp.rank)
-            if len(keep) != g.size(dim):
+            if dim == 0 and shard is not None:  # this DP rank holds rows [start, end) only
+                start, end = shard
+                keep = [k - start for k in keep if start <= k < end]
+                if len(keep) != g.size(0):
+                    g = g.index_select(0, torch.tensor(keep, dtype=torch.long, device=g.device))
+            elif len(keep) != g.size(dim):
                 g = g.index_select(dim, torch.tensor(keep, device=g.device))
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         terms.append(torch.linalg.vector_norm(g, p, dtype=acc))
     device = next((q.device for q in model.parameters()), torch.device("cpu"))
     if not terms:
-        local = torch.zeros((), device=device)
-    else:
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms) else torch.float32
-        stacked = torch.stack([t.to(dtype) for t in terms])
-        local = stacked.max() if p == math.inf else stacked.pow(p).sum()
-    if tp.size > 1:
-        local = comm.all_reduce(local, "max" if p == math.inf else "sum", group=tp)
-    return local if p == math.inf else local.pow(1.0 / p)
+        return torch.zeros((), device=device)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms) else torch.float32
+    stacked = torch.stack([t.to(dtype) for t in terms])
+    return stacked.max() if p == math.inf else stacked.pow(p).sum()
+
+
+def _dp_rows(rows: int, parallel) -> tuple[int, int]:
+    """Rows [start, end) of dim 0 that FSDP2 gives this DP rank (torch.chunk's split)."""
+    chunk = -(-rows // parallel.dp)
+    start = min(rows, parallel.dp_rank * chunk)
+    return start, min(rows, start + chunk)
 
 
 def clip_grad_norm_(
@@ -66,11 +117,20 @@ def clip_grad_norm_(
     if not is_number(max_norm) or not max_norm > 0:
         raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
     total = grad_norm(model, tp_group, norm_type)
+    scale_grads_(model, max_norm, total)
+    return total
+
+
+@torch.no_grad()
+def scale_grads_(model: nn.Module, max_norm: float, total: torch.Tensor) -> None:
+    """Multiply every gradient by ``min(1, max_norm / (total + 1e-6))`` (torch's clip rule),
+    data-parallel shards (DTensor gradients) included."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in model.parameters():
-        if param.grad is not None:
-            param.grad.mul_(coef.to(param.grad.dtype))
-    return total
+        g = param.grad
+        if g is not None:
+            g = g.to_local() if isinstance(g, DTensor) else g
+            g.mul_(coef.to(g.dtype))
 
 
 def _check_norm_type(norm_type) -> float:

@@ -7,19 +7,32 @@ data-parallel group) and ``train.grad_norm`` (one per step when clipping at TP >
 
     trainer = Trainer(model, max_grad_norm=1.0, dp_group=state.dp_group)
     loss = trainer.step([ids_0, ids_1])          # two micro-batches, one optimizer step
+
+With ``parallel=`` (a model built with ``parallel=state``) the step runs on a pipeline instead
+(:mod:`tp_ext.pipeline`: torch's schedules, DDP or FSDP2 on the DP dimension); its collectives
+add ``train.loss`` (the global loss, one all-reduce) and ``train.tied`` (a tied embedding's
+gradient, summed between the first and last stage).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
 from tp_ext.layers import vocab_parallel_cross_entropy
-from tp_ext.training.grad_norm import clip_grad_norm_, model_tp_group
+from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner
+from tp_ext.training.grad_norm import (
+    clip_grad_norm_,
+    model_tp_group,
+    parallel_grad_norm,
+    scale_grads_,
+)
 from tp_ext.training.optimizer import build_optimizer
 from tp_ext.validation import is_number
 
@@ -32,13 +45,22 @@ class Trainer:
     """One optimizer step per :meth:`step` over a list of micro-batches, for a tp_ext causal LM
     (``model(input_ids, local_logits=True)`` gives this rank's vocabulary shard of the logits).
 
-    - ``optimizer``: None builds :func:`build_optimizer` with the default settings.
+    - ``optimizer``: an optimizer; a callable taking the trainable parameters and returning
+      one (called after data-parallel wrapping, so it sees FSDP2's sharded parameters); or None
+      for :func:`build_optimizer` with the default settings.
     - ``max_grad_norm``: clip to this TP-aware norm (None: no clipping; the norm is not computed).
     - ``dp_group``: a data-parallel group (e.g. ``init_parallel(...).dp_group``); each DP rank
       passes its own micro-batches, and the step equals one over all of them.
     - ``autocast_dtype``: e.g. ``torch.bfloat16`` runs forward under ``torch.autocast``
-      (parameters, gradients and optimizer state stay in their own dtype).
+      (parameters, gradients and optimizer state stay in their own dtype). ``torch.float16``
+      adds a dynamic loss scale whose overflow check is agreed over every rank (torch's
+      ShardedGradScaler on the default group), so every rank skips the same steps.
     - ``tp_group``: None takes the model's.
+    - ``parallel``: the :class:`tp_ext.ParallelState` the model was built with
+      (``Qwen2ForCausalLM(config, parallel=state)``): TP x PP x DP training. Then
+      ``schedule`` (one of :data:`tp_ext.pipeline.SCHEDULES`) runs the pipeline,
+      ``data_parallel`` ("ddp" or "fsdp") synchronises DP once per step, and
+      ``activation_checkpointing`` recomputes each decoder layer in backward.
 
     The loss is the mean token cross-entropy over every target of every micro-batch (of every
     DP rank); targets equal to ``ignore_index`` do not count.
@@ -47,13 +69,17 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: Optional[torch.optim.Optimizer] = None,
+        optimizer: Union[torch.optim.Optimizer, Callable, None] = None,
         *,
         max_grad_norm: Optional[float] = None,
         dp_group=None,
         tp_group=None,
         autocast_dtype: Optional[torch.dtype] = None,
         ignore_index: int = -100,
+        parallel=None,
+        schedule: str = "1F1B",
+        data_parallel: Optional[str] = "ddp",
+        activation_checkpointing: bool = False,
     ) -> None:
         if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
             raise ValueError(
@@ -65,16 +91,70 @@ class Trainer:
                 f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16) or "
                 f"None, got {autocast_dtype!r}"
             )
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(
+                f"activation_checkpointing must be True or False, got {activation_checkpointing!r}"
+            )
         self.model = model
+        self.parallel = parallel
+        self.runner = None
+        if parallel is not None:
+            self._setup_pipeline(model, parallel, schedule, data_parallel, dp_group, tp_group)
+        if hasattr(model, "activation_checkpointing"):
+            model.activation_checkpointing = activation_checkpointing
+        elif activation_checkpointing:
+            raise ValueError(
+                f"activation_checkpointing: {type(model).__name__} has no per-layer recompute "
+                "switch (tp_ext's models do)"
+            )
         if optimizer is None:
             optimizer = build_optimizer(model)
+        elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            built = optimizer([p for p in model.parameters() if p.requires_grad])
+            if not isinstance(built, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer: the callable must return a torch.optim.Optimizer, got "
+                    f"{type(built).__name__}"
+                )
+            optimizer = built
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
-        self.tp = model_tp_group(model, tp_group)
-        self.dp_group = None if dp_group is None else comm.resolve_group(dp_group)
+        if parallel is None:
+            self.tp = model_tp_group(model, tp_group)
+            self.dp_group = None if dp_group is None else comm.resolve_group(dp_group)
         self.autocast_dtype = autocast_dtype
+        self.scaler = None
+        if autocast_dtype == torch.float16:
+            self.scaler = _loss_scaler(next(model.parameters()).device)
         self.ignore_index = ignore_index
         self.last_grad_norm: Optional[float] = None
+        self.skipped_steps = 0  # steps whose gradients overflowed under fp16 (not applied)
+
+    def _setup_pipeline(self, model, parallel, schedule, data_parallel, dp_group, tp_group):
+        built_with = getattr(model, "parallel", None)
+        if built_with is not parallel:
+            how = "without parallel=" if built_with is None else "with another layout"
+            raise ValueError(
+                f"parallel= needs the model built with the same layout: "
+                f"{type(model).__name__}(config, parallel=state); this one was built {how}"
+            )
+        if dp_group is not None or tp_group is not None:
+            raise ValueError(
+                "with parallel=, the TP and DP groups are the layout's; drop dp_group= / tp_group="
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if data_parallel is not None and data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+        if data_parallel is None and parallel.dp > 1:
+            raise ValueError(
+                f"data_parallel=None with dp={parallel.dp}: the replicas would drift apart; "
+                f"use one of {DATA_PARALLEL}"
+            )
+        self.data_parallel = data_parallel if parallel.dp > 1 else None
+        self.tp = comm.resolve_group(parallel.tp_group)
+        self.dp_group = comm.resolve_group(parallel.dp_group)
+        self.runner = PipelineRunner(model, schedule, self.data_parallel)
 
     def step(self, micro_batches: list[MicroBatch]) -> float:
         """Forward and backward every micro-batch (``input_ids`` ``[batch, seq]``, or
@@ -84,6 +164,8 @@ class Trainer:
         are discarded first. Returns the step's mean loss, the same on every rank; the norm
         before clipping is left in ``last_grad_norm``."""
         batches = self._check(micro_batches)
+        if self.runner is not None:
+            return self._pipeline_step(batches)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=True)
         # Known before any forward: scale each micro-batch's summed loss by the local token
@@ -105,17 +187,103 @@ class Trainer:
                         ignore_index=self.ignore_index,
                         reduction="sum",
                     )
-                (loss / scale).backward()
+                self._scaled(loss / scale).backward()
                 loss_sum += loss.detach().float()
         if self.dp_group is not None and self.dp_group.size > 1:
             loss_sum, count = self._sync_data_parallel(params, loss_sum, scale, count)
+        self._unscale()
         if self.max_grad_norm is not None:
             with comm.tag("train.grad_norm"):
                 norm = clip_grad_norm_(self.model, self.max_grad_norm, self.tp)
             self.last_grad_norm = norm.item()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer_step()
         return (loss_sum / count).item()  # nan when no target counts, as torch's mean
+
+    def _pipeline_step(self, batches) -> float:
+        """One step on the pipeline: torch's schedule runs forward and backward of every
+        micro-batch (DP gradients synchronised once, in the last backward), then the tied
+        embedding's copies are summed, the norm is taken over every rank, and the optimizer
+        steps."""
+        shapes = {tuple(ids.shape) for ids, _ in batches}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"under pipelining every micro-batch must have one shape (the stages exchange "
+                f"fixed-size activations); got {sorted(shapes)}"
+            )
+        parallel = self.parallel
+        ids = torch.cat([b[0] for b in batches])
+        labels = torch.cat([b[1] for b in batches])
+        count = (labels[:, 1:] != self.ignore_index).sum().float()
+        if parallel.dp > 1:
+            with comm.tag("train.loss"):
+                count = comm.all_reduce(count, "sum", group=self.dp_group)
+        # DDP and FSDP2 average over DP: each replica's loss is its sum over count / dp, so the
+        # averaged gradient is that of the mean over every token of every replica.
+        denominator = count.clamp_min(1) / parallel.dp
+        sums: list[torch.Tensor] = []
+
+        def loss_fn(logits, target):
+            loss = vocab_parallel_cross_entropy(
+                logits[:, :-1],
+                target[:, 1:],
+                tp_group=self.tp,
+                ignore_index=self.ignore_index,
+                reduction="sum",
+            )
+            sums.append(loss.detach().float())
+            return self._scaled(loss / denominator)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        with comm.tag("train.compute"), self._autocast(parallel.device):
+            logits_dtype = self.autocast_dtype or next(self.model.parameters()).dtype
+            self.runner.step(ids, labels, len(batches), loss_fn, logits_dtype)
+        self._sum_tied_gradients()
+        # the global loss: the last stage's TP rank 0 of each replica holds a sum
+        mine = torch.stack(sums).sum() if sums and self.tp.rank == 0 else None
+        total = torch.zeros((), device=parallel.device) if mine is None else mine
+        with comm.tag("train.loss"):
+            total = comm.all_reduce(total, "sum", group=dist.group.WORLD)
+        self._unscale()
+        if self.max_grad_norm is not None:
+            with comm.tag("train.grad_norm"):
+                norm = parallel_grad_norm(self.model, parallel, self.data_parallel)
+                scale_grads_(self.model, self.max_grad_norm, norm)
+            self.last_grad_norm = norm.item()
+        self._optimizer_step()
+        return (total / count).item()
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self) -> None:
+        """A tied embedding under pipelining has a copy on the first and on the last stage:
+        both get the sum of the two gradients (so both copies take the same update)."""
+        weights = self.model.tied_weights() if hasattr(self.model, "tied_weights") else []
+        grads = [_local(w.grad) for w in weights if w.grad is not None]
+        if len(grads) == 2:  # both copies on this rank (V-shaped schedules)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+            return
+        group = self.model.tied_group()
+        if group is not None and grads:
+            with comm.tag("train.tied"):
+                dist.all_reduce(grads[0], group=group)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def _unscale(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # the overflow check, agreed over every rank
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when any rank overflowed
+            self.scaler.update()
+            if self.scaler.get_scale() < scale:
+                self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _check(self, micro_batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(micro_batches, torch.Tensor):
@@ -190,3 +358,18 @@ class Trainer:
                 p.grad.copy_(grad)
             offset += n
         return flat[-2], total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _loss_scaler(device: torch.device):
+    """fp16's dynamic loss scale. torch's ShardedGradScaler all-reduces the overflow flag over
+    the default group, so every rank (TP, PP and DP) skips the same steps; plain GradScaler
+    checks only its own process's gradients."""
+    if dist.is_initialized():
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type, process_group=dist.group.WORLD)
+    return torch.amp.GradScaler(device.type)

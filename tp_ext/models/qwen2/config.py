@@ -37,6 +37,7 @@ MODEL_FIELDS = {
     "rope_theta": Field("float", 0, low_open=True),
     "rms_norm_eps": Field("float", 0, 1, low_open=True, high_open=True),
     "tie_word_embeddings": Field("bool"),
+    "attention_dropout": Field("float", 0, 1, high_open=True),
     "architecture": Field("choice", choices=("qwen2", "qwen")),
 }
 
@@ -58,6 +59,7 @@ class Qwen2Config:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool = False
+    attention_dropout: float = 0.0  # training only; generation and eval run without dropout
     architecture: str = "qwen2"
 
     def __post_init__(self) -> None:
@@ -185,6 +187,8 @@ class Qwen2Config:
         values["rope_theta"] = _rope_theta(data, names["rope_theta"])
         tie = data.get("tie_word_embeddings")
         values["tie_word_embeddings"] = False if tie is None else tie
+        dropout = data.get("attention_dropout")
+        values["attention_dropout"] = 0.0 if dropout is None else dropout
         if not original:  # null: transformers' default, no grouped-query attention
             kv = data.get("num_key_value_heads")
             values["num_key_value_heads"] = values["num_attention_heads"] if kv is None else kv
@@ -219,7 +223,7 @@ _QWEN_NAMES = {"rope_theta": "rotary_emb_base", "rms_norm_eps": "layer_norm_epsi
 
 def _hf_table(names: dict) -> dict:
     table = {theirs: MODEL_FIELDS[ours] for ours, theirs in names.items()}
-    for name in ("tie_word_embeddings", "num_key_value_heads"):  # same name in both
+    for name in ("tie_word_embeddings", "num_key_value_heads", "attention_dropout"):  # same name
         table[name] = MODEL_FIELDS[name]
     return table
 

@@ -114,6 +114,7 @@ def hf_config(config: Qwen2Config, dtype: torch.dtype) -> dict:
         "rope_theta": config.rope_theta,
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_dropout": config.attention_dropout,
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

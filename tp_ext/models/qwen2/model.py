@@ -11,13 +11,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext import checkpoint
 from tp_ext.checkpoint.hf import model_group
 from tp_ext.checkpoint.layout import detect_layout, expected_shapes
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
 from tp_ext.distributed import comm
+from tp_ext.distributed.mesh import tied_embedding_group
+from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import (
     ParallelLMHead,
     ParallelModule,
@@ -29,52 +33,163 @@ from tp_ext.layers import (
 )
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.sharding import StageLayout, shard_sizes
 
 __all__ = ["Qwen2ForCausalLM"]
 
 
+class _Layers(nn.ModuleDict):
+    """Decoder layers keyed by their index in the full model, so a pipeline stage that holds
+    layers 4..7 names them ``model.layers.4`` .. ``model.layers.7`` as the checkpoint does.
+    Indexing takes the global index; iteration yields the layers in order."""
+
+    def __getitem__(self, index) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def indices(self) -> list[int]:
+        return [int(key) for key in self.keys()]
+
+
 class _Qwen2Model(ParallelModule):
-    def __init__(self, config: Qwen2Config, tp, device, dtype):
+    def __init__(self, config: Qwen2Config, tp, device, dtype, layer_ids, embedding, norm):
         super().__init__()
         self._setup_tp(tp)
         kw = {"tp_group": tp, "device": device, "dtype": dtype}
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(
-            ParallelTransformerBlock(
-                config.hidden_size,
-                config.num_attention_heads,
-                config.num_key_value_heads,
-                config.intermediate_size,
-                config.head_dim,
-                config.rms_norm_eps,
-                config.rope_theta,
-                qkv_bias=True,
-                **kw,
-            )
-            for _ in range(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, **kw)
+            if embedding
+            else None
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.layers = _Layers(
+            {
+                str(i): ParallelTransformerBlock(
+                    config.hidden_size,
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    config.intermediate_size,
+                    config.head_dim,
+                    config.rms_norm_eps,
+                    config.rope_theta,
+                    qkv_bias=True,
+                    attention_dropout=config.attention_dropout,
+                    **kw,
+                )
+                for i in layer_ids
+            }
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw) if norm else None
 
 
 class Qwen2ForCausalLM(ParallelModule):
     """``forward(input_ids)`` gives full-vocabulary logits ``[batch, seq, vocab]`` on every rank
     (``local_logits=True``: this rank's vocabulary shard, for the vocab-parallel loss);
-    ``generate(input_ids, max_new_tokens)`` decodes greedily with a KV cache."""
+    ``generate(input_ids, max_new_tokens)`` decodes greedily with a KV cache.
 
-    def __init__(self, config: Qwen2Config, tp_group=None, device=None, dtype=None):
+    ``parallel`` (from :func:`tp_ext.init_parallel`) builds this rank's part of a TP x PP x DP
+    model: its TP slices of the layers of its pipeline stages only (:class:`StageLayout`:
+    ``virtual_stages`` stages per rank in ``stage_order``, layers split by the one shard policy
+    or by ``pipeline_split``). Stage 0 holds the embedding, the last stage the final norm and LM
+    head. A tied LM head on a rank without the embedding keeps its own copy, loaded (or
+    initialised) equal to it; the Trainer sums the two gradients, so they stay equal. Without
+    ``parallel``, ``tp_group`` alone gives a TP-only model holding every layer.
+    """
+
+    def __init__(
+        self,
+        config: Qwen2Config,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        *,
+        parallel=None,
+        virtual_stages: int = 1,
+        pipeline_split=None,
+        stage_order: str = "loop",
+    ):
         super().__init__()
+        if parallel is not None:
+            if tp_group is not None:
+                raise ValueError(
+                    "pass parallel= (TP, PP and DP from tp_ext.init_parallel) or tp_group= "
+                    "(TP only), not both"
+                )
+            tp_group = parallel.tp_group
         tp = self._setup_tp(tp_group)
         config.check_tp(tp.size)
         self.config = config
-        self.model = _Qwen2Model(config, tp, device, dtype)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            tp_group=tp,
-            device=device,
-            dtype=dtype,
-            tie_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+        self.parallel = parallel
+        pp, pp_rank = (1, 0) if parallel is None else (parallel.pp, parallel.pp_rank)
+        self.stage_layout = StageLayout(
+            config.num_hidden_layers, pp, virtual_stages, pipeline_split, stage_order
         )
+        self.stage_ids = self.stage_layout.stages_of(pp_rank)
+        layer_ids = [i for s in self.stage_ids for i in self.stage_layout.layers_of(s)]
+        has_embedding = 0 in self.stage_ids
+        has_head = self.stage_layout.last_stage in self.stage_ids
+        self.model = _Qwen2Model(
+            config, tp, device, dtype, sorted(layer_ids), has_embedding, has_head
+        )
+        self.lm_head = None
+        # Under pipelining a tied head keeps its own copy, even on the rank that also holds the
+        # embedding (V-shaped schedules): each stage module then owns its parameters, as DDP
+        # and FSDP2 need; the Trainer sums the two gradients, so the copies stay equal.
+        self.tied_across_stages = config.tie_word_embeddings and pp > 1
+        if has_head:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                tp_group=tp,
+                device=device,
+                dtype=dtype,
+                tie_to=self.model.embed_tokens
+                if config.tie_word_embeddings and not self.tied_across_stages
+                else None,
+            )
+        if self.tied_across_stages and str(device) != "meta":
+            self._share_tied_init()
+        self.activation_checkpointing = False
+
+    @property
+    def is_pipelined(self) -> bool:
+        return self.stage_layout.pp > 1
+
+    def tied_weights(self) -> list[torch.Tensor]:
+        """The copies of a tied embedding this rank holds under pipelining: the embedding's on
+        its first stage, the head's on the last (both on a rank with both; none elsewhere, or
+        when untied)."""
+        if not self.tied_across_stages:
+            return []
+        held = [self.model.embed_tokens, self.lm_head]
+        return [module.weight for module in held if module is not None]
+
+    def tied_group(self):
+        """The group joining the first and last stage's ranks when they differ, else None."""
+        if not self.tied_across_stages:
+            return None
+        if self.stage_layout.rank_of(self.stage_layout.last_stage) == 0:
+            return None  # both on pipeline rank 0
+        return tied_embedding_group(self.parallel)
+
+    @torch.no_grad()
+    def _share_tied_init(self) -> None:
+        """Copy the first stage's embedding into the last stage's head (fresh weights only)."""
+        group = self.tied_group() if self.is_pipelined else None
+        if not PROCESS.init_weights:
+            return  # about to be loaded: both copies come from the same checkpoint tensor
+        weights = self.tied_weights()
+        if len(weights) == 2:
+            weights[1].copy_(weights[0])
+        elif group is not None and weights:
+            dist.broadcast(weights[0], dist.get_global_rank(group, 0), group=group)
+
+    def stage_modules(self) -> list[nn.Module]:
+        """One module per pipeline stage this rank holds, in order, each owning the
+        embedding / layers / norm and head of its stage (what PipelineStage, DDP and FSDP2
+        wrap; the parameters are this model's, shared)."""
+        return [_Stage(self, stage) for stage in self.stage_ids]
 
     @classmethod
     def from_pretrained(
@@ -85,33 +200,60 @@ class Qwen2ForCausalLM(ParallelModule):
         device=None,
         strict: bool = True,
         progress: bool = True,
+        *,
+        parallel=None,
+        virtual_stages: int = 1,
+        pipeline_split=None,
+        stage_order: str = "loop",
     ) -> "Qwen2ForCausalLM":
         """Build the model from a Hugging Face checkpoint directory (config.json with
         model.safetensors or a sharded index; Qwen2 or original Qwen format), each rank reading
-        only its own slices. ``dtype``: default the checkpoint's. ``model.load_report`` holds
-        this rank's bytes read, shard bytes and peak host memory during the load."""
+        only its own slices (under ``parallel``: of its own stages' tensors). ``dtype``: default
+        the checkpoint's. ``model.load_report`` holds this rank's bytes read, shard bytes and
+        peak host memory during the load."""
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
         checkpoint.reset_peak_rss()
         config = Qwen2Config.from_file(path)  # every field checked
         dtype = dtype or checkpoint.checkpoint_dtype(path)
+        build = {
+            "tp_group": tp_group,
+            "parallel": parallel,
+            "virtual_stages": virtual_stages,
+            "pipeline_split": pipeline_split,
+            "stage_order": stage_order,
+        }
         # The checkpoint's files, names and shapes are checked against the model built on the
         # meta device (nothing allocated) before the real one: a checkpoint that disagrees with
         # its config.json fails at once, not after allocating the model.
-        meta = cls(config, tp_group=tp_group, device="meta", dtype=dtype)
+        meta = cls(config, device="meta", dtype=dtype, **build)
         _check_checkpoint(meta, path, strict)
         del meta
         with no_init():
-            model = cls(config, tp_group=tp_group, device=device, dtype=dtype)
-        report = checkpoint.load_hf_checkpoint(model, path, strict=strict, progress=progress)
+            model = cls(config, device=device, dtype=dtype, **build)
+        if model.is_pipelined:  # each stage reads its own tensors; a failure on one fails all
+            report = comm.everywhere(
+                dist.group.WORLD,
+                f"loading {path}",
+                lambda: checkpoint.load_hf_checkpoint(model, path, strict=False, progress=progress),
+                checkpoint.CheckpointError,
+            )
+        else:
+            report = checkpoint.load_hf_checkpoint(model, path, strict=strict, progress=progress)
         report["peak_rss_increase_bytes"] = report["peak_rss_bytes"] - before
         model.load_report = report
         return model
 
     def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 1024**3) -> None:
-        """A merged Hugging Face checkpoint that transformers' Qwen2ForCausalLM loads (every
-        rank calls it; rank 0 writes)."""
+        """A merged Hugging Face checkpoint that transformers' Qwen2ForCausalLM loads: every
+        stage's tensors, every TP slice (every rank calls it; global rank 0 writes)."""
         checkpoint.save_hf_checkpoint(self, path, max_shard_bytes)
+
+    @property
+    def pipeline_group(self):
+        """The pipeline group this rank's stages talk over (None without pipelining): what the
+        checkpoint code gathers stages over."""
+        return self.parallel.pp_group if self.is_pipelined else None
 
     # -- what the checkpoint code reads (tp_ext.checkpoint.layout) ------------------------------
 
@@ -128,15 +270,90 @@ class Qwen2ForCausalLM(ParallelModule):
     def forward(
         self, input_ids: torch.Tensor, local_logits: bool = False, kv_caches=None
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, None, None if kv_caches is None else kv_caches[i])
-        logits = self.lm_head(self.model.norm(h))
-        return logits if local_logits else self.lm_head.gather_features(logits)
+        """Logits of ``input_ids`` ``[batch, seq]``. Under pipelining every rank of one pipeline
+        passes the same ids; the stages run one after another (activations sent to the next
+        stage's rank) and every rank returns the last stage's logits. That path is for
+        inference (no autograd across ranks): train with :class:`tp_ext.training.Trainer`."""
+        if self.is_pipelined:
+            return self._pipelined_forward(input_ids, local_logits, kv_caches)
+        h = self.stage_forward(0, input_ids, kv_caches)
+        return h if local_logits else self.lm_head.gather_features(h)
+
+    def stage_forward(self, stage: int, x: torch.Tensor, kv_caches=None) -> torch.Tensor:
+        """What pipeline stage ``stage`` computes: ids -> embedding on the first stage, its
+        decoder layers, then norm and this rank's vocabulary shard of the logits on the last.
+        ``kv_caches``: one per decoder layer of the full model, by global index."""
+        layout = self.stage_layout
+        if stage not in self.stage_ids:
+            raise ValueError(
+                f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
+                f"{layout.num_stages}"
+            )
+        if stage == 0:
+            x = self.model.embed_tokens(x)
+        for i in layout.layers_of(stage):
+            layer, cache = self.model.layers[i], None if kv_caches is None else kv_caches[i]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # recomputed in backward; the TP random stream is derived from torch's, which
+                # checkpoint restores, so dropout masks repeat exactly
+                x = recompute(layer, x, None, cache, use_reentrant=False)
+            else:
+                x = layer(x, None, cache)
+        if stage == layout.last_stage:
+            x = self.lm_head(self.model.norm(x))
+        return x
+
+    def _pipelined_forward(self, input_ids, local_logits, kv_caches) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise RuntimeError(
+                "forward of a pipelined model runs the stages for inference only (no autograd "
+                "between ranks): call it under torch.no_grad(), or train with "
+                "tp_ext.training.Trainer(model, parallel=state)"
+            )
+        layout, group = self.stage_layout, self.parallel.pp_group
+        me = self.parallel.pp_rank
+        batch, seq = input_ids.shape
+        h = None
+        for stage in range(layout.num_stages):
+            if layout.rank_of(stage) != me:
+                continue
+            if stage > 0 and layout.rank_of(stage - 1) != me:
+                h = self._hidden_buffer(batch, seq)
+                dist.recv(h, dist.get_global_rank(group, layout.rank_of(stage - 1)), group=group)
+            h = self.stage_forward(stage, input_ids if stage == 0 else h, kv_caches)
+            if stage < layout.last_stage and layout.rank_of(stage + 1) != me:
+                dist.send(
+                    h.contiguous(),
+                    dist.get_global_rank(group, layout.rank_of(stage + 1)),
+                    group=group,
+                )
+        # every rank of the pipeline returns the last stage's logits
+        owner = layout.rank_of(layout.last_stage)
+        if me == owner and not local_logits:
+            h = self.lm_head.gather_features(h)
+        vocab = self.config.vocab_size if not local_logits else self.local_vocab_size
+        if me != owner:
+            h = torch.empty(batch, seq, vocab, device=input_ids.device, dtype=self._dtype)
+        dist.broadcast(h, dist.get_global_rank(group, owner), group=group)
+        return h
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def local_vocab_size(self) -> int:
+        """This TP rank's share of the vocabulary (its columns of the logits)."""
+        return shard_sizes(self.config.vocab_size, self.tp_size)[self.tp_rank]
+
+    def _hidden_buffer(self, batch: int, seq: int) -> torch.Tensor:
+        device = next(self.parameters()).device
+        return torch.empty(batch, seq, self.config.hidden_size, device=device, dtype=self._dtype)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: the prompt once, then one token at a time through the KV caches."""
+        """Greedy decoding: the prompt once, then one token at a time through the KV caches
+        (under pipelining each stage keeps the caches of its own layers)."""
         if (
             isinstance(max_new_tokens, bool)
             or not isinstance(max_new_tokens, int)
@@ -144,10 +361,9 @@ class Qwen2ForCausalLM(ParallelModule):
         ):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         batch, prompt = input_ids.shape
-        caches = [
-            layer.self_attn.new_kv_cache(batch, prompt + max_new_tokens)
-            for layer in self.model.layers
-        ]
+        caches = [None] * self.config.num_hidden_layers
+        for i in self.model.layers.indices():
+            caches[i] = self.model.layers[i].self_attn.new_kv_cache(batch, prompt + max_new_tokens)
         tokens, step = input_ids, input_ids
         for _ in range(max_new_tokens):
             next_token = self(step, kv_caches=caches)[:, -1].argmax(-1, keepdim=True)
@@ -156,15 +372,40 @@ class Qwen2ForCausalLM(ParallelModule):
         return tokens
 
 
+class _Stage(nn.Module):
+    """Pipeline stage ``stage`` of a :class:`Qwen2ForCausalLM`: ids or hidden states in, hidden
+    states or this rank's vocabulary shard of the logits out (``model.stage_forward``)."""
+
+    def __init__(self, model: Qwen2ForCausalLM, stage: int):
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a child: its other stages are not ours
+        self.stage = stage
+        layout = model.stage_layout
+        if stage == 0:
+            self.embed_tokens = model.model.embed_tokens
+        self.layers = nn.ModuleDict(
+            {str(i): model.model.layers[i] for i in layout.layers_of(stage)}
+        )
+        if stage == layout.last_stage:
+            self.norm, self.lm_head = model.model.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model.stage_forward(self.stage, x)
+
+
 def _check_checkpoint(model: Qwen2ForCausalLM, path: str, strict: bool) -> None:
     """The checks load_hf_checkpoint makes before reading (files present and readable, every
     tensor the model needs with its full shape, no unused ones when ``strict``), on a
     meta-device ``model``; an error on any rank raises on all."""
     entries = list(state_entries(model))
+    if model.is_pipelined:  # the strict check is against the whole model's tensors
+        full = type(model)(model.config, tp_group=model.tp, device="meta", dtype=model._dtype)
+        entries = list(state_entries(full))
+    group = dist.group.WORLD if model.is_pipelined else model_group(model)
 
     def check():
         files = SafetensorsFiles(path)
         layout = detect_layout(model, files.names())
         check_names_and_shapes(files, expected_shapes(entries, layout), strict)
 
-    comm.everywhere(model_group(model), f"checking {path}", check, checkpoint.CheckpointError)
+    comm.everywhere(group, f"checking {path}", check, checkpoint.CheckpointError)

@@ -1,0 +1,39 @@
+"""Data parallelism over the DP mesh dimension, with TP (and PP) inside: torch's DDP or FSDP2.
+
+Each pipeline stage module is wrapped on its own (as torchtitan does), so
+torch.distributed.pipelining can synchronise gradients once per step: it runs DDP's
+``no_sync`` / FSDP2's ``set_requires_gradient_sync(False)`` for every micro-batch but the last.
+Both average gradients over the DP group.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["DATA_PARALLEL", "wrap_data_parallel"]
+
+DATA_PARALLEL = ("ddp", "fsdp")
+
+
+def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
+    """``module`` under DDP (``"ddp"``) or FSDP2 (``"fsdp"``, each decoder layer and then the
+    stage as one unit, parameters sharded along dim 0 over the DP ranks), on ``parallel``'s DP
+    group. Without data parallelism (``dp == 1``) the module is returned as it is."""
+    if kind not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL} or None, got {kind!r}")
+    if parallel.dp == 1:
+        return module
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = None if parallel.device.type == "cpu" else [parallel.device.index]
+        return DistributedDataParallel(
+            module, device_ids=device_ids, process_group=parallel.dp_group, broadcast_buffers=False
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = parallel.mesh["dp"]
+    for layer in getattr(module, "layers", {}).values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module

@@ -1,0 +1,193 @@
+"""The named pipeline schedules, checked before anything runs, and one step through them.
+
+Every schedule is torch.distributed.pipelining's; tp_ext adds the checks that turn a bad
+combination into an error at construction (never a hang), the loss that counts every token
+once across micro-batches and DP replicas, and stage modules built from the model's own
+:class:`tp_ext.sharding.StageLayout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch.distributed import pipelining as torch_pp
+
+from tp_ext.pipeline.data_parallel import wrap_data_parallel
+
+__all__ = ["SCHEDULES", "Schedule", "check_schedule", "PipelineRunner"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    name: str
+    torch_class: type
+    multi_stage: bool  # several stages per rank (virtual stages)
+    order: str  # the StageLayout order it needs: "loop" or "v"
+    weight_split: bool  # backward split into input and weight gradients (zero bubble)
+
+    def requirement(self) -> str:
+        if self.order == "v":
+            return "virtual_stages=2, stage_order='v' (rank r holds stages r and 2*pp-1-r)"
+        if self.multi_stage:
+            return "virtual_stages >= 1, stage_order='loop' (stage s on rank s % pp)"
+        return "virtual_stages=1 (one stage per rank)"
+
+
+SCHEDULES = {
+    s.name: s
+    for s in (
+        Schedule("GPipe", torch_pp.ScheduleGPipe, False, "loop", False),
+        Schedule("1F1B", torch_pp.Schedule1F1B, False, "loop", False),
+        Schedule("Interleaved1F1B", torch_pp.ScheduleInterleaved1F1B, True, "loop", False),
+        Schedule(
+            "InterleavedZeroBubble", torch_pp.ScheduleInterleavedZeroBubble, True, "loop", True
+        ),
+        Schedule("ZBVZeroBubble", torch_pp.ScheduleZBVZeroBubble, True, "v", True),
+        Schedule("DualPipeV", torch_pp.ScheduleDualPipeV, True, "v", True),
+    )
+}
+
+
+def check_schedule(name, layout) -> Schedule:
+    """The schedule called ``name``, if it can run the stages of ``layout`` (a StageLayout);
+    otherwise an error that says what would work."""
+    schedule = SCHEDULES.get(name) if isinstance(name, str) else None
+    if schedule is None:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
+    v, order = layout.virtual_stages, layout.order
+    fits = (
+        (order == "v" and v == 2)
+        if schedule.order == "v"
+        else (order == "loop" and (schedule.multi_stage or v == 1))
+    )
+    if not fits:
+        works = [
+            s.name
+            for s in SCHEDULES.values()
+            if (s.order == "v" and order == "v" and v == 2)
+            or (s.order == "loop" and order == "loop" and (s.multi_stage or v == 1))
+        ]
+        raise ValueError(
+            f"schedule {name!r} needs a model built with {schedule.requirement()}; this model "
+            f"has virtual_stages={v}, stage_order={order!r}, for which these schedules work: "
+            f"{works}"
+        )
+    return schedule
+
+
+def check_micro_batches(schedule: Schedule, layout, n: int) -> None:
+    """The micro-batch counts torch's schedules accept, checked before the first send."""
+    pp, stages = layout.pp, layout.num_stages
+    need = None
+    if schedule.name in ("1F1B", "DualPipeV") and n < stages:
+        need = f"at least {stages} (one per stage)"
+    elif schedule.name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n // pp)
+        if n % rounds:
+            need = f"a multiple of max(1, n // pp) (pp={pp}), e.g. {pp}, {2 * pp} or {3 * pp}"
+    elif schedule.name == "ZBVZeroBubble" and n < stages:
+        need = f"at least {stages} (one per stage)"
+    if need is not None:
+        raise ValueError(
+            f"schedule {schedule.name!r} with {stages} stages needs {need} micro-batches; got "
+            f"len(micro_batches)={n}"
+        )
+
+
+class PipelineRunner:
+    """The stages of ``model`` this rank holds, wrapped for data parallelism (``data_parallel``:
+    "ddp", "fsdp" or None) and run by schedule ``schedule`` (a key of :data:`SCHEDULES`).
+
+    :meth:`step` runs one forward and backward over the micro-batches; ``loss_fn(output,
+    labels)`` gives each micro-batch's loss on the last stage (the quantity whose gradient is
+    accumulated: no scaling by the number of micro-batches is added)."""
+
+    def __init__(self, model, schedule: str, data_parallel: Optional[str]) -> None:
+        self.model, self.parallel = model, model.parallel
+        self.layout = model.stage_layout
+        self.schedule = check_schedule(schedule, self.layout)
+        modules = model.stage_modules()
+        if data_parallel is not None:
+            modules = [wrap_data_parallel(m, data_parallel, self.parallel) for m in modules]
+        self.modules = modules
+        self._built: dict = {}
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.layout.last_stage in self.model.stage_ids
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        n: int,
+        loss_fn: Callable,
+        logits_dtype: torch.dtype,
+    ):
+        """One forward and backward of ``n`` micro-batches cut from ``input_ids`` / ``labels``
+        (``[n * micro_batch, seq]``: torch's schedules split along dim 0). ``logits_dtype``:
+        the last stage's output dtype (the autocast dtype under autocast)."""
+        check_micro_batches(self.schedule, self.layout, n)
+        if input_ids.size(0) % n:
+            raise ValueError(f"{input_ids.size(0)} rows do not split into {n} micro-batches")
+        key = (n, tuple(input_ids.shape), logits_dtype)
+        if key not in self._built:
+            shape = (input_ids.size(0) // n, input_ids.size(1))
+            self._built = {key: self._build(n, loss_fn, shape, logits_dtype)}
+        schedule, box = self._built[key]
+        box["loss_fn"] = loss_fn
+        first = 0 in self.model.stage_ids
+        args = (input_ids,) if first else ()
+        target = labels if self.holds_last_stage else None
+        schedule.step(*args, target=target, return_outputs=False)
+
+    def _build(self, n: int, loss_fn: Callable, shape, logits_dtype):
+        device = self.parallel.device
+        # Activation shapes given up front (meta tensors): without them torch infers them by
+        # running a forward and the loss on the first micro-batch, which would count that
+        # micro-batch's loss twice and draw dropout masks out of turn.
+        stages = [
+            torch_pp.PipelineStage(
+                module,
+                stage,
+                self.layout.num_stages,
+                device,
+                input_args=self._activation(stage, shape, None),
+                output_args=self._activation(stage + 1, shape, logits_dtype),
+                group=self.parallel.pp_group,
+            )
+            for module, stage in zip(self.modules, self.model.stage_ids)
+        ]
+        box = {"loss_fn": loss_fn}  # the step's own loss function, swapped in per step
+
+        def loss(output, target):
+            return box["loss_fn"](output, target)
+
+        cls = self.schedule.torch_class
+        try:
+            if self.schedule.multi_stage:
+                schedule = cls(stages, n, loss_fn=loss, scale_grads=False)
+            else:
+                schedule = cls(stages[0], n, loss_fn=loss, scale_grads=False)
+        except ValueError as e:
+            raise ValueError(
+                f"schedule {self.schedule.name!r} with {self.layout.num_stages} stages and "
+                f"{n} micro-batches: {e}"
+            ) from e
+        return schedule, box
+
+    def _activation(self, stage: int, shape, logits_dtype) -> torch.Tensor:
+        """A meta tensor shaped like stage ``stage``'s input (``num_stages``: the last stage's
+        output, this rank's vocabulary shard of the logits). Floating activations carry
+        ``requires_grad``: torch reads from it which ones get gradients sent back."""
+        model = self.model
+        dtype = next(model.parameters()).dtype
+        if stage == 0:
+            return torch.empty(shape, dtype=torch.long, device="meta")
+        if stage == self.layout.num_stages:
+            size, dtype = model.local_vocab_size, logits_dtype
+        else:
+            size = model.config.hidden_size
+        return torch.empty(*shape, size, dtype=dtype, device="meta", requires_grad=True)
