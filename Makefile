@@ -1,11 +1,12 @@
 # The two commands: `make run` (the main job) and `make test` (the test suite). Each installs
 # what it needs first, so both work on a fresh machine. `make test` runs the linters first
 # (`make lint` alone: ruff, clang-format, import layers). `make demo` runs the collectives demo.
+# `make test-all` also runs the whole layout x schedule matrix of the pipeline tests.
 PY ?= python3
 NPROC ?= 8
 CONFIG ?= configs/qwen2-72b.yaml
 
-.PHONY: install run demo test lint
+.PHONY: install run demo test test-all lint
 
 install:
 	PY=$(PY) bash scripts/install.sh
@@ -23,3 +24,9 @@ test: install
 	PY=$(PY) bash scripts/lint.sh
 	PY=$(PY) bash scripts/check_cuda_compile.sh
 	$(PY) -m pytest -q tests
+
+# every combination of the layout x schedule matrices (`make test` runs a subset covering every path)
+test-all: install
+	PY=$(PY) bash scripts/lint.sh
+	PY=$(PY) bash scripts/check_cuda_compile.sh
+	$(PY) -m pytest -q tests --full-matrix

@@ -8,9 +8,12 @@ Both average gradients over the DP group.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-__all__ = ["DATA_PARALLEL", "wrap_data_parallel"]
+from tp_ext.distributed import comm
+
+__all__ = ["DATA_PARALLEL", "wrap_data_parallel", "average_gradients"]
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -37,3 +40,22 @@ def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
+
+
+@torch.no_grad()
+def average_gradients(params, parallel) -> None:
+    """Average the gradients of ``params`` over the DP group in one flat all-reduce.
+
+    For the zero-bubble schedules only: their split backward computes weight gradients with
+    ``torch.autograd.grad`` and writes ``.grad`` directly, so DDP's gradient hooks never fire
+    and its all-reduce would not happen; this is DDP's averaging, done once after the step."""
+    params = [p for p in params if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    flat = torch.cat([g.flatten().to(dtype) for g in grads])
+    flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed import pipelining as torch_pp
 
-from tp_ext.pipeline.data_parallel import wrap_data_parallel
+from tp_ext.pipeline.data_parallel import average_gradients, wrap_data_parallel
 
 __all__ = ["SCHEDULES", "Schedule", "check_schedule", "PipelineRunner"]
 
@@ -108,8 +108,18 @@ class PipelineRunner:
         self.model, self.parallel = model, model.parallel
         self.layout = model.stage_layout
         self.schedule = check_schedule(schedule, self.layout)
+        dp = self.parallel.dp
+        if self.schedule.weight_split and data_parallel == "fsdp" and dp > 1:
+            raise ValueError(
+                f"schedule {schedule!r} splits the weight gradient out of autograd (torch writes "
+                "it to .grad directly), which FSDP2's reduce-scatter never sees: use "
+                "data_parallel='ddp' with it, or data_parallel='fsdp' with one of "
+                f"{[s.name for s in SCHEDULES.values() if not s.weight_split]}"
+            )
+        # the same reason for DDP: its hooks would not fire, so tp_ext averages after the step
+        self.average_after_step = self.schedule.weight_split and dp > 1
         modules = model.stage_modules()
-        if data_parallel is not None:
+        if data_parallel is not None and not self.average_after_step:
             modules = [wrap_data_parallel(m, data_parallel, self.parallel) for m in modules]
         self.modules = modules
         self._built: dict = {}
@@ -142,6 +152,8 @@ class PipelineRunner:
         args = (input_ids,) if first else ()
         target = labels if self.holds_last_stage else None
         schedule.step(*args, target=target, return_outputs=False)
+        if self.average_after_step:
+            average_gradients(self.model.parameters(), self.parallel)
 
     def _build(self, n: int, loss_fn: Callable, shape, logits_dtype):
         device = self.parallel.device

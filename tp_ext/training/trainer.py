@@ -125,7 +125,11 @@ class Trainer:
         self.autocast_dtype = autocast_dtype
         self.scaler = None
         if autocast_dtype == torch.float16:
-            self.scaler = _loss_scaler(next(model.parameters()).device)
+            device = next(model.parameters()).device
+            self.scaler = _loss_scaler(device)
+            # the scale is made on first use; ranks without the loss (earlier pipeline stages)
+            # never scale one, yet take part in the agreed overflow check
+            self.scaler.scale(torch.zeros((), device=device))
         self.ignore_index = ignore_index
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0  # steps whose gradients overflowed under fp16 (not applied)

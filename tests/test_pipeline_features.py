@@ -1,0 +1,262 @@
+"""Around 3D training: the stage layout, generation under TP x PP against transformers, bf16 and
+fp16 (one rank's overflow skips the step on every rank), per-layer recompute exact with
+dropout, and clear errors at construction for what cannot run (never a hang)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tp_ext
+from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
+from tp_ext.sharding import StageLayout
+from tp_ext.training import Trainer
+
+from .dist_utils import run_distributed
+from .reference import hf_qwen2
+from .test_pipeline import MAX_NORM, _config, _micro_batches, _optimizer, _reference
+
+# ---- the stage layout ---------------------------------------------------------------------------
+
+
+def test_stage_layout_splits_layers_by_the_shard_policy():
+    layout = StageLayout(10, pp=4)
+    assert layout.layer_counts == [3, 3, 2, 2]
+    assert [list(layout.layers_of(s)) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert [layout.stages_of(r) for r in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_stage_layout_orders():
+    loop = StageLayout(8, pp=2, virtual_stages=2)
+    assert [loop.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
+    v = StageLayout(8, pp=2, virtual_stages=2, order="v")
+    assert [v.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
+    for layout in (loop, v, StageLayout(9, pp=3, virtual_stages=3)):
+        for stage in range(layout.num_stages):
+            assert stage in layout.stages_of(layout.rank_of(stage))
+    split = StageLayout(5, pp=2, split=[1, 4])
+    assert [list(split.layers_of(s)) for s in range(2)] == [[0], [1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_layers": 3, "pp": 4}, "3 decoder layers cannot fill 4 pipeline stages"),
+        ({"num_layers": 4, "pp": 2, "virtual_stages": 3}, "cannot fill 6 pipeline stages"),
+        ({"num_layers": 5, "pp": 2, "split": [2, 2]}, "summing to num_layers=5"),
+        ({"num_layers": 5, "pp": 2, "split": [5, 0]}, "each >= 1"),
+        ({"num_layers": 5, "pp": 2, "split": [1, 2, 2]}, "each of the 2 stages"),
+        ({"num_layers": 8, "pp": 2, "order": "v"}, "needs virtual_stages=2"),
+        ({"num_layers": 8, "pp": 2, "order": "zigzag"}, "stage_order must be one of"),
+    ],
+)
+def test_stage_layout_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StageLayout(**kwargs)
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+def _generate(tp, pp, order, tie):
+    config = _config(4, tie)
+    state = tp_ext.init_parallel(tp=tp, pp=pp)
+    hf = hf_qwen2(config)
+    model = Qwen2ForCausalLM(
+        config, parallel=state, virtual_stages=2 if order == "v" else 1, stage_order=order
+    )
+    model.load_full_state_dict(hf_to_tp_ext_names(hf.state_dict(), config), strict=False)
+    ids = _micro_batches(config, 1, seed=11)[0]
+    with torch.no_grad():
+        logits = model(ids)
+    tokens = model.generate(ids, max_new_tokens=6)
+    return logits, tokens
+
+
+@pytest.mark.parametrize("tp, pp, order, tie", [(2, 2, "loop", False), (1, 2, "v", True)])
+def test_generation_under_tp_x_pp_equals_transformers(tp, pp, order, tie):
+    results = run_distributed(_generate, tp * pp, tp, pp, order, tie)
+    hf = hf_qwen2(_config(4, tie))
+    ids = _micro_batches(_config(4, tie), 1, seed=11)[0]
+    with torch.no_grad():
+        ref_logits = hf(ids).logits
+    ref_tokens = hf.generate(ids, max_new_tokens=6, do_sample=False)
+    for rank, (logits, tokens) in enumerate(results):
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        assert torch.equal(tokens, ref_tokens), f"rank {rank}: {tokens} != {ref_tokens}"
+
+
+def _forward_with_grad():
+    state = tp_ext.init_parallel(tp=1, pp=2)
+    model = Qwen2ForCausalLM(_config(4, False), parallel=state)
+    model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_pipelined_forward_with_autograd_is_refused():
+    with pytest.raises(Exception, match="inference only"):
+        run_distributed(_forward_with_grad, 2)
+
+
+# ---- mixed precision ----------------------------------------------------------------------------
+
+
+def _train_mixed(dtype, overflow_rank=None):
+    config = _config(4, False)
+    state = tp_ext.init_parallel(tp=1, pp=2, dp=1)
+    hf = hf_qwen2(config)
+    model = Qwen2ForCausalLM(config, parallel=state)
+    model.load_full_state_dict(hf_to_tp_ext_names(hf.state_dict(), config), strict=False)
+    trainer = Trainer(
+        model, optimizer=_optimizer, parallel=state, max_grad_norm=MAX_NORM, autocast_dtype=dtype
+    )
+    if overflow_rank == state.rank:  # one rank's gradient overflows in the first step only
+        param = next(model.parameters())
+        fired = []
+
+        def poison(p):
+            if not fired:
+                fired.append(True)
+                p.grad.fill_(float("inf"))
+
+        param.register_post_accumulate_grad_hook(poison)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = _micro_batches(config, 2)
+    losses = [trainer.step(batches)]
+    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    losses += [trainer.step(batches) for _ in range(3)]
+    scaler = trainer.scaler
+    return losses, unchanged, trainer.skipped_steps, None if scaler is None else scaler.get_scale()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_follows_fp32(dtype):
+    results = run_distributed(_train_mixed, 2, dtype)
+    ref_losses = _reference(4, False, 2)[0][:4]
+    losses, unchanged, skipped, _ = results[0]
+    assert results[1][0] == losses, "ranks disagree on the loss"
+    assert not unchanged and skipped == 0
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=0)
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+
+
+@pytest.mark.parametrize("overflow_rank", [0, 1])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(overflow_rank):
+    results = run_distributed(_train_mixed, 2, torch.float16, overflow_rank)
+    clean = run_distributed(_train_mixed, 2, torch.float16)[0]
+    for rank, (losses, unchanged, skipped, scale) in enumerate(results):
+        assert unchanged, f"rank {rank} applied the overflowing step"
+        assert skipped == 1, f"rank {rank} skipped {skipped} steps"
+        assert scale == clean[3] / 2, f"rank {rank}'s loss scale {scale} was not backed off"
+        assert losses[0] == clean[0][0], "the skipped step's loss is still reported"
+        # the next steps start from the untouched weights: one step behind the clean run
+        torch.testing.assert_close(losses[2:], clean[0][1:3], rtol=1e-2, atol=0)
+
+
+# ---- activation recompute -----------------------------------------------------------------------
+
+
+def _train_dropout(recompute: bool, dropout: float):
+    config = _config(4, False, dropout)
+    state = tp_ext.init_parallel(tp=2, pp=2, dp=1)
+    hf = hf_qwen2(_config(4, False))
+    model = Qwen2ForCausalLM(config, parallel=state)
+    model.load_full_state_dict(hf_to_tp_ext_names(hf.state_dict(), config), strict=False)
+    tp_ext.random.manual_seed(1234, state.tp_group)
+    trainer = Trainer(
+        model,
+        optimizer=_optimizer,
+        parallel=state,
+        max_grad_norm=MAX_NORM,
+        activation_checkpointing=recompute,
+    )
+    batches = _micro_batches(config, 2)
+    losses = [trainer.step(batches) for _ in range(3)]
+    full = model.full_state_dict()
+    return losses, full if state.tp_rank == 0 else None
+
+
+def test_activation_recompute_is_exact_with_dropout():
+    plain = run_distributed(_train_dropout, 4, False, 0.1)
+    recomputed = run_distributed(_train_dropout, 4, True, 0.1)
+    without_dropout = run_distributed(_train_dropout, 4, False, 0.0)[0][0]
+    assert plain[0][0] != without_dropout, "dropout did not act"
+    for rank in range(4):
+        assert recomputed[rank][0] == plain[rank][0], f"rank {rank}: losses differ"
+        if plain[rank][1] is not None:
+            for name, tensor in plain[rank][1].items():
+                assert torch.equal(recomputed[rank][1][name], tensor), f"{name} differs"
+
+
+# ---- errors at construction ---------------------------------------------------------------------
+
+
+def _expect_error(build, message):
+    try:
+        build()
+    except (ValueError, TypeError) as e:
+        assert message in str(e), f"{message!r} not in {e}"
+        return str(e)
+    raise AssertionError(f"no error; expected one containing {message!r}")
+
+
+def _errors_pp2():
+    config = _config(4, False)
+    state = tp_ext.init_parallel(tp=1, pp=2)
+    model = Qwen2ForCausalLM(config, parallel=state)
+    messages = [
+        _expect_error(
+            lambda: Qwen2ForCausalLM(_config(1, False), parallel=state),
+            "1 decoder layers cannot fill 2 pipeline stages",
+        ),
+        _expect_error(lambda: Trainer(model, parallel=state, schedule="Bogus"), "'1F1B'"),
+        _expect_error(
+            lambda: Trainer(model, parallel=state, schedule="ZBVZeroBubble"),
+            "virtual_stages=2, stage_order='v'",
+        ),
+        _expect_error(
+            lambda: Trainer(Qwen2ForCausalLM(config), parallel=state),
+            "built without parallel=",
+        ),
+        _expect_error(
+            lambda: Trainer(model, parallel=state, dp_group=state.dp_group), "drop dp_group="
+        ),
+        _expect_error(
+            lambda: Trainer(model, parallel=state, optimizer=lambda params: None),
+            "must return a torch.optim.Optimizer",
+        ),
+    ]
+    trainer = Trainer(model, parallel=state, schedule="1F1B")
+    batches = _micro_batches(config, 2)
+    messages.append(
+        _expect_error(lambda: trainer.step(batches[:1]), "needs at least 2 (one per stage)")
+    )
+    messages.append(
+        _expect_error(lambda: trainer.step([batches[0], batches[1][:1]]), "must have one shape")
+    )
+    # after refusing, the pipeline still trains
+    loss = trainer.step(batches)
+    return messages, loss
+
+
+def test_impossible_combinations_fail_at_construction():
+    results = run_distributed(_errors_pp2, 2, timeout=60)
+    assert results[0][1] == results[1][1]
+
+
+def _errors_dp2():
+    state = tp_ext.init_parallel(tp=1, pp=1, dp=2)
+    config = _config(4, False)
+    model = Qwen2ForCausalLM(config, parallel=state)
+    _expect_error(
+        lambda: Trainer(model, parallel=state, data_parallel=None), "replicas would drift"
+    )
+    _expect_error(lambda: Trainer(model, parallel=state, data_parallel="zero"), "'ddp'")
+    v = Qwen2ForCausalLM(_config(4, False), parallel=state, virtual_stages=2, stage_order="v")
+    _expect_error(
+        lambda: Trainer(v, parallel=state, schedule="ZBVZeroBubble", data_parallel="fsdp"),
+        "FSDP2's reduce-scatter never sees",
+    )
+
+
+def test_data_parallel_errors():
+    run_distributed(_errors_dp2, 2, timeout=60)
