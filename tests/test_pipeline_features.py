@@ -260,3 +260,43 @@ def _errors_dp2():
 
 def test_data_parallel_errors():
     run_distributed(_errors_dp2, 2, timeout=60)
+
+
+# ---- memory: each rank holds only its stages ---------------------------------------------------
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def _held(tp, pp, tie):
+    config = _config(5, tie)
+    state = tp_ext.init_parallel(tp=tp, pp=pp)
+    model = Qwen2ForCausalLM(config, parallel=state)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}, model.stage_ids
+
+
+@pytest.mark.parametrize("tp, pp, tie", [(1, 4, False), (2, 2, True)])
+def test_each_rank_holds_only_its_stages(tp, pp, tie):
+    config = _config(5, tie)
+    full = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(config).named_parameters()}
+    layout = StageLayout(5, pp)
+    held = run_distributed(_held, tp * pp, tp, pp, tie)
+    union = set()
+    for rank, (names, stages) in enumerate(held):
+        pp_rank = rank // tp
+        assert stages == [pp_rank]
+        layers = {f"model.layers.{i}." for i in layout.layers_of(pp_rank)}
+        for name in names:
+            first, last = name.startswith("model.embed_tokens"), not name.startswith("model.")
+            assert (
+                any(name.startswith(prefix) for prefix in layers)
+                or (first and pp_rank == 0)
+                or ((last or name == "model.norm.weight") and pp_rank == pp - 1)
+            ), f"rank {rank} (stage {pp_rank}) holds {name}"
+        union |= set(names)
+        shard_elems = sum(torch.Size(s).numel() for s in names.values())
+        shapes = dict(full, **{"lm_head.weight": full.get("lm_head.weight", full[EMBED])})
+        full_elems = sum(torch.Size(shapes[n]).numel() for n in names)
+        assert shard_elems <= full_elems // tp + 2 * config.vocab_size, "more than its TP slice"
+    # a tied head keeps its own copy on the last stage under pipelining
+    assert union == set(full) | ({"lm_head.weight"} if tie else set())
