@@ -134,7 +134,11 @@ class _Pool:
         time.sleep(0.5)
         stacks = {}
         for r in ranks:
-            with open(os.path.join(self.dir, f"rank{r}.stack")) as f:
+            path = os.path.join(self.dir, f"rank{r}.stack")
+            if not os.path.exists(path):  # still importing torch (a loaded machine)
+                stacks[r] = "(no stack: the worker had not finished starting)"
+                continue
+            with open(path) as f:
                 stacks[r] = f.read().strip() or "(no stack available)"
         return stacks
 
