@@ -2,7 +2,7 @@
 Each command lives in its own module (``run``, ``demo``); this one parses the arguments.
 
     torchrun --standalone --nproc-per-node 8 -m tp_ext run configs/qwen2-72b.yaml
-    tp-ext plan configs/qwen2-72b.yaml --tp 8
+    tp-ext plan configs/qwen2-72b.yaml --tp 8 --pp 4
     torchrun --standalone --nproc-per-node 4 -m tp_ext demo
 """
 
@@ -13,6 +13,7 @@ import sys
 
 from tp_ext.cli.flags import BETA, RUN_FIELDS, flag_type
 from tp_ext.config import DTYPES, PARALLEL_FIELDS
+from tp_ext.sharding import STAGE_ORDERS
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 
 
@@ -23,25 +24,49 @@ def _demo(args) -> int:
 
 
 def _plan(args) -> int:
-    """The footprint of a config: per-rank parameters, bytes, KV cache and communication, on the
-    meta device."""
+    """The footprint of a config per pipeline stage and per (pp, tp) rank: parameters, bytes,
+    what is replicated, KV cache and communication, on the meta device."""
     import json
 
     from tp_ext.config import JobConfig
-    from tp_ext.models.footprint import footprint, format_footprint
+    from tp_ext.models.footprint import PlanError, format_pipeline_footprint, pipeline_footprint
 
     try:
         job = JobConfig.from_file(args.config)
-        fp = footprint(
+        par = job.parallel
+        fp = pipeline_footprint(
             job.model,
-            args.tp if args.tp is not None else job.parallel.tp,
-            args.dtype or job.parallel.dtype,
+            tp=args.tp if args.tp is not None else par.tp,
+            pp=args.pp if args.pp is not None else par.pp,
+            dp=args.dp if args.dp is not None else (par.dp or 1),
+            virtual_stages=args.virtual_stages,
+            pipeline_split=args.pipeline_split,
+            stage_order=args.stage_order,
+            dtype=args.dtype or par.dtype,
         )
+    except PlanError as e:
+        flag = "--" + e.argument.replace("_", "-")
+        print(f"tp-ext plan: argument {flag}: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:  # ConfigError included
         print(f"tp-ext plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(fp, indent=2) if args.json else format_footprint(fp))
+    print(json.dumps(fp, indent=2) if args.json else format_pipeline_footprint(fp))
     return 0
+
+
+def _layer_counts(text: str) -> list[int]:
+    """``--pipeline-split``: decoder layers per stage, comma-separated."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = None
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(
+            f"must be the decoder layers of each stage, comma-separated ints >= 1 (e.g. "
+            f"27,27,26), got {text!r}"
+        )
+    return counts
 
 
 def _run(args) -> int:
@@ -89,8 +114,8 @@ def main(argv=None) -> int:
     demo.set_defaults(func=_demo)
     plan = sub.add_parser(
         "plan",
-        help="per-rank parameters, bytes, KV cache and communication of "
-        "a model config, without allocating it",
+        help="per-stage and per-rank parameters and bytes, replicated bytes, KV cache and "
+        "communication of a model config over TP x PP (x DP), without allocating it",
     )
     plan.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
     plan.add_argument(
@@ -98,6 +123,40 @@ def main(argv=None) -> int:
         type=flag_type(PARALLEL_FIELDS["tp"]),
         default=None,
         help="TP degree (default: the config's)",
+    )
+    plan.add_argument(
+        "--pp",
+        type=flag_type(PARALLEL_FIELDS["pp"]),
+        default=None,
+        help="pipeline ranks (default: the config's)",
+    )
+    plan.add_argument(
+        "--dp",
+        type=flag_type(PARALLEL_FIELDS["dp"]),
+        default=None,
+        help="data-parallel replicas, for the rank numbers and totals (default: the config's, "
+        "else 1)",
+    )
+    plan.add_argument(
+        "--virtual-stages",
+        type=flag_type(PARALLEL_FIELDS["pp"]),
+        default=1,
+        help="pipeline stages per pipeline rank (default 1)",
+    )
+    plan.add_argument(
+        "--pipeline-split",
+        type=_layer_counts,
+        default=None,
+        metavar="N0,N1,...",
+        help="decoder layers of each stage (default: split evenly, earlier stages take the "
+        "extra layers)",
+    )
+    plan.add_argument(
+        "--stage-order",
+        choices=STAGE_ORDERS,
+        default="loop",
+        help="stages on ranks: loop (stage s on rank s %% pp) or v (virtual_stages=2: stages r "
+        "and 2*pp-1-r on rank r) (default loop)",
     )
     plan.add_argument(
         "--dtype",
