@@ -5,7 +5,9 @@
   ``model.safetensors.index.json``. Every rank reads only its own rows (or columns) of each
   tensor through safetensors' slice reads, so its peak host memory stays near its shard.
 - **Out** (:func:`save_hf_checkpoint`): a merged checkpoint that transformers loads. Tensors are
-  gathered one at a time; rank 0 writes; the directory appears atomically.
+  gathered one at a time; rank 0 writes; the directory appears atomically. A pipelined model
+  (see :mod:`tp_ext.checkpoint.layout`) is saved whole: every stage sends its tensors to global
+  rank 0, which writes them all.
 
 Every load checks names, shapes and files before reading, and an error on any rank is raised on
 every rank.
@@ -19,6 +21,8 @@ import sys
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
@@ -130,28 +134,132 @@ def _progress(total: int, desc: str, show: bool):
 def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Write a merged Hugging Face (transformers Qwen2ForCausalLM) checkpoint of ``model`` to
     directory ``path``: config.json, and model.safetensors or shards with an index. A collective:
-    every rank calls it; tensors are gathered one at a time and rank 0 writes."""
-    from safetensors.torch import save_file
+    every rank calls it; tensors are gathered one at a time and rank 0 writes.
 
-    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
-    group = model_group(model)
-    writer = group.rank == 0
-    layout = model_layout(model)
-    entries = list(state_entries(model))
-    tied = tied_names(entries, layout)
-    dtype = entries[0][1].dtype
-    # Plan the files from shapes alone, so each file is written as soon as it is full.
-    sizes = {}
-    for name, tensor, spec, _ in entries:
-        if name in tied:
-            continue
-        numel = (
-            tensor.numel() // (tensor.shape[spec[0]] or 1) * spec[1].full
-            if spec
-            else tensor.numel()
-        )
-        sizes[name] = numel * tensor.element_size()
+    A pipelined model (one declaring a ``pipeline_group``) holds only its stages' tensors: the
+    save is then a collective of every rank of the world. Each rank gathers its tensors over
+    its TP (and, under FSDP2, DP) group; the ranks of global rank 0's pipeline (DP replica 0,
+    TP rank 0 of every stage) send them to global rank 0, which plans the files from every
+    stage's names and sizes, in stage order, and writes the whole model."""
+    pipeline = getattr(model, "pipeline_group", None)
+    # Under pipelining every rank of the world takes part (and fails together); else the TP group.
+    group = model_group(model) if pipeline is None else comm.resolve_group(dist.group.WORLD)
+    what = f"saving {path}"
+
+    def describe():
+        if (
+            not isinstance(max_shard_bytes, int)
+            or isinstance(max_shard_bytes, bool)
+            or max_shard_bytes < 1
+        ):
+            raise ValueError(
+                f"max_shard_bytes must be an int >= 1 (bytes per file), got {max_shard_bytes!r}"
+            )
+        layout = model_layout(model)
+        entries = list(state_entries(model))
+        if not entries:
+            raise CheckpointError(f"{type(model).__name__} has no tensors on this rank to save")
+        unknown = [name for name, *_ in entries if name not in layout]
+        if unknown:
+            raise CheckpointError(
+                f"{type(model).__name__}.checkpoint_layout() has no place for {unknown[:5]}"
+            )
+        return layout, entries, _describe_entries(model, entries, pipeline)
+
+    layout, entries, mine = comm.everywhere(group, what, describe, CheckpointError)
+    me = group.rank
+    if pipeline is None:
+        sources = [(me, mine)]
+    else:  # every stage's names and sizes, so that the writer plans the whole model's files
+        texts = comm.all_gather_text(json.dumps(mine), group)
+        sources = [(r, json.loads(texts[r])) for r in dist.get_process_group_ranks(pipeline)]
+    plan = comm.everywhere(
+        group, what, lambda: _plan_files(sources, layout, max_shard_bytes), CheckpointError
+    )
+    writer = me == 0
+    # The stages of global rank 0's pipeline send their tensors to it; every other rank only
+    # takes part in its TP and DP gathers.
+    sending = pipeline is not None and not writer and any(r == 0 for r, _ in sources)
+    info = {"format": "huggingface", "tp": model_group(model).size}
+
+    with saving(path, group, info) as directory:
+
+        def write_all():
+            if writer:
+                _write(model, entries, directory, layout, plan, me, pipeline)
+                return
+            for name, full in iter_full_tensors(model):  # a collective: every rank iterates
+                if sending and name in plan.file_of:
+                    dist.send(full.contiguous(), 0, group=pipeline)
+
+        comm.everywhere(group, what, write_all, CheckpointError)
+
+
+def _stage_of_entries(model, entries) -> list[int]:
+    """Order keys for this rank's entries: the pipeline stage each belongs to (from the model's
+    ``stage_ids`` and ``stage_modules()``), made non-decreasing along the state_dict order so
+    that sorting by them never reorders this rank's own tensors."""
+    stage_ids = getattr(model, "stage_ids", None)
+    modules = getattr(model, "stage_modules", None)
+    stage_of = {}
+    if stage_ids is not None and modules is not None:
+        for stage, module in zip(stage_ids, modules()):
+            for tensor in module.state_dict(keep_vars=True).values():
+                stage_of[id(tensor)] = stage
+    keys, current = [], min(stage_ids) if stage_ids else 0
+    for _, tensor, *_ in entries:
+        current = max(current, stage_of.get(id(tensor), current))
+        keys.append(current)
+    return keys
+
+
+def _describe_entries(model, entries, pipeline) -> list[list]:
+    """``[name, order key, full shape, dtype]`` of each entry, in state_dict order."""
+    keys = _stage_of_entries(model, entries) if pipeline is not None else [0] * len(entries)
+    described = []
+    for (name, tensor, spec, _), key in zip(entries, keys):
+        shape = list(tensor.shape)  # a DTensor's is its whole (DP-unsharded) shape
+        if spec is not None:
+            shape[spec[0]] = spec[1].full
+        described.append([name, key, shape, str(tensor.dtype).removeprefix("torch.")])
+    return described
+
+
+class _Plan:
+    """The files of a merged save, planned from every stage's names and sizes before writing."""
+
+    def __init__(self, order, sizes, files, names, shapes):
+        self.order = order  # (source rank, name) in the whole model's order
+        self.sizes = sizes  # bytes of each written entry
+        self.files = files  # entry names of each file
+        self.names = names  # file names
+        self.file_of = {name: names[i] for i, group in enumerate(files) for name in group}
+        self.shapes = shapes  # name -> (full shape, dtype)
+
+
+def _plan_files(sources, layout, max_shard_bytes) -> _Plan:
+    """Files from shapes alone, so each file is written as soon as it is full. ``sources``:
+    ``(rank, described entries)`` per stage-holding rank; the entries are merged in stage order
+    (within a rank, its own order), so the plan is the whole model's, as without pipelining."""
+    merged = sorted(
+        (key, position, index, rank, name, shape, dtype)
+        for position, (rank, described) in enumerate(sources)
+        for index, (name, key, shape, dtype) in enumerate(described)
+    )
+    seen = set()
+    for *_, name, _, _ in merged:
+        if name in seen:
+            raise CheckpointError(f"{name} is held by more than one pipeline rank")
+        seen.add(name)
+    tied = tied_names([(m[4],) for m in merged], layout)
+    sizes, shapes = {}, {}
+    for *_, name, shape, dtype in merged:
+        shapes[name] = (shape, dtype)
+        if name not in tied:
+            numel = 1
+            for n in shape:
+                numel *= n
+            sizes[name] = numel * getattr(torch, dtype).itemsize
     files, current, used = [], [], 0
     for name, size in sizes.items():
         if current and used + size > max_shard_bytes:
@@ -165,38 +273,58 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
         if len(files) == 1
         else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
-    file_of = {name: names[i] for i, group_names in enumerate(files) for name in group_names}
+    order = [(m[3], m[4]) for m in merged]
+    return _Plan(order, sizes, files, names, shapes)
 
-    with saving(path, group, {"format": "huggingface", "tp": group.size}) as directory:
 
-        def write_all():
-            pending = {file: {} for file in names}  # tensors of each file not yet written
-            needed = {
-                file: sum(len(layout[n]) for n in group_names)
-                for file, group_names in zip(names, files)
-            }
-            weight_map = {}
-            for name, full in iter_full_tensors(model):  # a collective: every rank iterates
-                if not writer or name not in file_of:
-                    continue
-                file = file_of[name]
-                start = 0
-                for piece in layout[name]:
-                    pending[file][piece.name] = full[start : start + piece.rows].contiguous()
-                    weight_map[piece.name] = file
-                    start += piece.rows
-                if len(pending[file]) == needed[file]:
-                    out = os.path.join(directory, file)
-                    save_file(pending.pop(file), out, metadata={"format": "pt"})
-            if not writer:
-                return
-            if len(names) > 1:
-                total = sum(sizes.values())
-                with open(os.path.join(directory, INDEX_FILE), "w") as f:
-                    json.dump(
-                        {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
-                    )
-            with open(os.path.join(directory, "config.json"), "w") as f:
-                json.dump(model.hf_config(dtype), f, indent=2)
+def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
+    """The writer's part: its own tensors (gathered with its TP/DP peers, in its own order) and
+    the other stages' (received in theirs), merged in the plan's order; each file is written as
+    soon as its tensors are all in. A failed write still receives everything the others send
+    (none is left blocked), then raises."""
+    from safetensors.torch import save_file
 
-        comm.everywhere(group, f"saving {path}", write_all, CheckpointError)
+    pending = {file: {} for file in plan.names}  # tensors of each file not yet written
+    needed = {
+        file: sum(len(layout[n]) for n in group_names)
+        for file, group_names in zip(plan.names, plan.files)
+    }
+    weight_map, failure = {}, None
+    own = iter_full_tensors(model)  # a collective: every rank iterates
+    first = entries[0][1]
+    dtype = first.dtype
+    device = (first.to_local() if isinstance(first, DTensor) else first).device
+    for rank, name in plan.order:
+        if rank == me:
+            own_name, full = next(own)
+            if own_name != name:  # the plan keeps each rank's order; this is a bug if it fires
+                raise CheckpointError(f"saving: expected {name} next, got {own_name}")
+        elif name in plan.file_of:
+            shape, dtype_name = plan.shapes[name]
+            full = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
+            dist.recv(full, rank, group=pipeline)
+        if name not in plan.file_of or failure is not None:
+            continue
+        file = plan.file_of[name]
+        start = 0
+        for piece in layout[name]:
+            pending[file][piece.name] = full[start : start + piece.rows].contiguous()
+            weight_map[piece.name] = file
+            start += piece.rows
+        if len(pending[file]) == needed[file]:
+            try:
+                save_file(
+                    pending.pop(file), os.path.join(directory, file), metadata={"format": "pt"}
+                )
+            except Exception as e:  # noqa: BLE001 (raised once every tensor has arrived)
+                failure, pending = e, {}
+    for _ in own:  # nothing should be left; the collectives must still complete
+        pass
+    if failure is not None:
+        raise failure
+    if len(plan.names) > 1:
+        total = sum(plan.sizes.values())
+        with open(os.path.join(directory, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model.hf_config(dtype), f, indent=2)

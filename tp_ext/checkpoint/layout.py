@@ -8,7 +8,14 @@ A model that the checkpoint code can load and save (any model, not only Qwen2) p
 - ``checkpoint_layout(fmt=None) -> {name: [Piece, ...]}``: for every entry of its
   ``state_dict()``, the checkpoint tensors that, stacked along dim 0, make up the full tensor
   in format ``fmt`` (None: the first format);
-- ``hf_config(dtype) -> dict``: the config.json written next to a merged export.
+- ``hf_config(dtype) -> dict``: the config.json written next to a merged export;
+- under pipeline parallelism (a model holding only some stages' tensors): ``pipeline_group``,
+  the ProcessGroup of its pipeline ranks (None, or absent, without pipelining), with
+  ``stage_ids`` (the stages this rank holds, in order) and ``stage_modules()`` (one module per
+  stage, owning that stage's tensors), which order a merged save as the whole model's. Each
+  rank's ``state_dict()`` then names its stages' tensors as in the whole model; a merged save
+  is a collective of the world, written by global rank 0 from what the ranks of its pipeline
+  send it, and a load reads each rank's own stages.
 
 The checkpoint code never imports a model: it reads these, and the layers' shard specs for which
 rows each rank holds. A tensor whose pieces all belong to an earlier entry is tied to it (a tied
