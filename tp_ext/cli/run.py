@@ -552,14 +552,19 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
             "generation produced every token",
             tokens.shape == (prompt.size(0), _PROMPT + max_new_tokens),
         )
-        wanted = reference.generate(prompt, max_new_tokens) if is_main else torch.empty_like(tokens)
-        wanted = comm.broadcast(wanted, 0, group=dist.group.WORLD)
-        agree = comm.all_reduce(
-            torch.tensor([float(torch.equal(tokens, wanted))], device=device),
-            "min",
-            group=dist.group.WORLD,
-        ).item()
-        check("after training, greedy tokens equal the single-process model's", agree == 1.0)
+        # After training in 16 bits the two models' logits differ by rounding (checked above
+        # within its tolerance), enough to flip a near tie: tokens are compared at 32 and 64.
+        if dtype in (torch.float32, torch.float64):
+            wanted = (
+                reference.generate(prompt, max_new_tokens) if is_main else torch.empty_like(tokens)
+            )
+            wanted = comm.broadcast(wanted, 0, group=dist.group.WORLD)
+            agree = comm.all_reduce(
+                torch.tensor([float(torch.equal(tokens, wanted))], device=device),
+                "min",
+                group=dist.group.WORLD,
+            ).item()
+            check("after training, greedy tokens equal the single-process model's", agree == 1.0)
         del reference
     say(
         f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
