@@ -4,7 +4,9 @@ tp_ext's config files (configs/*.yaml) have one section per concern, each valida
 class that owns it::
 
     model:     the architecture (tp_ext.models.Qwen2Config)
-    parallel:  {tp, pp, dp, dtype, seed}           (ParallelSettings, below)
+    parallel:  {tp, pp, dp, dtype, seed,            (ParallelSettings, below)
+                schedule, virtual_stages, data_parallel,
+                micro_batches, activation_checkpointing}
     optimizer: {lr, weight_decay, betas}           (tp_ext.training.OptimizerSettings)
 
 Unknown sections and fields are errors that name them; every value is checked when the file is
@@ -14,13 +16,22 @@ read, before anything is built.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tp_ext.models import Qwen2Config
+from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
+from tp_ext.pipeline.schedules import check_micro_batches
 from tp_ext.training import OptimizerSettings
 from tp_ext.validation import ConfigError, Field, check_fields, check_unknown, read_mapping
 
-__all__ = ["JobConfig", "ParallelSettings", "DTYPES", "PARALLEL_FIELDS"]
+__all__ = [
+    "JobConfig",
+    "ParallelSettings",
+    "DTYPES",
+    "PARALLEL_FIELDS",
+    "check_pipeline_fields",
+    "default_micro_batches",
+]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -33,24 +44,108 @@ PARALLEL_FIELDS = {
     "dp": _DEGREE,
     "dtype": Field("choice", choices=DTYPES),
     "seed": Field("int", 0, 2**62),
+    "schedule": Field("choice", choices=tuple(SCHEDULES)),
+    # more stages per rank than this is never faster: each adds a send per micro-batch
+    "virtual_stages": Field("int", 1, 64),
+    "data_parallel": Field("choice", choices=DATA_PARALLEL),
+    "micro_batches": Field("int", 1, 1024),
+    "activation_checkpointing": Field("bool"),
 }
+
+
+def default_micro_batches(pp: int, virtual_stages: int) -> int:
+    """Pipeline micro-batches per step when the config leaves ``micro_batches`` out: one per
+    stage (every schedule accepts that), and at least two (gradient accumulation)."""
+    return max(2, pp * virtual_stages)
+
+
+class _Stages:
+    """What the schedule rules read of a stage layout: the degrees, not the layers."""
+
+    def __init__(self, pp: int, virtual_stages: int) -> None:
+        self.pp, self.virtual_stages = pp, virtual_stages
+        self.num_stages = pp * virtual_stages
+
+
+def check_pipeline_fields(values: dict[str, Any], name: Callable[[str], str]) -> None:
+    """The rules between ``schedule``, ``virtual_stages``, ``pp`` and ``micro_batches``
+    (``values``: every field of a ParallelSettings, ``micro_batches`` may be None). ``name``
+    spells a field in the message: ``parallel.schedule`` for a config file, ``--schedule`` for
+    the flag that set it."""
+    schedule = SCHEDULES[values["schedule"]]
+    v, pp = values["virtual_stages"], values["pp"]
+
+    def fits(s) -> bool:
+        return v == 2 if s.order == "v" else (s.multi_stage or v == 1)
+
+    if not fits(schedule):
+        works = [s.name for s in SCHEDULES.values() if fits(s)]
+        raise ConfigError(
+            f"{name('schedule')} {schedule.name!r} needs {schedule.requirement()}; got "
+            f"{name('virtual_stages')} {v}, with which these schedules work: {works}"
+        )
+    n = values.get("micro_batches")
+    if n is None:
+        return
+    stages = _Stages(pp, v)
+
+    def reason(count: int) -> Optional[str]:
+        try:
+            check_micro_batches(schedule, stages, count)
+        except ValueError as e:
+            return str(e).split("; got")[0]
+        return None
+
+    why = reason(n)
+    if why is not None:
+        works = [m for m in range(1, 4 * stages.num_stages + 2) if reason(m) is None][:6]
+        raise ConfigError(
+            f"{name('micro_batches')} {n} does not fit {name('pp')} {pp} x "
+            f"{name('virtual_stages')} {v}: {why}; values that work include {works}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSettings:
-    """How the job is laid out over ranks, and the dtype and seed of its model."""
+    """How the job is laid out over ranks (TP x PP x DP), how its pipeline runs, and the dtype
+    and seed of its model.
+
+    ``schedule`` (one of :data:`tp_ext.pipeline.SCHEDULES`) with ``virtual_stages`` stages per
+    rank runs ``micro_batches`` micro-batches per step (None: :func:`default_micro_batches`);
+    ``data_parallel`` ("ddp" or "fsdp") synchronises the DP replicas; ``activation_checkpointing``
+    recomputes each decoder layer in backward."""
 
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None
     dtype: str = "float32"
     seed: int = 1234
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    data_parallel: str = "ddp"
+    micro_batches: Optional[int] = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         values = dataclasses.asdict(self)
-        if self.dp is None:  # None: all ranks not used by TP and PP
-            del values["dp"]
+        for optional in ("dp", "micro_batches"):  # None: all ranks TP and PP leave; the default
+            if values[optional] is None:
+                del values[optional]
         check_fields("parallel.", values, PARALLEL_FIELDS)
+        check_pipeline_fields(dataclasses.asdict(self), lambda field: f"parallel.{field}")
+
+    @property
+    def pipeline_micro_batches(self) -> int:
+        """``micro_batches``, or the default for this ``pp`` and ``virtual_stages``."""
+        if self.micro_batches is not None:
+            return self.micro_batches
+        return default_micro_batches(self.pp, self.virtual_stages)
+
+    @property
+    def stage_order(self) -> str:
+        """The stage order the schedule needs: "v" for ZBVZeroBubble and DualPipeV, else
+        "loop"."""
+        return SCHEDULES[self.schedule].order
 
 
 _SECTIONS = {"parallel": ParallelSettings, "optimizer": OptimizerSettings}
@@ -91,8 +186,9 @@ class JobConfig:
 
     def with_overrides(self, **flags) -> "JobConfig":
         """The config with command-line flags applied over its parallel and optimizer sections
-        (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``lr``, ``weight_decay``, ``betas``);
-        flags that are None are left as the file has them."""
+        (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``schedule``, ``virtual_stages``,
+        ``data_parallel``, ``micro_batches``, ``activation_checkpointing``, ``lr``,
+        ``weight_decay``, ``betas``); flags that are None are left as the file has them."""
         names = {
             section: {f.name for f in dataclasses.fields(kind)}
             for section, kind in _SECTIONS.items()

@@ -70,12 +70,18 @@ def _layer_counts(text: str) -> list[int]:
 
 
 def _run(args) -> int:
-    """The main job: see tp_ext/run.py."""
+    """The main job: see tp_ext/cli/run.py."""
     from tp_ext.cli.run import run
 
     overrides = {
         "tp": args.tp,
+        "pp": args.pp,
         "dp": args.dp,
+        "schedule": args.schedule,
+        "virtual_stages": args.virtual_stages,
+        "data_parallel": args.data_parallel,
+        "micro_batches": args.micro_batches,
+        "activation_checkpointing": args.activation_checkpointing,
         "dtype": args.dtype,
         "seed": args.seed,
         "lr": args.lr,
@@ -89,7 +95,6 @@ def _run(args) -> int:
             small_path=args.small,
             workdir=args.workdir,
             steps=args.steps,
-            micro_batches=args.micro_batches,
             max_new_tokens=args.max_new_tokens,
             max_grad_norm=args.max_grad_norm,
         )
@@ -187,9 +192,46 @@ def main(argv=None) -> int:
     )
     group = run.add_argument_group("overrides of the config's parallel and optimizer settings")
     group.add_argument(
-        "--tp", type=flag_type(PARALLEL_FIELDS["tp"]), help="TP degree (default: world size)"
+        "--tp",
+        type=flag_type(PARALLEL_FIELDS["tp"]),
+        help="TP degree (default: the ranks PP and DP leave; the config's tp is the plan's)",
     )
-    group.add_argument("--dp", type=flag_type(PARALLEL_FIELDS["dp"]), help="data-parallel degree")
+    group.add_argument(
+        "--pp", type=flag_type(PARALLEL_FIELDS["pp"]), help="pipeline-parallel degree (stages)"
+    )
+    group.add_argument(
+        "--dp",
+        type=flag_type(PARALLEL_FIELDS["dp"]),
+        help="data-parallel degree (default: the ranks TP and PP leave)",
+    )
+    group.add_argument(
+        "--schedule",
+        choices=PARALLEL_FIELDS["schedule"].choices,
+        help="pipeline schedule (default 1F1B); ZBVZeroBubble and DualPipeV need "
+        "--virtual-stages 2",
+    )
+    group.add_argument(
+        "--virtual-stages",
+        type=flag_type(PARALLEL_FIELDS["virtual_stages"]),
+        help="pipeline stages per rank (default 1; >1 needs an interleaved or V schedule)",
+    )
+    group.add_argument(
+        "--data-parallel",
+        choices=PARALLEL_FIELDS["data_parallel"].choices,
+        help="how DP replicas synchronise: ddp (default) or fsdp (FSDP2, parameters sharded)",
+    )
+    group.add_argument(
+        "--micro-batches",
+        type=flag_type(PARALLEL_FIELDS["micro_batches"]),
+        help="micro-batches per step (pipeline micro-batches and gradient accumulation; "
+        "default max(2, pp x virtual stages))",
+    )
+    group.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each decoder layer in backward (default: the config's, else off)",
+    )
     group.add_argument("--dtype", choices=DTYPES, help="dtype of the small model (default float32)")
     group.add_argument("--seed", type=flag_type(PARALLEL_FIELDS["seed"]))
     group.add_argument("--lr", type=flag_type(OPTIMIZER_FIELDS["lr"]))
@@ -197,12 +239,6 @@ def main(argv=None) -> int:
     group.add_argument("--betas", type=flag_type(BETA), nargs=2)
     run.add_argument(
         "--steps", type=flag_type(RUN_FIELDS["steps"]), default=6, help="training steps (default 6)"
-    )
-    run.add_argument(
-        "--micro-batches",
-        type=flag_type(RUN_FIELDS["micro-batches"]),
-        default=2,
-        help="gradient accumulation micro-batches per step (default 2)",
     )
     run.add_argument("--max-new-tokens", type=flag_type(RUN_FIELDS["max-new-tokens"]), default=16)
     run.add_argument("--max-grad-norm", type=flag_type(RUN_FIELDS["max-grad-norm"]), default=1.0)

@@ -10,11 +10,11 @@ from tp_ext.validation import Field
 
 __all__ = ["RUN_FIELDS", "BETA", "flag_type"]
 
-# tp-ext run's own flags. Bounds keep a typo from running for hours or filling memory: the toy
-# batch is 4 x micro-batches x dp sequences of 32 tokens, and a step takes about a second.
+# tp-ext run's own flags (its parallel ones, --micro-batches included, are config fields:
+# PARALLEL_FIELDS). Bounds keep a typo from running for hours or filling memory: the toy batch
+# is 4 x micro-batches x dp sequences of 32 tokens, and a step takes about a second.
 RUN_FIELDS = {
     "steps": Field("int", 1, 100_000),
-    "micro-batches": Field("int", 1, 1024),
     "max-new-tokens": Field("int", 1, 2**20),
     "max-grad-norm": Field("float", 0, low_open=True),
 }
