@@ -356,6 +356,12 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
 
     # -- 2. a small random checkpoint of the same family, in Hugging Face format -----------------
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    autocast = None
+    if dtype == torch.float16:
+        # float16 training is mixed precision: float32 parameters (AdamW's eps of 1e-8 is 0 in
+        # float16, so its first step would turn float16 weights into NaN) under float16
+        # autocast with the Trainer's dynamic loss scale
+        autocast, dtype = torch.float16, torch.float32
     hf_dir = os.path.join(workdir, "hf")
     torch.manual_seed(small_job.parallel.seed)
     if is_main:
@@ -428,6 +434,7 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
         schedule=layout.schedule,
         data_parallel=layout.data_parallel,
         activation_checkpointing=layout.activation_checkpointing,
+        autocast_dtype=autocast,
     )
     batch = _data(small, _ROWS * micro_batches * state.dp, _SEQ, seed=small_job.parallel.seed + 2)
     mine = batch.chunk(state.dp)[state.dp_rank].to(device)  # this DP replica's own data
@@ -508,36 +515,28 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
     check("sharded DCP checkpoint reloads bitwise", bitwise and info["step"] == steps)
     del fresh
     export = os.path.join(workdir, "export")
-    # save_pretrained across pipeline stages lands separately; until then the export is made
-    # at pp=1 only.
-    exported = state.pp == 1
-    if exported:
-        saved.save_pretrained(export)
+    saved.save_pretrained(export)  # one merged export of every stage and TP slice
 
-        def read_export() -> float:
-            if not is_main:
-                return 0.0
-            merged = Qwen2ForCausalLM.from_pretrained(
-                export, tp_group=TPGroup.local(), device=device, progress=False
-            )
-            with torch.no_grad():
-                return (merged(ids) - trained).abs().max().item()
+    def read_export() -> float:
+        if not is_main:
+            return 0.0
+        merged = Qwen2ForCausalLM.from_pretrained(
+            export, tp_group=TPGroup.local(), device=device, progress=False
+        )
+        with torch.no_grad():
+            return (merged(ids) - trained).abs().max().item()
 
-        diff = comm.everywhere(dist.group.WORLD, f"reading the export {export}", read_export)
-        if is_main:
-            check(
-                "the merged Hugging Face export holds the trained model",
-                diff <= tolerance * scale,
-                f"max |diff| {diff:.2e} of its logits",
-            )
+    diff = comm.everywhere(dist.group.WORLD, f"reading the export {export}", read_export)
+    if is_main:
+        check(
+            "the merged Hugging Face export holds the trained model",
+            diff <= tolerance * scale,
+            f"max |diff| {diff:.2e} of its logits",
+        )
     del saved
     say(
         f"\n[5] saved {sharded} (DCP, one file per rank)"
-        + (
-            f" and a merged Hugging Face export in {export}"
-            if exported
-            else f" (no merged export at pp={state.pp} yet)"
-        )
+        + f" and a merged Hugging Face export in {export}"
         + ("" if keep else " (temporary; --workdir keeps them)")
     )
 

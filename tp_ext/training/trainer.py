@@ -117,6 +117,7 @@ class Trainer:
                     f"{type(built).__name__}"
                 )
             optimizer = built
+        _check_float16_parameters(optimizer)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         if parallel is None:
@@ -377,3 +378,18 @@ def _loss_scaler(device: torch.device):
 
         return ShardedGradScaler(device=device.type, process_group=dist.group.WORLD)
     return torch.amp.GradScaler(device.type)
+
+
+def _check_float16_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's second moment and eps (1e-8) underflow in float16: the first step divides by
+    zero and the weights become NaN. Say so instead."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        if any(p.dtype == torch.float16 for p in group["params"]):
+            raise ValueError(
+                f"{type(optimizer).__name__} over float16 parameters: its eps "
+                f"({group.get('eps')}) and squared gradients underflow in float16, so the first "
+                "step turns the weights into NaN. Keep the parameters in float32 (or bfloat16) "
+                "and pass autocast_dtype=torch.float16 for mixed precision with a loss scale"
+            )
