@@ -300,3 +300,28 @@ def test_each_rank_holds_only_its_stages(tp, pp, tie):
         assert shard_elems <= full_elems // tp + 2 * config.vocab_size, "more than its TP slice"
     # a tied head keeps its own copy on the last stage under pipelining
     assert union == set(full) | ({"lm_head.weight"} if tie else set())
+
+
+# ---- inference after FSDP2 training -------------------------------------------------------------
+
+
+def _train_then_generate(data_parallel):
+    config = _config(4, False)
+    state = tp_ext.init_parallel(tp=1, pp=2, dp=2)
+    hf = hf_qwen2(config)
+    model = Qwen2ForCausalLM(config, parallel=state)
+    model.load_full_state_dict(hf_to_tp_ext_names(hf.state_dict(), config), strict=False)
+    trainer = Trainer(model, optimizer=_optimizer, parallel=state, data_parallel=data_parallel)
+    batches = _micro_batches(config, 4)
+    trainer.step(batches[state.dp_rank * 2 : state.dp_rank * 2 + 2])
+    ids = _micro_batches(config, 1, seed=11)[0]
+    with trainer.whole_parameters(), torch.no_grad():
+        return model(ids), model.generate(ids, max_new_tokens=4)
+
+
+def test_generation_after_fsdp_training_equals_ddp():
+    fsdp = run_distributed(_train_then_generate, 4, "fsdp")
+    ddp = run_distributed(_train_then_generate, 4, "ddp")
+    for rank in range(4):
+        torch.testing.assert_close(fsdp[rank][0], ddp[rank][0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(fsdp[rank][1], ddp[rank][1])

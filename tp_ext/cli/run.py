@@ -22,7 +22,6 @@ the ranks talk over gloo; on CUDA machines the same command runs with NCCL.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -293,29 +292,6 @@ def _reference_training(hf_dir, device, small_job, max_grad_norm, chunks, steps)
     return reference, [trainer.step(chunks) for _ in range(steps)]
 
 
-@contextlib.contextmanager
-def _whole_parameters(trainer: Trainer):
-    """Under FSDP2 each DP replica holds a slice of every parameter between steps; the model's
-    own forward, generate and checkpoint code read whole ones. Gather them (every FSDP2 unit of
-    every stage, an all-gather over DP) for the block, and shard them again after it. Under DDP
-    or without DP nothing changes."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [
-        m
-        for stage in (trainer.runner.modules if trainer.runner is not None else [])
-        for m in stage.modules()
-        if isinstance(m, FSDPModule)
-    ]
-    for unit in units:
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-
-
 def _whole_state_dict(model) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with FSDP2's DP-sharded tensors (DTensors) gathered whole (an
     all-gather over DP, in the same order on every rank)."""
@@ -482,7 +458,7 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
             f"max relative diff {worst:.1e}",
         )
     # Inference reads whole parameters (gathered under FSDP2).
-    with _whole_parameters(trainer):
+    with trainer.whole_parameters():
         with torch.no_grad():
             trained = model(ids)
             expected = reference(ids) if is_main else torch.empty_like(trained)
@@ -541,7 +517,7 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
     )
 
     # -- 6. generation, throughput, memory -------------------------------------------------------
-    with _whole_parameters(trainer):
+    with trainer.whole_parameters():
         prompt = ids[:, :_PROMPT]
         t0 = time.perf_counter()
         tokens = model.generate(prompt, max_new_tokens)

@@ -272,6 +272,24 @@ class Trainer:
             with comm.tag("train.tied"):
                 dist.all_reduce(grads[0], group=group)
 
+    @contextlib.contextmanager
+    def whole_parameters(self):
+        """Under FSDP2 each DP rank holds a slice of every parameter between steps, while the
+        model's own forward, ``generate`` and ``save_pretrained`` read whole ones: inside this
+        block they are gathered (every FSDP2 unit of every stage; an all-gather over DP, so
+        every rank enters it) and sharded again after it. Otherwise it changes nothing."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = self.runner.modules if self.runner is not None else []
+        units = [m for stage in modules for m in stage.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
 
