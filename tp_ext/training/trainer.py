@@ -184,14 +184,7 @@ class Trainer:
         with comm.tag("train.compute"):
             for ids, labels in batches:
                 with self._autocast(ids.device):
-                    logits = self.model(ids, local_logits=True)
-                    loss = vocab_parallel_cross_entropy(
-                        logits[:, :-1],
-                        labels[:, 1:],
-                        tp_group=self.tp,
-                        ignore_index=self.ignore_index,
-                        reduction="sum",
-                    )
+                    loss = self._summed_loss(self.model(ids, local_logits=True), labels)
                 self._scaled(loss / scale).backward()
                 loss_sum += loss.detach().float()
         if self.dp_group is not None and self.dp_group.size > 1:
@@ -228,13 +221,7 @@ class Trainer:
         sums: list[torch.Tensor] = []
 
         def loss_fn(logits, target):
-            loss = vocab_parallel_cross_entropy(
-                logits[:, :-1],
-                target[:, 1:],
-                tp_group=self.tp,
-                ignore_index=self.ignore_index,
-                reduction="sum",
-            )
+            loss = self._summed_loss(logits, target)
             sums.append(loss.detach().float())
             return self._scaled(loss / denominator)
 
@@ -289,6 +276,16 @@ class Trainer:
         finally:
             for unit in units:
                 unit.reshard()
+
+    def _summed_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of the token losses: position t predicts labels[:, t + 1] (Hugging Face style)."""
+        return vocab_parallel_cross_entropy(
+            local_logits[:, :-1],
+            labels[:, 1:],
+            tp_group=self.tp,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
