@@ -8,6 +8,8 @@ Both average gradients over the DP group.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -30,8 +32,16 @@ def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = None if parallel.device.type == "cpu" else [parallel.device.index]
+        # buffers (rotary tables) are equal on every rank: no broadcast before each forward
+        # (torch >= 2.13 names the switch forward_sync_buffers; older ones broadcast_buffers)
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in params
+            else {"broadcast_buffers": False}
+        )
         return DistributedDataParallel(
-            module, device_ids=device_ids, process_group=parallel.dp_group, broadcast_buffers=False
+            module, device_ids=device_ids, process_group=parallel.dp_group, **no_sync
         )
     from torch.distributed.fsdp import fully_shard
 
