@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CPU benchmark (rows appended to benchmarks/results.csv), then the plots.
-# About 5-10 minutes on 2 cores. Usage: bash benchmarks/run_all.sh
+# About 10-15 minutes on 2 cores. Usage: bash benchmarks/run_all.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -9,6 +9,7 @@ echo "load before: $(cat /proc/loadavg)"
 $PY benchmarks/bench_kernels.py
 $PY benchmarks/bench_collective_overhead.py
 $PY benchmarks/bench_block_vs_dtensor.py
+$PY benchmarks/bench_3d.py
 $PY benchmarks/plot.py
 $PY benchmarks/report.py --update BENCHMARKS.md
 echo "load after: $(cat /proc/loadavg)"
