@@ -37,7 +37,15 @@ from tp_ext.checkpoint.manifest import (
 )
 from tp_ext.distributed import comm
 
-__all__ = ["saving", "reading", "complete_checkpoint", "remove_unused_versions"]
+__all__ = [
+    "saving",
+    "start_save",
+    "commit_save",
+    "abandon_save",
+    "reading",
+    "complete_checkpoint",
+    "remove_unused_versions",
+]
 
 VERSIONS = ".versions"
 
@@ -131,31 +139,47 @@ def start_save(path, group) -> Staging:
 @contextlib.contextmanager
 def saving(path, group, info: dict):
     """A collective save of ``path``: the block writes into the yielded version directory, then
-    every file is hashed (split over the ranks), rank 0 writes the manifest with ``info`` and
-    publishes. An error anywhere removes the unpublished version and is raised on every rank."""
+    :func:`commit_save` publishes it. An error anywhere removes the unpublished version and is
+    raised on every rank."""
     g = comm.resolve_group(group)
     staging = start_save(path, g)
     try:
         yield staging.directory
-        mine = comm.everywhere(
-            g, f"saving {path}", lambda: hash_files(staging.directory, g), CheckpointError
-        )
-        hashes = {}
-        for text in comm.all_gather_text(json.dumps(mine), g):
-            hashes.update(json.loads(text))
-
-        def commit():
-            if g.rank == 0:
-                write_manifest(staging.directory, info, hashes)
-                publish(staging)
-
-        comm.everywhere(g, f"saving {path}", commit, CheckpointError)
+        commit_save(staging, g, info, path)
     except BaseException as e:
-        if g.rank == 0 and staging._lock is not None:
-            _abandon(staging)
-        if isinstance(e, OSError):  # a full disk, a permission: still a CheckpointError
-            raise CheckpointError(f"saving {path}: {e}") from e
-        raise
+        error = abandon_save(staging, g, path, e)
+        if error is e:
+            raise
+        raise error from e
+
+
+def commit_save(staging: Staging, group, info: dict, path) -> None:
+    """Publish a save whose files are all written (a collective): every file is hashed (split
+    over the ranks), then rank 0 writes the manifest with ``info`` and publishes."""
+    g = comm.resolve_group(group)
+    mine = comm.everywhere(
+        g, f"saving {path}", lambda: hash_files(staging.directory, g), CheckpointError
+    )
+    hashes = {}
+    for text in comm.all_gather_text(json.dumps(mine), g):
+        hashes.update(json.loads(text))
+
+    def commit():
+        if g.rank == 0:
+            write_manifest(staging.directory, info, hashes)
+            publish(staging)
+
+    comm.everywhere(g, f"saving {path}", commit, CheckpointError)
+
+
+def abandon_save(staging: Staging, group, path, error: BaseException) -> BaseException:
+    """After ``error`` ended a save: rank 0 removes the unpublished version. Returns the error to
+    raise (an OSError, such as a full disk, becomes a CheckpointError)."""
+    if comm.resolve_group(group).rank == 0 and staging._lock is not None:
+        _abandon(staging)
+    if isinstance(error, OSError):
+        return CheckpointError(f"saving {path}: {error}")
+    return error
 
 
 def _abandon(staging: Staging) -> None:

@@ -15,17 +15,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
-from tp_ext.checkpoint.atomic import reading, saving
+from tp_ext.checkpoint.atomic import abandon_save, commit_save, reading, saving, start_save
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import tp_size
 from tp_ext.checkpoint.layout import model_layout, row_reads, tied_names
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
-from tp_ext.distributed.groups import TPGroup
+from tp_ext.distributed.groups import TPGroup, device_of
+from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import state_entries
 
-__all__ = ["save_sharded", "load_sharded"]
+__all__ = [
+    "save_sharded",
+    "load_sharded",
+    "checkpoint_tensors",
+    "write_checkpoint",
+    "read_checkpoint",
+    "PendingSave",
+    "check_config",
+    "model_fields",
+]
 
 
 # DCP's gathered failure is a BaseException, which ``except Exception`` would let through.
@@ -85,47 +96,94 @@ class _Chunk(torch.Tensor):
         return self._local
 
 
-def _dcp_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model`` under its unsharded Hugging Face name(s): replicated tensors
-    as themselves, this rank's rows of sharded ones as :class:`_Chunk` views."""
+def checkpoint_tensors(model, *, prefix: str = "", tensor_of=None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` under its unsharded Hugging Face name(s), as DCP saves and loads
+    them: replicated tensors as themselves, the rows this rank holds of sharded ones (TP shards,
+    and FSDP2's data-parallel slices of them) as :class:`_Chunk` views at their offsets.
+
+    ``tensor_of(tensor)`` replaces each model tensor by another of its shape and sharding (an
+    optimizer's state for that parameter), or None to leave it out; keys get ``prefix``."""
     layout = model_layout(model)
     entries = list(state_entries(model))
     tied = tied_names(entries, layout)
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for name, tensor, spec, owner in entries:
         if name in tied:
             continue
-        pieces = layout[name]
-        if spec is None:
-            start = 0
-            for piece in pieces:
-                state[piece.name] = tensor.narrow(0, start, piece.rows)
-                start += piece.rows
+        if tensor_of is not None:
+            tensor = tensor_of(tensor)
+            if tensor is None:
+                continue
+        local, first_row, shape = _data_parallel_slice(tensor, name)
+        if local.numel() == 0:  # FSDP2 gave this rank no rows of it
             continue
-        dim, partition = spec
-        local_start = 0
-        for offset, length in partition.segments[owner.tp_rank]:
-            if dim == 0:  # qwen2 layout: every piece is a whole checkpoint tensor
-                for piece, a, b in row_reads(pieces, offset, length):
-                    block = tensor.narrow(0, local_start, b - a)
-                    _add_chunk(
-                        state,
-                        piece.name,
-                        block,
-                        (a,) + (0,) * (tensor.dim() - 1),
-                        (piece.rows, *tensor.shape[1:]),
-                    )
-                    local_start += b - a
+        blocks = _blocks(layout[name], local, first_row, shape, spec, owner)
+        for key, block, offsets, size in blocks:
+            if tuple(block.shape) == tuple(size) and not any(offsets):
+                state[prefix + key] = block  # the whole tensor: saved once, read by every rank
             else:
-                (piece,) = pieces
-                block = tensor.narrow(dim, local_start, length)
-                full = list(tensor.shape)
-                full[dim] = partition.full
-                offsets = [0] * tensor.dim()
-                offsets[dim] = offset
-                _add_chunk(state, piece.name, block, tuple(offsets), tuple(full))
-                local_start += length
+                _add_chunk(state, prefix + key, block, offsets, size)
     return state
+
+
+def _data_parallel_slice(tensor: torch.Tensor, name: str):
+    """(this rank's local data, the first of its rows, the shape it is a slice of). FSDP2 keeps
+    a dim-0 slice of each TP-local tensor on each DP rank (a DTensor on the DP mesh)."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach(), 0, tuple(tensor.shape)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if tensor.device_mesh.ndim != 1 or tensor.placements[0] not in (Shard(0), Replicate()):
+        raise CheckpointError(
+            f"{name}: a DTensor placed {tensor.placements} on a {tensor.device_mesh.ndim}-d mesh; "
+            "tp_ext checkpoints hold FSDP2's dim-0 data-parallel shards (Shard(0) on one mesh "
+            "dimension)"
+        )
+    _, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tensor.to_local().detach(), offsets[0] if offsets else 0, tuple(tensor.shape)
+
+
+def _blocks(pieces, local, first_row, shape, spec, owner):
+    """(checkpoint name, block of ``local``, its offsets, the checkpoint tensor's size) for each
+    piece of checkpoint tensor ``local`` holds. ``local`` is rows [first_row, first_row + n) of
+    this TP rank's tensor of ``shape``; ``spec`` says which rows (or columns) of the unsharded
+    tensor that one holds."""
+    rows = local.shape[0] if local.dim() else 0
+    if local.dim() == 0:  # one number per tensor (an optimizer's step count): under the name
+        yield pieces[0].name, local, (), ()  # of its first piece, the same at every layout
+        return
+    if spec is not None and spec[0] != 0:  # split along another dim: one checkpoint tensor
+        dim, partition = spec
+        (piece,) = pieces
+        size = list(shape)
+        size[dim] = partition.full
+        start = 0
+        for offset, length in partition.segments[owner.tp_rank]:
+            offsets = [0] * local.dim()
+            offsets[0], offsets[dim] = first_row, offset
+            yield piece.name, local.narrow(dim, start, length), tuple(offsets), tuple(size)
+            start += length
+        return
+    # rows: this TP rank's rows of the unsharded tensor, as (unsharded row, length) runs
+    runs = [(0, shape[0])] if spec is None else spec[1].segments[owner.tp_rank]
+    start = 0
+    for offset, length in runs:
+        lo, hi = max(start, first_row), min(start + length, first_row + rows)
+        if lo < hi:
+            block = local.narrow(0, lo - first_row, hi - lo)
+            taken = 0
+            for piece, a, b in row_reads(pieces, offset + lo - start, hi - lo):
+                yield (
+                    piece.name,
+                    block.narrow(0, taken, b - a),
+                    (a,) + (0,) * (local.dim() - 1),
+                    (piece.rows, *shape[1:]),
+                )
+                taken += b - a
+        start += length
 
 
 def _add_chunk(state, name, block, offsets, size) -> None:
@@ -141,29 +199,183 @@ def save_sharded(model, path: str, step: Optional[int] = None) -> None:
     """Save ``model`` as a sharded DCP checkpoint in directory ``path`` (every rank calls it and
     writes only its own rows). Atomic (:mod:`tp_ext.checkpoint.atomic`): ``path`` changes to
     the new checkpoint in one step once it is complete."""
+    _, world = _world()
+    state = comm.everywhere(
+        world, f"saving {path}", lambda: checkpoint_tensors(model), CheckpointError
+    )
+    info = {
+        "format": SHARDED_FORMAT,
+        "tp": tp_size(model),
+        "step": step,
+        "config": model_fields(model.config),
+    }
+    write_checkpoint(state, path, info)
+
+
+def write_checkpoint(state: dict, path: str, info: dict, *, async_save: bool = False):
+    """Write ``state`` (tensors and :func:`checkpoint_tensors` views, keyed by name) as a DCP
+    checkpoint with DCP's safetensors storage at ``path``, atomically, with ``info`` in its
+    manifest (JSON). A collective over every rank.
+
+    ``async_save``: the tensors are copied to CPU memory here, DCP writes them in a background
+    thread (its collectives on a process group of their own), and a :class:`PendingSave` is
+    returned; the checkpoint is published by its :meth:`~PendingSave.finish`. Until then
+    ``path`` keeps its previous version, whatever happens to the job."""
+    distributed, world = _world()
+    if not async_save:
+        with saving(path, world, info) as directory:
+            _save(state, directory, distributed, path, world)
+        return None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    distributed, world = _world()
-    state = comm.everywhere(
-        world, f"saving {path}", lambda: _dcp_state_dict(model), CheckpointError
-    )
-    info = {
-        "format": "tp_ext-dcp-v1",
-        "tp": tp_size(model),
-        "step": step,
-        "config": _model_fields(model.config),
-    }
-    with saving(path, world, info) as directory:
+    staging = start_save(path, world)
+    try:
+        staged = comm.everywhere(world, f"saving {path}", lambda: _cpu_copy(state), CheckpointError)
+        with _single_process_is_intended(distributed):
+            future = dcp.async_save(
+                staged,
+                storage_writer=HuggingFaceStorageWriter(staging.directory, save_distributed=True),
+                process_group=_async_group() if distributed else None,
+                async_stager=_AlreadyStaged(),
+                no_dist=not distributed,
+            )
+    except BaseException as e:
+        error = abandon_save(staging, world, path, e)
+        if error is e:
+            raise
+        raise error from e
+    return PendingSave(staging, future, world, info, path)
+
+
+def _save(state, directory, distributed, path, world) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    try:
+        with _single_process_is_intended(distributed):
+            dcp.save(
+                state,
+                storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
+                no_dist=not distributed,
+            )
+    except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
+        raise CheckpointError(f"saving {path}: {e}{peers.explain(world)}") from e
+
+
+def _cpu_copy(state: dict) -> dict:
+    """What an asynchronous save writes: a CPU copy of every tensor (training goes on changing
+    the originals), as the same views."""
+    staged = {}
+    for name, value in state.items():
+        if isinstance(value, _Chunk):
+            local = value._local.detach().to("cpu", copy=True)
+            staged[name] = _Chunk(local, tuple(value._offsets), tuple(value.shape))
+        else:
+            staged[name] = value.detach().to("cpu", copy=True)
+    return staged
+
+
+class _AlreadyStaged:
+    """DCP's stager for a state already copied to CPU by :func:`_cpu_copy` (DCP's own stager
+    cannot copy :class:`_Chunk` views)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _async_group():
+    """The process group DCP's background writes use (gloo, every rank): collectives from the
+    writer thread must not interleave with training's on the default group."""
+    if PROCESS.async_checkpoint_group is None:
+        PROCESS.async_checkpoint_group = dist.new_group(backend="gloo")
+    return PROCESS.async_checkpoint_group
+
+
+class PendingSave:
+    """An asynchronous save being written. :meth:`finish` (a collective) waits for every rank's
+    writes, then publishes the checkpoint; :meth:`done_everywhere` (one small all-reduce) says
+    whether every rank has finished writing, so a training loop can publish without waiting."""
+
+    def __init__(self, staging, future, world, info: dict, path: str) -> None:
+        self.path, self.info = path, info
+        self._staging, self._future, self._world = staging, future, world
+
+    def done_everywhere(self) -> bool:
+        done = torch.tensor([1 if self._future.done() else 0], device=device_of(self._world))
+        return bool(comm.all_reduce(done, "min", group=self._world).item())
+
+    def finish(self) -> None:
+        def written():
+            try:
+                self._future.result()
+            except _DCP_ERRORS as e:  # DCP's gathered failure is a BaseException
+                raise CheckpointError(f"saving {self.path}: {e}") from e
+
         try:
-            with _single_process_is_intended(distributed):
-                dcp.save(
-                    state,
-                    storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
-                    no_dist=not distributed,
+            comm.everywhere(self._world, f"saving {self.path}", written, CheckpointError)
+            commit_save(self._staging, self._world, self.info, self.path)
+        except BaseException as e:
+            error = abandon_save(self._staging, self._world, self.path, e)
+            if error is e:
+                raise
+            raise error from e
+
+
+SHARDED_FORMAT = "tp_ext-dcp-v1"
+TRAINING_FORMAT = "tp_ext-train-v1"
+
+
+def load_sharded(model, path: str) -> dict:
+    """Load a checkpoint written by :func:`save_sharded` (or the model of a Trainer's) at any
+    TP x PP (x DP) layout into ``model`` (at its own). Checks the manifest (sizes, sha256s,
+    dtypes) and model config first, on every rank; reads only the files the manifest lists.
+    Returns the manifest (``tp`` it was saved at, ``step``)."""
+
+    def state_of(info, directory):
+        check_config(directory, info, model)
+        return checkpoint_tensors(model)
+
+    info, _ = read_checkpoint(path, state_of, formats=(SHARDED_FORMAT, TRAINING_FORMAT))
+    return info
+
+
+def read_checkpoint(path: str, state_of, formats=(SHARDED_FORMAT,)) -> tuple[dict, dict]:
+    """Read a checkpoint of :func:`write_checkpoint` into the tensors ``state_of(manifest,
+    directory)`` returns (what to load, keyed as saved; views are written in place). The
+    manifest is checked first on every rank (format in ``formats``, sizes, sha256s, dtypes); an
+    error on one rank is raised on all. Returns (manifest, the state read)."""
+    distributed, world = _world()
+    with reading(path, world) as directory:
+
+        def check():
+            if not os.path.isfile(os.path.join(directory, MANIFEST)):
+                raise CheckpointError(
+                    f"{path} is not a complete tp_ext checkpoint: {MANIFEST} is missing"
                 )
-        except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
-            raise CheckpointError(f"saving {path}: {e}{peers.explain(world)}") from e
+            info = read_manifest(directory)
+            if info.get("format") not in formats:
+                raise CheckpointError(
+                    f"{directory} is a {info.get('format')!r} checkpoint, not one of "
+                    f"{list(formats)}; a Hugging Face export loads with load_hf_checkpoint / "
+                    "from_pretrained"
+                )
+            check_files(directory, info, hashes=True, group=world)
+            state = state_of(info, directory)
+            _check_dtypes(directory, info, state)
+            return info, state
+
+        info, state = comm.everywhere(world, f"loading {path}", check, CheckpointError)
+        _read(directory, info, state, world, distributed, path)
+    return info, state
 
 
 @contextlib.contextmanager
@@ -175,42 +387,15 @@ def _single_process_is_intended(distributed: bool):
         yield
 
 
-def _model_fields(config) -> dict:
+def model_fields(config) -> dict:
+    """A model config's fields (recorded in a manifest, compared on load)."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def load_sharded(model, path: str) -> dict:
-    """Load a checkpoint written by :func:`save_sharded` at any TP degree into ``model`` (at
-    its own). Checks the manifest (sizes, sha256s, dtypes) and model config first, on every
-    rank; reads only the files the manifest lists. Returns the manifest (``tp`` it was saved
-    at, ``step``)."""
-    distributed, world = _world()
-    with reading(path, world) as directory:
-
-        def check():
-            if not os.path.isfile(os.path.join(directory, MANIFEST)):
-                raise CheckpointError(
-                    f"{path} is not a complete tp_ext checkpoint: {MANIFEST} is missing"
-                )
-            info = read_manifest(directory)
-            if info.get("format") != "tp_ext-dcp-v1":
-                raise CheckpointError(
-                    f"{directory} is a {info.get('format')!r} checkpoint, not a "
-                    "sharded one; use load_hf_checkpoint / from_pretrained"
-                )
-            check_files(directory, info, hashes=True, group=world)
-            _check_config(directory, info, model)
-            state = _dcp_state_dict(model)
-            _check_dtypes(directory, info, state)
-            return info, state
-
-        info, state = comm.everywhere(world, f"loading {path}", check, CheckpointError)
-        _read(directory, info, state, world, distributed, path)
-    return info
-
-
-def _check_config(directory, info, model) -> None:
-    ours = _model_fields(model.config)
+def check_config(directory, info, model) -> None:
+    """The checkpoint in ``directory`` (manifest ``info``) was saved from a model of ``model``'s
+    architecture; else an error naming the first field that differs."""
+    ours = model_fields(model.config)
     saved = info.get("config", {})
     differ = [k for k in ours if k in saved and saved[k] != ours[k] and k != "architecture"]
     if differ:

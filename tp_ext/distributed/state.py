@@ -27,11 +27,14 @@ class ProcessState:
     peers: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
     # groups of the first and last pipeline rank, per layout (tp_ext.distributed.mesh)
     tied_groups: dict[int, dict] = dataclasses.field(default_factory=dict)
+    # the gloo group of DCP's background checkpoint writes (tp_ext.checkpoint.dcp)
+    async_checkpoint_group: Optional[Any] = None
 
     def reset(self) -> None:
         self.parallel, self.tp_rng_rank, self.tp_rng_depth, self.init_weights = None, None, 0, True
         self.peers.clear()
         self.tied_groups.clear()
+        self.async_checkpoint_group = None
 
 
 PROCESS = ProcessState()

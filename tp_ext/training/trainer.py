@@ -34,6 +34,7 @@ from tp_ext.training.grad_norm import (
     scale_grads_,
 )
 from tp_ext.training.optimizer import build_optimizer
+from tp_ext.training.state import load_training_state, save_training_state
 from tp_ext.validation import is_number
 
 __all__ = ["Trainer"]
@@ -62,8 +63,18 @@ class Trainer:
       ``data_parallel`` ("ddp" or "fsdp") synchronises DP once per step, and
       ``activation_checkpointing`` recomputes each decoder layer in backward.
 
+    - ``lr_scheduler``: a torch LR scheduler over ``optimizer`` (or a callable taking the
+      optimizer and returning one), stepped after every optimizer step.
+    - ``data``: the run's data source, if it is Stateful (``state_dict()`` /
+      ``load_state_dict()``, e.g. :class:`tp_ext.data.TokenBatches`): checkpoints hold its
+      position.
+
     The loss is the mean token cross-entropy over every target of every micro-batch (of every
     DP rank); targets equal to ``ignore_index`` do not count.
+
+    :meth:`save_checkpoint` / :meth:`load_checkpoint` save and restore all of it (model,
+    optimizer state, LR schedule, loss scale, step, data position, every rank's random streams),
+    resharding between any two (tp, pp, dp) layouts (:mod:`tp_ext.training.state`).
     """
 
     def __init__(
@@ -80,6 +91,8 @@ class Trainer:
         schedule: str = "1F1B",
         data_parallel: Optional[str] = "ddp",
         activation_checkpointing: bool = False,
+        lr_scheduler=None,
+        data=None,
     ) -> None:
         if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
             raise ValueError(
@@ -119,6 +132,19 @@ class Trainer:
             optimizer = built
         _check_float16_parameters(optimizer)
         self.optimizer = optimizer
+        self.lr_scheduler = _scheduler(lr_scheduler, optimizer)
+        if data is not None and not (
+            callable(getattr(data, "state_dict", None))
+            and callable(getattr(data, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"data must be Stateful (state_dict() and load_state_dict(), e.g. "
+                f"tp_ext.data.TokenBatches) so checkpoints hold its position, got "
+                f"{type(data).__name__}"
+            )
+        self.data = data
+        self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
+        self._pending_save = None
         self.max_grad_norm = max_grad_norm
         if parallel is None:
             self.tp = model_tp_group(model, tp_group)
@@ -169,6 +195,7 @@ class Trainer:
         are discarded first. Returns the step's mean loss, the same on every rank; the norm
         before clipping is left in ``last_grad_norm``."""
         batches = self._check(micro_batches)
+        self._publish_finished_save()
         if self.runner is not None:
             return self._pipeline_step(batches)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -259,6 +286,36 @@ class Trainer:
             with comm.tag("train.tied"):
                 dist.all_reduce(grads[0], group=group)
 
+    def save_checkpoint(self, path: str, async_save: bool = False) -> None:
+        """Save everything this run needs to continue to checkpoint ``path`` (every rank calls
+        it): model, optimizer state, LR schedule, loss scale, step, data position and every
+        rank's random streams, through torch.distributed.checkpoint's safetensors storage.
+        Atomic: ``path`` changes from its previous checkpoint to this one in one step.
+
+        ``async_save``: returns once the state is copied to CPU memory; the files are written
+        in the background while training goes on, and the checkpoint is published at the first
+        :meth:`step` after every rank finished writing (or by :meth:`wait_for_checkpoint`)."""
+        self.wait_for_checkpoint()
+        self._pending_save = save_training_state(self, path, async_save=async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save to be written and publish it (every rank calls it).
+        Call it before the program ends, or the last asynchronous save is not published."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
+
+    def _publish_finished_save(self) -> None:
+        if self._pending_save is not None and self._pending_save.done_everywhere():
+            self.wait_for_checkpoint()
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore the state :meth:`save_checkpoint` saved, at this Trainer's layout, whatever
+        (tp, pp, dp) it was saved at (every rank calls it). Returns the checkpoint's manifest
+        (``step``, ``layout``, ...)."""
+        self.wait_for_checkpoint()
+        return load_training_state(self, path)
+
     @contextlib.contextmanager
     def whole_parameters(self):
         """Under FSDP2 each DP rank holds a slice of every parameter between steps, while the
@@ -304,6 +361,9 @@ class Trainer:
             if self.scaler.get_scale() < scale:
                 self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.steps += 1
 
     def _check(self, micro_batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(micro_batches, torch.Tensor):
@@ -378,6 +438,25 @@ class Trainer:
                 p.grad.copy_(grad)
             offset += n
         return flat[-2], total
+
+
+def _scheduler(lr_scheduler, optimizer):
+    if lr_scheduler is None:
+        return None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(optimizer)
+    if not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")):
+        raise TypeError(
+            f"lr_scheduler must be a torch LR scheduler (or a callable taking the optimizer and "
+            f"returning one), got {type(lr_scheduler).__name__}"
+        )
+    if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            "lr_scheduler schedules another optimizer than this Trainer's; pass a callable "
+            "(lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, ...)) to build it "
+            "over the Trainer's"
+        )
+    return lr_scheduler
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,307 @@
+"""The training state a run needs to go on where it stopped, saved and loaded by
+:meth:`Trainer.save_checkpoint` / :meth:`Trainer.load_checkpoint`.
+
+One DCP checkpoint (:func:`tp_ext.checkpoint.dcp.write_checkpoint`: safetensors files, atomic,
+with a JSON manifest) holds:
+
+- the model's tensors under their Hugging Face names, each rank writing the rows it holds;
+- the optimizer's per-parameter state under ``optimizer.<key>.<name>``, sharded exactly like its
+  parameter (TP rows, FSDP2's data-parallel slices, pipeline stages), so it reshards like the
+  model: a checkpoint saved at one (tp, pp, dp) loads at any other;
+- each rank's random-number states under ``rng.rank<r>.cpu`` / ``rng.rank<r>.cuda<d>`` (the TP
+  streams are derived from these: :mod:`tp_ext.distributed.rng`);
+- in the manifest (JSON, no pickle): the step, the layout, the optimizer's hyperparameters,
+  the LR schedule's, loss scale's and data position's ``state_dict()``.
+
+Exactness: at the same layout every tensor and stream is restored as it was, so the resumed run
+is bitwise the uninterrupted one. At another layout the model and optimizer state are the same
+numbers, resharded; each rank takes the random-number state of global rank 0 (the layout's
+streams no longer correspond), which matters only to dropout.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_ext.checkpoint import CheckpointError
+from tp_ext.checkpoint.dcp import (
+    TRAINING_FORMAT,
+    PendingSave,
+    check_config,
+    checkpoint_tensors,
+    model_fields,
+    read_checkpoint,
+    write_checkpoint,
+)
+from tp_ext.distributed import rng
+
+__all__ = ["save_training_state", "load_training_state", "materialise_optimizer_state"]
+
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def layout_of(trainer) -> dict:
+    """The rank layout a checkpoint was saved at (RNG streams are restored only at the same)."""
+    parallel = trainer.parallel
+    if parallel is None:
+        dp = 1 if trainer.dp_group is None else trainer.dp_group.size
+        return {"tp": trainer.tp.size, "pp": 1, "dp": dp, "world": _world_size()}
+    stages = getattr(trainer.model, "stage_layout", None)
+    return {
+        "tp": parallel.tp,
+        "pp": parallel.pp,
+        "dp": parallel.dp,
+        "world": _world_size(),
+        "stage_layers": None if stages is None else stages.layer_counts,
+        "stage_order": None if stages is None else stages.order,
+        "schedule": trainer.runner.schedule.name if trainer.runner is not None else None,
+    }
+
+
+# ---- optimizer state ----------------------------------------------------------------------------
+
+
+def _state_keys(optimizer) -> list[str]:
+    keys = set()
+    for state in optimizer.state.values():
+        keys |= set(state)
+    return sorted(keys)
+
+
+def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state, keyed ``optimizer.<key>.<checkpoint name>``."""
+    state: dict[str, torch.Tensor] = {}
+    for key in _state_keys(optimizer):
+
+        def tensor_of(param, key=key):
+            value = optimizer.state.get(param, {}).get(key)
+            if value is None:
+                return None
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"optimizer state {key!r} is a {type(value).__name__}; tp_ext's training "
+                    "checkpoints hold tensor state (per element, or one scalar per parameter)"
+                )
+            if value.dim() and tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"optimizer state {key!r} has shape {tuple(value.shape)}, its parameter "
+                    f"{tuple(param.shape)}: tp_ext's training checkpoints hold state shaped "
+                    "like its parameter, or one scalar per parameter"
+                )
+            return value
+
+        state.update(
+            checkpoint_tensors(model, prefix=f"{OPTIMIZER_PREFIX}{key}.", tensor_of=tensor_of)
+        )
+    return state
+
+
+@torch.no_grad()
+def materialise_optimizer_state(optimizer) -> None:
+    """Give every parameter its optimizer state (torch's optimizers make it at the first step),
+    so a checkpoint can be read into it: one step with zero gradients and lr 0, which changes no
+    parameter. Parameters that already have state keep it."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    if any(p.grad is not None for p in params):
+        raise CheckpointError(
+            "load_checkpoint: parameters hold gradients; load before the first step (or call "
+            "optimizer.zero_grad(set_to_none=True) first)"
+        )
+    saved_lrs = []
+    for group in optimizer.param_groups:
+        saved_lrs.append(group["lr"])
+        group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _hyperparameters(optimizer) -> list[dict]:
+    """Each parameter group's settings (lr, betas, ...), JSON-able."""
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if torch.is_tensor(value):
+                value = value.item()
+            if isinstance(value, tuple):
+                value = list(value)
+            if value is None or isinstance(value, (bool, int, float, str, list)):
+                settings[key] = value
+        groups.append(settings)
+    return groups
+
+
+def _restore_hyperparameters(optimizer, saved: list[dict]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}: build the optimizer the same way (e.g. "
+            "tp_ext.training.build_optimizer)"
+        )
+    for group, settings in zip(optimizer.param_groups, saved):
+        for key, value in settings.items():
+            current = group.get(key)
+            if isinstance(current, tuple):
+                value = tuple(value)
+            if torch.is_tensor(current):
+                current.fill_(value)
+            else:
+                group[key] = value
+
+
+# ---- random-number states -----------------------------------------------------------------------
+
+
+def _rng_tensors(rank: int) -> dict[str, torch.Tensor]:
+    states = rng.get_states()
+    tensors = {f"rng.rank{rank}.cpu": states["cpu"]}
+    for device, state in enumerate(states["cuda"]):
+        tensors[f"rng.rank{rank}.cuda{device}"] = state
+    return tensors
+
+
+def _rng_targets(rank: int, cuda_devices: int) -> dict[str, torch.Tensor]:
+    """Tensors to read rank ``rank``'s saved states into (a state's size is fixed per device)."""
+    targets = {f"rng.rank{rank}.cpu": torch.empty_like(torch.get_rng_state())}
+    if cuda_devices and torch.cuda.is_available() and torch.cuda.device_count() == cuda_devices:
+        for device in range(cuda_devices):
+            targets[f"rng.rank{rank}.cuda{device}"] = torch.empty_like(
+                torch.cuda.get_rng_state(device)
+            )
+    return targets
+
+
+def _restore_rng(state: dict, rank: int) -> None:
+    cuda = []
+    device = 0
+    while f"rng.rank{rank}.cuda{device}" in state:
+        cuda.append(state[f"rng.rank{rank}.cuda{device}"])
+        device += 1
+    mine = rng.get_states()
+    rng.set_states(
+        {
+            "cpu": state[f"rng.rank{rank}.cpu"],
+            "cuda": cuda if len(cuda) == len(mine["cuda"]) else mine["cuda"],
+            "tp_rank": mine["tp_rank"],
+        }
+    )
+
+
+# ---- JSON state of the schedule, the loss scale and the data ------------------------------------
+
+
+def _json_state(name: str, obj) -> Optional[dict]:
+    if obj is None:
+        return None
+    state = obj.state_dict()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{name}.state_dict() must be JSON-able (ints, floats, strings, lists, dicts) to go "
+            f"in a checkpoint manifest: {e}"
+        ) from None
+
+
+def _check_saved(name: str, obj, saved) -> None:
+    if (obj is None) != (saved is None):
+        has = "has" if saved is not None else "has no"
+        given = "was given one" if obj is not None else "was given none"
+        raise CheckpointError(
+            f"the checkpoint {has} {name} state, and this Trainer {given}: pass the same "
+            f"{name}= as the saved run"
+        )
+
+
+# ---- save and load ------------------------------------------------------------------------------
+
+
+def save_training_state(trainer, path: str, async_save: bool = False) -> Optional[PendingSave]:
+    """Write ``trainer``'s whole state to checkpoint ``path`` (a collective over every rank).
+    With ``async_save`` returns the :class:`PendingSave` still being written."""
+    model, optimizer = trainer.model, trainer.optimizer
+    state = checkpoint_tensors(model)
+    state.update(_optimizer_tensors(model, optimizer))
+    state.update(_rng_tensors(_rank()))
+    info = {
+        "format": TRAINING_FORMAT,
+        "step": trainer.steps,
+        "config": model_fields(model.config),
+        "layout": layout_of(trainer),
+        "optimizer": {
+            "type": type(optimizer).__name__,
+            "param_groups": _hyperparameters(optimizer),
+            "state_keys": _state_keys(optimizer),
+        },
+        "lr_scheduler": _json_state("lr_scheduler", trainer.lr_scheduler),
+        "loss_scale": _json_state("loss scale", trainer.scaler),
+        "data": _json_state("data", trainer.data),
+        "skipped_steps": trainer.skipped_steps,
+        "cuda_rng_devices": len(rng.get_states()["cuda"]),
+    }
+    return write_checkpoint(state, path, info, async_save=async_save)
+
+
+def load_training_state(trainer, path: str) -> dict:
+    """Restore ``trainer`` from checkpoint ``path``, saved at any layout (a collective)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    materialise_optimizer_state(optimizer)
+    rank = _rank()
+    same_layout = {"rng_rank": rank}
+
+    def state_of(info, directory):
+        check_config(directory, info, model)
+        saved = info.get("optimizer", {})
+        if saved.get("type") != type(optimizer).__name__:
+            raise CheckpointError(
+                f"{directory} holds the state of a {saved.get('type')} optimizer; this Trainer's "
+                f"is a {type(optimizer).__name__}"
+            )
+        if saved.get("state_keys") != _state_keys(optimizer):
+            raise CheckpointError(
+                f"{directory} holds optimizer state {saved.get('state_keys')}, this optimizer "
+                f"keeps {_state_keys(optimizer)}: build it with the same settings"
+            )
+        _check_saved("lr_scheduler", trainer.lr_scheduler, info.get("lr_scheduler"))
+        _check_saved("data", trainer.data, info.get("data"))
+        if info.get("layout") != layout_of(trainer):
+            same_layout["rng_rank"] = 0  # the streams of another layout: rank 0's, replicated
+        state = checkpoint_tensors(model)
+        state.update(_optimizer_tensors(model, optimizer))
+        state.update(_rng_targets(same_layout["rng_rank"], info.get("cuda_rng_devices", 0)))
+        return state
+
+    info, state = read_checkpoint(path, state_of, formats=(TRAINING_FORMAT,))
+    _restore_hyperparameters(optimizer, info["optimizer"]["param_groups"])
+    _restore_rng(state, same_layout["rng_rank"])
+    if trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(info["lr_scheduler"])
+    if trainer.scaler is not None and info.get("loss_scale") is not None:
+        trainer.scaler.load_state_dict(info["loss_scale"])
+    if trainer.data is not None:
+        trainer.data.load_state_dict(info["data"])
+    trainer.steps = int(info["step"])
+    trainer.skipped_steps = int(info.get("skipped_steps", 0))
+    return info
