@@ -10,13 +10,19 @@ other layout pairs.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+
 import pytest
 import torch
 
-from tp_ext.checkpoint import complete_checkpoint
+from tp_ext.checkpoint import MANIFEST, CheckpointError, complete_checkpoint
+from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.training import Trainer
 
-from .dist_utils import run_distributed
+from .dist_utils import launch_once, run_distributed
 from .test_pipeline import MAX_NORM, MICRO_BATCH, SEQ, _build, _config
 
 STEPS, SAVE_AT = 5, 2
@@ -205,3 +211,106 @@ def test_resume_at_another_layout(tmp_path, case):
 def test_resume_at_another_layout_full(tmp_path, case):
     saved_at, data_parallel, resumed_at = case
     _reshard(tmp_path, saved_at, data_parallel, resumed_at, tie=True)
+
+
+# ---- a rank killed during a save, an asynchronous save or a load --------------------------------
+
+KILL_LAYOUT = (1, 2, 1)
+
+
+def _die_after(cls, method: str) -> None:
+    """Rank 1 SIGKILLs itself once ``cls.method`` has run (its files written or read)."""
+    original = getattr(cls, method)
+
+    def dying(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if torch.distributed.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(cls, method, dying)
+
+
+def _killed(path: str, where: str):
+    """Train to step 4 with a committed save at step 2, then die (rank 1) in the middle of
+    ``where``: a save of step 4 over the same path, an asynchronous one, or a load."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    trainer = _trainer(KILL_LAYOUT, dropout=0.1)
+    for _ in range(SAVE_AT):
+        trainer.step(next(trainer.data))
+    trainer.save_checkpoint(path)
+    if where == "load":
+        _die_after(HuggingFaceStorageReader, "read_data")
+        trainer.load_checkpoint(path)
+    for _ in range(2):
+        trainer.step(next(trainer.data))
+    _die_after(HuggingFaceStorageWriter, "write_data")  # in DCP's writer thread when async
+    trainer.save_checkpoint(path, async_save=where == "async save")
+    for _ in range(20):  # training goes on while an asynchronous save is written
+        trainer.step(next(trainer.data))
+    trainer.wait_for_checkpoint()
+
+
+@pytest.mark.parametrize("where", ["save", "async save", "load"])
+def test_a_rank_killed_mid_checkpoint_leaves_the_last_committed_one(tmp_path, where):
+    path = str(tmp_path / "ckpt")
+    outcome, report = launch_once(_killed, _world(KILL_LAYOUT), path, where, timeout=120)
+    assert outcome[1] == (False, "process died (exit code -9)"), report
+    assert outcome[0][0] is False, f"rank 0 went on without rank 1:\n{report}"
+    directory = complete_checkpoint(path)  # the save of step 2, complete
+    assert json.load(open(os.path.join(directory, MANIFEST)))["step"] == SAVE_AT
+    losses, _ = _run(KILL_LAYOUT, "1F1B", "ddp", 0.1, save=str(tmp_path / "reference"))
+    resumed, _ = _run(KILL_LAYOUT, "1F1B", "ddp", 0.1, load=path)
+    assert resumed == {s: losses[s] for s in resumed}, "the resumed run is not bitwise the same"
+
+
+# ---- what cannot be restored gets a clear error -------------------------------------------------
+
+
+def _load_with(path: str, change: str):
+    trainer = _trainer((1, 1, 1))
+    if change == "optimizer":
+        trainer = Trainer(
+            trainer.model,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+            parallel=trainer.parallel,
+        )
+    elif change == "no data":
+        trainer.data = None
+    elif change == "no schedule":
+        trainer.lr_scheduler = None
+    elif change == "model":
+        load_sharded_path = path + "-model"
+        from tp_ext.checkpoint import save_sharded
+
+        save_sharded(trainer.model, load_sharded_path)
+        path = load_sharded_path
+    elif change == "config":
+        import tp_ext
+
+        state = tp_ext.init_parallel(tp=1, pp=1, dp=1)
+        model = Qwen2ForCausalLM(_config(3, False), parallel=state)
+        trainer = Trainer(model, optimizer=_optimizer, parallel=state)
+    try:
+        trainer.load_checkpoint(path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("optimizer", "holds the state of a AdamW optimizer; this Trainer's is a SGD"),
+        ("no data", "has data state, and this Trainer was given none"),
+        ("no schedule", "has lr_scheduler state, and this Trainer was given none"),
+        ("model", "is a 'tp_ext-dcp-v1' checkpoint, not one of \\['tp_ext-train-v1'\\]"),
+        ("config", "num_hidden_layers=4; this model has num_hidden_layers=3"),
+    ],
+)
+def test_what_cannot_be_restored_is_refused(tmp_path, change, message):
+    path = str(tmp_path / "ckpt")
+    _run((1, 1, 1), save=path)
+    (error,) = run_distributed(_load_with, 1, path, change)
+    assert error is not None and re.search(message, error), error
