@@ -18,9 +18,9 @@ import signal
 import pytest
 import torch
 
-from tp_ext.checkpoint import MANIFEST, CheckpointError, complete_checkpoint
+from tp_ext.checkpoint import MANIFEST, CheckpointError, complete_checkpoint, load_sharded
 from tp_ext.models import Qwen2ForCausalLM
-from tp_ext.training import Trainer
+from tp_ext.training import Trainer, build_optimizer
 
 from .dist_utils import launch_once, run_distributed
 from .test_pipeline import MAX_NORM, MICRO_BATCH, SEQ, _build, _config
@@ -141,12 +141,12 @@ SAME_FULL = [
 ]
 
 
-def _same_layout(tmp_path, layout, schedule, data_parallel, dropout, tie, async_save):
+def _same_layout(tmp_path, layout, schedule, data_parallel, dropout, tie, async_save, **kwargs):
     path = str(tmp_path / "ckpt")
     args = (layout, schedule, data_parallel, dropout, tie)
-    losses, norms = _run(*args, save=path, async_save=async_save)
+    losses, norms = _run(*args, save=path, async_save=async_save, **kwargs)
     assert complete_checkpoint(path)
-    resumed, resumed_norms = _run(*args, load=path)
+    resumed, resumed_norms = _run(*args, load=path, **kwargs)
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     for step, loss in resumed.items():
         assert loss == losses[step], f"step {step}: {loss!r} != {losses[step]!r} (bitwise)"
@@ -162,6 +162,54 @@ def test_resume_at_the_same_layout_is_bitwise(tmp_path, case):
 @pytest.mark.parametrize("case", SAME_FULL, ids=str)
 def test_resume_at_the_same_layout_is_bitwise_full(tmp_path, case):
     _same_layout(tmp_path, *case)
+
+
+def test_the_loss_scale_is_restored(tmp_path):
+    """fp16 autocast: the dynamic loss scale (and its growth tracker) continue where they were;
+    another scale rounds the fp16 gradients differently, so the losses would not be bitwise."""
+    _same_layout(
+        tmp_path, (1, 2, 1), "1F1B", "ddp", 0.0, False, False, autocast_dtype=torch.float16
+    )
+
+
+def _train_1d(path: str, load: bool):
+    """The Trainer without a pipeline: a TP model with a DP group (tp=2, dp=2)."""
+    import tp_ext
+
+    from .test_training import OPTIMIZER, _model
+
+    state = tp_ext.init_parallel(tp=2, dp=2)
+    model, _ = _model(state.tp_group)
+    trainer = Trainer(
+        model,
+        build_optimizer(model, OPTIMIZER),
+        max_grad_norm=MAX_NORM,
+        dp_group=state.dp_group,
+        lr_scheduler=_warmup,
+        data=_Batches(model.config.vocab_size, state.dp_rank, 2),
+    )
+    if load:
+        trainer.load_checkpoint(path)
+        fresh, _ = _model(state.tp_group)
+        load_sharded(fresh, path)  # a training checkpoint's model, read alone
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(fresh.state_dict().values(), model.state_dict().values())
+        )
+    losses = {}
+    while trainer.steps < STEPS:
+        step = trainer.steps + 1
+        losses[step] = trainer.step(next(trainer.data))
+        if not load and trainer.steps == SAVE_AT:
+            trainer.save_checkpoint(path)
+    return losses
+
+
+def test_resume_without_a_pipeline(tmp_path):
+    path = str(tmp_path / "ckpt")
+    losses = run_distributed(_train_1d, 4, path, False)[0]
+    resumed = run_distributed(_train_1d, 4, path, True)[0]
+    assert resumed == {s: losses[s] for s in range(SAVE_AT + 1, STEPS + 1)}
 
 
 # ---- another layout: within 1e-5 ----------------------------------------------------------------
