@@ -26,7 +26,7 @@ from .dist_utils import launch_once, run_distributed
 from .test_pipeline import MAX_NORM, MICRO_BATCH, SEQ, _build, _config
 
 STEPS, SAVE_AT = 5, 2
-GLOBAL_MICRO_BATCHES = 4  # micro-batches per step over every DP rank
+GLOBAL_MICRO_BATCHES = 6  # micro-batches per step over every DP rank (1, 2 and 3 divide it)
 RTOL = 1e-5
 
 
@@ -43,6 +43,7 @@ class _Batches:
             torch.randint(0, self.vocab, (MICRO_BATCH, SEQ), generator=g)
             for _ in range(GLOBAL_MICRO_BATCHES)
         ]
+        assert GLOBAL_MICRO_BATCHES % self.dp == 0, "every DP rank takes an equal share"
         share = GLOBAL_MICRO_BATCHES // self.dp
         self.step += 1
         return batches[self.dp_rank * share : (self.dp_rank + 1) * share]
@@ -132,6 +133,7 @@ SAME = [
     ((2, 2, 1), "1F1B", "ddp", 0.1, True, True),  # TP streams, tied across stages
     ((1, 2, 2), "1F1B", "fsdp", 0.1, False, True),  # FSDP2's sharded optimizer state
     ((1, 2, 1), "Interleaved1F1B", "ddp", 0.1, False, False),
+    ((1, 1, 3), "1F1B", "ddp", 0.1, False, False),  # DDP's re-bucketing, 3 ranks
 ]
 SAME_FULL = [
     ((3, 1, 1), "1F1B", "ddp", 0.1, False, True),
@@ -217,7 +219,7 @@ def test_resume_without_a_pipeline(tmp_path):
 # saved at, data parallel there, resumed at
 RESHARD = [
     ((2, 2, 2), "fsdp", [(1, 1, 1), (4, 1, 2), (1, 4, 1)]),
-    ((1, 2, 1), "ddp", [(3, 1, 1)]),  # uneven TP, tied embedding across stages into one
+    ((1, 2, 1), "ddp", [(3, 1, 1), (1, 1, 3)]),  # uneven TP; tied across stages into one
 ]
 RESHARD_FULL = [
     ((1, 1, 1), "ddp", [(2, 2, 2), (1, 2, 2), (3, 1, 1)]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tp_ext.distributed import comm
@@ -40,9 +41,12 @@ def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
             if "forward_sync_buffers" in params
             else {"broadcast_buffers": False}
         )
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             module, device_ids=device_ids, process_group=parallel.dp_group, **no_sync
         )
+        if parallel.dp > 2:
+            ddp.register_comm_hook(parallel.dp_group, _reproducible_all_reduce)
+        return ddp
     from torch.distributed.fsdp import fully_shard
 
     mesh = parallel.mesh["dp"]
@@ -50,6 +54,21 @@ def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
+
+
+def _reproducible_all_reduce(group, bucket):  # -> Future[Tensor] (DDP checks no string)
+    """DDP's gradient average, one all-reduce per parameter instead of per bucket.
+
+    Why: DDP re-buckets the parameters after the first step, by the order their gradients were
+    ready. A ring all-reduce over 3 or more ranks adds each element's terms in an order that
+    depends on its offset in the buffer, so a run resumed from a checkpoint (its first step on
+    the initial buckets) would round differently from the run it continues. Per parameter, an
+    element's offset is fixed: resumed runs are bitwise the same. (Two ranks add a + b, which
+    is the same either way: they keep DDP's own bucketed all-reduce.)"""
+    size = group.size()
+    works = [dist.all_reduce(grad, group=group, async_op=True) for grad in bucket.gradients()]
+    done = torch.futures.collect_all([work.get_future() for work in works])
+    return done.then(lambda _: bucket.buffer().div_(size))
 
 
 @torch.no_grad()
