@@ -134,11 +134,11 @@ SAME = [
     ((1, 2, 2), "1F1B", "fsdp", 0.1, False, True),  # FSDP2's sharded optimizer state
     ((1, 2, 1), "Interleaved1F1B", "ddp", 0.1, False, False),
     ((1, 1, 3), "1F1B", "ddp", 0.1, False, False),  # DDP's re-bucketing, 3 ranks
+    ((1, 2, 1), "ZBVZeroBubble", "ddp", 0.1, True, True),  # both tied copies on rank 0
 ]
 SAME_FULL = [
     ((3, 1, 1), "1F1B", "ddp", 0.1, False, True),
     ((1, 2, 2), "1F1B", "ddp", 0.1, True, False),
-    ((1, 2, 1), "ZBVZeroBubble", "ddp", 0.1, True, True),
     ((2, 2, 2), "GPipe", "fsdp", 0.1, False, False),
 ]
 

@@ -35,6 +35,7 @@ __all__ = [
     "read_checkpoint",
     "PendingSave",
     "check_config",
+    "copy_tied",
     "model_fields",
 ]
 
@@ -96,24 +97,37 @@ class _Chunk(torch.Tensor):
         return self._local
 
 
-def checkpoint_tensors(model, *, prefix: str = "", tensor_of=None) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(
+    model, *, prefix: str = "", tensor_of=None, tied_copies: Optional[list] = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of ``model`` under its unsharded Hugging Face name(s), as DCP saves and loads
     them: replicated tensors as themselves, the rows this rank holds of sharded ones (TP shards,
     and FSDP2's data-parallel slices of them) as :class:`_Chunk` views at their offsets.
 
     ``tensor_of(tensor)`` replaces each model tensor by another of its shape and sharding (an
-    optimizer's state for that parameter), or None to leave it out; keys get ``prefix``."""
+    optimizer's state for that parameter), or None to leave it out; keys get ``prefix``.
+
+    A tied tensor (its checkpoint names all belong to an earlier entry) is saved once. Where it
+    is a separate copy on this rank (a tied embedding under a V-shaped pipeline: the first and
+    the last stage on one rank), ``(copy, original)`` goes into ``tied_copies``: a load fills
+    the original and must then copy it over."""
     layout = model_layout(model)
     entries = list(state_entries(model))
     tied = tied_names(entries, layout)
     state: dict[str, torch.Tensor] = {}
+    holder: dict[str, torch.Tensor] = {}  # checkpoint name -> the tensor saved under it
     for name, tensor, spec, owner in entries:
-        if name in tied:
-            continue
         if tensor_of is not None:
             tensor = tensor_of(tensor)
             if tensor is None:
                 continue
+        if name in tied:
+            original = holder.get(layout[name][0].name)
+            if tied_copies is not None and original is not None and original is not tensor:
+                tied_copies.append((tensor, original))
+            continue
+        for piece in layout[name]:
+            holder[piece.name] = tensor
         local, first_row, shape = _data_parallel_slice(tensor, name)
         if local.numel() == 0:  # FSDP2 gave this rank no rows of it
             continue
@@ -124,6 +138,13 @@ def checkpoint_tensors(model, *, prefix: str = "", tensor_of=None) -> dict[str, 
             else:
                 _add_chunk(state, prefix + key, block, offsets, size)
     return state
+
+
+@torch.no_grad()
+def copy_tied(tied_copies: list) -> None:
+    """After a load: give each separate copy of a tied tensor its original's values."""
+    for copy, original in tied_copies:
+        _data_parallel_slice(copy, "")[0].copy_(_data_parallel_slice(original, "")[0])
 
 
 def _data_parallel_slice(tensor: torch.Tensor, name: str):
@@ -340,11 +361,15 @@ def load_sharded(model, path: str) -> dict:
     dtypes) and model config first, on every rank; reads only the files the manifest lists.
     Returns the manifest (``tp`` it was saved at, ``step``)."""
 
+    copies: list = []
+
     def state_of(info, directory):
         check_config(directory, info, model)
-        return checkpoint_tensors(model)
+        copies.clear()
+        return checkpoint_tensors(model, tied_copies=copies)
 
     info, _ = read_checkpoint(path, state_of, formats=(SHARDED_FORMAT, TRAINING_FORMAT))
+    copy_tied(copies)
     return info
 
 

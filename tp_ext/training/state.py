@@ -33,6 +33,7 @@ from tp_ext.checkpoint.dcp import (
     PendingSave,
     check_config,
     checkpoint_tensors,
+    copy_tied,
     model_fields,
     read_checkpoint,
     write_checkpoint,
@@ -80,7 +81,7 @@ def _state_keys(optimizer) -> list[str]:
     return sorted(keys)
 
 
-def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+def _optimizer_tensors(model, optimizer, tied_copies=None) -> dict[str, torch.Tensor]:
     """The optimizer's per-parameter state, keyed ``optimizer.<key>.<checkpoint name>``."""
     state: dict[str, torch.Tensor] = {}
     for key in _state_keys(optimizer):
@@ -103,7 +104,12 @@ def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
             return value
 
         state.update(
-            checkpoint_tensors(model, prefix=f"{OPTIMIZER_PREFIX}{key}.", tensor_of=tensor_of)
+            checkpoint_tensors(
+                model,
+                prefix=f"{OPTIMIZER_PREFIX}{key}.",
+                tensor_of=tensor_of,
+                tied_copies=tied_copies,
+            )
         )
     return state
 
@@ -270,6 +276,7 @@ def load_training_state(trainer, path: str) -> dict:
     materialise_optimizer_state(optimizer)
     rank = _rank()
     same_layout = {"rng_rank": rank}
+    copies: list = []  # separate copies of a tied embedding on this rank, and their originals
 
     def state_of(info, directory):
         check_config(directory, info, model)
@@ -288,12 +295,14 @@ def load_training_state(trainer, path: str) -> dict:
         _check_saved("data", trainer.data, info.get("data"))
         if info.get("layout") != layout_of(trainer):
             same_layout["rng_rank"] = 0  # the streams of another layout: rank 0's, replicated
-        state = checkpoint_tensors(model)
-        state.update(_optimizer_tensors(model, optimizer))
+        copies.clear()
+        state = checkpoint_tensors(model, tied_copies=copies)
+        state.update(_optimizer_tensors(model, optimizer, tied_copies=copies))
         state.update(_rng_targets(same_layout["rng_rank"], info.get("cuda_rng_devices", 0)))
         return state
 
     info, state = read_checkpoint(path, state_of, formats=(TRAINING_FORMAT,))
+    copy_tied(copies)
     _restore_hyperparameters(optimizer, info["optimizer"]["param_groups"])
     _restore_rng(state, same_layout["rng_rank"])
     if trainer.lr_scheduler is not None:
