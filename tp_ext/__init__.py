@@ -1,14 +1,15 @@
 """tp_ext: tensor parallelism for PyTorch, with collectives and kernels as C++/CUDA torch ops.
 
 The package's layers, top to bottom (imports point down only; docs/architecture.md):
-cli > config > training > models > parallelize, checkpoint > layers > distributed > ops >
-sharding, validation.
+cli > config > training > pipeline > models > parallelize, checkpoint, data > layers >
+distributed > ops > sharding, validation.
 """
 
 import torch  # noqa: F401  (loads libtorch, which the extension links against)
 
 from tp_ext import (
     checkpoint,
+    data,
     layers,
     models,
     ops,  # noqa: F401  (loads tp_ext._C: registers torch.ops.tp_ext.* and fakes)
@@ -27,6 +28,7 @@ __all__ = [
     "random",
     "models",
     "checkpoint",
+    "data",
     "training",
     "parallelize",
     "auto_plan",
