@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tp_ext.checkpoint import MANIFEST, CheckpointError, complete_checkpoint, load_sharded
+from tp_ext.data import TokenBatches, TokenFile, write_token_file
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.training import Trainer, build_optimizer
 
@@ -30,29 +31,34 @@ GLOBAL_MICRO_BATCHES = 6  # micro-batches per step over every DP rank (1, 2 and 
 RTOL = 1e-5
 
 
-class _Batches:
-    """A Stateful data source with the property the resharding relies on: step s is the same
-    ``GLOBAL_MICRO_BATCHES`` micro-batches whatever the DP degree; DP rank r takes its share."""
+TOKEN_SEED = 3
 
-    def __init__(self, vocab: int, dp_rank: int, dp: int) -> None:
-        self.vocab, self.dp_rank, self.dp, self.step = vocab, dp_rank, dp, 0
 
-    def __next__(self):
-        g = torch.Generator().manual_seed(1000 + self.step)
-        batches = [
-            torch.randint(0, self.vocab, (MICRO_BATCH, SEQ), generator=g)
-            for _ in range(GLOBAL_MICRO_BATCHES)
-        ]
-        assert GLOBAL_MICRO_BATCHES % self.dp == 0, "every DP rank takes an equal share"
-        share = GLOBAL_MICRO_BATCHES // self.dp
-        self.step += 1
-        return batches[self.dp_rank * share : (self.dp_rank + 1) * share]
+def _tokens(checkpoint: str) -> str:
+    """The token file of a test: next to its checkpoint, written once by the test process
+    (random ids over the test model's vocabulary)."""
+    path = os.path.join(os.path.dirname(checkpoint), "tokens.bin")
+    if not os.path.exists(path) and not torch.distributed.is_initialized():
+        ids = torch.randint(
+            0, _config(4, False).vocab_size, (4000,), generator=torch.Generator().manual_seed(1)
+        )
+        write_token_file(path, ids)
+    return path
 
-    def state_dict(self):
-        return {"step": self.step}
 
-    def load_state_dict(self, state):
-        self.step = state["step"]
+def _batches(checkpoint: str, dp_rank: int, dp: int, vocab: int) -> TokenBatches:
+    """Step s is the same GLOBAL_MICRO_BATCHES micro-batches whatever the DP degree (what
+    resharding relies on); DP rank r takes its share."""
+    return TokenBatches(
+        TokenFile(_tokens(checkpoint)),
+        seq_len=SEQ,
+        global_batch=GLOBAL_MICRO_BATCHES * MICRO_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        seed=TOKEN_SEED,
+        vocab_size=vocab,
+    )
 
 
 def _optimizer(params):
@@ -63,7 +69,9 @@ def _warmup(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
 
 
-def _trainer(layout, schedule="1F1B", data_parallel="ddp", dropout=0.0, tie=False, **kwargs):
+def _trainer(
+    checkpoint, layout, schedule="1F1B", data_parallel="ddp", dropout=0.0, tie=False, **kwargs
+):
     tp, pp, dp = layout
     config = _config(4, tie, dropout)
     state, model = _build(config, tp, pp, dp, schedule)
@@ -79,7 +87,7 @@ def _trainer(layout, schedule="1F1B", data_parallel="ddp", dropout=0.0, tie=Fals
         max_grad_norm=MAX_NORM,
         data_parallel=data_parallel,
         lr_scheduler=_warmup,
-        data=_Batches(config.vocab_size, state.dp_rank, dp),
+        data=_batches(checkpoint, state.dp_rank, dp, config.vocab_size),
         **kwargs,
     )
 
@@ -99,7 +107,7 @@ def _train(
 ):
     """Losses and norms per step of a run that saves at SAVE_AT (``save``) or starts from a
     checkpoint (``load``)."""
-    trainer = _trainer(layout, schedule, data_parallel, dropout, tie, **kwargs)
+    trainer = _trainer(save or load, layout, schedule, data_parallel, dropout, tie, **kwargs)
     if load is not None:
         info = trainer.load_checkpoint(load)
         assert info["step"] == trainer.steps == SAVE_AT
@@ -119,6 +127,7 @@ def _world(layout) -> int:
 
 
 def _run(layout, *args, **kwargs):
+    _tokens(kwargs.get("save") or kwargs["load"])
     results = run_distributed(_train, _world(layout), layout, *args, timeout=300, **kwargs)
     for rank, result in enumerate(results):
         assert result == results[0], f"rank {rank}'s losses differ from rank 0's"
@@ -188,7 +197,7 @@ def _train_1d(path: str, load: bool):
         max_grad_norm=MAX_NORM,
         dp_group=state.dp_group,
         lr_scheduler=_warmup,
-        data=_Batches(model.config.vocab_size, state.dp_rank, 2),
+        data=_batches(path, state.dp_rank, 2, model.config.vocab_size),
     )
     if load:
         trainer.load_checkpoint(path)
@@ -209,6 +218,7 @@ def _train_1d(path: str, load: bool):
 
 def test_resume_without_a_pipeline(tmp_path):
     path = str(tmp_path / "ckpt")
+    _tokens(path)
     losses = run_distributed(_train_1d, 4, path, False)[0]
     resumed = run_distributed(_train_1d, 4, path, True)[0]
     assert resumed == {s: losses[s] for s in range(SAVE_AT + 1, STEPS + 1)}
@@ -286,7 +296,7 @@ def _killed(path: str, where: str):
     ``where``: a save of step 4 over the same path, an asynchronous one, or a load."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-    trainer = _trainer(KILL_LAYOUT, dropout=0.1)
+    trainer = _trainer(path, KILL_LAYOUT, dropout=0.1)
     for _ in range(SAVE_AT):
         trainer.step(next(trainer.data))
     trainer.save_checkpoint(path)
@@ -305,6 +315,7 @@ def _killed(path: str, where: str):
 @pytest.mark.parametrize("where", ["save", "async save", "load"])
 def test_a_rank_killed_mid_checkpoint_leaves_the_last_committed_one(tmp_path, where):
     path = str(tmp_path / "ckpt")
+    _tokens(path)
     outcome, report = launch_once(_killed, _world(KILL_LAYOUT), path, where, timeout=120)
     assert outcome[1] == (False, "process died (exit code -9)"), report
     assert outcome[0][0] is False, f"rank 0 went on without rank 1:\n{report}"
@@ -319,7 +330,7 @@ def test_a_rank_killed_mid_checkpoint_leaves_the_last_committed_one(tmp_path, wh
 
 
 def _load_with(path: str, change: str):
-    trainer = _trainer((1, 1, 1))
+    trainer = _trainer(path, (1, 1, 1))
     if change == "optimizer":
         trainer = Trainer(
             trainer.model,
