@@ -339,6 +339,10 @@ def _load_with(path: str, change: str):
         )
     elif change == "no data":
         trainer.data = None
+    elif change == "global batch":
+        trainer.data = TokenBatches(
+            TokenFile(_tokens(path)), seq_len=SEQ, global_batch=6, micro_batch_size=1
+        )
     elif change == "no schedule":
         trainer.lr_scheduler = None
     elif change == "model":
@@ -366,6 +370,7 @@ def _load_with(path: str, change: str):
         ("optimizer", "holds the state of a AdamW optimizer; this Trainer's is a SGD"),
         ("no data", "has data state, and this Trainer was given none"),
         ("no schedule", "has lr_scheduler state, and this Trainer was given none"),
+        ("global batch", "has global_batch=12, these batches global_batch=6: it would continue"),
         ("model", "is a 'tp_ext-dcp-v1' checkpoint, not one of \\['tp_ext-train-v1'\\]"),
         ("config", "num_hidden_layers=4; this model has num_hidden_layers=3"),
     ],

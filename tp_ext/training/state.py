@@ -275,7 +275,7 @@ def load_training_state(trainer, path: str) -> dict:
     model, optimizer = trainer.model, trainer.optimizer
     materialise_optimizer_state(optimizer)
     rank = _rank()
-    same_layout = {"rng_rank": rank}
+    rng_source = {"rank": rank}  # whose random streams this rank continues
     copies: list = []  # separate copies of a tied embedding on this rank, and their originals
 
     def state_of(info, directory):
@@ -293,24 +293,24 @@ def load_training_state(trainer, path: str) -> dict:
             )
         _check_saved("lr_scheduler", trainer.lr_scheduler, info.get("lr_scheduler"))
         _check_saved("data", trainer.data, info.get("data"))
+        if trainer.data is not None:  # first: a data mismatch is refused before any read
+            trainer.data.load_state_dict(info["data"])
         if info.get("layout") != layout_of(trainer):
-            same_layout["rng_rank"] = 0  # the streams of another layout: rank 0's, replicated
+            rng_source["rank"] = 0  # the streams of another layout: rank 0's, replicated
         copies.clear()
         state = checkpoint_tensors(model, tied_copies=copies)
         state.update(_optimizer_tensors(model, optimizer, tied_copies=copies))
-        state.update(_rng_targets(same_layout["rng_rank"], info.get("cuda_rng_devices", 0)))
+        state.update(_rng_targets(rng_source["rank"], info.get("cuda_rng_devices", 0)))
         return state
 
     info, state = read_checkpoint(path, state_of, formats=(TRAINING_FORMAT,))
     copy_tied(copies)
     _restore_hyperparameters(optimizer, info["optimizer"]["param_groups"])
-    _restore_rng(state, same_layout["rng_rank"])
+    _restore_rng(state, rng_source["rank"])
     if trainer.lr_scheduler is not None:
         trainer.lr_scheduler.load_state_dict(info["lr_scheduler"])
     if trainer.scaler is not None and info.get("loss_scale") is not None:
         trainer.scaler.load_state_dict(info["loss_scale"])
-    if trainer.data is not None:
-        trainer.data.load_state_dict(info["data"])
     trainer.steps = int(info["step"])
     trainer.skipped_steps = int(info.get("skipped_steps", 0))
     return info
