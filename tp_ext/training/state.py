@@ -294,7 +294,10 @@ def load_training_state(trainer, path: str) -> dict:
         _check_saved("lr_scheduler", trainer.lr_scheduler, info.get("lr_scheduler"))
         _check_saved("data", trainer.data, info.get("data"))
         if trainer.data is not None:  # first: a data mismatch is refused before any read
-            trainer.data.load_state_dict(info["data"])
+            try:
+                trainer.data.load_state_dict(info["data"])
+            except ValueError as e:
+                raise CheckpointError(f"{directory}: the data position does not fit: {e}") from e
         if info.get("layout") != layout_of(trainer):
             rng_source["rank"] = 0  # the streams of another layout: rank 0's, replicated
         copies.clear()
