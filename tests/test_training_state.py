@@ -341,7 +341,11 @@ def _load_with(path: str, change: str):
         trainer.data = None
     elif change == "global batch":
         trainer.data = TokenBatches(
-            TokenFile(_tokens(path)), seq_len=SEQ, global_batch=6, micro_batch_size=1
+            TokenFile(_tokens(path)),
+            seq_len=SEQ,
+            global_batch=6,
+            micro_batch_size=1,
+            seed=TOKEN_SEED,
         )
     elif change == "no schedule":
         trainer.lr_scheduler = None
