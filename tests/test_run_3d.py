@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tp_ext.cli import main
-from tp_ext.cli.run import _degrees
+from tp_ext.cli.run import degrees_of
 from tp_ext.config import JobConfig, ParallelSettings
 from tp_ext.models import ConfigError
 
@@ -251,7 +251,7 @@ def test_layouts_that_cannot_run_exit_2_naming_the_flag(world, flags, message, c
 
 def test_degrees_fill_what_is_left():
     def degrees(world, tp=None, **parallel):
-        return _degrees(ParallelSettings(**parallel), {"tp": tp}, world)
+        return degrees_of(ParallelSettings(**parallel), {"tp": tp}, world)
 
     assert degrees(8) == (8, 1, 1)  # TP takes every rank, as before
     assert degrees(8, pp=2) == (4, 2, 1)

@@ -3,11 +3,16 @@
 tp_ext's config files (configs/*.yaml) have one section per concern, each validated by the
 class that owns it::
 
-    model:     the architecture (tp_ext.models.Qwen2Config)
-    parallel:  {tp, pp, dp, dtype, seed,            (ParallelSettings, below)
-                schedule, virtual_stages, data_parallel,
-                micro_batches, activation_checkpointing}
-    optimizer: {lr, weight_decay, betas}           (tp_ext.training.OptimizerSettings)
+    model:      the architecture (tp_ext.models.Qwen2Config)
+    parallel:   {tp, pp, dp, dtype, seed,            (ParallelSettings, below)
+                 schedule, virtual_stages, data_parallel,
+                 micro_batches, activation_checkpointing}
+    optimizer:  {lr, weight_decay, betas,           (tp_ext.training.OptimizerSettings)
+                 lr_schedule, warmup_steps, min_lr, decay_steps}
+    data:       {path, dtype, seq_len, global_batch, (DataSettings: tp-ext train)
+                 micro_batch_size, seed}
+    checkpoint: {dir, save_every, keep_last,        (CheckpointSettings: tp-ext train)
+                 async_save}
 
 Unknown sections and fields are errors that name them; every value is checked when the file is
 read, before anything is built.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from tp_ext.data import TOKEN_DTYPES
 from tp_ext.models import Qwen2Config
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
 from tp_ext.pipeline.schedules import check_micro_batches
@@ -27,6 +33,8 @@ from tp_ext.validation import ConfigError, Field, check_fields, check_unknown, r
 __all__ = [
     "JobConfig",
     "ParallelSettings",
+    "DataSettings",
+    "CheckpointSettings",
     "DTYPES",
     "PARALLEL_FIELDS",
     "check_pipeline_fields",
@@ -148,7 +156,82 @@ class ParallelSettings:
         return SCHEDULES[self.schedule].order
 
 
-_SECTIONS = {"parallel": ParallelSettings, "optimizer": OptimizerSettings}
+# A token file of ~10^12 tokens at most, sequences up to 2**20; batches up to 2**24 sequences.
+DATA_FIELDS = {
+    "dtype": Field("choice", choices=tuple(TOKEN_DTYPES)),
+    "seq_len": Field("int", 2, 2**20),
+    "global_batch": Field("int", 1, 2**24),
+    "micro_batch_size": Field("int", 1, 2**20),
+    "seed": Field("int", 0, 2**62),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """The token file of ``tp-ext train`` (``path``, or ``--data``) and how it is batched
+    (:class:`tp_ext.data.TokenBatches`): ``global_batch`` sequences of ``seq_len`` tokens per
+    step, over every DP rank, in micro-batches of ``micro_batch_size``."""
+
+    path: Optional[str] = None
+    dtype: str = "uint16"
+    seq_len: int = 128
+    global_batch: int = 8
+    micro_batch_size: int = 1
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not isinstance(self.path, str):
+            raise ConfigError(f"data.path must be a file path (a string), got {self.path!r}")
+        check_fields("data.", dataclasses.asdict(self), DATA_FIELDS)
+
+    def micro_batches(self, dp: int, name: Callable[[str], str] = lambda f: f"data.{f}") -> int:
+        """Micro-batches per step on each of ``dp`` DP ranks; an error when they cannot split."""
+        per_step = dp * self.micro_batch_size
+        if self.global_batch % per_step:
+            works = list(range(per_step, 4 * per_step + 1, per_step))
+            raise ConfigError(
+                f"{name('global_batch')} {self.global_batch} must be divisible by dp x "
+                f"{name('micro_batch_size')} = {dp} x {self.micro_batch_size} = {per_step}; "
+                f"values that work: {works}"
+            )
+        return self.global_batch // per_step
+
+
+CHECKPOINT_FIELDS = {
+    "save_every": Field("int", 1, 10**9),
+    "keep_last": Field("int", 1, 10**6),
+    "async_save": Field("bool"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """Where and how often ``tp-ext train`` saves: ``dir`` (or ``--checkpoint-dir``) holds
+    ``step-<N>`` checkpoints, one every ``save_every`` steps and one at the end, the newest
+    ``keep_last`` kept (None: all); ``async_save`` writes them while training goes on."""
+
+    dir: Optional[str] = None
+    save_every: int = 100
+    keep_last: Optional[int] = None
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dir is not None and not isinstance(self.dir, str):
+            raise ConfigError(
+                f"checkpoint.dir must be a directory path (a string), got {self.dir!r}"
+            )
+        values = dataclasses.asdict(self)
+        if values["keep_last"] is None:
+            del values["keep_last"]
+        check_fields("checkpoint.", values, CHECKPOINT_FIELDS)
+
+
+_SECTIONS = {
+    "parallel": ParallelSettings,
+    "optimizer": OptimizerSettings,
+    "data": DataSettings,
+    "checkpoint": CheckpointSettings,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +239,8 @@ class JobConfig:
     model: Qwen2Config
     parallel: ParallelSettings = ParallelSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
+    data: DataSettings = DataSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
 
     def __post_init__(self) -> None:  # each section checked its own values when it was built
         for name, kind in (("model", Qwen2Config), *_SECTIONS.items()):
@@ -189,9 +274,9 @@ class JobConfig:
         (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``schedule``, ``virtual_stages``,
         ``data_parallel``, ``micro_batches``, ``activation_checkpointing``, ``lr``,
         ``weight_decay``, ``betas``); flags that are None are left as the file has them."""
-        names = {
-            section: {f.name for f in dataclasses.fields(kind)}
-            for section, kind in _SECTIONS.items()
+        names = {  # data.seed / data.dtype are not parallel.seed / parallel.dtype
+            section: {f.name for f in dataclasses.fields(_SECTIONS[section])}
+            for section in ("parallel", "optimizer")
         }
         known = sorted(set().union(*names.values()))
         unknown = sorted(set(flags) - set(known))

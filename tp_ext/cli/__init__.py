@@ -1,7 +1,9 @@
 """``tp-ext`` (also ``python -m tp_ext``): the command-line applications on top of the library.
-Each command lives in its own module (``run``, ``demo``); this one parses the arguments.
+Each command lives in its own module (``run``, ``train``, ``demo``); this one parses the arguments.
 
     torchrun --standalone --nproc-per-node 8 -m tp_ext run configs/qwen2-72b.yaml
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m tp_ext train \
+        configs/train-tiny.yaml --data tokens.bin --steps 100 --checkpoint-dir ckpt
     tp-ext plan configs/qwen2-72b.yaml --tp 8 --pp 4
     torchrun --standalone --nproc-per-node 4 -m tp_ext demo
 """
@@ -11,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tp_ext.cli.flags import BETA, RUN_FIELDS, flag_type
-from tp_ext.config import DTYPES, PARALLEL_FIELDS
+from tp_ext.cli.flags import BETA, RUN_FIELDS, TRAIN_FIELDS, flag_type
+from tp_ext.config import CHECKPOINT_FIELDS, DTYPES, PARALLEL_FIELDS
 from tp_ext.sharding import STAGE_ORDERS
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 
@@ -73,7 +75,25 @@ def _run(args) -> int:
     """The main job: see tp_ext/cli/run.py."""
     from tp_ext.cli.run import run
 
-    overrides = {
+    overrides = _overrides(args)
+    try:
+        return run(
+            args.config,
+            overrides,
+            small_path=args.small,
+            workdir=args.workdir,
+            steps=args.steps,
+            max_new_tokens=args.max_new_tokens,
+            max_grad_norm=args.max_grad_norm,
+        )
+    except ValueError as e:  # ConfigError included
+        print(f"tp-ext run: {e}", file=sys.stderr)
+        return 2
+
+
+def _overrides(args) -> dict:
+    """The parallel and optimizer fields the flags set (None: as the config has them)."""
+    return {
         "tp": args.tp,
         "pp": args.pp,
         "dp": args.dp,
@@ -88,19 +108,75 @@ def _run(args) -> int:
         "weight_decay": args.weight_decay,
         "betas": args.betas,
     }
+
+
+def _train(args) -> int:
+    """Training on a token file with resumable checkpoints: see tp_ext/cli/train.py."""
+    from tp_ext.cli.train import train
+
     try:
-        return run(
+        return train(
             args.config,
-            overrides,
-            small_path=args.small,
-            workdir=args.workdir,
+            _overrides(args),
+            data=args.data,
             steps=args.steps,
-            max_new_tokens=args.max_new_tokens,
+            checkpoint_dir=args.checkpoint_dir,
+            save_every=args.save_every,
+            keep_last=args.keep_last,
+            async_save=args.async_save,
+            resume=args.resume,
             max_grad_norm=args.max_grad_norm,
         )
-    except ValueError as e:  # ConfigError included
-        print(f"tp-ext run: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError included
+        print(f"tp-ext train: {e}", file=sys.stderr)
         return 2
+
+
+def _parallel_flags(parser, tp_help: str, dtype_help: str) -> None:
+    """The flags that override the config's parallel and optimizer sections (run and train)."""
+    group = parser.add_argument_group("overrides of the config's parallel and optimizer settings")
+    group.add_argument("--tp", type=flag_type(PARALLEL_FIELDS["tp"]), help=tp_help)
+    group.add_argument(
+        "--pp", type=flag_type(PARALLEL_FIELDS["pp"]), help="pipeline-parallel degree (stages)"
+    )
+    group.add_argument(
+        "--dp",
+        type=flag_type(PARALLEL_FIELDS["dp"]),
+        help="data-parallel degree (default: the ranks TP and PP leave)",
+    )
+    group.add_argument(
+        "--schedule",
+        choices=PARALLEL_FIELDS["schedule"].choices,
+        help="pipeline schedule (default 1F1B); ZBVZeroBubble and DualPipeV need "
+        "--virtual-stages 2",
+    )
+    group.add_argument(
+        "--virtual-stages",
+        type=flag_type(PARALLEL_FIELDS["virtual_stages"]),
+        help="pipeline stages per rank (default 1; >1 needs an interleaved or V schedule)",
+    )
+    group.add_argument(
+        "--data-parallel",
+        choices=PARALLEL_FIELDS["data_parallel"].choices,
+        help="how DP replicas synchronise: ddp (default) or fsdp (FSDP2, parameters sharded)",
+    )
+    group.add_argument(
+        "--micro-batches",
+        type=flag_type(PARALLEL_FIELDS["micro_batches"]),
+        help="micro-batches per step (pipeline micro-batches and gradient accumulation; "
+        "default max(2, pp x virtual stages))",
+    )
+    group.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each decoder layer in backward (default: the config's, else off)",
+    )
+    group.add_argument("--dtype", choices=DTYPES, help=dtype_help)
+    group.add_argument("--seed", type=flag_type(PARALLEL_FIELDS["seed"]))
+    group.add_argument("--lr", type=flag_type(OPTIMIZER_FIELDS["lr"]))
+    group.add_argument("--weight-decay", type=flag_type(OPTIMIZER_FIELDS["weight_decay"]))
+    group.add_argument("--betas", type=flag_type(BETA), nargs=2)
 
 
 def main(argv=None) -> int:
@@ -190,59 +266,77 @@ def main(argv=None) -> int:
         "be empty or one an earlier tp-ext run wrote: anything else is refused, never written "
         "into. Default: a fresh private temporary directory (mode 0700), removed at the end",
     )
-    group = run.add_argument_group("overrides of the config's parallel and optimizer settings")
-    group.add_argument(
-        "--tp",
-        type=flag_type(PARALLEL_FIELDS["tp"]),
-        help="TP degree (default: the ranks PP and DP leave; the config's tp is the plan's)",
+    _parallel_flags(
+        run,
+        tp_help="TP degree (default: the ranks PP and DP leave; the config's tp is the plan's)",
+        dtype_help="dtype of the small model (default float32)",
     )
-    group.add_argument(
-        "--pp", type=flag_type(PARALLEL_FIELDS["pp"]), help="pipeline-parallel degree (stages)"
-    )
-    group.add_argument(
-        "--dp",
-        type=flag_type(PARALLEL_FIELDS["dp"]),
-        help="data-parallel degree (default: the ranks TP and PP leave)",
-    )
-    group.add_argument(
-        "--schedule",
-        choices=PARALLEL_FIELDS["schedule"].choices,
-        help="pipeline schedule (default 1F1B); ZBVZeroBubble and DualPipeV need "
-        "--virtual-stages 2",
-    )
-    group.add_argument(
-        "--virtual-stages",
-        type=flag_type(PARALLEL_FIELDS["virtual_stages"]),
-        help="pipeline stages per rank (default 1; >1 needs an interleaved or V schedule)",
-    )
-    group.add_argument(
-        "--data-parallel",
-        choices=PARALLEL_FIELDS["data_parallel"].choices,
-        help="how DP replicas synchronise: ddp (default) or fsdp (FSDP2, parameters sharded)",
-    )
-    group.add_argument(
-        "--micro-batches",
-        type=flag_type(PARALLEL_FIELDS["micro_batches"]),
-        help="micro-batches per step (pipeline micro-batches and gradient accumulation; "
-        "default max(2, pp x virtual stages))",
-    )
-    group.add_argument(
-        "--activation-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="recompute each decoder layer in backward (default: the config's, else off)",
-    )
-    group.add_argument("--dtype", choices=DTYPES, help="dtype of the small model (default float32)")
-    group.add_argument("--seed", type=flag_type(PARALLEL_FIELDS["seed"]))
-    group.add_argument("--lr", type=flag_type(OPTIMIZER_FIELDS["lr"]))
-    group.add_argument("--weight-decay", type=flag_type(OPTIMIZER_FIELDS["weight_decay"]))
-    group.add_argument("--betas", type=flag_type(BETA), nargs=2)
     run.add_argument(
         "--steps", type=flag_type(RUN_FIELDS["steps"]), default=6, help="training steps (default 6)"
     )
     run.add_argument("--max-new-tokens", type=flag_type(RUN_FIELDS["max-new-tokens"]), default=16)
     run.add_argument("--max-grad-norm", type=flag_type(RUN_FIELDS["max-grad-norm"]), default=1.0)
     run.set_defaults(func=_run)
+    train = sub.add_parser(
+        "train",
+        help="train the config's model on a token file (launch with torchrun), saving "
+        "resumable checkpoints; resumes after a kill, at any layout",
+    )
+    train.add_argument(
+        "config",
+        help="tp_ext YAML/JSON job config (model, parallel, optimizer, data, checkpoint sections)",
+    )
+    train.add_argument(
+        "--data",
+        default=None,
+        help="token file (flat uint16/uint32 ids; default: the config's data.path)",
+    )
+    train.add_argument(
+        "--steps",
+        type=flag_type(TRAIN_FIELDS["steps"]),
+        required=True,
+        help="train up to this step",
+    )
+    train.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoints step-<N> and "
+        "metrics.jsonl go here (default: the config's checkpoint.dir)",
+    )
+    train.add_argument(
+        "--save-every",
+        type=flag_type(CHECKPOINT_FIELDS["save_every"]),
+        help="save every K steps, and after the last (default: the config's)",
+    )
+    train.add_argument(
+        "--keep-last",
+        type=flag_type(CHECKPOINT_FIELDS["keep_last"]),
+        help="keep the newest M checkpoints (default: the config's, else all)",
+    )
+    train.add_argument(
+        "--async-save",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write checkpoints while training goes on (default: the config's)",
+    )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest "
+        "complete checkpoint in the directory (automatic after a torchrun restart)",
+    )
+    train.add_argument(
+        "--max-grad-norm",
+        type=flag_type(RUN_FIELDS["max-grad-norm"]),
+        default=1.0,
+        help="clip gradients to this norm (default 1.0)",
+    )
+    _parallel_flags(
+        train,
+        tp_help="TP degree (default: the ranks PP and DP leave)",
+        dtype_help="dtype of the parameters (default: the config's parallel.dtype)",
+    )
+    train.set_defaults(func=_train)
     args = parser.parse_args(argv)
     return args.func(args)
 

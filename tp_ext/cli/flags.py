@@ -8,7 +8,7 @@ import argparse
 
 from tp_ext.validation import Field
 
-__all__ = ["RUN_FIELDS", "BETA", "flag_type"]
+__all__ = ["RUN_FIELDS", "TRAIN_FIELDS", "BETA", "flag_type"]
 
 # tp-ext run's own flags (its parallel ones, --micro-batches included, are config fields:
 # PARALLEL_FIELDS). Bounds keep a typo from running for hours or filling memory: the toy batch
@@ -18,6 +18,7 @@ RUN_FIELDS = {
     "max-new-tokens": Field("int", 1, 2**20),
     "max-grad-norm": Field("float", 0, low_open=True),
 }
+TRAIN_FIELDS = {"steps": Field("int", 1, 10**9)}
 BETA = Field("float", 0, 1, high_open=True)  # one of --betas' two values
 
 

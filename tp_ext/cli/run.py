@@ -74,7 +74,7 @@ _SEQ = 32  # tokens per training sequence
 _ROWS = 4  # sequences per micro-batch
 
 
-def _namer(overrides: dict):
+def flag_namer(overrides: dict):
     """How a parallel field is called in a message: as the flag the user typed, or as the
     config field it came from."""
 
@@ -118,11 +118,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degrees(parallel, overrides: dict, world: int) -> tuple[int, int, int]:
+def degrees_of(parallel, overrides: dict, world: int) -> tuple[int, int, int]:
     """(tp, pp, dp) over ``world`` ranks: pp and dp as the flags or the config say (dp None:
     the ranks TP and PP leave), tp as --tp says (default: the ranks PP and DP leave). An error
     names the first degree that does not fit, and the values of it that would."""
-    name = _namer(overrides)
+    name = flag_namer(overrides)
     degrees = {"pp": parallel.pp, "dp": parallel.dp, "tp": overrides.get("tp")}
     fixed = {k: v for k, v in degrees.items() if v is not None}
     free = len(fixed) < len(degrees)
@@ -191,20 +191,20 @@ def run(
     given = {k: v for k, v in overrides.items() if k in fields and v is not None}
     merged = dict(dataclasses.asdict(from_file.parallel), **given)
     check_fields("--", {k.replace("_", "-"): v for k, v in given.items()}, _FLAG_FIELDS)
-    check_pipeline_fields(merged, _namer(overrides))
+    check_pipeline_fields(merged, flag_namer(overrides))
     job = from_file.with_overrides(**overrides)
     if overrides.get("tp"):
         job.model.check_tp(overrides["tp"])
     small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
     small = small_job.model if small_path else job.model.tiny()
-    tp, pp, dp = _degrees(job.parallel, overrides, world)
+    tp, pp, dp = degrees_of(job.parallel, overrides, world)
     job.model.check_tp(tp)
     small.check_tp(tp)
     p = job.parallel
     stages = pp * p.virtual_stages
     if small.num_hidden_layers < stages:
         if small_path:
-            name = _namer(overrides)
+            name = flag_namer(overrides)
             raise ValueError(
                 f"--small {small_path}: its {small.num_hidden_layers} decoder layers cannot fill "
                 f"{name('pp')} {pp} x {name('virtual_stages')} {p.virtual_stages} = {stages} "

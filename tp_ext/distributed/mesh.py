@@ -98,6 +98,28 @@ def _resolve_sizes(world: int, tp: int, pp: int, dp: Optional[int]) -> int:
     return dp
 
 
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchrun's agent store, a store whose keys are this restart's own.
+
+    Why: torch (2.13) has workers of every restart share the agent's TCPStore without a prefix
+    per attempt, so after torchrun restarts a group, a worker can read the gloo address a
+    killed worker published in the previous attempt and fail to connect (or wait forever),
+    whenever the workers take more than a moment to start. Keys under
+    ``tp_ext/attempt_<TORCHELASTIC_RESTART_COUNT>`` are never stale. None: not under torchrun's
+    agent store (``env://`` as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"tp_ext/attempt_{attempt}", store)
+
+
 def init_parallel(
     tp: int,
     pp: int = 1,
@@ -123,7 +145,17 @@ def init_parallel(
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
     backend = dist.get_backend()
     world = dist.get_world_size()
     dp = _resolve_sizes(world, tp, pp, dp)

@@ -1,29 +1,57 @@
-"""AdamW with Megatron's parameter groups, and its settings (the ``optimizer:`` section of a job
-config)."""
+"""AdamW with Megatron's parameter groups, its learning-rate schedule, and their settings (the
+``optimizer:`` section of a job config)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
 from torch import nn
 
-from tp_ext.validation import Field, check_fields
+from tp_ext.validation import ConfigError, Field, check_fields
 
-__all__ = ["OptimizerSettings", "OPTIMIZER_FIELDS", "build_optimizer"]
+__all__ = [
+    "OptimizerSettings",
+    "OPTIMIZER_FIELDS",
+    "LR_SCHEDULES",
+    "build_optimizer",
+    "build_lr_scheduler",
+]
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW, with Megatron's defaults for large models."""
+    """AdamW, with Megatron's defaults for large models, and its learning-rate schedule:
+    ``warmup_steps`` of linear warmup, then ``lr_schedule`` from ``lr`` down to ``min_lr`` at
+    step ``decay_steps`` (None: the job's last step), flat after it."""
 
     lr: float = 1.5e-4
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    decay_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
-        check_fields("optimizer.", dataclasses.asdict(self), OPTIMIZER_FIELDS)
+        values = dataclasses.asdict(self)
+        if values["decay_steps"] is None:
+            del values["decay_steps"]
+        check_fields("optimizer.", values, OPTIMIZER_FIELDS)
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"optimizer.min_lr {self.min_lr:g} is above optimizer.lr {self.lr:g}; the "
+                "schedule decays from lr down to min_lr"
+            )
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"optimizer.decay_steps {self.decay_steps} must be above optimizer.warmup_steps "
+                f"{self.warmup_steps} (the decay runs from the end of warmup to decay_steps)"
+            )
 
 
 # AdamW diverges far below lr 1; weight decay above 1 would shrink weights by more than lr per
@@ -32,6 +60,10 @@ OPTIMIZER_FIELDS = {
     "lr": Field("float", 0, 1, low_open=True),
     "weight_decay": Field("float", 0, 1),
     "betas": Field("betas"),
+    "lr_schedule": Field("choice", choices=LR_SCHEDULES),
+    "warmup_steps": Field("int", 0, 10**9),
+    "min_lr": Field("float", 0, 1),
+    "decay_steps": Field("int", 1, 10**9),
 }
 
 
@@ -67,3 +99,31 @@ def build_optimizer(
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(settings.lr), betas=betas)
+
+
+def lr_factor(settings: OptimizerSettings, total_steps: int, step: int) -> float:
+    """The learning rate after ``step`` optimizer steps, as a fraction of ``settings.lr``."""
+    warmup = settings.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if settings.lr_schedule == "constant":
+        return 1.0
+    floor = settings.min_lr / settings.lr
+    end = settings.decay_steps if settings.decay_steps is not None else total_steps
+    progress = min(1.0, (step - warmup) / max(1, end - warmup))
+    if settings.lr_schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * (1 - progress)
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, settings: OptimizerSettings, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``settings``' schedule over ``optimizer`` (every group scaled alike) for a run of
+    ``total_steps`` steps. A LambdaLR: its ``state_dict()`` is plain numbers, so a Trainer
+    checkpoint holds it in its JSON manifest."""
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(settings, total_steps, step)
+    )

@@ -1,0 +1,326 @@
+"""``tp-ext train``: flags and config sections checked before torch.distributed starts, the LR
+schedule, the checkpoint directory (only published checkpoints count), and the command under
+torchrun: a run stopped and resumed (``--resume``) equals a straight run bitwise at the same
+layout and within 1e-5 at another; under ``torchrun --max-restarts 3`` a worker SIGKILLed in the
+middle of training is restarted with its group and the whole run's losses equal an uninterrupted
+run's, bitwise."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tp_ext.checkpoint import save_sharded
+from tp_ext.cli import main
+from tp_ext.data import byte_tokens, write_token_file
+from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
+from tp_ext.training import OptimizerSettings, build_lr_scheduler
+from tp_ext.training.checkpoint_dir import (
+    keep_newest,
+    newest,
+    published,
+    remove_unpublished,
+    step_path,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "train-tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    """Byte-level tokens of real English text: this repository's README."""
+    path = str(tmp_path_factory.mktemp("data") / "tokens.bin")
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        write_token_file(path, byte_tokens(f.read()))
+    return path
+
+
+# ---- flags and config, before torch.distributed -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "2", "--checkpoint-dir", "{tmp}/c"], "no token file: give --data"),
+        (["--steps", "2", "--data", "{tokens}"], "no checkpoint directory: give --checkpoint-dir"),
+        (["--steps", "2", "--data", "{tmp}/none.bin", "--checkpoint-dir", "{tmp}/c"], "none.bin"),
+        (
+            ["--steps", "2", "--data", "{tokens}", "--checkpoint-dir", "{tmp}/c", "--dp", "3"],
+            "data.global_batch 8 must be divisible by dp x data.micro_batch_size = 3 x 2 = 6",
+        ),
+        (
+            ["--steps", "2", "--data", "{tokens}", "--checkpoint-dir", "{tmp}/c"]
+            + ["--micro-batches", "3"],
+            "--micro-batches 3 disagrees with the data section: data.global_batch 8 / "
+            r"\(dp 1 x data.micro_batch_size 2\) = 4",
+        ),
+        (
+            ["--steps", "2", "--data", "{tokens}", "--checkpoint-dir", "{tmp}/c", "--pp", "2"]
+            + ["--dp", "1", "--schedule", "ZBVZeroBubble"],
+            "ZBVZeroBubble' needs virtual_stages=2",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_starts(
+    tmp_path, tokens, flags, message, capsys, monkeypatch
+):
+    args = [f.format(tmp=tmp_path, tokens=tokens) for f in flags]
+    dp = flags[flags.index("--dp") + 1] if "--dp" in flags else "1"
+    pp = flags[flags.index("--pp") + 1] if "--pp" in flags else "1"
+    monkeypatch.setenv("WORLD_SIZE", str(int(dp) * int(pp)))  # as torchrun would set it
+    assert main(["train", TINY, *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not os.path.exists(tmp_path / "c"), "nothing is created for a refused run"
+
+
+def test_flag_types_are_checked_by_argparse(capsys):
+    for flags, says in [
+        (["--steps", "0"], "--steps: must be an integer in [1"),
+        (["--steps", "3", "--save-every", "0"], "--save-every: must be an integer in [1"),
+        (["--steps", "3", "--keep-last", "x"], "--keep-last: must be an integer"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(["train", TINY, *flags])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+# ---- the learning-rate schedule ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_lr_schedule(schedule):
+    settings = OptimizerSettings(
+        lr=1e-3, lr_schedule=schedule, warmup_steps=4, min_lr=1e-4, decay_steps=14
+    )
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=settings.lr)
+    scheduler = build_lr_scheduler(optimizer, settings, total_steps=100)
+    lrs = []
+    for _ in range(20):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    warmup = [1e-3 * (s + 1) / 4 for s in range(4)]
+
+    def after(step):
+        progress = min(1.0, (step - 4) / 10)
+        if schedule == "constant":
+            return 1e-3
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return 1e-4 + (1e-3 - 1e-4) * shape
+
+    expected = warmup + [after(s) for s in range(4, 20)]
+    assert lrs == pytest.approx(expected, rel=1e-12, abs=0)
+    if schedule != "constant":
+        assert lrs[14:] == pytest.approx([1e-4] * 6), "flat at min_lr after decay_steps"
+
+
+def test_lr_settings_errors():
+    from tp_ext.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="optimizer.min_lr 0.1 is above optimizer.lr 0.001"):
+        OptimizerSettings(lr=1e-3, min_lr=0.1)
+    with pytest.raises(ConfigError, match="optimizer.decay_steps 3 must be above"):
+        OptimizerSettings(warmup_steps=5, decay_steps=3)
+    with pytest.raises(ConfigError, match="optimizer.lr_schedule must be one of constant"):
+        OptimizerSettings(lr_schedule="exp")
+
+
+# ---- the checkpoint directory -------------------------------------------------------------------
+
+
+def test_only_published_checkpoints_count(tmp_path):
+    config = Qwen2Config.from_dict(
+        dict(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        )
+    )
+    model = Qwen2ForCausalLM(config)
+    directory = str(tmp_path)
+    for step in (2, 4, 6):
+        save_sharded(model, step_path(directory, step), step=step)
+    # a save killed before it was published: its version directory, no link
+    os.makedirs(os.path.join(directory, "step-00000008.versions", "v-x"))
+    # a link to a version that lost its manifest
+    os.makedirs(os.path.join(directory, "step-00000010.versions", "v-y"))
+    os.symlink("step-00000010.versions/v-y", os.path.join(directory, "step-00000010"))
+    assert [s for s, _ in published(directory)] == [2, 4, 6]
+    assert newest(directory) == (6, step_path(directory, 6))
+    assert remove_unpublished(directory) == ["step-00000008.versions"]
+    assert keep_newest(directory, 2) == [step_path(directory, 2)]
+    assert [s for s, _ in published(directory)] == [4, 6]
+    assert sorted(os.listdir(directory)) == [
+        "step-00000004",
+        "step-00000004.versions",
+        "step-00000006",
+        "step-00000006.versions",
+        "step-00000010",
+        "step-00000010.versions",
+    ]
+
+
+# ---- the command under torchrun -----------------------------------------------------------------
+
+
+def _torchrun(nproc: int, flags: list[str], restarts: int = 0) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(nproc), "--max-restarts", str(restarts)]
+    return subprocess.Popen(
+        [*command, "-m", "tp_ext", "train", TINY, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,  # a test that times out kills the whole group
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_all(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"tp-ext train did not finish in {timeout} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+    return err
+
+
+def _train(nproc, tokens, directory, steps, *extra, restarts=0, timeout=300) -> str:
+    flags = ["--data", tokens, "--checkpoint-dir", str(directory), "--steps", str(steps)]
+    return _finish(_torchrun(nproc, [*flags, "--save-every", "2", *extra], restarts), timeout)
+
+
+def _metrics(directory) -> dict[int, dict]:
+    lines = [json.loads(line) for line in open(os.path.join(directory, "metrics.jsonl"))]
+    steps = [entry["step"] for entry in lines]
+    assert steps == sorted(set(steps)), f"each step once, in order: {steps}"
+    return {entry["step"]: entry for entry in lines}
+
+
+LAYOUTS = {  # name: (ranks, flags)
+    "single": (1, []),
+    "tp2": (2, ["--tp", "2"]),
+    "pp2-dp2": (4, ["--tp", "1", "--pp", "2", "--dp", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2-dp2"])
+def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, layout):
+    nproc, flags = LAYOUTS[layout]
+    _train(nproc, tokens, tmp_path / "straight", 8, *flags)
+    _train(nproc, tokens, tmp_path / "stopped", 4, *flags, "--async-save")
+    err = _train(nproc, tokens, tmp_path / "stopped", 8, *flags, "--resume", "--async-save")
+    assert "resumed from" in err and "(step 4," in err
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "stopped")
+    assert sorted(straight) == sorted(resumed) == list(range(1, 9))
+    for step in straight:
+        assert resumed[step]["loss"] == straight[step]["loss"], f"step {step} (bitwise)"
+        assert resumed[step]["grad_norm"] == straight[step]["grad_norm"], f"step {step}"
+        assert resumed[step]["lr"] == straight[step]["lr"]
+    assert straight[8]["loss"] < straight[1]["loss"] / 2, "it learns"
+    assert [s for s, _ in published(str(tmp_path / "stopped"))] == [4, 6, 8], "keep_last 3"
+
+
+def test_resume_at_another_layout(tmp_path, tokens):
+    _train(1, tokens, tmp_path / "straight", 6)
+    _train(1, tokens, tmp_path / "moved", 4)
+    _, flags = LAYOUTS["pp2-dp2"]
+    err = _train(4, tokens, tmp_path / "moved", 6, *flags, "--resume")
+    assert "saved at tp=1 pp=1 dp=1" in err
+    straight, moved = _metrics(tmp_path / "straight"), _metrics(tmp_path / "moved")
+    for step in (5, 6):
+        assert moved[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-5, abs=0)
+
+
+def test_existing_checkpoints_need_resume(tmp_path, tokens):
+    _train(1, tokens, tmp_path, 2)
+    proc = _torchrun(1, ["--data", tokens, "--checkpoint-dir", str(tmp_path), "--steps", "4"])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "holds checkpoints (the newest after step 2): pass --resume" in err
+
+
+def _workers(torchrun_pid: int) -> list[int]:
+    """The worker processes torchrun started (its children running tp_ext)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if parent == torchrun_pid and b"tp_ext" in cmdline:
+            children.append(int(entry))
+    return children
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    """torchrun and its workers (each in a process group of its own)."""
+    for pid in _workers(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_a_worker_after(proc, directory, step: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    metrics = os.path.join(directory, "metrics.jsonl")
+    while time.monotonic() < deadline:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= step:
+            workers = _workers(proc.pid)
+            if workers:
+                os.kill(workers[-1], signal.SIGKILL)
+                return workers[-1]
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    _kill_all(proc)
+    raise AssertionError(f"training never reached step {step}: {proc.communicate()[1][-3000:]}")
+
+
+ELASTIC = [("tp2", 7, 14), pytest.param("pp2-dp2", 5, 12, marks=pytest.mark.full_matrix)]
+
+
+@pytest.mark.parametrize("layout, kill_after, steps", ELASTIC)
+def test_a_killed_worker_is_restarted_and_the_run_is_bitwise_the_same(
+    tmp_path, tokens, layout, kill_after, steps
+):
+    nproc, flags = LAYOUTS[layout]
+    _train(nproc, tokens, tmp_path / "straight", steps, *flags)
+    directory = tmp_path / "elastic"
+    proc = _torchrun(
+        nproc,
+        ["--data", tokens, "--checkpoint-dir", str(directory), "--steps", str(steps)]
+        + ["--save-every", "2", *flags],
+        restarts=3,
+    )
+    _kill_a_worker_after(proc, directory, kill_after)
+    err = _finish(proc)
+    assert "resumed from" in err, "the restarted group continued from a checkpoint"
+    straight, elastic = _metrics(tmp_path / "straight"), _metrics(directory)
+    assert sorted(elastic) == list(range(1, steps + 1))
+    assert [elastic[s]["loss"] for s in elastic] == [straight[s]["loss"] for s in elastic]

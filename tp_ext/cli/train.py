@@ -1,0 +1,306 @@
+"""``tp-ext train CONFIG --data TOKENS.bin --steps N --checkpoint-dir DIR`` under torchrun: train
+the config's model on a token file at any TP x PP x DP layout, saving resumable checkpoints.
+
+- The model is built from the config's seed; the data is :class:`tp_ext.data.TokenBatches`
+  (``data:`` section: sequence length, global batch, micro-batch size, seed), the optimizer
+  AdamW with the ``optimizer:`` section's schedule, the step the Trainer's (pipeline schedule,
+  DDP or FSDP2, clipping).
+- Every ``save_every`` steps, and after the last, the whole training state goes to
+  ``DIR/step-<N>`` (atomic; asynchronous with ``checkpoint.async_save``); the newest
+  ``keep_last`` are kept.
+- If DIR holds a complete checkpoint, the run continues from the newest one when ``--resume``
+  is given or torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0); otherwise it refuses
+  to start, so nothing is overwritten. Saved at another layout, it is resharded.
+- Rank 0 appends ``{"step", "loss", "grad_norm", "lr", "tokens_per_s"}`` per step to
+  ``DIR/metrics.jsonl`` (on resume the lines after the checkpoint's step are dropped first, so
+  each step appears once) and prints progress to stderr.
+
+An application on top of the library: it uses only public tp_ext names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import tp_ext
+from tp_ext.cli.run import degrees_of, flag_namer
+from tp_ext.config import JobConfig, check_pipeline_fields
+from tp_ext.data import TokenBatches, TokenFile
+from tp_ext.distributed import comm, destroy_parallel, init_parallel
+from tp_ext.models import Qwen2ForCausalLM
+from tp_ext.training import Trainer, build_lr_scheduler, build_optimizer
+from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
+from tp_ext.validation import ConfigError
+
+__all__ = ["train", "METRICS"]
+
+METRICS = "metrics.jsonl"
+
+
+@dataclasses.dataclass
+class _Run:
+    job: JobConfig
+    tokens: TokenFile
+    directory: str
+    steps: int
+    resume: bool
+    max_grad_norm: float
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int
+
+
+def train(
+    config_path: str,
+    overrides: dict,
+    *,
+    data: Optional[str] = None,
+    steps: int,
+    checkpoint_dir: Optional[str] = None,
+    save_every: Optional[int] = None,
+    keep_last: Optional[int] = None,
+    async_save: Optional[bool] = None,
+    resume: bool = False,
+    max_grad_norm: float = 1.0,
+) -> int:
+    """``overrides``: the parallel and optimizer fields the flags set (None: as the config has
+    them). Everything is checked before torch.distributed starts."""
+    run = _check(
+        config_path,
+        overrides,
+        data,
+        steps,
+        checkpoint_dir,
+        save_every,
+        keep_last,
+        async_save,
+        resume,
+        max_grad_norm,
+    )
+    state = init_parallel(tp=run.tp, pp=run.pp, dp=run.dp)
+    try:
+        return _train(state, run)
+    finally:
+        destroy_parallel(destroy_process_group=True)
+
+
+def _check(
+    config_path,
+    overrides,
+    data,
+    steps,
+    checkpoint_dir,
+    save_every,
+    keep_last,
+    async_save,
+    resume,
+    max_grad_norm,
+) -> _Run:
+    job = JobConfig.from_file(config_path).with_overrides(**overrides)
+    data_settings = job.data if data is None else dataclasses.replace(job.data, path=data)
+    given = {"save_every": save_every, "keep_last": keep_last, "async_save": async_save}
+    given = {k: v for k, v in given.items() if v is not None}
+    if checkpoint_dir is not None:
+        given["dir"] = checkpoint_dir
+    job = dataclasses.replace(
+        job, data=data_settings, checkpoint=dataclasses.replace(job.checkpoint, **given)
+    )
+    if job.data.path is None:
+        raise ConfigError("no token file: give --data TOKENS.bin (or data.path in the config)")
+    if job.checkpoint.dir is None:
+        raise ConfigError(
+            "no checkpoint directory: give --checkpoint-dir DIR (or checkpoint.dir in the config)"
+        )
+    if os.path.exists(job.checkpoint.dir) and not os.path.isdir(job.checkpoint.dir):
+        raise ConfigError(f"--checkpoint-dir {job.checkpoint.dir} exists and is not a directory")
+    tokens = TokenFile(job.data.path, job.data.dtype)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp, dp = degrees_of(job.parallel, overrides, world)
+    job.model.check_tp(tp)
+    name = flag_namer(overrides)
+    micro_batches = job.data.micro_batches(dp)
+    p = job.parallel
+    if p.micro_batches is not None and p.micro_batches != micro_batches:
+        raise ConfigError(
+            f"{name('micro_batches')} {p.micro_batches} disagrees with the data section: "
+            f"data.global_batch {job.data.global_batch} / (dp {dp} x data.micro_batch_size "
+            f"{job.data.micro_batch_size}) = {micro_batches} micro-batches per step; leave "
+            f"{name('micro_batches')} out"
+        )
+    fields = dict(dataclasses.asdict(p), pp=pp, micro_batches=micro_batches)
+    check_pipeline_fields(
+        fields, lambda f: "data.global_batch" if f == "micro_batches" else name(f)
+    )
+    stages = pp * p.virtual_stages
+    if job.model.num_hidden_layers < stages:
+        raise ConfigError(
+            f"the model's {job.model.num_hidden_layers} decoder layers cannot fill {stages} "
+            f"pipeline stages ({name('pp')} {pp} x {name('virtual_stages')} {p.virtual_stages})"
+        )
+    return _Run(
+        job, tokens, job.checkpoint.dir, steps, resume, max_grad_norm, tp, pp, dp, micro_batches
+    )
+
+
+def _build(state, run: _Run):
+    job, p = run.job, run.job.parallel
+    torch.manual_seed(p.seed)  # the same initial weights at every layout
+    tp_ext.random.manual_seed(p.seed)
+    model = Qwen2ForCausalLM(
+        job.model,
+        parallel=state,
+        virtual_stages=p.virtual_stages,
+        stage_order=p.stage_order,
+        dtype=getattr(torch, p.dtype),
+    )
+    batches = TokenBatches(
+        run.tokens,
+        seq_len=job.data.seq_len,
+        global_batch=job.data.global_batch,
+        micro_batch_size=job.data.micro_batch_size,
+        dp_rank=state.dp_rank,
+        dp_size=state.dp,
+        seed=job.data.seed,
+        vocab_size=job.model.vocab_size,
+    )
+    return Trainer(
+        model,
+        # called after DDP/FSDP2 wrapping, so FSDP2's sharded parameters are the ones stepped
+        optimizer=lambda params: build_optimizer(model, job.optimizer),
+        parallel=state,
+        schedule=p.schedule,
+        max_grad_norm=run.max_grad_norm,
+        data_parallel=p.data_parallel,
+        activation_checkpointing=p.activation_checkpointing,
+        lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, job.optimizer, run.steps),
+        data=batches,
+    )
+
+
+def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
+    """Resume from the newest complete checkpoint in the directory, if there is one and resuming
+    is asked for (or torchrun restarted us). Returns the step resumed from."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+    def look():
+        if state.rank != 0:
+            return ""
+        os.makedirs(run.directory, exist_ok=True)
+        remove_unpublished(run.directory)
+        found = newest(run.directory)
+        if found is not None and not (run.resume or restarted):
+            raise ConfigError(
+                f"{run.directory} holds checkpoints (the newest after step {found[0]}): pass "
+                "--resume to continue from it, or give another --checkpoint-dir"
+            )
+        return "" if found is None else found[1]
+
+    path = comm.broadcast_text(
+        comm.everywhere(dist.group.WORLD, "reading the checkpoint directory", look, ConfigError),
+        0,
+        dist.group.WORLD,
+    )
+    if not path:
+        _keep_metrics(state, run.directory, 0)
+        return None
+    info = trainer.load_checkpoint(path)
+    _keep_metrics(state, run.directory, trainer.steps)
+    if state.rank == 0:
+        saved = info.get("layout", {})
+        where = " ".join(f"{k}={saved.get(k)}" for k in ("tp", "pp", "dp"))
+        print(
+            f"tp-ext train: resumed from {path} (step {trainer.steps}, saved at {where})",
+            file=sys.stderr,
+        )
+    return trainer.steps
+
+
+def _keep_metrics(state, directory: str, step: int) -> None:
+    """Keep the metrics of steps up to ``step`` (those a resumed run does not repeat); a line
+    cut short by a kill is dropped."""
+    if state.rank != 0:
+        return
+    path = os.path.join(directory, METRICS)
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+                if entry["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    temp = path + ".tmp"
+    with open(temp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def _train(state, run: _Run) -> int:
+    trainer = _build(state, run)
+    first = _start(state, run, trainer) or 0
+    settings = run.job.checkpoint
+    tokens_per_step = run.job.data.global_batch * run.job.data.seq_len
+    metrics = open(os.path.join(run.directory, METRICS), "a") if state.rank == 0 else None
+    started = time.perf_counter()
+    try:
+        while trainer.steps < run.steps:
+            t0 = time.perf_counter()
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            loss = trainer.step(next(trainer.data))
+            seconds = time.perf_counter() - t0
+            entry = {
+                "step": trainer.steps,
+                "loss": loss,
+                "grad_norm": trainer.last_grad_norm,
+                "lr": float(lr),
+                "tokens_per_s": tokens_per_step / seconds,
+            }
+            if metrics is not None:
+                metrics.write(json.dumps(entry) + "\n")
+                metrics.flush()
+                os.fsync(metrics.fileno())
+                _progress(entry, run.steps, first, time.perf_counter() - started)
+            if trainer.steps % settings.save_every == 0 or trainer.steps == run.steps:
+                _save(state, run, trainer, settings)
+        trainer.wait_for_checkpoint()
+        if state.rank == 0:
+            keep_newest(run.directory, settings.keep_last)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return 0
+
+
+def _save(state, run: _Run, trainer: Trainer, settings) -> None:
+    trainer.wait_for_checkpoint()  # the previous one published: older ones may go
+    if state.rank == 0:
+        keep_newest(run.directory, settings.keep_last)
+    trainer.save_checkpoint(step_path(run.directory, trainer.steps), async_save=settings.async_save)
+
+
+def _progress(entry: dict, total: int, first: int, elapsed: float) -> None:
+    done = entry["step"] - first
+    eta = elapsed / done * (total - entry["step"]) if done else 0.0
+    norm = entry["grad_norm"]
+    print(
+        f"step {entry['step']}/{total} loss {entry['loss']:.4f} grad_norm "
+        f"{'-' if norm is None else f'{norm:.3g}'} lr {entry['lr']:.3g} tok/s "
+        f"{entry['tokens_per_s']:.0f} eta {int(eta // 60)}m{int(eta % 60):02d}s",
+        file=sys.stderr,
+        flush=True,
+    )
