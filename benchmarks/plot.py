@@ -1,5 +1,6 @@
 """PNG plots of the latest rows of benchmarks/results.csv, one per benchmark, into
-benchmarks/plots/: bars of ratio = tp_ext / baseline per case and metric (the dashed line is 1)."""
+benchmarks/plots/: bars of ratio = tp_ext / baseline per case and metric (the dashed line is 1;
+lower is better, except for throughputs, whose unit ends in /s)."""
 
 from __future__ import annotations
 
@@ -39,15 +40,18 @@ def main():
         for ax, metric in zip(axes[:, 0], metrics):
             mr = [r for r in sel if r["metric"] == metric]
             ratios = [_float(r["ratio"]) for r in mr]
+            higher_is_better = mr[0]["unit"].endswith("/s")  # a throughput (MB/s, tokens/s)
+            good = [(x >= 1) if higher_is_better else (x <= 1) for x in ratios]
             ax.barh(
                 [r["case"] for r in mr],
                 ratios,
-                color=["tab:green" if x <= 1 else "tab:red" for x in ratios],
+                color=["tab:green" if g else "tab:red" for g in good],
             )
             ax.axvline(1.0, color="k", ls="--", lw=0.8)
             if max(ratios) / max(min(ratios), 1e-12) > 4:
                 ax.set_xscale("log")
-            ax.set_title(f"{bench}: {metric} (tp_ext / baseline, lower is better)", fontsize=9)
+            better = "higher" if higher_is_better else "lower"
+            ax.set_title(f"{bench}: {metric} (tp_ext / baseline, {better} is better)", fontsize=9)
             ax.tick_params(labelsize=7)
             for i, x in enumerate(ratios):
                 ax.text(x, i, f" {x:.2f}", va="center", fontsize=7)

@@ -74,18 +74,9 @@ def train(
 ) -> int:
     """``overrides``: the parallel and optimizer fields the flags set (None: as the config has
     them). Everything is checked before torch.distributed starts."""
-    run = _check(
-        config_path,
-        overrides,
-        data,
-        steps,
-        checkpoint_dir,
-        save_every,
-        keep_last,
-        async_save,
-        resume,
-        max_grad_norm,
-    )
+    checkpoint = {"dir": checkpoint_dir, "save_every": save_every, "keep_last": keep_last}
+    checkpoint["async_save"] = async_save
+    run = _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm)
     state = init_parallel(tp=run.tp, pp=run.pp, dp=run.dp)
     try:
         return _train(state, run)
@@ -93,24 +84,12 @@ def train(
         destroy_parallel(destroy_process_group=True)
 
 
-def _check(
-    config_path,
-    overrides,
-    data,
-    steps,
-    checkpoint_dir,
-    save_every,
-    keep_last,
-    async_save,
-    resume,
-    max_grad_norm,
-) -> _Run:
+def _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _Run:
+    """The run, from the config and the flags (``checkpoint``: the checkpoint section's flags,
+    None where not given), every value and rule checked."""
     job = JobConfig.from_file(config_path).with_overrides(**overrides)
     data_settings = job.data if data is None else dataclasses.replace(job.data, path=data)
-    given = {"save_every": save_every, "keep_last": keep_last, "async_save": async_save}
-    given = {k: v for k, v in given.items() if v is not None}
-    if checkpoint_dir is not None:
-        given["dir"] = checkpoint_dir
+    given = {k: v for k, v in checkpoint.items() if v is not None}
     job = dataclasses.replace(
         job, data=data_settings, checkpoint=dataclasses.replace(job.checkpoint, **given)
     )
