@@ -161,9 +161,11 @@ def test_only_published_checkpoints_count(tmp_path):
     # a link to a version that lost its manifest
     os.makedirs(os.path.join(directory, "step-00000010.versions", "v-y"))
     os.symlink("step-00000010.versions/v-y", os.path.join(directory, "step-00000010"))
+    # a save killed between making its new symlink and swapping it in
+    os.symlink("step-00000012.versions/v-z", os.path.join(directory, ".step-00000012.v-z.link"))
     assert [s for s, _ in published(directory)] == [2, 4, 6]
     assert newest(directory) == (6, step_path(directory, 6))
-    assert remove_unpublished(directory) == ["step-00000008.versions"]
+    assert remove_unpublished(directory) == [".step-00000012.v-z.link", "step-00000008.versions"]
     assert keep_newest(directory, 2) == [step_path(directory, 2)]
     assert [s for s, _ in published(directory)] == [4, 6]
     assert sorted(os.listdir(directory)) == [
@@ -227,6 +229,9 @@ LAYOUTS = {  # name: (ranks, flags)
 @pytest.mark.parametrize("layout", ["tp2", "pp2-dp2"])
 def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, layout):
     nproc, flags = LAYOUTS[layout]
+    # the cosine decay runs from step 2 to step 8 in both runs (the stopped one's --steps 4
+    # would otherwise end it at step 4)
+    flags = [*flags, "--warmup-steps", "2", "--decay-steps", "8"]
     _train(nproc, tokens, tmp_path / "straight", 8, *flags)
     _train(nproc, tokens, tmp_path / "stopped", 4, *flags, "--async-save")
     err = _train(nproc, tokens, tmp_path / "stopped", 8, *flags, "--resume", "--async-save")
@@ -252,12 +257,47 @@ def test_resume_at_another_layout(tmp_path, tokens):
         assert moved[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-5, abs=0)
 
 
-def test_existing_checkpoints_need_resume(tmp_path, tokens):
+def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens):
     _train(1, tokens, tmp_path, 2)
-    proc = _torchrun(1, ["--data", tokens, "--checkpoint-dir", str(tmp_path), "--steps", "4"])
+    saved = os.readlink(step_path(str(tmp_path), 2))
+    # refused, and the restart torchrun makes of the refused run is refused too
+    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path)]
+    proc = _torchrun(1, [*flags, "--steps", "4"], restarts=1)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "holds checkpoints (the newest after step 2): pass --resume" in err
+    assert err.count("holds checkpoints (the newest after step 2): pass --resume") == 2, err
+    assert newest(str(tmp_path)) == (2, step_path(str(tmp_path), 2))
+    assert os.readlink(step_path(str(tmp_path), 2)) == saved, "nothing was overwritten"
+    proc = _torchrun(1, [*flags, "--steps", "1", "--resume"])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "--steps 1 is below the step of the newest checkpoint" in err
+    assert "give --steps 3 or more" in err
+    err = _finish(_torchrun(1, [*flags, "--steps", "2", "--resume"]))
+    assert "already holds the checkpoint after step 2; nothing to train" in err
+    # the checkpoint's schedule goes on: another LR is refused, not silently ignored
+    proc = _torchrun(1, [*flags, "--steps", "4", "--resume", "--lr", "1e-3"])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "the checkpoint's LR schedule has base lr 0.003, the config or --lr says 0.001" in err
+    assert sorted(_metrics(tmp_path)) == [1, 2]
+
+
+def test_sequences_longer_than_the_model_are_refused(tmp_path, tokens, capsys, monkeypatch):
+    import yaml
+
+    with open(TINY) as f:
+        config = yaml.safe_load(f)
+    config["data"]["seq_len"] = 257
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path / "c"), "--steps", "2"]
+    assert main(["train", str(path), *flags]) == 2
+    assert "data.seq_len 257 is above the model's max_position_embeddings 256" in (
+        capsys.readouterr().err
+    )
+    assert not os.path.exists(tmp_path / "c")
 
 
 def _workers(torchrun_pid: int) -> list[int]:

@@ -115,9 +115,10 @@ def _train(args) -> int:
     from tp_ext.cli.train import train
 
     try:
+        schedule = {f: getattr(args, f) for f in _SCHEDULE_FLAGS}
         return train(
             args.config,
-            _overrides(args),
+            {**_overrides(args), **schedule},
             data=args.data,
             steps=args.steps,
             checkpoint_dir=args.checkpoint_dir,
@@ -130,6 +131,9 @@ def _train(args) -> int:
     except (ValueError, FileNotFoundError) as e:  # ConfigError included
         print(f"tp-ext train: {e}", file=sys.stderr)
         return 2
+
+
+_SCHEDULE_FLAGS = ("lr_schedule", "warmup_steps", "min_lr", "decay_steps")
 
 
 def _parallel_flags(parser, tp_help: str, dtype_help: str) -> None:
@@ -335,6 +339,26 @@ def main(argv=None) -> int:
         train,
         tp_help="TP degree (default: the ranks PP and DP leave)",
         dtype_help="dtype of the parameters (default: the config's parallel.dtype)",
+    )
+    schedule = train.add_argument_group("overrides of the config's LR schedule")
+    schedule.add_argument(
+        "--lr-schedule",
+        choices=OPTIMIZER_FIELDS["lr_schedule"].choices,
+        help="after warmup, how the LR goes from --lr to --min-lr (default: the config's)",
+    )
+    schedule.add_argument(
+        "--warmup-steps",
+        type=flag_type(OPTIMIZER_FIELDS["warmup_steps"]),
+        help="steps of linear warmup",
+    )
+    schedule.add_argument(
+        "--min-lr", type=flag_type(OPTIMIZER_FIELDS["min_lr"]), help="the LR the decay ends at"
+    )
+    schedule.add_argument(
+        "--decay-steps",
+        type=flag_type(OPTIMIZER_FIELDS["decay_steps"]),
+        help="the step the decay ends at (default: --steps; set it when a run will be resumed "
+        "with a larger --steps, so that the schedule stays the same)",
     )
     train.set_defaults(func=_train)
     args = parser.parse_args(argv)

@@ -9,8 +9,9 @@ the config's model on a token file at any TP x PP x DP layout, saving resumable 
   ``DIR/step-<N>`` (atomic; asynchronous with ``checkpoint.async_save``); the newest
   ``keep_last`` are kept.
 - If DIR holds a complete checkpoint, the run continues from the newest one when ``--resume``
-  is given or torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0); otherwise it refuses
-  to start, so nothing is overwritten. Saved at another layout, it is resharded.
+  is given or torchrun restarted a run that had started (its agent store remembers); otherwise
+  it refuses to start, so nothing is overwritten. Saved at another layout, it is resharded.
+  A checkpoint already at ``--steps`` ends the run at once; one beyond it is refused.
 - Rank 0 appends ``{"step", "loss", "grad_norm", "lr", "tokens_per_s"}`` per step to
   ``DIR/metrics.jsonl`` (on resume the lines after the checkpoint's step are dropped first, so
   each step appears once) and prints progress to stderr.
@@ -34,7 +35,7 @@ import tp_ext
 from tp_ext.cli.run import degrees_of, flag_namer
 from tp_ext.config import JobConfig, check_pipeline_fields
 from tp_ext.data import TokenBatches, TokenFile
-from tp_ext.distributed import comm, destroy_parallel, init_parallel
+from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.training import Trainer, build_lr_scheduler, build_optimizer
 from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
@@ -105,6 +106,12 @@ def _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_nor
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, dp = degrees_of(job.parallel, overrides, world)
     job.model.check_tp(tp)
+    if job.data.seq_len > job.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len {job.data.seq_len} is above the model's max_position_embeddings "
+            f"{job.model.max_position_embeddings}: use sequences of at most "
+            f"{job.model.max_position_embeddings} tokens"
+        )
     name = flag_namer(overrides)
     micro_batches = job.data.micro_batches(dp)
     p = job.parallel
@@ -165,9 +172,13 @@ def _build(state, run: _Run):
     )
 
 
+_ACCEPTED = "tp_ext/train/accepted"  # in torchrun's agent store: attempt 0 passed the checks
+
+
 def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
     """Resume from the newest complete checkpoint in the directory, if there is one and resuming
-    is asked for (or torchrun restarted us). Returns the step resumed from."""
+    is asked for (or torchrun restarted a run that had started). Returns the step resumed from,
+    or None for a fresh start."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
     def look():
@@ -176,22 +187,38 @@ def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
         os.makedirs(run.directory, exist_ok=True)
         remove_unpublished(run.directory)
         found = newest(run.directory)
-        if found is not None and not (run.resume or restarted):
+        if found is not None and not (run.resume or _started_before(restarted)):
             raise ConfigError(
                 f"{run.directory} holds checkpoints (the newest after step {found[0]}): pass "
                 "--resume to continue from it, or give another --checkpoint-dir"
             )
-        return "" if found is None else found[1]
+        if found is not None and found[0] > run.steps:
+            raise ConfigError(
+                f"--steps {run.steps} is below the step of the newest checkpoint in "
+                f"{run.directory} ({found[0]}): give --steps {found[0] + 1} or more to train on"
+            )
+        store = launcher_store()
+        if store is not None:
+            store.set(_ACCEPTED, "1")  # a restart of this run may resume by itself
+        return json.dumps(None if found is None else list(found))
 
-    path = comm.broadcast_text(
-        comm.everywhere(dist.group.WORLD, "reading the checkpoint directory", look, ConfigError),
-        0,
-        dist.group.WORLD,
+    found = json.loads(
+        comm.broadcast_text(
+            comm.everywhere(
+                dist.group.WORLD, "reading the checkpoint directory", look, ConfigError
+            ),
+            0,
+            dist.group.WORLD,
+        )
     )
-    if not path:
+    if found is None:
         _keep_metrics(state, run.directory, 0)
         return None
+    step, path = found
+    if step == run.steps:
+        return step  # nothing left to train; the caller says so
     info = trainer.load_checkpoint(path)
+    _check_lr(trainer, run.job.optimizer.lr)
     _keep_metrics(state, run.directory, trainer.steps)
     if state.rank == 0:
         saved = info.get("layout", {})
@@ -201,6 +228,29 @@ def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
             file=sys.stderr,
         )
     return trainer.steps
+
+
+def _started_before(restarted: bool) -> bool:
+    """Whether this is a torchrun restart of a run that had passed its checks: only then does a
+    restart resume without --resume. (A run refused for want of --resume fails, and torchrun
+    restarts it: that restart must be refused too.)"""
+    if not restarted:
+        return False
+    store = launcher_store()
+    return store is None or store.check([_ACCEPTED])
+
+
+def _check_lr(trainer: Trainer, lr: float) -> None:
+    """The schedule resumes from the checkpoint, its base LR included (as Megatron-Core does by
+    default): a config or --lr asking for another LR is refused rather than silently ignored.
+    Every rank holds the same schedule, so every rank raises."""
+    base = getattr(trainer.lr_scheduler, "base_lrs", [lr])[0]
+    if abs(base - lr) > 1e-9 * max(abs(base), abs(lr)):
+        raise ConfigError(
+            f"the checkpoint's LR schedule has base lr {base:g}, the config or --lr says "
+            f"{lr:g}: a resumed run keeps its schedule; give --lr {base:g}, or start a new run "
+            "in another --checkpoint-dir"
+        )
 
 
 def _keep_metrics(state, directory: str, step: int) -> None:
@@ -232,6 +282,14 @@ def _keep_metrics(state, directory: str, step: int) -> None:
 def _train(state, run: _Run) -> int:
     trainer = _build(state, run)
     first = _start(state, run, trainer) or 0
+    if first == run.steps:
+        if state.rank == 0:
+            print(
+                f"tp-ext train: {run.directory} already holds the checkpoint after step "
+                f"{run.steps}; nothing to train (give a larger --steps to go on)",
+                file=sys.stderr,
+            )
+        return 0
     settings = run.job.checkpoint
     tokens_per_step = run.job.data.global_batch * run.job.data.seq_len
     metrics = open(os.path.join(run.directory, METRICS), "a") if state.rank == 0 else None

@@ -9,6 +9,7 @@ from tp_ext.distributed.mesh import (
     ParallelState,
     destroy_parallel,
     init_parallel,
+    launcher_store,
     parallel_state,
     valid_layouts,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "ParallelState",
     "destroy_parallel",
     "init_parallel",
+    "launcher_store",
     "parallel_state",
     "valid_layouts",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "destroy_parallel",
     "valid_layouts",
     "tied_embedding_group",
+    "launcher_store",
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -98,6 +99,21 @@ def _resolve_sizes(world: int, tp: int, pp: int, dp: Optional[int]) -> int:
     return dp
 
 
+def launcher_store(timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Optional[dist.Store]:
+    """torchrun's agent store, shared by every restart of one ``torchrun`` invocation (and
+    nothing else): a place for what a job must remember across its restarts. None when not
+    launched by torchrun with its agent store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+
+
 def _attempt_store(timeout: datetime.timedelta):
     """Under torchrun's agent store, a store whose keys are this restart's own.
 
@@ -107,16 +123,10 @@ def _attempt_store(timeout: datetime.timedelta):
     whenever the workers take more than a moment to start. Keys under
     ``tp_ext/attempt_<TORCHELASTIC_RESTART_COUNT>`` are never stale. None: not under torchrun's
     agent store (``env://`` as usual)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    store = launcher_store(timeout)
+    if store is None:
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(
-        host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout,
-    )
     return dist.PrefixStore(f"tp_ext/attempt_{attempt}", store)
 
 

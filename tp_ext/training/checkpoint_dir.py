@@ -19,6 +19,7 @@ from tp_ext.checkpoint.atomic import VERSIONS
 __all__ = ["step_path", "published", "newest", "remove_unpublished", "keep_newest"]
 
 _NAME = re.compile(r"^step-(\d{8,})$")
+_STRAY_LINK = re.compile(r"^\.step-\d{8,}\.v-.+\.link$")
 
 
 def step_path(directory: str, step: int) -> str:
@@ -53,11 +54,16 @@ def newest(directory: str) -> Optional[tuple[int, str]]:
 
 def remove_unpublished(directory: str) -> list[str]:
     """Delete what saves killed before publishing left (a ``step-N.versions`` without the
-    ``step-N`` link). Returns what was removed."""
+    ``step-N`` link, and the ``.step-N.v-*.link`` symlinks not yet swapped in). Returns what was
+    removed. Run only while no save is under way."""
     removed = []
     if not os.path.isdir(directory):
         return removed
     for name in sorted(os.listdir(directory)):
+        if _STRAY_LINK.match(name):  # a new symlink a kill left before it was swapped in
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+            continue
         if not name.endswith(VERSIONS) or not _NAME.match(name[: -len(VERSIONS)]):
             continue
         link = os.path.join(directory, name[: -len(VERSIONS)])
