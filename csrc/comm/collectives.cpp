@@ -388,4 +388,97 @@ at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef
   return x.narrow(dim, offset, per_rank[g.rank]).clone(at::MemoryFormat::Contiguous);
 }
 
+// ---- asynchronous collectives ----
+//
+// *_start checks and announces synchronously, as the blocking broadcast does (the consistency
+// check when on, the shared-memory signature round when the group has a channel: both are
+// blocking rounds over the group); only the transfer is left in flight, and finish() blocks until
+// every member has started it. Interleaving groups (SUMMA: row, column, row, ...) cannot deadlock
+// as long as all ranks issue their starts and finishes in one common program order (each rank
+// doing the steps of the groups it is in). Take the blocked rank whose step s comes first in
+// that order. No member of s's group is at an earlier step, and none can be past s (a round needs
+// every member; a finish follows its start), so all of them reach s and it completes: no cycle of
+// waits. In flight, gloo matches one group's collectives by issue order and works on them in
+// that order on every rank; NCCL runs them in order on the group's stream.
+
+Pending broadcast_start(const at::Tensor& x, int64_t src, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  TORCH_CHECK_VALUE(src >= 0 && src < g.size, "tp_ext.", op, ": src=", src,
+                    " is not a rank of group '", g.name, "'; use a group rank in [0, ", g.size - 1,
+                    "].");
+  Pending p;
+  p.g = g;
+  p.op = op;
+  p.collective = "broadcast";
+  p.root = src;
+  if (g.size == 1) {
+    p.out = x.contiguous();
+    return p;
+  }
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, c10::nullopt, src);
+  announce(shm, call_signature(4, x.scalar_type(), x.sizes(), {}, {src}), op, g);
+  auto t0 = Clock::now();
+  p.out = g.rank == src ? x.contiguous() : at::empty(x.sizes(), x.options());
+  p.bytes = nbytes(p.out);
+  if (p.out.numel() > 0) {  // the same on every rank: the shape was checked above
+    std::vector<at::Tensor> bufs{p.out};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = src;
+    opts.timeout = op_timeout();
+    p.work = g.pg->broadcast(bufs, opts);
+  }
+  p.seconds = seconds_since(t0);
+  return p;
+}
+
+Pending reduce_start(const at::Tensor& x, int64_t root, Reduce reduce, const Group& g,
+                     const char* op) {
+  check_tensor(x, "x", op);
+  check_avg_dtype(x, reduce, op);
+  TORCH_CHECK_VALUE(root >= 0 && root < g.size, "tp_ext.", op, ": root=", root,
+                    " is not a rank of group '", g.name, "'; use a group rank in [0, ", g.size - 1,
+                    "].");
+  Pending p;
+  p.g = g;
+  p.op = op;
+  p.collective = "reduce";
+  p.root = root;
+  p.reduce = reduce;
+  // A copy: the backend may use every rank's buffer as scratch space.
+  p.out = x.clone(at::MemoryFormat::Contiguous);
+  if (g.size == 1) return p;
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, c10::nullopt, root * 8 + static_cast<int64_t>(reduce));
+  announce(shm,
+           call_signature(6, x.scalar_type(), x.sizes(), {}, {root, static_cast<int64_t>(reduce)}),
+           op, g);
+  auto t0 = Clock::now();
+  p.bytes = nbytes(p.out);
+  if (p.out.numel() > 0) {
+    std::vector<at::Tensor> bufs{p.out};
+    c10d::ReduceOptions opts;
+    opts.reduceOp = to_c10d(reduce);
+    opts.rootRank = root;
+    opts.rootTensor = 0;
+    opts.timeout = op_timeout();
+    p.work = g.pg->reduce(bufs, opts);
+  }
+  p.seconds = seconds_since(t0);
+  return p;
+}
+
+at::Tensor finish(Pending& p) {
+  if (p.g.size == 1) return p.out;  // nothing was communicated, nothing is recorded
+  auto t0 = Clock::now();
+  if (p.work) {
+    wait(p.work, p.op, p.g);
+    p.work.reset();
+  }
+  if (std::strcmp(p.collective, "reduce") == 0 && p.g.rank == p.root)
+    finish_avg(p.out, p.reduce, p.g);
+  record(p.op, p.collective, p.bytes, p.seconds + seconds_since(t0));
+  return p.out;
+}
+
 }  // namespace tp_ext::comm

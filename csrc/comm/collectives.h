@@ -26,4 +26,32 @@ at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_d
 at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
                        const Group& g, const char* op);
 
+// ---- asynchronous collectives: start now, finish() later (SUMMA overlaps them with GEMMs) ----
+// A collective started by *_start and not finished yet. Until finish() returns, neither `out` nor
+// the input passed to *_start may be written, and `out` must not be read. Every rank of the group
+// must start the same collectives in the same order (as for the blocking ones) and finish each of
+// them; the checks (consistency check, shared-memory signature round) run in *_start, so ranks
+// that disagree fail there, before anything is in flight.
+struct Pending {
+  at::Tensor out;
+  c10::intrusive_ptr<c10d::Work> work;  // null: nothing in flight (a group of one, or no data)
+  Group g;
+  const char* op = "";
+  const char* collective = "";
+  int64_t bytes = 0;   // what finish() records, as the blocking collective would (stats.h)
+  double seconds = 0;  // host time spent in *_start; finish() adds the time it waits
+  int64_t root = -1;   // reduce: the rank that receives the result
+  Reduce reduce = Reduce::Sum;
+};
+// Broadcast from group rank `src`: there x is the data; on the other ranks only x's shape and
+// dtype count (pass e.g. at::empty of the same shape). On src, out may share x's memory.
+Pending broadcast_start(const at::Tensor& x, int64_t src, const Group& g, const char* op);
+// Reduce over the group into group rank `root`: after finish(), out holds the reduction there and
+// is unspecified on the other ranks. x itself is never modified (the backend works on a copy).
+Pending reduce_start(const at::Tensor& x, int64_t root, Reduce reduce, const Group& g,
+                     const char* op);
+// Waits for the collective (errors name op, rank and group, as wait() does), records it in the
+// accounting under the op and "broadcast" / "reduce", and returns out. Call it once.
+at::Tensor finish(Pending& p);
+
 }  // namespace tp_ext::comm
