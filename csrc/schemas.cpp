@@ -61,6 +61,22 @@ TORCH_LIBRARY(tp_ext, m) {
       "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "
       "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
 
+  // ---- 2D tensor parallelism (SUMMA) (ops/summa_linear.cpp, comm/collectives.*) ----
+  // Y = X W^T on a P x Q grid: rank (grid_row i, grid_col j) holds x = X[its row's tokens, K-part
+  // j of x_in_sizes] ([..., k_j]) and weight = W[N-part j, K-part i of w_in_sizes] and gets
+  // Y[tokens, N-part j]. Row group: the Q ranks of grid row i (this rank is grid_col in it);
+  // column group: the P ranks of grid column j (grid_row in it). K panels (the union of both
+  // splits) broadcast over the row (x) and column (weight) groups, overlapped with the GEMMs. No
+  // bias. Autograd in C++ through summa_linear_backward.
+  m.def(
+      "summa_linear(Tensor x, Tensor weight, int[] x_in_sizes, int[] w_in_sizes, "
+      "str row_group_name, int grid_cols, int grid_col, str col_group_name, int grid_rows, "
+      "int grid_row) -> Tensor");
+  m.def(  // (grad_x, grad_weight): panel broadcasts, then partials reduced to their owners
+      "summa_linear_backward(Tensor grad, Tensor x, Tensor weight, int[] x_in_sizes, "
+      "int[] w_in_sizes, str row_group_name, int grid_cols, int grid_col, str col_group_name, "
+      "int grid_rows, int grid_row) -> (Tensor, Tensor)");
+
   // ---- fused norms (ops/rms_norm.{cpp,cu}): fp32 math, output dtype promote(x, weight) ----
   // rms_norm = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype) (Hugging
   // Face's RMSNorm); add_rms_norm = (rms_norm(h), h) with h = x + residual in x's dtype.

@@ -50,6 +50,9 @@ COLLECTIVE_OPS = (
     "reduce_scatter_to_sp",
     # the loss that communicates two token-sized all-reduces
     "vocab_parallel_cross_entropy",
+    # 2D tensor parallelism: SUMMA matmul (panel broadcasts / reductions; autograd in C++)
+    "summa_linear",
+    "summa_linear_backward",
 )
 KERNEL_OPS = (
     "rms_norm",
@@ -79,6 +82,10 @@ gather_from_tp = _lib.gather_from_tp
 gather_from_sp = _lib.gather_from_sp
 reduce_scatter_to_sp = _lib.reduce_scatter_to_sp
 vocab_parallel_cross_entropy = _lib.vocab_parallel_cross_entropy
+# (x, weight, x_in_sizes, w_in_sizes, row_group_name, grid_cols, grid_col, col_group_name,
+#  grid_rows, grid_row) -> [..., weight.size(0)]: this grid rank's block of X W^T (SUMMA)
+summa_linear = _lib.summa_linear
+summa_linear_backward = _lib.summa_linear_backward  # (grad, x, weight, <the same>) -> (gx, gw)
 rms_norm = _lib.rms_norm  # (x, weight, eps): weight * x / rms(x), fp32 math, one rounding
 add_rms_norm = (
     _lib.add_rms_norm
@@ -167,6 +174,17 @@ def _vocab_ce_local_grad(
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+# ---- fake kernels: SUMMA (2D tensor parallelism) --------------------------------------------------
+
+
+def _summa_linear(x, weight, x_in_sizes, w_in_sizes, *grid):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _summa_linear_backward(grad, x, weight, x_in_sizes, w_in_sizes, *grid):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
 # ---- fake kernels: fused compute ops (outputs contiguous, as the real kernels') -----------------
 
 
@@ -235,6 +253,8 @@ _FAKES = {
     "gather_from_sp": _gathered,
     "reduce_scatter_to_sp": _scattered,
     "vocab_parallel_cross_entropy": _vocab_parallel_cross_entropy,
+    "summa_linear": _summa_linear,
+    "summa_linear_backward": _summa_linear_backward,
     "vocab_ce_local_max": _vocab_ce_local_max,
     "vocab_ce_local_stats": _vocab_ce_local_stats,
     "vocab_ce_local_grad": _vocab_ce_local_grad,
