@@ -174,7 +174,7 @@ def _vocab_ce_local_grad(
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-# ---- fake kernels: SUMMA (2D tensor parallelism) --------------------------------------------------
+# ---- fake kernels: SUMMA (2D tensor parallelism) -------------------------------------------------
 
 
 def _summa_linear(x, weight, x_in_sizes, w_in_sizes, *grid):

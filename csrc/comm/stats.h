@@ -9,10 +9,11 @@
 // enqueue it (and the copies around it) on the GPU, and the transfer may still be running when the
 // op returns. Time CUDA collectives with CUDA events or the profiler.
 //
-// Bytes are what this rank's collective covers, independent of the algorithm: all_reduce and
-// broadcast count the tensor, all_gather the gathered (full) output, reduce_scatter the full input,
-// all_to_all the input. With these, an all-gather plus a reduce-scatter of a tensor count the same
-// as one all-reduce of it, which is how Megatron's sequence parallelism keeps the same volume.
+// Bytes are what this rank's collective covers, independent of the algorithm: all_reduce,
+// broadcast and reduce count the tensor, all_gather the gathered (full) output, reduce_scatter the
+// full input, all_to_all the input. With these, an all-gather plus a reduce-scatter of a tensor
+// count the same as one all-reduce of it, which is how Megatron's sequence parallelism keeps the
+// same volume.
 #pragma once
 
 #include <cstdint>

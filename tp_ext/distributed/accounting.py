@@ -29,7 +29,7 @@ __all__ = [
 class CommRecord:
     tag: str
     op: str  # the tp_ext op that communicated (e.g. "copy_to_tp", "all_reduce")
-    collective: str  # all_reduce | all_gather | reduce_scatter | broadcast | all_to_all
+    collective: str  # all_reduce | all_gather | reduce_scatter | broadcast | all_to_all | reduce
     count: int
     bytes: int
     seconds: float
@@ -38,12 +38,14 @@ class CommRecord:
 class CommStats:
     """What tp_ext collectives did while :func:`track` was active.
 
-    Bytes per call: all_reduce and broadcast count the tensor, all_gather its gathered output,
-    reduce_scatter its full input, all_to_all its input; :meth:`bus_bytes` converts them to the
-    traffic each rank actually sends. Seconds are the host's wall time inside the op: on CPU
-    (gloo, shared memory) that includes the transfer; on CUDA (NCCL) the op returns once the
-    collective is enqueued on the stream, so it is enqueue time, not transfer time (use
-    torch.profiler for device time).
+    Bytes per call: all_reduce, broadcast and reduce (summa_linear's panels) count the tensor,
+    all_gather its gathered output, reduce_scatter its full input, all_to_all its input;
+    :meth:`bus_bytes` converts them to the traffic each rank actually sends. Seconds are the
+    host's wall time inside the op: on CPU (gloo, shared memory) that includes the transfer; on
+    CUDA (NCCL) the op returns once the collective is enqueued on the stream, so it is enqueue
+    time, not transfer time (use torch.profiler for device time). For the asynchronous
+    collectives of summa_linear they are the time spent starting and waiting, not the part
+    overlapped with its GEMMs.
     """
 
     def __init__(self) -> None:
