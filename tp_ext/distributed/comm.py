@@ -55,6 +55,7 @@ __all__ = [
     "gather_from_sp",
     "reduce_scatter_to_sp",
     "vocab_parallel_cross_entropy",
+    "summa_linear",
     "everywhere",
     "barrier",
     "resolve_group",
@@ -227,6 +228,41 @@ def vocab_parallel_cross_entropy(
     g = _live(group, "vocab_parallel_cross_entropy")
     return ops.vocab_parallel_cross_entropy(
         logits_shard, target, int(ignore_index), float(label_smoothing), g.name, g.size, g.rank
+    )
+
+
+def summa_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_in_sizes: Sequence[int],
+    w_in_sizes: Sequence[int],
+    row_group: GroupLike,
+    col_group: GroupLike,
+) -> torch.Tensor:
+    """This grid rank's block of ``X @ W.T`` by SUMMA on a P x Q grid (no bias; the op's schema
+    in csrc/schemas.cpp). ``row_group``: the Q ranks of this rank's grid row (this rank is grid
+    column j in it); ``col_group``: the P ranks of its grid column (grid row i). ``x`` is
+    ``[..., x_in_sizes[j]]`` (this row's tokens), ``weight`` ``[N_j, w_in_sizes[i]]``; the result
+    is ``[..., N_j]``. Differentiable in both (autograd in C++)."""
+    row, col = _live(row_group, "summa_linear"), _live(col_group, "summa_linear")
+    if row.group is None or col.group is None:  # a group of one without a process group
+        if row.size == 1 and col.size == 1:
+            return torch.nn.functional.linear(x, weight)
+        raise RuntimeError(
+            "tp_ext.comm.summa_linear: the row and column groups must both be process groups "
+            f"unless both are groups of one; got row={row}, col={col}"
+        )
+    return ops.summa_linear(
+        x,
+        weight,
+        [int(s) for s in x_in_sizes],
+        [int(s) for s in w_in_sizes],
+        row.name,
+        row.size,
+        row.rank,
+        col.name,
+        col.size,
+        col.rank,
     )
 
 
