@@ -124,7 +124,9 @@ def _check_cases(ws):
 
 @pytest.mark.parametrize("ws", [4, 6])
 def test_summa_matches_unsharded_linear(ws):
-    run_distributed(_check_cases, ws, ws)
+    # 300 s: starting six workers on a loaded machine can take most of the default 120 s; a real
+    # hang still fails through the process group's 60 s collective timeout.
+    run_distributed(_check_cases, ws, ws, timeout=300)
 
 
 # ---- accounting and opcheck ----------------------------------------------------------------------
