@@ -22,7 +22,14 @@ def _op_samples():
     full_x = full((n, 3), 1)
     piece = tp_ext.split_tensor(full_x, 0, w)[r].contiguous()
     grad = lambda t: t.clone().requires_grad_()  # noqa: E731
+    # SUMMA on a 1 x w grid: the row group is the world, each rank's column group is itself;
+    # K = n split over the row (uneven), N = n split over the row too
+    singles = [dist.new_group([k]) for k in range(w)]
+    summa_grid = (sizes, [n], name, size, r, singles[r].group_name, 1, 0)
+    x_block, w_block = full((2, sizes[r]), 24), full((sizes[r], n), 25)
     return [
+        ("summa_linear", (grad(x_block), grad(w_block), *summa_grid)),
+        ("summa_linear_backward", (full((2, sizes[r]), 26), x_block, w_block, *summa_grid)),
         ("all_reduce", (full((3, 4), 2), "sum", name, size)),
         ("all_gather", (piece, 0, sizes, name, size)),
         ("all_gather", (full((2, 3), 3), 1, None, name, size)),
