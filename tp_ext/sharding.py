@@ -18,6 +18,7 @@ __all__ = [
     "uneven_sizes",
     "Partition",
     "HeadLayout",
+    "GridBlock",
     "StageLayout",
     "STAGE_ORDERS",
 ]
@@ -278,6 +279,78 @@ def _fits(num_heads: int, num_kv_heads: int, world_size: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+class GridBlock:
+    """Which block of a full tensor a rank of a P x Q grid holds (2D tensor parallelism).
+
+    ``splits[d]`` says how dimension ``d`` is cut: None (whole on every rank), or ``(axis,
+    sizes)`` with ``axis`` "P" (over the grid rows: rank (i, j) holds piece i) or "Q" (over the
+    columns: piece j) and ``sizes`` every piece's length (:func:`shard_sizes`, or whole heads).
+    A tensor not cut over an axis is replicated over it: the copy at index 0 of that axis is the
+    one counted (gradient norms) and saved.
+    """
+
+    AXES = ("P", "Q")
+
+    def __init__(self, full_shape, splits) -> None:
+        self.full_shape = tuple(int(n) for n in full_shape)
+        self.splits = tuple(
+            None if s is None else (s[0], tuple(int(n) for n in s[1])) for s in splits
+        )
+        if len(self.splits) != len(self.full_shape):
+            raise ValueError(
+                f"GridBlock: {len(self.splits)} splits for a {len(self.full_shape)}-d tensor"
+            )
+        for d, split in enumerate(self.splits):
+            if split is None:
+                continue
+            axis, sizes = split
+            if (
+                axis not in self.AXES
+                or sum(sizes) != self.full_shape[d]
+                or min(sizes, default=0) < 0
+            ):
+                raise ValueError(
+                    f"GridBlock: dimension {d} of {self.full_shape} split {split!r}; want an axis "
+                    f"in {self.AXES} and sizes >= 0 summing to {self.full_shape[d]}"
+                )
+
+    def index(self, axis: str, row: int, col: int) -> int:
+        return row if axis == "P" else col
+
+    def ranges(self, row: int, col: int) -> list[tuple[int, int]]:
+        """(offset, length) of rank (row, col)'s block along each dimension."""
+        out = []
+        for n, split in zip(self.full_shape, self.splits):
+            if split is None:
+                out.append((0, n))
+            else:
+                axis, sizes = split
+                k = self.index(axis, row, col)
+                out.append((sum(sizes[:k]), sizes[k]))
+        return out
+
+    def shape(self, row: int, col: int) -> tuple[int, ...]:
+        return tuple(n for _, n in self.ranges(row, col))
+
+    def take(self, full: torch.Tensor, row: int, col: int) -> torch.Tensor:
+        """Rank (row, col)'s block of ``full`` (a view)."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(
+                f"expected a full tensor of shape {self.full_shape}, got {tuple(full.shape)}"
+            )
+        for d, (offset, length) in enumerate(self.ranges(row, col)):
+            full = full.narrow(d, offset, length)
+        return full
+
+    def replicated_axes(self) -> list[str]:
+        used = {s[0] for s in self.splits if s is not None}
+        return [a for a in self.AXES if a not in used]
+
+    def first_copy(self, row: int, col: int) -> bool:
+        """Whether rank (row, col) holds the counted copy of its block."""
+        return all(self.index(a, row, col) == 0 for a in self.replicated_axes())
 
 
 STAGE_ORDERS = ("loop", "v")

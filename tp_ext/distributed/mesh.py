@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tp_ext.distributed import peers
+from tp_ext.distributed.grid import TPGrid, check_grid_shape, make_tp_grid
 from tp_ext.distributed.state import PROCESS
 
 __all__ = [
@@ -45,6 +46,7 @@ class ParallelState:
     rank: int
     device: torch.device
     backend: str
+    tp_grid: Optional[TPGrid] = None  # tp=(P, Q): the 2D grid of the TP ranks
 
     @property
     def tp_rank(self) -> int:
@@ -131,7 +133,7 @@ def _attempt_store(timeout: datetime.timedelta):
 
 
 def init_parallel(
-    tp: int,
+    tp,
     pp: int = 1,
     dp: Optional[int] = None,
     backend: Optional[str] = None,
@@ -140,7 +142,13 @@ def init_parallel(
     """Set up TP/PP/DP groups (and the default process group from torchrun's env:// variables
     if it is not up yet). Backend: NCCL when CUDA is available, else gloo, unless ``backend`` says.
     ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
+    ``tp=(P, Q)``: 2D tensor parallelism on a P x Q grid of P * Q TP ranks (``state.tp_grid``,
+    :class:`tp_ext.distributed.grid.TPGrid`); ``state.tp`` is then P * Q.
     """
+    one_d = isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1
+    grid_shape = None if one_d else check_grid_shape(tp)  # (raises for anything else)
+    if grid_shape is not None:
+        tp = grid_shape[0] * grid_shape[1]
     if not dist.is_initialized():
         missing = [
             v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
@@ -170,7 +178,13 @@ def init_parallel(
     world = dist.get_world_size()
     dp = _resolve_sizes(world, tp, pp, dp)
     current = PROCESS.parallel
-    if current is not None and (current.tp, current.pp, current.dp) == (tp, pp, dp):
+    current_grid = None if current is None or current.tp_grid is None else current.tp_grid.shape
+    if current is not None and (current.tp, current.pp, current.dp, current_grid) == (
+        tp,
+        pp,
+        dp,
+        grid_shape,
+    ):
         return current  # same layout: reuse the groups (making them again is a collective)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if tp > local_world or local_world % tp:
@@ -186,6 +200,10 @@ def init_parallel(
         else torch.device("cpu")
     )
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    tp_grid = None
+    if grid_shape is not None:
+        every_tp_group = mesh.mesh.reshape(-1, tp).tolist()  # [pp * dp TP groups][tp ranks]
+        tp_grid = make_tp_grid(*grid_shape, mesh.get_group("tp"), all_tp_ranks=every_tp_group)
     PROCESS.parallel = ParallelState(
         mesh=mesh,
         tp_group=mesh.get_group("tp"),
@@ -197,6 +215,7 @@ def init_parallel(
         rank=dist.get_rank(),
         device=device,
         backend=backend,
+        tp_grid=tp_grid,
     )
     peers.record(dist.group.WORLD)  # lets errors name a rank that died (one small all-gather)
     return PROCESS.parallel
