@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: each equals its torch.nn equivalent at any TP size.
+"""Tensor-parallel layers: each equals its torch.nn equivalent at any TP size (1D: over a TP
+group; 2D, the ``*2D`` layers: over a P x Q grid, :mod:`tp_ext.layers.summa`).
 
 Every layer takes ``tp_group`` (a ProcessGroup, a group name, a :class:`TPGroup`, or None for the
 group made by :func:`tp_ext.init_parallel`), can ``load_full_state_dict(full)`` and
@@ -29,6 +30,15 @@ from tp_ext.layers.state_dict import (
     local_shards,
     state_entries,
 )
+from tp_ext.layers.summa import GridModule, Linear2D, gather_2d, split_2d
+from tp_ext.layers.summa_blocks import (
+    MLP2D,
+    Attention2D,
+    DecoderLayer2D,
+    Embedding2D,
+    RMSNorm2D,
+    cross_entropy_2d,
+)
 
 __all__ = [
     "ParallelModule",
@@ -55,4 +65,14 @@ __all__ = [
     "ParallelMLP",
     "ParallelTransformerBlock",
     "vocab_parallel_cross_entropy",
+    "GridModule",
+    "Linear2D",
+    "split_2d",
+    "gather_2d",
+    "Embedding2D",
+    "RMSNorm2D",
+    "cross_entropy_2d",
+    "Attention2D",
+    "MLP2D",
+    "DecoderLayer2D",
 ]

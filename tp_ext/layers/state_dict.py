@@ -65,6 +65,17 @@ def local_shards(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[st
     return result
 
 
+def check_full_keys(module: nn.Module, names: set, full: Mapping[str, torch.Tensor]) -> None:
+    """A strict load's key check: ``full`` must hold exactly ``names``."""
+    missing = sorted(names - set(full))
+    unexpected = sorted(set(full) - names)
+    if missing or unexpected:
+        raise KeyError(
+            f"load_full_state_dict({type(module).__name__}): missing keys {missing}, unexpected "
+            f"keys {unexpected}; expected exactly {sorted(names)} (strict=False loads a subset)"
+        )
+
+
 @torch.no_grad()
 def load_full_state_dict(
     module: nn.Module, full: Mapping[str, torch.Tensor], strict: bool = True
@@ -73,14 +84,8 @@ def load_full_state_dict(
     ``module.state_dict()``; shapes those of the unsharded module). Local, no communication.
     With ``strict``, missing and unexpected keys are errors that list them."""
     entries = list(_owned_tensors(module))
-    names = {name for name, *_ in entries}
-    missing = sorted(names - set(full))
-    unexpected = sorted(set(full) - names)
-    if strict and (missing or unexpected):
-        raise KeyError(
-            f"load_full_state_dict({type(module).__name__}): missing keys {missing}, unexpected "
-            f"keys {unexpected}; expected exactly {sorted(names)}"
-        )
+    if strict:
+        check_full_keys(module, {name for name, *_ in entries}, full)
     for name, tensor, owner, leaf in entries:
         if name not in full:
             continue

@@ -1,0 +1,338 @@
+"""2D tensor parallelism (SUMMA) on a P x Q grid: the linear layer, splitting and gathering
+activations, and what every 2D layer shares (each parameter's block of its full tensor).
+
+Layout (:class:`tp_ext.distributed.grid.TPGrid`): an activation ``[tokens, features]`` (or
+``[batch, seq, features]``) is split into blocks, tokens (sequences) over the P grid rows and
+features over the Q grid columns; rank (i, j) holds block (i, j). A weight ``[out, in]`` holds
+``out`` over the columns and ``in`` over the rows, so a layer's output has its input's layout
+and layers chain without redistribution. Each rank stores 1 / (P * Q) of every weight and of
+every activation; a linear layer moves O(1 / P + 1 / Q) of the input and weight per rank (1D
+TP all-reduces whole activations).
+
+Sizes that do not divide are split by the one policy (:func:`tp_ext.shard_sizes`); a layer may
+also take the split of its features over Q explicitly (whole attention heads). Parameters that
+are not split over an axis (biases and norm weights over P) are replicated over it: their
+gradients are summed over it in backward, so every copy takes the same update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_ext.distributed import comm
+from tp_ext.distributed.grid import TPGrid
+from tp_ext.distributed.state import PROCESS
+from tp_ext.layers.base import check_int, default_linear_init
+from tp_ext.layers.state_dict import check_full_keys
+from tp_ext.sharding import GridBlock, shard_sizes
+
+__all__ = [
+    "GridModule",
+    "Linear2D",
+    "split_2d",
+    "gather_2d",
+    "default_grid",
+    "grid_state_entries",
+    "load_full_state_dict_2d",
+    "full_state_dict_2d",
+]
+
+InitFn = Callable[[torch.Tensor], None]
+
+
+def default_grid() -> TPGrid:
+    """The grid of :func:`tp_ext.init_parallel` (``tp=(P, Q)``)."""
+    state = PROCESS.parallel
+    if state is None or state.tp_grid is None:
+        raise ValueError(
+            "no 2D grid: pass grid= (tp_ext.init_parallel(tp=(P, Q)).tp_grid, or "
+            "tp_ext.distributed.grid.make_tp_grid(P, Q, group)), or call "
+            "tp_ext.init_parallel(tp=(P, Q)) first"
+        )
+    return state.tp_grid
+
+
+def _check_sizes(name: str, sizes, total: int, parts: int) -> tuple[int, ...]:
+    ok = isinstance(sizes, Sequence) and len(sizes) == parts
+    ok = ok and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+    if not ok or sum(sizes) != total:
+        raise ValueError(
+            f"{name} must list {parts} sizes >= 0 (one per grid column) summing to {total}, got "
+            f"{sizes!r}; e.g. tp_ext.shard_sizes({total}, {parts}) = {shard_sizes(total, parts)}"
+        )
+    return tuple(int(n) for n in sizes)
+
+
+class GridModule(nn.Module):
+    """Base of the 2D layers: the grid, and each parameter's :class:`GridBlock`."""
+
+    def _setup_grid(self, grid: Optional[TPGrid]) -> TPGrid:
+        grid = default_grid() if grid is None else grid
+        if not isinstance(grid, TPGrid):
+            raise TypeError(f"grid must be a tp_ext TPGrid, got {type(grid).__name__}")
+        object.__setattr__(self, "grid", grid)  # not a module: no registration
+        self._grid_blocks: dict[str, GridBlock] = {}
+        return grid
+
+    def _set_block(self, param_name: str, block: GridBlock) -> None:
+        self._grid_blocks[param_name] = block
+
+    def grid_block(self, param_name: str) -> Optional[GridBlock]:
+        """The block of its full tensor that this rank's ``param_name`` is; None: whole on
+        every rank."""
+        return self._grid_blocks.get(param_name)
+
+    def _new_param(self, name: str, block: GridBlock, device, dtype) -> nn.Parameter:
+        grid = self.grid
+        shape = block.shape(grid.row, grid.col)
+        param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.register_parameter(name, param)
+        self._set_block(name, block)
+        return param
+
+    @torch.no_grad()
+    def _init_from_full(self, param_name: str, init: InitFn) -> None:
+        """Draw the full tensor and keep this rank's block: the same weights at every grid
+        shape when seeded alike."""
+        param = getattr(self, param_name)
+        if param is None or param.device.type == "meta" or not PROCESS.init_weights:
+            return
+        block = self.grid_block(param_name)
+        full = torch.empty(block.full_shape, dtype=param.dtype, device=param.device)
+        init(full)
+        param.copy_(block.take(full, self.grid.row, self.grid.col))
+
+    def load_full_state_dict(self, full: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Take this rank's block of each full tensor (names as in ``state_dict()``)."""
+        load_full_state_dict_2d(self, full, strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full tensors, gathered on every rank (every rank of the grid calls it)."""
+        return full_state_dict_2d(self)
+
+
+def grid_state_entries(module: nn.Module):
+    """(name, tensor, block or None, owning module) of every parameter of ``module``."""
+    for prefix, owner in module.named_modules():
+        for name, param in owner.named_parameters(recurse=False):
+            block = owner.grid_block(name) if isinstance(owner, GridModule) else None
+            yield (f"{prefix}.{name}" if prefix else name), param, block, owner
+
+
+@torch.no_grad()
+def load_full_state_dict_2d(
+    module: nn.Module, full: Mapping[str, torch.Tensor], strict: bool = True
+) -> None:
+    """Copy this rank's block of each of ``full``'s tensors into ``module``'s parameters."""
+    entries = list(grid_state_entries(module))
+    if strict:
+        check_full_keys(module, {name for name, *_ in entries}, full)
+    for name, param, block, owner in entries:
+        if name not in full:
+            continue
+        tensor = full[name]
+        if block is None:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: expected a full tensor of shape {tuple(param.shape)}, got "
+                    f"{tuple(tensor.shape)}"
+                )
+            param.copy_(tensor)
+        else:
+            try:
+                piece = block.take(tensor, owner.grid.row, owner.grid.col)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            param.copy_(piece)
+
+
+@torch.no_grad()
+def full_state_dict_2d(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` as its full tensor, on every rank (a collective over the
+    grid: each split dimension is gathered over its axis)."""
+    out = {}
+    for name, param, block, owner in grid_state_entries(module):
+        out[name] = (
+            param.detach().clone() if block is None else _gather_block(param, block, owner.grid)
+        )
+    return out
+
+
+def _gather_block(local: torch.Tensor, block: GridBlock, grid: TPGrid) -> torch.Tensor:
+    out = local.detach()
+    for dim, split in enumerate(block.splits):
+        if split is None:
+            continue
+        axis, sizes = split
+        group = grid.col_group if axis == "P" else grid.row_group
+        out = comm.all_gather(out.contiguous(), dim, list(sizes), group=group)
+    return out.clone() if out is local else out
+
+
+# ---- activations: split and gather ---------------------------------------------------------------
+
+
+def split_2d(x: torch.Tensor, grid: Optional[TPGrid] = None, dim: int = 0) -> torch.Tensor:
+    """This rank's block of ``x`` (the same full tensor on every rank): ``dim`` (tokens, or
+    sequences of ``[batch, seq, features]``) split over the grid rows, the last dimension
+    (features) over the columns, by :func:`tp_ext.shard_sizes`. Differentiable: the gradient
+    of ``x`` is gathered, whole, on every rank."""
+    grid = default_grid() if grid is None else grid
+    if x.dim() < 2:
+        raise ValueError(f"split_2d: x must have at least 2 dimensions, got shape {tuple(x.shape)}")
+    dim = dim % x.dim()
+    if dim == x.dim() - 1:
+        raise ValueError(
+            "split_2d: dim is split over the grid rows and must not be the last dimension"
+        )
+    x = comm.scatter_to_tp(x, dim, shard_sizes(x.size(dim), grid.rows), group=grid.col_group)
+    return comm.scatter_to_tp(x, -1, shard_sizes(x.size(-1), grid.cols), group=grid.row_group)
+
+
+def gather_2d(
+    block: torch.Tensor,
+    grid: Optional[TPGrid] = None,
+    dim: int = 0,
+    *,
+    dim_sizes: Optional[Sequence[int]] = None,
+    feature_sizes: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """The full tensor from every rank's block (the inverse of :func:`split_2d`), on every rank.
+    ``dim_sizes`` / ``feature_sizes``: every grid row's / column's size (default: exchanged,
+    one small all-gather each). Differentiable: each rank's block gets its part of the
+    gradient."""
+    grid = default_grid() if grid is None else grid
+    dim = dim % block.dim()
+    if feature_sizes is None:
+        feature_sizes = _sizes_of(block.size(-1), grid.row_group, block.device)
+    if dim_sizes is None:
+        dim_sizes = _sizes_of(block.size(dim), grid.col_group, block.device)
+    out = comm.gather_from_tp(block, -1, list(feature_sizes), group=grid.row_group)
+    return comm.gather_from_tp(out, dim, list(dim_sizes), group=grid.col_group)
+
+
+def _sizes_of(local: int, group, device) -> list[int]:
+    if group.size == 1:
+        return [local]
+    mine = torch.tensor([local], dtype=torch.long, device=device)
+    return comm.all_gather(mine, 0, group=group).tolist()
+
+
+# ---- the linear layer ----------------------------------------------------------------------------
+
+
+class Linear2D(GridModule):
+    """``y = x @ W.T + b`` on a P x Q grid (SUMMA).
+
+    Rank (i, j) takes ``x``'s block (i, j) ``[..., in_sizes[j]]`` and returns ``y``'s block (i, j)
+    ``[..., out_sizes[j]]``; it holds ``W[out rows of column j, in columns of row i]`` and the
+    bias's piece of column j (replicated over the rows). The product is
+    ``tp_ext.ops.summa_linear``: panels of ``x`` broadcast along grid rows and of ``W`` along
+    grid columns, each multiplied locally, the next panel's broadcasts overlapped with the
+    current product. ``in_sizes`` / ``out_sizes``: the split of the features over the columns
+    (default :func:`tp_ext.shard_sizes`; whole heads for attention); ``W``'s input features are
+    split over the rows by :func:`tp_ext.shard_sizes`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        grid: Optional[TPGrid] = None,
+        *,
+        in_sizes: Optional[Sequence[int]] = None,
+        out_sizes: Optional[Sequence[int]] = None,
+        device=None,
+        dtype=None,
+        init_method: Optional[InitFn] = None,
+    ):
+        super().__init__()
+        grid = self._setup_grid(grid)
+        self.in_features = check_int("in_features", in_features)
+        self.out_features = check_int("out_features", out_features)
+        Q, P = grid.cols, grid.rows
+        self.in_sizes = _check_sizes(
+            "in_sizes",
+            shard_sizes(in_features, Q) if in_sizes is None else in_sizes,
+            in_features,
+            Q,
+        )
+        self.out_sizes = _check_sizes(
+            "out_sizes",
+            shard_sizes(out_features, Q) if out_sizes is None else out_sizes,
+            out_features,
+            Q,
+        )
+        self.weight_in_sizes = tuple(shard_sizes(in_features, P))
+        weight = GridBlock(
+            (out_features, in_features), [("Q", self.out_sizes), ("P", self.weight_in_sizes)]
+        )
+        self._new_param("weight", weight, device, dtype)
+        if bias:
+            self._new_param(
+                "bias", GridBlock((out_features,), [("Q", self.out_sizes)]), device, dtype
+            )
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters(init_method)
+
+    def reset_parameters(self, init_method: Optional[InitFn] = None) -> None:
+        weight_init, bias_init = default_linear_init(self.in_features)
+        self._init_from_full("weight", init_method or weight_init)
+        if self.bias is not None:
+            self._init_from_full("bias", bias_init)
+
+    @property
+    def local_in_features(self) -> int:
+        return self.in_sizes[self.grid.col]
+
+    @property
+    def local_out_features(self) -> int:
+        return self.out_sizes[self.grid.col]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_2d_shared_input(x, [self])[0]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, grid={self.grid.rows}x{self.grid.cols}"
+        )
+
+
+def linear_2d_shared_input(x: torch.Tensor, linears: Sequence[Linear2D]) -> list[torch.Tensor]:
+    """The outputs of several :class:`Linear2D` of the same input (q, k and v; gate and up) from
+    one SUMMA product over their stacked weight blocks: ``x``'s panels are broadcast along the
+    grid rows once for all of them instead of once each (the weights' panels are the same
+    bytes either way)."""
+    first = linears[0]
+    grid = first.grid
+    for lin in linears[1:]:
+        if lin.grid is not grid or lin.in_sizes != first.in_sizes:
+            raise ValueError(
+                "linear_2d_shared_input: every layer must be on the same grid with the same "
+                f"in_sizes; got {first.in_sizes} and {lin.in_sizes}"
+            )
+    if x.dim() == 0 or x.size(-1) != first.local_in_features:
+        raise ValueError(
+            f"Linear2D: input block has shape {tuple(x.shape)} but its last dimension must be "
+            f"this grid column's share of in_features, in_sizes[{grid.col}] = "
+            f"{first.local_in_features} (split_2d gives the block)"
+        )
+    if grid.size == 1:
+        return [F.linear(x, lin.weight, lin.bias) for lin in linears]
+    weight = first.weight if len(linears) == 1 else torch.cat([lin.weight for lin in linears])
+    y = comm.summa_linear(
+        x, weight, first.in_sizes, first.weight_in_sizes, grid.row_group, grid.col_group
+    )
+    outs = y.split([lin.local_out_features for lin in linears], dim=-1)
+    return [
+        out if lin.bias is None else out + comm.copy_to_tp(lin.bias, group=grid.col_group)
+        for out, lin in zip(outs, linears)  # dbias: summed over the grid rows
+    ]
