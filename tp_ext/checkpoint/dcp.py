@@ -111,6 +111,8 @@ def checkpoint_tensors(
     is a separate copy on this rank (a tied embedding under a V-shaped pipeline: the first and
     the last stage on one rank), ``(copy, original)`` goes into ``tied_copies``: a load fills
     the original and must then copy it over."""
+    if getattr(model, "is_2d", False):
+        return _grid_checkpoint_tensors(model, prefix, tensor_of, tied_copies)
     layout = model_layout(model)
     entries = list(state_entries(model))
     tied = tied_names(entries, layout)
@@ -205,6 +207,49 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
                 )
                 taken += b - a
         start += length
+
+
+def _grid_checkpoint_tensors(
+    model, prefix: str, tensor_of, tied_copies: Optional[list]
+) -> dict[str, torch.Tensor]:
+    """:func:`checkpoint_tensors` of a 2D (SUMMA) model: its parameters carry the Hugging Face
+    names already, and each rank's block goes in at its offsets in both dimensions (copies
+    replicated over a grid axis are equal chunks, which DCP writes once). The keys are those
+    of a 1D model's checkpoint, so the two load each other's: a scalar (an optimizer's step
+    count) goes under the first piece of the tensor the model's declared layout fuses it into
+    (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it."""
+    from tp_ext.layers.summa import grid_state_entries
+
+    first_piece = {}
+    if getattr(model, "checkpoint_layout", None) is not None:
+        for pieces in model_layout(model).values():
+            for piece in pieces:
+                first_piece[piece.name] = pieces[0].name
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor, block, owner in grid_state_entries(model):
+        if tensor_of is not None:
+            tensor = tensor_of(tensor)
+            if tensor is None:
+                continue
+        local = tensor.detach()
+        if local.dim() == 0:
+            key = prefix + first_piece.get(name, name)
+            if key not in state:
+                state[key] = local
+            elif tied_copies is not None:
+                tied_copies.append((tensor, state[key]))
+            continue
+        if block is None:  # whole on every rank
+            state[prefix + name] = local
+            continue
+        offsets = tuple(o for o, _ in block.ranges(owner.grid.row, owner.grid.col))
+        if local.numel() == 0:
+            continue  # an empty block (more grid rows or columns than entries)
+        if tuple(local.shape) == block.full_shape:
+            state[prefix + name] = local
+        else:
+            _add_chunk(state, prefix + name, local, offsets, block.full_shape)
+    return state
 
 
 def _add_chunk(state, name, block, offsets, size) -> None:

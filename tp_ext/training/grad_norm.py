@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup, resolve_group
-from tp_ext.layers import ParallelModule
+from tp_ext.layers import GridModule, ParallelModule
 from tp_ext.validation import is_number
 
 __all__ = ["grad_norm", "clip_grad_norm_", "parallel_grad_norm", "scale_grads_", "model_tp_group"]
@@ -78,7 +78,9 @@ def _local_norm_power(model, tp: TPGroup, p: float, skip=frozenset(), dp_shards=
         if isinstance(g, DTensor):
             g = g.to_local()
             shard = _dp_rows(param.shape[0], dp_shards) if dp_shards is not None else None
-        if spec is None:
+        if spec is _OWN_BLOCK:
+            pass  # a block of a 2D layer that this rank alone counts
+        elif spec is None:
             if tp.rank != 0 and p != math.inf:  # replicated: identical on every rank
                 continue
         elif spec[1].replicated and p != math.inf:
@@ -147,6 +149,8 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
     groups = {}
     for module in model.modules():
         tp = getattr(module, "tp", None) if isinstance(module, ParallelModule) else None
+        if isinstance(module, GridModule):
+            tp = module.grid.tp_group
         if tp is not None and tp.size > 1:
             groups[tp.name] = tp
     if len(groups) > 1:
@@ -155,6 +159,9 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
             f"({sorted(groups)}); pass tp_group= to say which one to reduce over"
         )
     return next(iter(groups.values()), TPGroup.local())
+
+
+_OWN_BLOCK = ("grid block",)  # the spec of a 2D layer's block counted on this rank
 
 
 def _grads_with_specs(model: nn.Module, tp: TPGroup):
@@ -167,6 +174,11 @@ def _grads_with_specs(model: nn.Module, tp: TPGroup):
             seen.add(id(param))
             if param.grad is None:
                 continue
+            if isinstance(module, GridModule) and module.grid_block(name) is not None:
+                grid = module.grid
+                if module.grid_block(name).first_copy(grid.row, grid.col):
+                    yield param, _OWN_BLOCK
+                continue  # another rank's copy of this block counts
             spec = module.shard_spec(name) if isinstance(module, ParallelModule) else None
             if spec is not None and spec[1].world_size != tp.size:
                 raise ValueError(

@@ -173,6 +173,9 @@ class Trainer:
             raise ValueError(
                 "with parallel=, the TP and DP groups are the layout's; drop dp_group= / tp_group="
             )
+        if getattr(model, "is_2d", False):
+            self._setup_2d(parallel, data_parallel)
+            return
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         if data_parallel is not None and data_parallel not in DATA_PARALLEL:
@@ -186,6 +189,21 @@ class Trainer:
         self.tp = comm.resolve_group(parallel.tp_group)
         self.dp_group = comm.resolve_group(parallel.dp_group)
         self.runner = PipelineRunner(model, schedule, self.data_parallel)
+
+    def _setup_2d(self, parallel, data_parallel) -> None:
+        """A 2D (SUMMA) model runs without a pipeline: the step of this Trainer's own loop, its
+        loss from the logits blocks (the model's ``summed_loss``), DP gradients all-reduced
+        once per step over the DP group, the norm over the grid."""
+        if data_parallel not in (None, "ddp"):
+            raise ValueError(
+                f"data_parallel={data_parallel!r} with a 2D model: its DP replicas synchronise "
+                "by one all-reduce of the gradients per step; use data_parallel='ddp' (or None "
+                "at dp=1)"
+            )
+        self.data_parallel = "ddp" if parallel.dp > 1 else None
+        self.tp = comm.resolve_group(parallel.tp_group)
+        self.dp_group = comm.resolve_group(parallel.dp_group)
+        self.runner = None
 
     def step(self, micro_batches: list[MicroBatch]) -> float:
         """Forward and backward every micro-batch (``input_ids`` ``[batch, seq]``, or
@@ -336,6 +354,8 @@ class Trainer:
 
     def _summed_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the token losses: position t predicts labels[:, t + 1] (Hugging Face style)."""
+        if getattr(self.model, "is_2d", False):  # logits blocks of a grid: the model knows them
+            return self.model.summed_loss(local_logits, labels, self.ignore_index)
         return vocab_parallel_cross_entropy(
             local_logits[:, :-1],
             labels[:, 1:],

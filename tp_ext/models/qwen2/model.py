@@ -88,6 +88,9 @@ class Qwen2ForCausalLM(ParallelModule):
     (``local_logits=True``: this rank's vocabulary shard, for the vocab-parallel loss);
     ``generate(input_ids, max_new_tokens)`` decodes greedily with a KV cache.
 
+    With ``parallel`` from ``tp_ext.init_parallel(tp=(P, Q))`` it builds the 2D (SUMMA) model,
+    :class:`tp_ext.models.qwen2.model_2d.Qwen2ForCausalLM2D`.
+
     ``parallel`` (from :func:`tp_ext.init_parallel`) builds this rank's part of a TP x PP x DP
     model: its TP slices of the layers of its pipeline stages only (:class:`StageLayout`:
     ``virtual_stages`` stages per rank in ``stage_order``, layers split by the one shard policy
@@ -96,6 +99,14 @@ class Qwen2ForCausalLM(ParallelModule):
     initialised) equal to it; the Trainer sums the two gradients, so they stay equal. Without
     ``parallel``, ``tp_group`` alone gives a TP-only model holding every layer.
     """
+
+    def __new__(cls, *args, parallel=None, **kwargs):
+        # tp=(P, Q) in the layout: the 2D (SUMMA) model, built from the same arguments
+        if cls is Qwen2ForCausalLM and getattr(parallel, "tp_grid", None) is not None:
+            from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
+
+            return Qwen2ForCausalLM2D(*args, parallel=parallel, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -211,6 +222,12 @@ class Qwen2ForCausalLM(ParallelModule):
         only its own slices (under ``parallel``: of its own stages' tensors). ``dtype``: default
         the checkpoint's. ``model.load_report`` holds this rank's bytes read, shard bytes and
         peak host memory during the load."""
+        if getattr(parallel, "tp_grid", None) is not None:  # tp=(P, Q): the 2D model
+            from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
+
+            return Qwen2ForCausalLM2D.from_pretrained(
+                path, parallel=parallel, dtype=dtype, device=device
+            )
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
         checkpoint.reset_peak_rss()

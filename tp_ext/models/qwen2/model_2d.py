@@ -1,0 +1,226 @@
+"""Qwen2 on a P x Q grid of 2D tensor parallelism (SUMMA): ``Qwen2ForCausalLM(config,
+parallel=init_parallel(tp=(P, Q)))`` builds this model.
+
+Every weight and every activation is split over the whole grid (:mod:`tp_ext.layers.summa`):
+sequences over the P rows, features over the Q columns, each weight ``[out, in]`` with ``out``
+over the columns and ``in`` over the rows. Parameter names are transformers' (``model.
+embed_tokens``, ``model.layers.N.self_attn.q_proj`` ..., ``lm_head``), so a Hugging Face
+checkpoint loads by name, each rank reading only its blocks.
+
+Not (yet) at 2D: tied embeddings (the embedding and the LM head hold different blocks of the
+one matrix), pipeline parallelism (pp > 1), FSDP2, KV-cache decoding; each is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from tp_ext.distributed.grid import TPGrid
+from tp_ext.layers.summa import (
+    Linear2D,
+    full_state_dict_2d,
+    gather_2d,
+    grid_state_entries,
+    load_full_state_dict_2d,
+)
+from tp_ext.layers.summa_blocks import (
+    DecoderLayer2D,
+    Embedding2D,
+    RMSNorm2D,
+    cross_entropy_2d,
+    kv_head_sizes,
+)
+from tp_ext.models.qwen2 import hf_layout
+from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.sharding import shard_range, shard_sizes
+
+__all__ = ["Qwen2ForCausalLM2D"]
+
+
+class _Model2D(nn.Module):
+    def __init__(self, config: Qwen2Config, grid: TPGrid, device, dtype):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.embed_tokens = Embedding2D(config.vocab_size, config.hidden_size, grid, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer2D(config, grid, **kw) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm2D(config.hidden_size, config.rms_norm_eps, grid, **kw)
+
+
+class Qwen2ForCausalLM2D(nn.Module):
+    """Qwen2 causal LM on a grid. ``forward(input_ids)`` (the whole ``[batch, seq]`` ids on every
+    rank) gives the full logits ``[batch, seq, vocab]`` on every rank, or with
+    ``local_logits=True`` this rank's block (grid row i's sequences, column j's vocabulary);
+    :meth:`summed_loss` takes that block to the loss without gathering it."""
+
+    is_2d = True
+
+    def __init__(
+        self,
+        config: Qwen2Config,
+        tp_group=None,
+        device=None,
+        dtype=None,
+        *,
+        parallel=None,
+        grid: Optional[TPGrid] = None,
+        **unsupported,
+    ):
+        super().__init__()
+        if tp_group is not None:
+            raise ValueError("a 2D model takes parallel= (or grid=), not tp_group=")
+        grid = grid if grid is not None else getattr(parallel, "tp_grid", None)
+        if grid is None:
+            raise ValueError(
+                "Qwen2ForCausalLM2D needs a grid: parallel=tp_ext.init_parallel(tp=(P, Q)) or grid="
+            )
+        options = {k: v for k, v in unsupported.items() if v not in (None, 1, "loop")}
+        if options:
+            raise ValueError(
+                f"{sorted(options)} are pipeline options; 2D tensor parallelism runs without "
+                "pipelining (pp=1) for now"
+            )
+        if parallel is not None and parallel.pp > 1:
+            raise ValueError(
+                f"pp={parallel.pp}: 2D tensor parallelism runs without pipelining for now; use "
+                "pp=1 (TP x DP), or 1D tensor parallelism with pipelining"
+            )
+        if config.tie_word_embeddings:
+            raise ValueError(
+                "tie_word_embeddings=True: at 2D the embedding and the LM head hold different "
+                "blocks of the one matrix, which is not supported yet; use 1D tensor "
+                "parallelism (tp=N) for tied models"
+            )
+        kv_head_sizes(config.num_key_value_heads, grid.cols)  # Q <= KV heads, said clearly
+        self.config, self.parallel, self.grid = config, parallel, grid
+        self.model = _Model2D(config, grid, device, dtype)
+        self.lm_head = Linear2D(
+            config.hidden_size, config.vocab_size, False, grid, device=device, dtype=dtype
+        )
+        self.activation_checkpointing = False
+
+    # -- forward and loss -------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, local_logits: bool = False) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be [batch, seq] (whole, the same on every rank), got shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        batch, seq = input_ids.shape
+        h = self.model.embed_tokens(input_ids)
+        positions = torch.arange(seq, device=input_ids.device).expand(h.size(0), seq)
+        for layer in self.model.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = recompute(layer, h, positions, use_reentrant=False)
+            else:
+                h = layer(h, positions)
+        logits = self.lm_head(self.model.norm(h))
+        if local_logits:
+            return logits
+        rows = shard_sizes(batch, self.grid.rows)
+        return gather_2d(logits, self.grid, 0, dim_sizes=rows, feature_sizes=self.lm_head.out_sizes)
+
+    def rows_of(self, batch: int) -> tuple[int, int]:
+        """(first sequence, count) of the batch that this rank's grid row computes."""
+        return shard_range(batch, self.grid.rows, self.grid.row)
+
+    def summed_loss(
+        self, local_logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """The sum of the token losses of the whole batch (position t predicts
+        ``labels[:, t + 1]``), the same on every rank, from this rank's logits block;
+        ``labels`` is the whole ``[batch, seq]``."""
+        start, count = self.rows_of(labels.size(0))
+        mine = labels.narrow(0, start, count)
+        return cross_entropy_2d(
+            local_logits[:, :-1], mine[:, 1:], self.grid, ignore_index, reduction="sum"
+        )
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def checkpoint_layout(self, fmt: Optional[str] = None):
+        """The 1D model's fusions of these tensors (q, k, v; gate, up): what keeps training
+        checkpoints of the two interchangeable (:mod:`tp_ext.checkpoint.dcp`)."""
+        return hf_layout.checkpoint_layout(self.config, fmt or "qwen2")
+
+    def load_full_state_dict(self, full, strict: bool = True) -> None:
+        load_full_state_dict_2d(self, full, strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict_2d(self)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, parallel=None, grid=None, dtype=None, device=None):
+        """Build the model from a Hugging Face Qwen2 checkpoint directory (config.json and
+        model.safetensors or a sharded index); each rank reads only its blocks."""
+        from safetensors import safe_open
+
+        config = Qwen2Config.from_file(path)
+        files = _safetensors_files(path)
+        model = cls(config, parallel=parallel, grid=grid, device=device, dtype=dtype)
+        where = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    where[name] = file
+        wanted = {name for name, *_ in grid_state_entries(model)}
+        missing = sorted(wanted - set(where))
+        if missing:
+            raise KeyError(
+                f"{path}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                "(2D loads transformers' Qwen2 names)"
+            )
+        with torch.no_grad():
+            for name, param, block, owner in grid_state_entries(model):
+                with safe_open(where[name], framework="pt") as f:
+                    piece = f.get_slice(name)
+                    if block is None:
+                        tensor = piece[:]
+                    else:
+                        ranges = block.ranges(owner.grid.row, owner.grid.col)
+                        shape = tuple(piece.get_shape())
+                        if shape != block.full_shape:
+                            raise ValueError(
+                                f"{path}: {name} has shape {shape}, the config says "
+                                f"{block.full_shape}"
+                            )
+                        tensor = piece[tuple(slice(o, o + n) for o, n in ranges)]
+                param.copy_(tensor.to(param.dtype))
+        return model
+
+    def save_pretrained(self, path: str) -> None:
+        """A Hugging Face checkpoint (model.safetensors + config.json) that transformers'
+        Qwen2ForCausalLM loads; every rank calls it, global rank 0 writes."""
+        from safetensors.torch import save_file
+
+        full = self.full_state_dict()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        os.makedirs(path, exist_ok=True)
+        dtype = next(iter(full.values())).dtype
+        save_file(
+            {k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors")
+        )
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf_layout.hf_config(self.config, dtype), f, indent=2)
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [single]
