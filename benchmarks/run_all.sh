@@ -11,6 +11,7 @@ $PY benchmarks/bench_collective_overhead.py
 $PY benchmarks/bench_block_vs_dtensor.py
 $PY benchmarks/bench_3d.py
 $PY benchmarks/bench_checkpoint.py
+$PY benchmarks/bench_summa.py
 $PY benchmarks/plot.py
 $PY benchmarks/report.py --update BENCHMARKS.md
 echo "load after: $(cat /proc/loadavg)"
