@@ -83,5 +83,6 @@ def test_init_parallel_bad_sizes_say_what_fits():
     assert "world size 4 is not divisible by tp*pp = 3*1 = 3" in errors["{'tp': 3}"]
     assert "these tp values fit: [1, 2, 4]" in errors["{'tp': 3}"]
     assert "world size 4 != tp*pp*dp = 2*1*3 = 6" in errors["{'tp': 2, 'pp': 1, 'dp': 3}"]
-    assert "tp must be an int >= 1, got 0" in errors["{'tp': 0}"]
+    assert "tp must be an int >= 1 (1D tensor parallelism) or a pair (P, Q)" in errors["{'tp': 0}"]
+    assert errors["{'tp': 0}"].endswith("got 0")
     assert "pp must be an int >= 1, got '2'" in errors["{'tp': 2, 'pp': '2'}"]
