@@ -15,6 +15,7 @@ import sys
 
 from tp_ext.cli.flags import BETA, RUN_FIELDS, TRAIN_FIELDS, flag_type
 from tp_ext.config import CHECKPOINT_FIELDS, DTYPES, PARALLEL_FIELDS
+from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 
@@ -25,10 +26,71 @@ def _demo(args) -> int:
     return demo(args.tp)
 
 
+def _auto_plan(args) -> int:
+    """``tp-ext plan CONFIG --auto``: the planner's layouts, best first (``--calibrate`` first
+    measures this machine as the "cpu" hardware)."""
+    import json
+
+    from tp_ext.config import JobConfig
+    from tp_ext.planner import calibrate, plan
+
+    if args.calibrate:
+        hw = calibrate()
+        print(
+            f"calibrated: {hw.flops / 1e9:.3g} GFLOP/s per rank, all-reduce "
+            f"{hw.intra_node / 1e9:.3g} GB/s, latency {hw.latency * 1e6:.0f} us",
+            file=sys.stderr,
+        )
+        if not args.auto:
+            return 0
+    if args.config is None:
+        print("tp-ext plan: argument config: required with --auto", file=sys.stderr)
+        return 2
+    if args.gpus is None:
+        print("tp-ext plan: argument --gpus: required with --auto (devices to plan for)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        job = JobConfig.from_file(args.config)
+        ranked = plan(
+            job.model,
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory=args.gpu_memory,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            hardware=args.hardware,
+            dtype=args.dtype or job.parallel.dtype,
+            top=args.top,
+        )
+    except ValueError as e:
+        print(f"tp-ext plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([est.as_dict() for est in ranked], indent=2))
+        return 0
+    gib = 1024**3
+    print(
+        f"{'#':>2} {'layout':<48} {'fits':>4} {'GiB/rank':>8} {'step s':>8}  reason",
+    )
+    for i, est in enumerate(ranked, 1):
+        print(
+            f"{i:>2} {est.layout.describe():<48} {'yes' if est.fits else 'no':>4} "
+            f"{est.memory_bytes['total'] / gib:>8.1f} {est.step_time_s:>8.3g}  {est.reason}"
+        )
+    return 0
+
+
 def _plan(args) -> int:
     """The footprint of a config per pipeline stage and per (pp, tp) rank: parameters, bytes,
     what is replicated, KV cache and communication, on the meta device."""
     import json
+
+    if args.auto or args.calibrate:
+        return _auto_plan(args)
+    if args.config is None:
+        print("tp-ext plan: argument config: required", file=sys.stderr)
+        return 2
 
     from tp_ext.config import JobConfig
     from tp_ext.models.footprint import PlanError, format_pipeline_footprint, pipeline_footprint
@@ -202,7 +264,43 @@ def main(argv=None) -> int:
         help="per-stage and per-rank parameters and bytes, replicated bytes, KV cache and "
         "communication of a model config over TP x PP (x DP), without allocating it",
     )
-    plan.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
+    plan.add_argument(
+        "config", nargs="?", help="tp_ext YAML/JSON config or a Hugging Face config.json"
+    )
+    auto = plan.add_argument_group(
+        "the planner (--auto): training layouts ranked by memory and step time, with reasons"
+    )
+    auto.add_argument("--auto", action="store_true", help="rank the TP x PP x DP layouts")
+    auto.add_argument("--gpus", type=flag_type(PARALLEL_FIELDS["tp"]), help="devices in all")
+    auto.add_argument(
+        "--gpus-per-node",
+        type=flag_type(PARALLEL_FIELDS["tp"]),
+        help="devices per node (default: all in one node)",
+    )
+    auto.add_argument(
+        "--gpu-memory", help="memory per device, e.g. 80GiB (default: the hardware's)"
+    )
+    auto.add_argument(
+        "--seq-len", type=flag_type(PARALLEL_FIELDS["tp"]), default=4096, help="default 4096"
+    )
+    auto.add_argument(
+        "--global-batch",
+        type=flag_type(PARALLEL_FIELDS["tp"]),
+        default=512,
+        help="sequences per step over all DP replicas (default 512)",
+    )
+    auto.add_argument(
+        "--hardware",
+        default="h100",
+        choices=sorted(HARDWARE_NAMES),
+        help="device and link speeds (default h100); cpu: this machine once --calibrate ran",
+    )
+    auto.add_argument("--top", type=flag_type(PARALLEL_FIELDS["tp"]), default=10)
+    auto.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (matmul FLOP/s, gloo all-reduce) as the 'cpu' hardware",
+    )
     plan.add_argument(
         "--tp",
         type=flag_type(PARALLEL_FIELDS["tp"]),

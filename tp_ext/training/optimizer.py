@@ -98,7 +98,12 @@ def build_optimizer(
         },
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(settings.lr), betas=betas)
+    # On CUDA the fused kernel: fastest, and no temporaries (the foreach default allocates a
+    # copy of every parameter at the step, which the planner would have to leave room for)
+    fused = all(p.is_cuda for p in params) or None
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=float(settings.lr), betas=betas, fused=fused
+    )
 
 
 def lr_factor(settings: OptimizerSettings, total_steps: int, step: int) -> float:

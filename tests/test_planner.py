@@ -1,0 +1,245 @@
+"""tp_ext.planner against what tp_ext does: parameters per rank equal to the real layers', the
+estimated peak memory per rank within 5% of the measured peak of a Trainer step (CPU, every
+schedule, recompute, DDP and FSDP2, 1 to 8 ranks), parameter / gradient / optimizer bytes exact,
+TP bytes equal to tp_ext.comm.track()'s, the Qwen2-72B recommendations, the CLI and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+CFG = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+SEQ = 64
+
+
+def _config(**changes):
+    from tp_ext.models import Qwen2Config
+
+    return Qwen2Config.from_dict({**CFG, **changes})
+
+
+# ---- parameters per rank: the planner's shortcut against the meta-built model ------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameters_per_rank_equal_the_layers(tied):
+    from tp_ext.models.footprint import pipeline_footprint
+    from tp_ext.planner import Layout, estimate, load_hardware
+
+    config = _config(tie_word_embeddings=tied, vocab_size=1001, num_hidden_layers=6)
+    for tp, pp, v in [(1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 2, 1), (8, 3, 1), (2, 3, 2)]:
+        fp = pipeline_footprint(config, tp=tp, pp=pp, virtual_stages=v, dtype="float32")
+        layout = Layout(tp, pp, 1, 1, max(pp, 2), "Interleaved1F1B" if v > 1 else "1F1B", v,
+                        dtype="float32")  # fmt: skip
+        est = estimate(config, layout, seq_len=SEQ, hardware=load_hardware("cpu"))
+        assert est.detail["parameters_per_rank"] == fp["max_rank_parameters"], (tp, pp, v)
+        by_rank = [r["parameters"] for r in fp["ranks"] if r["tp_rank"] == 0]
+        assert est.detail["parameters_by_pp_rank"] == by_rank, (tp, pp, v)
+
+
+# ---- memory and bytes against a measured Trainer step ------------------------------------------
+
+
+def _measure(layout):
+    import tp_ext
+    from tests.memory_peak import PeakMemory
+    from tp_ext.models import Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    def local_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            t = getattr(t, "_local_tensor", t)  # FSDP2's DTensor: this rank's shard
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    state = tp_ext.init_parallel(tp=layout.tp, pp=layout.pp, dp=layout.dp)
+    torch.manual_seed(0)
+    order = "v" if layout.schedule in ("ZBVZeroBubble", "DualPipeV") else "loop"
+    model = Qwen2ForCausalLM(
+        _config(), parallel=state, virtual_stages=layout.virtual_stages, stage_order=order
+    )
+    trainer = Trainer(
+        model,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        parallel=state,
+        schedule=layout.schedule,
+        data_parallel=layout.data_parallel,
+        activation_checkpointing=layout.recompute,
+    )
+    grads = []  # what the gradients hold when the optimizer steps (the Trainer frees them after)
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.append(local_bytes([p.grad for p in params]))
+    )
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    shape = (layout.micro_batch, SEQ)
+    batches = [torch.randint(0, 1000, shape, generator=g) for _ in range(layout.num_micro_batches)]
+    trainer.step(batches)  # the optimizer state exists from the first step on
+    with tp_ext.comm.track() as stats:
+        with PeakMemory(model.parameters(), trainer.optimizer) as memory:
+            trainer.step(batches)
+
+    states = [t for s in trainer.optimizer.state.values() for t in s.values()]
+    return {
+        "peak": memory.peak,
+        "params": local_bytes(params),
+        "grads": grads[-1],
+        "optimizer": local_bytes(states),
+        "tp": stats.bytes(tag="train.compute"),
+    }
+
+
+def _layout(tp, pp, dp, m, schedule="1F1B", v=1, recompute=False, engine="ddp", mb=2):
+    from tp_ext.planner import Layout
+
+    return Layout(tp, pp, dp, mb, m, schedule, v, recompute, engine, "float32")
+
+
+# every path in make test; the whole list (8 ranks, the zero-bubble schedules) in make test-all
+LAYOUTS = [
+    pytest.param(_layout(1, 1, 1, 1), id="single"),
+    pytest.param(_layout(2, 1, 1, 2), id="tp2"),
+    pytest.param(_layout(3, 1, 1, 1), id="tp3-uneven"),
+    pytest.param(_layout(2, 1, 1, 1, recompute=True), id="tp2-recompute"),
+    pytest.param(_layout(1, 2, 1, 4, "GPipe"), id="pp2-gpipe"),
+    pytest.param(_layout(2, 2, 1, 4), id="tp2-pp2-1f1b"),
+    pytest.param(_layout(1, 2, 1, 4, "Interleaved1F1B", 2), id="pp2-interleaved"),
+    pytest.param(_layout(1, 1, 2, 2), id="dp2-ddp"),
+    pytest.param(_layout(1, 1, 2, 2, engine="fsdp"), id="dp2-fsdp"),
+    pytest.param(_layout(1, 2, 1, 4), marks=pytest.mark.full_matrix, id="pp2-1f1b"),
+    pytest.param(_layout(4, 1, 1, 2), marks=pytest.mark.full_matrix, id="tp4"),
+    pytest.param(_layout(1, 2, 1, 4, "ZBVZeroBubble", 2), marks=pytest.mark.full_matrix, id="zbv"),
+    pytest.param(
+        _layout(1, 2, 1, 4, "DualPipeV", 2), marks=pytest.mark.full_matrix, id="dualpipev"
+    ),
+    pytest.param(
+        _layout(1, 2, 1, 4, "InterleavedZeroBubble", 2),
+        marks=pytest.mark.full_matrix,
+        id="interleaved-zero-bubble",
+    ),
+    pytest.param(
+        _layout(1, 2, 1, 4, recompute=True), marks=pytest.mark.full_matrix, id="pp2-recompute"
+    ),
+    pytest.param(_layout(2, 2, 2, 4), marks=pytest.mark.full_matrix, id="tp2-pp2-dp2-8ranks"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_estimates_match_a_measured_training_step(layout):
+    from tp_ext.planner import estimate, load_hardware
+
+    measured = run_distributed(_measure, layout.world_size, layout, timeout=600)
+    est = estimate(_config(), layout, seq_len=SEQ, hardware=load_hardware("cpu"))
+    mem = est.memory_bytes
+    # the breakdown is the busiest pipeline rank's (global ranks: (pp, dp, tp) row-major)
+    pp_rank = est.detail["busiest_pp_rank"]
+    same = measured[pp_rank * layout.dp * layout.tp : (pp_rank + 1) * layout.dp * layout.tp]
+    for key in ("params", "grads", "optimizer"):
+        assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
+    assert est.comm_bytes["tp"] == max(m["tp"] for m in measured)
+    peak = max(m["peak"] for m in measured)
+    assert abs(mem["total"] - peak) <= 0.05 * peak, (
+        f"{layout.describe()}: estimated peak {mem['total']} against measured {peak} "
+        f"({mem['total'] / peak:.3f}x)"
+    )
+
+
+# ---- the recommendations for Qwen2-72B ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 64, 512])
+def test_qwen2_72b_recommendations_keep_tp_in_a_node(gpus):
+    from tp_ext.config import JobConfig
+    from tp_ext.planner import plan
+
+    config = JobConfig.from_file("configs/qwen2-72b.yaml").model
+    ranked = plan(config, gpus=gpus, gpus_per_node=8, gpu_memory="80GiB", seq_len=4096,
+                  global_batch=512)  # fmt: skip
+    best = ranked[0]
+    lay = best.layout
+    assert best.fits and best.memory_bytes["total"] <= 80 * 1024**3
+    assert lay.world_size == gpus
+    assert 1 < lay.tp <= 8 and not best.detail["tp_crosses_nodes"], lay.describe()
+    assert "inside a node" in best.reason, best.reason
+    if gpus > 8:  # the model parallel group spans nodes by pipeline stages, not by TP
+        assert lay.pp > 1 and best.detail["pp_crosses_nodes"], lay.describe()
+        assert "PP" in best.reason and "across nodes" in best.reason, best.reason
+    # every layout that fits ranks before every one that does not, fitting ones by step time
+    fits = [e.fits for e in ranked]
+    assert fits == sorted(fits, reverse=True)
+    times = [e.step_time_s for e in ranked if e.fits]
+    assert times == sorted(times)
+
+
+def test_layouts_that_do_not_fit_say_by_how_much():
+    from tp_ext.config import JobConfig
+    from tp_ext.planner import plan
+
+    config = JobConfig.from_file("configs/qwen2-72b.yaml").model
+    ranked = plan(config, gpus=4, gpus_per_node=4, gpu_memory="80GiB", seq_len=4096,
+                  global_batch=8, top=None)  # fmt: skip
+    assert not any(e.fits for e in ranked)
+    assert "does not fit" in ranked[0].reason and "GiB over" in ranked[0].reason
+    totals = [e.memory_bytes["total"] for e in ranked]
+    assert totals == sorted(totals)
+
+
+def test_bad_input_is_refused_clearly():
+    from tp_ext.planner import Layout, estimate, load_hardware, plan
+
+    config = _config()
+    with pytest.raises(ValueError, match="gpus must be an int >= 1, got 0"):
+        plan(config, gpus=0)
+    with pytest.raises(ValueError, match="gpu_memory='80 potatoes' is not a size"):
+        plan(config, gpus=2, gpu_memory="80 potatoes")
+    with pytest.raises(ValueError, match="seq_len=4096 is above the model's"):
+        plan(config, gpus=2)
+    with pytest.raises(ValueError, match="hardware='tpu' is not in the table"):
+        plan(config, gpus=2, seq_len=64, hardware="tpu")
+    with pytest.raises(ValueError, match="not a whole number of nodes"):
+        plan(config, gpus=12, gpus_per_node=8, seq_len=64)
+    with pytest.raises(ValueError, match="is a 2D grid"):
+        estimate(config, Layout((2, 2), 1, 1, 1, 1), seq_len=64, hardware=load_hardware("cpu"))
+
+
+def test_cli_plan_auto():
+    cmd = [sys.executable, "-m", "tp_ext", "plan", "configs/qwen2-72b.yaml", "--auto"]
+    out = subprocess.run(
+        cmd + ["--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    ranked = json.loads(out.stdout)
+    first = ranked[0]
+    assert set(first["memory_bytes"]) >= {
+        "params", "grads", "optimizer", "activations", "kv_cache", "total"
+    }  # fmt: skip
+    assert set(first["comm_bytes"]) == {"tp", "pp", "dp"}
+    for key in ("tp", "pp", "dp", "micro_batch", "num_micro_batches", "schedule", "recompute",
+                "data_parallel"):  # fmt: skip
+        assert key in first["layout"]
+    assert first["fits"] and first["reason"] and first["step_time_s"] > 0
+    table = subprocess.run(cmd + ["--gpus", "16", "--gpus-per-node", "8", "--top", "3"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert len(table.stdout.strip().splitlines()) == 4  # the header and three layouts
+    missing = subprocess.run(cmd, capture_output=True, text=True)
+    assert missing.returncode == 2 and "--gpus: required with --auto" in missing.stderr

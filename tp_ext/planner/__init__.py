@@ -1,0 +1,26 @@
+"""The planner: which TP x PP x DP layout to train a model with, from a memory, communication and
+time model of tp_ext's own layers (:mod:`.cost`) on a hardware table or this machine measured
+(:mod:`.hardware`), every candidate ranked with a reason (:mod:`.search`).
+
+    from tp_ext.planner import plan
+    for est in plan(config, gpus=64, gpus_per_node=8, gpu_memory="80GiB", seq_len=4096,
+                    global_batch=512):
+        print(est.layout.describe(), est.memory_bytes["total"], est.step_time_s, est.reason)
+"""
+
+from tp_ext.planner.cost import Estimate, Layout, bubble_fraction, estimate
+from tp_ext.planner.hardware import HARDWARE, Hardware, calibrate, load_hardware
+from tp_ext.planner.search import parse_bytes, plan
+
+__all__ = [
+    "plan",
+    "estimate",
+    "Layout",
+    "Estimate",
+    "Hardware",
+    "HARDWARE",
+    "calibrate",
+    "load_hardware",
+    "bubble_fraction",
+    "parse_bytes",
+]

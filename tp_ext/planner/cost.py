@@ -1,0 +1,415 @@
+"""What one training layout of tp_ext's Qwen2 costs per rank: memory (parameters, gradients,
+optimizer state, activations), bytes communicated per step over TP, PP and DP, the pipeline
+bubble and the step time on a :class:`~tp_ext.planner.hardware.Hardware`.
+
+The counts follow tp_ext's own code, not a textbook formula: parameters per rank are those of
+the real layers built on the meta device (the one shard policy), the activation bytes are what
+tp_ext's decoder layer saves for backward (fused QKV and gate/up, flash-style attention saving
+its output and log-sum-exp), and the TP bytes are what ``tp_ext.comm.track()`` records for a
+Trainer step. The tests hold the model to the measured numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Union
+
+import torch
+
+from tp_ext.layers import TPGroup
+from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from tp_ext.planner.hardware import Hardware
+from tp_ext.sharding import StageLayout
+
+__all__ = ["Layout", "Estimate", "estimate", "bubble_fraction", "DTYPE_BYTES", "usable_memory"]
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# Of a device's memory, what tensors may take: 5% goes to the caching allocator's fragmentation
+# and kernels' workspaces, and 1 GiB to the CUDA context and NCCL's buffers.
+USABLE_FRACTION, RESERVED_BYTES = 0.95, 1024**3
+
+
+def usable_memory(device_bytes: int) -> int:
+    return int(device_bytes * USABLE_FRACTION) - RESERVED_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run training: ``tp`` ranks per TP group (an int; a ``(P, Q)`` grid is 2D TP),
+    ``pp`` pipeline ranks of ``virtual_stages`` stages each, ``dp`` replicas synchronised by
+    ``data_parallel`` ("ddp" or "fsdp"), ``num_micro_batches`` of ``micro_batch`` sequences per
+    DP rank and step under ``schedule``, ``recompute``: activation checkpointing per decoder
+    layer; ``dtype``: the parameters' dtype (gradients and AdamW state take it too)."""
+
+    tp: Union[int, tuple[int, int]]
+    pp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    recompute: bool = False
+    data_parallel: str = "ddp"
+    dtype: str = "bfloat16"
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp if isinstance(self.tp, int) else self.tp[0] * self.tp[1]
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp * self.dp
+
+    def describe(self) -> str:
+        tp = self.tp if isinstance(self.tp, int) else f"{self.tp[0]}x{self.tp[1]}"
+        parts = [f"tp={tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.pp > 1:
+            v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"{self.schedule}{v}")
+        if self.dp > 1:
+            parts.append(self.data_parallel)
+        parts.append(f"{self.num_micro_batches}x{self.micro_batch} seq")
+        if self.recompute:
+            parts.append("recompute")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass
+class Estimate:
+    layout: Layout
+    memory_bytes: dict  # params, grads, optimizer, activations, kv_cache, total (busiest rank)
+    comm_bytes: dict  # tp, pp, dp: payload bytes per step of the busiest rank (track()'s counting)
+    bubble: float
+    step_time_s: float
+    fits: bool
+    memory_limit: Optional[int]
+    reason: str = ""
+    detail: dict = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["layout"] = dataclasses.asdict(self.layout)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankShapes:
+    """Rank 0's shard of one decoder layer and of the embedding / head at a TP degree (the
+    shard policy gives the first ranks the larger shards, so rank 0 is the busiest)."""
+
+    embedding: int  # parameters
+    layer: int
+    final: int  # final norm + LM head
+    layer_tensors: int
+    embedding_tensors: int
+    final_tensors: int
+    largest: int  # elements of the largest parameter tensor
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_shapes(config: Qwen2Config, tp: int) -> _RankShapes:
+    one = Qwen2ForCausalLM(
+        config.replace(num_hidden_layers=1), TPGroup.virtual(tp, 0), device="meta"
+    )
+    named = list(one.named_parameters(remove_duplicate=False))
+
+    def part(prefix):
+        ps = [p for n, p in named if n.startswith(prefix)]
+        return sum(p.numel() for p in ps), len(ps)
+
+    emb, emb_n = part("model.embed_tokens")
+    layer, layer_n = part("model.layers.0.")
+    norm, norm_n = part("model.norm")
+    head, head_n = part("lm_head")
+    attn = one.model.layers[0].self_attn
+    mlp = one.model.layers[0].mlp
+    return _RankShapes(
+        embedding=emb,
+        layer=layer,
+        final=norm + head,
+        layer_tensors=layer_n,
+        embedding_tensors=emb_n,
+        final_tensors=norm_n + head_n,
+        largest=max(p.numel() for _, p in named),
+        q_heads=attn.num_heads_local,
+        kv_heads=attn.num_kv_heads_local,
+        head_dim=attn.head_dim,
+        intermediate=mlp.down_proj.weight.shape[1],
+        vocab=one.lm_head.weight.shape[0],
+    )
+
+
+def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """The idle share of a pipeline step: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1)
+    interleaved; the zero-bubble schedules fill most of it with deferred weight gradients
+    (modelled as a third of 1F1B's, what their papers report at these sizes)."""
+    if pp == 1:
+        return 0.0
+    if schedule in ("GPipe", "1F1B"):
+        return (pp - 1) / (m + pp - 1)
+    if schedule == "Interleaved1F1B":
+        return (pp - 1) / (v * m + pp - 1)
+    return (pp - 1) / (3 * v * m + pp - 1)
+
+
+def _in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
+    its whole stage set: GPipe all of them; 1F1B pp - rank (its warm-up forwards); interleaved
+    1F1B Megatron's (1 + (p-1)/(p v)) x that (a rank runs ahead on its later stages); the
+    zero-bubble schedules hold inputs for the weight gradients they defer (measured: two
+    micro-batches more for InterleavedZeroBubble; the V schedules stay within 1F1B's)."""
+    if pp == 1:
+        return 1
+    if schedule == "GPipe":
+        return m
+    ahead = min(m, pp - rank)
+    if schedule == "Interleaved1F1B":
+        return ahead * (1 + (pp - 1) / (pp * v))
+    if schedule == "InterleavedZeroBubble":  # and two more, whose weight gradients wait
+        return ahead * (1 + (pp - 1) / (pp * v)) + 2
+    return ahead
+
+
+def _layer_activation_bytes(s: _RankShapes, config: Qwen2Config, b: int, seq: int, c: int) -> int:
+    """What one tp_ext decoder layer saves for backward for ``b`` sequences of ``seq`` tokens in
+    a dtype of ``c`` bytes (counted from its code): the two norms' inputs and outputs (4 x
+    [T, hidden], replicated over TP), q / k / v after RoPE, attention's output twice (its own
+    copy and o_proj's input), gate/up's output and SwiGLU's, the log-sum-exp (fp32) and RoPE's
+    cos / sin."""
+    t, h, hd = b * seq, config.hidden_size, s.head_dim
+    per_token = 4 * h + s.q_heads * hd + 2 * s.kv_heads * hd + 2 * s.q_heads * hd
+    per_token += 3 * s.intermediate
+    return t * per_token * c + b * s.q_heads * seq * 4 + 2 * b * seq * hd * c
+
+
+def _check_layout(config: Qwen2Config, layout: Layout) -> None:
+    if not isinstance(layout.tp, int):
+        raise ValueError(
+            f"the planner's cost model covers 1D TP; layout.tp={layout.tp!r} is a 2D grid "
+            "(see BENCHMARKS.md, '2D tensor parallelism', for its measured costs)"
+        )
+    config.check_tp(layout.tp)
+    if layout.dtype not in DTYPE_BYTES:
+        raise ValueError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}, got {layout.dtype!r}")
+    if layout.data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(
+            f"layout.data_parallel must be 'ddp' or 'fsdp', got {layout.data_parallel!r}"
+        )
+    stages = layout.pp * layout.virtual_stages
+    if stages > config.num_hidden_layers:
+        raise ValueError(
+            f"pp={layout.pp} x virtual_stages={layout.virtual_stages} = {stages} stages, more "
+            f"than the model's {config.num_hidden_layers} decoder layers"
+        )
+
+
+def estimate(
+    config: Qwen2Config,
+    layout: Layout,
+    *,
+    seq_len: int,
+    hardware: Hardware,
+    gpu_memory: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+) -> Estimate:
+    """The cost of training ``config`` with ``layout`` on ``hardware`` (a step of
+    ``dp x num_micro_batches x micro_batch`` sequences of ``seq_len`` tokens)."""
+    _check_layout(config, layout)
+    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
+    m, b = layout.num_micro_batches, layout.micro_batch
+    e = DTYPE_BYTES[layout.dtype]
+    s = _rank_shapes(config, tp)
+    order = "v" if layout.schedule in V_SCHEDULES else "loop"
+    stages = StageLayout(config.num_hidden_layers, pp, v, None, order)
+
+    # -- memory of the busiest rank: parameters (exact, rank 0's shards), gradients in the same
+    # dtype, AdamW's two moments plus its per-tensor fp32 step count
+    def rank_params(r):
+        mine = stages.stages_of(r)
+        n = sum(len(stages.layers_of(st)) for st in mine) * s.layer
+        t = sum(len(stages.layers_of(st)) for st in mine) * s.layer_tensors
+        if 0 in mine:
+            n, t = n + s.embedding, t + s.embedding_tensors
+        if stages.last_stage in mine:  # with tied embeddings the head is the last stage's copy
+            n, t = n + s.final, t + s.final_tensors
+        return n, t
+
+    shard = dp if layout.data_parallel == "fsdp" else 1
+    c = e  # activations in the parameters' dtype
+    act_layer = _layer_activation_bytes(s, config, b, seq_len, c)
+    tokens = b * seq_len
+    layer_input = tokens * config.hidden_size * c
+
+    def rank_memory(r):
+        """The rank's peak over the phases of a step (parameters and optimizer state always
+        there; gradients from the first backward on):
+        A: the most activations in flight, at the LM head's backward on the last stage (the
+           logits' gradient, the head's weight gradient and the hidden states' gradient beside
+           the activations); with gradients already there when a backward came before it;
+        C: the first layer's backward, every gradient allocated, that layer's activations (with
+           recompute: rebuilt from its input, the other inputs still held) and its temporaries;
+        D: the optimizer step (fused AdamW on GPUs: no temporaries; torch's per-tensor loop on
+           CPU: two of the largest tensor)."""
+        mine = stages.stages_of(r)
+        numel, tensors = rank_params(r)
+        if config.tie_word_embeddings and pp == 1:
+            numel, tensors = numel - s.embedding, tensors - s.embedding_tensors  # one tensor
+        params = math.ceil(numel / shard) * e
+        optimizer = 2 * params + 4 * tensors
+        if shard == 1:
+            fsdp_buffers = 0
+        elif m > 1:
+            # torch's pipelining keeps FSDP2's parameters unsharded between micro-batches and
+            # accumulates unsharded gradients (no reduce-scatter until the last): both in full
+            fsdp_buffers = 2 * numel * e
+        else:  # one layer gathered, the next prefetched, and one layer's gradient to scatter
+            fsdp_buffers = 3 * s.layer * e
+        layers = sum(len(stages.layers_of(st)) for st in mine)
+        held = layers * (layer_input if layout.recompute else act_layer)
+        in_flight = _in_flight(layout.schedule, pp, m, v, r)
+        ids = tokens * 8 if 0 in mine else 0
+        acts = in_flight * held + ids
+        transient = 0
+        if stages.last_stage in mine:
+            # final norm in / out, the logits and the loss's per-token stats, for every
+            # micro-batch in flight (GPipe: all of them)
+            head = 2 * tokens * config.hidden_size * c + tokens * s.vocab * c
+            acts += in_flight * (head + 8 * b * (seq_len - 1) + 4 * tp)
+            transient = (tokens * s.vocab + s.vocab * config.hidden_size + layer_input // c) * c
+        elif 0 in mine:
+            # the embedding's backward ends each backward of the first stage: its weight
+            # gradient (a new tensor, then accumulated) and the hidden state's gradient
+            transient = s.embedding * e + layer_input
+        # a backward ran before this peak when the first rank's warm-up is shorter than m
+        grads_before = params if m > math.ceil(in_flight) and shard == 1 else 0
+        phase_a = params + optimizer + grads_before + acts + transient
+        layer_temps = layer_input  # the hidden state's gradient flowing back
+        rebuilt = layers * layer_input if layout.recompute else 0
+        phase_c = 2 * params + optimizer + rebuilt + act_layer + layer_temps + ids
+        # pipeline stages keep each in-flight micro-batch's output until its gradient arrives
+        # (the last layer's output, which autograd itself does not save)
+        if pp > 1 and stages.last_stage not in mine:
+            acts += in_flight * layer_input
+            phase_a += in_flight * layer_input
+        opt_temp = 0 if hardware.fused_optimizer else 2 * s.largest * e
+        phase_d = 2 * params + optimizer + opt_temp
+        if layout.data_parallel == "ddp" and dp > 1:  # DDP's gradient buckets: a copy of them
+            phase_a, phase_c, phase_d = (x + params for x in (phase_a, phase_c, phase_d))
+        memory = {
+            "params": params,
+            "grads": params,
+            "optimizer": optimizer,
+            "activations": int(max(acts + transient, rebuilt + act_layer + layer_temps)),
+            "kv_cache": 0,  # training keeps no KV cache
+            "fsdp_buffers": fsdp_buffers,
+        }
+        memory["total"] = int(max(phase_a, phase_c, phase_d) + fsdp_buffers)
+        return memory, numel
+
+    ranks = [rank_memory(r) for r in range(pp)]
+    busiest = max(range(pp), key=lambda r: ranks[r][0]["total"])
+    memory = ranks[busiest][0]
+    numel = max(n for _, n in ranks)
+    params = memory["params"]
+    grads, optimizer = memory["grads"], memory["optimizer"]
+    layers_max = max(
+        sum(len(stages.layers_of(st)) for st in stages.stages_of(r)) for r in range(pp)
+    )
+
+    # -- bytes per step (payloads, as track() counts them) of the busiest rank
+    hidden_bytes = tokens * config.hidden_size * c
+
+    def rank_tp_bytes(r):
+        if tp == 1:
+            return 0
+        mine = stages.stages_of(r)
+        layers = sum(len(stages.layers_of(st)) for st in mine)
+        # forward: each layer's two row-parallel all-reduces and the vocab-parallel embedding's;
+        # backward: the column-parallel inputs' gradients and the LM head's
+        # (non-reentrant checkpointing stops recomputing after the last saved tensor it
+        # needs, before the MLP's all-reduce: one more per layer)
+        fwd = (3 if layout.recompute else 2) * layers + (0 in mine)
+        bwd = 2 * layers + (stages.last_stage in mine)
+        n = b * (seq_len - 1)  # the loss's tokens: max and shard sizes, then 3 sums per token
+        loss = (n + tp) * 4 + 3 * n * 4 if stages.last_stage in mine else 0
+        return m * ((fwd + bwd) * hidden_bytes + loss)
+
+    tp_bytes = max(rank_tp_bytes(r) for r in range(pp))
+    # PP: each stage boundary a rank crosses sends a [micro_batch, seq, hidden] activation forward
+    # and its gradient back, on every TP rank
+    boundaries = 2 * v if pp > 1 else 0
+    pp_bytes = m * boundaries * hidden_bytes
+    if dp == 1:
+        dp_bytes = 0
+    elif layout.data_parallel == "ddp":
+        dp_bytes = numel * e  # one all-reduce of the gradients, at the last micro-batch (no_sync)
+    else:
+        # FSDP2: the parameters all-gathered for the first forward and again for its backward
+        # (then kept unsharded for the other micro-batches), the gradients reduce-scattered once
+        dp_bytes = 3 * numel * e
+    comm = {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}
+
+    # -- time
+    nodes_span = gpus_per_node or tp * pp * dp
+    tp_cross = tp > nodes_span
+    pp_cross = pp > 1 and tp * dp * pp > nodes_span
+    dp_cross = dp > 1 and tp * dp > nodes_span
+    layer_flops = 6 * s.layer * tokens + 12 * b * seq_len * seq_len * s.q_heads * s.head_dim
+    head_flops = 6 * s.vocab * config.hidden_size * tokens
+    compute = (layers_max * layer_flops * (4 / 3 if layout.recompute else 1) + head_flops) / (
+        hardware.flops
+    )
+    bus = 2 * (tp - 1) / tp if tp > 1 else 0
+    collectives = (
+        (4 * layers_max + 2 + (2 * layers_max if layout.recompute else 0)) if tp > 1 else 0
+    )
+    tp_time = (tp_bytes / m) * bus / hardware.link(tp_cross) + collectives * hardware.latency
+    pp_time = (pp_bytes / m) / hardware.link(pp_cross) if pp > 1 else 0.0
+    micro = compute + tp_time + pp_time
+    bubble = bubble_fraction(layout.schedule, pp, m, v)
+    pipeline = m * micro / (1 - bubble)
+    if dp > 1 and shard == 1:
+        # a ring all-reduce, overlapped only with the last micro-batch's backward
+        dp_time = 2 * (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
+        dp_exposed = max(0.0, dp_time - compute * 2 / 3)
+    elif dp > 1:
+        # all-gathers and the reduce-scatter move (dp-1)/dp of their payload; prefetching hides
+        # them behind the layers' compute, up to that compute
+        dp_time = (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
+        dp_exposed = max(0.0, dp_time - compute)  # prefetching overlaps one micro-batch's layers
+    else:
+        dp_time = dp_exposed = 0.0
+    optimizer_time = 4 * (params + grads + optimizer) / hardware.memory_bandwidth
+    step = pipeline + dp_exposed + optimizer_time
+
+    limit = gpu_memory
+    fits = limit is None or memory["total"] <= usable_memory(limit)
+    detail = {
+        "layers_per_rank": layers_max,
+        "in_flight_micro_batches": _in_flight(layout.schedule, pp, m, v, 0),
+        "compute_s": m * compute,
+        "tp_s": m * tp_time,
+        "pp_s": m * pp_time,
+        "dp_s": dp_time,
+        "dp_exposed_s": dp_exposed,
+        "optimizer_s": optimizer_time,
+        "tp_crosses_nodes": tp_cross,
+        "pp_crosses_nodes": pp_cross,
+        "dp_crosses_nodes": dp_cross,
+        "parameters_per_rank": numel,
+        "parameters_by_pp_rank": [n for _, n in ranks],
+        "busiest_pp_rank": busiest,
+    }
+    return Estimate(layout, memory, comm, bubble, step, fits, limit, "", detail)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float64": torch.float64}[name]  # fmt: skip

@@ -1,0 +1,153 @@
+"""The machine a plan is for: device FLOP/s, memory bandwidth and the two link speeds (inside a
+node, across nodes), from a small table of datasheet figures, or measured on this machine by
+:func:`calibrate` (CPU ranks talking over gloo, what the tests run on)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Optional
+
+__all__ = ["Hardware", "HARDWARE", "calibrate", "calibration_path", "load_hardware"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """``flops``: dense bf16 FLOP/s one device reaches in large GEMMs (datasheet peak times
+    ``efficiency``); ``memory_bandwidth``: bytes/s of device memory; ``intra_node`` /
+    ``inter_node``: bus bandwidth per device of a collective (bytes/s) inside a node (NVLink,
+    PCIe) and across nodes (InfiniBand); ``latency``: seconds per collective call."""
+
+    name: str
+    flops: float
+    memory_bandwidth: float
+    intra_node: float
+    inter_node: float
+    latency: float
+    memory: Optional[int] = None  # bytes per device, when the table knows it
+    # AdamW's implementation: tp_ext's build_optimizer takes the fused kernel on GPUs (no
+    # temporaries); on CPU torch's per-tensor loop (two temporaries of the largest tensor)
+    fused_optimizer: bool = True
+
+    def link(self, crosses_nodes: bool) -> float:
+        return self.inter_node if crosses_nodes else self.intra_node
+
+
+GB = 1e9
+GiB = 1024**3
+# Datasheet figures; GEMMs reach about half of peak in training (Megatron reports 40-55% MFU).
+# Links: NVLink 4 (H100/H200) 450 GB/s and NVLink 3 (A100) 300 GB/s per direction, of which
+# collectives reach ~80%; InfiniBand NDR 400 Gb/s (HDR 200 Gb/s) per GPU; PCIe 5 x16 64 GB/s.
+HARDWARE = {
+    "h100": Hardware("NVIDIA H100 SXM (NVLink 4, IB NDR)", 989e12 * 0.5, 3.35e12, 360 * GB,
+                     45 * GB, 10e-6, 80 * GiB),
+    "h200": Hardware("NVIDIA H200 SXM (NVLink 4, IB NDR)", 989e12 * 0.5, 4.8e12, 360 * GB,
+                     45 * GB, 10e-6, 141 * GiB),
+    "a100": Hardware("NVIDIA A100 SXM 80GB (NVLink 3, IB HDR)", 312e12 * 0.5, 2.0e12, 240 * GB,
+                     22 * GB, 10e-6, 80 * GiB),
+    "h100-pcie": Hardware("NVIDIA H100 PCIe (PCIe 5, IB NDR)", 756e12 * 0.5, 2.0e12, 50 * GB,
+                          45 * GB, 15e-6, 80 * GiB),
+    # a 2-core VM running one intra-op thread per rank; `tp-ext plan --calibrate` measures it
+    "cpu": Hardware("CPU ranks over gloo (defaults; run tp-ext plan --calibrate)", 20e9, 5e9,
+                    1 * GB, 1 * GB, 100e-6, None, False),
+}  # fmt: skip
+
+
+def calibration_path() -> str:
+    """Where :func:`calibrate` keeps its measurement (``TP_EXT_CALIBRATION`` overrides)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "tp_ext", "planner-cpu.json")
+    return os.environ.get("TP_EXT_CALIBRATION", default)
+
+
+def load_hardware(name: str) -> Hardware:
+    """``name`` from :data:`HARDWARE`; "cpu" takes the calibration file's numbers when there is
+    one."""
+    if name not in HARDWARE:
+        raise ValueError(f"hardware={name!r} is not in the table; use one of {sorted(HARDWARE)}")
+    if name == "cpu" and os.path.exists(calibration_path()):
+        with open(calibration_path()) as f:
+            measured = json.load(f)
+        fields = {f.name for f in dataclasses.fields(Hardware)}
+        return dataclasses.replace(
+            HARDWARE["cpu"], **{k: measured[k] for k in fields & set(measured)}
+        )
+    return HARDWARE[name]
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _link_worker(rank: int, world: int, path: str, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        small, big = torch.zeros(1), torch.zeros(4 * 1024 * 1024 // 4)  # 4 B and 4 MiB
+        for t in (small, big):
+            dist.all_reduce(t)  # warm up
+        latency = _median_seconds(lambda: dist.all_reduce(small), 50)
+        seconds = _median_seconds(lambda: dist.all_reduce(big), 10)
+        bus = 2 * (world - 1) / world * big.numel() * 4  # ring all-reduce bytes per rank
+        if rank == 0:
+            out.put((latency, bus / max(seconds - latency, 1e-9)))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(path: Optional[str] = None) -> Hardware:
+    """Measure this machine as the planner's "cpu" hardware (one intra-op thread per rank, as
+    the tests and the CPU benchmarks run): a 512^3 fp32 matmul's FLOP/s, a copy's bytes/s, and
+    a 2-rank gloo all-reduce's latency and bus bandwidth; written as JSON to ``path``
+    (default :func:`calibration_path`) and returned."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        flops = 2 * 512**3 / _median_seconds(lambda: a @ b, 20)
+        src = torch.randn(8 * 1024 * 1024 // 4)
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), 20)
+    finally:
+        torch.set_num_threads(threads)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_link_worker, args=(r, 2, store, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError("tp-ext plan --calibrate: the 2-rank gloo measurement failed")
+        latency, bandwidth = out.get(timeout=10)
+    measured = dataclasses.replace(
+        HARDWARE["cpu"],
+        name="CPU ranks over gloo (measured by tp-ext plan --calibrate)",
+        flops=flops,
+        memory_bandwidth=copy,
+        intra_node=bandwidth,
+        inter_node=bandwidth,
+        latency=latency,
+    )
+    path = path or calibration_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(measured), f, indent=2)
+    return measured

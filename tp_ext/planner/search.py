@@ -1,0 +1,188 @@
+"""The layouts worth running, best first: every (tp, pp, dp) that multiplies to the GPU count
+and that the model accepts, with each micro-batch size, schedule, recompute setting and DP
+engine, costed by :func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time,
+then the ones that do not by how far over they are; each with a sentence saying why."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from tp_ext.models.qwen2 import Qwen2Config
+from tp_ext.planner.cost import DTYPE_BYTES, Estimate, Layout, estimate, usable_memory
+from tp_ext.planner.hardware import Hardware, load_hardware
+
+__all__ = ["plan", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1024,
+          "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}  # fmt: skip
+
+
+def parse_bytes(text: Union[str, int, float]) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"1.5e9"`` or a number of bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = int(text)
+    else:
+        raw = str(text).strip().lower().replace(" ", "")
+        number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = raw[len(number) :]
+        try:
+            value = int(float(number) * _UNITS[unit])
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"gpu_memory={text!r} is not a size; write e.g. 80GiB, 80GB or 85899345920"
+            ) from None
+    if value <= 0:
+        raise ValueError(f"gpu_memory={text!r} must be above 0 bytes")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def _check(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str):
+    valid_tp = set(config.valid_tp_sizes())
+    layers = config.num_hidden_layers
+    for tp in _divisors(gpus):
+        if tp not in valid_tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > layers:
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for micro_batch in (1, 2, 4, 8):
+                if per_replica % micro_batch:
+                    continue
+                m = per_replica // micro_batch
+                if pp > 1 and m < pp:
+                    continue  # torch's schedules need at least pp micro-batches
+                schedules = [("none", 1)] if pp == 1 else [("1F1B", 1), ("GPipe", 1)]
+                if pp > 1 and layers % (2 * pp) == 0 and m % pp == 0:
+                    schedules += [("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
+                for schedule, v in schedules:
+                    for recompute in (False, True):
+                        for engine in ("ddp", "fsdp") if dp > 1 else ("ddp",):
+                            yield Layout(
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                micro_batch=micro_batch,
+                                num_micro_batches=m,
+                                schedule=schedule if pp > 1 else "1F1B",
+                                virtual_stages=v,
+                                recompute=recompute,
+                                data_parallel=engine,
+                                dtype=dtype,
+                            )
+
+
+def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
+    """One sentence: what this layout is, why it ranks where it does, what limits it."""
+    lay, mem, d = est.layout, est.memory_bytes, est.detail
+    limit = est.memory_limit
+    where = []
+    if lay.tp > 1:
+        where.append(f"TP {lay.tp} {'across nodes' if d['tp_crosses_nodes'] else 'inside a node'}")
+    if lay.pp > 1:
+        where.append(f"PP {lay.pp} {'across nodes' if d['pp_crosses_nodes'] else 'in a node'}")
+    if lay.dp > 1:
+        where.append(
+            f"DP {lay.dp} ({lay.data_parallel}{', across nodes' if d['dp_crosses_nodes'] else ''})"
+        )
+    head = ", ".join(where) or "one rank"
+    usable = usable_memory(limit) if limit else None
+    if not est.fits:
+        return (
+            f"{head}: does not fit, {_gib(mem['total'])} per rank against {_gib(usable)} usable "
+            f"of {_gib(limit)} ({_gib(mem['total'] - usable)} over; params+grads+optimizer "
+            f"{_gib(mem['params'] + mem['grads'] + mem['optimizer'])}, activations "
+            f"{_gib(mem['activations'])})"
+        )
+    parts = [
+        f"{head}: {_gib(mem['total'])} of {_gib(usable)} usable per rank",
+        f"step {est.step_time_s:.3g} s (compute {d['compute_s']:.3g} s, TP comm {d['tp_s']:.3g} s"
+        + (f", bubble {est.bubble:.1%}" if lay.pp > 1 else "")
+        + (f", DP exposed {d['dp_exposed_s']:.3g} s" if lay.dp > 1 else "")
+        + ")",
+    ]
+    if lay.recompute:
+        parts.append("recomputes activations to fit (a third more compute)")
+    if best is not None and best is not est:
+        parts.append(f"{est.step_time_s / best.step_time_s:.2f}x the best step time")
+    elif lay.tp <= gpus_per_node and lay.tp > 1:
+        parts.append("TP stays on the node's fast links, what remains goes to PP and DP")
+    return "; ".join(parts)
+
+
+def plan(
+    config: Qwen2Config,
+    gpus: int,
+    gpus_per_node: Optional[int] = None,
+    gpu_memory: Union[str, int, None] = None,
+    seq_len: int = 4096,
+    global_batch: int = 512,
+    hardware: Union[str, Hardware] = "h100",
+    dtype: str = "bfloat16",
+    top: Optional[int] = 10,
+) -> list[Estimate]:
+    """The candidate training layouts of ``config`` on ``gpus`` devices (``gpus_per_node`` per
+    node, ``gpu_memory`` each: bytes or "80GiB"; default the hardware's), for steps of
+    ``global_batch`` sequences of ``seq_len`` tokens, best first: layouts that fit ranked by
+    estimated step time, then those that do not by how much they miss. ``top``: how many
+    (None: all)."""
+    _check("gpus", gpus)
+    _check("seq_len", seq_len)
+    _check("global_batch", global_batch)
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    gpus_per_node = _check("gpus_per_node", gpus_per_node if gpus_per_node else gpus)
+    if gpus % gpus_per_node and gpus > gpus_per_node:
+        raise ValueError(
+            f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}"
+        )
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    memory = parse_bytes(gpu_memory) if gpu_memory is not None else hw.memory
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={seq_len} is above the model's max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
+    estimates = [
+        estimate(
+            config,
+            layout,
+            seq_len=seq_len,
+            hardware=hw,
+            gpu_memory=memory,
+            gpus_per_node=gpus_per_node,
+        )
+        for layout in _candidates(config, gpus, global_batch, dtype)
+    ]
+    if not estimates:
+        raise ValueError(
+            f"no layout splits {gpus} GPUs for this model with global_batch={global_batch}: "
+            f"TP sizes it accepts are {config.valid_tp_sizes()}, and dp must divide the batch"
+        )
+    fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
+    over = sorted(
+        (e for e in estimates if not e.fits),
+        key=lambda e: (e.memory_bytes["total"], e.step_time_s),
+    )
+    ranked = fitting + over
+    best = fitting[0] if fitting else None
+    for est in ranked:
+        est.reason = _reason(est, best, gpus_per_node)
+    return ranked[:top] if top else ranked
