@@ -177,6 +177,53 @@ def _in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     return ahead
 
 
+@functools.lru_cache(maxsize=16)
+def _op_counts(config: Qwen2Config) -> dict:
+    """Operators a forward + backward dispatches, counted by running tp_ext's model on the
+    meta device (no memory, no time): per decoder layer (and its forward alone, what recompute
+    repeats), for the embedding and for the final norm, head and loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tp_ext.layers.loss import vocab_parallel_cross_entropy
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def count(layers: int, backward: bool) -> int:
+        model = Qwen2ForCausalLM(
+            config.replace(num_hidden_layers=layers), TPGroup.local(), device="meta"
+        )
+        ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+        with Count() as counter:
+            h = model.model.embed_tokens(ids)
+            embedding = counter.n
+            for layer in model.model.layers:
+                h = layer(h, None, None)
+            logits = model.lm_head(model.model.norm(h))
+            loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], reduction="sum")
+            if backward:
+                loss.backward()
+        return counter.n, embedding
+
+    one, embedding = count(1, True)
+    two, _ = count(2, True)
+    one_fwd, _ = count(1, False)
+    two_fwd, _ = count(2, False)
+    layer, layer_forward = two - one, two_fwd - one_fwd
+    return {
+        "layer": layer,
+        "layer_forward": layer_forward,
+        "embedding": embedding,
+        "head": one - layer - embedding,
+    }
+
+
 def _layer_activation_bytes(s: _RankShapes, config: Qwen2Config, b: int, seq: int, c: int) -> int:
     """What one tp_ext decoder layer saves for backward for ``b`` sequences of ``seq`` tokens in
     a dtype of ``c`` bytes (counted from its code): the two norms' inputs and outputs (4 x
@@ -363,15 +410,34 @@ def estimate(
     dp_cross = dp > 1 and tp * dp > nodes_span
     layer_flops = 6 * s.layer * tokens + 12 * b * seq_len * seq_len * s.q_heads * s.head_dim
     head_flops = 6 * s.vocab * config.hidden_size * tokens
-    compute = (layers_max * layer_flops * (4 / 3 if layout.recompute else 1) + head_flops) / (
-        hardware.flops
-    )
+    ops = _op_counts(config)
+    recompute = 1 if layout.recompute else 0
+
+    def rank_compute(r):
+        """Seconds of one micro-batch's forward + backward on pipeline rank r: its FLOPs at the
+        device's rate, and its operators' fixed cost (dispatch, launch: what dominates small
+        shapes)."""
+        mine = stages.stages_of(r)
+        layers = sum(len(stages.layers_of(st)) for st in mine)
+        flops = layers * layer_flops * (4 / 3 if recompute else 1)
+        n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"])
+        if stages.last_stage in mine:
+            flops += head_flops
+            n_ops += ops["head"]
+        if 0 in mine:
+            n_ops += ops["embedding"]
+        return flops / hardware.flops + n_ops * hardware.op_overhead
+
+    compute = max(rank_compute(r) for r in range(pp))
     bus = 2 * (tp - 1) / tp if tp > 1 else 0
-    collectives = (
-        (4 * layers_max + 2 + (2 * layers_max if layout.recompute else 0)) if tp > 1 else 0
-    )
+    collectives = ((4 + recompute) * layers_max + 2) if tp > 1 else 0
     tp_time = (tp_bytes / m) * bus / hardware.link(tp_cross) + collectives * hardware.latency
-    pp_time = (pp_bytes / m) / hardware.link(pp_cross) if pp > 1 else 0.0
+    # each stage boundary a rank crosses: a send and a receive forward, the same backward
+    pp_time = (
+        (pp_bytes / m) / hardware.link(pp_cross) + 2 * boundaries * hardware.latency
+        if pp > 1
+        else 0.0
+    )
     micro = compute + tp_time + pp_time
     bubble = bubble_fraction(layout.schedule, pp, m, v)
     pipeline = m * micro / (1 - bubble)

@@ -30,6 +30,9 @@ class Hardware:
     # AdamW's implementation: tp_ext's build_optimizer takes the fused kernel on GPUs (no
     # temporaries); on CPU torch's per-tensor loop (two temporaries of the largest tensor)
     fused_optimizer: bool = True
+    # seconds each operator costs beyond its FLOPs (dispatch and launch; on GPUs mostly hidden
+    # behind the previous kernel, on CPU paid in full)
+    op_overhead: float = 2e-6
 
     def link(self, crosses_nodes: bool) -> float:
         return self.inter_node if crosses_nodes else self.intra_node
@@ -51,7 +54,7 @@ HARDWARE = {
                           45 * GB, 15e-6, 80 * GiB),
     # a 2-core VM running one intra-op thread per rank; `tp-ext plan --calibrate` measures it
     "cpu": Hardware("CPU ranks over gloo (defaults; run tp-ext plan --calibrate)", 20e9, 5e9,
-                    1 * GB, 1 * GB, 100e-6, None, False),
+                    1 * GB, 1 * GB, 100e-6, None, False, 30e-6),
 }  # fmt: skip
 
 
@@ -85,7 +88,34 @@ def _median_seconds(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _link_worker(rank: int, world: int, path: str, out) -> None:
+def _tiny_chain_seconds_per_op(torch) -> float:
+    """Seconds per dispatched operator of a forward + backward whose FLOPs are nothing: what
+    dispatch, autograd and module calls cost each operator."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layers = [torch.nn.Linear(8, 8) for _ in range(16)]
+
+    def chain():
+        h = torch.ones(1, 8, requires_grad=True)
+        for layer in layers:
+            h = torch.relu(layer(h))
+        h.sum().backward()
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        chain()
+    return _median_seconds(chain, 20) / Count.n
+
+
+def _worker(rank: int, world: int, path: str, out) -> None:
+    """Every rank measures at once, as ranks train at once (cores shared, memory bandwidth
+    split): a 512^3 matmul, a copy, the operator overhead, then a gloo all-reduce."""
     import torch
     import torch.distributed as dist
 
@@ -93,6 +123,13 @@ def _link_worker(rank: int, world: int, path: str, out) -> None:
     store = dist.FileStore(path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        src = torch.randn(8 * 1024 * 1024 // 4)
+        dst = torch.empty_like(src)
+        dist.barrier()
+        flops = 2 * 512**3 / _median_seconds(lambda: a @ b, 20)
+        copy = 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), 20)
+        overhead = _tiny_chain_seconds_per_op(torch)
         small, big = torch.zeros(1), torch.zeros(4 * 1024 * 1024 // 4)  # 4 B and 4 MiB
         for t in (small, big):
             dist.all_reduce(t)  # warm up
@@ -100,43 +137,33 @@ def _link_worker(rank: int, world: int, path: str, out) -> None:
         seconds = _median_seconds(lambda: dist.all_reduce(big), 10)
         bus = 2 * (world - 1) / world * big.numel() * 4  # ring all-reduce bytes per rank
         if rank == 0:
-            out.put((latency, bus / max(seconds - latency, 1e-9)))
+            out.put((flops, copy, overhead, latency, bus / max(seconds - latency, 1e-9)))
     finally:
         dist.destroy_process_group()
 
 
 def calibrate(path: Optional[str] = None) -> Hardware:
-    """Measure this machine as the planner's "cpu" hardware (one intra-op thread per rank, as
-    the tests and the CPU benchmarks run): a 512^3 fp32 matmul's FLOP/s, a copy's bytes/s, and
-    a 2-rank gloo all-reduce's latency and bus bandwidth; written as JSON to ``path``
-    (default :func:`calibration_path`) and returned."""
+    """Measure this machine as the planner's "cpu" hardware: two ranks of one intra-op thread
+    each (as the tests and the CPU benchmarks run), measuring at the same time: a 512^3 fp32
+    matmul's FLOP/s, a copy's bytes/s, the fixed cost per operator, and a gloo all-reduce's
+    latency and bus bandwidth; written as JSON to ``path`` (default
+    :func:`calibration_path`) and returned."""
     import tempfile
 
-    import torch
     import torch.multiprocessing as mp
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        flops = 2 * 512**3 / _median_seconds(lambda: a @ b, 20)
-        src = torch.randn(8 * 1024 * 1024 // 4)
-        dst = torch.empty_like(src)
-        copy = 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), 20)
-    finally:
-        torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_link_worker, args=(r, 2, store, out)) for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(r, 2, store, out)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(120)
+            p.join(300)
         if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError("tp-ext plan --calibrate: the 2-rank gloo measurement failed")
-        latency, bandwidth = out.get(timeout=10)
+            raise RuntimeError("tp-ext plan --calibrate: the 2-rank measurement failed")
+        flops, copy, overhead, latency, bandwidth = out.get(timeout=10)
     measured = dataclasses.replace(
         HARDWARE["cpu"],
         name="CPU ranks over gloo (measured by tp-ext plan --calibrate)",
@@ -145,6 +172,7 @@ def calibrate(path: Optional[str] = None) -> Hardware:
         intra_node=bandwidth,
         inter_node=bandwidth,
         latency=latency,
+        op_overhead=overhead,
     )
     path = path or calibration_path()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
