@@ -243,3 +243,28 @@ def test_cli_plan_auto():
     assert len(table.stdout.strip().splitlines()) == 4  # the header and three layouts
     missing = subprocess.run(cmd, capture_output=True, text=True)
     assert missing.returncode == 2 and "--gpus: required with --auto" in missing.stderr
+
+
+def test_train_and_run_take_the_planners_layout(tmp_path):
+    import tp_ext.data as data
+
+    tokens = str(tmp_path / "tokens.bin")
+    data.write_token_file(tokens, data.byte_tokens(open("README.md").read()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tp_ext", "train", "configs/train-tiny.yaml", "--data", tokens, "--steps", "2",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--auto"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tp-ext: --auto chose tp=" in out.stderr and "dp=2" in out.stderr, out.stderr[-2000:]
+    lines = (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    for command in (["train", "configs/train-tiny.yaml", "--data", tokens, "--steps", "2",
+                     "--checkpoint-dir", str(tmp_path / "other")],
+                    ["run", "configs/qwen2-72b.yaml"]):  # fmt: skip
+        refused = subprocess.run(
+            [sys.executable, "-m", "tp_ext", *command, "--auto", "--tp", "2"],
+            capture_output=True,
+            text=True,
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert "--auto chooses the layout itself; drop --tp" in refused.stderr

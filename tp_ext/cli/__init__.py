@@ -137,8 +137,8 @@ def _run(args) -> int:
     """The main job: see tp_ext/cli/run.py."""
     from tp_ext.cli.run import run
 
-    overrides = _overrides(args)
     try:
+        overrides = _auto(args, _overrides(args), "run")
         return run(
             args.config,
             overrides,
@@ -151,6 +151,22 @@ def _run(args) -> int:
     except ValueError as e:  # ConfigError included
         print(f"tp-ext run: {e}", file=sys.stderr)
         return 2
+
+
+def _auto(args, overrides: dict, command: str) -> dict:
+    """With ``--auto``, the planner's layout for the model the command trains (train: the
+    config's; run: its small model) on the config's batches."""
+    if not args.auto:
+        return overrides
+    from tp_ext.cli.auto import auto_overrides
+    from tp_ext.config import JobConfig
+
+    job = JobConfig.from_file(args.config)
+    model = job.model
+    if command == "run":
+        model = JobConfig.from_file(args.small).model if args.small else model.tiny()
+    dtype = overrides.get("dtype") or job.parallel.dtype
+    return auto_overrides(model, job.data, overrides, dtype)
 
 
 def _overrides(args) -> dict:
@@ -180,7 +196,7 @@ def _train(args) -> int:
         schedule = {f: getattr(args, f) for f in _SCHEDULE_FLAGS}
         return train(
             args.config,
-            {**_overrides(args), **schedule},
+            _auto(args, {**_overrides(args), **schedule}, "train"),
             data=args.data,
             steps=args.steps,
             checkpoint_dir=args.checkpoint_dir,
@@ -237,6 +253,12 @@ def _parallel_flags(parser, tp_help: str, dtype_help: str) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="recompute each decoder layer in backward (default: the config's, else off)",
+    )
+    group.add_argument(
+        "--auto",
+        action="store_true",
+        help="take the planner's best layout that fits these ranks and devices (tp-ext plan "
+        "--auto ranks them all); no other layout flag with it",
     )
     group.add_argument("--dtype", choices=DTYPES, help=dtype_help)
     group.add_argument("--seed", type=flag_type(PARALLEL_FIELDS["seed"]))

@@ -50,7 +50,7 @@ def _check(name: str, value, low: int = 1) -> int:
     return value
 
 
-def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str):
+def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch):
     valid_tp = set(config.valid_tp_sizes())
     layers = config.num_hidden_layers
     for tp in _divisors(gpus):
@@ -63,10 +63,10 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str):
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
-            for micro_batch in (1, 2, 4, 8):
-                if per_replica % micro_batch:
+            for mb in (1, 2, 4, 8) if micro_batch is None else (micro_batch,):
+                if per_replica % mb:
                     continue
-                m = per_replica // micro_batch
+                m = per_replica // mb
                 if pp > 1 and m < pp:
                     continue  # torch's schedules need at least pp micro-batches
                 schedules = [("none", 1)] if pp == 1 else [("1F1B", 1), ("GPipe", 1)]
@@ -79,7 +79,7 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str):
                                 tp=tp,
                                 pp=pp,
                                 dp=dp,
-                                micro_batch=micro_batch,
+                                micro_batch=mb,
                                 num_micro_batches=m,
                                 schedule=schedule if pp > 1 else "1F1B",
                                 virtual_stages=v,
@@ -137,12 +137,14 @@ def plan(
     hardware: Union[str, Hardware] = "h100",
     dtype: str = "bfloat16",
     top: Optional[int] = 10,
+    micro_batch: Optional[int] = None,
 ) -> list[Estimate]:
     """The candidate training layouts of ``config`` on ``gpus`` devices (``gpus_per_node`` per
     node, ``gpu_memory`` each: bytes or "80GiB"; default the hardware's), for steps of
     ``global_batch`` sequences of ``seq_len`` tokens, best first: layouts that fit ranked by
     estimated step time, then those that do not by how much they miss. ``top``: how many
-    (None: all)."""
+    (None: all); ``micro_batch``: sequences per micro-batch (None: 1, 2, 4 or 8, whichever
+    ranks best)."""
     _check("gpus", gpus)
     _check("seq_len", seq_len)
     _check("global_batch", global_batch)
@@ -152,6 +154,8 @@ def plan(
         raise ValueError(
             f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}"
         )
+    if micro_batch is not None:
+        _check("micro_batch", micro_batch)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else hw.memory
@@ -169,7 +173,7 @@ def plan(
             gpu_memory=memory,
             gpus_per_node=gpus_per_node,
         )
-        for layout in _candidates(config, gpus, global_batch, dtype)
+        for layout in _candidates(config, gpus, global_batch, dtype, micro_batch)
     ]
     if not estimates:
         raise ValueError(

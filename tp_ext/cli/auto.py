@@ -1,0 +1,82 @@
+"""``--auto`` for ``tp-ext run`` and ``tp-ext train``: the layout of the planner's best
+training layout that fits this job's ranks (WORLD_SIZE, LOCAL_WORLD_SIZE per node), this
+machine's devices and the job's batch, as the overrides the layout flags would give."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from tp_ext.planner import plan
+
+__all__ = ["auto_overrides", "LAYOUT_FLAGS"]
+
+# what --auto decides, so a flag may not also give it
+LAYOUT_FLAGS = (
+    "tp",
+    "pp",
+    "dp",
+    "schedule",
+    "virtual_stages",
+    "data_parallel",
+    "micro_batches",
+    "activation_checkpointing",
+)
+
+
+def _this_machine(local_ranks: int) -> tuple[str, int]:
+    """The hardware table entry of this machine's devices and the memory one rank may use."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        name = props.name.upper()
+        kind = "h200" if "H200" in name else "a100" if "A100" in name else "h100"
+        if kind == "h100" and "PCIE" in name:
+            kind = "h100-pcie"
+        return kind, props.total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "cpu", host // max(local_ranks, 1)
+
+
+def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
+    """``overrides`` with the planner's layout for ``model_config`` trained on ``data``'s
+    batches (seq_len, global_batch, micro_batch_size). Refuses layout flags given beside
+    --auto, and says what was chosen and why (on rank 0)."""
+    given = [f"--{k.replace('_', '-')}" for k in LAYOUT_FLAGS if overrides.get(k) is not None]
+    if given:
+        raise ValueError(
+            f"--auto chooses the layout itself; drop {', '.join(given)} (or drop --auto)"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    hardware, memory = _this_machine(local)
+    ranked = plan(
+        model_config,
+        gpus=world,
+        gpus_per_node=local if world % local == 0 else world,
+        gpu_memory=memory,
+        seq_len=data.seq_len,
+        global_batch=data.global_batch,
+        micro_batch=data.micro_batch_size,
+        hardware=hardware,
+        dtype=dtype,
+        top=None,
+    )
+    best = next((e for e in ranked if e.fits), None)
+    if best is None:
+        closest = ranked[0].reason
+        raise ValueError(f"--auto: no layout of {world} ranks fits; the closest: {closest}")
+    lay = best.layout
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tp-ext: --auto chose {lay.describe()} ({best.reason})", file=sys.stderr)
+    return {
+        **overrides,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "dp": lay.dp,
+        "schedule": lay.schedule,
+        "virtual_stages": lay.virtual_stages,
+        "data_parallel": lay.data_parallel,
+        "activation_checkpointing": lay.recompute,
+    }
