@@ -127,6 +127,41 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
     return "; ".join(parts)
 
 
+def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
+    """Why not the nearest other choices: the best layout at each other TP degree, and with
+    one pipeline stage fewer or more."""
+    notes = []
+
+    def best_of(pred):
+        pool = [e for e in estimates if pred(e.layout)]
+        fit = [e for e in pool if e.fits]
+        if fit:
+            return min(fit, key=lambda e: e.step_time_s)
+        return min(pool, key=lambda e: e.memory_bytes["total"]) if pool else None
+
+    lay = best.layout
+    for tp in sorted({e.layout.tp for e in estimates} - {lay.tp}):
+        if tp not in (lay.tp // 2, lay.tp * 2):
+            continue
+        other = best_of(lambda x, tp=tp: x.tp == tp)
+        if other is None:
+            continue
+        if other.fits:
+            notes.append(
+                f"TP {tp} at best {other.step_time_s:.3g} s ({other.layout.describe()}, TP comm "
+                f"{other.detail['tp_s']:.3g} s)"
+            )
+        else:
+            notes.append(f"TP {tp} does not fit ({_gib(other.memory_bytes['total'])} per rank)")
+    if lay.pp > 1:
+        flat = best_of(lambda x: x.tp == lay.tp and x.pp == 1)
+        if flat is not None and not flat.fits:
+            notes.append(f"without PP it does not fit ({_gib(flat.memory_bytes['total'])})")
+        elif flat is not None:
+            notes.append(f"without PP {flat.step_time_s:.3g} s ({flat.layout.describe()})")
+    return "; against: " + ", ".join(notes) if notes else ""
+
+
 def plan(
     config: Qwen2Config,
     gpus: int,
@@ -189,4 +224,6 @@ def plan(
     best = fitting[0] if fitting else None
     for est in ranked:
         est.reason = _reason(est, best, gpus_per_node)
+    if best is not None:
+        best.reason += _against_alternatives(best, estimates)
     return ranked[:top] if top else ranked
