@@ -53,7 +53,7 @@ CASES = [
         "MixtralForCausalLM",
         "MixtralExperts",
     ),
-    ("phi3", lambda: _cfg("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", "qkv_proj"),
+    ("phi3", lambda: _cfg("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", "exact"),
     (
         "gpt2",
         lambda: transformers.GPT2Config(
@@ -74,7 +74,7 @@ CASES = [
             word_embed_proj_dim=48,
         ),
         "OPTForCausalLM",
-        "out_proj",
+        "exact",
     ),
     (
         "falcon",
@@ -82,7 +82,7 @@ CASES = [
             vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6
         ),
         "FalconForCausalLM",
-        "query_key_value",
+        "exact",
     ),
     (
         "gpt-neox",
@@ -94,9 +94,9 @@ CASES = [
             num_attention_heads=6,
         ),
         "GPTNeoXForCausalLM",
-        "query_key_value",
+        "exact",
     ),
-    ("starcoder2", lambda: _cfg("Starcoder2Config"), "Starcoder2ForCausalLM", "c_fc"),
+    ("starcoder2", lambda: _cfg("Starcoder2Config"), "Starcoder2ForCausalLM", "exact"),
 ]
 
 
@@ -124,18 +124,26 @@ def _check_architectures():
         with torch.no_grad():
             assert_rel(model(ids).logits, reference(ids).logits, f"{arch}: logits")
         seen[arch] = "exact"
-        if arch in ("qwen2 tied", "gemma3"):  # ties kept: one parameter, the full model's grads
-            head, embed = model.lm_head, model.model.embed_tokens
+        if arch in ("qwen2 tied", "gemma3", "opt"):  # ties kept: one parameter
+            head, embed = model.lm_head, model.get_input_embeddings()
             assert head.weight is embed.weight, f"{arch}: the tie was broken"
             assert "tied" in report["lm_head"], report["lm_head"]
-            model.train(), reference.train()
-            model(ids, labels=ids).loss.backward()
-            reference(ids, labels=ids).loss.backward()
-            expected_grads = local_shards(
-                model, {n: p.grad for n, p in reference.named_parameters()}
-            )
-            for name, p in model.named_parameters():
-                assert_rel(p.grad, expected_grads[name], f"{arch}: gradient of {name}")
+        # Loss and every parameter's gradient (eval mode: no dropout, the same on every rank).
+        loss = model(ids, labels=ids).loss
+        expected_loss = reference(ids, labels=ids).loss
+        assert_rel(loss.detach(), expected_loss.detach(), f"{arch}: loss")
+        loss.backward()
+        expected_loss.backward()
+        expected_grads = local_shards(model, {n: p.grad for n, p in reference.named_parameters()})
+        for name, p in model.named_parameters():
+            if name.endswith("k_proj.bias"):
+                # softmax ignores a bias on every key alike: the true gradient is 0 and both
+                # sides hold rounding noise, so measure it against the weight's gradient
+                scale = expected_grads[name.replace(".bias", ".weight")].abs().max()
+                err = ((p.grad - expected_grads[name]).abs().max() / scale).item()
+                assert err <= 1e-5, f"{arch}: gradient of {name}: error {err:.3g}"
+                continue
+            assert_rel(p.grad, expected_grads[name], f"{arch}: gradient of {name}")
     return seen
 
 

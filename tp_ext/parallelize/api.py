@@ -37,7 +37,7 @@ from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
 from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
-from tp_ext.parallelize.styles import attention_layout, convert
+from tp_ext.parallelize.styles import attention_heads, convert, localize_attention
 
 __all__ = ["parallelize"]
 
@@ -128,15 +128,13 @@ def parallelize(
 
     # Hugging Face attention: run its own code on this rank's heads.
     for name, child in module.named_modules():
-        layout = attention_layout(child, tp) if hasattr(child, "num_key_value_groups") else None
-        if layout is not None and isinstance(child.q_proj, ColumnParallelLinear):
-            heads = layout[0]
-            child.num_key_value_groups = heads.q[tp.rank][1] // heads.kv[tp.rank][1]
+        info = attention_heads(child)
+        first = None if info is None else getattr(child, info.fused or "q_proj", None)
+        if isinstance(first, ColumnParallelLinear):
+            q, kv = localize_attention(child, info, tp)
             per_head = _sum_gradients_over_heads(child, tp)
-            report[name] = (
-                f"attention: {heads.q[tp.rank][1]} query heads, "
-                f"{heads.kv[tp.rank][1]} KV heads on this rank"
-                + (f"; {', '.join(per_head)} gradients summed over TP" if per_head else "")
+            report[name] = f"attention: {q} query heads, {kv} KV heads on this rank" + (
+                f"; {', '.join(per_head)} gradients summed over TP" if per_head else ""
             )
     if verbose and tp.rank == 0:
         width = max((len(n) for n in report), default=0)

@@ -8,14 +8,28 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from tp_ext.parallelize.styles import attention_heads
+
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
 STYLES = ("colwise", "rowwise", "vocab", "sequence_parallel", "replicate")
 
-# Llama/Qwen2 (and Mistral, Qwen3, ...) module names, by their last component.
-_AUTO_COLWISE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-_AUTO_ROWWISE = {"o_proj", "down_proj"}
-_AUTO_VOCAB_LINEAR = {"lm_head"}
+# Module names by their last component: Llama/Qwen/Mistral/Gemma, Phi-3 (gate_up_proj), OPT
+# (fc1/fc2), Starcoder2 (c_fc/c_proj), GPT-NeoX and Falcon (dense_h_to_4h/dense_4h_to_h,
+# embed_out). Attention projections are taken from the attention module itself (styles).
+_AUTO_COLWISE = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "fc1",
+    "c_fc",
+    "dense_h_to_4h",
+}
+_AUTO_ROWWISE = {"o_proj", "down_proj", "fc2", "c_proj", "dense_4h_to_h"}
+_AUTO_VOCAB_LINEAR = {"lm_head", "embed_out"}
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -26,6 +40,14 @@ def is_plain(module: nn.Module, base: type) -> bool:
     """``module`` computes exactly what ``base`` computes (its class or a subclass that does not
     override forward): only then may auto swap it for a tp_ext layer."""
     return isinstance(module, base) and type(module).forward is base.forward
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A plain nn.Linear, or Falcon's FalconLinear (its forward is ``x @ W.T + b`` too, with the
+    bias added separately)."""
+    return is_plain(module, nn.Linear) or (
+        isinstance(module, nn.Linear) and type(module).__name__ == "FalconLinear"
+    )
 
 
 def is_scaled_embedding(module: nn.Module) -> bool:
@@ -60,8 +82,14 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
             plan[name] = "sequence_parallel"
         elif is_plain(child, nn.Embedding) or is_scaled_embedding(child):
             plan[name] = "vocab"
-        elif is_plain(child, nn.Linear):
-            if leaf in _AUTO_COLWISE:
+        elif is_linear(child):
+            parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            info = attention_heads(parent)
+            if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
+                plan[name] = "colwise"
+            elif info is not None and leaf == info.out:
+                plan[name] = "rowwise"
+            elif leaf in _AUTO_COLWISE:
                 plan[name] = "colwise"
             elif leaf in _AUTO_ROWWISE:
                 plan[name] = "rowwise"
@@ -98,6 +126,8 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str]) -> None:
     for name, child in module.named_modules():
         if plan.get(name, "replicate") not in ("replicate", "sequence_parallel") or is_norm(child):
             continue
+        if isinstance(child, nn.Embedding) and "position" in name:
+            continue  # learned positions (OPT): indexed by position, small, kept whole
         for param in child.parameters(recurse=False):
             if sum(1 for d in param.shape if d >= big) >= 2:
                 unsplit.append((name, child))

@@ -4,6 +4,8 @@ Hugging Face attention."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
@@ -15,23 +17,109 @@ from tp_ext.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tp_ext.sharding import HeadLayout
+from tp_ext.sharding import HeadLayout, Partition
 
-__all__ = ["convert", "attention_layout"]
+__all__ = ["convert", "attention_heads", "localize_attention", "AttentionHeads"]
 
 
-def attention_layout(parent: nn.Module, tp: TPGroup) -> Optional[tuple[HeadLayout, int]]:
+@dataclass(frozen=True)
+class AttentionHeads:
+    """What auto knows about a Hugging Face attention module: its head counts and how its input
+    projections lay out q, k and v.
+
+    ``qkv``: "separate" (q_proj, k_proj, v_proj), "concat" (one projection: all q heads, then
+    all k, then all v: Phi-3, Falcon's multi_query) or "grouped" (one projection laid out per KV
+    group as [its q heads, k, v]: GPT-NeoX and classic Falcon with one query head per group,
+    Falcon's new_decoder_architecture with several). ``fused``/``out``: the fused input and the
+    output projection's attribute names."""
+
+    heads: int
+    kv: int
+    head_dim: int
+    qkv: str
+    fused: Optional[str]
+    out: str
+
+    def layout(self, tp: TPGroup) -> HeadLayout:
+        return HeadLayout(self.heads, self.kv, tp.size)
+
+
+def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
+    """The heads of ``parent`` when it is an attention module auto understands, else None."""
     config = getattr(parent, "config", None)
-    head_dim = getattr(parent, "head_dim", None)
-    if (
-        config is None
-        or head_dim is None
-        or not all(hasattr(parent, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    ):
+    if config is None:
         return None
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return None
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return HeadLayout(heads, kv, tp.size), head_dim
+    head_dim = getattr(parent, "head_dim", None)
+    has = lambda *names: all(hasattr(parent, n) for n in names)  # noqa: E731
+    if head_dim is not None and has("q_proj", "k_proj", "v_proj"):
+        out = "o_proj" if has("o_proj") else "out_proj" if has("out_proj") else None
+        return AttentionHeads(heads, kv, head_dim, "separate", None, out) if out else None
+    if head_dim is not None and has("qkv_proj", "o_proj"):  # Phi-3
+        return AttentionHeads(heads, kv, head_dim, "concat", "qkv_proj", "o_proj")
+    if has("query_key_value", "dense", "head_size"):  # GPT-NeoX: per head [q, k, v]
+        return AttentionHeads(heads, heads, parent.head_size, "grouped", "query_key_value", "dense")
+    if has("query_key_value", "dense", "new_decoder_architecture", "multi_query"):  # Falcon
+        if getattr(config, "alibi", False):
+            raise ValueError(
+                f"{type(parent).__name__}: Falcon with alibi=True is not split by "
+                "parallelize(plan='auto') (its ALiBi slopes are built for all heads outside the "
+                "attention module). Pass a plan, or use a rotary Falcon (alibi=False)"
+            )
+        if parent.new_decoder_architecture:
+            kv = config.num_kv_heads
+            return AttentionHeads(heads, kv, head_dim, "grouped", "query_key_value", "dense")
+        if parent.multi_query:
+            return AttentionHeads(heads, 1, head_dim, "concat", "query_key_value", "dense")
+        return AttentionHeads(heads, heads, head_dim, "grouped", "query_key_value", "dense")
+    return None
+
+
+def _input_partition(name: str, info: AttentionHeads, tp: TPGroup) -> Partition:
+    """The head-aligned rows of an attention input projection (q, k, v or fused) each rank holds."""
+    leaf = name.rpartition(".")[2]
+    layout, hd = info.layout(tp), info.head_dim
+    if leaf == "q_proj":
+        return layout.q_partition(hd)
+    if leaf in ("k_proj", "v_proj"):
+        return layout.kv_partition(hd)
+    if info.qkv == "concat":
+        return layout.qkv_partition(hd)
+    # grouped: whole KV groups per rank (a replicated KV head would sit inside another rank's
+    # block of the fused rows, which no contiguous layout gives).
+    if info.kv < tp.size:
+        raise ValueError(
+            f"{name}: its {info.kv} KV head groups (fused per group as [q heads, k, v]) cannot "
+            f"be split over {tp.size} ranks; use a TP size of at most {info.kv}"
+        )
+    group = info.heads // info.kv
+    return Partition.split(info.kv * (group + 2) * hd, tp.size, unit=(group + 2) * hd)
+
+
+def localize_attention(attention: nn.Module, info: AttentionHeads, tp: TPGroup) -> tuple[int, int]:
+    """Make ``attention``'s own forward run on this rank's heads: set the head counts it reads.
+    Returns this rank's (query heads, KV heads)."""
+    layout = info.layout(tp)
+    q, kv = layout.q[tp.rank][1], layout.kv[tp.rank][1]
+    local = {
+        "num_key_value_groups": q // kv,
+        "num_heads": q,  # OPT, Falcon
+        "num_key_value_heads": kv,  # Phi-3
+        "num_kv_heads": kv,  # Falcon
+    }
+    for attr, value in local.items():
+        if hasattr(attention, attr):
+            setattr(attention, attr, value)
+    if info.qkv == "concat" and info.fused == "qkv_proj":
+        # Phi-3 finds where k begins in the fused output from config.num_attention_heads: give
+        # this module its own config with the local count (the model's config stays whole).
+        config = copy.copy(attention.config)
+        config.num_attention_heads, config.num_key_value_heads = q, kv
+        attention.config = config
+    return q, kv
 
 
 def convert(
@@ -64,7 +152,7 @@ def convert(
         )
     kw.update(device=child.weight.device, dtype=child.weight.dtype)
     bias = child.bias is not None
-    layout = attention_layout(parent, tp)
+    info = attention_heads(parent)
     if style == "vocab":
         new = ParallelLMHead(
             child.out_features,
@@ -80,11 +168,10 @@ def convert(
         return new, f"vocab-parallel head, rows {rows}, logits gathered{tied}"
     if style == "colwise":
         partition = None
-        if layout is not None and leaf in ("q_proj", "k_proj", "v_proj"):
-            heads, head_dim = layout
-            partition = (
-                heads.q_partition(head_dim) if leaf == "q_proj" else heads.kv_partition(head_dim)
-            )
+        if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
+            partition = _input_partition(name, info, tp)
+        elif leaf == "gate_up_proj":  # [gate | up]: each half split on its own
+            partition = Partition.merged([child.out_features // 2] * 2, tp.size)
         new = ColumnParallelLinear(
             child.in_features,
             child.out_features,
@@ -93,13 +180,18 @@ def convert(
             input_is_gathered=sp,
             **kw,
         )
-        how = "by heads" if partition is not None else "by rows"
+        how = (
+            "by rows"
+            if partition is None
+            else "by gate and up halves"
+            if leaf == "gate_up_proj"
+            else "by heads"
+        )
         return new, f"column-parallel {how}, local outputs {new.out_features_local}"
     if style == "rowwise":
         partition = None
-        if layout is not None and leaf == "o_proj":
-            heads, head_dim = layout
-            partition = heads.q_partition(head_dim)
+        if info is not None and leaf == info.out:
+            partition = info.layout(tp).q_partition(info.head_dim)
         new = RowParallelLinear(
             child.in_features,
             child.out_features,
