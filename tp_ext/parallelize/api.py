@@ -37,7 +37,7 @@ from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
 from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
-from tp_ext.parallelize.styles import attention_heads, convert, localize_attention
+from tp_ext.parallelize.styles import attention_heads, convert, full_state, localize_attention
 
 __all__ = ["parallelize"]
 
@@ -115,7 +115,7 @@ def parallelize(
             report[name] = "sequence_parallel: runs on this rank's shard, output all-gathered"
             continue
         tie_to = _tied_embedding(name, child, shared, converted)
-        full = {k: v.detach() for k, v in child.state_dict().items()}
+        full = full_state(child)
         with no_init():
             new, what = convert(name, child, style, parent, tp, sp, tie_to)
         load_full_state_dict(new, full)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from tp_ext.parallelize.styles import attention_heads
+from tp_ext.parallelize.styles import attention_heads, is_conv1d
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
@@ -43,10 +43,12 @@ def is_plain(module: nn.Module, base: type) -> bool:
 
 
 def is_linear(module: nn.Module) -> bool:
-    """A plain nn.Linear, or Falcon's FalconLinear (its forward is ``x @ W.T + b`` too, with the
-    bias added separately)."""
-    return is_plain(module, nn.Linear) or (
-        isinstance(module, nn.Linear) and type(module).__name__ == "FalconLinear"
+    """A plain nn.Linear, Falcon's FalconLinear (its forward is ``x @ W.T + b`` too, with the
+    bias added separately) or GPT-2's Conv1D (the same with the weight stored transposed)."""
+    return (
+        is_plain(module, nn.Linear)
+        or (isinstance(module, nn.Linear) and type(module).__name__ == "FalconLinear")
+        or is_conv1d(module)
     )
 
 

@@ -19,7 +19,14 @@ from tp_ext.layers import (
 )
 from tp_ext.sharding import HeadLayout, Partition
 
-__all__ = ["convert", "attention_heads", "localize_attention", "AttentionHeads"]
+__all__ = [
+    "convert",
+    "attention_heads",
+    "is_conv1d",
+    "full_state",
+    "localize_attention",
+    "AttentionHeads",
+]
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,10 @@ def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
     if head_dim is not None and has("q_proj", "k_proj", "v_proj"):
         out = "o_proj" if has("o_proj") else "out_proj" if has("out_proj") else None
         return AttentionHeads(heads, kv, head_dim, "separate", None, out) if out else None
+    if head_dim is not None and has("c_attn", "c_proj", "split_size"):  # GPT-2, [q | k | v]
+        if getattr(parent, "is_cross_attention", False):
+            return None  # c_attn is [k | v] there and q_attn separate: not known here
+        return AttentionHeads(heads, heads, head_dim, "concat", "c_attn", "c_proj")
     if head_dim is not None and has("qkv_proj", "o_proj"):  # Phi-3
         return AttentionHeads(heads, kv, head_dim, "concat", "qkv_proj", "o_proj")
     if has("query_key_value", "dense", "head_size"):  # GPT-NeoX: per head [q, k, v]
@@ -76,6 +87,32 @@ def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
             return AttentionHeads(heads, 1, head_dim, "concat", "query_key_value", "dense")
         return AttentionHeads(heads, heads, head_dim, "grouped", "query_key_value", "dense")
     return None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a linear layer storing its weight as [in, out]."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and getattr(module, "weight", None) is not None
+        and module.weight.dim() == 2
+    )
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
+def full_state(module: nn.Module) -> dict:
+    """The module's full state as the tp_ext layers load it: a Conv1D's [in, out] weight
+    transposed to nn.Linear's [out, in]."""
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    if is_conv1d(module):
+        state["weight"] = state["weight"].t()
+    return state
 
 
 def _input_partition(name: str, info: AttentionHeads, tp: TPGroup) -> Partition:
@@ -110,6 +147,8 @@ def localize_attention(attention: nn.Module, info: AttentionHeads, tp: TPGroup) 
         "num_key_value_heads": kv,  # Phi-3
         "num_kv_heads": kv,  # Falcon
     }
+    if info.fused == "c_attn":
+        local["split_size"] = q * info.head_dim  # GPT-2 splits c_attn's output by this width
     for attr, value in local.items():
         if hasattr(attention, attr):
             setattr(attention, attr, value)
@@ -144,19 +183,20 @@ def convert(
         )
         scaled = "" if scale is None else f", output scaled by {scale:g}"
         return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}{scaled}"
-    if not isinstance(child, nn.Linear):
+    if not (isinstance(child, nn.Linear) or is_conv1d(child)):
         raise ValueError(
-            f"{name}: style {style!r} applies to nn.Linear"
+            f"{name}: style {style!r} applies to nn.Linear or Hugging Face Conv1D"
             f"{' or nn.Embedding' if style == 'vocab' else ''}, not "
             f"{type(child).__name__}"
         )
     kw.update(device=child.weight.device, dtype=child.weight.dtype)
     bias = child.bias is not None
+    in_features, out_features = linear_features(child)
     info = attention_heads(parent)
     if style == "vocab":
         new = ParallelLMHead(
-            child.out_features,
-            child.in_features,
+            out_features,
+            in_features,
             bias,
             gather_output=True,
             input_is_gathered=sp,
@@ -171,10 +211,10 @@ def convert(
         if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
             partition = _input_partition(name, info, tp)
         elif leaf == "gate_up_proj":  # [gate | up]: each half split on its own
-            partition = Partition.merged([child.out_features // 2] * 2, tp.size)
+            partition = Partition.merged([out_features // 2] * 2, tp.size)
         new = ColumnParallelLinear(
-            child.in_features,
-            child.out_features,
+            in_features,
+            out_features,
             bias,
             partition=partition,
             input_is_gathered=sp,
@@ -193,8 +233,8 @@ def convert(
         if info is not None and leaf == info.out:
             partition = info.layout(tp).q_partition(info.head_dim)
         new = RowParallelLinear(
-            child.in_features,
-            child.out_features,
+            in_features,
+            out_features,
             bias,
             partition=partition,
             sequence_parallel=sp,
