@@ -1,6 +1,6 @@
 """parallelize(model, "auto") on tiny random configs of the decoders users bring from transformers,
-at TP 2 and 3: logits (and, for tied and frozen cases, gradients) equal to the unsharded model, or
-a clear refusal naming the module before anything runs. The decisions are listed in
+at TP 2, 3 and 4: logits, loss and every gradient equal to the unsharded model's, or a clear
+refusal naming the module before anything runs. The decisions are listed in
 docs/layers.md ("parallelize")."""
 
 import copy
@@ -86,6 +86,32 @@ CASES = [
         "exact",
     ),
     (
+        "falcon classic",  # one KV head per query head, fused per head as [q, k, v]
+        lambda: transformers.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            multi_query=False,
+            bias=True,
+        ),
+        "FalconForCausalLM",
+        "exact",
+    ),
+    (
+        "falcon new",  # new_decoder_architecture: fused per KV group as [q, q, k, v]
+        lambda: transformers.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_kv_heads=4,
+            new_decoder_architecture=True,
+        ),
+        "FalconForCausalLM",
+        "exact",
+    ),
+    (
         "gpt-neox",
         lambda: transformers.GPTNeoXConfig(
             vocab_size=VOCAB,
@@ -152,7 +178,7 @@ def _check_architectures():
     return seen
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, 3, 4])  # 4: more ranks than KV heads (replicated)
 def test_auto_on_the_decoders_users_bring(ws):
     seen = run_distributed(_check_architectures, ws, timeout=600)[0]
     assert seen == {arch: ("exact" if e == "exact" else "refused") for arch, _, _, e in CASES}
