@@ -52,7 +52,19 @@ CASES = [
         "mixtral",
         lambda: _cfg("MixtralConfig", num_local_experts=4),
         "MixtralForCausalLM",
-        "MixtralExperts",
+        "exact",
+    ),
+    (
+        "qwen2-moe",  # routed experts and a gated shared expert
+        lambda: _cfg(
+            "Qwen2MoeConfig",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=28,
+        ),
+        "Qwen2MoeForCausalLM",
+        "exact",
     ),
     ("phi3", lambda: _cfg("Phi3Config", pad_token_id=0), "Phi3ForCausalLM", "exact"),
     (
@@ -62,6 +74,19 @@ CASES = [
         ),
         "GPT2LMHeadModel",
         "exact",
+    ),
+    (
+        "gpt2 cross-attention",  # c_attn is [k | v] there, q in q_attn: not split by auto
+        lambda: transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=48,
+            n_layer=2,
+            n_head=6,
+            n_positions=64,
+            add_cross_attention=True,
+        ),
+        "GPT2LMHeadModel",
+        "crossattention.c_attn",
     ),
     (
         "opt",

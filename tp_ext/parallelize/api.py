@@ -10,6 +10,8 @@ Styles:
     rowwise     nn.Linear -> RowParallelLinear (input features split; output all-reduced)
     vocab       nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ParallelLMHead with full
                 logits gathered (the model's own loss and generation keep working)
+    experts     MoE experts with 3D gate_up_proj/down_proj (Mixtral, Qwen2-MoE): each expert's
+                intermediate dim split over the ranks, output all-reduced
     replicate   left as it is (every rank computes it in full)
     sequence_parallel
                 for norms (RMSNorm/LayerNorm): Megatron's sequence parallelism. The residual
@@ -37,7 +39,14 @@ from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
 from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
-from tp_ext.parallelize.styles import attention_heads, convert, full_state, localize_attention
+from tp_ext.parallelize.styles import (
+    attention_heads,
+    convert,
+    full_state,
+    is_fused_experts,
+    localize_attention,
+    shard_experts,
+)
 
 __all__ = ["parallelize"]
 
@@ -113,6 +122,19 @@ def parallelize(
                 if p.requires_grad:  # frozen weights (fine-tuning) have no gradient to reduce
                     p.register_hook(shards.all_reduce_grad)
             report[name] = "sequence_parallel: runs on this rank's shard, output all-gathered"
+            continue
+        if style == "experts":
+            if not is_fused_experts(child):
+                raise ValueError(
+                    f"{name}: style 'experts' applies to Mixtral-style experts (3D gate_up_proj "
+                    f"and down_proj parameters), not {type(child).__name__}"
+                )
+            if sp:
+                raise ValueError(
+                    f"{name}: split experts do not support sequence_parallel=True yet; "
+                    "parallelize this model with sequence_parallel=False"
+                )
+            report[name] = f"experts: {shard_experts(child, tp)}"
             continue
         tie_to = _tied_embedding(name, child, shared, converted)
         full = full_state(child)

@@ -8,11 +8,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from tp_ext.parallelize.styles import attention_heads, is_conv1d
+from tp_ext.parallelize.styles import attention_heads, is_conv1d, is_fused_experts
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
-STYLES = ("colwise", "rowwise", "vocab", "sequence_parallel", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "experts", "sequence_parallel", "replicate")
 
 # Module names by their last component: Llama/Qwen/Mistral/Gemma, Phi-3 (gate_up_proj), OPT
 # (fc1/fc2), Starcoder2 (c_fc/c_proj), GPT-NeoX and Falcon (dense_h_to_4h/dense_4h_to_h,
@@ -82,6 +82,8 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
         leaf = name.rpartition(".")[2]
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
             plan[name] = "sequence_parallel"
+        elif is_fused_experts(child):
+            plan[name] = "experts"
         elif is_plain(child, nn.Embedding) or is_scaled_embedding(child):
             plan[name] = "vocab"
         elif is_linear(child):

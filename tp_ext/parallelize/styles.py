@@ -10,10 +10,12 @@ from typing import Optional
 
 from torch import nn
 
+from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup
 from tp_ext.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    ParallelModule,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -113,6 +115,58 @@ def full_state(module: nn.Module) -> dict:
     if is_conv1d(module):
         state["weight"] = state["weight"].t()
     return state
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Mixtral-style experts: ``gate_up_proj`` [experts, 2 * inter, hidden] and ``down_proj``
+    [experts, hidden, inter] as 3D parameters, the forward looping over experts."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and gate_up.shape[1] == 2 * down.shape[2]
+    )
+
+
+def shard_experts(experts: nn.Module, tp: TPGroup) -> str:
+    """Split every expert's MLP in place: gate and up rows, down columns (the intermediate dim
+    over the TP group). The module's own forward runs on the local slices; its output is
+    all-reduced. Its class becomes a ParallelModule subclass of the original, so state dicts,
+    checkpoints and local_shards see the shard specs under the same names."""
+    cls = type(experts)
+    inter = experts.down_proj.shape[2]
+    gate_up, down = Partition.merged([inter, inter], tp.size), Partition.split(inter, tp.size)
+    for attr, dim, partition in (("gate_up_proj", 1, gate_up), ("down_proj", 2, down)):
+        full = getattr(experts, attr)
+        local = partition.local(full.detach(), dim, tp.rank).clone()
+        setattr(experts, attr, nn.Parameter(local, requires_grad=full.requires_grad))
+
+    config = getattr(experts, "config", None)
+    local_bytes = down.local_size(tp.rank) * experts.down_proj.element_size()
+    if getattr(config, "_experts_implementation", None) == "grouped_mm" and local_bytes % 16:
+        # torch's grouped_mm needs 16-byte strides, which this rank's slice may not have: the
+        # experts' own loop instead, on a copy of the config (the model's stays as it is)
+        config = copy.copy(config)
+        config._experts_implementation = "eager"
+        experts.config = config
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        # Both inputs are replicated: their gradients are summed over the ranks' slices.
+        hidden_states = comm.copy_to_tp(hidden_states, self.tp)
+        top_k_weights = comm.copy_to_tp(top_k_weights, self.tp)
+        out = cls.forward(self, hidden_states, top_k_index, top_k_weights)
+        return comm.reduce_from_tp(out, self.tp)
+
+    experts.__class__ = type(
+        f"TensorParallel{cls.__name__}", (ParallelModule, cls), {"forward": forward}
+    )
+    experts._setup_tp(tp)
+    experts._set_shard("gate_up_proj", 1, gate_up)
+    experts._set_shard("down_proj", 2, down)
+    local = down.local_size(tp.rank)
+    return f"experts split by intermediate dim, local {local} of {inter}, output all-reduced"
 
 
 def _input_partition(name: str, info: AttentionHeads, tp: TPGroup) -> Partition:
