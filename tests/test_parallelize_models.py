@@ -3,7 +3,9 @@ at TP 2, 3 and 4: logits, loss and every gradient equal to the unsharded model's
 refusal naming the module before anything runs. The decisions are listed in
 docs/layers.md ("parallelize")."""
 
+import contextlib
 import copy
+import io
 
 import pytest
 import torch
@@ -259,3 +261,23 @@ def _check_misuse():
 
 def test_misuse_is_refused_clearly():
     run_distributed(_check_misuse, 3)
+
+
+def _check_explain():
+    model = _build(lambda: _cfg("Qwen2MoeConfig", num_experts=4), "Qwen2MoeForCausalLM")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _, report = tp_ext.parallelize(model, "auto", explain=True, return_report=True)
+    printed = out.getvalue()
+    why = report["model.layers.0.self_attn.q_proj"]
+    assert why.startswith("colwise") and "reads the residual stream" in why, why
+    assert "writes the residual stream" in report["model.layers.0.self_attn.o_proj"]
+    assert "MoE experts" in report["model.layers.0.mlp.experts"]
+    assert "kept whole" in report["model.layers.0.mlp.shared_expert_gate"]
+    return printed
+
+
+def test_explain_prints_each_decision_and_why():
+    printed = run_distributed(_check_explain, 2)
+    assert "model.layers.0.mlp.experts" in printed[0] and "[why: " in printed[0], printed[0]
+    assert printed[1] == ""  # rank 0 only

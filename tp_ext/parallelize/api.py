@@ -56,6 +56,7 @@ def parallelize(
     plan: Union[str, Mapping[str, str]] = "auto",
     tp_group=None,
     verbose: bool = False,
+    explain: bool = False,
     sequence_parallel: bool = False,
     return_report: bool = False,
 ):
@@ -66,7 +67,8 @@ def parallelize(
 
     ``plan``: "auto" (:func:`auto_plan`) or ``{name pattern: style}``. ``tp_group``: the TP group
     (default: the one from :func:`tp_ext.init_parallel`). ``verbose`` prints the decisions on
-    TP rank 0. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
+    TP rank 0; ``explain=True`` adds to each decision why it was taken (in the report too) and
+    prints them. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
     norm.
     """
     tp = resolve_group(tp_group)
@@ -76,14 +78,16 @@ def parallelize(
             f"{type(module).__name__} already holds tp_ext layers ({done[0]!r}, ...): it was "
             "parallelized before (or built from tp_ext layers); parallelize each model once"
         )
+    reasons: dict[str, str] = {}
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(
                 f"plan must be 'auto' or a dict of name pattern -> style, got {plan!r}"
             )
-        decided = auto_plan(module, sequence_parallel)
+        decided = auto_plan(module, sequence_parallel, reasons)
     elif isinstance(plan, Mapping):
         decided = resolve_plan(module, plan)
+        reasons = {name: "given by the plan" for name in decided}
     else:
         raise TypeError(f"plan must be 'auto' or a dict, got {type(plan).__name__}")
 
@@ -158,7 +162,11 @@ def parallelize(
             report[name] = f"attention: {q} query heads, {kv} KV heads on this rank" + (
                 f"; {', '.join(per_head)} gradients summed over TP" if per_head else ""
             )
-    if verbose and tp.rank == 0:
+    if explain:
+        report.update(
+            {n: f"{what}  [why: {reasons[n]}]" for n, what in report.items() if n in reasons}
+        )
+    if (verbose or explain) and tp.rank == 0:
         width = max((len(n) for n in report), default=0)
         print(f"tp_ext.parallelize over {tp.size} ranks (rank 0's shards):")
         for name, what in report.items():

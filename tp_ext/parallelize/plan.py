@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
+from typing import Optional
 
 from torch import nn
 
@@ -66,7 +67,9 @@ def is_scaled_embedding(module: nn.Module) -> bool:
 _FUSED = {"qkv_proj", "gate_up_proj", "query_key_value", "c_attn", "W_pack", "Wqkv", "c_fc"}
 
 
-def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
+def auto_plan(
+    module: nn.Module, sequence_parallel: bool = False, reasons: Optional[dict] = None
+) -> dict[str, str]:
     """The split decided for every nn.Linear and nn.Embedding of a Llama/Qwen-style model:
     column for q/k/v/gate/up, row for o/down, vocabulary for embeddings and the LM head, replicate
     for anything else; with ``sequence_parallel``, every norm too.
@@ -75,32 +78,42 @@ def auto_plan(module: nn.Module, sequence_parallel: bool = False) -> dict[str, s
     ``nn.Embedding``, and Gemma's scaled embedding). A module it would leave whole that holds a
     large weight (a matmul of the model's width: GPT-2's ``Conv1D``, fused ``qkv_proj``, MoE
     experts) is refused with a ValueError naming it, since replicating it silently would leave
-    the model unsharded or inconsistent; pass a plan for such models."""
+    the model unsharded or inconsistent; pass a plan for such models. ``reasons``, when given, is
+    filled with why each module got its style."""
     plan = {}
+    why = {} if reasons is None else reasons
     width = _width(module)
     for name, child in module.named_modules():
         leaf = name.rpartition(".")[2]
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
-            plan[name] = "sequence_parallel"
+            plan[name], why[name] = "sequence_parallel", "a norm over the model's width"
         elif is_fused_experts(child):
-            plan[name] = "experts"
+            plan[name], why[name] = "experts", "MoE experts as 3D gate_up_proj/down_proj"
         elif is_plain(child, nn.Embedding) or is_scaled_embedding(child):
-            plan[name] = "vocab"
+            plan[name], why[name] = "vocab", "a token embedding"
         elif is_linear(child):
             parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
             info = attention_heads(parent)
+            kind = type(parent).__name__
             if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
                 plan[name] = "colwise"
+                why[name] = f"an input projection of attention {kind} (reads the residual stream)"
             elif info is not None and leaf == info.out:
                 plan[name] = "rowwise"
+                why[name] = (
+                    f"the output projection of attention {kind} (writes the residual stream)"
+                )
             elif leaf in _AUTO_COLWISE:
-                plan[name] = "colwise"
+                plan[name], why[name] = "colwise", f"{leaf!r}: an MLP input projection"
             elif leaf in _AUTO_ROWWISE:
-                plan[name] = "rowwise"
+                plan[name], why[name] = "rowwise", f"{leaf!r}: an MLP output projection"
             elif leaf in _AUTO_VOCAB_LINEAR:
-                plan[name] = "vocab"
+                plan[name], why[name] = "vocab", f"{leaf!r}: the LM head"
             else:
-                plan[name] = "replicate"
+                plan[name], why[name] = (
+                    "replicate",
+                    "a linear auto has no rule for (small: kept whole)",
+                )
     _refuse_large_unsplit(module, plan)
     return plan
 
