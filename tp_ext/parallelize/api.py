@@ -10,6 +10,8 @@ Styles:
     rowwise     nn.Linear -> RowParallelLinear (input features split; output all-reduced)
     vocab       nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ParallelLMHead with full
                 logits gathered (the model's own loss and generation keep working)
+    experts     MoE experts with 3D gate_up_proj/down_proj (Mixtral, Qwen2-MoE): each expert's
+                intermediate dim split over the ranks, output all-reduced
     replicate   left as it is (every rank computes it in full)
     sequence_parallel
                 for norms (RMSNorm/LayerNorm): Megatron's sequence parallelism. The residual
@@ -37,7 +39,14 @@ from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
 from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
-from tp_ext.parallelize.styles import attention_layout, convert
+from tp_ext.parallelize.styles import (
+    attention_heads,
+    convert,
+    full_state,
+    is_fused_experts,
+    localize_attention,
+    shard_experts,
+)
 
 __all__ = ["parallelize"]
 
@@ -47,6 +56,7 @@ def parallelize(
     plan: Union[str, Mapping[str, str]] = "auto",
     tp_group=None,
     verbose: bool = False,
+    explain: bool = False,
     sequence_parallel: bool = False,
     return_report: bool = False,
 ):
@@ -57,7 +67,8 @@ def parallelize(
 
     ``plan``: "auto" (:func:`auto_plan`) or ``{name pattern: style}``. ``tp_group``: the TP group
     (default: the one from :func:`tp_ext.init_parallel`). ``verbose`` prints the decisions on
-    TP rank 0. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
+    TP rank 0; ``explain=True`` adds to each decision why it was taken (in the report too) and
+    prints them. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
     norm.
     """
     tp = resolve_group(tp_group)
@@ -67,14 +78,16 @@ def parallelize(
             f"{type(module).__name__} already holds tp_ext layers ({done[0]!r}, ...): it was "
             "parallelized before (or built from tp_ext layers); parallelize each model once"
         )
+    reasons: dict[str, str] = {}
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(
                 f"plan must be 'auto' or a dict of name pattern -> style, got {plan!r}"
             )
-        decided = auto_plan(module, sequence_parallel)
+        decided = auto_plan(module, sequence_parallel, reasons)
     elif isinstance(plan, Mapping):
         decided = resolve_plan(module, plan)
+        reasons = {name: "given by the plan" for name in decided}
     else:
         raise TypeError(f"plan must be 'auto' or a dict, got {type(plan).__name__}")
 
@@ -114,8 +127,21 @@ def parallelize(
                     p.register_hook(shards.all_reduce_grad)
             report[name] = "sequence_parallel: runs on this rank's shard, output all-gathered"
             continue
+        if style == "experts":
+            if not is_fused_experts(child):
+                raise ValueError(
+                    f"{name}: style 'experts' applies to Mixtral-style experts (3D gate_up_proj "
+                    f"and down_proj parameters), not {type(child).__name__}"
+                )
+            if sp:
+                raise ValueError(
+                    f"{name}: split experts do not support sequence_parallel=True yet; "
+                    "parallelize this model with sequence_parallel=False"
+                )
+            report[name] = f"experts: {shard_experts(child, tp)}"
+            continue
         tie_to = _tied_embedding(name, child, shared, converted)
-        full = {k: v.detach() for k, v in child.state_dict().items()}
+        full = full_state(child)
         with no_init():
             new, what = convert(name, child, style, parent, tp, sp, tie_to)
         load_full_state_dict(new, full)
@@ -128,17 +154,19 @@ def parallelize(
 
     # Hugging Face attention: run its own code on this rank's heads.
     for name, child in module.named_modules():
-        layout = attention_layout(child, tp) if hasattr(child, "num_key_value_groups") else None
-        if layout is not None and isinstance(child.q_proj, ColumnParallelLinear):
-            heads = layout[0]
-            child.num_key_value_groups = heads.q[tp.rank][1] // heads.kv[tp.rank][1]
+        info = attention_heads(child)
+        first = None if info is None else getattr(child, info.fused or "q_proj", None)
+        if isinstance(first, ColumnParallelLinear):
+            q, kv = localize_attention(child, info, tp)
             per_head = _sum_gradients_over_heads(child, tp)
-            report[name] = (
-                f"attention: {heads.q[tp.rank][1]} query heads, "
-                f"{heads.kv[tp.rank][1]} KV heads on this rank"
-                + (f"; {', '.join(per_head)} gradients summed over TP" if per_head else "")
+            report[name] = f"attention: {q} query heads, {kv} KV heads on this rank" + (
+                f"; {', '.join(per_head)} gradients summed over TP" if per_head else ""
             )
-    if verbose and tp.rank == 0:
+    if explain:
+        report.update(
+            {n: f"{what}  [why: {reasons[n]}]" for n, what in report.items() if n in reasons}
+        )
+    if (verbose or explain) and tp.rank == 0:
         width = max((len(n) for n in report), default=0)
         print(f"tp_ext.parallelize over {tp.size} ranks (rank 0's shards):")
         for name, what in report.items():
