@@ -4,7 +4,7 @@ First ``tp_ext.planner.calibrate()`` measures this machine as the planner's "cpu
 1-thread ranks at once: matmul FLOP/s, operator overhead, gloo all-reduce latency and
 bandwidth). Then every layout of 2 ranks (one intra-op thread each)
 trains a Qwen2 (hidden 256, 4 layers, vocab 4096) on the same global batch of 8 sequences of
-128 tokens: the median step time of 5 timed steps and the peak tensor memory per rank of one
+128 tokens: the median step time of 9 timed steps and the peak tensor memory per rank of one
 step, against ``tp_ext.planner.estimate``. Reported: each layout's measured and estimated step
 time (benchmark ``planner_step_time``) and peak (``planner_memory``), and the Spearman rank
 correlation of the step times (the issue's target: >= 0.8).
@@ -46,16 +46,20 @@ def _layouts():
         m = GLOBAL_BATCH // (dp * mb)
         return Layout(tp, pp, dp, mb, m, schedule, v, recompute, engine, "float32")
 
-    # all on 2 ranks: the calibration measures a rank while the other one runs too
+    # all on 2 ranks (the calibration measures a rank while the other one runs too), spread
+    # over what the model weighs: micro-batch sizes (operator overhead against FLOPs), the
+    # bubble (2 micro-batches against 8), recompute, TP / PP / DP communication
     return [
-        lay(2, 1, 1, 4),
         lay(2, 1, 1, 8),
+        lay(2, 1, 1, 1),
         lay(2, 1, 1, 4, recompute=True),
-        lay(1, 2, 1, 2),
-        lay(1, 2, 1, 1, "GPipe"),
-        lay(1, 2, 1, 1, "Interleaved1F1B", 2),
-        lay(1, 1, 2, 2),
-        lay(1, 1, 2, 4, engine="fsdp"),
+        lay(1, 2, 1, 4),
+        lay(1, 2, 1, 1),
+        lay(1, 2, 1, 2, "GPipe"),
+        lay(1, 2, 1, 2, "Interleaved1F1B", 2),
+        lay(1, 1, 2, 4),
+        lay(1, 1, 2, 1),
+        lay(1, 1, 2, 2, engine="fsdp"),
     ]
 
 
@@ -112,7 +116,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=9)
     args = parser.parse_args()
     from tp_ext.models import Qwen2Config
     from tp_ext.planner import calibrate, estimate
