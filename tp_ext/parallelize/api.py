@@ -59,6 +59,7 @@ def parallelize(
     explain: bool = False,
     sequence_parallel: bool = False,
     return_report: bool = False,
+    example_inputs=None,
 ):
     """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
     return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
@@ -69,7 +70,8 @@ def parallelize(
     (default: the one from :func:`tp_ext.init_parallel`). ``verbose`` prints the decisions on
     TP rank 0; ``explain=True`` adds to each decision why it was taken (in the report too) and
     prints them. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
-    norm.
+    norm. "auto" runs the model once on a few tokens to see how its linears connect;
+    ``example_inputs=(args, kwargs)`` is what to call it with when token ids are not its input.
     """
     tp = resolve_group(tp_group)
     done = [n for n, m in module.named_modules() if isinstance(m, ParallelModule)]
@@ -79,12 +81,13 @@ def parallelize(
             "parallelized before (or built from tp_ext layers); parallelize each model once"
         )
     reasons: dict[str, str] = {}
+    parts: dict[str, list] = {}  # fused columns the traced forward cuts into parts
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(
                 f"plan must be 'auto' or a dict of name pattern -> style, got {plan!r}"
             )
-        decided = auto_plan(module, sequence_parallel, reasons)
+        decided = auto_plan(module, sequence_parallel, reasons, example_inputs, parts)
     elif isinstance(plan, Mapping):
         decided = resolve_plan(module, plan)
         reasons = {name: "given by the plan" for name in decided}
@@ -143,7 +146,7 @@ def parallelize(
         tie_to = _tied_embedding(name, child, shared, converted)
         full = full_state(child)
         with no_init():
-            new, what = convert(name, child, style, parent, tp, sp, tie_to)
+            new, what = convert(name, child, style, parent, tp, sp, tie_to, parts.get(name))
         load_full_state_dict(new, full)
         for param_name, param in child.named_parameters(recurse=False):
             getattr(new, param_name).requires_grad_(param.requires_grad)  # frozen stays frozen

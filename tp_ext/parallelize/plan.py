@@ -1,5 +1,6 @@
-"""Which style each module of a model gets: "auto" for Llama/Qwen-style names, or a user's plan of
-name patterns. The styles themselves are in :mod:`tp_ext.parallelize.styles`."""
+"""Which style each module of a model gets: "auto", decided from a traced forward (how the
+linears connect: :mod:`tp_ext.parallelize.dataflow`), or a user's plan of name patterns. The
+styles themselves are in :mod:`tp_ext.parallelize.styles`."""
 
 from __future__ import annotations
 
@@ -9,28 +10,12 @@ from typing import Optional
 
 from torch import nn
 
+from tp_ext.parallelize.dataflow import trace_flow
 from tp_ext.parallelize.styles import attention_heads, is_conv1d, is_fused_experts
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
 STYLES = ("colwise", "rowwise", "vocab", "experts", "sequence_parallel", "replicate")
-
-# Module names by their last component: Llama/Qwen/Mistral/Gemma, Phi-3 (gate_up_proj), OPT
-# (fc1/fc2), Starcoder2 (c_fc/c_proj), GPT-NeoX and Falcon (dense_h_to_4h/dense_4h_to_h,
-# embed_out). Attention projections are taken from the attention module itself (styles).
-_AUTO_COLWISE = {
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "gate_proj",
-    "up_proj",
-    "gate_up_proj",
-    "fc1",
-    "c_fc",
-    "dense_h_to_4h",
-}
-_AUTO_ROWWISE = {"o_proj", "down_proj", "fc2", "c_proj", "dense_4h_to_h"}
-_AUTO_VOCAB_LINEAR = {"lm_head", "embed_out"}
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -63,59 +48,189 @@ def is_scaled_embedding(module: nn.Module) -> bool:
     )
 
 
-# Fused projections auto does not split: where q, k and v (or gate and up) meet is model code.
+# Fused projections: named in the refusal when auto cannot split one (see _refuse_large_unsplit).
 _FUSED = {"qkv_proj", "gate_up_proj", "query_key_value", "c_attn", "W_pack", "Wqkv", "c_fc"}
 
 
 def auto_plan(
-    module: nn.Module, sequence_parallel: bool = False, reasons: Optional[dict] = None
+    module: nn.Module,
+    sequence_parallel: bool = False,
+    reasons: Optional[dict] = None,
+    example_inputs=None,
+    parts: Optional[dict] = None,
 ) -> dict[str, str]:
-    """The split decided for every nn.Linear and nn.Embedding of a Llama/Qwen-style model:
-    column for q/k/v/gate/up, row for o/down, vocabulary for embeddings and the LM head, replicate
-    for anything else; with ``sequence_parallel``, every norm too.
+    """The split of every linear and embedding of ``module``, decided from one traced forward
+    (:mod:`tp_ext.parallelize.dataflow`), not from names:
 
-    Only modules whose semantics auto knows are converted (plain ``nn.Linear`` and
-    ``nn.Embedding``, and Gemma's scaled embedding). A module it would leave whole that holds a
-    large weight (a matmul of the model's width: GPT-2's ``Conv1D``, fused ``qkv_proj``, MoE
-    experts) is refused with a ValueError naming it, since replicating it silently would leave
-    the model unsharded or inconsistent; pass a plan for such models. ``reasons``, when given, is
-    filled with why each module got its style."""
-    plan = {}
+    - a linear whose input is computed only from other linears' outputs (not from the residual
+      stream) is row-parallel, and those linears are column-parallel, when nothing between them
+      combines all of a column's output features (a norm, a softmax), scales them by a parameter
+      as wide, or adds them into the stream: the pair then costs one all-reduce, at the row's
+      output. Attention projections are split by whole heads (the head counts come from the
+      attention module); a column whose output the forward cuts into parts (``[gate | up]``) is
+      split part by part (``parts`` is filled with those widths);
+    - a linear that makes the model's logits from the stream is split by vocabulary;
+    - an embedding indexed by the token ids is split by vocabulary; one indexed by positions
+      stays whole;
+    - MoE experts stored as 3D parameters get the "experts" style;
+    - any other linear stays whole, and why is said: splitting it alone would need its output
+      gathered. One that holds a matmul of the model's width is refused (ValueError naming it),
+      since replicating it would leave the model's work unsplit;
+    - with ``sequence_parallel``, every norm over the model's width gets "sequence_parallel".
+
+    ``reasons``, when given, is filled with why each module got its style. ``example_inputs``:
+    ``(args, kwargs)`` for the traced forward (default: 1 x T token ids)."""
+    plan: dict[str, str] = {}
     why = {} if reasons is None else reasons
     width = _width(module)
+    linears = {n: c for n, c in module.named_modules() if n and is_linear(c)}
+    heads = _attention_projections(module, linears)
+    head_dims = {n: info.head_dim for n, (info, _, out) in heads.items() if not out}
+    flow = trace_flow(module, linears, head_dims, example_inputs)
+    rows, blocked = _pairs(flow)
+    columns = {c: sorted(r for r in rows if c in rows[r]) for r in rows for c in rows[r]}
+    _check_heads(heads, rows, columns)
+
     for name, child in module.named_modules():
-        leaf = name.rpartition(".")[2]
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
             plan[name], why[name] = "sequence_parallel", "a norm over the model's width"
         elif is_fused_experts(child):
             plan[name], why[name] = "experts", "MoE experts as 3D gate_up_proj/down_proj"
-        elif is_plain(child, nn.Embedding) or is_scaled_embedding(child):
-            plan[name], why[name] = "vocab", "a token embedding"
-        elif is_linear(child):
-            parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-            info = attention_heads(parent)
-            kind = type(parent).__name__
-            if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
-                plan[name] = "colwise"
-                why[name] = f"an input projection of attention {kind} (reads the residual stream)"
-            elif info is not None and leaf == info.out:
-                plan[name] = "rowwise"
-                why[name] = (
-                    f"the output projection of attention {kind} (writes the residual stream)"
-                )
-            elif leaf in _AUTO_COLWISE:
-                plan[name], why[name] = "colwise", f"{leaf!r}: an MLP input projection"
-            elif leaf in _AUTO_ROWWISE:
-                plan[name], why[name] = "rowwise", f"{leaf!r}: an MLP output projection"
-            elif leaf in _AUTO_VOCAB_LINEAR:
-                plan[name], why[name] = "vocab", f"{leaf!r}: the LM head"
-            else:
-                plan[name], why[name] = (
-                    "replicate",
-                    "a linear auto has no rule for (small: kept whole)",
-                )
-    _refuse_large_unsplit(module, plan)
+        elif name in flow.token_embeddings and (
+            is_plain(child, nn.Embedding) or is_scaled_embedding(child)
+        ):
+            plan[name], why[name] = "vocab", "an embedding indexed by the token ids"
+        elif name in flow.other_embeddings:
+            plan[name] = "replicate"
+            why[name] = "an embedding indexed by positions, not tokens: kept whole"
+        elif name in rows:
+            plan[name], why[name] = "rowwise", _row_reason(name, rows[name], heads)
+        elif name in columns:
+            f = flow.linears[name]
+            plan[name], why[name] = "colwise", _column_reason(name, columns[name], heads, f)
+            if f.parts and len(f.parts) > 1 and name not in heads and parts is not None:
+                parts[name] = list(f.parts)
+        elif name in linears and flow.linears[name].makes_logits:
+            f = flow.linears[name]
+            plan[name] = "vocab"
+            why[name] = (
+                f"makes the model's logits ({f.out_features} of them) from the residual "
+                "stream: split by vocabulary, logits gathered"
+            )
+        elif name in linears:
+            plan[name], why[name] = "replicate", _whole_reason(flow, name, blocked, linears)
+    _refuse_large_unsplit(module, plan, flow, why)
     return plan
+
+
+def _attention_projections(module: nn.Module, linears: dict) -> dict:
+    """{linear name: (AttentionHeads, attention class name, is the output projection)} for the
+    projections of the attention modules auto knows the heads of."""
+    found = {}
+    for name in linears:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        info = attention_heads(parent)
+        if info is None:
+            continue
+        if leaf in ("q_proj", "k_proj", "v_proj", info.fused):
+            found[name] = (info, type(parent).__name__, False)
+        elif leaf == info.out:
+            found[name] = (info, type(parent).__name__, True)
+    return found
+
+
+def _pairs(flow) -> tuple[dict, dict]:
+    """The row-parallel linears with the column-parallel ones feeding each, and for the linears
+    that could not pair, why."""
+    rows, blocked = {}, {}
+    for name, f in flow.linears.items():
+        if f.reads_stream or not f.sources:
+            continue
+        problems = {}
+        for s in sorted(f.sources):
+            src = flow.linears[s]
+            if not src.reads_stream:
+                problems[s] = "does not read the residual stream itself"
+            elif s in f.mixed_sources or src.reduced:
+                problems[s] = "has all its outputs combined by a reduction (a norm, softmax)"
+            elif src.scaled_by:
+                problems[s] = "has its output scaled by a parameter as wide"
+            elif src.reaches_stream:
+                problems[s] = "has its output added into the residual stream directly"
+        if problems:
+            blocked[name] = problems
+        else:
+            rows[name] = f.sources
+    return rows, blocked
+
+
+def _check_heads(heads: dict, rows: dict, columns: dict) -> None:
+    """A head-split attention pair must be the attention's own: its inputs feed its output
+    projection. Anything else means the model does what auto does not understand."""
+    for name, (info, kind, is_out) in heads.items():
+        parent = name.rpartition(".")[0]
+        siblings = {
+            n for n, (_, _, out) in heads.items() if n.rpartition(".")[0] == parent and not out
+        }
+        if is_out and name in rows and not set(rows[name]) <= siblings:
+            raise ValueError(
+                f"{name}: the output projection of attention {kind} also reads "
+                f"{sorted(set(rows[name]) - siblings)} in the traced forward; auto splits "
+                "attention by heads only when its output projection reads its own q/k/v. "
+                "Pass a plan"
+            )
+
+
+def _row_reason(name: str, sources, heads: dict) -> str:
+    listed = ", ".join(s.rpartition(".")[2] for s in sorted(sources))
+    base = (
+        f"reads only what {listed} computed (not the residual stream): row-parallel, one "
+        "all-reduce of its output"
+    )
+    if name in heads:
+        kind = heads[name][1]
+        return f"the output projection of attention {kind} (writes the residual stream); {base}"
+    return base
+
+
+def _column_reason(name: str, rows: list, heads: dict, f) -> str:
+    to = ", ".join(rows)
+    base = (
+        f"reads the residual stream; its output reaches {to} through per-feature "
+        "or per-head ops only: column-parallel, output left split"
+    )
+    if name in heads:
+        kind = heads[name][1]
+        return f"an input projection of attention {kind}, split by heads; {base}"
+    if f.parts and len(f.parts) > 1:
+        return f"{base}; the forward cuts its output into {list(f.parts)}: each part split"
+    return base
+
+
+def _whole_reason(flow, name: str, blocked: dict, linears: dict) -> str:
+    f = flow.linears[name]
+    weight = sum(p.numel() * p.element_size() for p in linears[name].parameters(recurse=False))
+    cost = (
+        f"split alone its output would need an all-gather of {f.out_features} values per "
+        f"token; kept whole ({weight} bytes on every rank)"
+    )
+    if not f.called:
+        return f"not called by the traced forward (example_inputs= can reach it); {cost}"
+    for consumer in flow.consumers(name):
+        if name in blocked.get(consumer, {}):
+            return f"its output feeds {consumer}, but it {blocked[consumer][name]}; {cost}"
+    if name in blocked:
+        (src, problem), *_ = blocked[name].items()
+        return f"its input comes from {src}, which {problem}; {cost}"
+    if f.reduced:
+        return f"a reduction over all its outputs follows (a softmax, top-k or norm); {cost}"
+    if f.reaches_stream:
+        return f"its output joins the residual stream with no linear after it; {cost}"
+    consumers = flow.consumers(name)
+    if consumers:
+        return f"its output feeds {consumers[0]}, which cannot be row-parallel; {cost}"
+    return f"no linear reads its output; {cost}"
 
 
 def _norms_the_residual_stream(norm: nn.Module, width) -> bool:
@@ -133,7 +248,7 @@ def _width(module: nn.Module):
     return max(dims, default=None)
 
 
-def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str]) -> None:
+def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str], flow, why: dict) -> None:
     """Refuse when auto would leave a module with a model-width weight whole (see auto_plan)."""
     hidden = _width(module)
     if hidden is None:
@@ -143,8 +258,8 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str]) -> None:
     for name, child in module.named_modules():
         if plan.get(name, "replicate") not in ("replicate", "sequence_parallel") or is_norm(child):
             continue
-        if isinstance(child, nn.Embedding) and "position" in name:
-            continue  # learned positions (OPT): indexed by position, small, kept whole
+        if name in flow.other_embeddings:
+            continue  # learned positions: indexed by position, kept whole
         for param in child.parameters(recurse=False):
             if sum(1 for d in param.shape if d >= big) >= 2:
                 unsplit.append((name, child))
@@ -152,14 +267,12 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str]) -> None:
     if unsplit:
         listed = ", ".join(f"{n} ({type(c).__name__})" for n, c in unsplit[:4])
         more = f" and {len(unsplit) - 4} more" if len(unsplit) > 4 else ""
-        fused = [n for n, _ in unsplit if n.rpartition(".")[2] in _FUSED]
-        why = (
-            " (fused projections: where their parts meet is model code auto does not know)"
-            if fused
-            else ""
-        )
+        first = unsplit[0][0]
+        reason = why.get(first, "a module auto does not convert").split("; split alone")[0]
+        fused = " (a fused projection)" if first.rpartition(".")[2] in _FUSED else ""
         raise ValueError(
-            f"parallelize(plan='auto') does not know how to split {listed}{more}{why}; left "
+            f"parallelize(plan='auto') does not know how to split {listed}{more}: in the traced "
+            f"forward, {first}{fused}: {reason}. Left "
             "whole they would hold the model's large matmuls on every rank. Pass a plan of name "
             "patterns to styles instead, e.g. {'*.q_proj': 'colwise', '*.o_proj': 'rowwise', "
             "...} (styles: colwise, rowwise, vocab, sequence_parallel, replicate; 'replicate' "

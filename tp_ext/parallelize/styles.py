@@ -223,9 +223,11 @@ def convert(
     tp: TPGroup,
     sp: bool,
     tie_to: Optional[VocabParallelEmbedding] = None,
+    parts: Optional[list] = None,
 ):
     """The tp_ext layer replacing ``child``, and a line saying what was done. ``tie_to``: the
-    converted embedding an LM head shares its weight with."""
+    converted embedding an LM head shares its weight with. ``parts``: the widths a column's
+    output is cut into (each part is split on its own); by default, ``gate_up_proj`` in halves."""
     leaf = name.rpartition(".")[2]
     kw = {"tp_group": tp, "device": None, "dtype": None}
     if style == "vocab" and isinstance(child, nn.Embedding):
@@ -264,8 +266,9 @@ def convert(
         partition = None
         if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
             partition = _input_partition(name, info, tp)
-        elif leaf == "gate_up_proj":  # [gate | up]: each half split on its own
-            partition = Partition.merged([out_features // 2] * 2, tp.size)
+        elif parts is not None or leaf == "gate_up_proj":  # [gate | up]: each part on its own
+            parts = parts or [out_features // 2] * 2
+            partition = Partition.merged(list(parts), tp.size)
         new = ColumnParallelLinear(
             in_features,
             out_features,
@@ -274,13 +277,7 @@ def convert(
             input_is_gathered=sp,
             **kw,
         )
-        how = (
-            "by rows"
-            if partition is None
-            else "by gate and up halves"
-            if leaf == "gate_up_proj"
-            else "by heads"
-        )
+        how = "by rows" if partition is None else f"by parts {list(parts)}" if parts else "by heads"
         return new, f"column-parallel {how}, local outputs {new.out_features_local}"
     if style == "rowwise":
         partition = None
