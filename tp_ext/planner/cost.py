@@ -19,6 +19,7 @@ import torch
 
 from tp_ext.layers import TPGroup
 from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from tp_ext.pipeline.schedules import SCHEDULES
 from tp_ext.planner.hardware import Hardware
 from tp_ext.sharding import StageLayout
 
@@ -441,19 +442,36 @@ def estimate(
     micro = compute + tp_time + pp_time
     bubble = bubble_fraction(layout.schedule, pp, m, v)
     pipeline = m * micro / (1 - bubble)
+    # where collectives cannot run beside compute (CPU ranks over gloo share their cores),
+    # nothing of the DP traffic is hidden
+    hide = 1.0 if hardware.overlap else 0.0
+    tensors = max(rank_params(r)[1] for r in range(pp))
     if dp > 1 and shard == 1:
-        # a ring all-reduce, overlapped only with the last micro-batch's backward
+        # a ring all-reduce, overlapped only with the last micro-batch's backward; one call per
+        # 25 MB bucket (DDP's default), per parameter above 2 ranks (the reproducible hook)
+        calls = tensors if dp > 2 else math.ceil(numel * e / (25 * 2**20))
         dp_time = 2 * (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
-        dp_exposed = max(0.0, dp_time - compute * 2 / 3)
+        dp_time += calls * hardware.latency
+        dp_exposed = max(0.0, dp_time - hide * compute * 2 / 3)
     elif dp > 1:
         # all-gathers and the reduce-scatter move (dp-1)/dp of their payload; prefetching hides
-        # them behind the layers' compute, up to that compute
+        # them behind the layers' compute, up to that compute; each unit (a decoder layer, and
+        # the stage's root) costs FSDP2's own per-step work on top
+        units = layers_max + 1
         dp_time = (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
-        dp_exposed = max(0.0, dp_time - compute)  # prefetching overlaps one micro-batch's layers
+        dp_exposed = max(0.0, dp_time - hide * compute) + units * hardware.fsdp_unit_overhead
     else:
         dp_time = dp_exposed = 0.0
-    optimizer_time = 4 * (params + grads + optimizer) / hardware.memory_bandwidth
-    step = pipeline + dp_exposed + optimizer_time
+    # torch's pipelining runtime: per schedule action (a stage's forward or backward of a
+    # micro-batch; the zero-bubble schedules split the backward in two)
+    split_backward = SCHEDULES[layout.schedule].weight_split
+    actions = m * v * (3 if split_backward else 2) if pp > 1 else 0
+    pp_runtime = actions * hardware.pp_action_overhead
+    if hardware.optimizer_seconds_per_param is not None:
+        optimizer_time = params / e * hardware.optimizer_seconds_per_param
+    else:  # a fused AdamW reads and writes parameters, gradients and moments about twice
+        optimizer_time = 4 * (params + grads + optimizer) / hardware.memory_bandwidth
+    step = pipeline + pp_runtime + dp_exposed + optimizer_time
 
     limit = gpu_memory
     fits = limit is None or memory["total"] <= usable_memory(limit)
@@ -466,6 +484,7 @@ def estimate(
         "dp_s": dp_time,
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_time,
+        "pp_runtime_s": pp_runtime,
         "tp_crosses_nodes": tp_cross,
         "pp_crosses_nodes": pp_cross,
         "dp_crosses_nodes": dp_cross,

@@ -33,6 +33,18 @@ class Hardware:
     # seconds each operator costs beyond its FLOPs (dispatch and launch; on GPUs mostly hidden
     # behind the previous kernel, on CPU paid in full)
     op_overhead: float = 2e-6
+    # whether collectives run beside compute (GPUs: NCCL on its own stream and copy engines);
+    # CPU ranks over gloo share their cores with it, so nothing overlaps there
+    overlap: bool = True
+    # the engines' own cost per event, beyond the bytes and FLOPs they move: torch's pipelining
+    # runtime per schedule action (one stage's forward or backward of one micro-batch, with its
+    # sends and receives posted), and FSDP2 per unit and step (its hooks, the copy in and out of
+    # the flat buffers and the three collectives' calls)
+    pp_action_overhead: float = 50e-6
+    fsdp_unit_overhead: float = 300e-6
+    # seconds of AdamW's step per parameter, when measured (CPU: torch's per-tensor loop is
+    # several passes of arithmetic, not one of memory); else from the bytes it moves
+    optimizer_seconds_per_param: Optional[float] = None
 
     def link(self, crosses_nodes: bool) -> float:
         return self.inter_node if crosses_nodes else self.intra_node
@@ -54,7 +66,7 @@ HARDWARE = {
                           45 * GB, 15e-6, 80 * GiB),
     # a 2-core VM running one intra-op thread per rank; `tp-ext plan --calibrate` measures it
     "cpu": Hardware("CPU ranks over gloo (defaults; run tp-ext plan --calibrate)", 20e9, 5e9,
-                    1 * GB, 1 * GB, 100e-6, None, False, 30e-6),
+                    1 * GB, 1 * GB, 100e-6, None, False, 30e-6, False, 2e-3, 5e-3),
 }  # fmt: skip
 
 
@@ -136,18 +148,93 @@ def _worker(rank: int, world: int, path: str, out) -> None:
         latency = _median_seconds(lambda: dist.all_reduce(small), 50)
         seconds = _median_seconds(lambda: dist.all_reduce(big), 10)
         bus = 2 * (world - 1) / world * big.numel() * 4  # ring all-reduce bytes per rank
+        adamw = _adamw_seconds_per_param(torch)
+        action = _pipeline_seconds_per_action(torch, rank, world)
+        unit = _fsdp_seconds_per_unit(torch, world)
         if rank == 0:
             out.put((flops, copy, overhead, latency, bus / max(seconds - latency, 1e-9)))
+            out.put((action, unit, adamw))
     finally:
         dist.destroy_process_group()
+
+
+def _adamw_seconds_per_param(torch) -> float:
+    """torch.optim.AdamW's step (the Trainer's optimizer on CPU) over 2M parameters in 4
+    tensors, per parameter."""
+    params = [torch.nn.Parameter(torch.randn(1 << 19)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw = torch.optim.AdamW(params, lr=1e-4)
+    adamw.step()  # the moments exist from the first step on
+    return _median_seconds(adamw.step, 5) / (4 << 19)
+
+
+def _pipeline_seconds_per_action(torch, rank: int, world: int) -> float:
+    """torch.distributed.pipelining's cost per schedule action: a 1F1B step of tiny stages (one
+    8 x 8 linear each) over many micro-batches, whose FLOPs are nothing."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    n = 16
+    shape = torch.ones(1, 8)  # given, as tp_ext's stages do: no shape inference at the start
+    stage = PipelineStage(
+        torch.nn.Linear(8, 8), rank, world, torch.device("cpu"), input_args=shape,
+        output_args=shape,
+    )  # fmt: skip
+    loss = (lambda out, target: out.sum()) if rank == world - 1 else None
+    schedule = Schedule1F1B(stage, n, loss_fn=loss)
+    x = torch.ones(n, 8)
+
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=x)
+        else:
+            schedule.step()
+        torch.distributed.barrier()
+
+    step()  # the first step also sets the stages' shapes up
+    return _median_seconds(step, 5) / (2 * n)
+
+
+def _fsdp_seconds_per_unit(torch, world: int) -> float:
+    """FSDP2's cost per unit and step beyond its bytes: a forward + backward of 8 tiny linears,
+    each its own fully_shard unit, against the same model without FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    units = 8
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(units)])
+
+    plain, sharded = model(), model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.ones(2, 8)
+
+    def step(m):
+        def run():
+            m(x).sum().backward()
+            torch.distributed.barrier()
+
+        return run
+
+    for m in (plain, sharded):
+        step(m)()
+    return max(_median_seconds(step(sharded), 5) - _median_seconds(step(plain), 5), 0) / (units + 1)
 
 
 def calibrate(path: Optional[str] = None) -> Hardware:
     """Measure this machine as the planner's "cpu" hardware: two ranks of one intra-op thread
     each (as the tests and the CPU benchmarks run), measuring at the same time: a 512^3 fp32
-    matmul's FLOP/s, a copy's bytes/s, the fixed cost per operator, and a gloo all-reduce's
-    latency and bus bandwidth; written as JSON to ``path`` (default
-    :func:`calibration_path`) and returned."""
+    matmul's FLOP/s, a copy's bytes/s, the fixed cost per operator, a gloo all-reduce's
+    latency and bus bandwidth, AdamW's step per parameter, and the pipelining runtime's and
+    FSDP2's own costs; written as
+    JSON to ``path`` (default :func:`calibration_path`) and returned."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -164,6 +251,7 @@ def calibrate(path: Optional[str] = None) -> Hardware:
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError("tp-ext plan --calibrate: the 2-rank measurement failed")
         flops, copy, overhead, latency, bandwidth = out.get(timeout=10)
+        action, unit, adamw = out.get(timeout=10)
     measured = dataclasses.replace(
         HARDWARE["cpu"],
         name="CPU ranks over gloo (measured by tp-ext plan --calibrate)",
@@ -173,6 +261,9 @@ def calibrate(path: Optional[str] = None) -> Hardware:
         inter_node=bandwidth,
         latency=latency,
         op_overhead=overhead,
+        pp_action_overhead=action,
+        fsdp_unit_overhead=unit,
+        optimizer_seconds_per_param=adamw,
     )
     path = path or calibration_path()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
