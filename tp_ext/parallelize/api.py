@@ -13,6 +13,9 @@ Styles:
     experts     MoE experts with 3D gate_up_proj/down_proj (Mixtral, Qwen2-MoE): each expert's
                 intermediate dim split over the ranks, output all-reduced
     replicate   left as it is (every rank computes it in full)
+    sequence_parallel_local
+                for a norm on a row-parallel output before the residual add (Gemma 2/3's
+                post-norms): runs on this rank's sequence shard, output left split
     sequence_parallel
                 for norms (RMSNorm/LayerNorm): Megatron's sequence parallelism. The residual
                 stream is split along the sequence from the first norm's decoder layer on;
@@ -114,21 +117,26 @@ def parallelize(
         parent_name, _, leaf = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         child = getattr(parent, leaf)
-        if style == "replicate" or (style == "sequence_parallel" and not sp):
+        sequence_style = style in ("sequence_parallel", "sequence_parallel_local")
+        if style == "replicate" or (sequence_style and not sp):
             report[name] = f"{style}: unchanged"
             continue
-        if style == "sequence_parallel":
+        if sequence_style:
             if not is_norm(child):
                 raise ValueError(
-                    f"{name}: style 'sequence_parallel' applies to norm modules "
+                    f"{name}: style {style!r} applies to norm modules "
                     f"(RMSNorm, LayerNorm), not {type(child).__name__}"
                 )
             # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
-            child.register_forward_hook(shards.gather_output)
+            gathered = style == "sequence_parallel"
+            if gathered:
+                child.register_forward_hook(shards.gather_output)
             for p in child.parameters():
                 if p.requires_grad:  # frozen weights (fine-tuning) have no gradient to reduce
                     p.register_hook(shards.all_reduce_grad)
-            report[name] = "sequence_parallel: runs on this rank's shard, output all-gathered"
+            report[name] = f"{style}: runs on this rank's shard" + (
+                ", output all-gathered" if gathered else ", output stays split"
+            )
             continue
         if style == "experts":
             if not is_fused_experts(child):

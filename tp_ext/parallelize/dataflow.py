@@ -43,6 +43,7 @@ class _Provenance:
     mixed: frozenset = frozenset()
     tokens: bool = False  # the token ids themselves (or views of them)
     param: bool = False  # a parameter of a module other than the linears (a norm's weight...)
+    norm: Optional[str] = None  # the norm this stream tensor came out of (through 1-input ops)
 
 
 _NONE = _Provenance()
@@ -73,6 +74,11 @@ class Flow:
     linears: dict = field(default_factory=dict)  # name -> LinearFlow
     token_embeddings: set = field(default_factory=set)  # indexed by the token ids
     other_embeddings: set = field(default_factory=set)  # indexed by positions or anything else
+    norms_feeding_linears: set = field(default_factory=set)  # their output is a linear's input
+    norms_called: list = field(default_factory=list)  # in the order the forward called them
+    norms_flat: set = field(
+        default_factory=set
+    )  # called on [tokens, hidden], batch and sequence merged
     tokens: int = 0
 
     def consumers(self, name: str) -> list:
@@ -169,7 +175,9 @@ class _Tracer(TorchDispatchMode):
             # whatever joins the stream must be whole there (e.g. a row-parallel output)
             for name in linears:
                 self.flow.linears[name].reaches_stream = True
-            merged = _Provenance(stream=True)
+            # a norm's output keeps its name through casts and views, not through an addition
+            norm = provs[0].norm if len(provs) == 1 else None
+            merged = _Provenance(stream=True, norm=norm)
         else:
             tokens = all(p.tokens for p in provs) and func not in _REDUCTIONS
             if linears or tokens:
@@ -255,8 +263,10 @@ def trace_flow(
     linears: dict,
     head_dims: Optional[dict] = None,
     example_inputs=None,
+    norms: Optional[dict] = None,
 ) -> Flow:
-    """Run ``model`` once and return how its ``linears`` ({name: module}) connect.
+    """Run ``model`` once and return how its ``linears`` ({name: module}) connect, and which of
+    its ``norms`` ({name: module}) feed a linear (the others' outputs go back to the stream).
     ``head_dims``: {linear name: head_dim} for attention input projections. ``example_inputs``:
     ``(args, kwargs)`` to call the model with; by default 1 x T token ids (T a few tokens)."""
     tokens = _trace_length(model)
@@ -281,6 +291,8 @@ def trace_flow(
         f = flow.linears[name]
         f.called = True
         if prov is not None:
+            if prov.norm is not None:
+                flow.norms_feeding_linears.add(prov.norm)
             f.reads_stream = f.reads_stream or prov.stream
             f.sources = f.sources | prov.linears
             f.mixed_sources = f.mixed_sources | prov.mixed
@@ -299,6 +311,20 @@ def trace_flow(
 
         return hook
 
+    def norm_after(name):
+        def hook(module, inputs, output):
+            if name not in flow.norms_called:
+                flow.norms_called.append(name)
+            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() < 3:
+                flow.norms_flat.add(name)
+            prov = tracer.get(output)
+            if isinstance(output, torch.Tensor) and prov is not None and prov.stream:
+                tracer.tag(output, _Provenance(stream=True, norm=name))
+
+        return hook
+
+    for name, module in (norms or {}).items():
+        handles.append(module.register_forward_hook(norm_after(name)))
     for module in linears.values():
         handles.append(module.register_forward_pre_hook(before))
         handles.append(module.register_forward_hook(after))

@@ -15,7 +15,15 @@ from tp_ext.parallelize.styles import attention_heads, is_conv1d, is_fused_exper
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
-STYLES = ("colwise", "rowwise", "vocab", "experts", "sequence_parallel", "replicate")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "vocab",
+    "experts",
+    "sequence_parallel",
+    "sequence_parallel_local",
+    "replicate",
+)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -76,7 +84,10 @@ def auto_plan(
     - any other linear stays whole, and why is said: splitting it alone would need its output
       gathered. One that holds a matmul of the model's width is refused (ValueError naming it),
       since replicating it would leave the model's work unsplit;
-    - with ``sequence_parallel``, every norm over the model's width gets "sequence_parallel".
+    - with ``sequence_parallel``, every norm over the model's width gets "sequence_parallel"
+      (its output gathered for the linears it feeds), or "sequence_parallel_local" when the
+      trace shows its output going back to the stream with no linear reading it (Gemma 2/3's
+      norms of a row-parallel output before the residual add: they run on the shard).
 
     ``reasons``, when given, is filled with why each module got its style. ``example_inputs``:
     ``(args, kwargs)`` for the traced forward (default: 1 x T token ids)."""
@@ -86,14 +97,30 @@ def auto_plan(
     linears = {n: c for n, c in module.named_modules() if n and is_linear(c)}
     heads = _attention_projections(module, linears)
     head_dims = {n: info.head_dim for n, (info, _, out) in heads.items() if not out}
-    flow = trace_flow(module, linears, head_dims, example_inputs)
+    norms = {n: c for n, c in module.named_modules() if n and is_norm(c)}
+    flow = trace_flow(module, linears, head_dims, example_inputs, norms)
+    norms_called = set(flow.norms_called)
     rows, blocked = _pairs(flow)
     columns = {c: sorted(r for r in rows if c in rows[r]) for r in rows for c in rows[r]}
     _check_heads(heads, rows, columns)
 
     for name, child in module.named_modules():
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
-            plan[name], why[name] = "sequence_parallel", "a norm over the model's width"
+            if name in flow.norms_flat:
+                raise ValueError(
+                    f"sequence_parallel=True: {name} ({type(child).__name__}) normalises hidden "
+                    "states flattened to [tokens, hidden] in the traced forward, so there is no "
+                    "sequence dimension to split there; use sequence_parallel=False for "
+                    f"{type(module).__name__}"
+                )
+            if name in flow.norms_feeding_linears or name not in norms_called:
+                plan[name], why[name] = "sequence_parallel", "a norm over the model's width"
+            else:
+                plan[name] = "sequence_parallel_local"
+                why[name] = (
+                    "a norm over the model's width whose output goes back to the residual "
+                    "stream, read by no linear: it runs on the sequence shard, not gathered"
+                )
         elif is_fused_experts(child):
             plan[name], why[name] = "experts", "MoE experts as 3D gate_up_proj/down_proj"
         elif name in flow.token_embeddings and (
@@ -120,7 +147,11 @@ def auto_plan(
         elif name in linears:
             plan[name], why[name] = "replicate", _whole_reason(flow, name, blocked, linears)
     _refuse_large_unsplit(module, plan, flow, why)
-    return plan
+    # sequence-parallel norms first, in the order the forward calls them: the stream is split
+    # at the block of the first one called (not of the first one defined: OPT's final norm)
+    order = {n: i for i, n in enumerate(flow.norms_called)}
+    first = sorted((n for n in plan if n in order), key=order.get)
+    return {**{n: plan[n] for n in first}, **plan}
 
 
 def _attention_projections(module: nn.Module, linears: dict) -> dict:
@@ -256,7 +287,7 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str], flow, why: di
     big = max(2, hidden // 2)
     unsplit = []
     for name, child in module.named_modules():
-        if plan.get(name, "replicate") not in ("replicate", "sequence_parallel") or is_norm(child):
+        if plan.get(name, "replicate") != "replicate" or is_norm(child):
             continue
         if name in flow.other_embeddings:
             continue  # learned positions: indexed by position, kept whole
