@@ -1,7 +1,8 @@
 """tp_ext.planner against what tp_ext does: parameters per rank equal to the real layers', the
 estimated peak memory per rank within 5% of the measured peak of a Trainer step (CPU, every
 schedule, recompute, DDP and FSDP2, 1 to 8 ranks), parameter / gradient / optimizer bytes exact,
-TP bytes equal to tp_ext.comm.track()'s, the Qwen2-72B recommendations, the CLI and bad input."""
+TP bytes equal to tp_ext.comm.track()'s and PP / DP bytes to torch's own sends and collectives
+(tests/comm_count.py), the Qwen2-72B recommendations, the CLI and bad input."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def test_parameters_per_rank_equal_the_layers(tied):
 
 def _measure(layout):
     import tp_ext
+    from tests.comm_count import CommCount
     from tests.memory_peak import PeakMemory
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
@@ -93,17 +95,28 @@ def _measure(layout):
     shape = (layout.micro_batch, SEQ)
     batches = [torch.randint(0, 1000, shape, generator=g) for _ in range(layout.num_micro_batches)]
     trainer.step(batches)  # the optimizer state exists from the first step on
-    with tp_ext.comm.track() as stats:
+    # torch's own communication (pipelining's sends, DDP's and FSDP2's collectives) by group
+    groups = {"pp": state.pp_group, "dp": state.dp_group}
+    with tp_ext.comm.track() as stats, CommCount(groups) as torch_comm:
         with PeakMemory(model.parameters(), trainer.optimizer) as memory:
+            trainer.step(batches)
+    step_grads = grads[-1]
+    if layout.dp > 1 and layout.data_parallel == "ddp":
+        # DDP rebuilds its buckets once, in its second step (a broadcast of their layout): its
+        # bytes per step are those of the next one
+        with CommCount(groups) as torch_comm:
             trainer.step(batches)
 
     states = [t for s in trainer.optimizer.state.values() for t in s.values()]
     return {
         "peak": memory.peak,
         "params": local_bytes(params),
-        "grads": grads[-1],
+        "grads": step_grads,
         "optimizer": local_bytes(states),
         "tp": stats.bytes(tag="train.compute"),
+        "pp": torch_comm.bytes["pp"],
+        "dp": torch_comm.bytes["dp"],
+        "other": [call for call in torch_comm.calls if call[0] == "other"],
     }
 
 
@@ -154,7 +167,11 @@ def test_estimates_match_a_measured_training_step(layout):
     same = measured[pp_rank * layout.dp * layout.tp : (pp_rank + 1) * layout.dp * layout.tp]
     for key in ("params", "grads", "optimizer"):
         assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
-    assert est.comm_bytes["tp"] == max(m["tp"] for m in measured)
+    for kind in ("tp", "pp", "dp"):
+        counted = [m[kind] for m in measured]
+        assert est.comm_bytes[kind] == max(counted), (kind, est.comm_bytes[kind], counted)
+    # every torch collective of the step ran on the pipeline or the data-parallel group
+    assert not any(m["other"] for m in measured), [m["other"] for m in measured]
     peak = max(m["peak"] for m in measured)
     assert abs(mem["total"] - peak) <= 0.05 * peak, (
         f"{layout.describe()}: estimated peak {mem['total']} against measured {peak} "

@@ -81,7 +81,10 @@ class Layout:
 class Estimate:
     layout: Layout
     memory_bytes: dict  # params, grads, optimizer, activations, kv_cache, total (busiest rank)
-    comm_bytes: dict  # tp, pp, dp: payload bytes per step of the busiest rank (track()'s counting)
+    # tp, pp, dp: payload bytes per step of the busiest rank, counted as tp_ext.comm.track() does:
+    # an all-reduce's tensor, an all-gather's gathered output, a reduce-scatter's full input, and
+    # each pipeline send or receive's tensor on the rank that sends or receives it
+    comm_bytes: dict
     bubble: float
     step_time_s: float
     fits: bool
@@ -107,6 +110,10 @@ class _RankShapes:
     embedding_tensors: int
     final_tensors: int
     largest: int  # elements of the largest parameter tensor
+    # (dim 0, numel) of each tensor, for FSDP2's shards (dim 0 padded to a multiple of dp)
+    layer_rows: tuple
+    embedding_rows: tuple
+    final_rows: tuple
     q_heads: int
     kv_heads: int
     head_dim: int
@@ -125,6 +132,9 @@ def _rank_shapes(config: Qwen2Config, tp: int) -> _RankShapes:
         ps = [p for n, p in named if n.startswith(prefix)]
         return sum(p.numel() for p in ps), len(ps)
 
+    def rows(*prefixes):
+        return tuple((p.shape[0], p.numel()) for n, p in named if n.startswith(prefixes))
+
     emb, emb_n = part("model.embed_tokens")
     layer, layer_n = part("model.layers.0.")
     norm, norm_n = part("model.norm")
@@ -139,12 +149,21 @@ def _rank_shapes(config: Qwen2Config, tp: int) -> _RankShapes:
         embedding_tensors=emb_n,
         final_tensors=norm_n + head_n,
         largest=max(p.numel() for _, p in named),
+        layer_rows=rows("model.layers.0."),
+        embedding_rows=rows("model.embed_tokens"),
+        final_rows=rows("model.norm", "lm_head"),
         q_heads=attn.num_heads_local,
         kv_heads=attn.num_kv_heads_local,
         head_dim=attn.head_dim,
         intermediate=mlp.down_proj.weight.shape[1],
         vocab=one.lm_head.weight.shape[0],
     )
+
+
+def _fsdp_numel(rows, dp: int) -> int:
+    """Elements of FSDP2's unsharded buffers for these tensors: each tensor's dim 0 padded to a
+    multiple of ``dp`` (every rank's shard has ceil(dim0 / dp) rows)."""
+    return sum(-(-d0 // dp) * dp * (n // d0) for d0, n in rows)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -390,18 +409,57 @@ def estimate(
         return m * ((fwd + bwd) * hidden_bytes + loss)
 
     tp_bytes = max(rank_tp_bytes(r) for r in range(pp))
-    # PP: each stage boundary a rank crosses sends a [micro_batch, seq, hidden] activation forward
-    # and its gradient back, on every TP rank
+
+    # PP: torch's pipelining sends each micro-batch's [micro_batch, seq, hidden] activation across
+    # every stage boundary and its gradient back (on every TP rank); a rank counts both for each
+    # boundary between one of its stages and a neighbour on another rank: two per inner stage,
+    # so interleaving v stages per rank crosses up to 2 v boundaries, and a V's middle boundary
+    # (both stages on one rank) is passed locally
+    def rank_pp_bytes(r):
+        crossed = sum(
+            1
+            for st in stages.stages_of(r)
+            for other in (st - 1, st + 1)
+            if 0 <= other < stages.num_stages and stages.rank_of(other) != r
+        )
+        return m * 2 * crossed * hidden_bytes
+
+    pp_bytes = max(rank_pp_bytes(r) for r in range(pp)) if pp > 1 else 0
     boundaries = 2 * v if pp > 1 else 0
-    pp_bytes = m * boundaries * hidden_bytes
+
+    def rank_fsdp_bytes(r):
+        """FSDP2 under torch's pipelining, per stage (each its own root unit): a layer is
+        gathered for each forward that finds it resharded (non-root units reshard after
+        forward) and for each backward after a forward (pipelining keeps it unsharded after a
+        backward until the last), which for a stage's F...B sequence of m micro-batches is m + 1
+        times; the root unit (embedding, final norm, head) keeps its parameters from its first
+        forward to the step's end: once. Then one reduce-scatter of every gradient."""
+        total = 0
+        for st in stages.stages_of(r):
+            layers = len(stages.layers_of(st)) * _fsdp_numel(s.layer_rows, dp)
+            root = 0
+            if st == 0:
+                root += _fsdp_numel(s.embedding_rows, dp)
+            if st == stages.last_stage:
+                root += _fsdp_numel(s.final_rows, dp)
+                if config.tie_word_embeddings and pp == 1:  # one tensor, gathered once
+                    root -= _fsdp_numel(s.embedding_rows, dp)
+            total += (m + 1) * layers + root + (layers + root)
+        return total * e
+
+    weight_split = layout.schedule in ("InterleavedZeroBubble", *V_SCHEDULES)
     if dp == 1:
         dp_bytes = 0
+    elif layout.data_parallel == "ddp" and weight_split:
+        # these schedules write weight gradients outside DDP's hooks: tp_ext all-reduces them
+        # once after the step, flattened in float32 (float64 for float64 parameters)
+        dp_bytes = numel * (8 if e == 8 else 4)
     elif layout.data_parallel == "ddp":
-        dp_bytes = numel * e  # one all-reduce of the gradients, at the last micro-batch (no_sync)
+        # one all-reduce of every gradient, in the last micro-batch's backward (no_sync before):
+        # DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2): the same bytes
+        dp_bytes = numel * e
     else:
-        # FSDP2: the parameters all-gathered for the first forward and again for its backward
-        # (then kept unsharded for the other micro-batches), the gradients reduce-scattered once
-        dp_bytes = 3 * numel * e
+        dp_bytes = max(rank_fsdp_bytes(r) for r in range(pp))
     comm = {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}
 
     # -- time
@@ -454,12 +512,13 @@ def estimate(
         dp_time += calls * hardware.latency
         dp_exposed = max(0.0, dp_time - hide * compute * 2 / 3)
     elif dp > 1:
-        # all-gathers and the reduce-scatter move (dp-1)/dp of their payload; prefetching hides
-        # them behind the layers' compute, up to that compute; each unit (a decoder layer, and
-        # the stage's root) costs FSDP2's own per-step work on top
+        # all-gathers and the reduce-scatter move (dp-1)/dp of their payload; the gathers come
+        # in every micro-batch (rank_fsdp_bytes), prefetching hides each behind its micro-batch's
+        # compute, up to that compute; each unit (a decoder layer, and the stage's root) costs
+        # FSDP2's own per-step work on top
         units = layers_max + 1
         dp_time = (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
-        dp_exposed = max(0.0, dp_time - hide * compute) + units * hardware.fsdp_unit_overhead
+        dp_exposed = max(0.0, dp_time - hide * m * compute) + units * hardware.fsdp_unit_overhead
     else:
         dp_time = dp_exposed = 0.0
     # torch's pipelining runtime: per schedule action (a stage's forward or backward of a
