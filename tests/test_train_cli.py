@@ -196,14 +196,19 @@ def _torchrun(nproc: int, flags: list[str], restarts: int = 0) -> subprocess.Pop
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+def _finish(proc: subprocess.Popen, timeout: float = 300, refused: bool = False) -> str:
+    """The run's stderr once it exits: 0, or (``refused``) not 0. A run still going after
+    ``timeout`` s is killed with its workers and fails the test with what it printed."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_all(proc)
         out, err = proc.communicate()
         raise AssertionError(f"tp-ext train did not finish in {timeout} s:\n{err[-3000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+    if refused:
+        assert proc.returncode != 0, f"expected a refusal, got exit 0:\n{err[-4000:]}"
+    else:
+        assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
     return err
 
 
@@ -262,23 +267,17 @@ def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens):
     saved = os.readlink(step_path(str(tmp_path), 2))
     # refused, and the restart torchrun makes of the refused run is refused too
     flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path)]
-    proc = _torchrun(1, [*flags, "--steps", "4"], restarts=1)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    err = _finish(_torchrun(1, [*flags, "--steps", "4"], restarts=1), refused=True)
     assert err.count("holds checkpoints (the newest after step 2): pass --resume") == 2, err
     assert newest(str(tmp_path)) == (2, step_path(str(tmp_path), 2))
     assert os.readlink(step_path(str(tmp_path), 2)) == saved, "nothing was overwritten"
-    proc = _torchrun(1, [*flags, "--steps", "1", "--resume"])
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    err = _finish(_torchrun(1, [*flags, "--steps", "1", "--resume"]), refused=True)
     assert "--steps 1 is below the step of the newest checkpoint" in err
     assert "give --steps 3 or more" in err
     err = _finish(_torchrun(1, [*flags, "--steps", "2", "--resume"]))
     assert "already holds the checkpoint after step 2; nothing to train" in err
     # the checkpoint's schedule goes on: another LR is refused, not silently ignored
-    proc = _torchrun(1, [*flags, "--steps", "4", "--resume", "--lr", "1e-3"])
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    err = _finish(_torchrun(1, [*flags, "--steps", "4", "--resume", "--lr", "1e-3"]), refused=True)
     assert "the checkpoint's LR schedule has base lr 0.003, the config or --lr says 0.001" in err
     assert sorted(_metrics(tmp_path)) == [1, 2]
 
