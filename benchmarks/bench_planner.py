@@ -1,10 +1,11 @@
 """The planner's estimates against measured Trainer steps of a small Qwen2 on this machine.
 
 First ``tp_ext.planner.calibrate()`` measures this machine as the planner's "cpu" hardware (two
-1-thread ranks at once: matmul FLOP/s, operator overhead, gloo all-reduce latency and
-bandwidth). Then every layout of 2 ranks (one intra-op thread each)
-trains a Qwen2 (hidden 256, 4 layers, vocab 4096) on the same global batch of 8 sequences of
-128 tokens: the median step time of 9 timed steps and the peak tensor memory per rank of one
+1-thread ranks at once: tp_ext's decoder FLOP/s and per-operator cost, gloo all-reduce and
+reduce-scatter latency and bandwidth, AdamW, the pipelining and FSDP2 runtimes). Then every
+layout of 2 ranks (one intra-op thread each) trains a Qwen2 (hidden 256, 4 layers, vocab 4096)
+on the same global batch of 8 sequences of 128 tokens: the median step time of 9 timed steps
+(median again over 3 rounds through all layouts) and the peak tensor memory per rank of one
 step, against ``tp_ext.planner.estimate``. Reported: each layout's measured and estimated step
 time (benchmark ``planner_step_time``) and peak (``planner_memory``), and the Spearman rank
 correlation of the step times (the issue's target: >= 0.8).
@@ -116,7 +117,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=9, help="timed steps per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every layout, in turn")
     args = parser.parse_args()
     from tp_ext.models import Qwen2Config
     from tp_ext.planner import calibrate, estimate
@@ -127,16 +129,24 @@ def main() -> None:
         f"latency {hw.latency * 1e6:.0f} us"
     )
     config = Qwen2Config.from_dict(MODEL)
+    layouts = _layouts()
+    # rounds over every layout in turn, so a slow spell of this shared machine falls on all of
+    # them alike rather than on one; each layout's step time is its median over the rounds
+    steps = {layout: [] for layout in layouts}
+    peaks = {}
+    for _ in range(args.rounds):
+        for layout in layouts:
+            out = run_ranks(_worker, layout.world_size, layout, args.steps)
+            steps[layout].append(max(t for t, _ in out))
+            peaks[layout] = max(p for _, p in out)
     rows, measured, estimated = [], [], []
-    for layout in _layouts():
-        out = run_ranks(_worker, layout.world_size, layout, args.steps)
-        step = max(t for t, _ in out)
-        peak = max(p for _, p in out)
+    for layout in layouts:
+        step, peak = statistics.median(steps[layout]), peaks[layout]
         est = estimate(config, layout, seq_len=SEQ, hardware=hw)
         measured.append(step)
         estimated.append(est.step_time_s)
         print(
-            f"{layout.describe():<40} step {step:.3f} s (est {est.step_time_s:.3f}), peak "
+            f"{layout.describe():<44} step {step:.3f} s (est {est.step_time_s:.3f}), peak "
             f"{peak / 2**20:.1f} MiB (est {est.memory_bytes['total'] / 2**20:.1f})"
         )
         rows.append(

@@ -219,6 +219,38 @@ def test_layouts_that_do_not_fit_say_by_how_much():
     assert totals == sorted(totals)
 
 
+def test_calibrate_measures_every_cost_and_plan_reads_it_back(tmp_path, monkeypatch):
+    """calibrate() fills every measured field of the "cpu" hardware with a plausible value for
+    a CPU rank (not the table's defaults) and load_hardware("cpu") returns exactly that."""
+    import dataclasses
+    import math
+
+    from tp_ext.planner import HARDWARE, calibrate, load_hardware
+
+    path = tmp_path / "planner-cpu.json"
+    monkeypatch.setenv("TP_EXT_CALIBRATION", str(path))
+    hw = calibrate(str(path))
+    plausible = {  # (low, high) for a CPU rank of one thread
+        "flops": (1e8, 1e13),
+        "memory_bandwidth": (1e8, 1e12),
+        "intra_node": (1e6, 1e11),
+        "latency": (1e-7, 1e-1),
+        "op_overhead": (1e-8, 1e-3),
+        "pp_action_overhead": (0.0, 1e-1),
+        "fsdp_unit_overhead": (0.0, 1e-1),
+        "reduce_scatter": (1e6, 1e11),
+        "optimizer_seconds_per_param": (1e-11, 1e-6),
+    }
+    for field, (low, high) in plausible.items():
+        value = getattr(hw, field)
+        assert math.isfinite(value) and low <= value <= high, (field, value)
+        if field not in ("pp_action_overhead", "fsdp_unit_overhead"):
+            assert value != getattr(HARDWARE["cpu"], field), field  # measured, not the default
+    assert hw.inter_node == hw.intra_node and not hw.overlap
+    assert load_hardware("cpu") == hw
+    assert json.loads(path.read_text()) == dataclasses.asdict(hw)
+
+
 def test_bad_input_is_refused_clearly():
     from tp_ext.planner import Layout, estimate, load_hardware, plan
 

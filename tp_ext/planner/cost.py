@@ -244,6 +244,28 @@ def _op_counts(config: Qwen2Config) -> dict:
     }
 
 
+def _layer_flops(s: _RankShapes, b: int, seq: int) -> float:
+    """One decoder layer's forward + backward FLOPs on one TP rank for ``b`` sequences of
+    ``seq`` tokens: 6 per parameter and token, and attention's scores and values."""
+    return 6 * s.layer * b * seq + 12 * b * seq * seq * s.q_heads * s.head_dim
+
+
+def _head_flops(s: _RankShapes, config: Qwen2Config, b: int, seq: int) -> float:
+    return 6 * s.vocab * config.hidden_size * b * seq
+
+
+def forward_backward_work(config: Qwen2Config, micro_batch: int, seq_len: int) -> tuple:
+    """(FLOPs, dispatched operators) of one forward + backward of ``micro_batch`` sequences of
+    ``seq_len`` tokens through the whole model on one rank, as :func:`estimate` charges them:
+    what :func:`~tp_ext.planner.hardware.calibrate` fits this machine's rate and per-operator
+    cost to."""
+    s, ops = _rank_shapes(config, 1), _op_counts(config)
+    layers = config.num_hidden_layers
+    flops = layers * _layer_flops(s, micro_batch, seq_len)
+    flops += _head_flops(s, config, micro_batch, seq_len)
+    return flops, layers * ops["layer"] + ops["head"] + ops["embedding"]
+
+
 def _layer_activation_bytes(s: _RankShapes, config: Qwen2Config, b: int, seq: int, c: int) -> int:
     """What one tp_ext decoder layer saves for backward for ``b`` sequences of ``seq`` tokens in
     a dtype of ``c`` bytes (counted from its code): the two norms' inputs and outputs (4 x
@@ -428,13 +450,14 @@ def estimate(
     boundaries = 2 * v if pp > 1 else 0
 
     def rank_fsdp_bytes(r):
-        """FSDP2 under torch's pipelining, per stage (each its own root unit): a layer is
-        gathered for each forward that finds it resharded (non-root units reshard after
-        forward) and for each backward after a forward (pipelining keeps it unsharded after a
-        backward until the last), which for a stage's F...B sequence of m micro-batches is m + 1
-        times; the root unit (embedding, final norm, head) keeps its parameters from its first
-        forward to the step's end: once. Then one reduce-scatter of every gradient."""
-        total = 0
+        """(all-gather bytes, reduce-scatter bytes) of FSDP2 under torch's pipelining, per stage
+        (each its own root unit): a layer is gathered for each forward that finds it resharded
+        (non-root units reshard after forward) and for each backward after a forward
+        (pipelining keeps it unsharded after a backward until the last), which for a stage's
+        F...B sequence of m micro-batches is m + 1 times; the root unit (embedding, final norm,
+        head) keeps its parameters from its first forward to the step's end: once. Then one
+        reduce-scatter of every gradient."""
+        gathered = scattered = 0
         for st in stages.stages_of(r):
             layers = len(stages.layers_of(st)) * _fsdp_numel(s.layer_rows, dp)
             root = 0
@@ -444,8 +467,9 @@ def estimate(
                 root += _fsdp_numel(s.final_rows, dp)
                 if config.tie_word_embeddings and pp == 1:  # one tensor, gathered once
                     root -= _fsdp_numel(s.embedding_rows, dp)
-            total += (m + 1) * layers + root + (layers + root)
-        return total * e
+            gathered += (m + 1) * layers + root
+            scattered += layers + root
+        return gathered * e, scattered * e
 
     weight_split = layout.schedule in ("InterleavedZeroBubble", *V_SCHEDULES)
     if dp == 1:
@@ -459,7 +483,8 @@ def estimate(
         # DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2): the same bytes
         dp_bytes = numel * e
     else:
-        dp_bytes = max(rank_fsdp_bytes(r) for r in range(pp))
+        gathered, scattered = max((rank_fsdp_bytes(r) for r in range(pp)), key=sum)
+        dp_bytes = gathered + scattered
     comm = {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}
 
     # -- time
@@ -467,8 +492,8 @@ def estimate(
     tp_cross = tp > nodes_span
     pp_cross = pp > 1 and tp * dp * pp > nodes_span
     dp_cross = dp > 1 and tp * dp > nodes_span
-    layer_flops = 6 * s.layer * tokens + 12 * b * seq_len * seq_len * s.q_heads * s.head_dim
-    head_flops = 6 * s.vocab * config.hidden_size * tokens
+    layer_flops = _layer_flops(s, b, seq_len)
+    head_flops = _head_flops(s, config, b, seq_len)
     ops = _op_counts(config)
     recompute = 1 if layout.recompute else 0
 
@@ -512,19 +537,23 @@ def estimate(
         dp_time += calls * hardware.latency
         dp_exposed = max(0.0, dp_time - hide * compute * 2 / 3)
     elif dp > 1:
-        # all-gathers and the reduce-scatter move (dp-1)/dp of their payload; the gathers come
-        # in every micro-batch (rank_fsdp_bytes), prefetching hides each behind its micro-batch's
-        # compute, up to that compute; each unit (a decoder layer, and the stage's root) costs
-        # FSDP2's own per-step work on top
+        # all-gathers and the reduce-scatter move (dp-1)/dp of their payload (the reduce-scatter
+        # at its own rate where measured: gloo's is slower than its gathers); the gathers come in
+        # every micro-batch, prefetching hides each behind its micro-batch's compute, up to it;
+        # each unit (a decoder layer, and the stage's root) costs FSDP2's own work (hooks, copies
+        # in and out of the flat buffers, the calls) in every micro-batch on top
         units = layers_max + 1
-        dp_time = (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
-        dp_exposed = max(0.0, dp_time - hide * m * compute) + units * hardware.fsdp_unit_overhead
+        link = hardware.link(dp_cross)
+        dp_time = (dp - 1) / dp * (gathered / link + scattered / (hardware.reduce_scatter or link))
+        overhead = m * units * hardware.fsdp_unit_overhead
+        dp_exposed = max(0.0, dp_time - hide * m * compute) + overhead
     else:
         dp_time = dp_exposed = 0.0
     # torch's pipelining runtime: per schedule action (a stage's forward or backward of a
     # micro-batch; the zero-bubble schedules split the backward in two)
     split_backward = SCHEDULES[layout.schedule].weight_split
-    actions = m * v * (3 if split_backward else 2) if pp > 1 else 0
+    # (the Trainer runs a schedule at pp=1 too: one stage)
+    actions = m * v * (3 if split_backward else 2)
     pp_runtime = actions * hardware.pp_action_overhead
     if hardware.optimizer_seconds_per_param is not None:
         optimizer_time = params / e * hardware.optimizer_seconds_per_param

@@ -38,10 +38,13 @@ class Hardware:
     overlap: bool = True
     # the engines' own cost per event, beyond the bytes and FLOPs they move: torch's pipelining
     # runtime per schedule action (one stage's forward or backward of one micro-batch, with its
-    # sends and receives posted), and FSDP2 per unit and step (its hooks, the copy in and out of
-    # the flat buffers and the three collectives' calls)
+    # sends and receives posted), and FSDP2 per unit and micro-batch (its hooks, the copy in
+    # and out of the flat buffers and the collectives' calls)
     pp_action_overhead: float = 50e-6
     fsdp_unit_overhead: float = 300e-6
+    # bus bandwidth of a reduce-scatter (bytes/s) where it differs from the link's (gloo's is
+    # far slower than its all-reduce); None: the link's
+    reduce_scatter: Optional[float] = None
     # seconds of AdamW's step per parameter, when measured (CPU: torch's per-tensor loop is
     # several passes of arithmetic, not one of memory); else from the bytes it moves
     optimizer_seconds_per_param: Optional[float] = None
@@ -100,34 +103,51 @@ def _median_seconds(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _tiny_chain_seconds_per_op(torch) -> float:
-    """Seconds per dispatched operator of a forward + backward whose FLOPs are nothing: what
-    dispatch, autograd and module calls cost each operator."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _decoder_rate_and_overhead(torch) -> tuple:
+    """(FLOP/s, seconds per operator) of tp_ext's own decoder on this machine, as the planner
+    charges it (operators x overhead + FLOPs / rate): the overhead from a Qwen2 too small to
+    compute anything (dispatch, autograd nodes, module calls: microseconds each on CPU), the
+    rate from a small Qwen2's forward + backward at 1 and 4 sequences of 128 tokens less that
+    overhead. (A large matmul's rate alone overstates it: GEMMs of a few hundred rows and the
+    elementwise work between them run well below it.)"""
+    from tp_ext.layers.loss import vocab_parallel_cross_entropy
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+    from tp_ext.planner.cost import forward_backward_work
 
-    layers = [torch.nn.Linear(8, 8) for _ in range(16)]
+    def seconds(config, b, seq):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (b, seq))
 
-    def chain():
-        h = torch.ones(1, 8, requires_grad=True)
-        for layer in layers:
-            h = torch.relu(layer(h))
-        h.sum().backward()
+        def run():
+            logits = model(ids)
+            vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], reduction="sum").backward()
 
-    class Count(TorchDispatchMode):
-        n = 0
+        run()  # warm up
+        return _median_seconds(run, 7)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        chain()
-    return _median_seconds(chain, 20) / Count.n
+    small = dict(
+        vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+        rope_theta=10000.0, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    tiny = dict(small, vocab_size=16, hidden_size=16, intermediate_size=16, num_attention_heads=2)
+    tiny = Qwen2Config(**dict(tiny, num_key_value_heads=1))
+    _, tiny_ops = forward_backward_work(tiny, 1, 4)
+    overhead = seconds(tiny, 1, 4) / tiny_ops
+    config = Qwen2Config(**small)
+    flops = time_of_flops = 0.0
+    for b in (1, 4):
+        f, ops = forward_backward_work(config, b, 128)
+        flops += f
+        time_of_flops += max(seconds(config, b, 128) - ops * overhead, 1e-9)
+    return flops / time_of_flops, overhead
 
 
 def _worker(rank: int, world: int, path: str, out) -> None:
     """Every rank measures at once, as ranks train at once (cores shared, memory bandwidth
-    split): a 512^3 matmul, a copy, the operator overhead, then a gloo all-reduce."""
+    split): a copy, tp_ext's decoder (FLOP/s and per-operator cost), then gloo's all-reduce
+    and reduce-scatter, AdamW, and the pipelining and FSDP2 runtimes."""
     import torch
     import torch.distributed as dist
 
@@ -135,25 +155,27 @@ def _worker(rank: int, world: int, path: str, out) -> None:
     store = dist.FileStore(path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
         src = torch.randn(8 * 1024 * 1024 // 4)
         dst = torch.empty_like(src)
         dist.barrier()
-        flops = 2 * 512**3 / _median_seconds(lambda: a @ b, 20)
         copy = 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), 20)
-        overhead = _tiny_chain_seconds_per_op(torch)
+        flops, overhead = _decoder_rate_and_overhead(torch)
         small, big = torch.zeros(1), torch.zeros(4 * 1024 * 1024 // 4)  # 4 B and 4 MiB
         for t in (small, big):
             dist.all_reduce(t)  # warm up
         latency = _median_seconds(lambda: dist.all_reduce(small), 50)
         seconds = _median_seconds(lambda: dist.all_reduce(big), 10)
         bus = 2 * (world - 1) / world * big.numel() * 4  # ring all-reduce bytes per rank
+        shard = torch.zeros(big.numel() // world)
+        dist.reduce_scatter_tensor(shard, big)  # warm up
+        scatter_s = _median_seconds(lambda: dist.reduce_scatter_tensor(shard, big), 10)
+        scatter_bus = (world - 1) / world * big.numel() * 4
         adamw = _adamw_seconds_per_param(torch)
         action = _pipeline_seconds_per_action(torch, rank, world)
         unit = _fsdp_seconds_per_unit(torch, world)
         if rank == 0:
             out.put((flops, copy, overhead, latency, bus / max(seconds - latency, 1e-9)))
-            out.put((action, unit, adamw))
+            out.put((action, unit, adamw, scatter_bus / max(scatter_s - latency, 1e-9)))
     finally:
         dist.destroy_process_group()
 
@@ -198,8 +220,8 @@ def _pipeline_seconds_per_action(torch, rank: int, world: int) -> float:
 
 
 def _fsdp_seconds_per_unit(torch, world: int) -> float:
-    """FSDP2's cost per unit and step beyond its bytes: a forward + backward of 8 tiny linears,
-    each its own fully_shard unit, against the same model without FSDP2."""
+    """FSDP2's cost per unit and micro-batch beyond its bytes: a forward + backward of 8 tiny
+    linears, each its own fully_shard unit, against the same model without FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -230,11 +252,11 @@ def _fsdp_seconds_per_unit(torch, world: int) -> float:
 
 def calibrate(path: Optional[str] = None) -> Hardware:
     """Measure this machine as the planner's "cpu" hardware: two ranks of one intra-op thread
-    each (as the tests and the CPU benchmarks run), measuring at the same time: a 512^3 fp32
-    matmul's FLOP/s, a copy's bytes/s, the fixed cost per operator, a gloo all-reduce's
-    latency and bus bandwidth, AdamW's step per parameter, and the pipelining runtime's and
-    FSDP2's own costs; written as
-    JSON to ``path`` (default :func:`calibration_path`) and returned."""
+    each (as the tests and the CPU benchmarks run), measuring at the same time: a copy's
+    bytes/s, the FLOP/s and fixed cost per operator of tp_ext's decoder, a gloo all-reduce's
+    latency and bus bandwidth and a reduce-scatter's, AdamW's step per parameter, and the
+    pipelining runtime's and FSDP2's own costs; written as JSON to ``path`` (default
+    :func:`calibration_path`) and returned."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -251,7 +273,7 @@ def calibrate(path: Optional[str] = None) -> Hardware:
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError("tp-ext plan --calibrate: the 2-rank measurement failed")
         flops, copy, overhead, latency, bandwidth = out.get(timeout=10)
-        action, unit, adamw = out.get(timeout=10)
+        action, unit, adamw, scatter = out.get(timeout=10)
     measured = dataclasses.replace(
         HARDWARE["cpu"],
         name="CPU ranks over gloo (measured by tp-ext plan --calibrate)",
@@ -263,6 +285,7 @@ def calibrate(path: Optional[str] = None) -> Hardware:
         op_overhead=overhead,
         pp_action_overhead=action,
         fsdp_unit_overhead=unit,
+        reduce_scatter=scatter,
         optimizer_seconds_per_param=adamw,
     )
     path = path or calibration_path()
