@@ -61,6 +61,8 @@ def _layouts():
         lay(1, 1, 2, 4),
         lay(1, 1, 2, 1),
         lay(1, 1, 2, 2, engine="fsdp"),
+        lay((1, 2), 1, 1, 4),  # 2D TP (SUMMA) on the grids 2 ranks make
+        lay((2, 1), 1, 1, 4),
     ]
 
 

@@ -114,6 +114,10 @@ def _measure(layout):
         "grads": step_grads,
         "optimizer": local_bytes(states),
         "tp": stats.bytes(tag="train.compute"),
+        "dp_sync": stats.bytes(tag="train.dp_sync"),  # the 2D model's DP all-reduce (tp_ext's)
+        "records": [
+            (r.op, r.collective, r.bytes) for r in stats.records if r.tag == "train.compute"
+        ],
         "pp": torch_comm.bytes["pp"],
         "dp": torch_comm.bytes["dp"],
         "other": [call for call in torch_comm.calls if call[0] == "other"],
@@ -152,6 +156,14 @@ LAYOUTS = [
         _layout(1, 2, 1, 4, recompute=True), marks=pytest.mark.full_matrix, id="pp2-recompute"
     ),
     pytest.param(_layout(2, 2, 2, 4), marks=pytest.mark.full_matrix, id="tp2-pp2-dp2-8ranks"),
+    # 2D TP (SUMMA) grids: the Trainer's own loop, DP by tp_ext's all-reduce
+    pytest.param(_layout((2, 2), 1, 1, 2), id="grid2x2"),
+    pytest.param(_layout((2, 1), 1, 2, 2, mb=3), id="grid2x1-dp2-uneven"),
+    pytest.param(_layout((1, 3), 1, 1, 1), marks=pytest.mark.full_matrix, id="grid1x3-uneven"),
+    pytest.param(
+        _layout((2, 2), 1, 1, 2, recompute=True), marks=pytest.mark.full_matrix, id="grid2x2-rc"
+    ),
+    pytest.param(_layout((2, 2), 1, 2, 1), marks=pytest.mark.full_matrix, id="grid2x2-dp2"),
 ]
 
 
@@ -164,11 +176,14 @@ def test_estimates_match_a_measured_training_step(layout):
     mem = est.memory_bytes
     # the breakdown is the busiest pipeline rank's (global ranks: (pp, dp, tp) row-major)
     pp_rank = est.detail["busiest_pp_rank"]
-    same = measured[pp_rank * layout.dp * layout.tp : (pp_rank + 1) * layout.dp * layout.tp]
+    group = layout.dp * layout.tp_size
+    same = measured[pp_rank * group : (pp_rank + 1) * group]
     for key in ("params", "grads", "optimizer"):
         assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
+    grid = not isinstance(layout.tp, int)
     for kind in ("tp", "pp", "dp"):
-        counted = [m[kind] for m in measured]
+        # a 2D model's DP all-reduce is tp_ext's own (track()'s "train.dp_sync"), not torch's
+        counted = [m["dp_sync" if grid and kind == "dp" else kind] for m in measured]
         assert est.comm_bytes[kind] == max(counted), (kind, est.comm_bytes[kind], counted)
     # every torch collective of the step ran on the pipeline or the data-parallel group
     assert not any(m["other"] for m in measured), [m["other"] for m in measured]
@@ -265,8 +280,34 @@ def test_bad_input_is_refused_clearly():
         plan(config, gpus=2, seq_len=64, hardware="tpu")
     with pytest.raises(ValueError, match="not a whole number of nodes"):
         plan(config, gpus=12, gpus_per_node=8, seq_len=64)
-    with pytest.raises(ValueError, match="is a 2D grid"):
-        estimate(config, Layout((2, 2), 1, 1, 1, 1), seq_len=64, hardware=load_hardware("cpu"))
+    hw = load_hardware("cpu")
+    with pytest.raises(ValueError, match="pp=2: 2D tensor parallelism runs without pipelining"):
+        estimate(config, Layout((2, 2), 2, 1, 1, 2), seq_len=64, hardware=hw)
+    with pytest.raises(ValueError, match="a grid of 8 columns splits 4 KV heads"):
+        estimate(config, Layout((1, 8), 1, 1, 1, 1), seq_len=64, hardware=hw)
+    with pytest.raises(ValueError, match="must be an int or a grid"):
+        estimate(config, Layout((2, 2, 2), 1, 1, 1, 1), seq_len=64, hardware=hw)
+
+
+def test_plan_costs_2d_grids_beside_1d():
+    """2D grids (P, Q >= 2, pp = 1, DDP) are candidates with their own reason; grids=False
+    (what --auto asks for: the commands build 1D models) leaves them out."""
+    from tp_ext.planner import plan
+
+    config = _config()
+    ranked = plan(config, gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
+    grids = [e for e in ranked if not isinstance(e.layout.tp, int)]
+    assert {e.layout.tp for e in grids} == {(2, 2)}  # 4 x 1 and 1 x 4 are 1D TP's work
+    assert all(e.layout.pp == 1 and e.layout.data_parallel == "ddp" for e in grids)
+    assert all("TP 2x2 (2D, SUMMA)" in e.reason for e in grids)
+    one_d = plan(config, gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None,
+                 grids=False)  # fmt: skip
+    assert len(one_d) == len(ranked) - len(grids)
+    assert all(isinstance(e.layout.tp, int) for e in one_d)
+    # a tied model has no 2D candidates (the 2D model refuses tied embeddings)
+    tied = plan(_config(tie_word_embeddings=True), gpus=4, seq_len=SEQ, global_batch=8,
+                hardware="cpu", top=None)  # fmt: skip
+    assert all(isinstance(e.layout.tp, int) for e in tied)
 
 
 def test_cli_plan_auto():

@@ -62,6 +62,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         hardware=hardware,
         dtype=dtype,
         top=None,
+        grids=False,  # the commands build 1D models (parallel.tp is a degree)
     )
     best = next((e for e in ranked if e.fits), None)
     if best is None:

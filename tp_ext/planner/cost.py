@@ -278,13 +278,25 @@ def _layer_activation_bytes(s: _RankShapes, config: Qwen2Config, b: int, seq: in
     return t * per_token * c + b * s.q_heads * seq * 4 + 2 * b * seq * hd * c
 
 
+def memory_breakdown(params, optimizer, activations, total, fsdp_buffers=0) -> dict:
+    """An estimate's ``memory_bytes``: gradients as large as the parameters (their dtype);
+    training keeps no KV cache."""
+    return {
+        "params": int(params),
+        "grads": int(params),
+        "optimizer": int(optimizer),
+        "activations": int(activations),
+        "kv_cache": 0,
+        "fsdp_buffers": int(fsdp_buffers),
+        "total": int(total),
+    }
+
+
 def _check_layout(config: Qwen2Config, layout: Layout) -> None:
-    if not isinstance(layout.tp, int):
-        raise ValueError(
-            f"the planner's cost model covers 1D TP; layout.tp={layout.tp!r} is a 2D grid "
-            "(see BENCHMARKS.md, '2D tensor parallelism', for its measured costs)"
-        )
-    config.check_tp(layout.tp)
+    if isinstance(layout.tp, int):
+        config.check_tp(layout.tp)
+    elif not (isinstance(layout.tp, tuple) and len(layout.tp) == 2):
+        raise ValueError(f"layout.tp must be an int or a grid (P, Q), got {layout.tp!r}")
     if layout.dtype not in DTYPE_BYTES:
         raise ValueError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}, got {layout.dtype!r}")
     if layout.data_parallel not in ("ddp", "fsdp"):
@@ -311,6 +323,17 @@ def estimate(
     """The cost of training ``config`` with ``layout`` on ``hardware`` (a step of
     ``dp x num_micro_batches x micro_batch`` sequences of ``seq_len`` tokens)."""
     _check_layout(config, layout)
+    if isinstance(layout.tp, tuple):  # a 2D grid: its own model
+        from tp_ext.planner.cost_2d import estimate_2d
+
+        return estimate_2d(
+            config,
+            layout,
+            seq_len=seq_len,
+            hardware=hardware,
+            gpu_memory=gpu_memory,
+            gpus_per_node=gpus_per_node,
+        )
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m, b = layout.num_micro_batches, layout.micro_batch
     e = DTYPE_BYTES[layout.dtype]
@@ -391,15 +414,13 @@ def estimate(
         phase_d = 2 * params + optimizer + opt_temp
         if layout.data_parallel == "ddp" and dp > 1:  # DDP's gradient buckets: a copy of them
             phase_a, phase_c, phase_d = (x + params for x in (phase_a, phase_c, phase_d))
-        memory = {
-            "params": params,
-            "grads": params,
-            "optimizer": optimizer,
-            "activations": int(max(acts + transient, rebuilt + act_layer + layer_temps)),
-            "kv_cache": 0,  # training keeps no KV cache
-            "fsdp_buffers": fsdp_buffers,
-        }
-        memory["total"] = int(max(phase_a, phase_c, phase_d) + fsdp_buffers)
+        memory = memory_breakdown(
+            params,
+            optimizer,
+            max(acts + transient, rebuilt + act_layer + layer_temps),
+            max(phase_a, phase_c, phase_d) + fsdp_buffers,
+            fsdp_buffers,
+        )
         return memory, numel
 
     ranks = [rank_memory(r) for r in range(pp)]

@@ -1,5 +1,6 @@
 """The layouts worth running, best first: every (tp, pp, dp) that multiplies to the GPU count
-and that the model accepts, with each micro-batch size, schedule, recompute setting and DP
+and that the model accepts (tp a TP degree, or a 2D grid (P, Q) at pp = 1), with each
+micro-batch size, schedule, recompute setting and DP
 engine, costed by :func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time,
 then the ones that do not by how far over they are; each with a sentence saying why."""
 
@@ -9,6 +10,7 @@ from typing import Optional, Union
 
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.planner.cost import DTYPE_BYTES, Estimate, Layout, estimate, usable_memory
+from tp_ext.planner.cost_2d import grid_problem
 from tp_ext.planner.hardware import Hardware, load_hardware
 
 __all__ = ["plan", "parse_bytes"]
@@ -50,16 +52,31 @@ def _check(name: str, value, low: int = 1) -> int:
     return value
 
 
-def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch):
+def _grids(config: Qwen2Config, gpus: int):
+    """The 2D grids (P, Q) worth costing on ``gpus`` devices: P and Q of 2 or more (a 1 x Q
+    grid is 1D TP with more communication), every one the 2D model accepts."""
+    for size in _divisors(gpus):
+        for rows in _divisors(size):
+            grid = (rows, size // rows)
+            layout = Layout(grid, 1, gpus // size, 1, 1)
+            if min(grid) >= 2 and not grid_problem(config, layout):
+                yield grid
+
+
+def _candidates(
+    config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch, grids: bool
+):
     valid_tp = set(config.valid_tp_sizes())
     layers = config.num_hidden_layers
-    for tp in _divisors(gpus):
-        if tp not in valid_tp:
-            continue
-        for pp in _divisors(gpus // tp):
+    tps = [tp for tp in _divisors(gpus) if tp in valid_tp]
+    if grids:
+        tps += list(_grids(config, gpus))
+    for tp in tps:
+        size = tp if isinstance(tp, int) else tp[0] * tp[1]
+        for pp in _divisors(gpus // size) if isinstance(tp, int) else [1]:
             if pp > layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (size * pp)
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
@@ -74,7 +91,8 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, m
                     schedules += [("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
                 for schedule, v in schedules:
                     for recompute in (False, True):
-                        for engine in ("ddp", "fsdp") if dp > 1 else ("ddp",):
+                        engines = ("ddp", "fsdp") if dp > 1 and isinstance(tp, int) else ("ddp",)
+                        for engine in engines:
                             yield Layout(
                                 tp=tp,
                                 pp=pp,
@@ -94,8 +112,9 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
     lay, mem, d = est.layout, est.memory_bytes, est.detail
     limit = est.memory_limit
     where = []
-    if lay.tp > 1:
-        where.append(f"TP {lay.tp} {'across nodes' if d['tp_crosses_nodes'] else 'inside a node'}")
+    if lay.tp_size > 1:
+        tp = lay.tp if isinstance(lay.tp, int) else f"{lay.tp[0]}x{lay.tp[1]} (2D, SUMMA)"
+        where.append(f"TP {tp} {'across nodes' if d['tp_crosses_nodes'] else 'inside a node'}")
     if lay.pp > 1:
         where.append(f"PP {lay.pp} {'across nodes' if d['pp_crosses_nodes'] else 'in a node'}")
     if lay.dp > 1:
@@ -112,7 +131,8 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
             f"{_gib(mem['activations'])})"
         )
     parts = [
-        f"{head}: {_gib(mem['total'])} of {_gib(usable)} usable per rank",
+        f"{head}: {_gib(mem['total'])} "
+        + (f"of {_gib(usable)} usable per rank" if limit else "per rank (no memory limit given)"),
         f"step {est.step_time_s:.3g} s (compute {d['compute_s']:.3g} s, TP comm {d['tp_s']:.3g} s"
         + (f", bubble {est.bubble:.1%}" if lay.pp > 1 else "")
         + (f", DP exposed {d['dp_exposed_s']:.3g} s" if lay.dp > 1 else "")
@@ -122,7 +142,7 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
         parts.append("recomputes activations to fit (a third more compute)")
     if best is not None and best is not est:
         parts.append(f"{est.step_time_s / best.step_time_s:.2f}x the best step time")
-    elif lay.tp <= gpus_per_node and lay.tp > 1:
+    elif 1 < lay.tp_size <= gpus_per_node:
         parts.append("TP stays on the node's fast links, what remains goes to PP and DP")
     return "; ".join(parts)
 
@@ -140,8 +160,9 @@ def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
         return min(pool, key=lambda e: e.memory_bytes["total"]) if pool else None
 
     lay = best.layout
-    for tp in sorted({e.layout.tp for e in estimates} - {lay.tp}):
-        if tp not in (lay.tp // 2, lay.tp * 2):
+    one_d = {e.layout.tp for e in estimates if isinstance(e.layout.tp, int)}
+    for tp in sorted(one_d - {lay.tp}):
+        if tp not in (lay.tp_size // 2, lay.tp_size * 2):
             continue
         other = best_of(lambda x, tp=tp: x.tp == tp)
         if other is None:
@@ -153,6 +174,12 @@ def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
             )
         else:
             notes.append(f"TP {tp} does not fit ({_gib(other.memory_bytes['total'])} per rank)")
+    grid = best_of(lambda x: not isinstance(x.tp, int) and x.tp != lay.tp)
+    if grid is not None and grid.fits:
+        notes.append(
+            f"2D TP at best {grid.step_time_s:.3g} s ({grid.layout.describe()}, TP comm "
+            f"{grid.detail['tp_s']:.3g} s)"
+        )
     if lay.pp > 1:
         flat = best_of(lambda x: x.tp == lay.tp and x.pp == 1)
         if flat is not None and not flat.fits:
@@ -173,13 +200,14 @@ def plan(
     dtype: str = "bfloat16",
     top: Optional[int] = 10,
     micro_batch: Optional[int] = None,
+    grids: bool = True,
 ) -> list[Estimate]:
     """The candidate training layouts of ``config`` on ``gpus`` devices (``gpus_per_node`` per
     node, ``gpu_memory`` each: bytes or "80GiB"; default the hardware's), for steps of
     ``global_batch`` sequences of ``seq_len`` tokens, best first: layouts that fit ranked by
     estimated step time, then those that do not by how much they miss. ``top``: how many
     (None: all); ``micro_batch``: sequences per micro-batch (None: 1, 2, 4 or 8, whichever
-    ranks best)."""
+    ranks best); ``grids``: 2D TP grids (P, Q) among the candidates (pp = 1, DDP)."""
     _check("gpus", gpus)
     _check("seq_len", seq_len)
     _check("global_batch", global_batch)
@@ -208,7 +236,7 @@ def plan(
             gpu_memory=memory,
             gpus_per_node=gpus_per_node,
         )
-        for layout in _candidates(config, gpus, global_batch, dtype, micro_batch)
+        for layout in _candidates(config, gpus, global_batch, dtype, micro_batch, grids)
     ]
     if not estimates:
         raise ValueError(
