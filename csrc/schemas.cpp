@@ -85,6 +85,16 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
 
+  // ---- gradient compression (ops/grad_compression.{h,cpp,cu}) ----
+  // Per chunk of chunk_size elements, one fp32 scale; v = grad + residual (error feedback) and
+  // residual <- v - what is sent, in place. int8: codes round(v / scale), scale = max|v| / 127.
+  // 1-bit: sign bits (8 a byte, element i at bit i % 8), scale = mean|v|, chunk_size % 8 == 0.
+  // No derivative (they run on gradients, in DDP communication hooks).
+  m.def("quantize_int8_ef(Tensor grad, Tensor(a!) residual, int chunk_size) -> (Tensor, Tensor)");
+  m.def("dequantize_int8(Tensor codes, Tensor scales, int chunk_size) -> Tensor");
+  m.def("quantize_1bit_ef(Tensor grad, Tensor(a!) residual, int chunk_size) -> (Tensor, Tensor)");
+  m.def("dequantize_1bit(Tensor bits, Tensor scales, int chunk_size, int numel) -> Tensor");
+
   // ---- fused activation (ops/swiglu.{cpp,cu}) ----
   // swiglu = silu(gate) * up with gate, up the halves of gate_up's last dim; fp32 math (fp64 for
   // fp64) rounded once. Autograd in C++ through swiglu_backward (-> grad_gate_up).

@@ -97,6 +97,11 @@ def _fused_op_samples():
                 full((2, 3, 6), 23),
             ),
         ),
+        # gradient compression: quantise (the residual updated in place), dequantise
+        ("quantize_int8_ef", (full((40,), 24), torch.zeros(40), 16)),
+        ("dequantize_int8", (torch.arange(-20, 20, dtype=torch.int8), full((3,), 25).abs(), 16)),
+        ("quantize_1bit_ef", (full((40,), 26), torch.zeros(40), 16)),
+        ("dequantize_1bit", (torch.arange(5, dtype=torch.uint8), full((3,), 27).abs(), 16, 40)),
     ]
 
 

@@ -64,6 +64,11 @@ KERNEL_OPS = (
     "vocab_ce_local_max",
     "vocab_ce_local_stats",
     "vocab_ce_local_grad",
+    # gradient compression (tp_ext.compression's hooks): quantise with error feedback, and back
+    "quantize_int8_ef",
+    "dequantize_int8",
+    "quantize_1bit_ef",
+    "dequantize_1bit",
 )
 ALL_OPS = COLLECTIVE_OPS + KERNEL_OPS
 
@@ -92,6 +97,12 @@ add_rms_norm = (
 )  # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
 swiglu = _lib.swiglu  # ([..., 2I] gate | up) -> silu(gate) * up
 rotary_embedding = _lib.rotary_embedding  # (q, k, cos, sin) -> rotated (q, k), RoPE half-rotation
+# (grad [n], residual fp32 [n] (updated), chunk_size) -> (int8 codes [n], fp32 scales [chunks])
+quantize_int8_ef = _lib.quantize_int8_ef
+dequantize_int8 = _lib.dequantize_int8  # (codes, scales, chunk_size) -> fp32 [n]
+# (grad [n], residual, chunk_size % 8 == 0) -> (sign bits uint8 [ceil(n / 8)], scales: mean |v|)
+quantize_1bit_ef = _lib.quantize_1bit_ef
+dequantize_1bit = _lib.dequantize_1bit  # (bits, scales, chunk_size, numel) -> fp32 [numel]
 
 
 # ---- fake kernels: collectives -------------------------------------------------------------------
@@ -234,6 +245,30 @@ def _rotary_embedding(q, k, cos, sin):
     return _strided_like(q), _strided_like(k)
 
 
+def _quantized(grad, residual, chunk_size, one_bit):
+    n = grad.numel()
+    codes = grad.new_empty(
+        (n + 7) // 8 if one_bit else n, dtype=torch.uint8 if one_bit else torch.int8
+    )
+    return codes, grad.new_empty(-(-n // chunk_size), dtype=torch.float32)
+
+
+def _quantize_int8_ef(grad, residual, chunk_size):
+    return _quantized(grad, residual, chunk_size, False)
+
+
+def _quantize_1bit_ef(grad, residual, chunk_size):
+    return _quantized(grad, residual, chunk_size, True)
+
+
+def _dequantize_int8(codes, scales, chunk_size):
+    return scales.new_empty(codes.numel())
+
+
+def _dequantize_1bit(bits, scales, chunk_size, numel):
+    return scales.new_empty(numel)
+
+
 def _strided_like(x):
     # As the kernel: x's strides when head_dim has unit stride, else contiguous.
     out = torch.empty_like(x)
@@ -264,6 +299,10 @@ _FAKES = {
     "swiglu": _swiglu,
     "swiglu_backward": _swiglu_backward,
     "rotary_embedding": _rotary_embedding,
+    "quantize_int8_ef": _quantize_int8_ef,
+    "dequantize_int8": _dequantize_int8,
+    "quantize_1bit_ef": _quantize_1bit_ef,
+    "dequantize_1bit": _dequantize_1bit,
 }
 assert set(_FAKES) == set(ALL_OPS), "every op in the list has exactly one fake kernel"
 

@@ -9,11 +9,13 @@ Both average gradients over the DP group.
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tp_ext.compression import CompressionState, compressed_average, register
 from tp_ext.distributed import comm
 
 __all__ = ["DATA_PARALLEL", "wrap_data_parallel", "average_gradients"]
@@ -21,10 +23,14 @@ __all__ = ["DATA_PARALLEL", "wrap_data_parallel", "average_gradients"]
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
-def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
+def wrap_data_parallel(
+    module: nn.Module, kind: str, parallel, compression: Optional[tuple] = None
+) -> nn.Module:
     """``module`` under DDP (``"ddp"``) or FSDP2 (``"fsdp"``, each decoder layer and then the
     stage as one unit, parameters sharded along dim 0 over the DP ranks), on ``parallel``'s DP
-    group. Without data parallelism (``dp == 1``) the module is returned as it is."""
+    group. Without data parallelism (``dp == 1``) the module is returned as it is.
+    ``compression``: (method, named parameters) of a :mod:`tp_ext.compression` hook for DDP
+    to send its gradients with (its state is left in ``module.compression_state``)."""
     if kind not in DATA_PARALLEL:
         raise ValueError(f"data_parallel must be one of {DATA_PARALLEL} or None, got {kind!r}")
     if parallel.dp == 1:
@@ -44,7 +50,10 @@ def wrap_data_parallel(module: nn.Module, kind: str, parallel) -> nn.Module:
         ddp = DistributedDataParallel(
             module, device_ids=device_ids, process_group=parallel.dp_group, **no_sync
         )
-        if parallel.dp > 2:
+        if compression is not None:
+            method, named = compression
+            ddp.compression_state = register(ddp, method, parallel.dp_group, named)
+        elif parallel.dp > 2:
             ddp.register_comm_hook(parallel.dp_group, _reproducible_all_reduce)
         return ddp
     from torch.distributed.fsdp import fully_shard
@@ -72,8 +81,9 @@ def _reproducible_all_reduce(group, bucket):  # -> Future[Tensor] (DDP checks no
 
 
 @torch.no_grad()
-def average_gradients(params, parallel) -> None:
-    """Average the gradients of ``params`` over the DP group in one flat all-reduce.
+def average_gradients(params, parallel, compression: Optional[CompressionState] = None) -> None:
+    """Average the gradients of ``params`` over the DP group in one flat all-reduce (sent
+    compressed by ``compression``'s method, with its error feedback, when given).
 
     For the zero-bubble schedules only: their split backward computes weight gradients with
     ``torch.autograd.grad`` and writes ``.grad`` directly, so DDP's gradient hooks never fire
@@ -82,7 +92,10 @@ def average_gradients(params, parallel) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     flat = torch.cat([g.flatten().to(dtype) for g in grads])
-    flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
+    if compression is not None:
+        flat = compressed_average(compression, flat, params).to(dtype)
+    else:
+        flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
     offset = 0
     for p in params:
         n = p.numel()

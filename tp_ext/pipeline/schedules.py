@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed import pipelining as torch_pp
 
+from tp_ext.compression import METHODS, CompressionState
 from tp_ext.pipeline.data_parallel import average_gradients, wrap_data_parallel
 
 __all__ = ["SCHEDULES", "Schedule", "check_schedule", "PipelineRunner"]
@@ -48,6 +49,25 @@ SCHEDULES = {
         Schedule("DualPipeV", torch_pp.ScheduleDualPipeV, True, "v", True),
     )
 }
+
+
+def check_compression(method: Optional[str], data_parallel: Optional[str], schedule) -> None:
+    """Refuse a gradient compression this DP setup cannot run, saying what would."""
+    if method is None:
+        return
+    if method not in METHODS:
+        raise ValueError(f"gradient_compression must be one of {METHODS} or None, got {method!r}")
+    if data_parallel != "ddp":
+        raise ValueError(
+            f"gradient_compression={method!r} needs data_parallel='ddp' (its DDP communication "
+            f"hooks); FSDP2 reduce-scatters sharded gradients, which they do not see"
+        )
+    if method == "powersgd" and schedule.weight_split:
+        raise ValueError(
+            f"gradient_compression='powersgd' with schedule {schedule.name!r}: the schedule "
+            "writes weight gradients outside DDP, so no DDP hook runs; use 'int8' or '1bit' "
+            "(tp_ext compresses its own all-reduce after the step) or another schedule"
+        )
 
 
 def check_schedule(name, layout) -> Schedule:
@@ -104,7 +124,13 @@ class PipelineRunner:
     labels)`` gives each micro-batch's loss on the last stage (the quantity whose gradient is
     accumulated: no scaling by the number of micro-batches is added)."""
 
-    def __init__(self, model, schedule: str, data_parallel: Optional[str]) -> None:
+    def __init__(
+        self,
+        model,
+        schedule: str,
+        data_parallel: Optional[str],
+        gradient_compression: Optional[str] = None,
+    ) -> None:
         self.model, self.parallel = model, model.parallel
         self.layout = model.stage_layout
         self.schedule = check_schedule(schedule, self.layout)
@@ -118,10 +144,29 @@ class PipelineRunner:
             )
         # the same reason for DDP: its hooks would not fire, so tp_ext averages after the step
         self.average_after_step = self.schedule.weight_split and dp > 1
+        compression = gradient_compression if dp > 1 else None
+        check_compression(compression, data_parallel, self.schedule)
+        # residuals named as the model names its parameters (the checkpoint's keys)
+        named = list(model.named_parameters())
         modules = model.stage_modules()
         if data_parallel is not None and not self.average_after_step:
-            modules = [wrap_data_parallel(m, data_parallel, self.parallel) for m in modules]
+            hook = (compression, named) if compression else None
+            modules = [wrap_data_parallel(m, data_parallel, self.parallel, hook) for m in modules]
         self.modules = modules
+        # the states of the int8 / 1-bit hooks (PowerSGD's is torch's, per DDP bucket)
+        self.compression_states = [
+            m.compression_state
+            for m in modules
+            if isinstance(getattr(m, "compression_state", None), CompressionState)
+        ]
+        if compression and self.average_after_step:
+            self.compression_states = [CompressionState(self.parallel.dp_group, compression, named)]
+        # every residual exists (and is saved) from the start
+        owners = [m.module for m in modules if hasattr(m, "compression_state")] or [model]
+        for state, owner in zip(self.compression_states, owners):
+            for param in owner.parameters():
+                if param.requires_grad:
+                    state.residual_of(param)
         self._built: dict = {}
 
     @property
@@ -153,7 +198,8 @@ class PipelineRunner:
         target = labels if self.holds_last_stage else None
         schedule.step(*args, target=target, return_outputs=False)
         if self.average_after_step:
-            average_gradients(self.model.parameters(), self.parallel)
+            state = self.compression_states[0] if self.compression_states else None
+            average_gradients(self.model.parameters(), self.parallel, state)
 
     def _build(self, n: int, loss_fn: Callable, shape, logits_dtype):
         device = self.parallel.device

@@ -10,6 +10,9 @@ with a JSON manifest) holds:
   model: a checkpoint saved at one (tp, pp, dp) loads at any other;
 - each rank's random-number states under ``rng.rank<r>.cpu`` / ``rng.rank<r>.cuda<d>`` (the TP
   streams are derived from these: :mod:`tp_ext.distributed.rng`);
+- with int8 / 1-bit gradient compression, each rank's error-feedback residuals under
+  ``compression.rank<r>.<parameter>`` (restored at the same layout and method; elsewhere they
+  start at zero, with a warning);
 - in the manifest (JSON, no pickle): the step, the layout, the optimizer's hyperparameters,
   the LR schedule's, loss scale's and data position's ``state_dict()``.
 
@@ -22,6 +25,7 @@ streams no longer correspond), which matters only to dropout.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Optional
 
 import torch
@@ -218,6 +222,35 @@ def _restore_rng(state: dict, rank: int) -> None:
 # ---- JSON state of the schedule, the loss scale and the data ------------------------------------
 
 
+def _compression_tensors(trainer, rank: int, empty: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's gradient-compression residuals (``empty``: tensors to read them into) under
+    ``compression.rank<r>.<parameter>``: each DP rank's are its own."""
+    return {
+        f"compression.rank{rank}.{name}": torch.empty_like(r) if empty else r
+        for name, r in trainer.compression_residuals().items()
+    }
+
+
+def _compression_carries_over(trainer, info: dict, same_layout: bool, directory: str) -> bool:
+    """Whether the saved residuals continue here: the same method at the same layout. Elsewhere
+    they start at zero (said once): the next steps send what they would have sent, less at
+    most one step's quantisation error of each rank."""
+    saved = info.get("gradient_compression")
+    mine = trainer.gradient_compression
+    if mine not in ("int8", "1bit") or saved is None:
+        return False
+    if saved == mine and same_layout:
+        return True
+    if _rank() == 0:
+        why = f"saved with {saved!r}" if saved != mine else "saved at another layout"
+        warnings.warn(
+            f"{directory}: gradient-compression residuals {why}; {mine!r} starts from zero "
+            "residuals (at most one step's quantisation error per rank is not carried over)",
+            stacklevel=3,
+        )
+    return False
+
+
 def _json_state(name: str, obj) -> Optional[dict]:
     if obj is None:
         return None
@@ -251,6 +284,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
     state = checkpoint_tensors(model)
     state.update(_optimizer_tensors(model, optimizer))
     state.update(_rng_tensors(_rank()))
+    state.update(_compression_tensors(trainer, _rank()))
     info = {
         "format": TRAINING_FORMAT,
         "step": trainer.steps,
@@ -266,6 +300,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
         "data": _json_state("data", trainer.data),
         "skipped_steps": trainer.skipped_steps,
         "cuda_rng_devices": len(rng.get_states()["cuda"]),
+        "gradient_compression": trainer.gradient_compression,
     }
     return write_checkpoint(state, path, info, async_save=async_save)
 
@@ -298,15 +333,23 @@ def load_training_state(trainer, path: str) -> dict:
                 trainer.data.load_state_dict(info["data"])
             except ValueError as e:
                 raise CheckpointError(f"{directory}: the data position does not fit: {e}") from e
-        if info.get("layout") != layout_of(trainer):
+        same_layout = info.get("layout") == layout_of(trainer)
+        if not same_layout:
             rng_source["rank"] = 0  # the streams of another layout: rank 0's, replicated
         copies.clear()
         state = checkpoint_tensors(model, tied_copies=copies)
         state.update(_optimizer_tensors(model, optimizer, tied_copies=copies))
         state.update(_rng_targets(rng_source["rank"], info.get("cuda_rng_devices", 0)))
+        residuals.clear()
+        if _compression_carries_over(trainer, info, same_layout, directory):
+            residuals.update(_compression_tensors(trainer, rank, empty=True))
+            state.update(residuals)
         return state
 
+    residuals: dict = {}
     info, state = read_checkpoint(path, state_of, formats=(TRAINING_FORMAT,))
+    prefix = f"compression.rank{rank}."
+    trainer.load_compression_residuals({k[len(prefix) :]: state[k] for k in residuals})
     copy_tied(copies)
     _restore_hyperparameters(optimizer, info["optimizer"]["param_groups"])
     _restore_rng(state, rng_source["rank"])

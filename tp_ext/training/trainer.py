@@ -63,6 +63,10 @@ class Trainer:
       ``data_parallel`` ("ddp" or "fsdp") synchronises DP once per step, and
       ``activation_checkpointing`` recomputes each decoder layer in backward.
 
+    - ``gradient_compression``: "int8", "1bit" (with error feedback) or "powersgd": DDP sends
+      the DP gradients compressed (:mod:`tp_ext.compression`; with ``parallel=`` and
+      ``data_parallel="ddp"``; the int8 / 1-bit residuals are saved with the checkpoints).
+
     - ``lr_scheduler``: a torch LR scheduler over ``optimizer`` (or a callable taking the
       optimizer and returning one), stepped after every optimizer step.
     - ``data``: the run's data source, if it is Stateful (``state_dict()`` /
@@ -93,6 +97,7 @@ class Trainer:
         activation_checkpointing: bool = False,
         lr_scheduler=None,
         data=None,
+        gradient_compression: Optional[str] = None,
     ) -> None:
         if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
             raise ValueError(
@@ -111,8 +116,16 @@ class Trainer:
         self.model = model
         self.parallel = parallel
         self.runner = None
+        self.gradient_compression = None
+        if gradient_compression is not None and parallel is None:
+            raise ValueError(
+                f"gradient_compression={gradient_compression!r} needs Trainer(parallel=...): the "
+                "DP hooks go on the DDP modules of its layout"
+            )
         if parallel is not None:
-            self._setup_pipeline(model, parallel, schedule, data_parallel, dp_group, tp_group)
+            self._setup_pipeline(
+                model, parallel, schedule, data_parallel, dp_group, tp_group, gradient_compression
+            )
         if hasattr(model, "activation_checkpointing"):
             model.activation_checkpointing = activation_checkpointing
         elif activation_checkpointing:
@@ -161,7 +174,9 @@ class Trainer:
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0  # steps whose gradients overflowed under fp16 (not applied)
 
-    def _setup_pipeline(self, model, parallel, schedule, data_parallel, dp_group, tp_group):
+    def _setup_pipeline(
+        self, model, parallel, schedule, data_parallel, dp_group, tp_group, compression
+    ):
         built_with = getattr(model, "parallel", None)
         if built_with is not parallel:
             how = "without parallel=" if built_with is None else "with another layout"
@@ -174,6 +189,11 @@ class Trainer:
                 "with parallel=, the TP and DP groups are the layout's; drop dp_group= / tp_group="
             )
         if getattr(model, "is_2d", False):
+            if compression is not None and parallel.dp > 1:
+                raise ValueError(
+                    f"gradient_compression={compression!r} with a 2D model: its DP all-reduce is "
+                    "tp_ext's own, not a DDP hook's; use 1D tensor parallelism to compress"
+                )
             self._setup_2d(parallel, data_parallel)
             return
         if schedule not in SCHEDULES:
@@ -188,7 +208,8 @@ class Trainer:
         self.data_parallel = data_parallel if parallel.dp > 1 else None
         self.tp = comm.resolve_group(parallel.tp_group)
         self.dp_group = comm.resolve_group(parallel.dp_group)
-        self.runner = PipelineRunner(model, schedule, self.data_parallel)
+        self.runner = PipelineRunner(model, schedule, self.data_parallel, compression)
+        self.gradient_compression = compression if parallel.dp > 1 else None
 
     def _setup_2d(self, parallel, data_parallel) -> None:
         """A 2D (SUMMA) model runs without a pipeline: the step of this Trainer's own loop, its
@@ -326,6 +347,18 @@ class Trainer:
     def _publish_finished_save(self) -> None:
         if self._pending_save is not None and self._pending_save.done_everywhere():
             self.wait_for_checkpoint()
+
+    def compression_residuals(self) -> dict[str, torch.Tensor]:
+        """This rank's gradient-compression residuals by parameter name (empty without int8 /
+        1-bit compression)."""
+        states = self.runner.compression_states if self.runner is not None else []
+        return {name: r for state in states for name, r in state.state_dict().items()}
+
+    def load_compression_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        states = self.runner.compression_states if self.runner is not None else []
+        for state in states:
+            mine = set(state.state_dict())
+            state.load_state_dict({k: v for k, v in residuals.items() if k in mine})
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore the state :meth:`save_checkpoint` saved, at this Trainer's layout, whatever
