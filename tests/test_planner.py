@@ -115,9 +115,6 @@ def _measure(layout):
         "optimizer": local_bytes(states),
         "tp": stats.bytes(tag="train.compute"),
         "dp_sync": stats.bytes(tag="train.dp_sync"),  # the 2D model's DP all-reduce (tp_ext's)
-        "records": [
-            (r.op, r.collective, r.bytes) for r in stats.records if r.tag == "train.compute"
-        ],
         "pp": torch_comm.bytes["pp"],
         "dp": torch_comm.bytes["dp"],
         "other": [call for call in torch_comm.calls if call[0] == "other"],

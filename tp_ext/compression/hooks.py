@@ -2,10 +2,10 @@
 1-bit (signs and a scale per chunk of 1024), both with error feedback; plus torch's PowerSGD
 behind the same switch (:func:`register`).
 
-How a bucket of n gradients is averaged over the w ranks of the group (a compressed all-reduce,
-as 1-bit Adam's): every rank adds its residual to the bucket and quantises it
-(``tp_ext.ops.quantize_*_ef``, which keeps what was not sent as the new residual), the buffer
-is cut into w segments on chunk boundaries, and an all-to-all sends segment k of every rank to
+How a parameter's n gradients are averaged over the w ranks of the group (a compressed
+all-reduce, as 1-bit Adam's): every rank adds its residual to them and quantises them
+(``tp_ext.ops.quantize_*_ef``, which keeps what was not sent as the new residual), the codes
+are cut into w segments on chunk boundaries, and an all-to-all sends segment k of every rank to
 rank k; rank k dequantises the w pieces, averages them, quantises the average again and an
 all-gather gives every rank every averaged segment, which it dequantises. Both exchanges carry
 the compressed bytes: per rank 2 (w-1)/w of the payload, against 2 (w-1)/w of n x 4 bytes for
@@ -97,8 +97,8 @@ class CompressionState:
                 "CompressionState(named_parameters=model.named_parameters()) is needed to name "
                 "the residuals in a state_dict"
             )
-        out = {self._names[p]: r.clone() for p, r in self.residuals.items()}
-        out.update({n: r.clone() for n, r in self._pending.items()})
+        out = {self._names[p]: r for p, r in self.residuals.items()}  # references, as torch's
+        out.update(self._pending)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -168,51 +168,35 @@ def _unpack(state: CompressionState, payload: torch.Tensor, numel: int):
     return (codes.view(torch.int8) if state.method == "int8" else codes), scales
 
 
-def _payload_bytes(state: CompressionState, start: int, end: int) -> int:
-    n = end - start
-    codes = n if state.method == "int8" else -(-n // 8)
-    return 4 * -(-n // state.chunk_size) + codes
-
-
-def compressed_average(state: CompressionState, flat: torch.Tensor, params) -> torch.Tensor:
-    """The average over ``state.group`` of every rank's ``flat`` (the gradients of ``params``,
-    concatenated), sent compressed with error feedback; fp32, ``flat``'s shape."""
+def compressed_average(state: CompressionState, grad: torch.Tensor, param) -> torch.Tensor:
+    """The average over ``state.group`` of every rank's ``grad`` (``param``'s gradient), sent
+    compressed with error feedback into ``param``'s residual; fp32, ``grad``'s shape."""
     g = state.group
     world, rank = g.size, g.rank
-    residual = torch.cat([state.residual_of(p) for p in params]) if params else flat.new_zeros(0)
-    codes, scales = _quantize(state, flat.reshape(-1), residual)
-    numel = flat.numel()
-    segments = _segments(numel, state.chunk_size, world)
+    residual = state.residual_of(param)
+    codes, scales = _quantize(state, grad.reshape(-1), residual)
+    numel = grad.numel()
     if world == 1:
-        averaged = _dequantize(state, codes, scales, numel)
-    else:
-        sizes = [_payload_bytes(state, s, e) for s, e in segments]
-        send = torch.cat([_pack(*_slice(state, codes, scales, s, e)) for s, e in segments])
-        # rank k receives segment k of every rank (all the same size: its own)
-        mine = comm.all_to_all(send, 0, 0, sizes, group=g).view(world, sizes[rank])
-        start, end = segments[rank]
-        total = torch.zeros(end - start, dtype=torch.float32, device=flat.device)
-        for piece in mine:
-            total += _dequantize(state, *_unpack(state, piece, end - start), end - start)
-        mean = total / world
-        server = torch.zeros_like(mean)
-        seg_codes, seg_scales = _quantize(state, mean, server)
-        # the second quantisation's error, in units of one rank's gradient, into this rank's
-        # residual: it is sent again next step (what keeps the feedback exact)
-        residual[start:end].add_(server, alpha=world)
-        gathered = comm.all_gather(_pack(seg_codes, seg_scales), 0, sizes, group=g)
-        averaged = torch.empty(numel, dtype=torch.float32, device=flat.device)
-        offset = 0
-        for (s, e), size in zip(segments, sizes):
-            seg = _unpack(state, gathered[offset : offset + size], e - s)
-            averaged[s:e] = _dequantize(state, *seg, e - s)
-            offset += size
-    offset = 0
-    for p in params:
-        n = p.numel()
-        state.residual_of(p).copy_(residual[offset : offset + n])
-        offset += n
-    return averaged.view(flat.shape)
+        return _dequantize(state, codes, scales, numel).view(grad.shape)
+    segments = _segments(numel, state.chunk_size, world)
+    pieces = [_pack(*_slice(state, codes, scales, s, e)) for s, e in segments]
+    sizes = [p.numel() for p in pieces]  # every rank cuts the same segments: the same sizes
+    # rank k receives segment k of every rank (all the same size: its own)
+    mine = comm.all_to_all(torch.cat(pieces), 0, 0, sizes, group=g).view(world, sizes[rank])
+    start, end = segments[rank]
+    total = torch.zeros(end - start, dtype=torch.float32, device=grad.device)
+    for piece in mine:
+        total += _dequantize(state, *_unpack(state, piece, end - start), end - start)
+    server = torch.zeros_like(total)
+    seg_codes, seg_scales = _quantize(state, total / world, server)
+    # the second quantisation's error, in units of one rank's gradient, into this rank's
+    # residual: it is sent again next step (what keeps the feedback exact)
+    residual[start:end].add_(server, alpha=world)
+    gathered = comm.all_gather(_pack(seg_codes, seg_scales), 0, sizes, group=g)
+    averaged = torch.empty(numel, dtype=torch.float32, device=grad.device)
+    for (s, e), payload in zip(segments, gathered.split(sizes)):
+        averaged[s:e] = _dequantize(state, *_unpack(state, payload, e - s), e - s)
+    return averaged.view(grad.shape)
 
 
 def _hook(state: CompressionState, bucket) -> torch.futures.Future:
@@ -224,8 +208,7 @@ def _hook(state: CompressionState, bucket) -> torch.futures.Future:
     offset = 0
     for grad, param in zip(bucket.gradients(), bucket.parameters()):
         n = grad.numel()
-        averaged = compressed_average(state, grad.reshape(-1), [param])
-        buffer[offset : offset + n].copy_(averaged)
+        buffer[offset : offset + n].copy_(compressed_average(state, grad.reshape(-1), param))
         offset += n
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)

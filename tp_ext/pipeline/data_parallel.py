@@ -90,12 +90,13 @@ def average_gradients(params, parallel, compression: Optional[CompressionState] 
     and its all-reduce would not happen; this is DDP's averaging, done once after the step."""
     params = [p for p in params if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if compression is not None:  # parameter by parameter, as the DDP hooks
+        for p, grad in zip(params, grads):
+            p.grad = compressed_average(compression, grad, p).to(p.dtype)
+        return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     flat = torch.cat([g.flatten().to(dtype) for g in grads])
-    if compression is not None:
-        flat = compressed_average(compression, flat, params).to(dtype)
-    else:
-        flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
+    flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
     offset = 0
     for p in params:
         n = p.numel()

@@ -51,7 +51,6 @@ class _GridShapes:
     numel: int  # parameters
     tensors: int
     largest: int  # elements of its largest parameter tensor
-    layer: int  # parameters of one decoder layer's blocks
     hidden: int  # h_j: hidden features of column 0
     q: int  # query features (its heads x head_dim)
     kv: int  # key (= value) features
@@ -74,7 +73,6 @@ def _grid_shapes(config: Qwen2Config, rows: int, cols: int) -> _GridShapes:
         numel=sum(p.numel() for p in params),
         tensors=len(params),
         largest=max(p.numel() for p in params),
-        layer=sum(p.numel() for p in layer.parameters()),
         hidden=shard_sizes(config.hidden_size, cols)[0],
         q=attn.q_proj.local_out_features,
         kv=attn.k_proj.local_out_features,

@@ -356,8 +356,8 @@ class Trainer:
 
     def load_compression_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
         states = self.runner.compression_states if self.runner is not None else []
-        for state in states:
-            mine = set(state.state_dict())
+        for state in states:  # each takes the residuals of the parameters it holds
+            mine = state.state_dict().keys()
             state.load_state_dict({k: v for k, v in residuals.items() if k in mine})
 
     def load_checkpoint(self, path: str) -> dict:
