@@ -33,6 +33,8 @@ from benchmarks.common import RESULTS, append_rows, bench, read_rows, run_ranks 
 TEXT = "/usr/share/common-licenses"
 SEQ, MICRO, MICRO_BATCHES, STEPS = 64, 4, 2, 200
 METHODS = [None, "int8", "1bit", "powersgd"]
+LR = 3e-3
+FREEZE = 30  # percent of the steps 1-bit Adam trains uncompressed before freezing v
 
 
 def _text_bytes() -> torch.Tensor:
@@ -47,8 +49,9 @@ def _train(method, steps):
     import torch.distributed as dist
 
     import tp_ext
+    from tp_ext.compression import OneBitAdam
     from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
-    from tp_ext.training import Trainer
+    from tp_ext.training import OptimizerSettings, Trainer, build_lr_scheduler
 
     torch.set_num_threads(1)
     state = tp_ext.init_parallel(tp=1, pp=1, dp=dist.get_world_size())
@@ -61,9 +64,17 @@ def _train(method, steps):
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config, parallel=state)
+    if method == "1bit":  # 1-bit Adam: Adam's variance frozen after an fp32 warm-up
+        build = lambda params: OneBitAdam(params, lr=LR, freeze_step=FREEZE * steps // 100)  # noqa: E731
+    else:
+        build = lambda params: torch.optim.AdamW(params, lr=LR)  # noqa: E731
+    # every method: 10% linear warm-up, then linear decay to a tenth (as 1-bit Adam's runs)
+    settings = OptimizerSettings(lr=LR, lr_schedule="linear", warmup_steps=steps // 10,
+                                 min_lr=LR / 10)  # fmt: skip
     trainer = Trainer(
         model,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+        optimizer=build,
+        lr_scheduler=lambda opt: build_lr_scheduler(opt, settings, steps),
         parallel=state,
         gradient_compression=method,
     )
@@ -76,7 +87,9 @@ def _train(method, steps):
         t0 = time.perf_counter()
         losses.append(trainer.step(batches))
         times.append(time.perf_counter() - t0)
-    return losses, statistics.median(times[10:] or times)
+    # the median of the steps that compressed (1-bit Adam: after its fp32 warm-up)
+    first = max(10, FREEZE * steps // 100) if method == "1bit" else 10
+    return losses, statistics.median(times[first:] or times)
 
 
 def _kernels(rows):
@@ -109,6 +122,14 @@ def _kernels(rows):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--throttle",
+        type=float,
+        nargs="*",
+        default=[100, 1000],
+        help="link rates (Mbit/s) to time the steps on (needs root: netns + tc)",
+    )
+    parser.add_argument("--throttle-steps", type=int, default=40)  # fmt: skip
     args = parser.parse_args()
     import tp_ext  # noqa: F401
 
@@ -148,8 +169,30 @@ def main() -> None:
                          metric="link GB/s below which it pays (this CPU's codec)",
                          value=break_even, unit="GB/s", baseline=1.0))  # fmt: skip
         print(f"{method}: pays on links below {break_even:.2f} GB/s per rank")
+    _throttled(rows, args.throttle, args.throttle_steps)
     append_rows(rows)
     _plot_curves()
+
+
+def _throttled(rows, rates, steps) -> None:
+    """Step times with each method with the 2 ranks on a link of each rate (Mbit/s)."""
+    from benchmarks import netns
+
+    why = netns.why_not()
+    if why:
+        print(f"no throttled link here: {why}")
+        return
+    for mbit in rates:
+        times = {}
+        for method in METHODS:
+            out = netns.run_throttled("benchmarks.bench_compression", "_train", mbit, method, steps)
+            times[method] = max(t for _, t in out)
+            print(f"{mbit:g} Mbit/s, {method or 'fp32'}: step {times[method] * 1e3:.1f} ms")
+        for method, step in times.items():
+            rows.append(dict(benchmark="compression_step_time_throttled",
+                             case=f"{method or 'fp32'}, 2 DP ranks, {mbit:g} Mbit/s link (tc tbf)",
+                             metric="median step s vs fp32 on the same link", value=step,
+                             unit="s", baseline=times[None]))  # fmt: skip
 
 
 def _plot_curves() -> None:

@@ -191,6 +191,16 @@ def _ddp_steps(method, steps, state_in=None, start=0):
     }
 
 
+def _unsent(out, name) -> torch.Tensor:
+    """What the ranks hold back of ``name``'s average: their mean residual plus the server
+    residuals (rank k's covers segment k; the segments follow one another)."""
+    from tp_ext.compression.hooks import SERVER
+
+    mean = sum(o["residuals"][name] for o in out).double() / len(out)
+    server = torch.cat([o["residuals"][name + SERVER] for o in out]).double()
+    return mean + server if len(out) > 1 else mean
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("method", ["int8", "1bit"])
 def test_ddp_hook_averages_with_exact_error_feedback(world, method):
@@ -201,9 +211,9 @@ def test_ddp_hook_averages_with_exact_error_feedback(world, method):
         for name, s, t in zip(names, o["sent"], o["true"]):
             # every rank holds the same averaged gradients
             torch.testing.assert_close(s, out[0]["sent"][names.index(name)], rtol=0, atol=0)
-            # sent + the ranks' mean residual = the sum of the true means, to fp32 rounding
-            mean_residual = sum(x["residuals"][name] for x in out).double() / world
-            err = (s + mean_residual.view_as(s) - t).abs().max().item()
+            # sent + the ranks' mean residual + the server residuals = the sum of the true
+            # means, to fp32 rounding
+            err = (s + _unsent(out, name).view_as(s) - t).abs().max().item()
             assert err <= 1e-5 * (1 + t.abs().max().item()), (r, name, err)
     # compression is not a no-op: one step alone differs from the true mean (world > 1 or not)
     assert any(not torch.equal(s, t) for s, t in zip(out[0]["sent"], out[0]["true"]))
@@ -230,12 +240,12 @@ def test_resumed_residuals_lose_nothing():
         for i, name in enumerate(names):
             sent = first[0]["sent"][i] + after[0]["sent"][i]
             true = first[0]["true"][i] + after[0]["true"][i]
-            residual = sum(o["residuals"][name] for o in after).double() / world
+            residual = _unsent(after, name)
             worst = max(worst, (sent + residual.view_as(sent) - true).abs().max().item())
         return worst
 
     assert error(second) < 1e-5
-    lost = max((sum(o["residuals"][n] for o in first) / world).abs().max().item() for n in names)
+    lost = max(_unsent(first, n).abs().max().item() for n in names)
     assert error(fresh) > 0.5 * lost > 0
 
 
@@ -282,6 +292,23 @@ RESUME = [
     ((1, 1, 3), "1F1B", "int8"),  # 3 ranks: uneven segments, DDP re-bucketing
     ((1, 1, 2), "ZBVZeroBubble", "1bit"),  # weight-split: tp_ext's own compressed average
 ]
+
+
+def _onebit_adam(params):
+    from tp_ext.compression import OneBitAdam
+
+    return OneBitAdam(params, lr=1e-3, weight_decay=0.1, eps=1e-6, freeze_step=2)
+
+
+def test_trainer_resume_with_onebit_adam_is_bitwise(tmp_path):
+    """1-bit Adam saved at step 2, its last uncompressed one: the resumed run compresses the
+    momentum from the frozen variance on, bitwise as the uninterrupted run."""
+    from tests.test_training_state import _same_layout
+
+    _same_layout(
+        tmp_path, (1, 1, 2), "1F1B", "ddp", 0.0, False, False,
+        gradient_compression="1bit", optimizer=_onebit_adam,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("case", RESUME, ids=str)
@@ -366,3 +393,179 @@ def test_trainer_refuses_what_it_cannot_compress():
     assert "must be one of ('int8', '1bit', 'powersgd') or None, got 'fp8'" in errors[1]
     assert "gradient_compression='powersgd' with schedule 'InterleavedZeroBubble'" in errors[2]
     assert "needs Trainer(parallel=...)" in errors[3]
+
+
+# ---- 1-bit Adam: OneBitAdam with the 1-bit hook ------------------------------------------------
+
+
+def test_onebit_adam_is_adamw_then_freezes_the_variance():
+    """Up to freeze_step its steps are torch's AdamW's (to rounding); after, exp_avg_sq stays
+    as it was and the update is m / bias1 / (sqrt(v / bias2(freeze)) + eps)."""
+    from tp_ext.compression import OneBitAdam
+
+    torch.manual_seed(0)
+    ours, theirs = _model(), _model()
+    theirs.load_state_dict(ours.state_dict())
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    opt = OneBitAdam(ours.parameters(), freeze_step=3, **kwargs)
+    ref = torch.optim.AdamW(theirs.parameters(), foreach=False, **kwargs)
+    x = torch.randn(8, 37)
+    for step in range(1, 6):
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            model(x * step).pow(2).mean().backward()
+        frozen = [opt.state[p]["exp_avg_sq"].clone() for p in ours.parameters()] if step > 1 else []
+        before = [p.detach().clone() for p in ours.parameters()]
+        opt.step()
+        ref.step()
+        if step <= 3:
+            for p, q in zip(ours.parameters(), theirs.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+            continue
+        for p, v, w in zip(ours.parameters(), frozen, before):
+            s = opt.state[p]
+            assert torch.equal(s["exp_avg_sq"], v)  # frozen
+            denom = (v.sqrt() / (1 - 0.99**3) ** 0.5) + 1e-8
+            expected = w * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9**step) * s["exp_avg"] / denom
+            torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-7)
+    # the freeze step travels in the optimizer's state_dict (a parameter-group setting)
+    again = OneBitAdam(_model().parameters(), freeze_step=50)
+    again.load_state_dict(opt.state_dict())
+    assert again.param_groups[0]["freeze_step"] == 3
+
+
+def test_onebit_adam_refuses_bad_settings():
+    from tp_ext.compression import CompressionState, OneBitAdam
+
+    params = list(_model().parameters())
+    with pytest.raises(ValueError, match="freeze_step must be an int >= 1"):
+        OneBitAdam(params, freeze_step=0)
+    with pytest.raises(ValueError, match=r"betas must be two numbers in \[0, 1\)"):
+        OneBitAdam(params, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="OneBitAdam goes with method='1bit', not 'int8'"):
+        CompressionState(None, "int8", optimizer=OneBitAdam(params))
+    with pytest.raises(TypeError, match="must be a tp_ext.compression.OneBitAdam, got AdamW"):
+        CompressionState(None, "1bit", optimizer=torch.optim.AdamW(params))
+
+
+def _onebit_adam_steps(freeze, steps):
+    """DDP + OneBitAdam + the 1-bit hook, every rank on its own data. Per step: the bus bytes
+    (against fp32's), and after the warm-up the running sums of the optimizer's momentum (what
+    the ranks agreed on) and of the ranks' true mean momentum beta1 m + (1 - beta1) g_r."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import tp_ext
+    from tp_ext.compression import OneBitAdam, register
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, plain = _model(), _model()
+    plain.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), freeze_step=freeze)
+    state = register(ddp, "1bit", dist.group.WORLD, optimizer=opt)
+    params = list(model.parameters())
+    sent = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    true = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    bus, warmup_exact = [], True
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 37, generator=g) * (1 + rank)
+        before = [opt.state[p]["exp_avg"].clone() if p in opt.state else None for p in params]
+        plain.load_state_dict(model.state_dict())
+        plain.zero_grad()
+        plain(x).pow(2).sum().backward()
+        ddp.zero_grad()
+        with tp_ext.comm.track() as stats:
+            ddp(x).pow(2).sum().backward()
+        bus.append(stats.bus_bytes(world))
+        local = [q.grad.clone() for q in plain.parameters()]
+        if step < freeze:  # warm-up: the exact fp32 mean
+            for p, gr in zip(params, local):
+                dist.all_reduce(gr)
+                warmup_exact &= torch.allclose(p.grad, gr / world, rtol=1e-6, atol=1e-7)
+        opt.step()
+        if step >= freeze:
+            for s, t, p, m, gr in zip(sent, true, params, before, local):
+                s += opt.state[p]["exp_avg"].double()
+                mine = (0.9 * m + 0.1 * gr).double()
+                dist.all_reduce(mine)
+                t += mine / world
+    numel = sum(p.numel() for p in params)
+    weights = torch.cat([p.detach().flatten() for p in params])
+    everyone = [torch.zeros_like(weights) for _ in range(world)]
+    dist.all_gather(everyone, weights)
+    return {
+        "sent": sent,
+        "true": true,
+        "residuals": state.state_dict(),
+        "bus": bus,
+        "fp32_bus": 2 * (world - 1) / world * numel * 4,
+        "warmup_exact": warmup_exact,
+        "replicas_agree": all(torch.equal(w, weights) for w in everyone),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_onebit_adam_sends_momentum_with_exact_error_feedback(world):
+    """Warm-up steps are the exact fp32 mean; after them the optimizer's momentum, summed over
+    the steps, plus what the ranks hold back, is the sum of the true mean momenta (error
+    feedback exact on the momentum), at 1-bit's bytes; the replicas stay equal."""
+    freeze, steps = 2, 7
+    out = run_distributed(_onebit_adam_steps, world, freeze, steps)
+    names = [n for n, _ in _model().named_parameters()]
+    for o in out:
+        assert o["warmup_exact"] and o["replicas_agree"]
+        ratios = [b / o["fp32_bus"] for b in o["bus"]]
+        assert all(abs(r - 1) < 0.02 for r in ratios[:freeze]), ratios  # fp32 all-reduce
+        assert max(ratios[freeze:]) <= 0.04, ratios
+        for name, s, t in zip(names, o["sent"], o["true"]):
+            # the division by (1 - beta1) and the optimizer's lerp round: 1e-5 of the scale
+            err = (s + _unsent(out, name).view_as(s) - t).abs().max().item()
+            assert err <= 1e-5 * (1 + t.abs().max().item()), (name, err)
+    assert any(not torch.equal(s, t) for s, t in zip(out[0]["sent"], out[0]["true"]))
+
+
+def _trainer_onebit_adam(optimizer_kind):
+    import warnings
+
+    import torch.distributed as dist
+
+    import tp_ext
+    from tests.test_pipeline import _config
+    from tp_ext.compression import OneBitAdam
+    from tp_ext.models import Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    state = tp_ext.init_parallel(tp=1, pp=1, dp=dist.get_world_size())
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(_config(2, False), parallel=state)
+    kinds = {"onebit": lambda p: OneBitAdam(p, lr=3e-3, freeze_step=4),
+             "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3)}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(
+            model, optimizer=kinds[optimizer_kind], parallel=state, gradient_compression="1bit"
+        )
+    attached = [s.optimizer is trainer.optimizer for s in trainer.runner.compression_states]
+    g = torch.Generator().manual_seed(10 + state.dp_rank)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 16), generator=g) for _ in range(2)]
+    losses = [trainer.step(batches) for _ in range(6)]
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(weights) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, weights)
+    warned = any("OneBitAdam (1-bit Adam)" in str(w.message) for w in caught)
+    return attached, warned, losses, all(torch.equal(w, weights) for w in gathered)
+
+
+def test_trainer_runs_onebit_adam_and_warns_about_adam():
+    """Trainer(gradient_compression='1bit') with a OneBitAdam attaches it to every hook state
+    (1-bit Adam), trains with equal replicas; with AdamW it warns and names OneBitAdam."""
+    for attached, warned, losses, replicas_agree in run_distributed(
+        _trainer_onebit_adam, 2, "onebit"
+    ):
+        assert attached and all(attached) and not warned
+        assert replicas_agree and losses[-1] < losses[0]
+    for attached, warned, _, _ in run_distributed(_trainer_onebit_adam, 2, "adamw"):
+        assert not any(attached) and warned

@@ -81,7 +81,7 @@ def _trainer(
     tp_ext.random.manual_seed(11)
     return Trainer(
         model,
-        optimizer=_optimizer,
+        optimizer=kwargs.pop("optimizer", _optimizer),
         parallel=state,
         schedule=schedule,
         max_grad_norm=MAX_NORM,

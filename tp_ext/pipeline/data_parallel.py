@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tp_ext.compression import CompressionState, compressed_average, register
+from tp_ext.compression import CompressionState, averages, register
 from tp_ext.distributed import comm
 
 __all__ = ["DATA_PARALLEL", "wrap_data_parallel", "average_gradients"]
@@ -90,9 +90,9 @@ def average_gradients(params, parallel, compression: Optional[CompressionState] 
     and its all-reduce would not happen; this is DDP's averaging, done once after the step."""
     params = [p for p in params if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if compression is not None:  # parameter by parameter, as the DDP hooks
-        for p, grad in zip(params, grads):
-            p.grad = compressed_average(compression, grad, p).to(p.dtype)
+    if compression is not None:  # each parameter its own chunks, as the DDP hooks
+        for p, avg in zip(params, averages(compression, grads, params)):
+            p.grad = avg.to(p.dtype)
         return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     flat = torch.cat([g.flatten().to(dtype) for g in grads])

@@ -17,6 +17,7 @@ gradient, summed between the first and last stage).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tp_ext.compression import OneBitAdam
 from tp_ext.distributed import comm
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner
@@ -145,6 +147,7 @@ class Trainer:
             optimizer = built
         _check_float16_parameters(optimizer)
         self.optimizer = optimizer
+        self._pair_onebit_adam(optimizer)
         self.lr_scheduler = _scheduler(lr_scheduler, optimizer)
         if data is not None and not (
             callable(getattr(data, "state_dict", None))
@@ -210,6 +213,24 @@ class Trainer:
         self.dp_group = comm.resolve_group(parallel.dp_group)
         self.runner = PipelineRunner(model, schedule, self.data_parallel, compression)
         self.gradient_compression = compression if parallel.dp > 1 else None
+
+    def _pair_onebit_adam(self, optimizer) -> None:
+        """1-bit compression with a :class:`OneBitAdam` runs as 1-bit Adam (its hooks send the
+        momentum after the optimizer's warm-up); with Adam itself, warn: sign-compressed
+        gradients corrupt its second moment."""
+        states = self.runner.compression_states if self.runner is not None else []
+        if isinstance(optimizer, OneBitAdam) and self.gradient_compression == "1bit":
+            for state in states:
+                state.attach(optimizer)
+        elif self.gradient_compression == "1bit" and isinstance(
+            optimizer, (torch.optim.Adam, torch.optim.AdamW)
+        ):
+            warnings.warn(
+                "gradient_compression='1bit' with Adam: each chunk's gradients arrive with one "
+                "magnitude, which distorts Adam's second moment (slower convergence); "
+                "tp_ext.compression.OneBitAdam (1-bit Adam) keeps it exact",
+                stacklevel=3,
+            )
 
     def _setup_2d(self, parallel, data_parallel) -> None:
         """A 2D (SUMMA) model runs without a pipeline: the step of this Trainer's own loop, its
