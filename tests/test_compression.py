@@ -249,6 +249,38 @@ def test_resumed_residuals_lose_nothing():
     assert error(fresh) > 0.5 * lost > 0
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_powersgd_error_is_saved_by_parameter_and_nothing_is_lost(world):
+    """PowerSGD's error feedback: what the hook returned plus the ranks' mean error is the sum of
+    the true mean gradients, over a run cut in two (4 steps, two of them compressed; saved by
+    parameter; 4 more in a fresh DDP, whose buckets are numbered anew). Without the saved
+    error the second run misses it."""
+    from tp_ext.compression.powersgd import ERROR, ITER
+
+    first = run_distributed(_ddp_steps, world, "powersgd", 4)
+    saved = [o["residuals"] for o in first]
+    assert all(int(s[ITER]) == 4 for s in saved)
+    second = run_distributed(_ddp_steps, world, "powersgd", 4, saved, 4)
+    fresh = run_distributed(_ddp_steps, world, "powersgd", 4, None, 4)
+    names = [n for n, _ in _model().named_parameters()]
+
+    def unsent(out, name):
+        return sum(o["residuals"][name + ERROR] for o in out).double() / world
+
+    def error(after):
+        worst = 0.0
+        for i, name in enumerate(names):
+            sent = first[0]["sent"][i] + after[0]["sent"][i]
+            true = first[0]["true"][i] + after[0]["true"][i]
+            worst = max(worst, (sent + unsent(after, name).view_as(sent) - true).abs().max().item())
+        return worst
+
+    lost = max(unsent(first, n).abs().max().item() for n in names)
+    assert lost > 0  # the 2-D weights were compressed and left an error
+    assert error(second) < 1e-4 * (1 + lost)
+    assert error(fresh) > 0.5 * lost
+
+
 def _powersgd_trains():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -277,7 +309,7 @@ def _powersgd_trains():
 @pytest.mark.parametrize("world", [2, 3])
 def test_powersgd_through_the_same_switch(world):
     for name, losses, replicas_agree in run_distributed(_powersgd_trains, world):
-        assert name == "PowerSGDState"
+        assert name == "PowerSGDCompression"
         assert replicas_agree  # the replicas take the same (compressed) averaged step
         assert losses[-1] < losses[0]
 
@@ -309,6 +341,21 @@ def test_trainer_resume_with_onebit_adam_is_bitwise(tmp_path):
         tmp_path, (1, 1, 2), "1F1B", "ddp", 0.0, False, False,
         gradient_compression="1bit", optimizer=_onebit_adam,
     )  # fmt: skip
+
+
+def test_trainer_resumes_powersgd(tmp_path):
+    """PowerSGD through the Trainer's checkpoint: its error by parameter and step count are
+    saved per rank and the run goes on (not bitwise: its first resumed step is uncompressed and
+    its Q matrices are drawn again), its losses next to the uninterrupted run's."""
+    from tests.test_training_state import STEPS, _run
+
+    path = str(tmp_path / "ckpt")
+    args = ((1, 1, 2), "1F1B", "ddp", 0.0, False)
+    losses, _ = _run(*args, save=path, gradient_compression="powersgd")
+    resumed, _ = _run(*args, load=path, gradient_compression="powersgd")
+    assert sorted(resumed)[-1] == STEPS
+    for step, loss in resumed.items():
+        assert abs(loss - losses[step]) <= 0.02 * losses[step], (step, loss, losses[step])
 
 
 @pytest.mark.parametrize("case", RESUME, ids=str)

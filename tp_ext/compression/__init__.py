@@ -15,12 +15,14 @@ from tp_ext.compression.hooks import (
     register,
 )
 from tp_ext.compression.onebit_adam import OneBitAdam
+from tp_ext.compression.powersgd import PowerSGDCompression
 
 __all__ = [
     "CHUNK_SIZES",
     "METHODS",
     "CompressionState",
     "OneBitAdam",
+    "PowerSGDCompression",
     "averages",
     "compressed_average",
     "compressed_averages",

@@ -33,10 +33,10 @@ from collections.abc import Iterable
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from tp_ext import ops
 from tp_ext.compression.onebit_adam import OneBitAdam
+from tp_ext.compression.powersgd import register_powersgd
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import GroupLike, resolve_group
 from tp_ext.sharding import shard_sizes
@@ -335,21 +335,6 @@ def onebit_hook(state: CompressionState, bucket):
     return _hook(state, bucket)
 
 
-def _powersgd_in_order(state, bucket):
-    """torch's PowerSGD hook, each bucket finished before DDP starts the next one's.
-
-    Why: the hook's later all-reduces are issued from callbacks of its first one, which gloo
-    runs on its own thread; with several buckets in flight, ranks then issue the next bucket's
-    all-reduce and the previous bucket's second one in different orders, and gloo pairs
-    collectives of different sizes (seen as "Received data size doesn't match expected size").
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-    future = powersgd.powerSGD_hook(state, bucket)
-    future.wait()
-    return future
-
-
 def register(
     ddp,
     method: Optional[str],
@@ -368,18 +353,11 @@ def register(
     if method not in METHODS:
         raise ValueError(f"gradient compression must be one of {METHODS} or None, got {method!r}")
     group = process_group if process_group is not None else ddp.process_group
+    named = ddp.module.named_parameters() if named_parameters is None else named_parameters
     if method == "powersgd":
         if optimizer is not None:
             raise ValueError("register: optimizer= is 1-bit Adam's; PowerSGD takes none")
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-        pg = resolve_group(group).group
-        kwargs = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2, **options}
-        state = powersgd.PowerSGDState(process_group=pg, **kwargs)
-        gloo = dist.get_backend(pg) == "gloo"
-        ddp.register_comm_hook(state, _powersgd_in_order if gloo else powersgd.powerSGD_hook)
-        return state
-    named = ddp.module.named_parameters() if named_parameters is None else named_parameters
+        return register_powersgd(ddp, resolve_group(group), named, **options)
     state = CompressionState(group, method, named, optimizer=optimizer, **options)
     ddp.register_comm_hook(state, int8_hook if method == "int8" else onebit_hook)
     return state

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed import pipelining as torch_pp
 
-from tp_ext.compression import METHODS, CompressionState
+from tp_ext.compression import METHODS, CompressionState, PowerSGDCompression
 from tp_ext.pipeline.data_parallel import average_gradients, wrap_data_parallel
 
 __all__ = ["SCHEDULES", "Schedule", "check_schedule", "PipelineRunner"]
@@ -153,17 +153,21 @@ class PipelineRunner:
             hook = (compression, named) if compression else None
             modules = [wrap_data_parallel(m, data_parallel, self.parallel, hook) for m in modules]
         self.modules = modules
-        # the states of the int8 / 1-bit hooks (PowerSGD's is torch's, per DDP bucket)
+        # the hooks' states (int8 / 1-bit residuals; PowerSGD's error by parameter)
         self.compression_states = [
             m.compression_state
             for m in modules
-            if isinstance(getattr(m, "compression_state", None), CompressionState)
+            if isinstance(
+                getattr(m, "compression_state", None), (CompressionState, PowerSGDCompression)
+            )
         ]
         if compression and self.average_after_step:
             self.compression_states = [CompressionState(self.parallel.dp_group, compression, named)]
         # every residual exists (and is saved) from the start
         owners = [m.module for m in modules if hasattr(m, "compression_state")] or [model]
         for state, owner in zip(self.compression_states, owners):
+            if not isinstance(state, CompressionState):
+                continue  # PowerSGD's state_dict has every parameter from the start
             for param in owner.parameters():
                 if param.requires_grad:
                     state.residual_of(param)

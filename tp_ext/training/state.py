@@ -10,8 +10,9 @@ with a JSON manifest) holds:
   model: a checkpoint saved at one (tp, pp, dp) loads at any other;
 - each rank's random-number states under ``rng.rank<r>.cpu`` / ``rng.rank<r>.cuda<d>`` (the TP
   streams are derived from these: :mod:`tp_ext.distributed.rng`);
-- with int8 / 1-bit gradient compression, each rank's error-feedback residuals under
-  ``compression.rank<r>.<parameter>`` (restored at the same layout and method; elsewhere they
+- with gradient compression, each rank's error-feedback residuals under
+  ``compression.rank<r>.<parameter>`` (int8 / 1-bit; PowerSGD's ``<parameter>.powersgd_error``
+  and its step count) (restored at the same layout and method; elsewhere they
   start at zero, with a warning);
 - in the manifest (JSON, no pickle): the step, the layout, the optimizer's hyperparameters,
   the LR schedule's, loss scale's and data position's ``state_dict()``.
