@@ -61,6 +61,31 @@ TORCH_LIBRARY(tp_ext, m) {
       "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "
       "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
 
+  // ---- linear layers fused with their TP communication (comm/overlapped_linear.cpp) ----
+  // column_linear: y = x W^T + b, x replicated; backward starts the input-gradient all-reduce
+  // before the weight-gradient GEMM and waits after it. all_gather_linear: y = gather(x) W^T + b
+  // with x this rank's sequence shard along dim, as a ring (each shard's GEMM while the next one
+  // travels); returns (y, gathered x). linear_reduce_scatter: reduce_scatter(x W^T) along dim, as
+  // a ring of accumulators. Autograd in C++ through the *_backward ops (no double backward).
+  m.def(
+      "column_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int group_size) -> "
+      "Tensor");
+  m.def(  // (grad_x all-reduced, grad_weight, grad_bias)
+      "column_linear_backward(Tensor grad, Tensor x, Tensor weight, str group_name, "
+      "int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "all_gather_linear(Tensor x, Tensor weight, Tensor? bias, int dim, int[]? sizes, "
+      "str group_name, int group_size, int group_rank) -> (Tensor, Tensor)");
+  m.def(  // (grad_x reduce-scattered to this rank's shard, grad_weight, grad_bias)
+      "all_gather_linear_backward(Tensor grad, Tensor x_full, Tensor weight, int dim, "
+      "int[]? sizes, str group_name, int group_size, int group_rank) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_reduce_scatter(Tensor x, Tensor weight, int dim, int[]? sizes, str group_name, "
+      "int group_size, int group_rank) -> Tensor");
+  m.def(  // (grad_x, grad_weight): the gradient's shards gathered round the ring
+      "linear_reduce_scatter_backward(Tensor grad, Tensor x, Tensor weight, int dim, "
+      "int[]? sizes, str group_name, int group_size, int group_rank) -> (Tensor, Tensor)");
+
   // ---- 2D tensor parallelism (SUMMA) (ops/summa_linear.cpp, comm/collectives.*) ----
   // Y = X W^T on a P x Q grid: rank (grid_row i, grid_col j) holds x = X[its row's tokens, K-part
   // j of x_in_sizes] ([..., k_j]) and weight = W[N-part j, K-part i of w_in_sizes] and gets

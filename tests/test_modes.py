@@ -27,7 +27,17 @@ def _op_samples():
     singles = [dist.new_group([k]) for k in range(w)]
     summa_grid = (sizes, [n], name, size, r, singles[r].group_name, 1, 0)
     x_block, w_block = full((2, sizes[r]), 24), full((sizes[r], n), 25)
+    # the fused linear ops: a sequence of n positions over [batch 2, seq, 3] (uneven shards)
+    seq_full, seq_piece = full((2, n, 3), 27), full((2, sizes[r], 3), 28)
+    lin_w, lin_b = full((4, 3), 29), full((4,), 30)
+    ring = (-2, sizes, name, size, r)
     return [
+        ("column_linear", (grad(full((2, 5, 3), 31)), grad(lin_w), grad(lin_b), name, size)),
+        ("column_linear_backward", (full((2, 5, 4), 32), full((2, 5, 3), 31), lin_w, name, size)),
+        ("all_gather_linear", (grad(seq_piece), grad(lin_w), grad(lin_b), *ring)),
+        ("all_gather_linear_backward", (full((2, n, 4), 33), seq_full, lin_w, *ring)),
+        ("linear_reduce_scatter", (grad(seq_full), grad(lin_w), *ring)),
+        ("linear_reduce_scatter_backward", (full((2, sizes[r], 4), 34), seq_full, lin_w, *ring)),
         ("summa_linear", (grad(x_block), grad(w_block), *summa_grid)),
         ("summa_linear_backward", (full((2, sizes[r]), 26), x_block, w_block, *summa_grid)),
         ("all_reduce", (full((3, 4), 2), "sum", name, size)),

@@ -61,7 +61,7 @@ def test_parameters_per_rank_equal_the_layers(tied):
 def _measure(layout):
     import tp_ext
     from tests.comm_count import CommCount
-    from tests.memory_peak import PeakMemory
+    from tp_ext.debug.memory import PeakMemory
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
 

@@ -1,6 +1,7 @@
 """The main job (``tp-ext run``) end to end under torchrun (8 ranks with --workdir, 2 ranks with
 the private temporary one), its flags, and its work directory."""
 
+import json
 import os
 import stat
 import subprocess
@@ -38,6 +39,8 @@ def test_main_job_on_8_ranks(tmp_path):
             "4",
             "--workdir",
             str(tmp_path / "work"),
+            "--profile",
+            str(tmp_path / "trace"),
         ],
         capture_output=True,
         text=True,
@@ -57,6 +60,12 @@ def test_main_job_on_8_ranks(tmp_path):
         assert line in out, out
     assert "FAIL" not in out
     assert os.path.isfile(tmp_path / "work" / "export" / "config.json")
+    # --profile: a Chrome trace per rank, with the Trainer's tags as ranges beside tp_ext's ops
+    for rank in range(8):
+        with open(tmp_path / "trace" / f"trace_rank{rank}.json") as f:
+            names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+        assert "tp_ext.tag:train.compute" in names
+        assert any(n.startswith("tp_ext::") for n in names)
 
 
 def test_flags_override_the_config():

@@ -53,6 +53,13 @@ COLLECTIVE_OPS = (
     # 2D tensor parallelism: SUMMA matmul (panel broadcasts / reductions; autograd in C++)
     "summa_linear",
     "summa_linear_backward",
+    # linear layers fused with their TP communication, overlapped with the GEMMs (autograd in C++)
+    "column_linear",
+    "column_linear_backward",
+    "all_gather_linear",
+    "all_gather_linear_backward",
+    "linear_reduce_scatter",
+    "linear_reduce_scatter_backward",
 )
 KERNEL_OPS = (
     "rms_norm",
@@ -91,6 +98,15 @@ vocab_parallel_cross_entropy = _lib.vocab_parallel_cross_entropy
 #  grid_rows, grid_row) -> [..., weight.size(0)]: this grid rank's block of X W^T (SUMMA)
 summa_linear = _lib.summa_linear
 summa_linear_backward = _lib.summa_linear_backward  # (grad, x, weight, <the same>) -> (gx, gw)
+# (x, weight, bias, group_name, group_size) -> x W^T + b; backward overlaps its all-reduce
+column_linear = _lib.column_linear
+column_linear_backward = _lib.column_linear_backward
+# (x shard, weight, bias, dim, sizes, group_name, group_size, group_rank) -> (y, gathered x)
+all_gather_linear = _lib.all_gather_linear
+all_gather_linear_backward = _lib.all_gather_linear_backward
+# (x, weight, dim, sizes, group_name, group_size, group_rank) -> this rank's shard of x W^T summed
+linear_reduce_scatter = _lib.linear_reduce_scatter
+linear_reduce_scatter_backward = _lib.linear_reduce_scatter_backward
 rms_norm = _lib.rms_norm  # (x, weight, eps): weight * x / rms(x), fp32 math, one rounding
 add_rms_norm = (
     _lib.add_rms_norm
@@ -196,6 +212,39 @@ def _summa_linear_backward(grad, x, weight, x_in_sizes, w_in_sizes, *grid):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
+# ---- fake kernels: linear layers fused with their communication ---------------------------------
+
+
+def _features(x, n):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _column_linear(x, weight, bias, group_name, group_size):
+    return _features(x, weight.shape[0])
+
+
+def _column_linear_backward(grad, x, weight, group_name, group_size):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+
+
+def _all_gather_linear(x, weight, bias, dim, sizes, group_name, group_size, group_rank):
+    full = _gathered(x, dim, sizes, group_name, group_size)
+    return _features(full, weight.shape[0]), full
+
+
+def _all_gather_linear_backward(grad, x_full, weight, dim, sizes, group_name, group_size, rank):
+    grad_x = _scattered(x_full, dim, sizes, group_name, group_size, rank)
+    return grad_x, weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+
+
+def _linear_reduce_scatter(x, weight, dim, sizes, group_name, group_size, group_rank):
+    return _scattered(_features(x, weight.shape[0]), dim, sizes, group_name, group_size, group_rank)
+
+
+def _linear_reduce_scatter_backward(grad, x, weight, dim, sizes, group_name, group_size, rank):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
 # ---- fake kernels: fused compute ops (outputs contiguous, as the real kernels') -----------------
 
 
@@ -290,6 +339,12 @@ _FAKES = {
     "vocab_parallel_cross_entropy": _vocab_parallel_cross_entropy,
     "summa_linear": _summa_linear,
     "summa_linear_backward": _summa_linear_backward,
+    "column_linear": _column_linear,
+    "column_linear_backward": _column_linear_backward,
+    "all_gather_linear": _all_gather_linear,
+    "all_gather_linear_backward": _all_gather_linear_backward,
+    "linear_reduce_scatter": _linear_reduce_scatter,
+    "linear_reduce_scatter_backward": _linear_reduce_scatter_backward,
     "vocab_ce_local_max": _vocab_ce_local_max,
     "vocab_ce_local_stats": _vocab_ce_local_stats,
     "vocab_ce_local_grad": _vocab_ce_local_grad,

@@ -468,6 +468,71 @@ Pending reduce_start(const at::Tensor& x, int64_t root, Reduce reduce, const Gro
   return p;
 }
 
+Pending all_reduce_start(const at::Tensor& x, const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  Pending p;
+  p.g = g;
+  p.op = op;
+  p.collective = "all_reduce";
+  p.out = x.clone(at::MemoryFormat::Contiguous);
+  if (g.size == 1) return p;
+  const auto shm = channel_of(x, g, op);
+  check_consistent(g, op, x, -1, c10::nullopt, static_cast<int64_t>(Reduce::Sum));
+  announce(shm, call_signature(1, x.scalar_type(), x.sizes(), {}, {0}), op, g);
+  auto t0 = Clock::now();
+  p.bytes = nbytes(p.out);
+  if (p.out.numel() > 0) {
+    std::vector<at::Tensor> bufs{p.out};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(Reduce::Sum);
+    opts.timeout = op_timeout();
+    p.work = g.pg->allreduce(bufs, opts);
+  }
+  p.seconds = seconds_since(t0);
+  return p;
+}
+
+void ring_announce(const at::Tensor& x, int64_t free_dim, at::IntArrayRef sizes, int64_t kind,
+                   const Group& g, const char* op) {
+  if (g.size == 1) return;
+  check_consistent(g, op, x, free_dim, sizes, kind);
+  announce(channel_of(x, g, op),
+           call_signature(7, x.scalar_type(), fixed_shape(x, free_dim), sizes, {kind}), op, g);
+}
+
+RingShift ring_shift_start(const at::Tensor& send, at::Tensor& recv, int64_t step, const Group& g) {
+  RingShift s;
+  const int tag = static_cast<int>(step);
+  if (send.numel() > 0) {
+    std::vector<at::Tensor> out{send};
+    s.send = g.pg->send(out, static_cast<int>((g.rank + 1) % g.size), tag);
+  }
+  if (recv.numel() > 0) {
+    std::vector<at::Tensor> in{recv};
+    s.recv = g.pg->recv(in, static_cast<int>((g.rank + g.size - 1) % g.size), tag);
+  }
+  return s;
+}
+
+double ring_shift_finish(RingShift& s, const Group& g, const char* op) {
+  auto t0 = Clock::now();
+  for (auto* work : {&s.send, &s.recv}) {
+    if (!*work) continue;
+    try {
+      const auto limit = op_timeout();  // unset: the process group's own timeout
+      if (limit.count() > 0) {
+        (*work)->wait(limit);
+      } else {
+        (*work)->wait();
+      }
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "tp_ext.", op, " failed on rank ", g.rank, " of process group '", g.name,
+                  "' (", g.size, " ranks) in a ring step: ", e.what());
+    }
+  }
+  return seconds_since(t0);
+}
+
 at::Tensor finish(Pending& p) {
   if (p.g.size == 1) return p.out;  // nothing was communicated, nothing is recorded
   auto t0 = Clock::now();

@@ -50,8 +50,27 @@ Pending broadcast_start(const at::Tensor& x, int64_t src, const Group& g, const 
 // is unspecified on the other ranks. x itself is never modified (the backend works on a copy).
 Pending reduce_start(const at::Tensor& x, int64_t root, Reduce reduce, const Group& g,
                      const char* op);
+// All-reduce (sum) over the group: after finish(), out holds it on every rank. x itself is never
+// modified (the backend works on a copy).
+Pending all_reduce_start(const at::Tensor& x, const Group& g, const char* op);
 // Waits for the collective (errors name op, rank and group, as wait() does), records it in the
-// accounting under the op and "broadcast" / "reduce", and returns out. Call it once.
+// accounting under the op and its collective, and returns out. Call it once.
 at::Tensor finish(Pending& p);
+
+// ---- ring shifts: the point-to-point steps of the ring-decomposed fused ops ----
+// One step of a ring: `send` goes to group rank + 1 while `recv` (its shape known on both sides)
+// is filled from rank - 1. Empty tensors are not sent (both sides know the sizes). Every rank
+// of the group must take the same steps; ring_announce (once per fused call, with the call's
+// shapes) makes ranks that disagree fail together instead of hanging.
+struct RingShift {
+  c10::intrusive_ptr<c10d::Work> send, recv;
+};
+// x: a tensor of the shape every rank agrees on but for `free_dim` (-1: none); an expanded
+// scalar will do.
+void ring_announce(const at::Tensor& x, int64_t free_dim, at::IntArrayRef sizes, int64_t kind,
+                   const Group& g, const char* op);
+RingShift ring_shift_start(const at::Tensor& send, at::Tensor& recv, int64_t step, const Group& g);
+// Waits for both transfers (within the collective timeout); returns the seconds it waited.
+double ring_shift_finish(RingShift& s, const Group& g, const char* op);
 
 }  // namespace tp_ext::comm

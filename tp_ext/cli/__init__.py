@@ -147,10 +147,27 @@ def _run(args) -> int:
             steps=args.steps,
             max_new_tokens=args.max_new_tokens,
             max_grad_norm=args.max_grad_norm,
+            profile_dir=args.profile,
         )
     except ValueError as e:  # ConfigError included
         print(f"tp-ext run: {e}", file=sys.stderr)
         return 2
+
+
+def _doctor(args) -> int:
+    """Exit 1 when a check fails."""
+    import dataclasses
+    import json
+
+    from tp_ext.debug import doctor
+
+    checks = doctor()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(f"[{c.status:>4}] {c.name:<18} {c.detail}")
+    return 1 if any(c.status == "fail" for c in checks) else 0
 
 
 def _auto(args, overrides: dict, command: str) -> dict:
@@ -400,7 +417,21 @@ def main(argv=None) -> int:
     )
     run.add_argument("--max-new-tokens", type=flag_type(RUN_FIELDS["max-new-tokens"]), default=16)
     run.add_argument("--max-grad-norm", type=flag_type(RUN_FIELDS["max-grad-norm"]), default=1.0)
+    run.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="write a torch.profiler trace of the training steps to DIR/trace_rank<r>.json "
+        "(chrome://tracing or ui.perfetto.dev; tp_ext's tags show as ranges)",
+    )
     run.set_defaults(func=_run)
+    doctor = sub.add_parser(
+        "doctor",
+        help="the environment: torch against the one tp_ext was built with, CUDA, NCCL, "
+        "backends, shared memory, launcher variables, and what would fail",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doctor.set_defaults(func=_doctor)
     train = sub.add_parser(
         "train",
         help="train the config's model on a token file (launch with torchrun), saving "

@@ -22,6 +22,7 @@ the ranks talk over gloo; on CUDA machines the same command runs with NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -37,6 +38,7 @@ from tp_ext.checkpoint import peak_rss_bytes
 from tp_ext.cli.flags import RUN_FIELDS
 from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
 from tp_ext.config import PARALLEL_FIELDS, JobConfig, check_pipeline_fields
+from tp_ext.debug import trace
 from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
@@ -167,6 +169,7 @@ class _Job:
     steps: int
     max_new_tokens: int
     max_grad_norm: float
+    profile_dir: str | None = None  # a torch.profiler trace of the training steps goes here
 
 
 def run(
@@ -177,6 +180,7 @@ def run(
     steps: int = 6,
     max_new_tokens: int = 16,
     max_grad_norm: float = 1.0,
+    profile_dir: str | None = None,
 ) -> int:
     """``overrides``: the config fields the flags set (None: as the config has it), e.g.
     ``{"tp": 2, "pp": 2, "schedule": "1F1B", "micro_batches": 4}``."""
@@ -239,6 +243,7 @@ def run(
         steps,
         max_new_tokens,
         max_grad_norm,
+        profile_dir,
     )
     state = init_parallel(tp=tp, pp=pp, dp=dp)
     path = None
@@ -416,10 +421,14 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
     mine = batch.chunk(state.dp)[state.dp_rank].to(device)  # this DP replica's own data
     chunks = list(mine.chunk(micro_batches))
     losses = []
+    tracing = trace(inputs.profile_dir) if inputs.profile_dir else contextlib.nullcontext()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        losses.append(trainer.step(chunks))
+    with tracing:
+        for _ in range(steps):
+            losses.append(trainer.step(chunks))
     train_s = time.perf_counter() - t0
+    if inputs.profile_dir:
+        say(f"\n    profiler trace of the training steps: {inputs.profile_dir}/trace_rank<r>.json")
     train_tokens = batch.numel() * steps
     say(
         f"\n[4] {steps} training steps (AdamW lr {small_job.optimizer.lr:g}, schedule "

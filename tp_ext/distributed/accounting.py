@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Optional
 
+import torch
+
 from tp_ext.distributed.groups import GroupLike, resolve_group
 from tp_ext.ops import _C
 
@@ -123,7 +125,9 @@ def tag(name: str) -> Iterator[None]:
     previous = _C._get_tag()
     _C._set_tag(name)
     try:
-        yield
+        # a range in torch.profiler traces (tp_ext.debug.trace), beside the ops it covers
+        with torch.profiler.record_function(f"tp_ext.tag:{name}"):
+            yield
     finally:
         _C._set_tag(previous)
 

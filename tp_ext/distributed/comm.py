@@ -15,6 +15,10 @@ The differentiable pairs (Megatron's mappings)::
     gather_from_sp        all-gather      / reduce-scatter   sequence parallel: enter TP region
     reduce_scatter_to_sp  reduce-scatter  / all-gather       sequence parallel: leave TP region
 
+The same pairs fused with the linear layer next to them, so the communication hides behind the
+GEMMs (:func:`column_linear`, :func:`all_gather_linear`, :func:`linear_reduce_scatter`); the
+layers take them unless :func:`set_overlap` turned them off.
+
 On a group of one the pairs are identities and return their input without calling an op.
 Splits follow :func:`tp_ext.shard_sizes`; gathers take ``sizes`` (every rank's size along
 ``dim``) when pieces differ.
@@ -56,6 +60,12 @@ __all__ = [
     "reduce_scatter_to_sp",
     "vocab_parallel_cross_entropy",
     "summa_linear",
+    "column_linear",
+    "all_gather_linear",
+    "linear_reduce_scatter",
+    "set_overlap",
+    "overlap_enabled",
+    "overlaps",
     "everywhere",
     "barrier",
     "resolve_group",
@@ -210,6 +220,102 @@ def reduce_scatter_to_sp(
     if g.size == 1:
         return x
     return ops.reduce_scatter_to_sp(x, dim, _split_sizes(x, dim, g, sizes), g.name, g.size, g.rank)
+
+
+# ---- linear layers fused with their communication (overlapped) ---------------------------------
+
+# (enabled: True, False or None for "auto", smallest input in elements). Auto: on for CUDA
+# tensors; off for CPU ones, where ranks on one host do better with the shared-memory channel's
+# blocking collectives (the overlapped transfers take the process group's sockets) and ranks
+# share the cores (benchmarks/bench_overlap.py: 0.95-0.98x on loopback, 1.1-1.5x on a
+# 300 Mbit/s link). Below min_elements a ring's extra round trips cost more than they hide.
+_OVERLAP: list = [None, 1 << 16]
+
+
+def set_overlap(enabled: Optional[bool], min_elements: Optional[int] = None) -> None:
+    """Whether tp_ext's layers take the fused, overlapped linear ops (True), the unfused pairs
+    followed by ``F.linear`` (False: the same bytes, all on the critical path), or decide by
+    device (None, the default: CUDA yes, CPU no; turn it on for CPU ranks on separate hosts),
+    and from which input size (elements of the layer's input on this rank; default 65536)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_overlap: enabled must be True, False or None, got {enabled!r}")
+    if min_elements is not None and (
+        isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0
+    ):
+        raise ValueError(f"set_overlap: min_elements must be an int >= 0, got {min_elements!r}")
+    _OVERLAP[0] = enabled
+    if min_elements is not None:
+        _OVERLAP[1] = min_elements
+
+
+def overlap_enabled() -> Optional[bool]:
+    return _OVERLAP[0]
+
+
+def overlaps(x: torch.Tensor, group: GroupLike) -> bool:
+    """Whether a layer with input ``x`` on ``group`` takes the fused, overlapped op."""
+    enabled = x.is_cuda if _OVERLAP[0] is None else _OVERLAP[0]
+    return enabled and x.numel() >= _OVERLAP[1] and resolve_group(group).size > 1
+
+
+def _autocast(*tensors):
+    """The tensors in autocast's dtype where F.linear would run in it (these ops are not in
+    autocast's lists, so it would not cast them)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: GroupLike = None
+) -> torch.Tensor:
+    """``copy_to_tp(x)`` then ``F.linear``, in one op whose backward starts the input-gradient
+    all-reduce before the weight-gradient GEMM and waits after it (Megatron-Core's overlap)."""
+    g = _live(group, "column_linear")
+    if g.size == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    x, weight, bias = _autocast(x, weight, bias)
+    return ops.column_linear(x, weight, bias, g.name, g.size)
+
+
+def all_gather_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    dim: int,
+    sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+) -> torch.Tensor:
+    """``gather_from_sp(x, dim, sizes)`` then ``F.linear``, as a ring: each sequence shard is
+    multiplied while the next one travels; backward, the input gradient's reduce-scatter is a
+    ring of accumulators behind its GEMMs."""
+    g = _live(group, "all_gather_linear")
+    if g.size == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    x, weight, bias = _autocast(x, weight, bias)
+    return ops.all_gather_linear(x, weight, bias, dim, _piece_sizes(sizes), g.name, g.size, g.rank)[
+        0
+    ]
+
+
+def linear_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    dim: int,
+    sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+) -> torch.Tensor:
+    """``F.linear`` (no bias) then ``reduce_scatter_to_sp(.., dim, sizes)``, as a ring of
+    accumulators: each shard's partial product is computed while another shard's sum travels;
+    backward, the gradient's all-gather goes round the ring behind its GEMMs."""
+    g = _live(group, "linear_reduce_scatter")
+    if g.size == 1:
+        return torch.nn.functional.linear(x, weight)
+    sizes = _split_sizes(x, dim, g, sizes)
+    x, weight = _autocast(x, weight)
+    return ops.linear_reduce_scatter(x, weight, dim, sizes, g.name, g.size, g.rank)
 
 
 # ---- the loss that communicates -----------------------------------------------------------------

@@ -106,12 +106,16 @@ class ParallelModule(nn.Module):
             )
         return uneven_sizes(sizes)
 
-    def _gather_sequence(self, x: torch.Tensor, seq_len: Optional[int]) -> torch.Tensor:
+    def _check_sequence_input(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2:
             raise ValueError(
                 f"{type(self).__name__}: sequence-parallel input must be "
                 f"[..., seq, features], got shape {tuple(x.shape)}"
             )
+        return x
+
+    def _gather_sequence(self, x: torch.Tensor, seq_len: Optional[int]) -> torch.Tensor:
+        self._check_sequence_input(x)
         if self.tp_size == 1:
             return x
         return comm.gather_from_sp(x, SEQUENCE_DIM, self._sp_sizes(x, seq_len), self.tp)

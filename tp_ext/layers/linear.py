@@ -21,7 +21,13 @@ from torch import nn
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup, resolve_group
-from tp_ext.layers.base import InitFn, ParallelModule, check_int, default_linear_init
+from tp_ext.layers.base import (
+    SEQUENCE_DIM,
+    InitFn,
+    ParallelModule,
+    check_int,
+    default_linear_init,
+)
 from tp_ext.sharding import HeadLayout, Partition, uneven_sizes
 
 __all__ = [
@@ -170,13 +176,24 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
         _check_features(self, x, self.in_features, "in_features")
-        if self.sequence_parallel:
-            x = self._gather_sequence(x, seq_len)
-        elif not self.input_is_gathered:
-            x = comm.copy_to_tp(x, self.tp)
         weight = self._replica_summed(self.weight)
         bias = None if self.bias is None else self._replica_summed(self.bias)
-        y = F.linear(x, weight, None if self.skip_bias_add else bias)
+        added = None if self.skip_bias_add else bias
+        # the fused ops overlap the communication with the GEMMs (tp_ext.comm.set_overlap)
+        fused = comm.overlaps(x, self.tp)
+        if self.sequence_parallel and fused:
+            sizes = self._sp_sizes(self._check_sequence_input(x), seq_len)
+            y = comm.all_gather_linear(x, weight, added, SEQUENCE_DIM, sizes, self.tp)
+        elif self.input_is_gathered:
+            y = F.linear(x, weight, added)
+        elif not self.sequence_parallel and fused:
+            y = comm.column_linear(x, weight, added, self.tp)
+        else:
+            if self.sequence_parallel:
+                x = self._gather_sequence(x, seq_len)
+            else:
+                x = comm.copy_to_tp(x, self.tp)
+            y = F.linear(x, weight, added)
         if self.gather_output:
             y = self.gather_features(y)
             if self.skip_bias_add and bias is not None:
@@ -263,15 +280,17 @@ class RowParallelLinear(_ParallelLinear):
         else:
             _check_features(self, x, self.in_features, "in_features")
             x = comm.scatter_to_tp(x, -1, self.partition.local_sizes(), self.tp)
-        y = F.linear(x, self.weight)
         bias = self.bias
         if self.sequence_parallel:
-            y = self._scatter_sequence(y)
+            if comm.overlaps(x, self.tp):  # the ring, behind its GEMMs
+                y = comm.linear_reduce_scatter(x, self.weight, SEQUENCE_DIM, None, self.tp)
+            else:
+                y = self._scatter_sequence(F.linear(x, self.weight))
             # The bias now meets only this rank's tokens: its gradient is partial.
             if bias is not None:
                 bias = comm.copy_to_tp(bias, self.tp)
         else:
-            y = comm.reduce_from_tp(y, self.tp)
+            y = comm.reduce_from_tp(F.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias

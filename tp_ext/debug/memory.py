@@ -15,6 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+__all__ = ["PeakMemory"]
+
 
 class PeakMemory(TorchDispatchMode):
     def __init__(self, *existing) -> None:

@@ -1,0 +1,481 @@
+// Linear layers fused with their tensor-parallel communication, so that it hides behind GEMMs
+// (Megatron-Core's overlap of the input-gradient all-reduce with the weight-gradient GEMM;
+// PyTorch's async TP and xformers' ring-decomposed all-gather + matmul and matmul +
+// reduce-scatter).
+//
+// column_linear: y = x W^T + b of a column-parallel layer whose input is replicated (forward: no
+//   communication). Backward (column_linear_backward): grad_x = grad W first, its all-reduce
+//   started, grad_W = grad^T x and grad_b computed while it is in flight, then it is waited for.
+// all_gather_linear: y = gather(x) W^T + b under sequence parallelism, x this rank's shard along
+//   `dim`. A ring of w steps: at step i the rank holds shard (rank - i) mod w; it passes it on to
+//   rank + 1 and receives the next from rank - 1 while it multiplies the one it holds. Returns
+//   (y, gathered x): the unfused layer saves the gathered input for backward too. Backward
+//   (all_gather_linear_backward): grad_x = reduce_scatter(grad W) by the accumulator ring below,
+//   grad_W = grad^T x_full and grad_b computed while its last transfer is in flight.
+// linear_reduce_scatter: y = reduce_scatter(x W^T) along `dim` (row-parallel under SP). A ring of
+//   accumulators: shard j's partial sum starts at rank j + 1 and travels j+1 -> j+2 -> ... -> j,
+//   each rank adding its partial x[shard j] W^T, computed while the previous transfer is in
+//   flight. Backward (linear_reduce_scatter_backward): the gradient's shards go round the ring
+//   (an all-gather); with each shard the rank computes its rows of grad_x = grad W and adds
+//   grad_shard^T x_shard to grad_W, while the next shard travels.
+//
+// Accounting records the unfused collective's bytes (stats.h) under the fused op's name, so
+// tp_ext.comm.track() shows which path ran and that the volume is Megatron's minimum; its
+// seconds are the time spent waiting for transfers: the communication the GEMMs did not hide.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <numeric>
+#include <optional>
+
+#include "../common/checks.h"
+#include "../common/dispatch.h"
+#include "../common/group.h"
+#include "collectives.h"
+#include "stats.h"
+
+namespace tp_ext::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+int64_t nbytes(at::IntArrayRef shape, const at::Tensor& like) {
+  int64_t n = like.element_size();
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// Shard r's [offset, offset + size) along the sequence dimension.
+struct Shards {
+  std::vector<int64_t> size, offset;
+  int64_t total = 0;
+};
+
+Shards shards_of(std::vector<int64_t> sizes) {
+  Shards s;
+  s.size = std::move(sizes);
+  for (int64_t n : s.size) {
+    s.offset.push_back(s.total);
+    s.total += n;
+  }
+  return s;
+}
+
+int64_t mod(int64_t a, int64_t w) { return ((a % w) + w) % w; }
+
+// [tokens, features] view (a copy when the slice is not contiguous).
+at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+
+void check_linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, int64_t in_features, const char* op) {
+  check_tensor(x, "x", op);
+  check_tensor(weight, "weight", op);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "tp_ext.", op, ": weight must be 2-D [out, in], got shape ",
+                    shape_str(weight.sizes()), ".");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == in_features, "tp_ext.", op, ": x has shape ",
+                    shape_str(x.sizes()), " but weight [", weight.size(0), ", ", weight.size(1),
+                    "] takes ", in_features, " input features (x.shape[-1]).");
+  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), "tp_ext.", op, ": x has dtype ",
+                    x.scalar_type(), " but weight has ", weight.scalar_type(), ".");
+  if (bias.has_value() && bias->defined()) {
+    check_tensor(*bias, "bias", op);
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "tp_ext.", op,
+                      ": bias has shape ", shape_str(bias->sizes()), "; it must be [",
+                      weight.size(0), "] (weight.size(0)).");
+  }
+}
+
+int64_t sequence_dim(const at::Tensor& x, int64_t dim, const char* op) {
+  dim = wrap_dim(dim, x.dim(), "dim", op);
+  TORCH_CHECK_VALUE(dim != x.dim() - 1, "tp_ext.", op, ": dim=", dim,
+                    " is the feature dimension; pass the sequence dimension (e.g. -2).");
+  return dim;
+}
+
+// The checked arguments of a ring op: its sequence dim, group and shards.
+struct RingCall {
+  int64_t dim;
+  Group g;
+  Shards sh;
+};
+
+RingCall ring_call(const at::Tensor& x, const at::Tensor& weight, int64_t dim,
+                   at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
+                   int64_t group_rank, bool x_is_full, const char* op) {
+  check_linear(x, weight, std::nullopt, weight.size(-1), op);
+  dim = sequence_dim(x, dim, op);
+  auto g = resolve_group(group_name, group_size, x.device(), op, group_rank);
+  auto sh = shards_of(rank_sizes(x, dim, sizes, g, x_is_full, op));
+  return {dim, std::move(g), std::move(sh)};
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t dim, int64_t n_dim, int64_t features) {
+  auto v = x.sizes().vec();
+  v[dim] = n_dim;
+  v.back() = features;
+  return v;
+}
+
+// ---- column_linear: the input-gradient all-reduce behind the weight-gradient GEMM -------------
+
+at::Tensor column_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                int64_t group_size) {
+  constexpr const char* op = "column_linear";
+  check_linear(x, weight, bias, weight.size(-1), op);
+  resolve_group(group_name, group_size, x.device(), op);  // checked, as every TP op
+  return at::linear(x, weight, bias.has_value() ? *bias : at::Tensor());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> column_linear_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+    c10::string_view group_name, int64_t group_size) {
+  constexpr const char* op = "column_linear_backward";
+  check_linear(x, weight, std::nullopt, weight.size(-1), op);
+  const auto g = resolve_group(group_name, group_size, x.device(), op);
+  const auto g2 = rows(grad);
+  // The input gradient first, its all-reduce in flight during the weight-gradient GEMM.
+  auto pending = all_reduce_start(at::matmul(grad, weight), g, op);
+  auto grad_w = at::mm(g2.t(), rows(x));
+  auto grad_b = g2.sum(0);
+  return {finish(pending), grad_w, grad_b};
+}
+
+// ---- all_gather_linear: ring all-gather, each shard multiplied while the next travels ----------
+
+std::tuple<at::Tensor, at::Tensor> all_gather_linear_kernel(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    int64_t dim, at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
+    int64_t group_rank) {
+  constexpr const char* op = "all_gather_linear";
+  check_linear(x, weight, bias, weight.size(-1), op);
+  const RingCall call =
+      ring_call(x, weight, dim, sizes, group_name, group_size, group_rank, false, op);
+  const Group& g = call.g;
+  const Shards& sh = call.sh;
+  dim = call.dim;
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  auto full = at::empty(out_shape(x, dim, sh.total, x.size(-1)), x.options());
+  auto y = at::empty(out_shape(x, dim, sh.total, weight.size(0)), x.options());
+  ring_announce(x, dim, sh.size, 1, g, op);
+  const int64_t w = g.size;
+  auto cur = x.contiguous();
+  double waited = 0;
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t j = mod(g.rank - i, w);  // whose shard `cur` is
+    RingShift shift;
+    at::Tensor next;
+    if (i + 1 < w) {
+      next = at::empty(out_shape(x, dim, sh.size[mod(j - 1, w)], x.size(-1)), x.options());
+      shift = ring_shift_start(cur, next, i, g);
+    }
+    full.narrow(dim, sh.offset[j], sh.size[j]).copy_(cur);
+    y.narrow(dim, sh.offset[j], sh.size[j]).copy_(at::linear(cur, weight, b));
+    if (i + 1 < w) {
+      waited += ring_shift_finish(shift, g, op);
+      cur = next;
+    }
+  }
+  if (w > 1) record(op, "all_gather", nbytes(full), waited);
+  return {y, full};
+}
+
+// The accumulator ring: shard j of the sum over ranks of partial(j) ends on rank j. partial(j) is
+// this rank's term for shard j ([..., size_j, features], a fresh tensor), shape(j) its shape;
+// `overlapped` runs during the last transfer. Returns this rank's shard of the sum.
+template <typename Partial, typename Shape, typename Overlapped>
+at::Tensor accumulate_ring(const Group& g, const char* op, Partial partial, Shape shape,
+                           Overlapped overlapped, int64_t full_bytes) {
+  const int64_t w = g.size;
+  double waited = 0;
+  RingShift shift;
+  at::Tensor sent, incoming;
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t j = mod(g.rank - 1 - i, w);  // the shard whose sum passes through here now
+    auto mine = partial(j);                    // while the previous step's transfer is in flight
+    if (i + 1 == w) overlapped();
+    if (i > 0) {
+      waited += ring_shift_finish(shift, g, op);
+      mine.add_(incoming);
+    }
+    if (i + 1 == w) {
+      if (w > 1) record(op, "reduce_scatter", full_bytes, waited);
+      return mine;
+    }
+    sent = mine;  // alive until its send has been waited for
+    incoming = at::empty(shape(mod(j - 1, w)), mine.options());
+    shift = ring_shift_start(sent, incoming, i, g);
+  }
+  TORCH_CHECK(false, "unreachable");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_linear_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& x_full, const at::Tensor& weight, int64_t dim,
+    at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
+    int64_t group_rank) {
+  constexpr const char* op = "all_gather_linear_backward";
+  const RingCall call =
+      ring_call(x_full, weight, dim, sizes, group_name, group_size, group_rank, true, op);
+  const Group& g = call.g;
+  const Shards& sh = call.sh;
+  dim = call.dim;
+  ring_announce(x_full, -1, sh.size, 2, g, op);
+  at::Tensor grad_w, grad_b;
+  auto grad_x = accumulate_ring(g, op, [&](int64_t j) {
+    return at::matmul(grad.narrow(dim, sh.offset[j], sh.size[j]), weight).contiguous();
+  }, [&](int64_t j) { return out_shape(x_full, dim, sh.size[j], x_full.size(-1)); }, [&] {
+    const auto g2 = rows(grad);
+    grad_w = at::mm(g2.t(), rows(x_full));
+    grad_b = g2.sum(0);
+  }, nbytes(x_full));
+  return {grad_x, grad_w, grad_b};
+}
+
+// ---- linear_reduce_scatter: the accumulator ring, each partial computed while one travels ------
+
+at::Tensor linear_reduce_scatter_kernel(const at::Tensor& x, const at::Tensor& weight, int64_t dim,
+                                        at::OptionalIntArrayRef sizes, c10::string_view group_name,
+                                        int64_t group_size, int64_t group_rank) {
+  constexpr const char* op = "linear_reduce_scatter";
+  const RingCall call =
+      ring_call(x, weight, dim, sizes, group_name, group_size, group_rank, true, op);
+  const Group& g = call.g;
+  const Shards& sh = call.sh;
+  dim = call.dim;
+  // the input's features are this rank's share: agree on the output's shape
+  ring_announce(at::zeros({1}, x.options()).expand(out_shape(x, dim, sh.total, weight.size(0))), -1,
+                sh.size, 3, g, op);
+  return accumulate_ring(g, op, [&](int64_t j) {
+    return at::linear(x.narrow(dim, sh.offset[j], sh.size[j]), weight);
+  }, [&](int64_t j) { return out_shape(x, dim, sh.size[j], weight.size(0)); }, [] {
+  }, nbytes(out_shape(x, dim, sh.total, weight.size(0)), x));
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_reduce_scatter_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, int64_t dim,
+    at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
+    int64_t group_rank) {
+  constexpr const char* op = "linear_reduce_scatter_backward";
+  const RingCall call =
+      ring_call(x, weight, dim, sizes, group_name, group_size, group_rank, true, op);
+  const Group& g = call.g;
+  const Shards& sh = call.sh;
+  dim = call.dim;
+  TORCH_CHECK_VALUE(grad.size(dim) == sh.size[g.rank] && grad.size(-1) == weight.size(0), "tp_ext.",
+                    op, ": grad has shape ", shape_str(grad.sizes()),
+                    "; this rank's output shard is ",
+                    shape_str(out_shape(x, dim, sh.size[g.rank], weight.size(0))), ".");
+  ring_announce(grad, dim, sh.size, 4, g, op);
+  // The gradient's shards go round the ring; each one's rows of grad_x and its term of grad_W
+  // are computed while the next travels.
+  auto grad_x = at::empty(x.sizes(), x.options());
+  auto grad_w = at::zeros(weight.sizes(), weight.options());
+  const int64_t w = g.size;
+  auto cur = grad.contiguous();
+  double waited = 0;
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t j = mod(g.rank - i, w);
+    RingShift shift;
+    at::Tensor next;
+    if (i + 1 < w) {
+      next = at::empty(out_shape(x, dim, sh.size[mod(j - 1, w)], weight.size(0)), grad.options());
+      shift = ring_shift_start(cur, next, i, g);
+    }
+    const auto x_j = x.narrow(dim, sh.offset[j], sh.size[j]);
+    grad_x.narrow(dim, sh.offset[j], sh.size[j]).copy_(at::matmul(cur, weight));
+    grad_w.addmm_(rows(cur).t(), rows(x_j));
+    if (i + 1 < w) {
+      waited += ring_shift_finish(shift, g, op);
+      cur = next;
+    }
+  }
+  if (w > 1)
+    record(op, "all_gather", nbytes(out_shape(x, dim, sh.total, weight.size(0)), grad), waited);
+  return {grad_x, grad_w};
+}
+
+// ---- autograd (C++): the backward ops through the dispatcher, so compile traces them ----------
+
+using ColumnBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                         const at::Tensor&,
+                                                                         const at::Tensor&,
+                                                                         c10::string_view, int64_t);
+using GatherBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::OptionalIntArrayRef,
+    c10::string_view, int64_t, int64_t);
+using ScatterBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, int64_t,
+                                                              at::OptionalIntArrayRef,
+                                                              c10::string_view, int64_t, int64_t);
+using ColumnSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                             c10::string_view, int64_t);
+using GatherSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                     const std::optional<at::Tensor>&, int64_t,
+                                                     at::OptionalIntArrayRef, c10::string_view,
+                                                     int64_t, int64_t);
+using ScatterSig = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                              at::OptionalIntArrayRef, c10::string_view, int64_t, int64_t);
+
+at::OptionalIntArrayRef sizes_of(const c10::IValue& v, std::vector<int64_t>& keep) {
+  if (v.isNone()) return c10::nullopt;
+  keep = v.toIntVector();
+  return keep;
+}
+
+c10::IValue sizes_value(at::OptionalIntArrayRef sizes) {
+  return sizes.has_value() ? c10::IValue(sizes->vec()) : c10::IValue();
+}
+
+class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::string& group_name, int64_t group_size) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["group_size"] = group_size;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = op_handle("column_linear").typed<ColumnSig>();
+    return op.call(x, weight, bias, group_name, group_size);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    static const auto op = op_handle("column_linear_backward").typed<ColumnBackwardSig>();
+    auto [gx, gw, gb] = op.call(grads[0], saved[0], saved[1], d.at("group_name").toStringRef(),
+                                d.at("group_size").toInt());
+    return {gx, gw, d.at("has_bias").toBool() ? gb : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+class AllGatherLinear : public torch::autograd::Function<AllGatherLinear> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& weight,
+                                                const std::optional<at::Tensor>& bias, int64_t dim,
+                                                c10::IValue sizes, const std::string& group_name,
+                                                int64_t group_size, int64_t group_rank) {
+    std::vector<int64_t> keep;
+    const auto s = sizes_of(sizes, keep);
+    at::Tensor y, full;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      static const auto op = op_handle("all_gather_linear").typed<GatherSig>();
+      std::tie(y, full) = op.call(x, weight, bias, dim, s, group_name, group_size, group_rank);
+    }
+    ctx->save_for_backward({full, weight});
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["group_rank"] = group_rank;
+    ctx->mark_non_differentiable({full});
+    return {y, full};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    std::vector<int64_t> keep;
+    static const auto op = op_handle("all_gather_linear_backward").typed<GatherBackwardSig>();
+    auto [gx, gw, gb] = op.call(grads[0], saved[0], saved[1], d.at("dim").toInt(),
+                                sizes_of(d.at("sizes"), keep), d.at("group_name").toStringRef(),
+                                d.at("group_size").toInt(), d.at("group_rank").toInt());
+    return {gx,           gw,           d.at("has_bias").toBool() ? gb : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+class LinearReduceScatter : public torch::autograd::Function<LinearReduceScatter> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, int64_t dim, c10::IValue sizes,
+                            const std::string& group_name, int64_t group_size, int64_t group_rank) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["group_rank"] = group_rank;
+    std::vector<int64_t> keep;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = op_handle("linear_reduce_scatter").typed<ScatterSig>();
+    return op.call(x, weight, dim, sizes_of(sizes, keep), group_name, group_size, group_rank);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    std::vector<int64_t> keep;
+    static const auto op = op_handle("linear_reduce_scatter_backward").typed<ScatterBackwardSig>();
+    auto [gx, gw] = op.call(grads[0], saved[0], saved[1], d.at("dim").toInt(),
+                            sizes_of(d.at("sizes"), keep), d.at("group_name").toStringRef(),
+                            d.at("group_size").toInt(), d.at("group_rank").toInt());
+    return {gx, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor column_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  c10::string_view group_name, int64_t group_size) {
+  return ColumnLinear::apply(x, weight, bias, std::string(group_name), group_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> all_gather_linear_autograd(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    int64_t dim, at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
+    int64_t group_rank) {
+  // The gathered input (saved for backward) is an output too; it carries no gradient.
+  auto out = AllGatherLinear::apply(x, weight, bias, dim, sizes_value(sizes),
+                                    std::string(group_name), group_size, group_rank);
+  return {out[0], out[1]};
+}
+
+at::Tensor linear_reduce_scatter_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                          int64_t dim, at::OptionalIntArrayRef sizes,
+                                          c10::string_view group_name, int64_t group_size,
+                                          int64_t group_rank) {
+  return LinearReduceScatter::apply(x, weight, dim, sizes_value(sizes), std::string(group_name),
+                                    group_size, group_rank);
+}
+
+void register_kernels(torch::Library& m) {
+  m.impl("column_linear", &column_linear_kernel);
+  m.impl("column_linear_backward", &column_linear_backward_kernel);
+  m.impl("all_gather_linear", &all_gather_linear_kernel);
+  m.impl("all_gather_linear_backward", &all_gather_linear_backward_kernel);
+  m.impl("linear_reduce_scatter", &linear_reduce_scatter_kernel);
+  m.impl("linear_reduce_scatter_backward", &linear_reduce_scatter_backward_kernel);
+}
+
+}  // namespace
+}  // namespace tp_ext::comm
+
+// Device-generic: the GEMMs dispatch to the tensors' device, the transfers go through the process
+// group's backend (gloo: CPU; NCCL: CUDA, where send/recv run on NCCL's stream).
+TORCH_LIBRARY_IMPL(tp_ext, CPU, m) { tp_ext::comm::register_kernels(m); }
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { tp_ext::comm::register_kernels(m); }
+
+TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
+  m.impl("column_linear", &tp_ext::comm::column_linear_autograd);
+  m.impl("all_gather_linear", &tp_ext::comm::all_gather_linear_autograd);
+  m.impl("linear_reduce_scatter", &tp_ext::comm::linear_reduce_scatter_autograd);
+  // No double backward.
+  for (const char* name :
+       {"column_linear_backward", "all_gather_linear_backward", "linear_reduce_scatter_backward"})
+    m.impl(name, torch::autograd::autogradNotImplementedFallback());
+}

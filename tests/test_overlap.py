@@ -1,0 +1,248 @@
+"""The linear ops fused with their TP communication (csrc/comm/overlapped_linear.cpp): each against
+the unfused composition of tp_ext's collectives and F.linear (outputs and every gradient), at world
+sizes 1-4 with uneven and empty sequence shards, the accounting (the same bytes as the unfused
+collectives, under the fused op's name), opcheck, and argument errors."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tp_ext
+from tp_ext import comm, ops
+
+from .common import WORLD_SIZES, full
+from .dist_utils import run_distributed
+
+TOL = dict(rtol=1e-12, atol=1e-12)  # fp64: only the order of the sums differs
+
+
+def _group():
+    g = comm.resolve_group(dist.group.WORLD)
+    return g.name, g.size, g.rank
+
+
+def _grads(out, inputs, seed):
+    grad = full(out.shape, seed, out.dtype)
+    return torch.autograd.grad(out, inputs, grad)
+
+
+def _same(y, y_ref, fused, plain, fused_stats, plain_stats, op):
+    """Outputs and gradients equal; (bytes per collective of both paths, calls of ``op``)."""
+    torch.testing.assert_close(y, y_ref, **TOL)
+    for a, e in zip(fused, plain):
+        torch.testing.assert_close(a, e, **TOL)
+    by_collective = {
+        c: (fused_stats.bytes(collective=c), plain_stats.bytes(collective=c))
+        for c in ("all_gather", "reduce_scatter")
+    }
+    return by_collective, fused_stats.count(op=op)
+
+
+def _check_column_linear():
+    name, size, rank = _group()
+    x = full((2, 5, 6), 1, torch.float64).requires_grad_()
+    w = full((3 + rank, 6), 2 + rank, torch.float64).requires_grad_()  # uneven rows per rank
+    b = full((3 + rank,), 3 + rank, torch.float64).requires_grad_()
+    with comm.track() as fused_stats:
+        y = ops.column_linear(x, w, b, name, size)
+        fused = _grads(y, (x, w, b), 4 + rank)
+    with comm.track() as plain_stats:
+        y_ref = F.linear(comm.copy_to_tp(x, dist.group.WORLD), w, b)
+        plain = _grads(y_ref, (x, w, b), 4 + rank)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    for a, e in zip(fused, plain):
+        torch.testing.assert_close(a, e, **TOL)
+    return (
+        fused_stats.bytes(collective="all_reduce"),
+        plain_stats.bytes(collective="all_reduce"),
+        fused_stats.count(op="column_linear_backward"),
+    )
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_column_linear_matches_copy_to_tp_and_linear(world):
+    for fused, plain, count in run_distributed(_check_column_linear, world):
+        assert fused == plain  # the same all-reduce, overlapped
+        assert count == (1 if world > 1 else 0)
+
+
+def _seq_sizes(seq, world):
+    return tp_ext.shard_sizes(seq, world)
+
+
+def _check_all_gather_linear(seq):
+    name, size, rank = _group()
+    sizes = _seq_sizes(seq, size)
+    x_full = full((2, seq, 6), 1, torch.float64)
+    start = sum(sizes[:rank])
+    x = x_full[:, start : start + sizes[rank]].clone().requires_grad_()
+    w = full((4, 6), 2 + rank, torch.float64).requires_grad_()
+    b = full((4,), 3 + rank, torch.float64).requires_grad_()
+    with comm.track() as fused_stats:
+        y, gathered = ops.all_gather_linear(x, w, b, -2, sizes, name, size, rank)
+        fused = _grads(y, (x, w, b), 4 + rank)
+    with comm.track() as plain_stats:
+        full_x = comm.gather_from_sp(x, -2, sizes, dist.group.WORLD)
+        y_ref = F.linear(full_x, w, b)
+        plain = _grads(y_ref, (x, w, b), 4 + rank)
+    torch.testing.assert_close(gathered, x_full, rtol=0, atol=0)
+    return _same(y, y_ref, fused, plain, fused_stats, plain_stats, "all_gather_linear")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("seq", [8, 7, 2])  # even, uneven, fewer positions than ranks
+def test_all_gather_linear_matches_gather_from_sp_and_linear(world, seq):
+    for by_collective, count in run_distributed(_check_all_gather_linear, world, seq):
+        for fused, plain in by_collective.values():
+            assert fused == plain  # Megatron's volume: one all-gather forward, one RS backward
+        assert count == (1 if world > 1 else 0)
+
+
+def _check_linear_reduce_scatter(seq):
+    name, size, rank = _group()
+    sizes = _seq_sizes(seq, size)
+    x = full((2, seq, 3 + rank), 1 + rank, torch.float64).requires_grad_()
+    w = full((5, 3 + rank), 2 + rank, torch.float64).requires_grad_()
+    with comm.track() as fused_stats:
+        y = ops.linear_reduce_scatter(x, w, -2, sizes, name, size, rank)
+        fused = _grads(y, (x, w), 4 + rank)
+    with comm.track() as plain_stats:
+        y_ref = comm.reduce_scatter_to_sp(F.linear(x, w), -2, sizes, dist.group.WORLD)
+        plain = _grads(y_ref, (x, w), 4 + rank)
+    return _same(y, y_ref, fused, plain, fused_stats, plain_stats, "linear_reduce_scatter")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("seq", [8, 7, 2])
+def test_linear_reduce_scatter_matches_linear_and_reduce_scatter_to_sp(world, seq):
+    for by_collective, count in run_distributed(_check_linear_reduce_scatter, world, seq):
+        for fused, plain in by_collective.values():
+            assert fused == plain
+        assert count == (1 if world > 1 else 0)
+
+
+def _check_opcheck():
+    name, size, rank = _group()
+    sizes = _seq_sizes(7, size)
+    x = full((2, 5, 6), 1).requires_grad_()
+    w = full((3, 6), 2).requires_grad_()
+    b = full((3,), 3).requires_grad_()
+    torch.library.opcheck(ops.column_linear.default, (x, w, b, name, size))
+    x_shard = full((2, sizes[rank], 6), 4).requires_grad_()
+    torch.library.opcheck(
+        ops.all_gather_linear.default, (x_shard, w, b, -2, sizes, name, size, rank)
+    )
+    x_seq = full((2, 7, 6), 5).requires_grad_()
+    torch.library.opcheck(
+        ops.linear_reduce_scatter.default, (x_seq, w, -2, sizes, name, size, rank)
+    )
+    g = full((2, 5, 3), 6)
+    torch.library.opcheck(
+        ops.column_linear_backward.default, (g, x.detach(), w.detach(), name, size)
+    )
+    g_full = full((2, 7, 3), 7)
+    torch.library.opcheck(
+        ops.all_gather_linear_backward.default,
+        (g_full, x_seq.detach(), w.detach(), -2, sizes, name, size, rank),
+    )
+    g_shard = full((2, sizes[rank], 3), 8)
+    torch.library.opcheck(
+        ops.linear_reduce_scatter_backward.default,
+        (g_shard, x_seq.detach(), w.detach(), -2, sizes, name, size, rank),
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck(world):
+    run_distributed(_check_opcheck, world)
+
+
+def _errors():
+    name, size, rank = _group()
+    x = full((2, 4, 6), 1)
+    out = []
+    for call in (
+        lambda: ops.column_linear(x, full((3, 5), 2), None, name, size),
+        lambda: ops.all_gather_linear(x, full((3, 6), 2), None, -1, None, name, size, rank),
+        lambda: ops.linear_reduce_scatter(x, full((3, 6), 2), -2, [4, 1], name, size, rank),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_errors_name_the_argument():
+    errors = run_distributed(_errors, 2)[0]
+    assert "x has shape [2, 4, 6] but weight [3, 5] takes 5 input features" in errors[0]
+    assert "dim=2 is the feature dimension; pass the sequence dimension" in errors[1]
+    assert "sizes [4, 1] add up to 5 but x.size(1)=4" in errors[2]
+
+
+# ---- the layers take the fused ops: the same numbers as the unfused path ---------------------
+
+
+def _mlp_both_paths(sp, seq):
+    from tp_ext.layers import ParallelMLP
+
+    name, size, rank = _group()
+    torch.manual_seed(0)
+    mlp = ParallelMLP(16, 40, sequence_parallel=sp, dtype=torch.float64)
+    x_full = full((2, seq, 16), 1, torch.float64)
+    sizes = tp_ext.shard_sizes(seq, size)
+    start = sum(sizes[:rank])
+    x_in = x_full[:, start : start + sizes[rank]] if sp else x_full
+    results = []
+    for enabled in (False, True):
+        comm.set_overlap(enabled, 0)
+        x = x_in.clone().requires_grad_()
+        mlp.zero_grad()
+        with comm.track() as stats:
+            y = mlp(x, seq) if sp else mlp(x)
+            y.backward(full(y.shape, 2 + rank, torch.float64))
+        grads = [x.grad] + [p.grad.clone() for p in mlp.parameters()]
+        fused_ops = {r.op for r in stats.records} & {
+            "column_linear_backward",
+            "all_gather_linear",
+            "all_gather_linear_backward",
+            "linear_reduce_scatter",
+            "linear_reduce_scatter_backward",
+        }
+        bus = {c: stats.bytes(collective=c) for c in ("all_reduce", "all_gather", "reduce_scatter")}
+        results.append((y.detach(), grads, sorted(fused_ops), bus))
+    comm.set_overlap(None, 1 << 16)
+    (y0, g0, ops0, bus0), (y1, g1, ops1, bus1) = results
+    torch.testing.assert_close(y1, y0, **TOL)
+    for a, e in zip(g1, g0):
+        torch.testing.assert_close(a, e, **TOL)
+    return ops0, ops1, bus0 == bus1
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("sp", [False, True])
+def test_parallel_mlp_is_the_same_with_overlap(world, sp):
+    """ParallelMLP with the fused ops (min_elements=0) gives the unfused path's output and
+    gradients, moves the same bytes, and the records say the fused ops ran."""
+    for ops0, ops1, same_bytes in run_distributed(_mlp_both_paths, world, sp, 7):
+        assert ops0 == []
+        assert same_bytes
+        if world == 1:
+            assert ops1 == []
+        elif sp:
+            assert ops1 == [
+                "all_gather_linear",
+                "all_gather_linear_backward",
+                "linear_reduce_scatter",
+                "linear_reduce_scatter_backward",
+            ]
+        else:
+            assert ops1 == ["column_linear_backward"]
+
+
+def test_set_overlap_checks_its_arguments():
+    with pytest.raises(TypeError, match="enabled must be True, False or None, got 1"):
+        comm.set_overlap(1)
+    with pytest.raises(ValueError, match="min_elements must be an int >= 0, got -1"):
+        comm.set_overlap(True, -1)
