@@ -3,6 +3,12 @@
 Rank layout: mesh shape ``(pp, dp, tp)`` with ``tp`` innermost, so the ranks of one TP group are
 adjacent (``0..tp-1``, ``tp..2tp-1``, ...) and sit inside one node under torchrun, where TP's
 frequent all-reduces belong; DP groups stride by ``tp``; PP is outermost. This is Megatron's order.
+
+Expert parallelism (``ep=E``) takes its groups from the ranks of one pipeline stage, as
+Megatron-Core and torchtitan do: from the DP ranks when E divides dp (E consecutive DP ranks of
+one TP position), else from all DP ranks and E / dp consecutive TP ranks (E / dp dividing tp).
+The expert-DP group of a rank is the ranks of its stage at the same place in their EP groups:
+they hold the same experts, and expert gradients are averaged over them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ __all__ = [
     "parallel_state",
     "destroy_parallel",
     "valid_layouts",
+    "valid_ep",
+    "expert_groups",
     "tied_embedding_group",
     "launcher_store",
 ]
@@ -47,6 +55,9 @@ class ParallelState:
     device: torch.device
     backend: str
     tp_grid: Optional[TPGrid] = None  # tp=(P, Q): the 2D grid of the TP ranks
+    ep: int = 1
+    ep_group: Optional[dist.ProcessGroup] = None  # the ranks that share out the experts
+    expert_dp_group: Optional[dist.ProcessGroup] = None  # the ranks holding the same experts
 
     @property
     def tp_rank(self) -> int:
@@ -55,6 +66,10 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.pp_group.rank()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_group.rank()
 
     @property
     def dp_rank(self) -> int:
@@ -101,6 +116,41 @@ def _resolve_sizes(world: int, tp: int, pp: int, dp: Optional[int]) -> int:
     return dp
 
 
+def valid_ep(dp: int, tp: int) -> list[int]:
+    """Expert-parallel degrees that fit a stage of dp x tp ranks: the divisors of dp, and dp
+    times a divisor of tp."""
+    from_dp = {e for e in range(1, dp + 1) if dp % e == 0}
+    with_tp = {dp * t for t in range(1, tp + 1) if tp % t == 0}
+    return sorted(from_dp | with_tp)
+
+
+def expert_groups(mesh_ranks, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(EP groups, expert-DP groups) as lists of global ranks, from the ``[pp, dp, tp]`` array of
+    global ranks (see the module doc)."""
+    pp, dp, tp = mesh_ranks.shape
+    ep_groups, edp_groups = [], []
+    for p in range(pp):
+        stage = mesh_ranks[p]
+        if dp % ep == 0:  # E consecutive DP ranks at one TP position
+            blocks = [
+                [(k * ep + j, t) for j in range(ep)] for t in range(tp) for k in range(dp // ep)
+            ]
+        else:  # every DP rank and E / dp consecutive TP ranks
+            width = ep // dp
+            blocks = [[(d, m * width + u) for d in range(dp) for u in range(width)]
+                      for m in range(tp // width)]  # fmt: skip
+        ep_groups += [[int(stage[d, t]) for d, t in block] for block in blocks]
+        # the same place in every EP group of the stage (and, with TP inside the experts, the
+        # same TP position): the ranks that hold the same expert shards
+        per_place: dict = {}
+        for block in blocks:
+            for j, (d, t) in enumerate(block):
+                key = (j, t) if dp % ep == 0 else j
+                per_place.setdefault(key, []).append(int(stage[d, t]))
+        edp_groups += [sorted(ranks) for ranks in per_place.values()]
+    return ep_groups, edp_groups
+
+
 def launcher_store(timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Optional[dist.Store]:
     """torchrun's agent store, shared by every restart of one ``torchrun`` invocation (and
     nothing else): a place for what a job must remember across its restarts. None when not
@@ -136,6 +186,7 @@ def init_parallel(
     tp,
     pp: int = 1,
     dp: Optional[int] = None,
+    ep: int = 1,
     backend: Optional[str] = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> ParallelState:
@@ -143,8 +194,11 @@ def init_parallel(
     if it is not up yet). Backend: NCCL when CUDA is available, else gloo, unless ``backend`` says.
     ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
     ``tp=(P, Q)``: 2D tensor parallelism on a P x Q grid of P * Q TP ranks (``state.tp_grid``,
-    :class:`tp_ext.distributed.grid.TPGrid`); ``state.tp`` is then P * Q.
+    :class:`tp_ext.distributed.grid.TPGrid`); ``state.tp`` is then P * Q. ``ep=E``: expert
+    parallelism over E ranks of each pipeline stage (``state.ep_group``,
+    ``state.expert_dp_group``; see the module doc).
     """
+    _check_degree("ep", ep)
     one_d = isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1
     grid_shape = None if one_d else check_grid_shape(tp)  # (raises for anything else)
     if grid_shape is not None:
@@ -177,12 +231,19 @@ def init_parallel(
     backend = dist.get_backend()
     world = dist.get_world_size()
     dp = _resolve_sizes(world, tp, pp, dp)
+    if ep not in valid_ep(dp, tp):
+        raise ValueError(
+            f"ep={ep} does not fit a pipeline stage of dp={dp} x tp={tp} ranks: the expert group "
+            f"is taken from the DP ranks (ep dividing dp), then from the TP ranks too (dp times "
+            f"a divisor of tp); these work: {valid_ep(dp, tp)}"
+        )
     current = PROCESS.parallel
     current_grid = None if current is None or current.tp_grid is None else current.tp_grid.shape
-    if current is not None and (current.tp, current.pp, current.dp, current_grid) == (
+    if current is not None and (current.tp, current.pp, current.dp, current.ep, current_grid) == (
         tp,
         pp,
         dp,
+        ep,
         grid_shape,
     ):
         return current  # same layout: reuse the groups (making them again is a collective)
@@ -216,9 +277,24 @@ def init_parallel(
         device=device,
         backend=backend,
         tp_grid=tp_grid,
+        ep=ep,
+        **_expert_process_groups(mesh, ep),
     )
     peers.record(dist.group.WORLD)  # lets errors name a rank that died (one small all-gather)
     return PROCESS.parallel
+
+
+def _expert_process_groups(mesh: DeviceMesh, ep: int) -> dict:
+    """This rank's EP and expert-DP groups (every rank makes every group: a collective)."""
+    ep_groups, edp_groups = expert_groups(mesh.mesh, ep)
+    me = dist.get_rank()
+    out = {}
+    for key, lists in (("ep_group", ep_groups), ("expert_dp_group", edp_groups)):
+        for ranks in lists:
+            group = dist.new_group(ranks)
+            if me in ranks:
+                out[key] = group
+    return out
 
 
 def tied_embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:
