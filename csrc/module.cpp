@@ -16,11 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tp_ext native ops (torch.ops.tp_ext.*) and communication settings";
   // what this build was compiled against (tp-ext doctor compares it with the running torch)
   m.def("_built_with_torch", [] { return std::string(TORCH_VERSION); });
-#ifdef TP_EXT_WITH_CUDA
-  m.def("_built_with_cuda", [] { return true; });
-#else
-  m.def("_built_with_cuda", [] { return false; });
-#endif
   m.def("_set_tracking", &tp_ext::comm::set_tracking);
   m.def("_tracking", &tp_ext::comm::tracking);
   m.def("_reset_stats", &tp_ext::comm::reset_stats);

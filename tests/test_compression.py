@@ -281,6 +281,25 @@ def test_powersgd_error_is_saved_by_parameter_and_nothing_is_lost(world):
     assert error(fresh) > 0.5 * lost
 
 
+def _powersgd_state_of_a_submodule():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tp_ext.compression import register
+
+    model = _model()
+    ddp = DistributedDataParallel(model[0])  # one stage of the model, as a pipeline wraps it
+    state = register(ddp, "powersgd", dist.group.WORLD, model.named_parameters())
+    return sorted(state.state_dict())
+
+
+def test_powersgd_state_holds_its_own_module_only():
+    """With several DDP modules on a rank (interleaved stages), each PowerSGD state saves its
+    own parameters' errors (others' would be zeros overwriting the real ones)."""
+    keys = run_distributed(_powersgd_state_of_a_submodule, 2)[0]
+    assert keys == ["0.bias.powersgd_error", "0.weight.powersgd_error", "powersgd.iter"]
+
+
 def _powersgd_trains():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel

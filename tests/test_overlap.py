@@ -246,3 +246,27 @@ def test_set_overlap_checks_its_arguments():
         comm.set_overlap(1)
     with pytest.raises(ValueError, match="min_elements must be an int >= 0, got -1"):
         comm.set_overlap(True, -1)
+
+
+def _uneven_features_decide_alike():
+    """A row-parallel SP layer whose input features split 4 / 3: x.numel() is 32 on rank 0 and
+    24 on rank 1; with the threshold between them, both ranks must still take the same path."""
+    from tp_ext.layers import RowParallelLinear
+
+    torch.manual_seed(0)
+    layer = RowParallelLinear(7, 5, bias=False, sequence_parallel=True, dtype=torch.float64)
+    x = full((1, 8, layer.in_features_local), 1, torch.float64)
+    outs = []
+    for enabled in (False, True):
+        comm.set_overlap(enabled, 30)  # 30: between the ranks' 24 and 32 input elements
+        with comm.track() as stats:
+            y = layer(x)
+        outs.append((y, sorted({r.op for r in stats.records})))
+    comm.set_overlap(None, 1 << 16)
+    torch.testing.assert_close(outs[1][0], outs[0][0], **TOL)
+    return outs[1][1]
+
+
+def test_ranks_with_uneven_shards_take_the_same_path():
+    ops_seen = run_distributed(_uneven_features_decide_alike, 2)
+    assert ops_seen[0] == ops_seen[1] == ["linear_reduce_scatter"]  # 8 tokens x 5 outputs = 40

@@ -23,7 +23,14 @@ import torch
 
 # Loading the extension registers every op (static initialisers of its TORCH_LIBRARY blocks).
 # Imported by name: the compiled module is not a Python file the import-layer checker can see.
-_C = importlib.import_module("tp_ext._C")
+try:
+    _C = importlib.import_module("tp_ext._C")
+except ImportError as e:
+    raise ImportError(
+        f"tp_ext's C++ extension (tp_ext._C) does not load with this torch {torch.__version__}: "
+        f"{e}. It is usually built for another torch version; rebuild it (make install, or "
+        "pip install -e .)"
+    ) from e
 
 try:  # torch >= 2.12
     from torch._library.effects import EffectType

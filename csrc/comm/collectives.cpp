@@ -501,6 +501,11 @@ void ring_announce(const at::Tensor& x, int64_t free_dim, at::IntArrayRef sizes,
 }
 
 RingShift ring_shift_start(const at::Tensor& send, at::Tensor& recv, int64_t step, const Group& g) {
+  // NCCL may block a send until its receive is posted unless both sit in one group call;
+  // ungrouped, a ring of them can deadlock. Not done yet: refuse rather than hang.
+  TORCH_CHECK_NOT_IMPLEMENTED(send.device().is_cpu(), "tp_ext's ring ops (all_gather_linear, ",
+                              "linear_reduce_scatter) run on CPU / gloo only for now; on CUDA ",
+                              "use tp_ext.comm.set_overlap(None) (the default: no rings there).");
   RingShift s;
   const int tag = static_cast<int>(step);
   if (send.numel() > 0) {

@@ -62,10 +62,16 @@ class OneBitAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def group_of(self, param: torch.Tensor) -> dict:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group
-        raise KeyError("OneBitAdam: the parameter is not one of this optimizer's")
+        """``param``'s group (an index by identity, rebuilt when groups change: the DDP hook
+        asks for every parameter every step)."""
+        count = sum(len(g["params"]) for g in self.param_groups)
+        index = getattr(self, "_group_index", None)
+        if index is None or len(index) != count:
+            index = self._group_index = {id(p): g for g in self.param_groups for p in g["params"]}
+        group = index.get(id(param))
+        if group is None:
+            raise KeyError("OneBitAdam: the parameter is not one of this optimizer's")
+        return group
 
     def compressing(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s next gradient is sent compressed (its warm-up is over)."""

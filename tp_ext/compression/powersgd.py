@@ -116,6 +116,10 @@ def register_powersgd(ddp, group, named_parameters: Iterable, **options) -> Powe
     kwargs = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2, **options}
     torch_state = powersgd.PowerSGDState(process_group=group.group, **kwargs)
     gloo = dist.get_backend(group.group) == "gloo"
-    state = PowerSGDCompression(torch_state, named_parameters, in_order=gloo)
+    # only this DDP module's parameters: with several stage modules on a rank, each state
+    # saves its own (another's would be zeros overwriting the real ones)
+    own = {id(p) for p in ddp.module.parameters()}
+    named = [(n, p) for n, p in named_parameters if id(p) in own]
+    state = PowerSGDCompression(torch_state, named, in_order=gloo)
     ddp.register_comm_hook(state, PowerSGDCompression.hook)
     return state

@@ -90,7 +90,7 @@ def _tensors(output) -> list[torch.Tensor]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().cpu()
+    data = t.detach().reshape(-1).contiguous().cpu()  # (a 0-d tensor has no byte view)
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
@@ -128,9 +128,12 @@ def check_determinism(
     else:
         call = lambda: model(inputs)  # noqa: E731
     runs: list[list] = [[], []]
-    rng = torch.get_rng_state()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     for record in runs:
-        torch.set_rng_state(rng)  # dropout draws the same numbers both times
+        torch.set_rng_state(cpu_rng)  # dropout draws the same numbers both times
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
         with _recording(model, record):
             call()
     first, second = runs

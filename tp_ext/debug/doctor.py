@@ -48,7 +48,8 @@ def _extension() -> list[Check]:
         )
     else:
         checks.append(Check("torch version", OK, f"{running} (tp_ext built with {built})"))
-    cuda_kernels = ops._C._built_with_cuda()
+    # CUDA kernels are registered only by a CUDA build
+    cuda_kernels = torch._C._dispatch_has_kernel_for_dispatch_key("tp_ext::rms_norm", "CUDA")
     if torch.cuda.is_available() and not cuda_kernels:
         checks.append(
             Check(
@@ -73,7 +74,8 @@ def _cuda() -> list[Check]:
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     checks = [Check("CUDA", OK, f"CUDA {torch.version.cuda}, {len(names)} GPU(s): {names}")]
     try:
-        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        version = torch.cuda.nccl.version()  # a tuple, or an int in older torch
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         checks.append(Check("NCCL", OK, f"NCCL {nccl}"))
     except Exception as e:  # noqa: BLE001
         checks.append(Check("NCCL", FAIL, f"not usable ({e}): multi-GPU TP needs it"))

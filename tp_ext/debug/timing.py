@@ -48,7 +48,9 @@ class CommShare:
 
 def comm_share(fn: Callable[[], object], device: Optional[torch.device] = None) -> CommShare:
     """Run ``fn`` (one step) once and measure the share of it spent in tp_ext's collectives."""
-    cuda = device is not None and torch.device(device).type == "cuda"
+    if device is None:  # the CUDA path whenever a GPU is in use
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.device(device).type == "cuda"
     if not cuda:
         with comm.track() as stats:
             t0 = time.perf_counter()

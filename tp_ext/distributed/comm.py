@@ -225,7 +225,8 @@ def reduce_scatter_to_sp(
 # ---- linear layers fused with their communication (overlapped) ---------------------------------
 
 # (enabled: True, False or None for "auto", smallest input in elements). Auto: on for CUDA
-# tensors; off for CPU ones, where ranks on one host do better with the shared-memory channel's
+# tensors (the column backward; the rings stay off there, see overlaps()); off for CPU ones,
+# where ranks on one host do better with the shared-memory channel's
 # blocking collectives (the overlapped transfers take the process group's sockets) and ranks
 # share the cores (benchmarks/bench_overlap.py: 0.95-0.98x on loopback, 1.1-1.5x on a
 # 300 Mbit/s link). Below min_elements a ring's extra round trips cost more than they hide.
@@ -252,10 +253,16 @@ def overlap_enabled() -> Optional[bool]:
     return _OVERLAP[0]
 
 
-def overlaps(x: torch.Tensor, group: GroupLike) -> bool:
-    """Whether a layer with input ``x`` on ``group`` takes the fused, overlapped op."""
+def overlaps(x: torch.Tensor, shared_numel: int, group: GroupLike, ring: bool) -> bool:
+    """Whether a layer with input ``x`` on ``group`` takes the fused, overlapped op.
+    ``shared_numel``: a size every rank of the group computes alike (uneven shards differ in
+    ``x.numel()``, and ranks that chose differently would call different collectives).
+    ``ring``: the sequence-parallel rings, whose send/recv pairs are not yet grouped for NCCL
+    (ungrouped, NCCL can deadlock them), so they run on gloo only."""
+    if ring and x.is_cuda:
+        return False
     enabled = x.is_cuda if _OVERLAP[0] is None else _OVERLAP[0]
-    return enabled and x.numel() >= _OVERLAP[1] and resolve_group(group).size > 1
+    return enabled and shared_numel >= _OVERLAP[1] and resolve_group(group).size > 1
 
 
 def _autocast(*tensors):

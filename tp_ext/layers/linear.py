@@ -179,10 +179,16 @@ class ColumnParallelLinear(_ParallelLinear):
         weight = self._replica_summed(self.weight)
         bias = None if self.bias is None else self._replica_summed(self.bias)
         added = None if self.skip_bias_add else bias
-        # the fused ops overlap the communication with the GEMMs (tp_ext.comm.set_overlap)
-        fused = comm.overlaps(x, self.tp)
-        if self.sequence_parallel and fused:
+        # the fused ops overlap the communication with the GEMMs (tp_ext.comm.set_overlap),
+        # decided from sizes every rank shares
+        if self.sequence_parallel and self.tp_size > 1:
             sizes = self._sp_sizes(self._check_sequence_input(x), seq_len)
+            positions = sum(sizes) if sizes else x.size(SEQUENCE_DIM) * self.tp_size
+            whole = x.numel() // max(1, x.size(SEQUENCE_DIM)) * positions
+            fused = comm.overlaps(x, whole, self.tp, ring=True)
+        else:
+            fused = comm.overlaps(x, x.numel(), self.tp, ring=False)  # x is replicated
+        if self.sequence_parallel and fused:
             y = comm.all_gather_linear(x, weight, added, SEQUENCE_DIM, sizes, self.tp)
         elif self.input_is_gathered:
             y = F.linear(x, weight, added)
@@ -282,7 +288,9 @@ class RowParallelLinear(_ParallelLinear):
             x = comm.scatter_to_tp(x, -1, self.partition.local_sizes(), self.tp)
         bias = self.bias
         if self.sequence_parallel:
-            if comm.overlaps(x, self.tp):  # the ring, behind its GEMMs
+            # the output's size (tokens x out_features) is the same on every rank
+            shared = x.numel() // max(1, x.size(-1)) * self.out_features
+            if comm.overlaps(x, shared, self.tp, ring=True):  # the ring, behind its GEMMs
                 y = comm.linear_reduce_scatter(x, self.weight, SEQUENCE_DIM, None, self.tp)
             else:
                 y = self._scatter_sequence(F.linear(x, self.weight))

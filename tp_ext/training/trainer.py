@@ -147,7 +147,7 @@ class Trainer:
             optimizer = built
         _check_float16_parameters(optimizer)
         self.optimizer = optimizer
-        self._pair_onebit_adam(optimizer)
+        self._pair_onebit_adam(optimizer, autocast_dtype)
         self.lr_scheduler = _scheduler(lr_scheduler, optimizer)
         if data is not None and not (
             callable(getattr(data, "state_dict", None))
@@ -214,12 +214,18 @@ class Trainer:
         self.runner = PipelineRunner(model, schedule, self.data_parallel, compression)
         self.gradient_compression = compression if parallel.dp > 1 else None
 
-    def _pair_onebit_adam(self, optimizer) -> None:
+    def _pair_onebit_adam(self, optimizer, autocast_dtype) -> None:
         """1-bit compression with a :class:`OneBitAdam` runs as 1-bit Adam (its hooks send the
         momentum after the optimizer's warm-up); with Adam itself, warn: sign-compressed
         gradients corrupt its second moment."""
         states = self.runner.compression_states if self.runner is not None else []
         if isinstance(optimizer, OneBitAdam) and self.gradient_compression == "1bit":
+            if autocast_dtype == torch.float16:
+                raise ValueError(
+                    "OneBitAdam with gradient_compression='1bit' and float16 autocast: the hook "
+                    "blends the loss-scaled gradients with the unscaled momentum; use bfloat16 "
+                    "autocast (no loss scale) with 1-bit Adam"
+                )
             for state in states:
                 state.attach(optimizer)
         elif self.gradient_compression == "1bit" and isinstance(
