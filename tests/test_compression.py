@@ -362,6 +362,46 @@ def test_trainer_resume_with_onebit_adam_is_bitwise(tmp_path):
     )  # fmt: skip
 
 
+def _powersgd_errors_through_checkpoint(path):
+    import torch.distributed as dist
+
+    import tp_ext
+    from tests.test_pipeline import _config
+    from tp_ext.models import Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    state = tp_ext.init_parallel(tp=1, pp=1, dp=dist.get_world_size())
+
+    def trainer():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(_config(2, False), parallel=state)
+        return Trainer(model, parallel=state, gradient_compression="powersgd")
+
+    g = torch.Generator().manual_seed(10 + state.dp_rank)
+    first = trainer()
+    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
+    for _ in range(4):  # PowerSGD compresses from the third step
+        first.step(batches)
+    saved = {k: v.clone() for k, v in first.compression_residuals().items()}
+    first.save_checkpoint(path)
+    second = trainer()
+    second.load_checkpoint(path)
+    loaded = second.compression_residuals()
+    errors = [k for k in saved if k.endswith("powersgd_error")]
+    same = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in errors)
+    nonzero = any(saved[k].abs().sum() > 0 for k in errors)
+    # the step count resumes one step before compressing (DDP's buckets are new)
+    return same, nonzero, int(saved["powersgd.iter"]), int(loaded["powersgd.iter"])
+
+
+def test_trainer_checkpoint_restores_powersgd_errors(tmp_path):
+    out = run_distributed(_powersgd_errors_through_checkpoint, 2, str(tmp_path))
+    for same, nonzero, saved_iter, loaded_iter in out:
+        assert nonzero  # the compressed steps left errors to restore
+        assert same
+        assert (saved_iter, loaded_iter) == (4, 1)
+
+
 def test_trainer_resumes_powersgd(tmp_path):
     """PowerSGD through the Trainer's checkpoint: its error by parameter and step count are
     saved per rank and the run goes on (not bitwise: its first resumed step is uncompressed and

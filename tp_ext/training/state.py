@@ -43,6 +43,7 @@ from tp_ext.checkpoint.dcp import (
     read_checkpoint,
     write_checkpoint,
 )
+from tp_ext.compression.hooks import SERVER
 from tp_ext.distributed import rng
 
 __all__ = ["save_training_state", "load_training_state", "materialise_optimizer_state"]
@@ -223,12 +224,19 @@ def _restore_rng(state: dict, rank: int) -> None:
 # ---- JSON state of the schedule, the loss scale and the data ------------------------------------
 
 
-def _compression_tensors(trainer, rank: int, empty: bool = False) -> dict[str, torch.Tensor]:
+COMPRESSION_STATE = 2
+
+
+def _compression_tensors(
+    trainer, rank: int, empty: bool = False, saved_state: int = COMPRESSION_STATE
+) -> dict[str, torch.Tensor]:
     """This rank's gradient-compression residuals (``empty``: tensors to read them into) under
-    ``compression.rank<r>.<parameter>``: each DP rank's are its own."""
+    ``compression.rank<r>.<parameter>``: each DP rank's are its own. ``saved_state`` 1: a
+    checkpoint from before server residuals, which holds the ranks' residuals only."""
     return {
         f"compression.rank{rank}.{name}": torch.empty_like(r) if empty else r
         for name, r in trainer.compression_residuals().items()
+        if saved_state >= 2 or not name.endswith(SERVER)
     }
 
 
@@ -238,8 +246,10 @@ def _compression_carries_over(trainer, info: dict, same_layout: bool, directory:
     most one step's quantisation error of each rank."""
     saved = info.get("gradient_compression")
     mine = trainer.gradient_compression
-    if mine not in ("int8", "1bit") or saved is None:
+    if mine is None or saved is None:
         return False
+    if mine == "powersgd" and info.get("compression_state", 1) < 2:
+        return False  # saved before PowerSGD's errors were (its warm-up runs again)
     if saved == mine and same_layout:
         return True
     if _rank() == 0:
@@ -302,6 +312,8 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
         "skipped_steps": trainer.skipped_steps,
         "cuda_rng_devices": len(rng.get_states()["cuda"]),
         "gradient_compression": trainer.gradient_compression,
+        # 2: int8 / 1-bit server residuals and PowerSGD's errors are saved too (1: neither)
+        "compression_state": COMPRESSION_STATE,
     }
     return write_checkpoint(state, path, info, async_save=async_save)
 
@@ -343,7 +355,8 @@ def load_training_state(trainer, path: str) -> dict:
         state.update(_rng_targets(rng_source["rank"], info.get("cuda_rng_devices", 0)))
         residuals.clear()
         if _compression_carries_over(trainer, info, same_layout, directory):
-            residuals.update(_compression_tensors(trainer, rank, empty=True))
+            saved_state = info.get("compression_state", 1)
+            residuals.update(_compression_tensors(trainer, rank, True, saved_state))
             state.update(residuals)
         return state
 
