@@ -46,7 +46,6 @@ __all__ = [
     "CHUNK_SIZES",
     "CompressionState",
     "averages",
-    "compressed_average",
     "compressed_averages",
     "int8_hook",
     "onebit_hook",
@@ -225,16 +224,11 @@ def _unpack(state: CompressionState, payload: torch.Tensor, numel: int):
     return (codes.view(torch.int8) if state.method == "int8" else codes), scales
 
 
-def compressed_average(state: CompressionState, grad: torch.Tensor, param) -> torch.Tensor:
-    """The average over ``state.group`` of every rank's ``grad`` (``param``'s gradient), sent
-    compressed with error feedback into ``param``'s residuals; fp32, ``grad``'s shape."""
-    return compressed_averages(state, [grad], [param])[0]
-
-
 def compressed_averages(state: CompressionState, grads, params) -> list[torch.Tensor]:
-    """:func:`compressed_average` of several parameters in one all-to-all and one all-gather:
-    each parameter keeps its own chunks, scales and residuals (the result does not depend on
-    which parameters travel together), the collectives carry all of them."""
+    """The averages over ``state.group`` of every rank's ``grads`` (of ``params``), sent
+    compressed with error feedback into each parameter's residuals (fp32, each grad's shape), in
+    one all-to-all and one all-gather: each parameter keeps its own chunks, scales and residuals
+    (the result does not depend on which parameters travel together)."""
     if not grads:
         return []
     g = state.group

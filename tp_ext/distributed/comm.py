@@ -64,7 +64,6 @@ __all__ = [
     "all_gather_linear",
     "linear_reduce_scatter",
     "set_overlap",
-    "overlap_enabled",
     "overlaps",
     "everywhere",
     "barrier",
@@ -249,12 +248,8 @@ def set_overlap(enabled: Optional[bool], min_elements: Optional[int] = None) -> 
         _OVERLAP[1] = min_elements
 
 
-def overlap_enabled() -> Optional[bool]:
-    return _OVERLAP[0]
-
-
-def overlaps(x: torch.Tensor, shared_numel: int, group: GroupLike, ring: bool) -> bool:
-    """Whether a layer with input ``x`` on ``group`` takes the fused, overlapped op.
+def overlaps(x: torch.Tensor, shared_numel: int, group_size: int, ring: bool) -> bool:
+    """Whether a layer with input ``x`` on a group of ``group_size`` takes the fused op.
     ``shared_numel``: a size every rank of the group computes alike (uneven shards differ in
     ``x.numel()``, and ranks that chose differently would call different collectives).
     ``ring``: the sequence-parallel rings, whose send/recv pairs are not yet grouped for NCCL
@@ -262,7 +257,7 @@ def overlaps(x: torch.Tensor, shared_numel: int, group: GroupLike, ring: bool) -
     if ring and x.is_cuda:
         return False
     enabled = x.is_cuda if _OVERLAP[0] is None else _OVERLAP[0]
-    return enabled and shared_numel >= _OVERLAP[1] and resolve_group(group).size > 1
+    return enabled and shared_numel >= _OVERLAP[1] and group_size > 1
 
 
 def _autocast(*tensors):

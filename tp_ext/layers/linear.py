@@ -185,9 +185,9 @@ class ColumnParallelLinear(_ParallelLinear):
             sizes = self._sp_sizes(self._check_sequence_input(x), seq_len)
             positions = sum(sizes) if sizes else x.size(SEQUENCE_DIM) * self.tp_size
             whole = x.numel() // max(1, x.size(SEQUENCE_DIM)) * positions
-            fused = comm.overlaps(x, whole, self.tp, ring=True)
+            fused = comm.overlaps(x, whole, self.tp_size, ring=True)
         else:
-            fused = comm.overlaps(x, x.numel(), self.tp, ring=False)  # x is replicated
+            fused = comm.overlaps(x, x.numel(), self.tp_size, ring=False)  # x is replicated
         if self.sequence_parallel and fused:
             y = comm.all_gather_linear(x, weight, added, SEQUENCE_DIM, sizes, self.tp)
         elif self.input_is_gathered:
@@ -290,7 +290,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             # the output's size (tokens x out_features) is the same on every rank
             shared = x.numel() // max(1, x.size(-1)) * self.out_features
-            if comm.overlaps(x, shared, self.tp, ring=True):  # the ring, behind its GEMMs
+            if comm.overlaps(x, shared, self.tp_size, ring=True):  # the ring, behind its GEMMs
                 y = comm.linear_reduce_scatter(x, self.weight, SEQUENCE_DIM, None, self.tp)
             else:
                 y = self._scatter_sequence(F.linear(x, self.weight))
