@@ -4,6 +4,8 @@
 # `make test-all` also runs the whole layout x schedule matrix of the pipeline tests.
 PY ?= python3
 NPROC ?= 8
+# extra pytest arguments, e.g. `make test PYTEST_ARGS=--durations=30`
+PYTEST_ARGS ?=
 CONFIG ?= configs/qwen2-72b.yaml
 
 .PHONY: install run demo test test-all lint
@@ -23,10 +25,10 @@ lint: install
 test: install
 	PY=$(PY) bash scripts/lint.sh
 	PY=$(PY) bash scripts/check_cuda_compile.sh
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # every combination of the layout x schedule matrices (`make test` runs a subset covering every path)
 test-all: install
 	PY=$(PY) bash scripts/lint.sh
 	PY=$(PY) bash scripts/check_cuda_compile.sh
-	$(PY) -m pytest -q tests --full-matrix
+	$(PY) -m pytest -q tests --full-matrix $(PYTEST_ARGS)
