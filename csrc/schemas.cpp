@@ -24,6 +24,15 @@ TORCH_LIBRARY(tp_ext, m) {
       "all_to_all(Tensor x, int scatter_dim, int gather_dim, int[]? sizes, str group_name, "
       "int group_size, int group_rank) -> Tensor");
 
+  // Uneven all-to-all along dim 0 (expert parallelism's token dispatch and combine): rows
+  // [sum(send_sizes[:r]), +send_sizes[r]) go to rank r; what rank r sends arrives as
+  // recv_sizes[r] rows, in rank order. Every pair of ranks must agree (my send_sizes[r] is rank
+  // r's recv_sizes[me]). Differentiable (comm/expert_dispatch.cpp): the backward is the same op
+  // with the sizes swapped. The accounting records the bytes sent to other ranks.
+  m.def(
+      "all_to_all_single(Tensor x, SymInt[] send_sizes, SymInt[] recv_sizes, str group_name, "
+      "int group_size) -> Tensor");
+
   // ---- Megatron pairs (comm/megatron_pairs.cpp): forward / backward, autograd in C++ ----
   m.def("copy_to_tp(Tensor x, str group_name, int group_size) -> Tensor");      // id / all-reduce
   m.def("reduce_from_tp(Tensor x, str group_name, int group_size) -> Tensor");  // all-reduce / id
@@ -119,6 +128,20 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def("dequantize_int8(Tensor codes, Tensor scales, int chunk_size) -> Tensor");
   m.def("quantize_1bit_ef(Tensor grad, Tensor(a!) residual, int chunk_size) -> (Tensor, Tensor)");
   m.def("dequantize_1bit(Tensor bits, Tensor scales, int chunk_size, int numel) -> Tensor");
+
+  // ---- mixture-of-experts token permutation (ops/moe_permute.{h,cpp,cu}) ----
+  // moe_route: a stable counting sort of the routing. expert_ids [T, k] (-1: a dropped choice) ->
+  // (row_map [T, k] int64: the row of (token t, choice j) when rows are ordered by expert, then
+  // t, then j; -1 where dropped. counts [E] int64: rows per expert). No derivative.
+  m.def("moe_route(Tensor expert_ids, int num_experts) -> (Tensor, Tensor)");
+  // moe_permute: [num_rows, H], out[row_map[t, j]] = weights[t, j] * x[t] (x[t] without weights);
+  // rows no entry names are zero. moe_unpermute: [T, H], out[t] = sum_j weights[t, j] *
+  // y[row_map[t, j]] (1 without weights), fp32 math rounded once. Each is the other's backward;
+  // moe_weight_grad is the weights' gradient of both: [T, k] = dot(tokens[t], rows[row_map[t,
+  // j]]), 0 where dropped (fp32; fp64 for fp64). Autograd in C++.
+  m.def("moe_permute(Tensor x, Tensor row_map, Tensor? weights, int num_rows) -> Tensor");
+  m.def("moe_unpermute(Tensor y, Tensor row_map, Tensor? weights) -> Tensor");
+  m.def("moe_weight_grad(Tensor tokens, Tensor rows, Tensor row_map) -> Tensor");
 
   // ---- fused activation (ops/swiglu.{cpp,cu}) ----
   // swiglu = silu(gate) * up with gate, up the halves of gate_up's last dim; fp32 math (fp64 for

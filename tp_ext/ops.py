@@ -48,6 +48,8 @@ COLLECTIVE_OPS = (
     "reduce_scatter",
     "broadcast",
     "all_to_all",
+    # uneven all-to-all of expert parallelism (autograd in C++: the reverse exchange)
+    "all_to_all_single",
     # Megatron pairs (autograd in C++)
     "copy_to_tp",
     "reduce_from_tp",
@@ -83,6 +85,11 @@ KERNEL_OPS = (
     "dequantize_int8",
     "quantize_1bit_ef",
     "dequantize_1bit",
+    # mixture-of-experts token permutation (tp_ext.layers.moe): routing order, gather, combine
+    "moe_route",
+    "moe_permute",
+    "moe_unpermute",
+    "moe_weight_grad",
 )
 ALL_OPS = COLLECTIVE_OPS + KERNEL_OPS
 
@@ -94,6 +101,8 @@ all_gather = _lib.all_gather
 reduce_scatter = _lib.reduce_scatter
 broadcast = _lib.broadcast
 all_to_all = _lib.all_to_all
+# (x [R, ...], send_sizes, recv_sizes, group_name, group_size) -> [sum(recv_sizes), ...]
+all_to_all_single = _lib.all_to_all_single
 copy_to_tp = _lib.copy_to_tp
 reduce_from_tp = _lib.reduce_from_tp
 scatter_to_tp = _lib.scatter_to_tp
@@ -126,6 +135,11 @@ dequantize_int8 = _lib.dequantize_int8  # (codes, scales, chunk_size) -> fp32 [n
 # (grad [n], residual, chunk_size % 8 == 0) -> (sign bits uint8 [ceil(n / 8)], scales: mean |v|)
 quantize_1bit_ef = _lib.quantize_1bit_ef
 dequantize_1bit = _lib.dequantize_1bit  # (bits, scales, chunk_size, numel) -> fp32 [numel]
+# (expert_ids [T, k], num_experts) -> (row_map [T, k]: row in expert order, -1 dropped; counts [E])
+moe_route = _lib.moe_route
+moe_permute = _lib.moe_permute  # (x [T, H], row_map, weights?, num_rows) -> [num_rows, H]
+moe_unpermute = _lib.moe_unpermute  # (y [R, H], row_map, weights?) -> [T, H], weighted sum
+moe_weight_grad = _lib.moe_weight_grad  # (tokens [T, H], rows [R, H], row_map) -> [T, k]
 
 
 # ---- fake kernels: collectives -------------------------------------------------------------------
@@ -171,6 +185,13 @@ def _all_to_all(x, scatter_dim, gather_dim, sizes, group_name, group_size, group
     shape[scatter_dim] = _piece_size(x, scatter_dim, sizes, group_size, group_rank)
     shape[gather_dim] = shape[gather_dim] * group_size
     return x.new_empty(shape)
+
+
+def _all_to_all_single(x, send_sizes, recv_sizes, group_name, group_size):
+    total = 0
+    for size in recv_sizes:
+        total = total + size
+    return x.new_empty((total, *x.shape[1:]))
 
 
 # ---- fake kernels: vocab-parallel cross-entropy --------------------------------------------------
@@ -325,6 +346,26 @@ def _dequantize_1bit(bits, scales, chunk_size, numel):
     return scales.new_empty(numel)
 
 
+def _moe_route(expert_ids, num_experts):
+    return (
+        expert_ids.new_empty(expert_ids.shape, dtype=torch.int64),
+        expert_ids.new_empty((num_experts,), dtype=torch.int64),
+    )
+
+
+def _moe_permute(x, row_map, weights, num_rows):
+    return x.new_empty((num_rows, x.shape[1]))
+
+
+def _moe_unpermute(y, row_map, weights):
+    return y.new_empty((row_map.shape[0], y.shape[1]))
+
+
+def _moe_weight_grad(tokens, rows, row_map):
+    dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    return tokens.new_empty(row_map.shape, dtype=dtype)
+
+
 def _strided_like(x):
     # As the kernel: x's strides when head_dim has unit stride, else contiguous.
     out = torch.empty_like(x)
@@ -337,6 +378,7 @@ _FAKES = {
     "reduce_scatter": _reduce_scattered,
     "broadcast": _same,
     "all_to_all": _all_to_all,
+    "all_to_all_single": _all_to_all_single,
     "copy_to_tp": _same,
     "reduce_from_tp": _same,
     "scatter_to_tp": _scattered,
@@ -365,6 +407,10 @@ _FAKES = {
     "dequantize_int8": _dequantize_int8,
     "quantize_1bit_ef": _quantize_1bit_ef,
     "dequantize_1bit": _dequantize_1bit,
+    "moe_route": _moe_route,
+    "moe_permute": _moe_permute,
+    "moe_unpermute": _moe_unpermute,
+    "moe_weight_grad": _moe_weight_grad,
 }
 assert set(_FAKES) == set(ALL_OPS), "every op in the list has exactly one fake kernel"
 

@@ -378,6 +378,74 @@ at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_d
   return out;
 }
 
+namespace {
+
+// Under the consistency check: every rank's send and receive sizes, so all ranks check every pair
+// (what rank j expects from rank i is what rank i sends it) and raise together on a mismatch
+// (which would make gloo abort or read garbage).
+void check_pairwise_sizes(const Group& g, const char* op, at::IntArrayRef send,
+                          at::IntArrayRef recv) {
+  if (!consistency_checks() || g.size == 1) return;
+  auto row = send.vec();
+  row.insert(row.end(), recv.begin(), recv.end());
+  auto mine = at::tensor(row, at::TensorOptions().dtype(at::kLong));
+  auto all = at::empty({g.size * 2 * g.size}, mine.options());
+  c10d::AllgatherOptions opts;
+  opts.timeout = op_timeout();
+  wait(g.pg->_allgather_base(all, mine, opts), op, g);
+  auto table = all.view({g.size, 2 * g.size});
+  auto acc = table.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < g.size; ++i)
+    for (int64_t j = 0; j < g.size; ++j)
+      TORCH_CHECK_VALUE(acc[i][j] == acc[j][g.size + i], "tp_ext.", op, ": rank ", j,
+                        " of process group '", g.name, "' expects ", acc[j][g.size + i],
+                        " rows from rank ", i, ", which sends it ", acc[i][j],
+                        "; recv_sizes[r] must equal rank r's send_sizes[me] (exchange the "
+                        "counts first).");
+}
+
+}  // namespace
+
+at::Tensor all_to_all_single(const at::Tensor& x, at::IntArrayRef send, at::IntArrayRef recv,
+                             const Group& g, const char* op) {
+  check_tensor(x, "x", op);
+  TORCH_CHECK_VALUE(x.dim() >= 1, "tp_ext.", op, ": x must have at least one dimension (rows).");
+  for (const auto& [name, sizes] : {std::pair{"send_sizes", send}, std::pair{"recv_sizes", recv}}) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(sizes.size()) == g.size, "tp_ext.", op, ": ", name,
+                      " has ", sizes.size(), " entries (", shape_str(sizes), ") but group '",
+                      g.name, "' has ", g.size, " ranks; give one size per rank.");
+    for (int64_t v : sizes)
+      TORCH_CHECK_VALUE(v >= 0, "tp_ext.", op, ": ", name, "=", shape_str(sizes),
+                        " has a negative size; sizes are row counts (>= 0).");
+  }
+  int64_t sent = 0, received = 0;
+  for (int64_t r = 0; r < g.size; ++r) sent += send[r], received += recv[r];
+  TORCH_CHECK_VALUE(sent == x.size(0), "tp_ext.", op, ": send_sizes=", shape_str(send),
+                    " add up to ", sent, " but x has ", x.size(0), " rows (shape ", x.sizes(),
+                    "); they must add up to x.size(0).");
+  auto xc = x.contiguous();
+  auto out = at::empty(with_first(xc.sizes(), received), xc.options());
+  if (g.size == 1) {
+    TORCH_CHECK_VALUE(send[0] == recv[0], "tp_ext.", op, ": a group of one sends ", send[0],
+                      " rows to itself but expects ", recv[0], "; they must be equal.");
+    return out.copy_(xc);
+  }
+  const auto shm = channel_of(xc, g, op);
+  check_consistent(g, op, xc, 0, c10::nullopt, 6);
+  check_pairwise_sizes(g, op, send, recv);
+  announce(shm, call_signature(6, xc.scalar_type(), fixed_shape(xc, 0), {}, {}), op, g);
+  int64_t row_bytes = xc.element_size();
+  for (int64_t d = 1; d < xc.dim(); ++d) row_bytes *= xc.size(d);
+  auto t0 = Clock::now();
+  std::vector<int64_t> send_splits = send.vec(), recv_splits = recv.vec();
+  c10d::AllToAllOptions opts;
+  opts.timeout = op_timeout();
+  wait(g.pg->alltoall_base(out, xc, recv_splits, send_splits, opts), op, g);
+  // The traffic itself: what this rank sends to the others (its own rows never leave it).
+  record(op, "all_to_all_v", (sent - send[g.rank]) * row_bytes, seconds_since(t0));
+  return out;
+}
+
 at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
                        const Group& g, const char* op) {
   check_tensor(x, "x", op);

@@ -22,6 +22,11 @@ at::Tensor broadcast(const at::Tensor& x, int64_t src, const Group& g, const cha
 // gather_dim. Every rank passes a tensor of the same shape.
 at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_dim,
                       at::OptionalIntArrayRef sizes, const Group& g, const char* op);
+// Uneven all-to-all along dim 0: rows [sum(send[:r]), +send[r]) go to rank r, and recv[r] rows
+// arrive from rank r, in rank order. recv[r] must equal rank r's send[me]. Records the bytes sent
+// to other ranks (collective "all_to_all_v").
+at::Tensor all_to_all_single(const at::Tensor& x, at::IntArrayRef send, at::IntArrayRef recv,
+                             const Group& g, const char* op);
 // This rank's piece of x along `dim` (no communication); a copy, never a view of x.
 at::Tensor local_piece(const at::Tensor& x, int64_t dim, at::OptionalIntArrayRef sizes,
                        const Group& g, const char* op);

@@ -31,7 +31,8 @@ __all__ = [
 class CommRecord:
     tag: str
     op: str  # the tp_ext op that communicated (e.g. "copy_to_tp", "all_reduce")
-    collective: str  # all_reduce | all_gather | reduce_scatter | broadcast | all_to_all | reduce
+    # all_reduce | all_gather | reduce_scatter | broadcast | all_to_all | all_to_all_v | reduce
+    collective: str
     count: int
     bytes: int
     seconds: float
@@ -41,7 +42,8 @@ class CommStats:
     """What tp_ext collectives did while :func:`track` was active.
 
     Bytes per call: all_reduce, broadcast and reduce (summa_linear's panels) count the tensor,
-    all_gather its gathered output, reduce_scatter its full input, all_to_all its input;
+    all_gather its gathered output, reduce_scatter its full input, all_to_all its input,
+    all_to_all_v (all_to_all_single: uneven, expert parallelism) the bytes it sends to other ranks;
     :meth:`bus_bytes` converts them to the traffic each rank actually sends. Seconds are the
     host's wall time inside the op: on CPU (gloo, shared memory) that includes the transfer; on
     CUDA (NCCL) the op returns once the collective is enqueued on the stream, so it is enqueue
@@ -73,11 +75,11 @@ class CommStats:
         all-reduce moves 2(w-1)/w of its tensor, all-gather and reduce-scatter (w-1)/w of the full
         tensor, broadcast and all-to-all (w-1)/w. So an all-gather plus a reduce-scatter of a
         tensor moves exactly what one all-reduce of it does (sequence parallelism's claim)."""
-        factor = {"all_reduce": 2.0}
         share = (world_size - 1) / world_size
+        # all_to_all_v (uneven, expert parallelism) records the bytes it sends already
+        factor = {"all_reduce": 2.0 * share, "all_to_all_v": 1.0}
         return sum(
-            r.bytes * factor.get(r.collective, 1.0) * share
-            for r in self._filter(tag, op, collective)
+            r.bytes * factor.get(r.collective, share) for r in self._filter(tag, op, collective)
         )
 
     def seconds(self, tag=None, op=None, collective=None) -> float:

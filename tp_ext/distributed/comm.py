@@ -52,6 +52,7 @@ __all__ = [
     "reduce_scatter",
     "broadcast",
     "all_to_all",
+    "all_to_all_single",
     "copy_to_tp",
     "reduce_from_tp",
     "scatter_to_tp",
@@ -164,6 +165,29 @@ def all_to_all(
     return ops.all_to_all(
         x, scatter_dim, gather_dim, _split_sizes(x, scatter_dim, g, sizes), g.name, g.size, g.rank
     )
+
+
+def all_to_all_single(
+    x: torch.Tensor,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int],
+    group: GroupLike = None,
+) -> torch.Tensor:
+    """Uneven all-to-all along dim 0, differentiable: rows ``[sum(send_sizes[:r]),
+    +send_sizes[r])`` go to rank r, and ``recv_sizes[r]`` rows arrive from rank r, in rank order
+    (my ``send_sizes[r]`` is rank r's ``recv_sizes[me]``: exchange the counts first). The backward
+    sends the gradients back the same way. ``track()`` records the bytes sent to other ranks
+    (collective ``all_to_all_v``). Expert parallelism's token dispatch and combine."""
+    g = _live(group, "all_to_all_single")
+    send, recv = [int(s) for s in send_sizes], [int(r) for r in recv_sizes]
+    if g.group is None:
+        if send != recv or len(send) != 1 or send[0] != x.size(0):
+            raise ValueError(
+                f"tp_ext.comm.all_to_all_single: a group of one keeps its {x.size(0)} rows; "
+                f"send_sizes={send} and recv_sizes={recv} must both be [{x.size(0)}]"
+            )
+        return x
+    return ops.all_to_all_single(x, send, recv, g.name, g.size)
 
 
 # ---- differentiable Megatron pairs --------------------------------------------------------------

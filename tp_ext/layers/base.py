@@ -68,7 +68,20 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "tp", tp)
         self.tp_size, self.tp_rank = tp.size, tp.rank
         self._shard_specs: dict[str, tuple[int, Partition]] = {}
+        self._expert_specs: dict[str, tuple[int, Partition]] = {}
+        object.__setattr__(self, "ep", None)
         return tp
+
+    def _set_expert_shard(self, param_name: str, dim: int, partition: Partition, ep) -> None:
+        """A second split of a parameter, over the expert-parallel group ``ep`` (a TPGroup):
+        each EP rank holds whole experts along ``dim``, on top of any TP split."""
+        if partition.world_size != ep.size:
+            raise ValueError(
+                f"{type(self).__name__}: an expert partition over {partition.world_size} ranks "
+                f"does not fit an EP group of {ep.size} ranks"
+            )
+        object.__setattr__(self, "ep", ep)
+        self._expert_specs[param_name] = (dim, partition)
 
     def _set_shard(self, param_name: str, dim: int, partition: Partition) -> None:
         if partition.world_size != self.tp_size:
@@ -81,6 +94,10 @@ class ParallelModule(nn.Module):
     def shard_spec(self, param_name: str) -> Optional[tuple[int, Partition]]:
         """``(dim, Partition)`` of one of this module's own parameters; None if replicated."""
         return self._shard_specs.get(param_name)
+
+    def expert_spec(self, param_name: str) -> Optional[tuple[int, Partition]]:
+        """``(dim, Partition)`` over the EP group (``self.ep``); None unless split by expert."""
+        return getattr(self, "_expert_specs", {}).get(param_name)
 
     def _check_same_group(self, *children: "ParallelModule") -> None:
         for child in children:

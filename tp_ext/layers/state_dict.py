@@ -39,6 +39,21 @@ def _spec(owner: nn.Module, leaf: str):
     return owner.shard_spec(leaf) if isinstance(owner, ParallelModule) else None
 
 
+def _expert_spec(owner: nn.Module, leaf: str):
+    """The split over the expert-parallel group (experts of an MoE layer), or None."""
+    return owner.expert_spec(leaf) if isinstance(owner, ParallelModule) else None
+
+
+def _local(value: torch.Tensor, owner: nn.Module, leaf: str) -> torch.Tensor:
+    """This rank's piece of a full tensor: its TP slice, then its experts."""
+    spec, expert = _spec(owner, leaf), _expert_spec(owner, leaf)
+    if spec is not None:
+        value = spec[1].local(value, spec[0], owner.tp_rank)
+    if expert is not None:
+        value = expert[1].local(value, expert[0], owner.ep.rank)
+    return value
+
+
 def state_entries(module: nn.Module):
     """``(name, tensor, spec, owner)`` for every entry of ``module.state_dict()``: ``spec`` is
     the owner's ``(dim, Partition)`` for sharded tensors, else None. Checkpoint I/O reads this."""
@@ -46,10 +61,11 @@ def state_entries(module: nn.Module):
         yield name, tensor, _spec(owner, leaf), owner
 
 
-def _full_shape(tensor: torch.Tensor, spec) -> tuple[int, ...]:
+def _full_shape(tensor: torch.Tensor, spec, expert=None) -> tuple[int, ...]:
     shape = list(tensor.shape)
-    if spec is not None:
-        shape[spec[0]] = spec[1].full
+    for split in (spec, expert):
+        if split is not None:
+            shape[split[0]] = split[1].full
     return tuple(shape)
 
 
@@ -59,9 +75,7 @@ def local_shards(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[st
     result = {}
     for name, _, owner, leaf in _owned_tensors(module):
         if name in full:
-            spec = _spec(owner, leaf)
-            value = full[name]
-            result[name] = value if spec is None else spec[1].local(value, spec[0], owner.tp_rank)
+            result[name] = _local(full[name], owner, leaf)
     return result
 
 
@@ -90,12 +104,12 @@ def load_full_state_dict(
         if name not in full:
             continue
         value = full[name]
-        spec = _spec(owner, leaf)
-        expected = _full_shape(tensor, spec)
+        spec, expert = _spec(owner, leaf), _expert_spec(owner, leaf)
+        expected = _full_shape(tensor, spec, expert)
         if tuple(value.shape) != expected:
             hint = (
                 ""
-                if spec is None
+                if spec is None and expert is None
                 else (
                     f" (this rank holds a slice of {tuple(tensor.shape)}; pass the full "
                     "tensor, not a shard)"
@@ -110,15 +124,19 @@ def load_full_state_dict(
                 f"load_full_state_dict: {name!r} is on the meta device; call "
                 "module.to_empty(device=...) first"
             )
-        piece = value if spec is None else spec[1].local(value, spec[0], owner.tp_rank)
-        tensor.copy_(piece)
+        tensor.copy_(_local(value, owner, leaf))
 
 
 def iter_full_tensors(module: nn.Module):
     """``(name, full tensor)`` for every entry of ``module.state_dict()``, gathered one at a time
     (peak memory: one full tensor). A collective per sharded tensor: every rank must iterate."""
     for name, tensor, owner, leaf in _owned_tensors(module):
-        yield name, _gather_full(tensor, _spec(owner, leaf), owner)
+        full = _gather_full(tensor, _spec(owner, leaf), owner)
+        expert = _expert_spec(owner, leaf)
+        if expert is not None and owner.ep.size > 1:
+            dim, partition = expert
+            full = comm.all_gather(full.contiguous(), dim, partition.local_sizes(), group=owner.ep)
+        yield name, full
 
 
 @torch.no_grad()

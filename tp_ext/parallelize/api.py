@@ -11,7 +11,10 @@ Styles:
     vocab       nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ParallelLMHead with full
                 logits gathered (the model's own loss and generation keep working)
     experts     MoE experts with 3D gate_up_proj/down_proj (Mixtral, Qwen2-MoE): each expert's
-                intermediate dim split over the ranks, output all-reduced
+                intermediate dim split over the ranks, output all-reduced. With
+                ``parallel=state`` where ``state.ep > 1`` the whole sparse-MoE block becomes
+                tp_ext.layers.ExpertParallelMoE instead: experts spread over the EP group (and
+                split over TP inside), tokens routed to them with all-to-all
     replicate   left as it is (every rank computes it in full)
     sequence_parallel_local
                 for a norm on a row-parallel output before the residual add (Gemma 2/3's
@@ -40,6 +43,7 @@ from torch import nn
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
+from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
 from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
 from tp_ext.parallelize.styles import (
@@ -63,6 +67,8 @@ def parallelize(
     sequence_parallel: bool = False,
     return_report: bool = False,
     example_inputs=None,
+    parallel=None,
+    capacity_factor=None,
 ):
     """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
     return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
@@ -75,7 +81,14 @@ def parallelize(
     prints them. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
     norm. "auto" runs the model once on a few tokens to see how its linears connect;
     ``example_inputs=(args, kwargs)`` is what to call it with when token ids are not its input.
+    ``parallel``: a :func:`tp_ext.init_parallel` state; its TP group is used (unless
+    ``tp_group`` is given) and, with ``ep > 1``, every sparse-MoE block becomes an
+    :class:`~tp_ext.layers.ExpertParallelMoE` over its EP group (``capacity_factor`` as there;
+    None is dropless).
     """
+    if parallel is not None and tp_group is None:
+        tp_group = parallel.tp_group
+    ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None
     tp = resolve_group(tp_group)
     done = [n for n, m in module.named_modules() if isinstance(m, ParallelModule)]
     if done:
@@ -100,6 +113,8 @@ def parallelize(
     report: dict[str, str] = {}
     sp_norms = [n for n, style in decided.items() if style == "sequence_parallel"]
     sp = bool(sp_norms) and tp.size > 1
+    if ep_group is not None:
+        _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor)
     shards = SequenceShards(tp)
     if sp:
         # The residual stream is split where the first norm's block (decoder layer) begins.
@@ -183,6 +198,31 @@ def parallelize(
         for name, what in report.items():
             print(f"  {name:<{width}}  {what}")
     return (module, report) if return_report else module
+
+
+def _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor) -> None:
+    """Swap every sparse-MoE block for an ExpertParallelMoE (this rank's experts, split over TP
+    inside); the plan's entries for the experts go, the shared expert keeps its styles (its
+    modules keep their names under the new block)."""
+    blocks = [(n, m) for n, m in module.named_modules() if is_sparse_moe_block(m)]
+    if not blocks:
+        raise ValueError(
+            f"parallelize: parallel.ep={resolve_group(ep_group).size} asks for expert "
+            f"parallelism, but {type(module).__name__} has no sparse-MoE block (a `gate` router "
+            "and `experts` with 3-D gate_up_proj / down_proj); use ep=1 for a dense model"
+        )
+    if sp:
+        raise ValueError(
+            "parallelize: expert parallelism does not support sequence_parallel=True yet; "
+            "parallelize this model with sequence_parallel=False"
+        )
+    for name, block in blocks:
+        for key in [k for k in decided if k == name or k.startswith(f"{name}.experts")]:
+            del decided[key]
+        layer = ExpertParallelMoE.from_block(block, ep_group, tp, capacity_factor)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, leaf, layer)
+        report[name] = f"expert parallel: {layer.extra_repr()}"
 
 
 def _is_embedding(module: nn.Module, name: str) -> bool:

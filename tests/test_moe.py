@@ -1,0 +1,407 @@
+"""Expert parallelism: the token permutation ops (opcheck, against eager PyTorch, errors), the
+uneven all-to-all (against the routing it implements, its backward, its bytes), and
+ExpertParallelMoE in transformers' Qwen2-MoE (shared expert) and Mixtral at (tp, dp, ep) layouts:
+logits, loss and the model's own aux loss on each rank's batch against transformers, every
+gradient against the unsharded model, the bytes of the dispatch and combine against the routing,
+each rank's expert parameters its share, and the capacity factor's drops."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import tp_ext
+from tp_ext import ops
+from tp_ext.distributed import comm
+from tp_ext.layers import TPGroup, local_shards
+from tp_ext.layers.moe import MOE_TAG, ExpertParallelMoE, ParallelExperts
+from tp_ext.sharding import shard_sizes
+
+from .common import WORLD_SIZES
+from .dist_utils import run_distributed
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+# ---- reference permutation (eager PyTorch, the torchtitan way: a stable argsort) ----------------
+
+
+def _ref_route(ids, num_experts):
+    flat = ids.flatten()
+    key = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    order = torch.argsort(key, stable=True)
+    row_map = torch.empty_like(flat)
+    row_map[order] = torch.arange(flat.numel())
+    row_map = torch.where(flat < 0, -1, row_map)
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    return row_map.view(ids.shape), counts
+
+
+def _ref_permute(x, row_map, weights, num_rows):
+    out = x.new_zeros(num_rows, x.shape[1])
+    tokens, k = row_map.shape
+    for t in range(tokens):
+        for j in range(k):
+            r = int(row_map[t, j])
+            if r >= 0:
+                out[r] = x[t] if weights is None else (x[t].double() * weights[t, j]).to(x.dtype)
+    return out
+
+
+def _ref_unpermute(y, row_map, weights):
+    valid = (row_map >= 0).unsqueeze(-1)
+    rows = y.double()[row_map.clamp(min=0)] * valid
+    w = torch.ones(row_map.shape, dtype=torch.float64) if weights is None else weights.double()
+    return (rows * w.unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+def _routing(tokens, k, experts, seed, drop=0.0):
+    g = torch.Generator().manual_seed(seed)
+    picks = [torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]
+    ids = torch.stack(picks) if picks else torch.zeros(0, k, dtype=torch.int64)
+    if drop:
+        ids[torch.rand(ids.shape, generator=g) < drop] = -1
+    return ids
+
+
+def test_route_is_the_stable_sort_of_the_routing():
+    for tokens, k, experts, drop in [
+        (13, 2, 8, 0.0),
+        (40, 3, 5, 0.3),
+        (0, 2, 4, 0.0),
+        (7, 1, 1, 0.0),
+    ]:
+        ids = _routing(tokens, k, experts, seed=tokens + k, drop=drop)
+        row_map, counts = ops.moe_route(ids, experts)
+        want_map, want_counts = _ref_route(ids, experts)
+        assert torch.equal(row_map, want_map)
+        assert torch.equal(counts, want_counts)
+    # int32 ids (what some routers give) work the same
+    ids = _routing(9, 2, 6, seed=1)
+    assert torch.equal(ops.moe_route(ids.int(), 6)[0], ops.moe_route(ids, 6)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_permute_and_unpermute_equal_eager_pytorch(dtype, weighted):
+    tokens, k, experts, hidden = 21, 2, 6, 37  # hidden not a multiple of any vector width
+    ids = _routing(tokens, k, experts, seed=3, drop=0.2)
+    row_map, _ = ops.moe_route(ids, experts)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    y = torch.randn(tokens * k, hidden, generator=g).to(dtype)
+    w = torch.rand(tokens, k, generator=g) if weighted else None
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(
+        ops.moe_permute(x, row_map, w, tokens * k), _ref_permute(x, row_map, w, tokens * k), **tol
+    )
+    torch.testing.assert_close(
+        ops.moe_unpermute(y, row_map, w), _ref_unpermute(y, row_map, w), **tol
+    )
+
+
+def test_permute_and_unpermute_gradients():
+    tokens, k, experts, hidden = 9, 2, 4, 5
+    row_map, _ = ops.moe_route(_routing(tokens, k, experts, seed=5, drop=0.2), experts)
+    x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(tokens * k, hidden, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(tokens, k, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: ops.moe_permute(x, row_map, w, tokens * k), (x, w))
+    assert torch.autograd.gradcheck(lambda y, w: ops.moe_unpermute(y, row_map, w), (y, w))
+    assert torch.autograd.gradcheck(lambda x: ops.moe_permute(x, row_map, None, tokens * k), (x,))
+    assert torch.autograd.gradcheck(lambda y: ops.moe_unpermute(y, row_map, None), (y,))
+    # weight gradient: dot products of the two sides
+    g = ops.moe_weight_grad(x.detach(), y.detach(), row_map)
+    rows = y.detach()[row_map.clamp(min=0)] * (row_map >= 0).unsqueeze(-1)
+    torch.testing.assert_close(g, (rows * x.detach().unsqueeze(1)).sum(-1))
+
+
+def test_opcheck():
+    row_map, _ = ops.moe_route(_routing(6, 2, 4, seed=6, drop=0.2), 4)
+    x, y, w = torch.randn(6, 8), torch.randn(12, 8), torch.rand(6, 2)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.moe_route, (_routing(6, 2, 4, seed=6), 4), test_utils=tests)
+    torch.library.opcheck(ops.moe_permute, (x, row_map, w, 12), test_utils=tests)
+    torch.library.opcheck(ops.moe_permute, (x, row_map, None, 14), test_utils=tests)
+    torch.library.opcheck(ops.moe_unpermute, (y, row_map, w), test_utils=tests)
+    torch.library.opcheck(ops.moe_weight_grad, (x, y, row_map), test_utils=tests)
+
+
+def test_bad_arguments_are_named():
+    ids = torch.tensor([[0, 1], [2, 5]])
+    with pytest.raises(ValueError, match=r"expert_ids\[1, 1\] = 5 is not an expert; use 0 .. 3"):
+        ops.moe_route(ids, 4)
+    with pytest.raises(ValueError, match="integer tensor"):
+        ops.moe_route(ids.float(), 4)
+    row_map, _ = ops.moe_route(torch.tensor([[0, 1], [2, 3]]), 4)
+    with pytest.raises(ValueError, match="two entries to row 0"):
+        ops.moe_permute(torch.randn(2, 3), torch.tensor([[0, 1], [0, 2]]), None, 4)
+    with pytest.raises(ValueError, match=r"rows in \[0, 3\)"):
+        ops.moe_permute(torch.randn(2, 3), row_map, None, 3)
+    with pytest.raises(ValueError, match="row_map has 2 tokens"):
+        ops.moe_permute(torch.randn(3, 3), row_map, None, 4)
+    with pytest.raises(ValueError, match="weights has shape"):
+        ops.moe_unpermute(torch.randn(4, 3), row_map, torch.rand(2, 3))
+
+
+# ---- the uneven all-to-all -----------------------------------------------------------------------
+
+
+def _split_matrix(ws, seed):
+    """sends[i][j]: rows rank i sends to rank j (zeros included)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4, (ws, ws), generator=g).tolist()
+
+
+def _rows(src, dst, n, hidden):
+    """The rows rank src sends to rank dst: their values name both."""
+    base = torch.arange(n, dtype=torch.float64).unsqueeze(1) + 1000 * src + 100 * dst
+    return base + torch.arange(hidden, dtype=torch.float64) / 10
+
+
+def _all_to_all_single(ws):
+    rank, hidden = dist.get_rank(), 3
+    sends = _split_matrix(ws, seed=ws)
+    send = sends[rank]
+    recv = [sends[src][rank] for src in range(ws)]
+    x = torch.cat([_rows(rank, dst, send[dst], hidden) for dst in range(ws)]).requires_grad_()
+    with comm.track() as stats:
+        out = comm.all_to_all_single(x, send, recv, dist.group.WORLD)
+        (0.5 * (out * out).sum() + out.sum()).backward()  # gradient out + 1 names the rows
+    want = torch.cat([_rows(src, rank, recv[src], hidden) for src in range(ws)])
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x.detach() + 1, rtol=0, atol=1e-9)  # rows differ by 0.1
+    row = hidden * 8
+    sent_away = (sum(send) - send[rank]) * row
+    received_back = (sum(recv) - recv[rank]) * row  # the backward sends what arrived back
+    assert stats.bytes(collective="all_to_all_v") == sent_away + received_back
+    if ws > 1:  # a rank that expects the wrong count is named under the consistency check
+        wrong = list(recv)
+        wrong[(rank + 1) % ws] += 1 if rank == 0 else 0
+        try:
+            comm.all_to_all_single(x.detach(), send, wrong, dist.group.WORLD)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_all_to_all_single_moves_the_rows_and_their_gradients(ws):
+    errors = run_distributed(_all_to_all_single, ws, ws)
+    if ws > 1:
+        assert "expects" in errors[0] and "recv_sizes[r] must equal" in errors[0]
+
+
+# ---- ExpertParallelMoE in transformers' MoE models -----------------------------------------------
+
+HIDDEN, EXPERTS, TOP_K, VOCAB = 32, 8, 2, 96
+
+
+def _config(kind):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=TOP_K,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        max_position_embeddings=64,
+    )
+    if kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(
+            num_experts=EXPERTS,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+            **common,
+        )
+    else:
+        cfg = transformers.MixtralConfig(num_local_experts=EXPERTS, **common)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    cls = (
+        transformers.Qwen2MoeForCausalLM if kind == "qwen2_moe" else transformers.MixtralForCausalLM
+    )
+    return cls(_config(kind)).eval()
+
+
+def _batch(seed, tokens=(2, 9)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, tokens, generator=g)
+
+
+def _choices_per_expert(model, ids):
+    """[layers, experts]: how many (token, choice) pairs of this batch pick each expert, from
+    the unsharded model's own routing."""
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    counts = []
+    for logits in out.router_logits:
+        chosen = torch.topk(torch.softmax(logits.float(), -1), TOP_K, -1).indices
+        counts.append(torch.bincount(chosen.flatten(), minlength=EXPERTS))
+    return torch.stack(counts)
+
+
+def _rows_moved(model, state, tp, dp):
+    """Per layer: rows this rank sends in the dispatch (its choices of other ranks' experts)
+    plus rows it sends back in the combine (other ranks' choices of its experts)."""
+    sizes = shard_sizes(EXPERTS, state.ep)
+    first = sum(sizes[: state.ep_rank])
+    mine = torch.zeros(EXPERTS, dtype=torch.bool)
+    mine[first : first + sizes[state.ep_rank]] = True
+    me = dist.get_rank()
+    moved = 0
+    for member in dist.get_process_group_ranks(state.ep_group):
+        counts = _choices_per_expert(model, _batch(seed=100 + (member // tp) % dp))
+        moved = moved + (counts[:, ~mine].sum(1) if member == me else counts[:, mine].sum(1))
+    return moved.tolist()
+
+
+def _parity(kind, tp, dp, ep):
+    state = tp_ext.init_parallel(tp=tp, dp=dp, ep=ep)
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    dp_rank = state.mesh.get_local_rank("dp")
+    ids = _batch(seed=100 + dp_rank)
+
+    ref_out = ref(ids, labels=ids)
+    ref_out.loss.backward()
+    tp_ext.parallelize(model, "auto", parallel=state)
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    assert len(layers) == 2
+    with comm.track() as stats:
+        out = model(ids, labels=ids)
+    out.loss.backward()
+
+    def close(a, b, what):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+    close(out.logits, ref_out.logits, "logits")
+    close(out.loss, ref_out.loss, "loss")
+    close(out.aux_loss, ref_out.aux_loss, "aux loss (the model's own, from its router logits)")
+
+    # Gradients. Dense parameters: this rank's batch, as the unsharded model's (TP slices).
+    # Experts: the sum over the EP group's batches (their tokens came here), so the reference
+    # gradients are summed over the EP group first.
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, t in ref_grads.items():
+        if ".experts." in name:
+            dist.all_reduce(t, group=state.ep_group)
+    want = local_shards(model, ref_grads)
+    for name, p in model.named_parameters():
+        close(p.grad, want[name], f"gradient of {name}")
+
+    # Memory: each rank holds its share of the experts, no more.
+    sizes = shard_sizes(EXPERTS, ep)
+    experts = layers[0].experts
+    inter = _config(kind).moe_intermediate_size if kind == "qwen2_moe" else 48
+    local_inter = shard_sizes(inter, tp)[state.mesh.get_local_rank("tp")]
+    assert experts.gate_up_proj.shape == (sizes[state.ep_rank], 2 * local_inter, HIDDEN)
+    assert experts.down_proj.shape == (sizes[state.ep_rank], HIDDEN, local_inter)
+
+    # Bytes: the dispatch and the combine move exactly the rows routed to other EP ranks, plus
+    # each rank's counts for the other ranks' experts.
+    counts_bytes = (EXPERTS - sizes[state.ep_rank]) * 8
+    want_bytes = sum(n * HIDDEN * 4 + counts_bytes for n in _rows_moved(ref, state, tp, dp))
+    assert stats.bytes(tag=MOE_TAG, collective="all_to_all_v") == want_bytes
+    return layers[0].tokens_per_expert.sum().item()
+
+
+LAYOUTS = [(1, 2, 2), (1, 4, 4), (1, 4, 2), (2, 2, 2), (1, 3, 3)]
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "tp{}-dp{}-ep{}".format(*t))
+def test_expert_parallel_moe_equals_transformers(kind, layout):
+    tp, dp, ep = layout
+    routed = run_distributed(_parity, tp * dp, kind, tp, dp, ep, timeout=240)
+    assert routed == [2 * 9 * TOP_K] * (tp * dp)  # tokens_per_expert counts every choice
+
+
+def _full_state_round_trip():
+    state = tp_ext.init_parallel(tp=1, dp=dist.get_world_size(), ep=dist.get_world_size())
+    model = _model("mixtral")
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    tp_ext.parallelize(model, "auto", parallel=state)
+    gathered = model.state_dict()
+    assert (
+        gathered["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
+        == shard_sizes(EXPERTS, state.ep)[state.ep_rank]
+    )
+    from tp_ext.layers import full_state_dict
+
+    back = full_state_dict(model)
+    assert set(back) == set(full)
+    for k in full:
+        torch.testing.assert_close(back[k], full[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_full_state_dict_gathers_the_experts_in_the_hugging_face_layout(ws):
+    run_distributed(_full_state_round_trip, ws)
+
+
+def _capacity(ep, factor):
+    state = tp_ext.init_parallel(tp=1, dp=ep, ep=ep)
+    torch.manual_seed(0)
+    experts_full = ParallelExperts(EXPERTS, HIDDEN, 16, torch.nn.SiLU(), ep=TPGroup.local())
+    full = {k: v.detach().clone() for k, v in experts_full.state_dict().items()}
+    experts = ParallelExperts(EXPERTS, HIDDEN, 16, torch.nn.SiLU(), ep=state.ep_group)
+    experts.load_full_state_dict(full)
+    router = _Router()
+    layer = ExpertParallelMoE(router, experts, state.ep_group, capacity_factor=factor)
+    x = torch.randn(10, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = layer(x)
+    # reference: the same routing with choices past capacity removed, on the full experts
+    _, w, ids = router(x)
+    capacity = -(-int(factor * 10 * TOP_K) // EXPERTS)
+    seen = [0] * EXPERTS
+    want = torch.zeros_like(x)
+    dropped = 0
+    order = sorted(((int(ids[t, j]), t, j) for t in range(10) for j in range(TOP_K)))
+    for e, t, j in order:
+        seen[e] += 1
+        if seen[e] > capacity:
+            dropped += 1
+            continue
+        h = torch.nn.functional.linear(x[t], full["gate_up_proj"][e])
+        g, u = h.chunk(2)
+        want[t] += w[t, j] * torch.nn.functional.linear(
+            torch.nn.functional.silu(g) * u, full["down_proj"][e]
+        )
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert layer.dropped_tokens == dropped
+    return dropped
+
+
+class _Router(torch.nn.Module):
+    """A skewed router (most tokens prefer expert 0), so a capacity factor drops some."""
+
+    def forward(self, x):
+        logits = x[:, :EXPERTS] + torch.linspace(3, 0, EXPERTS)
+        probs = torch.softmax(logits, -1)
+        w, ids = torch.topk(probs, TOP_K, -1)
+        return logits, w, ids
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_capacity_factor_drops_and_counts_the_choices_past_capacity(ws):
+    dropped = run_distributed(_capacity, ws, ws, 1.0)
+    assert all(d > 0 for d in dropped)  # the case drops something on every rank
+
+
+def test_misuse_is_refused_clearly():
+    with pytest.raises(ValueError, match="capacity_factor=0 must be a positive number"):
+        experts = ParallelExperts(4, 8, 8, torch.nn.SiLU(), ep=TPGroup.local())
+        ExpertParallelMoE(_Router(), experts, TPGroup.local(), capacity_factor=0)
+    with pytest.raises(ValueError, match="is not a sparse-MoE block"):
+        ExpertParallelMoE.from_block(torch.nn.Linear(2, 2))

@@ -1,0 +1,334 @@
+"""Expert parallelism: the experts of a mixture-of-experts layer spread over the ranks of an EP
+group, each token sent to the ranks holding its chosen experts and back (all-to-all).
+
+:class:`ExpertParallelMoE` replaces a Hugging Face sparse-MoE block (Qwen2-MoE with its shared
+expert, Mixtral) and computes what it computes, on every rank's own tokens:
+
+1. the model's own router (kept as is: softmax order, top-k, renormalisation; transformers
+   records its logits for the load-balancing loss, so ``output_router_logits`` gives the model's
+   own aux loss);
+2. ``moe_route`` sorts the (token, choice) pairs by expert (a counting sort; with a capacity
+   factor, choices beyond an expert's capacity are dropped and counted); ``moe_permute`` copies
+   the tokens into that order, so each destination rank's rows are contiguous;
+3. the counts go to the ranks that hold the experts (an all-to-all of a few integers), then the
+   rows (``all_to_all_single``, uneven splits, under the comm tag ``"moe"``);
+4. the received rows are regrouped by local expert (``moe_route`` again) and each local expert
+   runs once on its contiguous group;
+5. the reverse path, and ``moe_unpermute`` sums each token's expert outputs with its routing
+   weights.
+
+Experts are split over the EP group by :func:`tp_ext.shard_sizes` (8 experts over 3 ranks: 3, 3,
+2), and, with TP inside (the EP group taken from DP ranks), each expert's intermediate dimension
+over the TP group: every rank holds its share, no more. The state dict keeps the Hugging Face
+names and full shapes through ``full_state_dict`` / ``load_full_state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tp_ext import ops
+from tp_ext.distributed import comm
+from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.distributed.state import PROCESS
+from tp_ext.layers.base import ParallelModule
+from tp_ext.sharding import Partition, shard_sizes
+
+__all__ = ["ExpertParallelMoE", "ParallelExperts", "is_sparse_moe_block", "MOE_TAG"]
+
+MOE_TAG = "moe"  # the comm tag of the dispatch and combine (tp_ext.comm.track())
+
+
+def is_sparse_moe_block(module: nn.Module) -> bool:
+    """A Hugging Face sparse-MoE block: a ``gate`` router with an ``[experts, hidden]`` weight and
+    ``experts`` holding 3-D ``gate_up_proj`` / ``down_proj`` (Qwen2-MoE, Mixtral, ...)."""
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    weight = getattr(gate, "weight", None)
+    up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and isinstance(up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and up.dim() == 3
+        and down.dim() == 3
+        and up.shape[0] == down.shape[0] == weight.shape[0]
+        and up.shape[1] == 2 * down.shape[2]
+    )
+
+
+def expert_group(group=None) -> TPGroup:
+    """``group`` as a TPGroup; None is the EP group of :func:`tp_ext.init_parallel` (``ep=``),
+    or a group of one when it made none."""
+    if group is not None:
+        return resolve_group(group)
+    state = PROCESS.parallel
+    ep = getattr(state, "ep_group", None)
+    return TPGroup.local() if ep is None else resolve_group(ep)
+
+
+class ParallelExperts(ParallelModule):
+    """This rank's experts: ``gate_up_proj`` ``[local experts, 2 * inter_local, hidden]`` and
+    ``down_proj`` ``[local experts, hidden, inter_local]`` (Hugging Face's layout, gate rows then
+    up rows), split by expert over ``ep`` and by intermediate dim over ``tp_group``.
+    ``forward(rows, group_sizes)`` runs local expert e on the e-th contiguous group of rows; with
+    TP the result is this rank's partial sum (the caller reduces it)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: nn.Module,
+        ep=None,
+        tp_group=None,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        tp = self._setup_tp(tp_group)
+        ep = expert_group(ep)
+        self.num_experts, self.hidden_size, self.intermediate_size = (
+            num_experts,
+            hidden_size,
+            intermediate_size,
+        )
+        self.expert_partition = Partition.split(num_experts, ep.size)
+        gate_up = Partition.merged([intermediate_size, intermediate_size], tp.size)
+        down = Partition.split(intermediate_size, tp.size)
+        local_experts = self.expert_partition.local_size(ep.rank)
+        inter = down.local_size(tp.rank)
+        self.first_expert = sum(shard_sizes(num_experts, ep.size)[: ep.rank])
+        kw = {"dtype": dtype, "device": device}
+        self.gate_up_proj = nn.Parameter(torch.empty(local_experts, 2 * inter, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(local_experts, hidden_size, inter, **kw))
+        self.act_fn = act_fn
+        self._set_shard("gate_up_proj", 1, gate_up)
+        self._set_shard("down_proj", 2, down)
+        self._set_expert_shard("gate_up_proj", 0, self.expert_partition, ep)
+        self._set_expert_shard("down_proj", 0, self.expert_partition, ep)
+        if PROCESS.init_weights and self.down_proj.device.type != "meta":
+            # transformers' initialisation (normal, std 0.02) of the full experts, this rank's
+            # share kept: the same weights at every EP and TP degree for one seed
+            full = {
+                "gate_up_proj": torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw),
+                "down_proj": torch.empty(num_experts, hidden_size, intermediate_size, **kw),
+            }
+            for t in full.values():
+                nn.init.normal_(t, std=0.02)
+            self.load_full_state_dict(full)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, rows: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+        # Every local expert runs, even on no rows: its weights then get a zero gradient (not
+        # None), so every rank's gradients have the same structure for the DP reduction.
+        fused = isinstance(self.act_fn, nn.SiLU)
+        outs, start = [], 0
+        for e, n in enumerate(group_sizes):
+            x = rows[start : start + n]
+            start += n
+            gate_up = F.linear(x, self.gate_up_proj[e])
+            if fused:
+                h = ops.swiglu(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = self.act_fn(gate) * up
+            outs.append(F.linear(h, self.down_proj[e]))
+        return torch.cat(outs) if outs else rows.new_zeros(0, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
+            f"{self.num_experts}, hidden={self.hidden_size}, intermediate "
+            f"{self.down_proj.shape[2]} of {self.intermediate_size}"
+        )
+
+
+class ExpertParallelMoE(ParallelModule):
+    """A sparse-MoE block with its experts spread over an expert-parallel group.
+
+    Build it from a Hugging Face block with :meth:`from_block` (``tp_ext.parallelize`` does, for
+    ``parallel`` states with ``ep > 1``), or from parts. ``router(x [T, H])`` returns ``(logits,
+    weights [T, k], expert ids [T, k])`` as transformers' routers do. ``shared_expert`` (and
+    ``shared_expert_gate``, a sigmoid gate) run on every token locally. ``capacity_factor``:
+    None routes every choice (dropless); a number keeps at most ``ceil(factor * T * k / E)``
+    choices per expert on each rank, in token order, and drops the rest (their weight is lost,
+    as in Switch / GShard); ``dropped_tokens`` counts them. ``tokens_per_expert`` holds the last
+    forward's routing counts on this rank (``[E]``, before drops).
+    """
+
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: ParallelExperts,
+        ep_group=None,
+        tp_group=None,
+        shared_expert: Optional[nn.Module] = None,
+        shared_expert_gate: Optional[nn.Module] = None,
+        jitter_noise: float = 0.0,
+        capacity_factor: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        tp = self._setup_tp(tp_group)
+        ep = expert_group(ep_group)
+        object.__setattr__(self, "ep", ep)
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(
+                f"ExpertParallelMoE: capacity_factor={capacity_factor!r} must be a positive "
+                "number (1.0: each expert takes its even share of choices), or None for dropless"
+            )
+        if (experts.tp.name, experts.tp_size) != (tp.name, tp.size) or experts.ep.size != ep.size:
+            raise ValueError(
+                f"ExpertParallelMoE: experts are split over TP {experts.tp} and EP {experts.ep}, "
+                f"but this layer uses TP {tp} and EP {ep}; build both with the same groups"
+            )
+        self.gate = router
+        self.experts = experts
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+        if shared_expert_gate is not None:
+            self.shared_expert_gate = shared_expert_gate
+        self.jitter_noise = jitter_noise
+        self.capacity_factor = capacity_factor
+        self.num_experts = experts.num_experts
+        self.expert_sizes = shard_sizes(self.num_experts, ep.size)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False
+        )
+        self.dropped_tokens = 0
+
+    # -- construction from a Hugging Face block ---------------------------------------------------
+
+    @classmethod
+    @torch.no_grad()
+    def from_block(
+        cls, block: nn.Module, ep_group=None, tp_group=None, capacity_factor=None
+    ) -> "ExpertParallelMoE":
+        """The block's router, shared expert and gate are kept (the same modules); its experts
+        are replaced by this rank's share of them (copied from the block's full weights)."""
+        if not is_sparse_moe_block(block):
+            raise ValueError(
+                f"ExpertParallelMoE.from_block: {type(block).__name__} is not a sparse-MoE block "
+                "(a `gate` router with an [experts, hidden] weight and `experts` with 3-D "
+                "gate_up_proj / down_proj)"
+            )
+        full = block.experts
+        num_experts, hidden, inter = full.down_proj.shape
+        ep = expert_group(ep_group)
+        experts = ParallelExperts(
+            num_experts,
+            hidden,
+            inter,
+            full.act_fn,
+            ep,
+            tp_group,
+            dtype=full.down_proj.dtype,
+            device=full.down_proj.device,
+        )
+        experts.load_full_state_dict(
+            {"gate_up_proj": full.gate_up_proj.detach(), "down_proj": full.down_proj.detach()}
+        )
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(experts, name).requires_grad_(getattr(full, name).requires_grad)
+        layer = cls(
+            block.gate,
+            experts,
+            ep,
+            tp_group,
+            getattr(block, "shared_expert", None),
+            getattr(block, "shared_expert_gate", None),
+            float(getattr(block, "jitter_noise", 0.0) or 0.0),
+            capacity_factor,
+        )
+        layer.train(block.training)
+        return layer
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral's router noise, as its block
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise
+            )
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, expert_ids = self.gate(x)
+        out = self._routed(x, expert_ids, weights)
+        shared = getattr(self, "shared_expert", None)
+        if shared is not None:
+            s = shared(x)
+            gate = getattr(self, "shared_expert_gate", None)
+            if gate is not None:
+                s = torch.sigmoid(gate(x)) * s
+            out = out + s
+        return out.reshape(shape)
+
+    def _routed(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
+        tokens, top_k = expert_ids.shape
+        with torch.no_grad():
+            row_map, counts = ops.moe_route(expert_ids, self.num_experts)
+            self.tokens_per_expert.copy_(counts)
+            if self.capacity_factor is not None:
+                row_map, counts = self._drop_over_capacity(expert_ids, row_map, counts)
+        if self.tp_size > 1:  # replicated over TP; the experts' slices give partial sums
+            x = comm.copy_to_tp(x, self.tp)
+            weights = comm.copy_to_tp(weights, self.tp)
+        rows = ops.moe_permute(x, row_map, None, tokens * top_k)
+        with comm.tag(MOE_TAG):
+            y = self._dispatch_and_run(rows, counts)
+        out = ops.moe_unpermute(y, row_map, weights)  # fp32 math, whatever the weights' dtype
+        return comm.reduce_from_tp(out, self.tp) if self.tp_size > 1 else out
+
+    def _dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [T * k, H], sorted by expert (dropped rows last) -> the experts' outputs, in the
+        same order (zeros for dropped rows)."""
+        ep, sizes = self.ep.size, self.expert_sizes
+        local = sizes[self.ep.rank]
+        # Counts to the ranks holding the experts: from each rank, its rows for my experts.
+        received_counts = comm.all_to_all_single(counts, sizes, [local] * ep, self.ep)
+        per_rank, start = [], 0
+        counts_list = counts.tolist()
+        for n in sizes:
+            per_rank.append(sum(counts_list[start : start + n]))
+            start += n
+        from_rank = received_counts.view(ep, local).sum(1).tolist()
+        sent = sum(per_rank)
+        received = comm.all_to_all_single(rows[:sent], per_rank, from_rank, self.ep)
+        # Received rows are ordered by source rank, then expert: regroup them by local expert.
+        local_ids = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(ep), received_counts
+        )
+        regroup, group_sizes = ops.moe_route(local_ids.unsqueeze(1), max(local, 1))
+        grouped = ops.moe_permute(received, regroup, None, received.shape[0])
+        out = self.experts(grouped, group_sizes.tolist()[:local])
+        back = ops.moe_unpermute(out, regroup, None)  # source-rank order again
+        returned = comm.all_to_all_single(back, from_rank, per_rank, self.ep)
+        if sent < rows.shape[0]:  # dropped rows: zeros
+            returned = F.pad(returned, (0, 0, 0, rows.shape[0] - sent))
+        return returned
+
+    @torch.no_grad()
+    def _drop_over_capacity(self, expert_ids, row_map, counts):
+        tokens, top_k = expert_ids.shape
+        capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts)
+        ids = expert_ids.to(torch.int64)
+        first_row = torch.cumsum(counts, 0) - counts  # each expert's first row
+        position = row_map - first_row[ids]  # place of the choice in its expert's queue
+        kept = torch.where(position < capacity, ids, torch.full_like(ids, -1))
+        self.dropped_tokens = int((position >= capacity).sum())
+        return ops.moe_route(kept, self.num_experts)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, ep={self.ep.size} (this rank: "
+            f"{self.expert_sizes[self.ep.rank]}), tp={self.tp_size}, capacity_factor="
+            f"{self.capacity_factor}"
+        )
