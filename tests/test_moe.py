@@ -15,9 +15,10 @@ import transformers
 import tp_ext
 from tp_ext import ops
 from tp_ext.distributed import comm
-from tp_ext.layers import TPGroup, local_shards
+from tp_ext.layers import TPGroup, full_state_dict, local_shards
 from tp_ext.layers.moe import MOE_TAG, ExpertParallelMoE, ParallelExperts
 from tp_ext.sharding import shard_sizes
+from tp_ext.training import Trainer
 
 from .common import WORLD_SIZES
 from .dist_utils import run_distributed
@@ -337,8 +338,6 @@ def _full_state_round_trip():
         gathered["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
         == shard_sizes(EXPERTS, state.ep)[state.ep_rank]
     )
-    from tp_ext.layers import full_state_dict
-
     back = full_state_dict(model)
     assert set(back) == set(full)
     for k in full:
@@ -405,3 +404,99 @@ def test_misuse_is_refused_clearly():
         ExpertParallelMoE(_Router(), experts, TPGroup.local(), capacity_factor=0)
     with pytest.raises(ValueError, match="is not a sparse-MoE block"):
         ExpertParallelMoE.from_block(torch.nn.Linear(2, 2))
+
+
+# ---- training with the Trainer -------------------------------------------------------------------
+
+
+def _micro_batches(dp_rank, step):
+    return [_batch(seed=1000 * step + 10 * dp_rank + m, tokens=(2, 8)) for m in range(2)]
+
+
+def _reference_step(ref, opt, batches, with_aux):
+    """One SGD step of the unsharded model on every rank's micro-batches: the mean token loss
+    over all of them, plus each micro-batch's aux loss weighted by its tokens (the Trainer's
+    rule), clipped at norm 0.5."""
+    opt.zero_grad()
+    total = sum(ids[:, 1:].numel() for ids in batches)
+    loss = 0
+    for ids in batches:
+        out = ref(ids)
+        ce = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"
+        )
+        if with_aux:
+            ce = ce + ref.config.router_aux_loss_coef * out.aux_loss * ids[:, 1:].numel()
+        loss = loss + ce / total
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    opt.step()
+    return loss.item(), norm.item()
+
+
+def _train(kind, tp, dp, ep, with_aux):
+    state = tp_ext.init_parallel(tp=tp, dp=dp, ep=ep)
+    model = _model(kind)
+    model.config.output_router_logits = with_aux
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    tp_ext.parallelize(model, "auto", parallel=state)
+    trainer = Trainer(
+        model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        parallel=state,
+        max_grad_norm=0.5,
+    )
+    dp_rank = state.mesh.get_local_rank("dp")
+    for step in range(3):
+        loss = trainer.step(_micro_batches(dp_rank, step))
+        every = [b for r in range(dp) for b in _micro_batches(r, step)]
+        want, norm = _reference_step(ref, ref_opt, every, with_aux)
+        assert abs(loss - want) <= 1e-5 * abs(want), (step, loss, want)
+        # the norm counts every expert once, over the EP and TP splits (and clips: norm > 0.5)
+        assert abs(trainer.last_grad_norm - norm) <= 1e-5 * norm and norm > 0.5, (step, norm)
+    want = local_shards(model, dict(ref.named_parameters()))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.detach(), want[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}"
+        )
+
+
+TRAIN_CASES = [("qwen2_moe", (1, 2, 2), False), ("mixtral", (2, 2, 2), False),
+               ("qwen2_moe", (1, 3, 3), True), ("mixtral", (1, 4, 2), True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,layout,with_aux", TRAIN_CASES, ids=str)
+def test_trainer_steps_equal_single_process_training_on_the_global_batch(kind, layout, with_aux):
+    tp, dp, ep = layout
+    run_distributed(_train, tp * dp, kind, tp, dp, ep, with_aux, timeout=300)
+
+
+# ---- checkpoints: the Hugging Face layout, loaded at another EP degree ---------------------------
+
+
+def _reshard(path):
+    ws = dist.get_world_size()
+    state = tp_ext.init_parallel(tp=1, dp=ws, ep=ws)
+    model = _model("qwen2_moe")
+    tp_ext.parallelize(model, "auto", parallel=state)
+    trainer = Trainer(model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), parallel=state)
+    trainer.step(_micro_batches(state.mesh.get_local_rank("dp"), 0))  # experts now differ by rank
+    ids = _batch(seed=7)
+    with torch.no_grad():
+        logits = model(ids).logits
+    full = full_state_dict(model)  # experts gathered over the EP group
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=full)
+    dist.barrier()
+    for ep in (ws // 2, 1):
+        again = tp_ext.init_parallel(tp=1, dp=ws, ep=ep)
+        loaded = transformers.Qwen2MoeForCausalLM.from_pretrained(path).eval()
+        if ep > 1:
+            tp_ext.parallelize(loaded, "auto", parallel=again)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
+
+
+def test_saved_at_ep4_loads_at_ep2_and_ep1_with_the_same_logits(tmp_path):
+    run_distributed(_reshard, 4, str(tmp_path / "moe"), timeout=300)

@@ -35,10 +35,33 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
     parallel layers. A collective: every TP rank must call it. Returns a 0-d float tensor."""
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, tp_group)
-    local = _local_norm_power(model, tp, p)
+    reduce = "max" if p == math.inf else "sum"
+    experts, ep = _expert_parameters(model)
+    local = _local_norm_power(model, tp, p, skip=experts)
+    if experts:  # each EP rank holds other experts: their part adds up over the EP group first
+        mine = _local_norm_power(model, tp, p, skip=_all_but(model, experts))
+        if ep.size > 1:
+            mine = comm.all_reduce(mine, reduce, group=ep)
+        local = torch.maximum(local, mine) if p == math.inf else local + mine
     if tp.size > 1:
-        local = comm.all_reduce(local, "max" if p == math.inf else "sum", group=tp)
+        local = comm.all_reduce(local, reduce, group=tp)
     return local if p == math.inf else local.pow(1.0 / p)
+
+
+def _expert_parameters(model: nn.Module):
+    """(ids of the parameters split by expert over an EP group, that group), or (empty, None)."""
+    ids, group = set(), None
+    for module in model.modules():
+        if isinstance(module, ParallelModule) and getattr(module, "ep", None) is not None:
+            for name, param in module.named_parameters(recurse=False):
+                if module.expert_spec(name) is not None:
+                    ids.add(id(param))
+                    group = module.ep
+    return ids, group
+
+
+def _all_but(model: nn.Module, keep: set) -> set:
+    return {id(q) for q in model.parameters() if id(q) not in keep}
 
 
 def parallel_grad_norm(

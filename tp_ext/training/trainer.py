@@ -17,6 +17,7 @@ gradient, summed between the first and last stage).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Callable, Optional, Union
 
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from tp_ext.compression import OneBitAdam
 from tp_ext.distributed import comm
-from tp_ext.layers import vocab_parallel_cross_entropy
+from tp_ext.layers import ExpertParallelMoE, ParallelModule, vocab_parallel_cross_entropy
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner
 from tp_ext.training.grad_norm import (
     clip_grad_norm_,
@@ -124,7 +125,12 @@ class Trainer:
                 f"gradient_compression={gradient_compression!r} needs Trainer(parallel=...): the "
                 "DP hooks go on the DDP modules of its layout"
             )
-        if parallel is not None:
+        self.expert_dp_group = None
+        if parallel is not None and _has_expert_parallel_layers(model):
+            self._setup_expert_parallel(
+                model, parallel, data_parallel, dp_group, tp_group, gradient_compression
+            )
+        elif parallel is not None:
             self._setup_pipeline(
                 model, parallel, schedule, data_parallel, dp_group, tp_group, gradient_compression
             )
@@ -253,6 +259,36 @@ class Trainer:
         self.dp_group = comm.resolve_group(parallel.dp_group)
         self.runner = None
 
+    def _setup_expert_parallel(
+        self, model, parallel, data_parallel, dp_group, tp_group, compression
+    ) -> None:
+        """A model with ExpertParallelMoE layers (``tp_ext.parallelize(model, "auto",
+        parallel=state)`` at ep > 1) runs this Trainer's own loop: the loss is scaled by the
+        global token count (one all-reduce before the forwards), so each rank's gradients are
+        its share of the global mean; dense gradients are then summed over the DP group and
+        expert gradients over the expert-DP group (the ranks holding the same experts: the
+        dispatch's backward already summed over the EP group's tokens)."""
+        if parallel.pp > 1:
+            raise ValueError(
+                f"expert parallelism with pp={parallel.pp}: pipeline stages of a model with "
+                "ExpertParallelMoE layers are not supported yet; use pp=1"
+            )
+        if dp_group is not None or tp_group is not None:
+            raise ValueError(
+                "with parallel=, the TP and DP groups are the layout's; drop dp_group= / tp_group="
+            )
+        if data_parallel not in (None, "ddp") or compression is not None:
+            raise ValueError(
+                f"data_parallel={data_parallel!r}, gradient_compression={compression!r} with "
+                "expert parallelism: its gradients are summed by one all-reduce per group "
+                "(dense over DP, experts over expert-DP); use data_parallel='ddp' (or None) and "
+                "no compression"
+            )
+        self.data_parallel = "ddp" if parallel.dp > 1 else None
+        self.tp = comm.resolve_group(parallel.tp_group)
+        self.dp_group = comm.resolve_group(parallel.dp_group)
+        self.expert_dp_group = comm.resolve_group(parallel.expert_dp_group)
+
     def step(self, micro_batches: list[MicroBatch]) -> float:
         """Forward and backward every micro-batch (``input_ids`` ``[batch, seq]``, or
         ``(input_ids, labels)`` with labels of the same shape, Hugging Face style: position t
@@ -271,16 +307,22 @@ class Trainer:
         count = torch.stack(
             [(labels[:, 1:] != self.ignore_index).sum() for _, labels in batches]
         ).sum()
+        if self.expert_dp_group is not None and self.dp_group.size > 1:
+            # experts see other ranks' tokens: every rank scales by the global count
+            with comm.tag("train.dp_sync"):
+                count = comm.all_reduce(count.float(), "sum", group=self.dp_group)
         scale = count.clamp_min(1).float()
         count = count.float()
         loss_sum = torch.zeros((), device=batches[0][0].device)
         with comm.tag("train.compute"):
             for ids, labels in batches:
                 with self._autocast(ids.device):
-                    loss = self._summed_loss(self.model(ids, local_logits=True), labels)
+                    loss = self._micro_batch_loss(ids, labels)
                 self._scaled(loss / scale).backward()
                 loss_sum += loss.detach().float()
-        if self.dp_group is not None and self.dp_group.size > 1:
+        if self.expert_dp_group is not None:
+            loss_sum = self._sync_expert_parallel(params, loss_sum)
+        elif self.dp_group is not None and self.dp_group.size > 1:
             loss_sum, count = self._sync_data_parallel(params, loss_sum, scale, count)
         self._unscale()
         if self.max_grad_norm is not None:
@@ -412,6 +454,63 @@ class Trainer:
             for unit in units:
                 unit.reshard()
 
+    def _micro_batch_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed token loss. tp_ext's models give this rank's vocabulary
+        shard of the logits; other models (Hugging Face's, parallelized) give full logits, and
+        an MoE model's load-balancing loss (``output_router_logits``) is added as its own loss
+        adds it: ``router_aux_loss_coef * aux_loss`` per token."""
+        if _takes_local_logits(self.model):
+            return self._summed_loss(self.model(ids, local_logits=True), labels)
+        out = self.model(ids)
+        targets = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].flatten(0, 1).float(),
+            targets.flatten(),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        aux = getattr(out, "aux_loss", None)
+        coef = getattr(getattr(self.model, "config", None), "router_aux_loss_coef", 0.0)
+        if aux is not None and coef:
+            loss = loss + coef * aux.float() * (targets != self.ignore_index).sum()
+        return loss
+
+    @torch.no_grad()
+    def _sync_expert_parallel(self, params, loss_sum):
+        """Gradients already scaled by the global token count: dense ones (and the loss) summed
+        over the DP group, expert ones over the expert-DP group."""
+        experts = {id(p) for m in self.model.modules() for p in _expert_weights(m)}
+        dense = [p for p in params if id(p) not in experts]
+        split = [p for p in params if id(p) in experts]
+        for group, group_params, extra in (
+            (self.dp_group, dense, loss_sum),
+            (self.expert_dp_group, split, None),
+        ):
+            if group.size == 1:
+                continue
+            dtype = (
+                torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+            )
+            pieces = [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype)
+                for p in group_params
+            ]
+            if extra is not None:
+                pieces.append(extra.view(1).to(dtype))
+            with comm.tag("train.dp_sync"):
+                flat = comm.all_reduce(torch.cat(pieces), "sum", group=group)
+            offset = 0
+            for p in group_params:
+                grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.copy_(grad)
+                offset += p.numel()
+            if extra is not None:
+                loss_sum = flat[-1]
+        return loss_sum
+
     def _summed_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the token losses: position t predicts labels[:, t + 1] (Hugging Face style)."""
         if getattr(self.model, "is_2d", False):  # logits blocks of a grid: the model knows them
@@ -518,6 +617,22 @@ class Trainer:
                 p.grad.copy_(grad)
             offset += n
         return flat[-2], total
+
+
+def _has_expert_parallel_layers(model: nn.Module) -> bool:
+    return any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+
+
+def _expert_weights(module: nn.Module):
+    """The parameters of ``module`` split by expert over an EP group."""
+    if isinstance(module, ParallelModule) and getattr(module, "ep", None) is not None:
+        for name, param in module.named_parameters(recurse=False):
+            if module.expert_spec(name) is not None:
+                yield param
+
+
+def _takes_local_logits(model: nn.Module) -> bool:
+    return "local_logits" in inspect.signature(model.forward).parameters
 
 
 def _scheduler(lr_scheduler, optimizer):
