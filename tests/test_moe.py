@@ -500,3 +500,17 @@ def _reshard(path):
 
 def test_saved_at_ep4_loads_at_ep2_and_ep1_with_the_same_logits(tmp_path):
     run_distributed(_reshard, 4, str(tmp_path / "moe"), timeout=300)
+
+
+def _ep_across_tp():
+    state = tp_ext.init_parallel(tp=2, dp=2, ep=4)
+    try:
+        tp_ext.parallelize(_model("mixtral"), "auto", parallel=state)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_ep_group_across_tp_ranks_is_refused_by_name():
+    errors = run_distributed(_ep_across_tp, 4)
+    assert all(e and "use an ep that divides dp" in e for e in errors), errors

@@ -72,6 +72,23 @@ def expert_group(group=None) -> TPGroup:
     return TPGroup.local() if ep is None else resolve_group(ep)
 
 
+def _check_tp_outside_ep(tp: TPGroup, ep: TPGroup) -> None:
+    """TP ranks hold the same tokens: inside one EP group they would send them twice."""
+    if tp.size == 1 or ep.size == 1 or tp.group is None or ep.group is None:
+        return
+    import torch.distributed as dist
+
+    shared = set(dist.get_process_group_ranks(tp.group)) & set(
+        dist.get_process_group_ranks(ep.group)
+    )
+    if len(shared) > 1:
+        raise ValueError(
+            f"ExpertParallelMoE: the EP group ({ep.size} ranks) holds TP ranks {sorted(shared)} "
+            "of one TP group (init_parallel with ep > dp); experts split across TP ranks that "
+            "hold the same tokens are not supported yet: use an ep that divides dp"
+        )
+
+
 class ParallelExperts(ParallelModule):
     """This rank's experts: ``gate_up_proj`` ``[local experts, 2 * inter_local, hidden]`` and
     ``down_proj`` ``[local experts, hidden, inter_local]`` (Hugging Face's layout, gate rows then
@@ -185,6 +202,7 @@ class ExpertParallelMoE(ParallelModule):
                 f"ExpertParallelMoE: capacity_factor={capacity_factor!r} must be a positive "
                 "number (1.0: each expert takes its even share of choices), or None for dropless"
             )
+        _check_tp_outside_ep(tp, ep)
         if (experts.tp.name, experts.tp_size) != (tp.name, tp.size) or experts.ep.size != ep.size:
             raise ValueError(
                 f"ExpertParallelMoE: experts are split over TP {experts.tp} and EP {experts.ep}, "
