@@ -150,10 +150,12 @@ def test_bad_arguments_are_named():
 # ---- the uneven all-to-all -----------------------------------------------------------------------
 
 
-def _split_matrix(ws, seed):
+def _split_matrix(ws, seed, most):
     """sends[i][j]: rows rank i sends to rank j (zeros included)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 4, (ws, ws), generator=g).tolist()
+    sends = torch.randint(0, most, (ws, ws), generator=g)
+    sends[0, -1] = 0  # an empty piece
+    return sends.tolist()
 
 
 def _rows(src, dst, n, hidden):
@@ -162,37 +164,53 @@ def _rows(src, dst, n, hidden):
     return base + torch.arange(hidden, dtype=torch.float64) / 10
 
 
-def _all_to_all_single(ws):
+def _all_to_all_single(ws, transport):
+    """On a fresh group: through the shared-memory channel (in rounds of a small slot, so rows
+    of one sender straddle rounds) or through gloo."""
+    import os
+
     rank, hidden = dist.get_rank(), 3
-    sends = _split_matrix(ws, seed=ws)
-    send = sends[rank]
-    recv = [sends[src][rank] for src in range(ws)]
-    x = torch.cat([_rows(rank, dst, send[dst], hidden) for dst in range(ws)]).requires_grad_()
-    with comm.track() as stats:
-        out = comm.all_to_all_single(x, send, recv, dist.group.WORLD)
-        (0.5 * (out * out).sum() + out.sum()).backward()  # gradient out + 1 names the rows
-    want = torch.cat([_rows(src, rank, recv[src], hidden) for src in range(ws)])
-    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
-    torch.testing.assert_close(x.grad, x.detach() + 1, rtol=0, atol=1e-9)  # rows differ by 0.1
-    row = hidden * 8
-    sent_away = (sum(send) - send[rank]) * row
-    received_back = (sum(recv) - recv[rank]) * row  # the backward sends what arrived back
-    assert stats.bytes(collective="all_to_all_v") == sent_away + received_back
-    if ws > 1:  # a rank that expects the wrong count is named under the consistency check
+    comm.set_shared_memory(transport != "gloo")
+    os.environ["TP_EXT_SHM_SLOT_BYTES"] = "4096"  # 170 rows of 24 bytes a round
+    try:
+        group = dist.new_group(list(range(ws)))
+        sends = _split_matrix(ws, seed=ws, most=400)
+        send = sends[rank]
+        recv = [sends[src][rank] for src in range(ws)]
+        x = torch.cat([_rows(rank, dst, send[dst], hidden) for dst in range(ws)]).requires_grad_()
+        with comm.track() as stats:
+            out = comm.all_to_all_single(x, send, recv, group)
+            (0.5 * (out * out).sum() + out.sum()).backward()  # gradient out + 1 names the rows
+        assert comm.shared_memory_active(group) == (transport == "shm" and ws > 1)
+        want = torch.cat([_rows(src, rank, recv[src], hidden) for src in range(ws)])
+        torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, x.detach() + 1, rtol=0, atol=1e-9)  # rows differ by 0.1
+        row = hidden * 8
+        sent_away = (sum(send) - send[rank]) * row
+        received_back = (sum(recv) - recv[rank]) * row  # the backward sends what arrived back
+        assert stats.bytes(collective="all_to_all_v") == sent_away + received_back
+        if ws == 1:
+            return None
+        # a rank that expects the wrong count: every rank raises, naming the pair
+        comm.set_consistency_checks(transport == "gloo")  # the channel always checks
         wrong = list(recv)
         wrong[(rank + 1) % ws] += 1 if rank == 0 else 0
         try:
-            comm.all_to_all_single(x.detach(), send, wrong, dist.group.WORLD)
+            comm.all_to_all_single(x.detach(), send, wrong, group)
         except ValueError as e:
             return str(e)
-    return None
+        return None
+    finally:
+        del os.environ["TP_EXT_SHM_SLOT_BYTES"]
+        comm.set_shared_memory(None)
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("ws", WORLD_SIZES)
-def test_all_to_all_single_moves_the_rows_and_their_gradients(ws):
-    errors = run_distributed(_all_to_all_single, ws, ws)
+def test_all_to_all_single_moves_the_rows_and_their_gradients(ws, transport):
+    errors = run_distributed(_all_to_all_single, ws, ws, transport)
     if ws > 1:
-        assert "expects" in errors[0] and "recv_sizes[r] must equal" in errors[0]
+        assert all("expects" in e and "recv_sizes[r] must equal" in e for e in errors), errors
 
 
 # ---- ExpertParallelMoE in transformers' MoE models -----------------------------------------------

@@ -404,6 +404,62 @@ void check_pairwise_sizes(const Group& g, const char* op, at::IntArrayRef send,
                         "counts first).");
 }
 
+// all_to_all_single through the shared-memory channel. A first round publishes every rank's send
+// and receive sizes: each rank learns where its rows sit in every sender's buffer, and all ranks
+// check every pair alike (so they raise together). Then each rank publishes its buffer a slot at a
+// time, and every rank copies out only the rows meant for it.
+void all_to_all_single_shm(ShmChannel& shm, const at::Tensor& x, at::IntArrayRef send,
+                           at::IntArrayRef recv, int64_t row_bytes, uint64_t call, at::Tensor& out,
+                           const Group& g, const char* op) {
+  auto t0 = Clock::now();
+  const int64_t n = g.size, me = g.rank;
+  std::vector<int64_t> mine(send.begin(), send.end());
+  mine.insert(mine.end(), recv.begin(), recv.end());
+  std::vector<int64_t> table(n * 2 * n);  // row r: rank r's send sizes, then its receive sizes
+  shm.exchange(mine.data(), 2 * n * 8, round_sig(call, -1),
+               [&](const std::vector<const char*>& slots) {
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&table[r * 2 * n], slots[r], 2 * n * 8);
+  }, op, g);
+  auto sends = [&](int64_t from, int64_t to) { return table[from * 2 * n + to]; };
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      TORCH_CHECK_VALUE(sends(i, j) == table[j * 2 * n + n + i], "tp_ext.", op, ": rank ", j,
+                        " of process group '", g.name, "' expects ", table[j * 2 * n + n + i],
+                        " rows from rank ", i, ", which sends it ", sends(i, j),
+                        "; recv_sizes[r] must equal rank r's send_sizes[me] (exchange the "
+                        "counts first).");
+  std::vector<int64_t> start_in(n, 0), out_start(n, 0);  // my rows in sender s; s's rows in out
+  int64_t widest = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    int64_t total = 0;
+    for (int64_t d = 0; d < n; ++d) {
+      if (d == me) start_in[s] = total;
+      total += sends(s, d);
+    }
+    widest = std::max(widest, total);
+    if (s > 0) out_start[s] = out_start[s - 1] + recv[s - 1];
+  }
+  const int64_t rows_per_round = row_bytes > 0 ? shm.slot_bytes() / row_bytes : widest;
+  const char* src = static_cast<const char*>(x.const_data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int64_t sent = x.size(0);
+  for (int64_t done = 0; done == 0 || done < widest; done += rows_per_round) {
+    const int64_t publish = std::max<int64_t>(0, std::min(rows_per_round, sent - done));
+    shm.exchange(src + done * row_bytes, publish * row_bytes, round_sig(call, done),
+                 [&](const std::vector<const char*>& slots) {
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t lo = std::max(done, start_in[s]);
+        const int64_t hi = std::min(done + rows_per_round, start_in[s] + sends(s, me));
+        if (hi > lo)
+          std::memcpy(dst + (out_start[s] + lo - start_in[s]) * row_bytes,
+                      slots[s] + (lo - done) * row_bytes, (hi - lo) * row_bytes);
+      }
+    }, op, g);
+    if (rows_per_round == 0) break;
+  }
+  record(op, "all_to_all_v", (sent - send[me]) * row_bytes, seconds_since(t0));
+}
+
 }  // namespace
 
 at::Tensor all_to_all_single(const at::Tensor& x, at::IntArrayRef send, at::IntArrayRef recv,
@@ -432,10 +488,15 @@ at::Tensor all_to_all_single(const at::Tensor& x, at::IntArrayRef send, at::IntA
   }
   const auto shm = channel_of(xc, g, op);
   check_consistent(g, op, xc, 0, c10::nullopt, 6);
-  check_pairwise_sizes(g, op, send, recv);
-  announce(shm, call_signature(6, xc.scalar_type(), fixed_shape(xc, 0), {}, {}), op, g);
   int64_t row_bytes = xc.element_size();
   for (int64_t d = 1; d < xc.dim(); ++d) row_bytes *= xc.size(d);
+  const auto call = call_signature(6, xc.scalar_type(), fixed_shape(xc, 0), {}, {});
+  if (payload_fits(shm, xc, row_bytes) && shm->slot_bytes() >= 2 * g.size * 8) {
+    all_to_all_single_shm(*shm, xc, send, recv, row_bytes, call, out, g, op);
+    return out;
+  }
+  check_pairwise_sizes(g, op, send, recv);
+  announce(shm, call, op, g);
   auto t0 = Clock::now();
   std::vector<int64_t> send_splits = send.vec(), recv_splits = recv.vec();
   c10d::AllToAllOptions opts;
