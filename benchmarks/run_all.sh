@@ -13,6 +13,7 @@ $PY benchmarks/bench_3d.py
 $PY benchmarks/bench_checkpoint.py
 $PY benchmarks/bench_summa.py
 $PY benchmarks/bench_planner.py
+$PY benchmarks/bench_moe.py
 $PY benchmarks/plot.py
 $PY benchmarks/report.py --update BENCHMARKS.md
 echo "load after: $(cat /proc/loadavg)"

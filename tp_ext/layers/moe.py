@@ -148,17 +148,20 @@ class ParallelExperts(ParallelModule):
         # Every local expert runs, even on no rows: its weights then get a zero gradient (not
         # None), so every rank's gradients have the same structure for the DP reduction.
         fused = isinstance(self.act_fn, nn.SiLU)
+        # unbind, not [e]: one stack of the experts' gradients in backward, not a full-size
+        # zero tensor per expert
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         outs, start = [], 0
         for e, n in enumerate(group_sizes):
             x = rows[start : start + n]
             start += n
-            gate_up = F.linear(x, self.gate_up_proj[e])
+            gate_up = F.linear(x, gate_ups[e])
             if fused:
                 h = ops.swiglu(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = self.act_fn(gate) * up
-            outs.append(F.linear(h, self.down_proj[e]))
+            outs.append(F.linear(h, downs[e]))
         return torch.cat(outs) if outs else rows.new_zeros(0, self.hidden_size)
 
     def extra_repr(self) -> str:
