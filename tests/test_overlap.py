@@ -67,6 +67,24 @@ def test_column_linear_matches_copy_to_tp_and_linear(world):
         assert count == (1 if world > 1 else 0)
 
 
+def _column_linear_without_input_grad():
+    name, size, rank = _group()
+    x = full((2, 5, 6), 1, torch.float64)  # a frozen input: no gradient wanted
+    w = full((3 + rank, 6), 2 + rank, torch.float64).requires_grad_()
+    b = full((3 + rank,), 3 + rank, torch.float64).requires_grad_()
+    with comm.track() as stats:
+        gw, gb = _grads(ops.column_linear(x, w, b, name, size), (w, b), 4 + rank)
+    want = _grads(F.linear(x, w, b), (w, b), 4 + rank)
+    torch.testing.assert_close(gw, want[0], **TOL)
+    torch.testing.assert_close(gb, want[1], **TOL)
+    return stats.count()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_column_linear_skips_the_all_reduce_when_no_input_gradient_is_wanted(world):
+    assert run_distributed(_column_linear_without_input_grad, world) == [0] * world
+
+
 def _seq_sizes(seq, world):
     return tp_ext.shard_sizes(seq, world)
 

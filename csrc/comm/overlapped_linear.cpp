@@ -351,6 +351,13 @@ class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
+    if (!ctx->needs_input_grad(0)) {
+      // No input gradient wanted (e.g. a frozen embedding below): the weight gradients alone,
+      // with no all-reduce. Every TP rank runs the same program, so all skip it alike.
+      const auto g2 = rows(grads[0]);
+      return {at::Tensor(), at::mm(g2.t(), rows(saved[0])),
+              d.at("has_bias").toBool() ? g2.sum(0) : at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     static const auto op = op_handle("column_linear_backward").typed<ColumnBackwardSig>();
     auto [gx, gw, gb] = op.call(grads[0], saved[0], saved[1], d.at("group_name").toStringRef(),
                                 d.at("group_size").toInt());
