@@ -276,7 +276,11 @@ std::tuple<at::Tensor, at::Tensor> linear_reduce_scatter_backward_kernel(
   // The gradient's shards go round the ring; each one's rows of grad_x and its term of grad_W
   // are computed while the next travels.
   auto grad_x = at::empty(x.sizes(), x.options());
-  auto grad_w = at::zeros(weight.sizes(), weight.options());
+  // bf16 / fp16: the weight gradient's terms are summed in fp32 and rounded once, as the unfused
+  // path's single GEMM over the gathered gradient does (a bf16 sum would round at every step).
+  const bool reduced = at::isReducedFloatingType(weight.scalar_type());
+  const auto acc = reduced ? at::kFloat : weight.scalar_type();
+  auto grad_w = at::zeros(weight.sizes(), weight.options().dtype(acc));
   const int64_t w = g.size;
   auto cur = grad.contiguous();
   double waited = 0;
@@ -290,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor> linear_reduce_scatter_backward_kernel(
     }
     const auto x_j = x.narrow(dim, sh.offset[j], sh.size[j]);
     grad_x.narrow(dim, sh.offset[j], sh.size[j]).copy_(at::matmul(cur, weight));
-    grad_w.addmm_(rows(cur).t(), rows(x_j));
+    grad_w.addmm_(rows(cur).t().to(acc), rows(x_j).to(acc));
     if (i + 1 < w) {
       waited += ring_shift_finish(shift, g, op);
       cur = next;
@@ -298,7 +302,7 @@ std::tuple<at::Tensor, at::Tensor> linear_reduce_scatter_backward_kernel(
   }
   if (w > 1)
     record(op, "all_gather", nbytes(out_shape(x, dim, sh.total, weight.size(0)), grad), waited);
-  return {grad_x, grad_w};
+  return {grad_x, reduced ? grad_w.to(weight.scalar_type()) : grad_w};
 }
 
 // ---- autograd (C++): the backward ops through the dispatcher, so compile traces them ----------
