@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import tp_ext
-from tp_ext import comm
+from tp_ext import comm, ops
 
 from .common import assert_close, full
 from .dist_utils import rank, run_distributed, world_size
@@ -46,6 +46,17 @@ def _op_samples():
         ("reduce_scatter", (full_x, 0, sizes, "sum", name, size, r)),
         ("broadcast", (full((3,), 4), 0, name, size)),
         ("all_to_all", (full((n, 2 * w), 5), 1, 0, None, name, size, r)),
+        # uneven all-to-all: rank i sends (i + 2 j) % 3 rows to rank j (empty pieces included)
+        (
+            "all_to_all_single",
+            (
+                grad(full((sum((r + 2 * j) % 3 for j in range(w)), 3), 35)),
+                [(r + 2 * j) % 3 for j in range(w)],
+                [(i + 2 * r) % 3 for i in range(w)],
+                name,
+                size,
+            ),
+        ),
         ("copy_to_tp", (grad(full((3, 4), 9)), name, size)),
         ("reduce_from_tp", (grad(full((3, 4), 10)), name, size)),
         ("scatter_to_tp", (grad(full_x), 0, sizes, name, size, r)),
@@ -91,6 +102,8 @@ def _fused_op_samples():
     x = full((2, 3, 8), 14)
     w = full((8,), 15)
     gu = full((2, 3, 10), 16)
+    moe_ids = torch.tensor([[0, 3], [2, 0], [1, -1], [3, 2], [0, 1]])
+    row_map, _ = ops.moe_route(moe_ids, 4)
     return [
         ("rms_norm", (grad(x), grad(w), 1e-6)),
         ("add_rms_norm", (grad(x), grad(full((2, 3, 8), 17)), grad(w), 1e-6)),
@@ -112,6 +125,12 @@ def _fused_op_samples():
         ("dequantize_int8", (torch.arange(-20, 20, dtype=torch.int8), full((3,), 25).abs(), 16)),
         ("quantize_1bit_ef", (full((40,), 26), torch.zeros(40), 16)),
         ("dequantize_1bit", (torch.arange(5, dtype=torch.uint8), full((3,), 27).abs(), 16, 40)),
+        # the MoE token permutation: 5 tokens, top-2 of 4 experts, one choice dropped (-1)
+        ("moe_route", (moe_ids, 4)),
+        ("moe_permute", (grad(full((5, 6), 36)), row_map, grad(full((5, 2), 37)), 10)),
+        ("moe_permute", (full((5, 6), 36), row_map, None, 12)),
+        ("moe_unpermute", (grad(full((10, 6), 38)), row_map, grad(full((5, 2), 37)))),
+        ("moe_weight_grad", (full((5, 6), 36), full((10, 6), 38), row_map)),
     ]
 
 
