@@ -66,6 +66,11 @@ class Trainer:
       ``data_parallel`` ("ddp" or "fsdp") synchronises DP once per step, and
       ``activation_checkpointing`` recomputes each decoder layer in backward.
 
+    - A Hugging Face MoE model parallelized with ``parallel=state`` at ``ep > 1``
+      (:class:`tp_ext.layers.ExpertParallelMoE` layers) trains in this Trainer's own loop with
+      ``parallel=state`` (pp = 1): full logits and the model's aux loss, dense gradients summed
+      over DP and expert gradients over the expert-DP group.
+
     - ``gradient_compression``: "int8", "1bit" (with error feedback) or "powersgd": DDP sends
       the DP gradients compressed (:mod:`tp_ext.compression`; with ``parallel=`` and
       ``data_parallel="ddp"``; the int8 / 1-bit residuals are saved with the checkpoints).
