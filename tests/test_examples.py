@@ -10,7 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script", ["parallelize_hf_model.py", "train_qwen2.py"])
+@pytest.mark.parametrize(
+    "script", ["parallelize_hf_model.py", "train_qwen2.py", "expert_parallel_moe.py"]
+)
 def test_example_runs_and_checks_itself(script):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
