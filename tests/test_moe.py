@@ -195,11 +195,18 @@ def _all_to_all_single(ws, transport):
         comm.set_consistency_checks(transport == "gloo")  # the channel always checks
         wrong = list(recv)
         wrong[(rank + 1) % ws] += 1 if rank == 0 else 0
+        errors = []
         try:
             comm.all_to_all_single(x.detach(), send, wrong, group)
         except ValueError as e:
-            return str(e)
-        return None
+            errors.append(str(e))
+        # bad arguments on rank 0 only: every rank raises, none waits for the others
+        bad = send + [1] if rank == 0 else send
+        try:
+            comm.all_to_all_single(x.detach(), bad, recv, group)
+        except ValueError as e:
+            errors.append(str(e))
+        return errors
     finally:
         del os.environ["TP_EXT_SHM_SLOT_BYTES"]
         comm.set_shared_memory(None)
@@ -210,7 +217,10 @@ def _all_to_all_single(ws, transport):
 def test_all_to_all_single_moves_the_rows_and_their_gradients(ws, transport):
     errors = run_distributed(_all_to_all_single, ws, ws, transport)
     if ws > 1:
-        assert all("expects" in e and "recv_sizes[r] must equal" in e for e in errors), errors
+        for rank, (mismatch, bad_count) in enumerate(errors):
+            assert "expects" in mismatch and "recv_sizes[r] must equal" in mismatch
+            want = "has %d entries" % (ws + 1) if rank == 0 else "rank 0 of process group"
+            assert want in bad_count, bad_count
 
 
 # ---- ExpertParallelMoE in transformers' MoE models -----------------------------------------------
@@ -532,3 +542,35 @@ def _ep_across_tp():
 def test_an_ep_group_across_tp_ranks_is_refused_by_name():
     errors = run_distributed(_ep_across_tp, 4)
     assert all(e and "use an ep that divides dp" in e for e in errors), errors
+
+
+def _fewer_experts_than_ranks():
+    """2 experts over 3 EP ranks: the third holds none, yet takes part in every exchange."""
+    state = tp_ext.init_parallel(tp=1, dp=3, ep=3)
+    cfg = _config("mixtral")
+    cfg.num_local_experts = 2
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    ids = _batch(seed=100 + state.ep_rank)
+    ref_out = ref(ids, labels=ids)
+    ref_out.loss.backward()
+    tp_ext.parallelize(model, "auto", parallel=state)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits, ref_out.logits, rtol=1e-5, atol=1e-6)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, t in ref_grads.items():
+        if ".experts." in name:
+            dist.all_reduce(t, group=state.ep_group)
+    want = local_shards(model, ref_grads)
+    for name, p in model.named_parameters():
+        if p.numel() == 0:  # the expert weights of a rank holding none
+            assert p.grad is None or p.grad.numel() == 0
+            continue
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
+    return model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
+
+
+def test_fewer_experts_than_ep_ranks():
+    assert run_distributed(_fewer_experts_than_ranks, 3) == [1, 1, 0]

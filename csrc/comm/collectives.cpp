@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <sstream>
 
 #include "../common/checks.h"
 #include "shm_channel.h"
@@ -380,28 +381,54 @@ at::Tensor all_to_all(const at::Tensor& x, int64_t scatter_dim, int64_t gather_d
 
 namespace {
 
-// Under the consistency check: every rank's send and receive sizes, so all ranks check every pair
-// (what rank j expects from rank i is what rank i sends it) and raise together on a mismatch
-// (which would make gloo abort or read garbage).
+// What each rank contributes to the sizes round: a flag (1: its arguments are bad, see its own
+// error), then its n send sizes and n receive sizes (zeros where it gave the wrong count).
+std::vector<int64_t> sizes_row(at::IntArrayRef send, at::IntArrayRef recv, bool bad, int64_t n) {
+  std::vector<int64_t> row(2 * n + 1, 0);
+  row[0] = bad ? 1 : 0;
+  for (int64_t r = 0; r < n && !bad; ++r) row[1 + r] = send[r], row[1 + n + r] = recv[r];
+  return row;
+}
+
+// Every rank's row of the sizes round (n rows of 2n + 1): all ranks raise together when any
+// rank's arguments are bad (that rank with its own message) or when any pair disagrees (what
+// rank j expects from rank i must be what rank i sends it); otherwise gloo would abort or read
+// garbage, and the ranks that passed their local checks would wait for the others.
+void check_sizes_table(const std::vector<int64_t>& table, const std::string& my_error,
+                       const Group& g, const char* op) {
+  const int64_t n = g.size, w = 2 * n + 1;
+  TORCH_CHECK_VALUE(my_error.empty(), my_error);
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK_VALUE(table[r * w] == 0, "tp_ext.", op, ": rank ", r, " of process group '", g.name,
+                      "' passed bad sizes (its own error says which); every rank stops.");
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t sends = table[i * w + 1 + j], expects = table[j * w + 1 + n + i];
+      TORCH_CHECK_VALUE(sends == expects, "tp_ext.", op, ": rank ", j, " of process group '",
+                        g.name, "' expects ", expects, " rows from rank ", i, ", which sends it ",
+                        sends,
+                        "; recv_sizes[r] must equal rank r's send_sizes[me] (exchange the "
+                        "counts first).");
+    }
+}
+
+// The sizes round over the process group, under the consistency check (the shared-memory path
+// has its own, always).
 void check_pairwise_sizes(const Group& g, const char* op, at::IntArrayRef send,
-                          at::IntArrayRef recv) {
-  if (!consistency_checks() || g.size == 1) return;
-  auto row = send.vec();
-  row.insert(row.end(), recv.begin(), recv.end());
-  auto mine = at::tensor(row, at::TensorOptions().dtype(at::kLong));
-  auto all = at::empty({g.size * 2 * g.size}, mine.options());
+                          at::IntArrayRef recv, const std::string& my_error) {
+  if (!consistency_checks()) {
+    TORCH_CHECK_VALUE(my_error.empty(), my_error);  // the others fail at the collective timeout
+    return;
+  }
+  const int64_t n = g.size;
+  auto mine =
+      at::tensor(sizes_row(send, recv, !my_error.empty(), n), at::TensorOptions().dtype(at::kLong));
+  auto all = at::empty({n * (2 * n + 1)}, mine.options());
   c10d::AllgatherOptions opts;
   opts.timeout = op_timeout();
   wait(g.pg->_allgather_base(all, mine, opts), op, g);
-  auto table = all.view({g.size, 2 * g.size});
-  auto acc = table.accessor<int64_t, 2>();
-  for (int64_t i = 0; i < g.size; ++i)
-    for (int64_t j = 0; j < g.size; ++j)
-      TORCH_CHECK_VALUE(acc[i][j] == acc[j][g.size + i], "tp_ext.", op, ": rank ", j,
-                        " of process group '", g.name, "' expects ", acc[j][g.size + i],
-                        " rows from rank ", i, ", which sends it ", acc[i][j],
-                        "; recv_sizes[r] must equal rank r's send_sizes[me] (exchange the "
-                        "counts first).");
+  const auto* p = all.const_data_ptr<int64_t>();
+  check_sizes_table(std::vector<int64_t>(p, p + all.numel()), my_error, g, op);
 }
 
 // all_to_all_single through the shared-memory channel. A first round publishes every rank's send
@@ -409,25 +436,17 @@ void check_pairwise_sizes(const Group& g, const char* op, at::IntArrayRef send,
 // check every pair alike (so they raise together). Then each rank publishes its buffer a slot at a
 // time, and every rank copies out only the rows meant for it.
 void all_to_all_single_shm(ShmChannel& shm, const at::Tensor& x, at::IntArrayRef send,
-                           at::IntArrayRef recv, int64_t row_bytes, uint64_t call, at::Tensor& out,
-                           const Group& g, const char* op) {
+                           at::IntArrayRef recv, const std::string& my_error, int64_t row_bytes,
+                           uint64_t call, at::Tensor& out, const Group& g, const char* op) {
   auto t0 = Clock::now();
-  const int64_t n = g.size, me = g.rank;
-  std::vector<int64_t> mine(send.begin(), send.end());
-  mine.insert(mine.end(), recv.begin(), recv.end());
-  std::vector<int64_t> table(n * 2 * n);  // row r: rank r's send sizes, then its receive sizes
-  shm.exchange(mine.data(), 2 * n * 8, round_sig(call, -1),
-               [&](const std::vector<const char*>& slots) {
-    for (int64_t r = 0; r < n; ++r) std::memcpy(&table[r * 2 * n], slots[r], 2 * n * 8);
+  const int64_t n = g.size, me = g.rank, w = 2 * n + 1;
+  const auto mine = sizes_row(send, recv, !my_error.empty(), n);
+  std::vector<int64_t> table(n * w);
+  shm.exchange(mine.data(), w * 8, round_sig(call, -1), [&](const std::vector<const char*>& slots) {
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&table[r * w], slots[r], w * 8);
   }, op, g);
-  auto sends = [&](int64_t from, int64_t to) { return table[from * 2 * n + to]; };
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < n; ++j)
-      TORCH_CHECK_VALUE(sends(i, j) == table[j * 2 * n + n + i], "tp_ext.", op, ": rank ", j,
-                        " of process group '", g.name, "' expects ", table[j * 2 * n + n + i],
-                        " rows from rank ", i, ", which sends it ", sends(i, j),
-                        "; recv_sizes[r] must equal rank r's send_sizes[me] (exchange the "
-                        "counts first).");
+  check_sizes_table(table, my_error, g, op);
+  auto sends = [&](int64_t from, int64_t to) { return table[from * w + 1 + to]; };
   std::vector<int64_t> start_in(n, 0), out_start(n, 0);  // my rows in sender s; s's rows in out
   int64_t widest = 0;
   for (int64_t s = 0; s < n; ++s) {
@@ -462,40 +481,59 @@ void all_to_all_single_shm(ShmChannel& shm, const at::Tensor& x, at::IntArrayRef
 
 }  // namespace
 
+// The size arguments' problems on this rank ("" when none), raised by every rank together.
+static std::string size_errors(const at::Tensor& x, at::IntArrayRef send, at::IntArrayRef recv,
+                               const Group& g, const char* op) {
+  std::ostringstream e;
+  for (const auto& [name, sizes] : {std::pair{"send_sizes", send}, std::pair{"recv_sizes", recv}}) {
+    if (static_cast<int64_t>(sizes.size()) != g.size) {
+      e << "tp_ext." << op << ": " << name << " has " << sizes.size() << " entries ("
+        << shape_str(sizes) << ") but group '" << g.name << "' has " << g.size
+        << " ranks; give one size per rank.";
+      return e.str();
+    }
+    for (int64_t v : sizes)
+      if (v < 0) {
+        e << "tp_ext." << op << ": " << name << "=" << shape_str(sizes)
+          << " has a negative size; sizes are row counts (>= 0).";
+        return e.str();
+      }
+  }
+  int64_t sent = 0;
+  for (int64_t v : send) sent += v;
+  if (sent != x.size(0))
+    e << "tp_ext." << op << ": send_sizes=" << shape_str(send) << " add up to " << sent
+      << " but x has " << x.size(0) << " rows (shape " << shape_str(x.sizes())
+      << "); they must add up to x.size(0).";
+  return e.str();
+}
+
 at::Tensor all_to_all_single(const at::Tensor& x, at::IntArrayRef send, at::IntArrayRef recv,
                              const Group& g, const char* op) {
   check_tensor(x, "x", op);
   TORCH_CHECK_VALUE(x.dim() >= 1, "tp_ext.", op, ": x must have at least one dimension (rows).");
-  for (const auto& [name, sizes] : {std::pair{"send_sizes", send}, std::pair{"recv_sizes", recv}}) {
-    TORCH_CHECK_VALUE(static_cast<int64_t>(sizes.size()) == g.size, "tp_ext.", op, ": ", name,
-                      " has ", sizes.size(), " entries (", shape_str(sizes), ") but group '",
-                      g.name, "' has ", g.size, " ranks; give one size per rank.");
-    for (int64_t v : sizes)
-      TORCH_CHECK_VALUE(v >= 0, "tp_ext.", op, ": ", name, "=", shape_str(sizes),
-                        " has a negative size; sizes are row counts (>= 0).");
-  }
-  int64_t sent = 0, received = 0;
-  for (int64_t r = 0; r < g.size; ++r) sent += send[r], received += recv[r];
-  TORCH_CHECK_VALUE(sent == x.size(0), "tp_ext.", op, ": send_sizes=", shape_str(send),
-                    " add up to ", sent, " but x has ", x.size(0), " rows (shape ", x.sizes(),
-                    "); they must add up to x.size(0).");
+  const std::string my_error = size_errors(x, send, recv, g, op);
   auto xc = x.contiguous();
-  auto out = at::empty(with_first(xc.sizes(), received), xc.options());
   if (g.size == 1) {
+    TORCH_CHECK_VALUE(my_error.empty(), my_error);
     TORCH_CHECK_VALUE(send[0] == recv[0], "tp_ext.", op, ": a group of one sends ", send[0],
                       " rows to itself but expects ", recv[0], "; they must be equal.");
-    return out.copy_(xc);
+    return xc.clone();
   }
+  int64_t received = 0;
+  if (my_error.empty())
+    for (int64_t v : recv) received += v;
+  auto out = at::empty(with_first(xc.sizes(), received), xc.options());
   const auto shm = channel_of(xc, g, op);
   check_consistent(g, op, xc, 0, c10::nullopt, 6);
   int64_t row_bytes = xc.element_size();
   for (int64_t d = 1; d < xc.dim(); ++d) row_bytes *= xc.size(d);
   const auto call = call_signature(6, xc.scalar_type(), fixed_shape(xc, 0), {}, {});
-  if (payload_fits(shm, xc, row_bytes) && shm->slot_bytes() >= 2 * g.size * 8) {
-    all_to_all_single_shm(*shm, xc, send, recv, row_bytes, call, out, g, op);
+  if (payload_fits(shm, xc, row_bytes) && shm->slot_bytes() >= (2 * g.size + 1) * 8) {
+    all_to_all_single_shm(*shm, xc, send, recv, my_error, row_bytes, call, out, g, op);
     return out;
   }
-  check_pairwise_sizes(g, op, send, recv);
+  check_pairwise_sizes(g, op, send, recv, my_error);
   announce(shm, call, op, g);
   auto t0 = Clock::now();
   std::vector<int64_t> send_splits = send.vec(), recv_splits = recv.vec();
@@ -503,7 +541,7 @@ at::Tensor all_to_all_single(const at::Tensor& x, at::IntArrayRef send, at::IntA
   opts.timeout = op_timeout();
   wait(g.pg->alltoall_base(out, xc, recv_splits, send_splits, opts), op, g);
   // The traffic itself: what this rank sends to the others (its own rows never leave it).
-  record(op, "all_to_all_v", (sent - send[g.rank]) * row_bytes, seconds_since(t0));
+  record(op, "all_to_all_v", (xc.size(0) - send[g.rank]) * row_bytes, seconds_since(t0));
   return out;
 }
 

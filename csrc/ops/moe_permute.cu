@@ -7,6 +7,7 @@
 // synchronisation); moe_route's row_map never does.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
@@ -31,8 +32,8 @@ __global__ void permute_kernel(const T* __restrict__ x, const int64_t* __restric
   const int64_t t = blockIdx.x;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t r = row_map[t * k + j];
+    CUDA_KERNEL_ASSERT(r >= -1 && r < num_rows);  // a row_map not from moe_route
     if (r < 0) continue;
-    CUDA_KERNEL_ASSERT(r < num_rows);  // a row_map not from moe_route
     const Acc<T> scale = w ? w[t * k + j] : Acc<T>(1);
     for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x)
       out[r * hidden + h] =
@@ -43,12 +44,13 @@ __global__ void permute_kernel(const T* __restrict__ x, const int64_t* __restric
 template <typename T>
 __global__ void unpermute_kernel(const T* __restrict__ y, const int64_t* __restrict__ row_map,
                                  const Acc<T>* __restrict__ w, int64_t k, int64_t hidden,
-                                 T* __restrict__ out) {
+                                 int64_t num_rows, T* __restrict__ out) {
   const int64_t t = blockIdx.x;
   for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
     Acc<T> acc = 0;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = row_map[t * k + j];
+      CUDA_KERNEL_ASSERT(r >= -1 && r < num_rows);
       if (r >= 0) acc += (w ? w[t * k + j] : Acc<T>(1)) * static_cast<Acc<T>>(y[r * hidden + h]);
     }
     out[t * hidden + h] = static_cast<T>(acc);
@@ -59,9 +61,10 @@ __global__ void unpermute_kernel(const T* __restrict__ y, const int64_t* __restr
 template <typename T>
 __global__ void weight_grad_kernel(const T* __restrict__ a, const T* __restrict__ b,
                                    const int64_t* __restrict__ row_map, int64_t k, int64_t hidden,
-                                   Acc<T>* __restrict__ out) {
+                                   int64_t num_rows, Acc<T>* __restrict__ out) {
   const int64_t slot = blockIdx.x, t = slot / k;
   const int64_t r = row_map[slot];
+  CUDA_KERNEL_ASSERT(r >= -1 && r < num_rows);
   Acc<T> s = 0;
   if (r >= 0)
     for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x)
@@ -80,13 +83,16 @@ __global__ void weight_grad_kernel(const T* __restrict__ a, const T* __restrict_
 std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& expert_ids_in,
                                                   int64_t num_experts) {
   const char* op = "moe_route";
+  const c10::cuda::CUDAGuard guard(expert_ids_in.device());
   const auto ids = checked_expert_ids(expert_ids_in, num_experts, op);
   const bool bad = ((ids < -1) | (ids >= num_experts)).any().item<bool>();
   TORCH_CHECK_VALUE(!bad, "tp_ext.", op, ": expert_ids holds values outside -1 .. ",
                     num_experts - 1, "; use experts 0 .. ", num_experts - 1,
                     ", or -1 for a dropped token.");
   const auto key = at::where(ids < 0, at::full({}, num_experts, ids.options()), ids).flatten();
-  const auto order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0));
+  // stable as an optional<bool>: a plain bool would pick sort(self, dim, descending)
+  const auto order =
+      std::get<1>(at::sort(key, std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
   auto flat = at::empty_like(key);
   flat.index_put_({order}, at::arange(key.numel(), key.options()));
   auto row_map =
@@ -97,6 +103,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& expert_ids_i
 
 at::Tensor moe_permute_cuda(const at::Tensor& x_in, const at::Tensor& row_map_in,
                             const c10::optional<at::Tensor>& weights_in, int64_t num_rows) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
   const auto a = permute_args(x_in, row_map_in, weights_in, num_rows);
   const at::Tensor &x = a.x, &row_map = a.row_map, &weights = a.weights;
   auto out = at::zeros({num_rows, x.size(1)}, x.options());
@@ -114,6 +121,7 @@ at::Tensor moe_permute_cuda(const at::Tensor& x_in, const at::Tensor& row_map_in
 
 at::Tensor moe_unpermute_cuda(const at::Tensor& y_in, const at::Tensor& row_map_in,
                               const c10::optional<at::Tensor>& weights_in) {
+  const c10::cuda::CUDAGuard guard(y_in.device());
   const auto a = unpermute_args(y_in, row_map_in, weights_in);
   const at::Tensor &y = a.y, &row_map = a.row_map, &weights = a.weights;
   auto out = at::empty({row_map.size(0), y.size(1)}, y.options());
@@ -123,7 +131,7 @@ at::Tensor moe_unpermute_cuda(const at::Tensor& y_in, const at::Tensor& row_map_
     unpermute_kernel<scalar_t><<<row_map.size(0), kThreads, 0, stream>>>(
         y.const_data_ptr<scalar_t>(), row_map.const_data_ptr<int64_t>(),
         weights.defined() ? weights.const_data_ptr<Acc<scalar_t>>() : nullptr, row_map.size(1),
-        y.size(1), out.data_ptr<scalar_t>());
+        y.size(1), y.size(0), out.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -131,6 +139,7 @@ at::Tensor moe_unpermute_cuda(const at::Tensor& y_in, const at::Tensor& row_map_
 
 at::Tensor moe_weight_grad_cuda(const at::Tensor& tokens_in, const at::Tensor& rows_in,
                                 const at::Tensor& row_map_in) {
+  const c10::cuda::CUDAGuard guard(tokens_in.device());
   const auto a = weight_grad_args(tokens_in, rows_in, row_map_in);
   const at::Tensor &tokens = a.tokens, &rows = a.rows, &row_map = a.row_map;
   auto out =
@@ -140,7 +149,7 @@ at::Tensor moe_weight_grad_cuda(const at::Tensor& tokens_in, const at::Tensor& r
   TP_EXT_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "moe_weight_grad_cuda", [&] {
     weight_grad_kernel<scalar_t><<<out.numel(), kThreads, 0, stream>>>(
         tokens.const_data_ptr<scalar_t>(), rows.const_data_ptr<scalar_t>(),
-        row_map.const_data_ptr<int64_t>(), row_map.size(1), tokens.size(1),
+        row_map.const_data_ptr<int64_t>(), row_map.size(1), tokens.size(1), rows.size(0),
         out.data_ptr<Acc<scalar_t>>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -36,7 +36,7 @@ from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup, resolve_group
 from tp_ext.distributed.state import PROCESS
-from tp_ext.layers.base import ParallelModule
+from tp_ext.layers.base import ParallelModule, no_init
 from tp_ext.sharding import Partition, shard_sizes
 
 __all__ = ["ExpertParallelMoE", "ParallelExperts", "is_sparse_moe_block", "MOE_TAG"]
@@ -162,7 +162,9 @@ class ParallelExperts(ParallelModule):
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = self.act_fn(gate) * up
             outs.append(F.linear(h, downs[e]))
-        return torch.cat(outs) if outs else rows.new_zeros(0, self.hidden_size)
+        # no local experts (fewer experts than EP ranks): the empty rows themselves, so the
+        # output stays on the graph and this rank joins the backward's all-to-alls
+        return torch.cat(outs) if outs else rows[:0]
 
     def extra_repr(self) -> str:
         return (
@@ -244,16 +246,17 @@ class ExpertParallelMoE(ParallelModule):
         full = block.experts
         num_experts, hidden, inter = full.down_proj.shape
         ep = expert_group(ep_group)
-        experts = ParallelExperts(
-            num_experts,
-            hidden,
-            inter,
-            full.act_fn,
-            ep,
-            tp_group,
-            dtype=full.down_proj.dtype,
-            device=full.down_proj.device,
-        )
+        with no_init():  # loaded from the block's weights just below
+            experts = ParallelExperts(
+                num_experts,
+                hidden,
+                inter,
+                full.act_fn,
+                ep,
+                tp_group,
+                dtype=full.down_proj.dtype,
+                device=full.down_proj.device,
+            )
         experts.load_full_state_dict(
             {"gate_up_proj": full.gate_up_proj.detach(), "down_proj": full.down_proj.detach()}
         )

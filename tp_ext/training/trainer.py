@@ -69,7 +69,10 @@ class Trainer:
     - A Hugging Face MoE model parallelized with ``parallel=state`` at ``ep > 1``
       (:class:`tp_ext.layers.ExpertParallelMoE` layers) trains in this Trainer's own loop with
       ``parallel=state`` (pp = 1): full logits and the model's aux loss, dense gradients summed
-      over DP and expert gradients over the expert-DP group.
+      over DP and expert gradients over the expert-DP group. The aux loss is each micro-batch's
+      own (the model's, on its tokens), weighted by its token count: the average of per-batch
+      load-balancing losses, as in Megatron's per-micro-batch aux loss, not one over the global
+      batch (a product of averages, which would need the router statistics all-reduced).
 
     - ``gradient_compression``: "int8", "1bit" (with error feedback) or "powersgd": DDP sends
       the DP gradients compressed (:mod:`tp_ext.compression`; with ``parallel=`` and
