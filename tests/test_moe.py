@@ -295,6 +295,24 @@ def _rows_moved(model, state, tp, dp):
     return moved.tolist()
 
 
+def _check_gradients(model, ref, state):
+    """Dense parameters: this rank's batch, as the unsharded model's (TP slices). Experts: the
+    sum over the EP group's batches (their tokens came here), so the reference gradients are
+    summed over the EP group first."""
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, t in ref_grads.items():
+        if ".experts." in name:
+            dist.all_reduce(t, group=state.ep_group)
+    want = local_shards(model, ref_grads)
+    for name, p in model.named_parameters():
+        if p.numel() == 0:  # the expert weights of a rank holding none
+            assert p.grad is None or p.grad.numel() == 0
+            continue
+        torch.testing.assert_close(
+            p.grad, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"gradient of {name}: {m}"
+        )
+
+
 def _parity(kind, tp, dp, ep):
     state = tp_ext.init_parallel(tp=tp, dp=dp, ep=ep)
     model = _model(kind)
@@ -318,16 +336,7 @@ def _parity(kind, tp, dp, ep):
     close(out.loss, ref_out.loss, "loss")
     close(out.aux_loss, ref_out.aux_loss, "aux loss (the model's own, from its router logits)")
 
-    # Gradients. Dense parameters: this rank's batch, as the unsharded model's (TP slices).
-    # Experts: the sum over the EP group's batches (their tokens came here), so the reference
-    # gradients are summed over the EP group first.
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    for name, t in ref_grads.items():
-        if ".experts." in name:
-            dist.all_reduce(t, group=state.ep_group)
-    want = local_shards(model, ref_grads)
-    for name, p in model.named_parameters():
-        close(p.grad, want[name], f"gradient of {name}")
+    _check_gradients(model, ref, state)
 
     # Memory: each rank holds its share of the experts, no more.
     sizes = shard_sizes(EXPERTS, ep)
@@ -559,16 +568,7 @@ def _fewer_experts_than_ranks():
     out = model(ids, labels=ids)
     out.loss.backward()
     torch.testing.assert_close(out.logits, ref_out.logits, rtol=1e-5, atol=1e-6)
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    for name, t in ref_grads.items():
-        if ".experts." in name:
-            dist.all_reduce(t, group=state.ep_group)
-    want = local_shards(model, ref_grads)
-    for name, p in model.named_parameters():
-        if p.numel() == 0:  # the expert weights of a rank holding none
-            assert p.grad is None or p.grad.numel() == 0
-            continue
-        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
+    _check_gradients(model, ref, state)
     return model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
 
 

@@ -39,7 +39,13 @@ from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.base import ParallelModule, no_init
 from tp_ext.sharding import Partition, shard_sizes
 
-__all__ = ["ExpertParallelMoE", "ParallelExperts", "is_sparse_moe_block", "MOE_TAG"]
+__all__ = [
+    "ExpertParallelMoE",
+    "ParallelExperts",
+    "is_sparse_moe_block",
+    "expert_parameters",
+    "MOE_TAG",
+]
 
 MOE_TAG = "moe"  # the comm tag of the dispatch and combine (tp_ext.comm.track())
 
@@ -60,6 +66,19 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
         and up.shape[0] == down.shape[0] == weight.shape[0]
         and up.shape[1] == 2 * down.shape[2]
     )
+
+
+def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], Optional[TPGroup]]:
+    """The parameters of ``model`` split by expert over an EP group, and that group (None when
+    there are none): their gradients are summed over expert-DP, not DP, and their norms over EP."""
+    params, group = [], None
+    for module in model.modules():
+        if isinstance(module, ParallelModule) and getattr(module, "ep", None) is not None:
+            for name, param in module.named_parameters(recurse=False):
+                if module.expert_spec(name) is not None:
+                    params.append(param)
+                    group = module.ep
+    return params, group
 
 
 def expert_group(group=None) -> TPGroup:

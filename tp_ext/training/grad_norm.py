@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup, resolve_group
-from tp_ext.layers import GridModule, ParallelModule
+from tp_ext.layers import GridModule, ParallelModule, expert_parameters
 from tp_ext.validation import is_number
 
 __all__ = ["grad_norm", "clip_grad_norm_", "parallel_grad_norm", "scale_grads_", "model_tp_group"]
@@ -36,32 +36,18 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, tp_group)
     reduce = "max" if p == math.inf else "sum"
-    experts, ep = _expert_parameters(model)
-    local = _local_norm_power(model, tp, p, skip=experts)
+    experts, ep = expert_parameters(model)
+    expert_ids = {id(q) for q in experts}
+    local = _local_norm_power(model, tp, p, skip=expert_ids)
     if experts:  # each EP rank holds other experts: their part adds up over the EP group first
-        mine = _local_norm_power(model, tp, p, skip=_all_but(model, experts))
+        dense_ids = {id(q) for q in model.parameters()} - expert_ids
+        mine = _local_norm_power(model, tp, p, skip=dense_ids)
         if ep.size > 1:
             mine = comm.all_reduce(mine, reduce, group=ep)
         local = torch.maximum(local, mine) if p == math.inf else local + mine
     if tp.size > 1:
         local = comm.all_reduce(local, reduce, group=tp)
     return local if p == math.inf else local.pow(1.0 / p)
-
-
-def _expert_parameters(model: nn.Module):
-    """(ids of the parameters split by expert over an EP group, that group), or (empty, None)."""
-    ids, group = set(), None
-    for module in model.modules():
-        if isinstance(module, ParallelModule) and getattr(module, "ep", None) is not None:
-            for name, param in module.named_parameters(recurse=False):
-                if module.expert_spec(name) is not None:
-                    ids.add(id(param))
-                    group = module.ep
-    return ids, group
-
-
-def _all_but(model: nn.Module, keep: set) -> set:
-    return {id(q) for q in model.parameters() if id(q) not in keep}
 
 
 def parallel_grad_norm(

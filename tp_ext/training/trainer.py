@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from tp_ext.compression import OneBitAdam
 from tp_ext.distributed import comm
-from tp_ext.layers import ExpertParallelMoE, ParallelModule, vocab_parallel_cross_entropy
+from tp_ext.layers import ExpertParallelMoE, expert_parameters, vocab_parallel_cross_entropy
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner
 from tp_ext.training.grad_norm import (
     clip_grad_norm_,
@@ -296,6 +296,7 @@ class Trainer:
         self.tp = comm.resolve_group(parallel.tp_group)
         self.dp_group = comm.resolve_group(parallel.dp_group)
         self.expert_dp_group = comm.resolve_group(parallel.expert_dp_group)
+        self._expert_ids = {id(p) for p in expert_parameters(model)[0]}
 
     def step(self, micro_batches: list[MicroBatch]) -> float:
         """Forward and backward every micro-batch (``input_ids`` ``[batch, seq]``, or
@@ -487,36 +488,17 @@ class Trainer:
     def _sync_expert_parallel(self, params, loss_sum):
         """Gradients already scaled by the global token count: dense ones (and the loss) summed
         over the DP group, expert ones over the expert-DP group."""
-        experts = {id(p) for m in self.model.modules() for p in _expert_weights(m)}
-        dense = [p for p in params if id(p) not in experts]
-        split = [p for p in params if id(p) in experts]
-        for group, group_params, extra in (
-            (self.dp_group, dense, loss_sum),
-            (self.expert_dp_group, split, None),
-        ):
-            if group.size == 1:
-                continue
-            dtype = (
-                torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-            )
-            pieces = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype)
-                for p in group_params
-            ]
-            if extra is not None:
-                pieces.append(extra.view(1).to(dtype))
+        dense = [p for p in params if id(p) not in self._expert_ids]
+        split = [p for p in params if id(p) in self._expert_ids]
+        if self.dp_group.size > 1:
+            flat = _flat_grads(dense, [loss_sum])
             with comm.tag("train.dp_sync"):
-                flat = comm.all_reduce(torch.cat(pieces), "sum", group=group)
-            offset = 0
-            for p in group_params:
-                grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.copy_(grad)
-                offset += p.numel()
-            if extra is not None:
-                loss_sum = flat[-1]
+                flat = comm.all_reduce(flat, "sum", group=self.dp_group)
+            loss_sum = _set_grads(dense, flat)[0]
+        if self.expert_dp_group.size > 1:
+            with comm.tag("train.dp_sync"):
+                flat = comm.all_reduce(_flat_grads(split, []), "sum", group=self.expert_dp_group)
+            _set_grads(split, flat)
         return loss_sum
 
     def _summed_loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -604,26 +586,13 @@ class Trainer:
     def _sync_data_parallel(self, params, loss_sum, scale, count):
         """One all-reduce of every gradient, the loss sum and the token count: gradients become
         the gradient of the mean over all DP ranks' tokens (weighted by each rank's count)."""
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        pieces = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype)
-            for p in params
-        ]
-        flat = torch.cat(pieces + [loss_sum.view(1).to(dtype), count.view(1).to(dtype)])
-        flat[:-2] *= scale.to(dtype)  # back to the gradient of this rank's summed loss
+        flat = _flat_grads(params, [loss_sum, count])
+        flat[:-2] *= scale.to(flat.dtype)  # back to the gradient of this rank's summed loss
         with comm.tag("train.dp_sync"):
             flat = comm.all_reduce(flat, "sum", group=self.dp_group)
         total = flat[-1]
         flat[:-2] /= total.clamp_min(1)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.copy_(grad)
-            offset += n
+        _set_grads(params, flat)
         return flat[-2], total
 
 
@@ -631,12 +600,27 @@ def _has_expert_parallel_layers(model: nn.Module) -> bool:
     return any(isinstance(m, ExpertParallelMoE) for m in model.modules())
 
 
-def _expert_weights(module: nn.Module):
-    """The parameters of ``module`` split by expert over an EP group."""
-    if isinstance(module, ParallelModule) and getattr(module, "ep", None) is not None:
-        for name, param in module.named_parameters(recurse=False):
-            if module.expert_spec(name) is not None:
-                yield param
+def _flat_grads(params, extras) -> torch.Tensor:
+    """Every gradient (zeros where None) and then the 0-d ``extras``, in one flat tensor (fp64
+    when a parameter is, else fp32), for one all-reduce."""
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    pieces = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params
+    ]
+    return torch.cat(pieces + [e.view(1).to(dtype) for e in extras])
+
+
+def _set_grads(params, flat: torch.Tensor) -> torch.Tensor:
+    """The gradients back from a tensor of :func:`_flat_grads`; returns the extras after them."""
+    offset = 0
+    for p in params:
+        grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad.copy_(grad)
+        offset += p.numel()
+    return flat[offset:]
 
 
 def _takes_local_logits(model: nn.Module) -> bool:
