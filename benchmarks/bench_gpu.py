@@ -1,9 +1,15 @@
 """GPU benchmarks (needs tp_ext built with CUDA; builds nothing). Appends to benchmarks/results.csv.
 
-1. Kernels in bf16 at Qwen2-72B TP=8 per-rank shapes: tp_ext op vs the eager composite and vs
-   torch.compile of it; achieved bytes/s as a fraction of a device-to-device ``copy_`` of the
-   same number of bytes, measured in the same run (target >= 0.85 for RMSNorm, SwiGLU, RoPE).
-2. The per-rank Qwen2-72B decoder layer at TP=8 (hidden 8192, 8 query heads, 1 KV head, MLP 3696)
+1. Kernels at Qwen2-72B TP=8 per-rank shapes (hidden 8192, MLP 3696, 8 query heads and 1 KV head
+   of 128, vocabulary shard 19008), in bf16 and fp32, forward and forward+backward: RMSNorm,
+   RMSNorm with the residual add, SwiGLU, RoPE and the local cross-entropy (one rank's vocabulary
+   shard through ``vocab_parallel_cross_entropy`` on a fake TP=8 group: the real local kernels,
+   collectives that move nothing). Each against the eager composite and torch.compile of it,
+   and its ideal bytes (each input read once, each output written once) as a fraction of a
+   device-to-device ``copy_`` of the same bytes, measured in the same run (target >= 0.85).
+2. Vocab-parallel cross-entropy peak memory (vocabulary 152,064 over 8 ranks, 8k tokens, bf16,
+   forward+backward) against gathering the logits and calling ``F.cross_entropy`` (target <= 0.25).
+3. The per-rank Qwen2-72B decoder layer at TP=8 (hidden 8192, 8 query heads, 1 KV head, MLP 3696)
    as rank 0 of 8, with communication stubbed by the fake process group: forward+backward time
    and TFLOP/s vs a plain bf16 matmul running at its measured rate on the layer's largest GEMM.
 """
@@ -16,12 +22,15 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import append_rows, load_tp_ext  # noqa: E402
 
 BENCH = "gpu"
 HIDDEN, INTER, HEAD_DIM, Q_HEADS, KV_HEADS, TP = 8192, 3696, 128, 8, 1, 8
+VOCAB = 152064
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def cuda_time(fn, warmup=5, repeats=20):
@@ -48,87 +57,211 @@ def copy_seconds(nbytes):
     return cuda_time(lambda: dst.copy_(src))
 
 
-def kernel_cases(tokens):
-    from benchmarks.bench_kernels import EAGER
+def init_fake_tp():
+    """Rank 0 of a fake TP=8 process group: tp_ext's ops run their real local kernels and the
+    collectives move nothing, so one GPU times one rank's share of the work."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dt, dev = torch.bfloat16, "cuda"
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    return dist.group.WORLD
+
+
+def eager_local_cross_entropy(logits, target):
+    """The local shard's loss terms the eager way: F.cross_entropy over the shard (the same
+    logsumexp and target pick; its reads and writes are what a local kernel must do)."""
+    return F.cross_entropy(logits.float(), target, reduction="none")
+
+
+def kernel_cases(tokens, ce_tokens, dtype):
+    """name: (fn, eager fn, args, differentiable arg indices, ideal bytes fwd, ideal bytes bwd)."""
+    from benchmarks.bench_kernels import EAGER
+    from tp_ext.layers import vocab_parallel_cross_entropy
+
+    group = init_fake_tp()
+    e = torch.finfo(dtype).bits // 8
+    dev = "cuda"
 
     def r(*s):
-        return torch.randn(*s, dtype=dt, device=dev)
+        return torch.randn(*s, dtype=dtype, device=dev)
 
     pos = torch.arange(tokens, device=dev).float()[:, None] / (
         10000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM)
     )
     emb = torch.cat((pos, pos), -1)[None]
-    e = 2  # bytes per element
     T, H, I, D = tokens, HIDDEN, INTER, HEAD_DIM  # noqa: E741 (I: the MLP width)
-    return {  # name: (args, bytes read + written by an ideal kernel)
-        "rms_norm": ([r(T, H), r(H), 1e-6], (2 * T * H + H) * e),
-        "add_rms_norm": ([r(T, H), r(T, H), r(H), 1e-6], (4 * T * H + H) * e),
-        "swiglu": ([r(T, 2 * I)], 3 * T * I * e),
-        "rotary_embedding": (
-            [r(1, Q_HEADS, T, D), r(1, KV_HEADS, T, D), emb.cos().to(dt), emb.sin().to(dt)],
-            (2 * (Q_HEADS + KV_HEADS) * T * D + 2 * T * D) * e,
+    V = VOCAB // TP
+    qk = (Q_HEADS + KV_HEADS) * T * D
+    ops = torch.ops.tp_ext
+    # ids inside this shard: on the fake group the vocabulary is the shard (sizes are all-reduced)
+    target = torch.randint(0, V, (ce_tokens,), device=dev)
+    return {
+        # rms_norm: read x, write y | read dy, x, write dx (dw: one row per block, negligible)
+        "rms_norm": (
+            ops.rms_norm,
+            EAGER["rms_norm"],
+            [r(T, H), r(H), 1e-6],
+            (0, 1),
+            2 * T * H * e,
+            3 * T * H * e,
         ),
-    }, EAGER
+        # add_rms_norm: read x, res, write y, h | read dy, dh, h, write dx (= dres)
+        "add_rms_norm": (
+            ops.add_rms_norm,
+            EAGER["add_rms_norm"],
+            [r(T, H), r(T, H), r(H), 1e-6],
+            (0, 1, 2),
+            4 * T * H * e,
+            4 * T * H * e,
+        ),
+        # swiglu: read gate|up, write y | read dy, gate|up, write d(gate|up)
+        "swiglu": (ops.swiglu, EAGER["swiglu"], [r(T, 2 * I)], (0,), 3 * T * I * e, 5 * T * I * e),
+        # rotary: read q, k, cos, sin, write q, k | the same for the gradients
+        "rotary_embedding": (
+            ops.rotary_embedding,
+            EAGER["rotary_embedding"],
+            [r(1, Q_HEADS, T, D), r(1, KV_HEADS, T, D), emb.cos().to(dtype), emb.sin().to(dtype)],
+            (0, 1),
+            (2 * qk + 2 * T * D) * e,
+            (2 * qk + 2 * T * D) * e,
+        ),
+        # local cross-entropy: read the logits shard | read it again, write its gradient
+        "cross_entropy_local": (
+            lambda x, t: vocab_parallel_cross_entropy(x, t, group, reduction="none"),
+            eager_local_cross_entropy,
+            [r(ce_tokens, V), target],
+            (0,),
+            ce_tokens * V * e,
+            2 * ce_tokens * V * e,
+        ),
+    }
 
 
-def bench_kernels(tokens, repeats):
-    cases, eager = kernel_cases(tokens)
+def _step(fn, args, grads, backward):
+    out = fn(*args)
+    if backward:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        torch.autograd.backward(outs, grads)
+    return out
+
+
+def bench_kernels(tokens, ce_tokens, repeats, dtypes):
     rows = []
-    for name, (args, nbytes) in cases.items():
-        case = f"{name} bf16 tokens={tokens}"
-        t_copy = copy_seconds(nbytes)
-        fns = {"eager": eager[name], "torch.compile": torch.compile(eager[name])}
-        if hasattr(torch.ops.tp_ext, name):
-            fns["tp_ext"] = getattr(torch.ops.tp_ext, name)
-        else:
-            rows.append(dict(benchmark=BENCH, case=case, metric="status", value="missing", unit=""))
-        t = {}
-        for label, fn in fns.items():
-            try:
-                t[label] = cuda_time(lambda: fn(*args), repeats=repeats)
-            except Exception as e:  # noqa: BLE001
-                print(f"{case} {label}: error {e}")
-                rows.append(
-                    dict(
-                        benchmark=BENCH,
-                        case=case,
-                        metric=f"{label} time",
-                        value=f"error: {type(e).__name__}",
-                        unit="",
-                    )
-                )
-        for label, s in t.items():
-            rows.append(
-                dict(
-                    benchmark=BENCH,
-                    case=case,
-                    metric=f"{label} bytes/s vs copy",
-                    value=nbytes / s / 1e9,
-                    unit="GB/s",
-                    baseline=nbytes / t_copy / 1e9,
-                )
-            )
-        if "tp_ext" in t:
-            for label in ("eager", "torch.compile"):
-                if label in t:
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        for name, (op, eager, args, diff, fwd_bytes, bwd_bytes) in kernel_cases(
+            tokens, ce_tokens, dtype
+        ).items():
+            case = f"{name} {dname} tokens={ce_tokens if 'cross' in name else tokens}"
+            fns = {"tp_ext": op, "eager": eager, "torch.compile": torch.compile(eager)}
+            for backward in (False, True):
+                nbytes = fwd_bytes + (bwd_bytes if backward else 0)
+                t_copy = copy_seconds(nbytes)
+                x = [
+                    a.detach().requires_grad_(backward) if i in diff else a
+                    for i, a in enumerate(args)
+                ]
+                with torch.enable_grad() if backward else torch.no_grad():
+                    outs = op(*x)
+                outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+                grads = [torch.randn_like(o) for o in outs]
+                t = {}
+                for label, fn in fns.items():
+                    try:
+                        with torch.enable_grad() if backward else torch.no_grad():
+                            t[label] = cuda_time(
+                                lambda: _step(fn, x, grads, backward), repeats=repeats
+                            )
+                    except Exception as err:  # noqa: BLE001 - record it, keep measuring
+                        print(f"{case} {label}: error {type(err).__name__}: {err}")
+                        rows.append(
+                            dict(
+                                benchmark=BENCH,
+                                case=case,
+                                metric=f"{label} error",
+                                value=type(err).__name__,
+                                unit="",
+                            )
+                        )
+                    for a in x:
+                        if isinstance(a, torch.Tensor):
+                            a.grad = None
+                what = "fwd+bwd" if backward else "fwd"
+                for label, s in t.items():
                     rows.append(
                         dict(
                             benchmark=BENCH,
                             case=case,
-                            metric=f"time vs {label}",
-                            value=t["tp_ext"] * 1e6,
-                            unit="us",
-                            baseline=t[label] * 1e6,
+                            metric=f"{what} {label} bytes/s vs copy",
+                            value=nbytes / s / 1e9,
+                            unit="GB/s",
+                            baseline=nbytes / t_copy / 1e9,
                         )
                     )
-        print(
-            case,
-            {k: f"{v * 1e6:.1f} us" for k, v in t.items()},
-            f"copy {t_copy * 1e6:.1f} us, ideal bytes {nbytes}",
-        )
+                for label in ("eager", "torch.compile"):
+                    if "tp_ext" in t and label in t:
+                        rows.append(
+                            dict(
+                                benchmark=BENCH,
+                                case=case,
+                                metric=f"{what} time vs {label}",
+                                value=t["tp_ext"] * 1e6,
+                                unit="us",
+                                baseline=t[label] * 1e6,
+                            )
+                        )
+                print(
+                    f"{case} {what}:",
+                    {k: f"{v * 1e6:.1f} us ({nbytes / v / 1e9:.0f} GB/s)" for k, v in t.items()},
+                    f"copy {nbytes / t_copy / 1e9:.0f} GB/s",
+                    flush=True,
+                )
     return rows
+
+
+def bench_cross_entropy_memory(tokens):
+    """Peak bytes allocated by forward+backward on top of the inputs: one rank's vocab-parallel
+    loss on its bf16 shard against gathering the full logits and calling F.cross_entropy."""
+    from tp_ext.layers import vocab_parallel_cross_entropy
+
+    group = init_fake_tp()
+    shard = torch.randn(tokens, VOCAB // TP, device="cuda", dtype=torch.bfloat16)
+    # on the fake group the vocabulary the op sees is the shard's (it all-reduces shard sizes)
+    local_target = torch.randint(0, VOCAB // TP, (tokens,), device="cuda")
+    target = torch.randint(0, VOCAB, (tokens,), device="cuda")
+
+    def ours(x):
+        return vocab_parallel_cross_entropy(x, local_target, group)
+
+    def gathered(x):
+        # what all_gather hands back: every rank's shard side by side (autograd slices it back)
+        full_logits = torch.cat([x] * TP, dim=-1)
+        return F.cross_entropy(full_logits, target)
+
+    peaks = {}
+    for label, fn in (("tp_ext", ours), ("gather + F.cross_entropy", gathered)):
+        x = shard.detach().clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(x).backward()
+        torch.cuda.synchronize()
+        peaks[label] = torch.cuda.max_memory_allocated() - base
+        del x
+    case = f"vocab-parallel cross-entropy bf16 vocab={VOCAB} tp={TP} tokens={tokens}"
+    print(case, {k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
+    return [
+        dict(
+            benchmark=BENCH,
+            case=case,
+            metric="fwd+bwd peak memory vs gather + F.cross_entropy",
+            value=peaks["tp_ext"] / 2**20,
+            unit="MiB",
+            baseline=peaks["gather + F.cross_entropy"] / 2**20,
+        )
+    ]
 
 
 def layer_flops(tokens):
@@ -144,13 +277,9 @@ def layer_flops(tokens):
 
 
 def bench_layer(tokens, repeats, device="cuda"):
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from tp_ext.layers import ParallelTransformerBlock
 
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    init_fake_tp()
     dt = torch.bfloat16
     rows = []
     for sp in (False, True):
@@ -211,7 +340,9 @@ def bench_layer(tokens, repeats, device="cuda"):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="tokens for the kernels")
-    p.add_argument("--layer-tokens", type=int, default=4096, help="tokens for the layer")
+    p.add_argument("--ce-tokens", type=int, default=8192, help="tokens for the cross-entropy")
+    p.add_argument("--layer-tokens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--no-save", action="store_true")
@@ -219,14 +350,17 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device (and tp_ext built with CUDA)")
     err = load_tp_ext()
-    rows = bench_kernels(a.tokens, a.repeats)
+    if err:
+        sys.exit(f"tp_ext does not import: {err}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    save = (lambda rows: None) if a.no_save else append_rows
+    # each part saved as it ends (a run cut short keeps what it measured); the quick parts first
+    save(bench_cross_entropy_memory(a.ce_tokens))
     if not a.skip_layer:
-        if err:
-            print(f"skipping the layer: tp_ext does not import ({err})")
-        else:
-            rows += bench_layer(a.layer_tokens, a.repeats)
-    if not a.no_save:
-        append_rows(rows)
+        for tokens in a.layer_tokens:
+            save(bench_layer(tokens, a.repeats))
+    for dtype in a.dtypes:
+        save(bench_kernels(a.tokens, a.ce_tokens, a.repeats, [dtype]))
 
 
 if __name__ == "__main__":

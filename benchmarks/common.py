@@ -74,8 +74,8 @@ def git_commit() -> str:
             text=True,
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    except Exception:  # noqa: BLE001 - no git (a copied tree, e.g. on the GPU machine)
+        return os.environ.get("TP_EXT_COMMIT", "unknown")
 
 
 def command_line() -> str:

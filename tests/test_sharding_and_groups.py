@@ -86,3 +86,17 @@ def test_init_parallel_bad_sizes_say_what_fits():
     assert "tp must be an int >= 1 (1D tensor parallelism) or a pair (P, Q)" in errors["{'tp': 0}"]
     assert errors["{'tp': 0}"].endswith("got 0")
     assert "pp must be an int >= 1, got '2'" in errors["{'tp': 2, 'pp': '2'}"]
+
+
+def test_default_backend_is_nccl_only_with_a_gpu_per_local_rank(monkeypatch):
+    from tp_ext.distributed.mesh import default_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_backend() == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # NCCL refuses two ranks on one GPU
+    with pytest.warns(UserWarning, match="8 ranks per node but 2 GPU"):
+        assert default_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend() == "gloo"

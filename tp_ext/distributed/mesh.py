@@ -182,6 +182,24 @@ def _attempt_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"tp_ext/attempt_{attempt}", store)
 
 
+def default_backend() -> str:
+    """NCCL when each rank of this node can have a GPU of its own, else gloo: NCCL refuses two
+    ranks on one device, so 8 ranks on a 1-GPU machine run on CPU with gloo (and say so)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if gpus >= local_world:
+        return "nccl"
+    warnings.warn(
+        f"{local_world} ranks per node but {gpus} GPU(s): NCCL needs a GPU per rank, so the "
+        "process group uses gloo on CPU. Launch at most one rank per GPU to use NCCL, or pass "
+        "backend='gloo' to silence this.",
+        stacklevel=3,
+    )
+    return "gloo"
+
+
 def init_parallel(
     tp,
     pp: int = 1,
@@ -191,7 +209,8 @@ def init_parallel(
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> ParallelState:
     """Set up TP/PP/DP groups (and the default process group from torchrun's env:// variables
-    if it is not up yet). Backend: NCCL when CUDA is available, else gloo, unless ``backend`` says.
+    if it is not up yet). Backend: NCCL when every local rank can have its own GPU, else gloo
+    (:func:`default_backend`), unless ``backend`` says.
     ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
     ``tp=(P, Q)``: 2D tensor parallelism on a P x Q grid of P * Q TP ranks (``state.tp_grid``,
     :class:`tp_ext.distributed.grid.TPGrid`); ``state.tp`` is then P * Q. ``ep=E``: expert
@@ -214,7 +233,7 @@ def init_parallel(
                 "torch.distributed.init_process_group yourself first."
             )
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         store = _attempt_store(timeout)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 20's scripted run on a GPU machine whose python3 already has torch with CUDA (no network):
+# build the extension with CUDA, run the CUDA tests (`pytest -m cuda`: kernels against CPU, an NCCL
+# group of one, CUDA graphs, torch.compile, the Qwen2-72B TP=8 rank shard), then the GPU benchmarks
+# (rows appended to benchmarks/results.csv). Logs and the new CSV rows go to $OUT.
+#   OUT=/tmp/gpu bash scripts/gpu_check.sh            build, CUDA tests, benchmarks
+#   OUT=/tmp/gpu bash scripts/gpu_check.sh suite N    then the whole suite with N pytest workers
+# BUDGET=seconds bounds the whole run (default 1800): each stage gets what is left, so a run cut
+# short still returns its logs and the rows measured so far.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+t0=$(date +%s)
+BUDGET=${BUDGET:-1800}
+stamp() { echo "[$(($(date +%s) - t0)) s] $*"; }
+left() { echo $((BUDGET - ($(date +%s) - t0))); }
+
+if [ "${1:-}" != "suite" ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+  stamp "build (sm_90, $(nproc) jobs)"
+  if ! TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=$(nproc) TP_EXT_CUDA=1 \
+      $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"
+    exit 1
+  fi
+  stamp "built"
+  cp tp_ext/_C*.so "$OUT/" 2>/dev/null || true
+  stamp "CUDA tests"
+  timeout "$(left)" $PY -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
+  stamp "GPU benchmarks"
+  before=$(wc -l <benchmarks/results.csv)
+  timeout "$(left)" $PY benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^ *$" | tail -60
+  { head -1 benchmarks/results.csv; tail -n +$((before + 1)) benchmarks/results.csv; } >"$OUT/gpu_rows.csv"
+  stamp "done"
+else
+  stamp "whole suite, ${2:-4} workers"
+  timeout "$(left)" $PY -m pytest -q tests -n "${2:-4}" -p no:cacheprovider 2>&1 | tee "$OUT/suite.log" | tail -40
+  stamp "done"
+fi
