@@ -13,6 +13,14 @@ if [ ${#guarded[@]} -gt 0 ]; then
   exit 1
 fi
 mapfile -t sources < <(find csrc -name '*.cu' | sort)
+# torch's build names each object after its source's stem: a.cpp and a.cu would both be a.o, and
+# the CUDA build stops with "multiple rules generate" (CUDA kernels live in <op>_cuda.cu)
+clashes=$(find csrc \( -name '*.cpp' -o -name '*.cu' \) | sed 's/\.[^.]*$//' | sort | uniq -d)
+if [ -n "$clashes" ]; then
+  echo "check_cuda_compile: sources that would compile to the same object (rename the .cu):" >&2
+  echo "$clashes" | sed 's/^/  /' >&2
+  exit 1
+fi
 if [ ${#sources[@]} -eq 0 ]; then
   echo "check_cuda_compile: no CUDA sources in csrc/"
   exit 0

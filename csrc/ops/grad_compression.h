@@ -1,4 +1,4 @@
-// Shared by the CPU (grad_compression.cpp) and CUDA (grad_compression.cu) kernels of the gradient
+// Shared by the CPU (grad_compression.cpp) and CUDA (grad_compression_cuda.cu) kernels of the gradient
 // compression ops: argument checks and the setup of inputs and outputs, so both devices raise the
 // same errors and agree on the layout of what they produce.
 //

@@ -1,5 +1,5 @@
 // Token permutation for mixture-of-experts routing: the shared argument setup, the CPU kernels
-// and the C++ autograd (CUDA kernels: moe_permute.cu).
+// and the C++ autograd (CUDA kernels: moe_permute_cuda.cu).
 //
 //   moe_route(expert_ids [T, k], E) -> (row_map [T, k], counts [E])   a stable counting sort
 //   moe_permute(x [T, H], row_map, weights?, R) -> [R, H]      out[row_map[t, j]] = w[t, j] x[t]

@@ -1,5 +1,5 @@
 // RMSNorm and residual-add + RMSNorm (Hugging Face semantics): the shared argument setup, the CPU
-// kernels and the C++ autograd (CUDA kernels: rms_norm.cu).
+// kernels and the C++ autograd (CUDA kernels: rms_norm_cuda.cu).
 //
 //   rms_norm(x, w, eps)            = w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
 //   add_rms_norm(x, r, w, eps)     = (rms_norm(h, w, eps), h) with h = x + r in x's dtype

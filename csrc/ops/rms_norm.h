@@ -1,4 +1,4 @@
-// Shared by the CPU (rms_norm.cpp) and CUDA (rms_norm.cu) kernels of rms_norm, add_rms_norm and
+// Shared by the CPU (rms_norm.cpp) and CUDA (rms_norm_cuda.cu) kernels of rms_norm, add_rms_norm and
 // rms_norm_backward: the argument checks and the setup of inputs and outputs, so both devices
 // raise the same errors and compute from the same layouts.
 #pragma once

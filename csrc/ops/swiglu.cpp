@@ -1,5 +1,5 @@
 // SwiGLU on a merged gate/up projection: the shared argument setup, the CPU kernels and the C++
-// autograd (CUDA kernels: swiglu.cu).
+// autograd (CUDA kernels: swiglu_cuda.cu).
 //
 //   swiglu(gate_up [..., 2I]) = silu(gate) * up   [..., I], gate = gate_up[..., :I], up = [..., I:]
 //   swiglu_backward(grad [..., I], gate_up) -> grad_gate_up [..., 2I]

@@ -1,4 +1,4 @@
-// Shared by the CPU (swiglu.cpp) and CUDA (swiglu.cu) kernels of swiglu and swiglu_backward: the
+// Shared by the CPU (swiglu.cpp) and CUDA (swiglu_cuda.cu) kernels of swiglu and swiglu_backward: the
 // argument checks and the setup of inputs and outputs, so both devices raise the same errors.
 #pragma once
 

@@ -1,5 +1,5 @@
 // CPU kernels of the local (non-communicating) pieces of tp_ext.vocab_parallel_cross_entropy, their
-// argument checks and setup (shared with the CUDA kernels in vocab_cross_entropy.cu) and their
+// argument checks and setup (shared with the CUDA kernels in vocab_cross_entropy_cuda.cu) and their
 // registration at the CPU and Autograd keys.
 //
 // Rank r holds logits[..., V_r]: vocabulary entries [vocab_start, vocab_start + V_r) of V. With

@@ -1,5 +1,5 @@
 // Shared by the vocab-parallel cross-entropy's local kernels (CPU: vocab_cross_entropy.cpp, CUDA:
-// vocab_cross_entropy.cu) and its communicating op (vocab_parallel_cross_entropy.cpp).
+// vocab_cross_entropy_cuda.cu) and its communicating op (vocab_parallel_cross_entropy.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
