@@ -1,7 +1,7 @@
 // Gradient compression for data parallelism: per-chunk int8 and 1-bit quantisation fused with the
 // error-feedback update, and their dequantisation (layout: grad_compression.h). The shared
-// argument setup and the CPU kernels; CUDA kernels: grad_compression_cuda.cu. No autograd: these run
-// on gradients inside DDP communication hooks (tp_ext/compression/).
+// argument setup and the CPU kernels; CUDA kernels: grad_compression_cuda.cu. No autograd: these
+// run on gradients inside DDP communication hooks (tp_ext/compression/).
 //
 //   quantize_int8_ef(grad, residual, chunk_size) -> (codes int8 [n], scales fp32 [chunks])
 //   dequantize_int8(codes, scales, chunk_size) -> fp32 [n]

@@ -1,6 +1,6 @@
-// Shared by the CPU (grad_compression.cpp) and CUDA (grad_compression_cuda.cu) kernels of the gradient
-// compression ops: argument checks and the setup of inputs and outputs, so both devices raise the
-// same errors and agree on the layout of what they produce.
+// Shared by the CPU (grad_compression.cpp) and CUDA (grad_compression_cuda.cu) kernels of the
+// gradient compression ops: argument checks and the setup of inputs and outputs, so both devices
+// raise the same errors and agree on the layout of what they produce.
 //
 // Layout: a gradient of n elements is cut into chunks of chunk_size elements (the last may be
 // shorter), each with one fp32 scale. int8: codes[i] = round(v[i] / scale) in [-127, 127], scale

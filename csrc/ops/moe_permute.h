@@ -1,6 +1,6 @@
-// Shared by the CPU (moe_permute.cpp) and CUDA (moe_permute_cuda.cu) kernels of the token permutation
-// for mixture-of-experts routing: the argument checks and the setup of inputs and outputs, so both
-// devices raise the same errors.
+// Shared by the CPU (moe_permute.cpp) and CUDA (moe_permute_cuda.cu) kernels of the token
+// permutation for mixture-of-experts routing: the argument checks and the setup of inputs and
+// outputs, so both devices raise the same errors.
 #pragma once
 
 #include <ATen/ATen.h>

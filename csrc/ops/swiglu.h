@@ -1,5 +1,5 @@
-// Shared by the CPU (swiglu.cpp) and CUDA (swiglu_cuda.cu) kernels of swiglu and swiglu_backward: the
-// argument checks and the setup of inputs and outputs, so both devices raise the same errors.
+// Shared by the CPU (swiglu.cpp) and CUDA (swiglu_cuda.cu) kernels of swiglu and swiglu_backward:
+// the argument checks and the setup of inputs and outputs, so both devices raise the same errors.
 #pragma once
 
 #include <ATen/ATen.h>
