@@ -143,6 +143,9 @@ def _step(fn, args, grads, backward):
     if backward:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         torch.autograd.backward(outs, grads)
+        for a in args:  # a fresh .grad each step: accumulating would add a pass over it
+            if isinstance(a, torch.Tensor):
+                a.grad = None
     return out
 
 
@@ -184,9 +187,6 @@ def bench_kernels(tokens, ce_tokens, repeats, dtypes):
                                 unit="",
                             )
                         )
-                    for a in x:
-                        if isinstance(a, torch.Tensor):
-                            a.grad = None
                 what = "fwd+bwd" if backward else "fwd"
                 for label, s in t.items():
                     rows.append(

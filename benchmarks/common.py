@@ -59,6 +59,10 @@ def machine() -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash (-dirty with uncommitted changes); TP_EXT_COMMIT overrides it, for a
+    copied tree whose git state is not the code's (the GPU machine's copy)."""
+    if os.environ.get("TP_EXT_COMMIT"):
+        return os.environ["TP_EXT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -74,8 +78,8 @@ def git_commit() -> str:
             text=True,
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001 - no git (a copied tree, e.g. on the GPU machine)
-        return os.environ.get("TP_EXT_COMMIT", "unknown")
+    except Exception:  # noqa: BLE001 - no git
+        return "unknown"
 
 
 def command_line() -> str:

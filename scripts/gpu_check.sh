@@ -38,6 +38,8 @@ if [ "${1:-}" != "suite" ]; then
   stamp "done"
 else
   stamp "whole suite, ${2:-4} workers"
-  timeout "$(left)" $PY -m pytest -q tests -n "${2:-4}" -p no:cacheprovider 2>&1 | tee "$OUT/suite.log" | tail -40
+  # -v: a line per test as it ends, so a run cut short still names what failed
+  timeout "$(left)" $PY -m pytest -v tests -n "${2:-4}" -p no:cacheprovider >"$OUT/suite.log" 2>&1
+  grep -E "(FAILED|ERROR) |Fatal Python error|node down|passed|failed" "$OUT/suite.log" | tail -60
   stamp "done"
 fi
