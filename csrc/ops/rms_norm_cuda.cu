@@ -82,10 +82,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int i = 0; i < kPacks; ++i) {
     const int c = threadIdx.x + i * blockDim.x;
     if (c < packs) {
+      const auto wp = load_pack<float, V>(w + c * V);  // 128-bit loads of the weight too
       Pack<O, V> o;
 #pragma unroll
-      for (int k = 0; k < V; ++k)
-        o.v[k] = static_cast<O>(w[c * V + k] * round_t<T>(v[i][k] * rstd));
+      for (int k = 0; k < V; ++k) o.v[k] = static_cast<O>(wp.v[k] * round_t<T>(v[i][k] * rstd));
       store_pack(out + base + c * V, o);
     }
   }
@@ -114,12 +114,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (c < packs) {
         const auto xp = load_pack<T, V>(x + base + c * V);
         const auto gp = load_pack<G, V>(g + base + c * V);
+        const auto wp = load_pack<float, V>(w + c * V);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           xv[i][k] = static_cast<float>(xp.v[k]);
           gv[i][k] = static_cast<float>(gp.v[k]);
           ss += xv[i][k] * xv[i][k];
-          dot += gv[i][k] * w[c * V + k] * xv[i][k];
+          dot += gv[i][k] * wp.v[k] * xv[i][k];
         }
       }
     }
@@ -130,10 +131,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int i = 0; i < kPacks; ++i) {
       const int c = threadIdx.x + i * blockDim.x;
       if (c < packs) {
+        const auto wp = load_pack<float, V>(w + c * V);  // again: from L1, not held
         Pack<T, V> o;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          o.v[k] = static_cast<T>(gv[i][k] * w[c * V + k] * rstd - xv[i][k] * c3);
+          o.v[k] = static_cast<T>(gv[i][k] * wp.v[k] * rstd - xv[i][k] * c3);
           dw[i][k] += gv[i][k] * round_t<T>(xv[i][k] * rstd);
         }
         store_pack(gx + base + c * V, o);
@@ -187,17 +189,19 @@ void with_packs(int64_t per, Fn&& fn) {
 }
 
 // The fast path takes rows of whole packs of T that fit kMaxPacks per thread, x-typed pointers
-// 16-byte aligned and `other` (a tensor of another dtype U) aligned to its packs of kVec<T>.
-// Not for fp64, whose math here is fp32 anyway (the scalar kernels serve it).
+// 16-byte aligned, and `other` (a tensor of another dtype U) and the fp32 weight `w` aligned to
+// their packs of kVec<T>. Not for fp64, whose math here is fp32 anyway (the scalar kernels).
 template <typename T>
 constexpr bool kHasFastPath = !std::is_same_v<T, double>;
 
 template <typename T, typename U>
-bool vectorizable(int64_t hdim, std::initializer_list<const void*> ptrs, const U* other) {
+bool vectorizable(int64_t hdim, std::initializer_list<const void*> ptrs, const U* other,
+                  const float* w) {
   constexpr int V = kVec<T>;
   return hdim % V == 0 && hdim / V <= static_cast<int64_t>(kMaxThreads) * kMaxPacks &&
          cuda::aligned_to(16, ptrs) &&
-         cuda::aligned_to(static_cast<int64_t>(sizeof(U)) * V, {other});
+         cuda::aligned_to(static_cast<int64_t>(sizeof(U)) * V, {other}) &&
+         cuda::aligned_to(static_cast<int64_t>(sizeof(float)) * V, {w});
 }
 
 // ---- scalar path (any width or alignment) ------------------------------------------------------
@@ -285,7 +289,7 @@ void rms_norm_cuda_launch(const at::Tensor& x, const at::Tensor& residual, const
     auto launch = [&](auto* op) {
       using O = std::remove_pointer_t<decltype(op)>;
       if constexpr (kHasFastPath<T>) {
-        if (vectorizable<T>(hdim, {xp, rp, hp}, op)) {
+        if (vectorizable<T>(hdim, {xp, rp, hp}, op, wp)) {
           const int64_t packs = hdim / kVec<T>;
           const int threads = vec_threads(packs);
           with_packs((packs + threads - 1) / threads, [&](auto per) {
@@ -331,7 +335,7 @@ void rms_norm_backward_cuda_launch(const at::Tensor& grad, const at::Tensor& x, 
       T* gxp = grad_x.data_ptr<T>();
       float* gwp = grad_w_f32.data_ptr<float>();
       if constexpr (kHasFastPath<T>) {
-        if (vectorizable<T>(hdim, {xp, gxp}, gp)) {
+        if (vectorizable<T>(hdim, {xp, gxp}, gp, wp)) {
           const int64_t packs = hdim / kVec<T>;
           const int threads = vec_threads(packs);
           const int64_t blocks = std::min<int64_t>(n, 2 * cuda::multiprocessors());
