@@ -345,14 +345,17 @@ class ExpertParallelMoE(ParallelModule):
         from_rank = received_counts.view(ep, local).sum(1).tolist()
         sent = sum(per_rank)
         received = comm.all_to_all_single(rows[:sent], per_rank, from_rank, self.ep)
-        # Received rows are ordered by source rank, then expert: regroup them by local expert.
-        local_ids = torch.repeat_interleave(
-            torch.arange(local, device=rows.device).repeat(ep), received_counts
-        )
-        regroup, group_sizes = ops.moe_route(local_ids.unsqueeze(1), max(local, 1))
-        grouped = ops.moe_permute(received, regroup, None, received.shape[0])
-        out = self.experts(grouped, group_sizes.tolist()[:local])
-        back = ops.moe_unpermute(out, regroup, None)  # source-rank order again
+        if local == 1:  # one local expert: the received rows are already its group
+            back = self.experts(received, [received.shape[0]])
+        else:
+            # Received rows are ordered by source rank, then expert: regroup by local expert.
+            local_ids = torch.repeat_interleave(
+                torch.arange(local, device=rows.device).repeat(ep), received_counts
+            )
+            regroup, group_sizes = ops.moe_route(local_ids.unsqueeze(1), max(local, 1))
+            grouped = ops.moe_permute(received, regroup, None, received.shape[0])
+            out = self.experts(grouped, group_sizes.tolist()[:local])
+            back = ops.moe_unpermute(out, regroup, None)  # source-rank order again
         returned = comm.all_to_all_single(back, from_rank, per_rank, self.ep)
         if sent < rows.shape[0]:  # dropped rows: zeros
             returned = F.pad(returned, (0, 0, 0, rows.shape[0] - sent))
