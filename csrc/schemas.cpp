@@ -54,17 +54,20 @@ TORCH_LIBRARY(tp_ext, m) {
   // shard_sizes policy. Per-token loss (fp32; fp64 for fp64 logits), shape target.shape, 0 where
   // target == ignore_index; label smoothing over the full vocabulary. Two token-sized all-reduces
   // forward (max, then sum), none backward; every rank's shard size travels in the first one.
+  // The logits are read once forward (vocab_ce_local_stats) and once backward.
   // Autograd in C++ (backward: vocab_ce_local_grad).
   m.def(
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int ignore_index, "
       "float label_smoothing, str group_name, int group_size, int group_rank) -> Tensor");
-  // Its local (non-communicating) pieces. `max_sizes` is vocab_ce_local_max's output after a max
-  // all-reduce: N per-token global maxima, then every rank's vocab size. Sizes are a tensor, not
-  // ints, because they are only known after communicating (a traced graph cannot bake them in).
-  m.def(  // [N + group_size]: per-token max of this shard, then this shard's size at N + group_rank
-      "vocab_ce_local_max(Tensor logits, int group_size, int group_rank) -> Tensor");
-  m.def(  // [N, 3]: sum exp(l - max), target logit if in this shard else 0, sum of logits
-      "vocab_ce_local_stats(Tensor logits, Tensor target, Tensor max_sizes, int ignore_index, "
+  // Its local (non-communicating) pieces. `max_sizes` is vocab_ce_local_stats's first output
+  // after a max all-reduce: N per-token global maxima, then every rank's vocab size. Sizes are a
+  // tensor, not ints, because they are only known after communicating (a traced graph cannot bake
+  // them in).
+  m.def(  // one read of the logits: ([N + group_size]: per-token max M of this shard, then this
+          // shard's size at N + group_rank; [N, 2]: sum exp(l - M), sum of logits)
+      "vocab_ce_local_stats(Tensor logits, int group_size, int group_rank) -> (Tensor, Tensor)");
+  m.def(  // [N]: the target's logit if this shard holds it, else 0 (checks the target ids)
+      "vocab_ce_target_logit(Tensor logits, Tensor target, Tensor max_sizes, int ignore_index, "
       "int group_rank) -> Tensor");
   m.def(  // gradient of the logits shard given the loss gradient and the per-token logsumexp
       "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "

@@ -187,6 +187,33 @@ def _check_accounting():
         assert stats.count("bwd") == 0, "the backward is local"
 
 
+def _check_masked_vocabulary():
+    """Logits of -inf (a masked vocabulary), some tokens with a whole rank's shard masked: each
+    shard's sums are taken against its own max and rescaled after the max all-reduce, and a
+    shard with no finite logit must add nothing (not exp(-inf - -inf) = nan)."""
+    vocab = 37
+    logits = full((BATCH, SEQ, vocab), 40) * 3
+    first = tp_ext.shard_sizes(vocab, world_size())[0]
+    if world_size() > 1:
+        logits[0, 0, :first] = float("-inf")  # rank 0's whole shard, on one token
+    logits[1, :, 5:30] = float("-inf")  # the middle of the vocabulary, on five tokens
+    target = _targets(vocab, seed=41)
+    target[0, 0] = first % vocab  # targets on finite logits (a masked one's loss is inf)
+    target[1, :3] = torch.tensor([3, 31, 36])
+    upstream = full((BATCH, SEQ), 42)
+    want, want_grad = _reference(logits, target, -100, 0.0, "none", upstream)
+    got, grad = _parallel(logits, target, -100, 0.0, "none", upstream)
+    assert torch.isfinite(got).all()
+    _assert_rel(got, want, TOL[torch.float32], "loss")
+    shard_grad = tp_ext.split_tensor(want_grad, -1, world_size())[rank()]
+    _assert_rel(grad, shard_grad, TOL[torch.float32], "gradient")
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_masked_vocabulary_shards(ws):
+    run_distributed(_check_masked_vocabulary, ws)
+
+
 @pytest.mark.parametrize("ws", [1, 3])
 def test_accounting_two_token_sized_all_reduces(ws):
     run_distributed(_check_accounting, ws)
@@ -318,7 +345,7 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(ws):
 
 
 def _local_reference(logits, target, sizes, rank_, ignore_index, eps, grad_loss):
-    """max, stats and gradient of the local pieces, in float64 PyTorch."""
+    """local max, sums, target logit and gradient of the local pieces, in float64 PyTorch."""
     x = logits.double().reshape(target.numel(), logits.size(-1))
     t = target.reshape(-1)
     start, vocab = sum(sizes[:rank_]), sum(sizes)
@@ -331,15 +358,15 @@ def _local_reference(logits, target, sizes, rank_, ignore_index, eps, grad_loss)
         if x.size(-1)
         else torch.zeros_like(m)
     )
-    stats = torch.stack(
-        [(x - m[:, None]).exp().sum(-1), torch.where(mine, picked, 0), x.sum(-1)], -1
-    )
+    sums = torch.stack([(x - local_max[:, None]).exp().sum(-1), x.sum(-1)], -1)
+    if not x.size(-1):
+        sums = torch.zeros(x.size(0), 2, dtype=x.dtype)
     lse = m + 1.0  # any per-token value works for the gradient formula
     grad = (x - lse[:, None]).exp() - eps / vocab
     grad[mine, local[mine]] -= 1 - eps
     grad = grad * grad_loss.double().reshape(-1, 1)
     grad[t == ignore_index] = 0
-    return local_max, m, stats, lse, grad.reshape(logits.shape)
+    return local_max, m, sums, torch.where(mine, picked, 0), lse, grad.reshape(logits.shape)
 
 
 def _check_local_kernels(device, dtype, vocab_local, sizes, rank_, eps=0.1, ignore_index=-100):
@@ -350,22 +377,28 @@ def _check_local_kernels(device, dtype, vocab_local, sizes, rank_, eps=0.1, igno
     target[0, :3] = torch.arange(start, start + 3).clamp(max=sum(sizes) - 1)  # some in this shard
     target[1, 2] = ignore_index
     grad_loss = torch.randn(3, 7, generator=g)
-    ref_max, m, ref_stats, lse, ref_grad = _local_reference(
+    ref_max, m, ref_sums, ref_target, lse, ref_grad = _local_reference(
         logits, target, sizes, rank_, ignore_index, eps, grad_loss
     )
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     ops = torch.ops.tp_ext
     dev = lambda t: t.to(device)  # noqa: E731
-    local_max = ops.vocab_ce_local_max(dev(logits), len(sizes), rank_)
+    local_max_sizes, sums = ops.vocab_ce_local_stats(dev(logits), len(sizes), rank_)
     n = ref_max.numel()
-    torch.testing.assert_close(local_max[:n].cpu().double(), ref_max)
-    assert local_max[n + rank_].item() == vocab_local
-    max_sizes = torch.cat([m, torch.tensor(sizes, dtype=torch.float64)]).to(acc)
-    stats = ops.vocab_ce_local_stats(dev(logits), dev(target), dev(max_sizes), ignore_index, rank_)
+    torch.testing.assert_close(local_max_sizes[:n].cpu().double(), ref_max)
+    want_sizes = [vocab_local if r == rank_ else 0 for r in range(len(sizes))]
+    assert local_max_sizes[n:].tolist() == want_sizes
     # fp32 sums: error grows with the number and size of the terms, so scale atol by sum |l|
     scale = logits.double().abs().sum(-1).max().item() if vocab_local else 0.0
     tol = dict(atol=1e-6 * scale + 1e-5, rtol=1e-5) if dtype != torch.float64 else {}
-    torch.testing.assert_close(stats.cpu().double(), ref_stats, **tol)
+    torch.testing.assert_close(sums.cpu().double(), ref_sums, **tol)
+    # the all-reduced layout: global maxima, then every rank's size
+    max_sizes = torch.cat([m, torch.tensor(sizes, dtype=torch.float64)]).to(acc)
+    target_logit = ops.vocab_ce_target_logit(
+        dev(logits), dev(target), dev(max_sizes), ignore_index, rank_
+    )
+    assert target_logit.dtype == acc
+    torch.testing.assert_close(target_logit.cpu().double(), ref_target)
     grad = ops.vocab_ce_local_grad(
         dev(grad_loss.to(acc)),
         dev(logits),

@@ -89,8 +89,8 @@ def _local_op_samples():
     max_sizes = torch.cat([maxima, torch.tensor([6.0, 5.0, 5.0])])
     lse = maxima.view(2, 3) + 2.0
     return [
-        ("vocab_ce_local_max", (logits, 3, 1)),
-        ("vocab_ce_local_stats", (logits, target, max_sizes, -100, 1)),
+        ("vocab_ce_local_stats", (logits, 3, 1)),
+        ("vocab_ce_target_logit", (logits, target, max_sizes, -100, 1)),
         ("vocab_ce_local_grad", (full((2, 3), 13), logits, target, max_sizes, lse, -100, 0.1, 1)),
     ]
 

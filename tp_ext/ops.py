@@ -77,8 +77,8 @@ KERNEL_OPS = (
     "swiglu",
     "swiglu_backward",
     "rotary_embedding",
-    "vocab_ce_local_max",
     "vocab_ce_local_stats",
+    "vocab_ce_target_logit",
     "vocab_ce_local_grad",
     # gradient compression (tp_ext.compression's hooks): quantise with error feedback, and back
     "quantize_int8_ef",
@@ -215,12 +215,13 @@ def _vocab_parallel_cross_entropy(
     return logits.new_empty(target.shape, dtype=_stats_dtype(logits))
 
 
-def _vocab_ce_local_max(logits, group_size, group_rank):
-    return logits.new_empty((_tokens(logits) + group_size,), dtype=_stats_dtype(logits))
+def _vocab_ce_local_stats(logits, group_size, group_rank):
+    n, dtype = _tokens(logits), _stats_dtype(logits)
+    return logits.new_empty((n + group_size,), dtype=dtype), logits.new_empty((n, 2), dtype=dtype)
 
 
-def _vocab_ce_local_stats(logits, target, max_sizes, ignore_index, group_rank):
-    return logits.new_empty((_tokens(logits), 3), dtype=_stats_dtype(logits))
+def _vocab_ce_target_logit(logits, target, max_sizes, ignore_index, group_rank):
+    return logits.new_empty((_tokens(logits),), dtype=_stats_dtype(logits))
 
 
 def _vocab_ce_local_grad(
@@ -394,8 +395,8 @@ _FAKES = {
     "all_gather_linear_backward": _all_gather_linear_backward,
     "linear_reduce_scatter": _linear_reduce_scatter,
     "linear_reduce_scatter_backward": _linear_reduce_scatter_backward,
-    "vocab_ce_local_max": _vocab_ce_local_max,
     "vocab_ce_local_stats": _vocab_ce_local_stats,
+    "vocab_ce_target_logit": _vocab_ce_target_logit,
     "vocab_ce_local_grad": _vocab_ce_local_grad,
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,

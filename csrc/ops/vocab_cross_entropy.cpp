@@ -3,16 +3,19 @@
 // registration at the CPU and Autograd keys.
 //
 // Rank r holds logits[..., V_r]: vocabulary entries [vocab_start, vocab_start + V_r) of V. With
-// the N tokens flattened, m_i the global max of token i's logits and lse_i its logsumexp:
-//   vocab_ce_local_max    [N + W]  max_j l_ij over this shard (-inf if empty); V_r at N + r,
-//                                  zeros at the other ranks' slots (a max all-reduce then
-//                                  yields every rank's size; sizes are >= 0)
-//   vocab_ce_local_stats  [N, 3]   sum_j exp(l_ij - m_i), l_i,target (0 unless this shard holds
-//                                  it), sum_j l_ij (for label smoothing over the full vocabulary)
-//   vocab_ce_local_grad   [.., V_r] g_i * (exp(l_ij - lse_i) - (1 - eps) [j == target_i] - eps/V),
+// the N tokens flattened, M_i the max of token i's logits over this shard and lse_i its logsumexp:
+//   vocab_ce_local_stats   ([N + W], [N, 2])  M_i (-inf if the shard is empty), then V_r at N + r
+//                                  and zeros at the other ranks' slots (a max all-reduce then
+//                                  yields the global maxima and every rank's size; sizes >= 0);
+//                                  and per token sum_j exp(l_ij - M_i), sum_j l_ij
+//   vocab_ce_target_logit  [N]     l_i,target if this shard holds the target, else 0 (a gather;
+//                                  device-generic, after the max all-reduce gives the layout)
+//   vocab_ce_local_grad    [.., V_r] g_i * (exp(l_ij - lse_i) - (1 - eps) [j == target_i] - eps/V),
 //                                  0 for ignored tokens
-// Each is one pass over the logits, parallel over tokens (at::vec inner loops), with no
-// [tokens, vocab] temporaries beyond the logits and their gradient. Accumulation is in fp32 (fp64
+// local_stats reads the logits once (the max and the sums from one row in cache); the caller
+// rescales each sum by exp(M_i - m_i) once the global max m_i is known, so the forward reads the
+// logits once and the backward once more. Parallel over tokens (at::vec inner loops), no
+// [tokens, vocab] temporaries beyond the logits and their gradient; accumulation in fp32 (fp64
 // for fp64 logits).
 #include "vocab_cross_entropy.h"
 
@@ -83,8 +86,9 @@ Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_
   TORCH_CHECK_VALUE(
       max_sizes.dim() == 1 && max_sizes.scalar_type() == want && max_sizes.numel() > rows.n,
       "tp_ext.", op, ": max_sizes must be the 1-d ", want,
-      " tensor [N + group_size] from vocab_ce_local_max (all-reduced with max), with N = ", rows.n,
-      " tokens; got shape ", max_sizes.sizes(), " and dtype ", max_sizes.scalar_type(), ".");
+      " tensor [N + group_size] from vocab_ce_local_stats (all-reduced with max), with N = ",
+      rows.n, " tokens; got shape ", max_sizes.sizes(), " and dtype ", max_sizes.scalar_type(),
+      ".");
   const int64_t world = max_sizes.numel() - rows.n;
   TORCH_CHECK_VALUE(group_rank >= 0 && group_rank < world, "tp_ext.", op,
                     ": group_rank=", group_rank, " is outside [0, ", world, ") (max_sizes holds ",
@@ -96,8 +100,8 @@ Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_
     const auto size = static_cast<int64_t>(s[r]);
     TORCH_CHECK_VALUE(s[r] >= 0 && static_cast<double>(size) == s[r], "tp_ext.", op,
                       ": max_sizes[N + ", r, "] = ", s[r],
-                      " is not a vocabulary size; pass vocab_ce_local_max's output after a max "
-                      "all-reduce.");
+                      " is not a vocabulary size; pass vocab_ce_local_stats's first output after a "
+                      "max all-reduce.");
     if (r < group_rank) out.vocab_start += size;
     out.vocab += size;
   }
@@ -129,8 +133,9 @@ void check_targets(const at::Tensor& target_in, int64_t ignore_index, int64_t vo
   }
 }
 
-LocalMaxArgs prepare_local_max(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
-  const char* op = "vocab_ce_local_max";
+LocalStatsArgs prepare_local_stats(const at::Tensor& logits, int64_t group_size,
+                                   int64_t group_rank) {
+  const char* op = "vocab_ce_local_stats";
   TORCH_CHECK_VALUE(group_size >= 1 && group_rank >= 0 && group_rank < group_size, "tp_ext.", op,
                     ": group_rank=", group_rank, " must be in [0, group_size=", group_size, ").");
   check_logits(logits, op);
@@ -138,26 +143,12 @@ LocalMaxArgs prepare_local_max(const at::Tensor& logits, int64_t group_size, int
   // Sizes travel as floats: exact up to 2^24 in fp32.
   TORCH_CHECK_VALUE(rows.v < (int64_t{1} << 24), "tp_ext.", op, ": a vocabulary shard of ", rows.v,
                     " entries is too large (at most 2^24 - 1 per rank).");
-  auto out =
-      at::zeros({rows.n + group_size}, logits.options().dtype(stats_dtype(logits.scalar_type())));
+  const auto options = logits.options().dtype(stats_dtype(logits.scalar_type()));
+  auto max_sizes = at::zeros({rows.n + group_size}, options);
   // This rank's size slot, written once here so the kernels only fill the N maxima.
-  out.narrow(0, rows.n + group_rank, 1).fill_(static_cast<double>(rows.v));
-  return {std::move(rows), std::move(out)};
-}
-
-StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target,
-                        const at::Tensor& max_sizes_in, int64_t ignore_index, int64_t group_rank) {
-  const char* op = "vocab_ce_local_stats";
-  check_logits_target(logits, target, op);
-  auto rows = rows_of(logits);
-  auto max_sizes = max_sizes_in.contiguous();
-  TORCH_CHECK_VALUE(max_sizes.device() == logits.device(), "tp_ext.", op, ": max_sizes is on ",
-                    max_sizes.device(), " but logits are on ", logits.device(), ".");
-  const auto layout = read_layout(max_sizes, rows, group_rank, logits.scalar_type(), op);
-  auto t = target.contiguous();
-  check_targets(t, ignore_index, layout.vocab);
-  auto out = at::empty({rows.n, 3}, max_sizes.options());
-  return {std::move(rows), std::move(max_sizes), layout, std::move(t), std::move(out)};
+  max_sizes.narrow(0, rows.n + group_rank, 1).fill_(static_cast<double>(rows.v));
+  auto sums = at::empty({rows.n, 2}, options);
+  return {std::move(rows), std::move(max_sizes), std::move(sums)};
 }
 
 GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits,
@@ -216,49 +207,29 @@ acc_t* out_row(scalar_t* grow, std::vector<acc_t>& buf) {
   }
 }
 
-at::Tensor local_max_cpu(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
-  auto a = prepare_local_max(logits, group_size, group_rank);
-  const Rows& rows = a.rows;
-  at::Tensor& out = a.out;
-  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_max", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    using Vec = at::vec::Vectorized<acc_t>;
-    const scalar_t* l = rows.logits.const_data_ptr<scalar_t>();
-    acc_t* o = out.data_ptr<acc_t>();
-    const int64_t v = rows.v;
-    at::parallel_for(0, rows.n, grain(v), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> buf(std::is_same_v<scalar_t, acc_t> ? 0 : v);
-      for (int64_t i = begin; i < end; ++i) {
-        if (v == 0) {  // an empty shard: -inf, the identity of the max all-reduce
-          o[i] = -std::numeric_limits<acc_t>::infinity();
-          continue;
-        }
-        const acc_t* row = widen<scalar_t, acc_t>(l + i * v, v, buf);
-        o[i] = at::vec::reduce_all<acc_t>(
-            [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, row, v);
-      }
-    });
-  });
-  return out;
-}
-
-at::Tensor local_stats_cpu(const at::Tensor& logits, const at::Tensor& target_in,
-                           const at::Tensor& max_sizes_in, int64_t ignore_index,
-                           int64_t group_rank) {
-  auto a = prepare_stats(logits, target_in, max_sizes_in, ignore_index, group_rank);
+std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& logits, int64_t group_size,
+                                                   int64_t group_rank) {
+  auto a = prepare_local_stats(logits, group_size, group_rank);
   TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using Vec = at::vec::Vectorized<acc_t>;
     const scalar_t* l = a.rows.logits.const_data_ptr<scalar_t>();
-    const int64_t* t = a.target.const_data_ptr<int64_t>();
-    const acc_t* m = a.max_sizes.const_data_ptr<acc_t>();
-    acc_t* o = a.out.data_ptr<acc_t>();
-    const int64_t v = a.rows.v, vocab_start = a.layout.vocab_start;
+    acc_t* mx = a.max_sizes.data_ptr<acc_t>();
+    acc_t* o = a.sums.data_ptr<acc_t>();
+    const int64_t v = a.rows.v;
     at::parallel_for(0, a.rows.n, grain(v), [&](int64_t begin, int64_t end) {
       std::vector<acc_t> buf(std::is_same_v<scalar_t, acc_t> ? 0 : v);
       for (int64_t i = begin; i < end; ++i) {
+        if (v == 0) {  // an empty shard: -inf, the identity of the max all-reduce; no terms
+          mx[i] = -std::numeric_limits<acc_t>::infinity();
+          o[2 * i] = o[2 * i + 1] = acc_t(0);
+          continue;
+        }
+        // The row, widened once, stays in cache for the second sweep.
         const acc_t* row = widen<scalar_t, acc_t>(l + i * v, v, buf);
-        const Vec vm(m[i]);
+        const acc_t m = at::vec::reduce_all<acc_t>(
+            [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); }, row, v);
+        const Vec vm(m);
         Vec vexp(acc_t(0)), vsum(acc_t(0));
         int64_t j = 0;
         for (; j + Vec::size() <= v; j += Vec::size()) {
@@ -269,18 +240,39 @@ at::Tensor local_stats_cpu(const at::Tensor& logits, const at::Tensor& target_in
         acc_t sum_exp = at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), vexp);
         acc_t sum_logits = at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), vsum);
         for (; j < v; ++j) {
-          sum_exp += std::exp(row[j] - m[i]);
+          sum_exp += std::exp(row[j] - m);
           sum_logits += row[j];
         }
-        const int64_t local = t[i] - vocab_start;  // target's index in this shard
-        const bool mine = t[i] != ignore_index && local >= 0 && local < v;
-        o[3 * i] = sum_exp;
-        o[3 * i + 1] = mine ? row[local] : acc_t(0);
-        o[3 * i + 2] = sum_logits;
+        mx[i] = m;
+        o[2 * i] = sum_exp;
+        o[2 * i + 1] = sum_logits;
       }
     });
   });
-  return a.out;
+  return {a.max_sizes, a.sums};
+}
+
+// Device-generic (ATen ops): the target's logit where this shard holds it, else 0. Checks the
+// targets against V from the all-reduced max_sizes first, so every rank raises on a bad id.
+at::Tensor target_logit(const at::Tensor& logits, const at::Tensor& target,
+                        const at::Tensor& max_sizes_in, int64_t ignore_index, int64_t group_rank) {
+  const char* op = "vocab_ce_target_logit";
+  check_logits_target(logits, target, op);
+  const int64_t v = logits.size(-1), n = target.numel();
+  const Rows shape{at::Tensor(), n, v};  // read_layout needs only the counts
+  const auto max_sizes = max_sizes_in.contiguous();
+  TORCH_CHECK_VALUE(max_sizes.device() == logits.device(), "tp_ext.", op, ": max_sizes is on ",
+                    max_sizes.device(), " but logits are on ", logits.device(), ".");
+  const auto layout = read_layout(max_sizes, shape, group_rank, logits.scalar_type(), op);
+  const auto t = target.reshape({n});
+  check_targets(t, ignore_index, layout.vocab);
+  const auto acc = stats_dtype(logits.scalar_type());
+  if (v == 0) return at::zeros({n}, max_sizes.options());
+  const auto local = t - layout.vocab_start;
+  const auto mine = (t != ignore_index) & (local >= 0) & (local < v);
+  const auto picked =
+      logits.reshape({n, v}).gather(1, local.clamp(0, v - 1).unsqueeze(1)).squeeze(1).to(acc);
+  return picked.masked_fill(mine.logical_not(), 0);
 }
 
 at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
@@ -333,14 +325,17 @@ at::Tensor local_grad_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
 }  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CPU, m) {
-  m.impl("vocab_ce_local_max", &tp_ext::ops::local_max_cpu);
   m.impl("vocab_ce_local_stats", &tp_ext::ops::local_stats_cpu);
+  m.impl("vocab_ce_target_logit", &tp_ext::ops::target_logit);
   m.impl("vocab_ce_local_grad", &tp_ext::ops::local_grad_cpu);
 }
+
+// A gather and a few elementwise ops: the same code serves CUDA tensors.
+TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { m.impl("vocab_ce_target_logit", &tp_ext::ops::target_logit); }
 
 // The local pieces have no derivative of their own: vocab_parallel_cross_entropy's autograd
 // covers them. Asking for one (e.g. double backward) raises "not implemented" at backward time.
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
-  for (const char* name : {"vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_local_grad"})
+  for (const char* name : {"vocab_ce_local_stats", "vocab_ce_target_logit", "vocab_ce_local_grad"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
 }

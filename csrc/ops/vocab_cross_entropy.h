@@ -39,21 +39,13 @@ void check_targets(const at::Tensor& target, int64_t ignore_index, int64_t vocab
 
 // Checked, contiguous arguments and the allocated output of each local op, shared by the CPU
 // and CUDA kernels so both raise the same errors.
-struct LocalMaxArgs {
+struct LocalStatsArgs {
   Rows rows;
-  at::Tensor out;  // [N + W], this rank's size already written
+  at::Tensor max_sizes;  // [N + W], this rank's size already written; kernels fill the N maxima
+  at::Tensor sums;       // [N, 2]
 };
-LocalMaxArgs prepare_local_max(const at::Tensor& logits, int64_t group_size, int64_t group_rank);
-
-struct StatsArgs {
-  Rows rows;
-  at::Tensor max_sizes;
-  Layout layout;
-  at::Tensor target;
-  at::Tensor out;  // [N, 3]
-};
-StatsArgs prepare_stats(const at::Tensor& logits, const at::Tensor& target,
-                        const at::Tensor& max_sizes, int64_t ignore_index, int64_t group_rank);
+LocalStatsArgs prepare_local_stats(const at::Tensor& logits, int64_t group_size,
+                                   int64_t group_rank);
 
 struct GradArgs {
   Rows rows;

@@ -60,39 +60,30 @@ __device__ __forceinline__ bool whole_packs(const T* row, int64_t v) {
 __device__ inline float dexp(float x) { return expf(x); }
 __device__ inline double dexp(double x) { return exp(x); }
 
+// One block per token: this shard's max of the row, then (the row again, now from L1/L2) the sum
+// of exp(l - max) and of the logits. One read of the logits from memory.
 template <typename scalar_t, typename acc_t>
-__global__ void local_max_kernel(const scalar_t* __restrict__ logits, acc_t* __restrict__ out,
-                                 int64_t v) {
+__global__ void local_stats_kernel(const scalar_t* __restrict__ logits, acc_t* __restrict__ max_out,
+                                   acc_t* __restrict__ sums, int64_t v) {
   __shared__ acc_t shared[kWarps];
-  const scalar_t* row = logits + blockIdx.x * v;
-  acc_t best = -std::numeric_limits<acc_t>::infinity();
   constexpr int V = cuda::kVec<scalar_t>;
-  if (whole_packs<scalar_t>(row, v)) {
+  const int64_t i = blockIdx.x;
+  const scalar_t* row = logits + i * v;
+  const bool packed = whole_packs<scalar_t>(row, v);
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+  if (packed) {
     for (int64_t c = threadIdx.x; c < v / V; c += blockDim.x) {
       const auto p = cuda::load_pack<scalar_t, V>(row + c * V);
 #pragma unroll
-      for (int e = 0; e < V; ++e) best = MaxOp()(best, static_cast<acc_t>(p.v[e]));
+      for (int e = 0; e < V; ++e) m = MaxOp()(m, static_cast<acc_t>(p.v[e]));
     }
   } else {
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-      best = MaxOp()(best, static_cast<acc_t>(row[j]));
+      m = MaxOp()(m, static_cast<acc_t>(row[j]));
   }
-  best = block_reduce(best, MaxOp(), shared);
-  if (threadIdx.x == 0) out[blockIdx.x] = best;
-}
-
-template <typename scalar_t, typename acc_t>
-__global__ void local_stats_kernel(const scalar_t* __restrict__ logits,
-                                   const int64_t* __restrict__ target,
-                                   const acc_t* __restrict__ max, acc_t* __restrict__ out,
-                                   int64_t v, int64_t vocab_start, int64_t ignore_index) {
-  __shared__ acc_t shared[kWarps];
-  const int64_t i = blockIdx.x;
-  const scalar_t* row = logits + i * v;
-  const acc_t m = max[i];
+  m = block_reduce(m, MaxOp(), shared);
   acc_t sum_exp = 0, sum_logits = 0;
-  constexpr int V = cuda::kVec<scalar_t>;
-  if (whole_packs<scalar_t>(row, v)) {
+  if (packed) {
     for (int64_t c = threadIdx.x; c < v / V; c += blockDim.x) {
       const auto p = cuda::load_pack<scalar_t, V>(row + c * V);
 #pragma unroll
@@ -112,11 +103,9 @@ __global__ void local_stats_kernel(const scalar_t* __restrict__ logits,
   sum_exp = block_reduce(sum_exp, SumOp(), shared);
   sum_logits = block_reduce(sum_logits, SumOp(), shared);
   if (threadIdx.x == 0) {
-    const int64_t t = target[i], local = t - vocab_start;
-    const bool mine = t != ignore_index && local >= 0 && local < v;
-    out[3 * i] = sum_exp;
-    out[3 * i + 1] = mine ? static_cast<acc_t>(row[local]) : acc_t(0);
-    out[3 * i + 2] = sum_logits;
+    max_out[i] = m;
+    sums[2 * i] = sum_exp;
+    sums[2 * i + 1] = sum_logits;
   }
 }
 
@@ -158,36 +147,20 @@ __global__ void local_grad_kernel(const scalar_t* __restrict__ logits,
   }
 }
 
-at::Tensor local_max_cuda(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
+std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& logits, int64_t group_size,
+                                                    int64_t group_rank) {
   const c10::cuda::CUDAGuard guard(logits.device());
-  auto a = prepare_local_max(logits, group_size, group_rank);
-  const Rows& rows = a.rows;
-  at::Tensor& out = a.out;
-  if (rows.n == 0) return out;
-  TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_max_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    local_max_kernel<scalar_t, acc_t><<<rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        rows.logits.const_data_ptr<scalar_t>(), out.data_ptr<acc_t>(), rows.v);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return out;
-}
-
-at::Tensor local_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
-                            const at::Tensor& max_sizes, int64_t ignore_index, int64_t group_rank) {
-  const c10::cuda::CUDAGuard guard(logits.device());
-  auto a = prepare_stats(logits, target, max_sizes, ignore_index, group_rank);
-  if (a.rows.n == 0) return a.out;
+  auto a = prepare_local_stats(logits, group_size, group_rank);
+  if (a.rows.n == 0) return {a.max_sizes, a.sums};
   TP_EXT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vocab_ce_local_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     local_stats_kernel<scalar_t, acc_t>
         <<<a.rows.n, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            a.rows.logits.const_data_ptr<scalar_t>(), a.target.const_data_ptr<int64_t>(),
-            a.max_sizes.const_data_ptr<acc_t>(), a.out.data_ptr<acc_t>(), a.rows.v,
-            a.layout.vocab_start, ignore_index);
+            a.rows.logits.const_data_ptr<scalar_t>(), a.max_sizes.data_ptr<acc_t>(),
+            a.sums.data_ptr<acc_t>(), a.rows.v);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return a.out;
+  return {a.max_sizes, a.sums};
 }
 
 at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits,
@@ -215,7 +188,6 @@ at::Tensor local_grad_cuda(const at::Tensor& grad_loss, const at::Tensor& logits
 }  // namespace tp_ext::ops
 
 TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) {
-  m.impl("vocab_ce_local_max", &tp_ext::ops::local_max_cuda);
   m.impl("vocab_ce_local_stats", &tp_ext::ops::local_stats_cuda);
   m.impl("vocab_ce_local_grad", &tp_ext::ops::local_grad_cuda);
 }

@@ -3,9 +3,11 @@
 // the full vocabulary V, t the target logit and eps the label smoothing:
 //   lse = m + log S,   loss = lse - (1 - eps) t - eps L / V   (0 where target == ignore_index)
 //
-// Forward: vocab_ce_local_max -> all_reduce(max) -> vocab_ce_local_stats -> all_reduce(sum) ->
-// a few token-sized elementwise ops. The first all-reduce also carries every rank's shard size
-// (so vocab_start and V need neither another collective nor the caller); both are token-sized.
+// Forward: vocab_ce_local_stats (the only read of the logits: this shard's max M and, relative to
+// it, the sum of exponentials and of logits) -> all_reduce(max) -> the sums rescaled by
+// exp(M - m) and the target logit picked (vocab_ce_target_logit) -> all_reduce(sum) -> a few
+// token-sized elementwise ops. The first all-reduce also carries every rank's shard size (so
+// vocab_start and V need neither another collective nor the caller); both are token-sized.
 // Backward: vocab_ce_local_grad from the saved logits, target, max_sizes and lse; no communication.
 //
 // Every step is a registered op called through the dispatcher below autograd, so torch.compile /
@@ -13,6 +15,8 @@
 // Megatron pairs do (comm/megatron_pairs.cpp).
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <limits>
 
 #include "../common/dispatch.h"
 #include "../common/group.h"
@@ -30,16 +34,18 @@ at::Tensor call_all_reduce(const at::Tensor& x, const char* reduce, c10::string_
   return op.call(x, reduce, group_name, group_size);
 }
 
-at::Tensor call_local_max(const at::Tensor& logits, int64_t group_size, int64_t group_rank) {
-  using Sig = at::Tensor(const at::Tensor&, int64_t, int64_t);
-  static const auto op = op_handle("vocab_ce_local_max").typed<Sig>();
+std::tuple<at::Tensor, at::Tensor> call_local_stats(const at::Tensor& logits, int64_t group_size,
+                                                    int64_t group_rank) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, int64_t);
+  static const auto op = op_handle("vocab_ce_local_stats").typed<Sig>();
   return op.call(logits, group_size, group_rank);
 }
 
-at::Tensor call_local_stats(const at::Tensor& logits, const at::Tensor& target,
-                            const at::Tensor& max_sizes, int64_t ignore_index, int64_t group_rank) {
+at::Tensor call_target_logit(const at::Tensor& logits, const at::Tensor& target,
+                             const at::Tensor& max_sizes, int64_t ignore_index,
+                             int64_t group_rank) {
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
-  static const auto op = op_handle("vocab_ce_local_stats").typed<Sig>();
+  static const auto op = op_handle("vocab_ce_target_logit").typed<Sig>();
   return op.call(logits, target, max_sizes, ignore_index, group_rank);
 }
 
@@ -71,14 +77,18 @@ Forward run_forward(const at::Tensor& logits, const at::Tensor& target, int64_t 
   if (!logits.is_meta())  // checks group_size and group_rank against the live group
     resolve_group(group_name, group_size, logits.device(), kOp, group_rank);
 
-  const auto max_sizes = call_all_reduce(call_local_max(logits, group_size, group_rank), "max",
-                                         group_name, group_size);
-  const auto totals =
-      call_all_reduce(call_local_stats(logits, target, max_sizes, ignore_index, group_rank), "sum",
-                      group_name, group_size);
+  const auto [local_max_sizes, sums] = call_local_stats(logits, group_size, group_rank);
+  const auto max_sizes = call_all_reduce(local_max_sizes, "max", group_name, group_size);
+  const auto n = target.sym_numel();
+  // sum exp(l - m) = exp(M - m) sum exp(l - M); a shard with no finite logit adds nothing
+  const auto local_max = local_max_sizes.narrow_symint(0, 0, n);
+  const auto scaled = (sums.select(1, 0) * (local_max - max_sizes.narrow_symint(0, 0, n)).exp())
+                          .masked_fill(local_max == -std::numeric_limits<double>::infinity(), 0);
+  const auto target_logit = call_target_logit(logits, target, max_sizes, ignore_index, group_rank);
+  const auto totals = call_all_reduce(at::stack({scaled, target_logit, sums.select(1, 1)}, 1),
+                                      "sum", group_name, group_size);
 
   const auto shape = target.sym_sizes();
-  const auto n = target.sym_numel();
   const auto column = [&](int64_t k) { return totals.select(1, k).reshape_symint(shape); };
   const auto m = max_sizes.narrow_symint(0, 0, n).reshape_symint(shape);
   auto lse = m + column(0).log();
