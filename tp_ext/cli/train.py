@@ -80,7 +80,12 @@ def train(
     run = _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm)
     state = init_parallel(tp=run.tp, pp=run.pp, dp=run.dp)
     try:
-        return _train(state, run)
+        status = _train(state, run)
+        # Every rank done before any tears its connections down: a rank still finishing its
+        # last collective when a peer destroyed the group was seen to abort at exit (SIGABRT,
+        # "terminate called without an active exception"), as `tp-ext run` already avoids.
+        comm.barrier(dist.group.WORLD)
+        return status
     finally:
         destroy_parallel(destroy_process_group=True)
 
