@@ -132,24 +132,22 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q_in, const at:
   // Enough blocks to fill the GPU; the grid-stride loop covers the rest.
   const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535 * 8);
   TP_EXT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "rotary_embedding_cuda", [&] {
+    const auto qv = view_of<const scalar_t>(q.const_data_ptr<scalar_t>(), q);
+    const auto kv = view_of<const scalar_t>(k.const_data_ptr<scalar_t>(), k);
+    const auto qo = view_of<scalar_t>(q_out.data_ptr<scalar_t>(), q_out);
+    const auto ko = view_of<scalar_t>(k_out.data_ptr<scalar_t>(), k_out);
+    const scalar_t* c = cos.const_data_ptr<scalar_t>();
+    const scalar_t* s = sin.const_data_ptr<scalar_t>();
+    const auto stream = c10::cuda::getCurrentCUDAStream();
     if (vectorizable<scalar_t>(half, {&q, &k, &q_out, &k_out, &cos, &sin})) {
       const int64_t steps = total / cuda::kVec<scalar_t>;
       const int64_t vec_blocks = std::min<int64_t>((steps + threads - 1) / threads, 65535 * 8);
-      rotary_vec_kernel<scalar_t><<<vec_blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          view_of<const scalar_t>(q.const_data_ptr<scalar_t>(), q),
-          view_of<const scalar_t>(k.const_data_ptr<scalar_t>(), k),
-          view_of<scalar_t>(q_out.data_ptr<scalar_t>(), q_out),
-          view_of<scalar_t>(k_out.data_ptr<scalar_t>(), k_out), cos.const_data_ptr<scalar_t>(),
-          sin.const_data_ptr<scalar_t>(), batch, seq, half);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
+      rotary_vec_kernel<scalar_t>
+          <<<vec_blocks, threads, 0, stream>>>(qv, kv, qo, ko, c, s, batch, seq, half);
+    } else {
+      rotary_kernel<scalar_t>
+          <<<blocks, threads, 0, stream>>>(qv, kv, qo, ko, c, s, batch, seq, half);
     }
-    rotary_kernel<scalar_t><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        view_of<const scalar_t>(q.const_data_ptr<scalar_t>(), q),
-        view_of<const scalar_t>(k.const_data_ptr<scalar_t>(), k),
-        view_of<scalar_t>(q_out.data_ptr<scalar_t>(), q_out),
-        view_of<scalar_t>(k_out.data_ptr<scalar_t>(), k_out), cos.const_data_ptr<scalar_t>(),
-        sin.const_data_ptr<scalar_t>(), batch, seq, half);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {q_out, k_out};

@@ -80,20 +80,20 @@ Rows rows_of(const at::Tensor& logits) {
   return {logits.contiguous(), n, v};
 }
 
-Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_rank,
+Layout read_layout(const at::Tensor& max_sizes, int64_t tokens, int64_t shard, int64_t group_rank,
                    at::ScalarType logits_dtype, const char* op) {
   const auto want = stats_dtype(logits_dtype);
   TORCH_CHECK_VALUE(
-      max_sizes.dim() == 1 && max_sizes.scalar_type() == want && max_sizes.numel() > rows.n,
+      max_sizes.dim() == 1 && max_sizes.scalar_type() == want && max_sizes.numel() > tokens,
       "tp_ext.", op, ": max_sizes must be the 1-d ", want,
       " tensor [N + group_size] from vocab_ce_local_stats (all-reduced with max), with N = ",
-      rows.n, " tokens; got shape ", max_sizes.sizes(), " and dtype ", max_sizes.scalar_type(),
+      tokens, " tokens; got shape ", max_sizes.sizes(), " and dtype ", max_sizes.scalar_type(),
       ".");
-  const int64_t world = max_sizes.numel() - rows.n;
+  const int64_t world = max_sizes.numel() - tokens;
   TORCH_CHECK_VALUE(group_rank >= 0 && group_rank < world, "tp_ext.", op,
                     ": group_rank=", group_rank, " is outside [0, ", world, ") (max_sizes holds ",
                     world, " rank sizes).");
-  auto sizes = max_sizes.narrow(0, rows.n, world).to(at::kCPU, at::kDouble).contiguous();
+  auto sizes = max_sizes.narrow(0, tokens, world).to(at::kCPU, at::kDouble).contiguous();
   const double* s = sizes.const_data_ptr<double>();
   Layout out{0, 0};
   for (int64_t r = 0; r < world; ++r) {
@@ -105,8 +105,8 @@ Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_
     if (r < group_rank) out.vocab_start += size;
     out.vocab += size;
   }
-  TORCH_CHECK_VALUE(static_cast<int64_t>(s[group_rank]) == rows.v, "tp_ext.", op, ": logits hold ",
-                    rows.v, " vocabulary entries but max_sizes says rank ", group_rank, " holds ",
+  TORCH_CHECK_VALUE(static_cast<int64_t>(s[group_rank]) == shard, "tp_ext.", op, ": logits hold ",
+                    shard, " vocabulary entries but max_sizes says rank ", group_rank, " holds ",
                     s[group_rank],
                     "; every rank must pass its own logits shard and its group_rank.");
   return out;
@@ -159,7 +159,7 @@ GradArgs prepare_grad(const at::Tensor& grad_loss, const at::Tensor& logits,
   check_label_smoothing(label_smoothing, op);
   auto rows = rows_of(logits);
   const auto max_sizes = max_sizes_in.contiguous();
-  const auto layout = read_layout(max_sizes, rows, group_rank, logits.scalar_type(), op);
+  const auto layout = read_layout(max_sizes, rows.n, rows.v, group_rank, logits.scalar_type(), op);
   const auto acc_dtype = stats_dtype(logits.scalar_type());
   TORCH_CHECK_VALUE(grad_loss.numel() == rows.n && lse_in.numel() == rows.n, "tp_ext.", op,
                     ": grad_loss and lse must hold one value per token (", rows.n, "), got shapes ",
@@ -259,11 +259,10 @@ at::Tensor target_logit(const at::Tensor& logits, const at::Tensor& target,
   const char* op = "vocab_ce_target_logit";
   check_logits_target(logits, target, op);
   const int64_t v = logits.size(-1), n = target.numel();
-  const Rows shape{at::Tensor(), n, v};  // read_layout needs only the counts
   const auto max_sizes = max_sizes_in.contiguous();
   TORCH_CHECK_VALUE(max_sizes.device() == logits.device(), "tp_ext.", op, ": max_sizes is on ",
                     max_sizes.device(), " but logits are on ", logits.device(), ".");
-  const auto layout = read_layout(max_sizes, shape, group_rank, logits.scalar_type(), op);
+  const auto layout = read_layout(max_sizes, n, v, group_rank, logits.scalar_type(), op);
   const auto t = target.reshape({n});
   check_targets(t, ignore_index, layout.vocab);
   const auto acc = stats_dtype(logits.scalar_type());

@@ -28,12 +28,12 @@ struct Rows {
 Rows rows_of(const at::Tensor& logits);
 
 // Where this rank's shard sits in the vocabulary, read (on the host) from the max all-reduced
-// `max_sizes`.
+// `max_sizes` of `tokens` tokens; checks that this rank's slot says `shard` entries.
 struct Layout {
   int64_t vocab_start;
   int64_t vocab;
 };
-Layout read_layout(const at::Tensor& max_sizes, const Rows& rows, int64_t group_rank,
+Layout read_layout(const at::Tensor& max_sizes, int64_t tokens, int64_t shard, int64_t group_rank,
                    at::ScalarType logits_dtype, const char* op);
 void check_targets(const at::Tensor& target, int64_t ignore_index, int64_t vocab);
 
