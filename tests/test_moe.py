@@ -268,14 +268,18 @@ def _batch(seed, tokens=(2, 9)):
     return torch.randint(0, VOCAB, tokens, generator=g)
 
 
-def _choices_per_expert(model, ids):
+def _choices_per_expert(model, ids, share=None):
     """[layers, experts]: how many (token, choice) pairs of this batch pick each expert, from
-    the unsharded model's own routing."""
+    the unsharded model's own routing. ``share=(tp_rank, tp)``: of that TP rank's share of the
+    tokens only (an EP group across TP ranks)."""
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
     counts = []
     for logits in out.router_logits:
         chosen = torch.topk(torch.softmax(logits.float(), -1), TOP_K, -1).indices
+        if share is not None:
+            sizes = shard_sizes(chosen.shape[0], share[1])
+            chosen = chosen[sum(sizes[: share[0]]) :][: sizes[share[0]]]
         counts.append(torch.bincount(chosen.flatten(), minlength=EXPERTS))
     return torch.stack(counts)
 
@@ -289,8 +293,10 @@ def _rows_moved(model, state, tp, dp):
     mine[first : first + sizes[state.ep_rank]] = True
     me = dist.get_rank()
     moved = 0
+    across_tp = state.ep > dp
     for member in dist.get_process_group_ranks(state.ep_group):
-        counts = _choices_per_expert(model, _batch(seed=100 + (member // tp) % dp))
+        share = (member % tp, tp) if across_tp else None  # tp is the innermost mesh dim
+        counts = _choices_per_expert(model, _batch(seed=100 + (member // tp) % dp), share)
         moved = moved + (counts[:, ~mine].sum(1) if member == me else counts[:, mine].sum(1))
     return moved.tolist()
 
@@ -298,18 +304,25 @@ def _rows_moved(model, state, tp, dp):
 def _check_gradients(model, ref, state):
     """Dense parameters: this rank's batch, as the unsharded model's (TP slices). Experts: the
     sum over the EP group's batches (their tokens came here), so the reference gradients are
-    summed over the EP group first."""
+    summed over the EP group first. With the EP group across TP ranks each TP rank sent only its
+    share of the tokens: the experts' gradients summed over the expert-DP group (every share)
+    then equal the reference's summed over DP (every batch)."""
+    across_tp = state.ep > state.dp
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, t in ref_grads.items():
         if ".experts." in name:
-            dist.all_reduce(t, group=state.ep_group)
+            dist.all_reduce(t, group=state.dp_group if across_tp else state.ep_group)
     want = local_shards(model, ref_grads)
     for name, p in model.named_parameters():
         if p.numel() == 0:  # the expert weights of a rank holding none
             assert p.grad is None or p.grad.numel() == 0
             continue
+        got = p.grad
+        if across_tp and ".experts." in name:
+            got = got.clone()
+            dist.all_reduce(got, group=state.expert_dp_group)
         torch.testing.assert_close(
-            p.grad, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"gradient of {name}: {m}"
+            got, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"gradient of {name}: {m}"
         )
 
 
@@ -342,7 +355,8 @@ def _parity(kind, tp, dp, ep):
     sizes = shard_sizes(EXPERTS, ep)
     experts = layers[0].experts
     inter = _config(kind).moe_intermediate_size if kind == "qwen2_moe" else 48
-    local_inter = shard_sizes(inter, tp)[state.mesh.get_local_rank("tp")]
+    # (an EP group across TP ranks holds whole experts; else each is split over TP)
+    local_inter = inter if ep > dp else shard_sizes(inter, tp)[state.mesh.get_local_rank("tp")]
     assert experts.gate_up_proj.shape == (sizes[state.ep_rank], 2 * local_inter, HIDDEN)
     assert experts.down_proj.shape == (sizes[state.ep_rank], HIDDEN, local_inter)
 
@@ -354,7 +368,9 @@ def _parity(kind, tp, dp, ep):
     return layers[0].tokens_per_expert.sum().item()
 
 
-LAYOUTS = [(1, 2, 2), (1, 4, 4), (1, 4, 2), (2, 2, 2), (1, 3, 3)]
+# the issue's five, then EP groups across TP ranks (ep > dp): all of a TP group's ranks, a
+# part of them (tp4-ep2), and with DP (tp2-dp2-ep4); 18 tokens over 4 TP ranks are uneven
+LAYOUTS = [(1, 2, 2), (1, 4, 4), (1, 4, 2), (2, 2, 2), (1, 3, 3), (2, 1, 2), (4, 1, 2), (2, 2, 4)]
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
@@ -500,7 +516,8 @@ def _train(kind, tp, dp, ep, with_aux):
 
 
 TRAIN_CASES = [("qwen2_moe", (1, 2, 2), False), ("mixtral", (2, 2, 2), False),
-               ("qwen2_moe", (1, 3, 3), True), ("mixtral", (1, 4, 2), True)]  # fmt: skip
+               ("qwen2_moe", (1, 3, 3), True), ("mixtral", (1, 4, 2), True),
+               ("qwen2_moe", (4, 1, 2), True), ("mixtral", (2, 2, 4), False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind,layout,with_aux", TRAIN_CASES, ids=str)
@@ -539,20 +556,6 @@ def test_saved_at_ep4_loads_at_ep2_and_ep1_with_the_same_logits(tmp_path):
     run_distributed(_reshard, 4, str(tmp_path / "moe"), timeout=300)
 
 
-def _ep_across_tp():
-    state = tp_ext.init_parallel(tp=2, dp=2, ep=4)
-    try:
-        tp_ext.parallelize(_model("mixtral"), "auto", parallel=state)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_an_ep_group_across_tp_ranks_is_refused_by_name():
-    errors = run_distributed(_ep_across_tp, 4)
-    assert all(e and "use an ep that divides dp" in e for e in errors), errors
-
-
 def _fewer_experts_than_ranks():
     """2 experts over 3 EP ranks: the third holds none, yet takes part in every exchange."""
     state = tp_ext.init_parallel(tp=1, dp=3, ep=3)
@@ -574,3 +577,26 @@ def _fewer_experts_than_ranks():
 
 def test_fewer_experts_than_ep_ranks():
     assert run_distributed(_fewer_experts_than_ranks, 3) == [1, 1, 0]
+
+
+def _unsupported_combinations():
+    """Sequence parallelism and pipeline stages with EP layers: refused by name, on every rank."""
+    errors = []
+    state = tp_ext.init_parallel(tp=2, dp=2, ep=2)
+    try:
+        tp_ext.parallelize(_model("mixtral"), "auto", parallel=state, sequence_parallel=True)
+    except ValueError as e:
+        errors.append(str(e))
+    state = tp_ext.init_parallel(tp=1, pp=2, dp=2, ep=2)
+    model = tp_ext.parallelize(_model("mixtral"), "auto", parallel=state)
+    try:
+        Trainer(model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), parallel=state)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_sequence_parallel_and_pipeline_stages_with_ep_are_refused_by_name():
+    for sp, pp in run_distributed(_unsupported_combinations, 4):
+        assert "expert parallelism does not support sequence_parallel=True" in sp, sp
+        assert "expert parallelism with pp=2" in pp and "use pp=1" in pp, pp

@@ -18,8 +18,15 @@ expert, Mixtral) and computes what it computes, on every rank's own tokens:
    weights.
 
 Experts are split over the EP group by :func:`tp_ext.shard_sizes` (8 experts over 3 ranks: 3, 3,
-2), and, with TP inside (the EP group taken from DP ranks), each expert's intermediate dimension
-over the TP group: every rank holds its share, no more. The state dict keeps the Hugging Face
+2). With TP, two cases, as ``init_parallel`` builds the EP group:
+
+- taken from DP ranks (ep divides dp): each expert's intermediate dimension is split over the TP
+  group too, and the TP ranks run the same tokens through their slices (partial sums, reduced);
+- across TP ranks (ep > dp): TP ranks hold the same tokens, so each TP rank routes its share of
+  them (:func:`tp_ext.shard_sizes` over the TP group) through whole experts and the TP group
+  gathers the outputs. The router runs on every token, so its gradient is whole on every rank.
+
+Either way every rank holds its share of the experts, no more. The state dict keeps the Hugging Face
 names and full shapes through ``full_state_dict`` / ``load_full_state_dict``.
 """
 
@@ -91,21 +98,17 @@ def expert_group(group=None) -> TPGroup:
     return TPGroup.local() if ep is None else resolve_group(ep)
 
 
-def _check_tp_outside_ep(tp: TPGroup, ep: TPGroup) -> None:
-    """TP ranks hold the same tokens: inside one EP group they would send them twice."""
+def tp_ranks_in_ep(tp: TPGroup, ep: TPGroup) -> int:
+    """How many ranks of this rank's TP group its EP group holds: 1 when the EP group is taken
+    from DP ranks only, more when ``init_parallel(ep > dp)`` took it across TP ranks too."""
     if tp.size == 1 or ep.size == 1 or tp.group is None or ep.group is None:
-        return
+        return 1
     import torch.distributed as dist
 
     shared = set(dist.get_process_group_ranks(tp.group)) & set(
         dist.get_process_group_ranks(ep.group)
     )
-    if len(shared) > 1:
-        raise ValueError(
-            f"ExpertParallelMoE: the EP group ({ep.size} ranks) holds TP ranks {sorted(shared)} "
-            "of one TP group (init_parallel with ep > dp); experts split across TP ranks that "
-            "hold the same tokens are not supported yet: use an ep that divides dp"
-        )
+    return len(shared)
 
 
 class ParallelExperts(ParallelModule):
@@ -203,7 +206,9 @@ class ExpertParallelMoE(ParallelModule):
     None routes every choice (dropless); a number keeps at most ``ceil(factor * T * k / E)``
     choices per expert on each rank, in token order, and drops the rest (their weight is lost,
     as in Switch / GShard); ``dropped_tokens`` counts them. ``tokens_per_expert`` holds the last
-    forward's routing counts on this rank (``[E]``, before drops).
+    forward's routing counts on this rank (``[E]``, before drops). With the EP group across TP
+    ranks (``tokens_split_over_tp``), T is this TP rank's share of the tokens for the capacity
+    and ``dropped_tokens``; ``tokens_per_expert`` counts all of them.
     """
 
     def __init__(
@@ -226,11 +231,16 @@ class ExpertParallelMoE(ParallelModule):
                 f"ExpertParallelMoE: capacity_factor={capacity_factor!r} must be a positive "
                 "number (1.0: each expert takes its even share of choices), or None for dropless"
             )
-        _check_tp_outside_ep(tp, ep)
-        if (experts.tp.name, experts.tp_size) != (tp.name, tp.size) or experts.ep.size != ep.size:
+        # EP across TP ranks (ep > dp): those ranks hold the same tokens, so each takes its
+        # share of them through the experts (whole experts, not split over TP) and the TP group
+        # gathers the results; else the experts are split over TP as the layer is.
+        self.tokens_split_over_tp = tp_ranks_in_ep(tp, ep) > 1
+        experts_tp = (TPGroup.local().name, 1) if self.tokens_split_over_tp else (tp.name, tp.size)
+        if (experts.tp.name, experts.tp_size) != experts_tp or experts.ep.size != ep.size:
+            want = "no TP group" if self.tokens_split_over_tp else f"TP {tp}"
             raise ValueError(
                 f"ExpertParallelMoE: experts are split over TP {experts.tp} and EP {experts.ep}, "
-                f"but this layer uses TP {tp} and EP {ep}; build both with the same groups"
+                f"but this layer (TP {tp}, EP {ep}) needs them built with {want} and EP {ep}"
             )
         self.gate = router
         self.experts = experts
@@ -265,6 +275,9 @@ class ExpertParallelMoE(ParallelModule):
         full = block.experts
         num_experts, hidden, inter = full.down_proj.shape
         ep = expert_group(ep_group)
+        experts_tp = resolve_group(tp_group)
+        if tp_ranks_in_ep(experts_tp, ep) > 1:
+            experts_tp = TPGroup.local()  # EP across TP ranks: whole experts (see __init__)
         with no_init():  # loaded from the block's weights just below
             experts = ParallelExperts(
                 num_experts,
@@ -272,7 +285,7 @@ class ExpertParallelMoE(ParallelModule):
                 inter,
                 full.act_fn,
                 ep,
-                tp_group,
+                experts_tp,
                 dtype=full.down_proj.dtype,
                 device=full.down_proj.device,
             )
@@ -315,20 +328,39 @@ class ExpertParallelMoE(ParallelModule):
         return out.reshape(shape)
 
     def _routed(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
+        if not self.tokens_split_over_tp:
+            return self._routed_tokens(x, expert_ids, weights)
+        # This TP rank's share of the tokens (the router ran on all of them, so its gradients
+        # are whole on every TP rank: the backward of the split gathers the shares' gradients).
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(
+                torch.bincount(expert_ids.flatten().long(), minlength=self.num_experts)
+            )
+        sizes = shard_sizes(x.shape[0], self.tp_size)
+        first = sum(sizes[: self.tp_rank])
+        mine = comm.scatter_to_tp(x, 0, sizes, self.tp)
+        my_weights = comm.scatter_to_tp(weights, 0, sizes, self.tp)
+        my_ids = expert_ids[first : first + sizes[self.tp_rank]]
+        out = self._routed_tokens(mine, my_ids, my_weights, count=False)
+        return comm.gather_from_tp(out, 0, sizes, self.tp)
+
+    def _routed_tokens(self, x, expert_ids, weights, count: bool = True):
         tokens, top_k = expert_ids.shape
         with torch.no_grad():
             row_map, counts = ops.moe_route(expert_ids, self.num_experts)
-            self.tokens_per_expert.copy_(counts)
+            if count:
+                self.tokens_per_expert.copy_(counts)
             if self.capacity_factor is not None:
                 row_map, counts = self._drop_over_capacity(expert_ids, row_map, counts)
-        if self.tp_size > 1:  # replicated over TP; the experts' slices give partial sums
+        split_experts = self.tp_size > 1 and not self.tokens_split_over_tp
+        if split_experts:  # replicated over TP; the experts' slices give partial sums
             x = comm.copy_to_tp(x, self.tp)
             weights = comm.copy_to_tp(weights, self.tp)
         rows = ops.moe_permute(x, row_map, None, tokens * top_k)
         with comm.tag(MOE_TAG):
             y = self._dispatch_and_run(rows, counts)
         out = ops.moe_unpermute(y, row_map, weights)  # fp32 math, whatever the weights' dtype
-        return comm.reduce_from_tp(out, self.tp) if self.tp_size > 1 else out
+        return comm.reduce_from_tp(out, self.tp) if split_experts else out
 
     def _dispatch_and_run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [T * k, H], sorted by expert (dropped rows last) -> the experts' outputs, in the
@@ -375,6 +407,7 @@ class ExpertParallelMoE(ParallelModule):
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, ep={self.ep.size} (this rank: "
-            f"{self.expert_sizes[self.ep.rank]}), tp={self.tp_size}, capacity_factor="
+            f"{self.expert_sizes[self.ep.rank]}), tp={self.tp_size}"
+            f"{' (tokens split over it)' if self.tokens_split_over_tp else ''}, capacity_factor="
             f"{self.capacity_factor}"
         )

@@ -39,15 +39,40 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
     experts, ep = expert_parameters(model)
     expert_ids = {id(q) for q in experts}
     local = _local_norm_power(model, tp, p, skip=expert_ids)
+    whole_experts = None
     if experts:  # each EP rank holds other experts: their part adds up over the EP group first
-        dense_ids = {id(q) for q in model.parameters()} - expert_ids
-        mine = _local_norm_power(model, tp, p, skip=dense_ids)
+        sliced = _experts_split_over_tp(model)
+        if sliced:  # slices of the experts, like any TP layer's
+            dense_ids = {id(q) for q in model.parameters()} - expert_ids
+            mine = _local_norm_power(model, tp, p, skip=dense_ids)
+        else:  # whole experts (an EP group across TP ranks, or no TP): all of them count here
+            grads = [q.grad for q in experts if q.grad is not None]
+            mine = _power_of([_norm_of(g, p) for g in grads], p, local.device)
         if ep.size > 1:
             mine = comm.all_reduce(mine, reduce, group=ep)
-        local = torch.maximum(local, mine) if p == math.inf else local + mine
+        if tp.size > 1 and not sliced:
+            whole_experts = mine  # the EP group held each expert once: not summed over TP
+        else:
+            local = _combine(local, mine, p)
     if tp.size > 1:
         local = comm.all_reduce(local, reduce, group=tp)
+    if whole_experts is not None:
+        local = _combine(local, whole_experts, p)
     return local if p == math.inf else local.pow(1.0 / p)
+
+
+def _experts_split_over_tp(model: nn.Module) -> bool:
+    """Whether the expert-parallel layers also split each expert over a TP group of several."""
+    return any(
+        isinstance(m, ParallelModule) and m.tp_size > 1
+        for m in model.modules()
+        if isinstance(m, ParallelModule)
+        and any(m.expert_spec(n) is not None for n, _ in m.named_parameters(recurse=False))
+    )
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.maximum(a, b) if p == math.inf else a + b
 
 
 def parallel_grad_norm(
@@ -79,9 +104,7 @@ def _local_norm_power(model, tp: TPGroup, p: float, skip=frozenset(), dp_shards=
     """This rank's share of sum(|g|^p) (or max |g| for p = inf) over the unsharded gradients.
     ``dp_shards``: the ParallelState when gradients are FSDP2 shards along dim 0 over DP."""
     terms = []
-    for param, spec in _grads_with_specs(model, tp):
-        if id(param) in skip:
-            continue
+    for param, spec in _grads_with_specs(model, tp, skip):
         g = param.grad
         shard = None
         if isinstance(g, DTensor):
@@ -101,14 +124,23 @@ def _local_norm_power(model, tp: TPGroup, p: float, skip=frozenset(), dp_shards=
                 if len(keep) != g.size(0):
                     g = g.index_select(0, torch.tensor(keep, dtype=torch.long, device=g.device))
             elif len(keep) != g.size(dim):
-                g = g.index_select(dim, torch.tensor(keep, device=g.device))
-        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-        terms.append(torch.linalg.vector_norm(g, p, dtype=acc))
+                g = g.index_select(dim, torch.tensor(keep, dtype=torch.long, device=g.device))
+        terms.append(_norm_of(g, p))
     device = next((q.device for q in model.parameters()), torch.device("cpu"))
-    if not terms:
+    return _power_of(terms, p, device)
+
+
+def _norm_of(g: torch.Tensor, p: float) -> torch.Tensor:
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(g, p, dtype=acc)
+
+
+def _power_of(norms: list, p: float, device) -> torch.Tensor:
+    """sum(norm^p) of the norms (their max for p = inf); 0 for none."""
+    if not norms:
         return torch.zeros((), device=device)
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in terms) else torch.float32
-    stacked = torch.stack([t.to(dtype) for t in terms])
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in norms) else torch.float32
+    stacked = torch.stack([t.to(dtype) for t in norms])
     return stacked.max() if p == math.inf else stacked.pow(p).sum()
 
 
@@ -173,9 +205,10 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
 _OWN_BLOCK = ("grid block",)  # the spec of a 2D layer's block counted on this rank
 
 
-def _grads_with_specs(model: nn.Module, tp: TPGroup):
-    """(parameter, shard spec or None) for each distinct parameter with a gradient."""
-    seen = set()
+def _grads_with_specs(model: nn.Module, tp: TPGroup, skip=frozenset()):
+    """(parameter, shard spec or None) for each distinct parameter with a gradient, but those
+    in ``skip`` (ids)."""
+    seen = set(skip)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights: counted once
