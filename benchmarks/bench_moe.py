@@ -10,6 +10,8 @@
    with the same router, experts and weights, steps interleaved.
 
 Metric: median seconds per step; ratio = tp_ext / baseline (goals: layer <= 0.8x, ops <= 0.5x).
+The layer runs also time the local experts' GEMMs alone on the same rows (no routing or
+communication), which both layers share, and report what each layer spends beyond them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import append_rows, bench_pair, run_ranks  # noqa: E402
+from benchmarks.common import append_rows, bench_interleaved, bench_pair, run_ranks  # noqa: E402
 
 BENCH = "moe"
 EXPERTS, TOP_K = 8, 2
@@ -160,7 +162,11 @@ def _layer_rank(tokens, hidden, inter, repeats):
         state.ep_group,
     )  # fmt: skip
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    seen = []  # the rows and group sizes the local experts get
+    hook = experts.register_forward_pre_hook(lambda _, args: seen.append(args))
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)  # the same layer
+    hook.remove()
+    received, group_sizes = seen[0][0].detach().clone(), list(seen[0][1])
 
     def step(layer):
         def run():
@@ -169,23 +175,35 @@ def _layer_rank(tokens, hidden, inter, repeats):
 
         return run
 
-    t_ours, t_theirs = bench_pair(step(ours), step(theirs), warmup=2, repeats=repeats)
-    return t_ours, t_theirs
+    def gemms_only():  # the same expert GEMMs on the same rows, no routing or communication
+        dist.barrier()
+        experts(received.requires_grad_(), group_sizes).sum().backward()
+
+    return bench_interleaved(step(ours), step(theirs), gemms_only, warmup=2, repeats=repeats)
 
 
 def bench_layer(eps, tokens, hidden, inter, repeats):
     rows = []
     for ep in eps:
         results = run_ranks(_layer_rank, ep, tokens, hidden, inter, repeats)
-        ours = max(r[0] for r in results)  # the step ends with the slowest rank
-        theirs = max(r[1] for r in results)
+        # the step ends with the slowest rank
+        ours, theirs, gemms = (max(r[i] for r in results) for i in range(3))
         case = f"MoE layer EP={ep} T={tokens}/rank H={hidden} I={inter} E={EXPERTS} k={TOP_K}"
         print(f"{case}: tp_ext {ours * 1e3:.1f} ms, torchtitan-style {theirs * 1e3:.1f} ms "
-              f"({ours / theirs:.2f}x)")  # fmt: skip
+              f"({ours / theirs:.2f}x); expert GEMMs alone {gemms * 1e3:.1f} ms, the rest "
+              f"{(ours - gemms) * 1e3:.1f} vs {(theirs - gemms) * 1e3:.1f} ms "
+              f"({(ours - gemms) / (theirs - gemms):.2f}x)")  # fmt: skip
         rows.append(
             {"benchmark": BENCH, "case": case, "metric": "fwd+bwd seconds", "value": ours,
              "unit": "s", "baseline": theirs, "ratio": ours / theirs,
              "notes": "baseline: argsort permutation + all_to_all_single_autograd (torchtitan)"}
+        )  # fmt: skip
+        rows.append(
+            {"benchmark": BENCH, "case": case, "metric": "fwd+bwd seconds beyond the expert GEMMs",
+             "value": ours - gemms, "unit": "s", "baseline": theirs - gemms,
+             "ratio": (ours - gemms) / (theirs - gemms),
+             "notes": f"both minus the local experts' GEMMs alone on the same rows "
+                      f"({gemms:.4f} s, same run): routing, permutation and communication"}
         )  # fmt: skip
     return rows
 

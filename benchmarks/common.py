@@ -163,18 +163,21 @@ def bench_pair(
 ) -> tuple[float, float]:
     """Median wall times of ``f()`` and ``g()``, called alternately so that load changes on a
     shared machine hit both alike."""
+    return bench_interleaved(f, g, warmup=warmup, repeats=repeats)
+
+
+def bench_interleaved(*fns: Callable[[], object], warmup: int = 3, repeats: int = 10) -> tuple:
+    """Median wall time of each of ``fns``, called in turn every round (see bench_pair)."""
     for _ in range(warmup):
-        f()
-        g()
-    tf, tg = [], []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        t1 = time.perf_counter()
-        g()
-        tf.append(t1 - t0)
-        tg.append(time.perf_counter() - t1)
-    return statistics.median(tf), statistics.median(tg)
+        for fn, spent in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - t0)
+    return tuple(statistics.median(t) for t in times)
 
 
 def run_ranks(fn, world_size: int, *args):

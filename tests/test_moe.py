@@ -600,3 +600,65 @@ def test_sequence_parallel_and_pipeline_stages_with_ep_are_refused_by_name():
     for sp, pp in run_distributed(_unsupported_combinations, 4):
         assert "expert parallelism does not support sequence_parallel=True" in sp, sp
         assert "expert parallelism with pp=2" in pp and "use pp=1" in pp, pp
+
+
+# ---- Trainer checkpoints: resumed at another EP degree ----------------------------------------
+
+
+def _resume_at_other_layouts(path):
+    """One step of SGD with momentum at (tp, dp, ep) = (1, 4, 4), saved with
+    Trainer.save_checkpoint; loaded at (1, 4, 2), (2, 2, 2) and (2, 2, 4) (EP across TP ranks),
+    the next step equals single-process training on the global batch (the experts and their
+    momentum resharded over the new EP and TP groups)."""
+
+    def unsharded():
+        model = _model("qwen2_moe")
+        model.config.output_router_logits = False  # no aux loss: the reference step has none
+        return model
+
+    def build(tp, dp, ep):
+        state = tp_ext.init_parallel(tp=tp, dp=dp, ep=ep)
+        model = tp_ext.parallelize(unsharded(), "auto", parallel=state)
+        trainer = Trainer(
+            model,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
+            parallel=state,
+            max_grad_norm=0.5,
+        )
+        return state, model, trainer
+
+    def every(dp, step):
+        return [b for r in range(dp) for b in _micro_batches(r, step)]
+
+    ref = unsharded()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    state, model, trainer = build(1, 4, 4)
+    trainer.step(_micro_batches(state.mesh.get_local_rank("dp"), 0))
+    _reference_step(ref, ref_opt, every(4, 0), False)
+    trainer.save_checkpoint(path)
+    for tp, dp, ep in ((1, 4, 2), (2, 2, 2), (2, 2, 4)):
+        state, model, trainer = build(tp, dp, ep)
+        manifest = trainer.load_checkpoint(path)
+        assert manifest["step"] == 1
+        want = local_shards(model, dict(ref.named_parameters()))
+        for name, p in model.named_parameters():  # the weights after step 0, resharded
+            torch.testing.assert_close(
+                p.detach(), want[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}"
+            )
+        ref_again = copy.deepcopy(ref)
+        opt_again = torch.optim.SGD(ref_again.parameters(), lr=0.5, momentum=0.9)
+        # a deep copy: load_state_dict keeps the very momentum tensors, which step() changes
+        opt_again.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        loss = trainer.step(_micro_batches(state.mesh.get_local_rank("dp"), 1))
+        want_loss, _ = _reference_step(ref_again, opt_again, every(dp, 1), False)
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (tp, dp, ep, loss, want_loss)
+        want = local_shards(model, dict(ref_again.named_parameters()))
+        for name, p in model.named_parameters():  # the optimizer state came along too
+            torch.testing.assert_close(
+                p.detach(), want[name].detach(), rtol=1e-5, atol=1e-6,
+                msg=lambda m: f"{name} at tp={tp} dp={dp} ep={ep}: {m}",
+            )  # fmt: skip
+
+
+def test_trainer_checkpoint_saved_at_ep4_resumes_at_ep2_and_with_tp(tmp_path):
+    run_distributed(_resume_at_other_layouts, 4, str(tmp_path / "ckpt"), timeout=300)

@@ -111,6 +111,8 @@ class Partition:
             raise ValueError(f"partition leaves index {owners.index(0)} of {full} on no rank")
         self._owners = owners
         self.replicated = any(n > 1 for n in owners)
+        # the logical parts laid end to end, (start, length) each (merged: gate, up)
+        self.parts: tuple[Segment, ...] = ((0, full),)
 
     @classmethod
     def split(cls, n: int, world_size: int, unit: int = 1) -> "Partition":
@@ -130,7 +132,16 @@ class Partition:
                 offset, size = shard_range(n // unit, world_size, rank)
                 segments[rank].append((start + offset * unit, size * unit))
             start += n
-        return cls(start, segments)
+        partition = cls(start, segments)
+        partition.parts = tuple((sum(parts[:k]), n) for k, n in enumerate(parts))
+        return partition
+
+    def part_of(self, offset: int) -> tuple[int, Segment]:
+        """(index, (start, length)) of the logical part holding full index ``offset``."""
+        for k, (start, n) in enumerate(self.parts):
+            if start <= offset < start + n:
+                return k, (start, n)
+        raise IndexError(f"index {offset} is outside this partition's {self.full}")
 
     @property
     def world_size(self) -> int:

@@ -25,7 +25,7 @@ from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
 from tp_ext.distributed.groups import TPGroup, device_of
 from tp_ext.distributed.state import PROCESS
-from tp_ext.layers import state_entries
+from tp_ext.layers import expert_rows, state_entries
 
 __all__ = [
     "save_sharded",
@@ -131,8 +131,11 @@ def checkpoint_tensors(
         for piece in layout[name]:
             holder[piece.name] = tensor
         local, first_row, shape = _data_parallel_slice(tensor, name)
-        if local.numel() == 0:  # FSDP2 gave this rank no rows of it
+        if local.numel() == 0:  # FSDP2 gave this rank no rows of it (or EP no experts)
             continue
+        experts = expert_rows(owner, name)
+        if experts is not None:  # this EP rank's experts: rows from its first of all of them
+            first_row, shape = experts[0], (experts[1], *shape[1:])
         blocks = _blocks(layout[name], local, first_row, shape, spec, owner)
         for key, block, offsets, size in blocks:
             if tuple(block.shape) == tuple(size) and not any(offsets):
@@ -181,13 +184,18 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
     if spec is not None and spec[0] != 0:  # split along another dim: one checkpoint tensor
         dim, partition = spec
         (piece,) = pieces
-        size = list(shape)
-        size[dim] = partition.full
         start = 0
         for offset, length in partition.segments[owner.tp_rank]:
+            # A merged split (gate | up of fused experts) gives each rank a block of every part:
+            # each part is a checkpoint tensor of its own ("<name>.part<k>"), at every TP degree
+            # (one block per name per rank, as the sharded format needs).
+            k, (part_start, part_length) = partition.part_of(offset)
+            name = piece.name if len(partition.parts) == 1 else f"{piece.name}.part{k}"
+            size = list(shape)
+            size[dim] = part_length
             offsets = [0] * local.dim()
-            offsets[0], offsets[dim] = first_row, offset
-            yield piece.name, local.narrow(dim, start, length), tuple(offsets), tuple(size)
+            offsets[0], offsets[dim] = first_row, offset - part_start
+            yield name, local.narrow(dim, start, length), tuple(offsets), tuple(size)
             start += length
         return
     # rows: this TP rank's rows of the unsharded tensor, as (unsharded row, length) runs
@@ -458,14 +466,27 @@ def _single_process_is_intended(distributed: bool):
 
 
 def model_fields(config) -> dict:
-    """A model config's fields (recorded in a manifest, compared on load)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    """A model config's fields (recorded in a manifest, compared on load): a dataclass's fields;
+    of a Hugging Face config, the numbers and names that fix the tensors' shapes (not its
+    run-time switches such as ``output_router_logits``); none for a model without a config."""
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not hasattr(config, "to_dict"):  # tp_ext's own
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {k: v for k, v in sorted(config.to_dict().items()) if _fixes_shapes(k, v)}
+
+
+def _fixes_shapes(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return key.startswith("tie_")  # tie_word_embeddings: one tensor or two
+    words = ("size", "num_", "vocab", "experts", "model_type", "head", "layers", "top_k")
+    return isinstance(value, (int, str)) and any(w in key for w in words)
 
 
 def check_config(directory, info, model) -> None:
     """The checkpoint in ``directory`` (manifest ``info``) was saved from a model of ``model``'s
     architecture; else an error naming the first field that differs."""
-    ours = model_fields(model.config)
+    ours = model_fields(getattr(model, "config", None))
     saved = info.get("config", {})
     differ = [k for k in ours if k in saved and saved[k] != ours[k] and k != "architecture"]
     if differ:

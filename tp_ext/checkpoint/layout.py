@@ -17,16 +17,28 @@ A model that the checkpoint code can load and save (any model, not only Qwen2) p
   is a collective of the world, written by global rank 0 from what the ranks of its pipeline
   send it, and a load reads each rank's own stages.
 
-The checkpoint code never imports a model: it reads these, and the layers' shard specs for which
-rows each rank holds. A tensor whose pieces all belong to an earlier entry is tied to it (a tied
-LM head): it is read from that entry's tensors and never written twice.
+A model that declares no layout is saved under its own state-dict names
+(:func:`own_names_layout`). The checkpoint code never imports a model: it reads these, and the
+layers' shard specs for which rows each rank holds. A tensor whose pieces all belong to an
+earlier entry is tied to it (a tied LM head): it is read from that entry's tensors and never
+written twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Piece", "row_reads", "expected_shapes", "tied_names", "model_layout", "detect_layout"]
+from tp_ext.layers import full_shapes
+
+__all__ = [
+    "Piece",
+    "row_reads",
+    "expected_shapes",
+    "tied_names",
+    "model_layout",
+    "own_names_layout",
+    "detect_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +51,22 @@ class Piece:
 
 
 def model_layout(model, fmt=None) -> dict[str, list[Piece]]:
-    """The model's declared layout (see the module docstring), with a clear error if it has none."""
+    """The model's declared layout (see the module docstring); for a model that declares none,
+    :func:`own_names_layout`."""
     declare = getattr(model, "checkpoint_layout", None)
     if declare is None:
-        from tp_ext.checkpoint.errors import CheckpointError
-
-        raise CheckpointError(
-            f"{type(model).__name__} does not declare a checkpoint layout: give it a "
-            "checkpoint_layout(fmt) method (see tp_ext.checkpoint.layout), or save it with "
-            "torch.distributed.checkpoint directly"
-        )
+        return own_names_layout(model)
     return declare(fmt)
+
+
+def own_names_layout(model) -> dict[str, list[Piece]]:
+    """Every entry of ``model.state_dict()`` as one checkpoint tensor of its own name and full
+    shape: the layout of a model whose names are already the checkpoint's, such as a Hugging
+    Face model that ``tp_ext.parallelize`` sharded in place (it keeps its module names)."""
+    return {
+        name: [Piece(name, 0, shape[0] if shape else 1)]
+        for name, shape in full_shapes(model).items()
+    }
 
 
 def detect_layout(model, names) -> dict[str, list[Piece]]:

@@ -25,6 +25,8 @@ from tp_ext.layers.moe import ExpertParallelMoE, ParallelExperts, expert_paramet
 from tp_ext.layers.norm import RMSNorm
 from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
 from tp_ext.layers.state_dict import (
+    expert_rows,
+    full_shapes,
     full_state_dict,
     iter_full_tensors,
     load_full_state_dict,
@@ -51,6 +53,8 @@ __all__ = [
     "iter_full_tensors",
     "local_shards",
     "state_entries",
+    "full_shapes",
+    "expert_rows",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "MergedColumnParallelLinear",

@@ -173,10 +173,10 @@ class ParallelExperts(ParallelModule):
         # unbind, not [e]: one stack of the experts' gradients in backward, not a full-size
         # zero tensor per expert
         gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        outs, start = [], 0
-        for e, n in enumerate(group_sizes):
-            x = rows[start : start + n]
-            start += n
+        # split, not slices: one concatenation of the groups' gradients in backward, not a
+        # zero-filled full-size gradient per group summed up
+        outs = []
+        for e, x in enumerate(rows.split(list(group_sizes))):
             gate_up = F.linear(x, gate_ups[e])
             if fused:
                 h = ops.swiglu(gate_up)

@@ -10,6 +10,7 @@ rank (:func:`iter_full_tensors`, :func:`full_state_dict`, collectives). Checkpoi
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Optional
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ __all__ = [
     "iter_full_tensors",
     "local_shards",
     "state_entries",
+    "full_shapes",
+    "expert_rows",
 ]
 
 
@@ -59,6 +62,27 @@ def state_entries(module: nn.Module):
     the owner's ``(dim, Partition)`` for sharded tensors, else None. Checkpoint I/O reads this."""
     for name, tensor, owner, leaf in _owned_tensors(module):
         yield name, tensor, _spec(owner, leaf), owner
+
+
+def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The unsharded shape of every entry of ``module.state_dict()`` (no communication)."""
+    return {
+        name: _full_shape(tensor, _spec(owner, leaf), _expert_spec(owner, leaf))
+        for name, tensor, owner, leaf in _owned_tensors(module)
+    }
+
+
+def expert_rows(owner: nn.Module, name: str) -> Optional[tuple[int, int]]:
+    """(first expert this rank holds, number of experts) of a state-dict entry split by expert
+    over an EP group (dim 0); None for any other entry."""
+    expert = _expert_spec(owner, name.rpartition(".")[2])
+    if expert is None:
+        return None
+    dim, partition = expert
+    if dim != 0:
+        raise ValueError(f"{name}: experts split along dim {dim}; tp_ext splits them along dim 0")
+    mine = partition.segments[owner.ep.rank]
+    return (mine[0][0] if mine else 0), partition.full
 
 
 def _full_shape(tensor: torch.Tensor, spec, expert=None) -> tuple[int, ...]:

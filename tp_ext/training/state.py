@@ -299,7 +299,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
     info = {
         "format": TRAINING_FORMAT,
         "step": trainer.steps,
-        "config": model_fields(model.config),
+        "config": model_fields(getattr(model, "config", None)),
         "layout": layout_of(trainer),
         "optimizer": {
             "type": type(optimizer).__name__,
