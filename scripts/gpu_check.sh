@@ -2,7 +2,8 @@
 # Issue 20's scripted run on a GPU machine whose python3 already has torch with CUDA (no network):
 # build the extension with CUDA, run the CUDA tests (`pytest -m cuda`: kernels against CPU, an NCCL
 # group of one, CUDA graphs, torch.compile, the Qwen2-72B TP=8 rank shard), then the GPU benchmarks
-# (rows appended to benchmarks/results.csv). Logs and the new CSV rows go to $OUT.
+# and issue 22's CPU MoE benchmark on the host's cores (rows appended to benchmarks/results.csv).
+# Logs and the new CSV rows go to $OUT.
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            build, CUDA tests, benchmarks
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh suite N    then the whole suite with N pytest workers
 # BUDGET=seconds bounds the whole run (default 1800): each stage gets what is left, so a run cut
@@ -40,6 +41,10 @@ if [ "${1:-}" != "suite" ]; then
   stamp "GPU benchmarks"
   before=$(wc -l <benchmarks/results.csv)
   timeout "$(left)" $PY benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^ *$" | tail -60
+  # Issue 22's MoE layer on CPU/gloo at EP=4 with a core per rank (the 2-core dev VM runs four
+  # ranks on two cores): this host's CPUs, while the machine is here.
+  stamp "CPU expert-parallel benchmark on $(nproc) cores"
+  timeout "$(left)" $PY benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -6
   { head -1 benchmarks/results.csv; tail -n +$((before + 1)) benchmarks/results.csv; } >"$OUT/gpu_rows.csv"
   stamp "done"
 else

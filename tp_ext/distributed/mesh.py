@@ -182,6 +182,20 @@ def _attempt_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"tp_ext/attempt_{attempt}", store)
 
 
+def _lost_rendezvous(error: Exception, timeout: datetime.timedelta) -> RuntimeError:
+    """torch's bare "Connection was likely closed", said as what it means at a rendezvous: the
+    rank hosting the store (rank 0, or torchrun's agent) is gone, most often because it gave up
+    at the timeout waiting for a rank that never started."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return RuntimeError(
+        f"init_parallel: rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} "
+        f"lost the rendezvous store at {where} before every rank joined: its host exited, most "
+        f"likely because it timed out waiting for a rank that never started (this rank's "
+        f"timeout is {timeout.total_seconds():g} s), or it crashed; see its own error. Every "
+        f"rank must be launched (torchrun --nproc-per-node N). ({error})"
+    )
+
+
 def default_backend() -> str:
     """NCCL when each rank of this node can have a GPU of its own, else gloo: NCCL refuses two
     ranks on one device, so 8 ranks on a 1-GPU machine run on CPU with gloo (and say so)."""
@@ -237,16 +251,21 @@ def init_parallel(
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         store = _attempt_store(timeout)
-        if store is None:
-            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-        else:
-            dist.init_process_group(
-                backend=backend,
-                store=store,
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=timeout,
-            )
+        try:
+            if store is None:
+                dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend=backend,
+                    store=store,
+                    rank=int(os.environ["RANK"]),
+                    world_size=int(os.environ["WORLD_SIZE"]),
+                    timeout=timeout,
+                )
+        except dist.DistNetworkError as e:
+            if "closed" not in str(e):  # not a lost store (no store at that address, ...)
+                raise
+            raise _lost_rendezvous(e, timeout) from e
     backend = dist.get_backend()
     world = dist.get_world_size()
     dp = _resolve_sizes(world, tp, pp, dp)
