@@ -64,7 +64,7 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
 def _experts_split_over_tp(model: nn.Module) -> bool:
     """Whether the expert-parallel layers also split each expert over a TP group of several."""
     return any(
-        isinstance(m, ParallelModule) and m.tp_size > 1
+        m.tp_size > 1
         for m in model.modules()
         if isinstance(m, ParallelModule)
         and any(m.expert_spec(n) is not None for n, _ in m.named_parameters(recurse=False))
