@@ -384,3 +384,53 @@ def test_what_cannot_be_restored_is_refused(tmp_path, change, message):
     _run((1, 1, 1), save=path)
     (error,) = run_distributed(_load_with, 1, path, change)
     assert error is not None and re.search(message, error), error
+
+
+# ---- a Hugging Face model sharded by tp_ext.parallelize (no declared checkpoint layout) ---------
+
+
+def _hf_dense_resumed_unsharded(path):
+    """transformers' Qwen2 sharded in place at TP=2: its Trainer checkpoint (saved under the
+    model's own names) loads into the unsharded model, and the next step's loss and weights equal
+    the TP=2 run's."""
+    import transformers
+
+    import tp_ext
+    from tp_ext.layers import TPGroup, full_state_dict
+
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+    def unsharded():
+        torch.manual_seed(0)
+        return transformers.Qwen2ForCausalLM(config).float()
+
+    def trainer(model, tp_group):
+        def sgd(params):
+            return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+        return Trainer(model, optimizer=sgd, tp_group=tp_group, max_grad_norm=MAX_NORM)
+
+    state = tp_ext.init_parallel(tp=2)
+    sharded = tp_ext.parallelize(unsharded(), "auto", tp_group=state.tp_group)
+    run = trainer(sharded, state.tp_group)
+    seeds = (torch.Generator().manual_seed(s) for s in (1, 2))
+    batch = [torch.randint(0, 64, (2, 9), generator=g) for g in seeds]
+    run.step([batch[0]])
+    run.save_checkpoint(path)
+    loss = run.step([batch[1]])
+    want = full_state_dict(sharded)
+
+    model = unsharded()
+    again = trainer(model, TPGroup.local())
+    assert again.load_checkpoint(path)["step"] == 1
+    resumed = again.step([batch[1]])
+    assert abs(resumed - loss) <= 1e-6 * abs(loss), (resumed, loss)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hugging_face_model_sharded_by_parallelize_resumes_unsharded(tmp_path):
+    run_distributed(_hf_dense_resumed_unsharded, 2, str(tmp_path / "ckpt"))
