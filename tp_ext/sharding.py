@@ -97,8 +97,10 @@ class Partition:
     the same Partition, so they always agree on who holds what.
     """
 
-    def __init__(self, full: int, segments) -> None:
+    def __init__(self, full: int, segments, parts=None) -> None:
         self.full = full
+        # the logical parts laid end to end, (start, length) each (merged: gate, up)
+        self.parts: tuple[Segment, ...] = tuple(parts) if parts is not None else ((0, full),)
         self.segments: tuple[tuple[Segment, ...], ...] = tuple(
             tuple((int(o), int(n)) for o, n in rank_segments if n > 0) for rank_segments in segments
         )
@@ -111,8 +113,6 @@ class Partition:
             raise ValueError(f"partition leaves index {owners.index(0)} of {full} on no rank")
         self._owners = owners
         self.replicated = any(n > 1 for n in owners)
-        # the logical parts laid end to end, (start, length) each (merged: gate, up)
-        self.parts: tuple[Segment, ...] = ((0, full),)
 
     @classmethod
     def split(cls, n: int, world_size: int, unit: int = 1) -> "Partition":
@@ -132,9 +132,7 @@ class Partition:
                 offset, size = shard_range(n // unit, world_size, rank)
                 segments[rank].append((start + offset * unit, size * unit))
             start += n
-        partition = cls(start, segments)
-        partition.parts = tuple((sum(parts[:k]), n) for k, n in enumerate(parts))
-        return partition
+        return cls(start, segments, [(sum(parts[:k]), n) for k, n in enumerate(parts)])
 
     def part_of(self, offset: int) -> tuple[int, Segment]:
         """(index, (start, length)) of the logical part holding full index ``offset``."""
