@@ -44,12 +44,17 @@ if ! $PY -c "import torch.utils.cpp_extension as c, os, sys; sys.exit(not any(os
   echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
   includes="$includes -I$out/stub"
 fi
-for src in "${sources[@]}"; do
-  echo "nvcc -c $src"
-  nvcc -std=c++17 -O1 --expt-relaxed-constexpr -arch=sm_90 -DTP_EXT_WITH_CUDA \
-    -D_GLIBCXX_USE_CXX11_ABI="$abi" -DTORCH_EXTENSION_NAME=_C $includes -Icsrc \
-    -c "$src" -o "$out/$(basename "$src").o"
-done
+# One nvcc per core (each is single-threaded); a source that fails prints its own log, whole.
+export NVCC_FLAGS="-std=c++17 -O1 --expt-relaxed-constexpr -arch=sm_90 -DTP_EXT_WITH_CUDA \
+  -D_GLIBCXX_USE_CXX11_ABI=$abi -DTORCH_EXTENSION_NAME=_C $includes -Icsrc" OBJ_DIR="$out"
+if ! printf '%s\0' "${sources[@]}" | xargs -0 -n 1 -P "$(nproc)" bash -c '
+    obj="$OBJ_DIR/$(basename "$0").o"
+    if nvcc $NVCC_FLAGS -c "$0" -o "$obj" >"$obj.log" 2>&1; then echo "nvcc -c $0: ok"
+    else echo "nvcc -c $0: FAILED" >&2; cat "$obj.log" >&2; exit 1; fi'; then
+  echo "check_cuda_compile: a CUDA source does not compile (its nvcc output is above)" >&2
+  rm -rf "$out"
+  exit 1
+fi
 # A .cu calls the shared setup its op's .cpp defines (csrc/README.md); without a GPU build nothing
 # links them, so check that every tp_ext symbol the CUDA objects need is defined (not in an
 # anonymous namespace) in the CPU build of the extension, when one is there.
