@@ -278,8 +278,50 @@ def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens):
     assert "already holds the checkpoint after step 2; nothing to train" in err
     # the checkpoint's schedule goes on: another LR is refused, not silently ignored
     err = _finish(_torchrun(1, [*flags, "--steps", "4", "--resume", "--lr", "1e-3"]), refused=True)
-    assert "the checkpoint's LR schedule has base lr 0.003, the config or --lr says 0.001" in err
+    assert "the checkpoint's LR schedule differs from this run's: lr 0.003 there, 0.001 here" in err
+    assert "give --lr 0.003, or start a new run" in err
     assert sorted(_metrics(tmp_path)) == [1, 2]
+
+
+def test_a_resumed_run_keeps_its_lr_schedule(tmp_path, tokens):
+    # cosine after one warmup step, decaying until --steps 2; --steps 4 would move the end
+    _train(1, tokens, tmp_path, 2, "--warmup-steps", "1")
+    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path), "--steps", "4", "--resume"]
+    flags += ["--warmup-steps", "1"]
+    err = _finish(_torchrun(1, flags), refused=True)
+    assert "decay_end 2 there, 4 here (the decay ends at --steps unless --decay-steps" in err, err
+    assert "give --decay-steps 2, or start a new run" in err
+    err = _finish(
+        _torchrun(1, [*flags, "--decay-steps", "2", "--lr-schedule", "linear"]), refused=True
+    )
+    assert "lr_schedule cosine there, linear here" in err and "give --lr-schedule cosine," in err
+    err = _finish(_torchrun(1, [*flags, "--decay-steps", "2", "--min-lr", "1e-4"]), refused=True)
+    assert "min_lr 0.0003 there, 0.0001 here" in err and "give --min-lr 0.0003," in err
+    assert sorted(_metrics(tmp_path)) == [1, 2], "nothing trained by the refused runs"
+    _finish(_torchrun(1, [*flags, "--decay-steps", "2"]))
+    lrs = {step: entry["lr"] for step, entry in _metrics(tmp_path).items()}
+    # the saved schedule: full LR for the warmup step and the decay's first, min_lr after
+    assert lrs == pytest.approx({1: 3e-3, 2: 3e-3, 3: 3e-4, 4: 3e-4}, rel=1e-12)
+
+
+def test_the_lr_schedule_travels_in_the_scheduler_state():
+    settings = OptimizerSettings(lr=1e-3, lr_schedule="linear", warmup_steps=2, min_lr=1e-4)
+    first = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    saved = build_lr_scheduler(first, settings, total_steps=6)
+    for _ in range(3):
+        first.step()
+        saved.step()
+    state = json.loads(json.dumps(saved.state_dict()))  # as in a checkpoint's manifest
+    assert state["lr_lambdas"][0]["decay_end"] == 6
+    second = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    resumed = build_lr_scheduler(second, settings, total_steps=12)
+    resumed.load_state_dict(state)
+    assert resumed.lr_lambdas[0].settings() == saved.lr_lambdas[0].settings()
+    for _ in range(5):
+        saved.step()
+        resumed.step()
+        assert resumed.get_last_lr() == pytest.approx(saved.get_last_lr(), rel=1e-12)
+    assert saved.get_last_lr() == pytest.approx([1e-4]), "flat at min_lr after step 6"
 
 
 def test_sequences_longer_than_the_model_are_refused(tmp_path, tokens, capsys, monkeypatch):

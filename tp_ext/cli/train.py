@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import tp_ext
+from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.cli.run import degrees_of, flag_namer
 from tp_ext.config import JobConfig, check_pipeline_fields
 from tp_ext.data import TokenBatches, TokenFile
@@ -78,6 +79,7 @@ def train(
     checkpoint = {"dir": checkpoint_dir, "save_every": save_every, "keep_last": keep_last}
     checkpoint["async_save"] = async_save
     run = _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm)
+    one_process_unless_launched("train")
     state = init_parallel(tp=run.tp, pp=run.pp, dp=run.dp)
     try:
         status = _train(state, run)
@@ -222,8 +224,9 @@ def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
     step, path = found
     if step == run.steps:
         return step  # nothing left to train; the caller says so
-    info = trainer.load_checkpoint(path)
-    _check_lr(trainer, run.job.optimizer.lr)
+    wanted = _schedule_of(trainer)
+    info = trainer.load_checkpoint(path)  # restores the checkpoint's schedule
+    _check_schedule(wanted, _schedule_of(trainer))
     _keep_metrics(state, run.directory, trainer.steps)
     if state.rank == 0:
         saved = info.get("layout", {})
@@ -245,17 +248,53 @@ def _started_before(restarted: bool) -> bool:
     return store is None or store.check([_ACCEPTED])
 
 
-def _check_lr(trainer: Trainer, lr: float) -> None:
-    """The schedule resumes from the checkpoint, its base LR included (as Megatron-Core does by
-    default): a config or --lr asking for another LR is refused rather than silently ignored.
-    Every rank holds the same schedule, so every rank raises."""
-    base = getattr(trainer.lr_scheduler, "base_lrs", [lr])[0]
-    if abs(base - lr) > 1e-9 * max(abs(base), abs(lr)):
-        raise ConfigError(
-            f"the checkpoint's LR schedule has base lr {base:g}, the config or --lr says "
-            f"{lr:g}: a resumed run keeps its schedule; give --lr {base:g}, or start a new run "
-            "in another --checkpoint-dir"
-        )
+# the flag that sets each field of LRSchedule.settings()
+_SCHEDULE_FLAG = {
+    "lr": "--lr",
+    "lr_schedule": "--lr-schedule",
+    "warmup_steps": "--warmup-steps",
+    "min_lr": "--min-lr",
+    "decay_end": "--decay-steps",
+}
+
+
+def _schedule_of(trainer: Trainer) -> dict:
+    # base_lrs: also restored from checkpoints saved before the schedule's own fields were
+    scheduler = trainer.lr_scheduler
+    return {**scheduler.lr_lambdas[0].settings(), "lr": scheduler.base_lrs[0]}
+
+
+def _check_schedule(wanted: dict, saved: dict) -> None:
+    """The schedule resumes from the checkpoint (as Megatron-Core does by default): a run asking
+    for another one (another LR, shape, warmup, floor, or decay end, which is --steps unless
+    --decay-steps is given) is refused rather than silently changed mid-run. Every rank holds
+    the same schedule, so every rank raises."""
+    # a field one of them lacks (a constant schedule's decay) follows from lr_schedule differing
+    both = [k for k in _SCHEDULE_FLAG if k in wanted and k in saved]
+    differ = [k for k in both if not _same(wanted[k], saved[k])]
+    if not differ:
+        return
+    said = "; ".join(f"{k} {_show(saved[k])} there, {_show(wanted[k])} here" for k in differ)
+    keep = " ".join(f"{_SCHEDULE_FLAG[k]} {_show(saved[k])}" for k in differ)
+    why = (
+        " (the decay ends at --steps unless --decay-steps is given)"
+        if "decay_end" in differ
+        else ""
+    )
+    raise ConfigError(
+        f"the checkpoint's LR schedule differs from this run's: {said}{why}. A resumed run keeps "
+        f"its schedule: give {keep}, or start a new run in another --checkpoint-dir"
+    )
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    return a == b
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _keep_metrics(state, directory: str, step: int) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "LR_SCHEDULES",
     "build_optimizer",
     "build_lr_scheduler",
+    "LRSchedule",
 ]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -106,29 +107,50 @@ def build_optimizer(
     )
 
 
-def lr_factor(settings: OptimizerSettings, total_steps: int, step: int) -> float:
-    """The learning rate after ``step`` optimizer steps, as a fraction of ``settings.lr``."""
-    warmup = settings.warmup_steps
-    if step < warmup:
-        return (step + 1) / warmup
-    if settings.lr_schedule == "constant":
-        return 1.0
-    floor = settings.min_lr / settings.lr
-    end = settings.decay_steps if settings.decay_steps is not None else total_steps
-    progress = min(1.0, (step - warmup) / max(1, end - warmup))
-    if settings.lr_schedule == "cosine":
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return floor + (1 - floor) * (1 - progress)
+class LRSchedule:
+    """The learning rate after ``step`` optimizer steps, as a fraction of ``lr`` (the LambdaLR
+    lambda of :func:`build_lr_scheduler`). An object rather than a closure because LambdaLR
+    saves an object's attributes in its ``state_dict``: a checkpoint then records the schedule
+    it was trained with, and loading it restores that schedule (``tp-ext train --resume`` checks
+    that the run asks for the same one)."""
+
+    def __init__(self, settings: OptimizerSettings, total_steps: int) -> None:
+        self.lr = float(settings.lr)
+        self.lr_schedule = settings.lr_schedule
+        self.warmup_steps = int(settings.warmup_steps)
+        self.min_lr = float(settings.min_lr)
+        end = settings.decay_steps if settings.decay_steps is not None else total_steps
+        # every end up to warmup + 1 gives the same schedule (flat at min_lr right after the
+        # warmup); one value for them all, so equal schedules compare equal
+        self.decay_end = max(int(end), self.warmup_steps + 1)
+
+    def settings(self) -> dict:
+        """The fields that shape this schedule (a constant one has no decay)."""
+        shape = {"lr": self.lr, "lr_schedule": self.lr_schedule, "warmup_steps": self.warmup_steps}
+        if self.lr_schedule != "constant":
+            shape.update(min_lr=self.min_lr, decay_end=self.decay_end)
+        return shape
+
+    def __call__(self, step: int) -> float:
+        warmup = self.warmup_steps
+        if step < warmup:
+            return (step + 1) / warmup
+        if self.lr_schedule == "constant":
+            return 1.0
+        floor = self.min_lr / self.lr
+        progress = min(1.0, (step - warmup) / (self.decay_end - warmup))
+        if self.lr_schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, settings: OptimizerSettings, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """``settings``' schedule over ``optimizer`` (every group scaled alike) for a run of
-    ``total_steps`` steps. A LambdaLR: its ``state_dict()`` is plain numbers, so a Trainer
-    checkpoint holds it in its JSON manifest."""
+    ``total_steps`` steps. A LambdaLR: its ``state_dict()`` is plain numbers, the schedule's
+    settings included (:class:`LRSchedule`), so a Trainer checkpoint holds it in its JSON
+    manifest, and loading one restores the saved schedule."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(settings, total_steps, step)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(settings, total_steps))
