@@ -7,6 +7,7 @@
 #include <string>
 
 #include "comm/collective_checks.h"
+#include "comm/settings.h"
 #include "comm/shm_channel.h"
 #include "comm/stats.h"
 
@@ -28,5 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_consistency_checks", &tp_ext::comm::set_consistency_checks);
   m.def("_consistency_checks", &tp_ext::comm::consistency_checks);
   m.def("_set_shm_enabled", &tp_ext::comm::set_shm_enabled);
+  // "" when every TP_EXT_* variable the communication layer reads is valid, else why not (what
+  // the first collective would raise; tp-ext doctor reports it before a run)
+  m.def("_env_error", [] { return tp_ext::comm::read_env().error; });
   m.def("_shm_active", [](const std::string& name) { return tp_ext::comm::shm_active(name); });
 }

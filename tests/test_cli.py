@@ -41,3 +41,49 @@ def test_init_parallel_without_torchrun_env_says_how_to_launch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set" in out.stdout
     assert "torchrun" in out.stdout
+
+
+def _tp_ext(args, nproc=None, **env):
+    """`python -m tp_ext ARGS` as a user types it (no torchrun variables), or under torchrun."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base = {k: v for k, v in base.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    launch = [sys.executable, "-m", "tp_ext"]
+    if nproc is not None:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launch += [f"--nproc-per-node={nproc}", "-m", "tp_ext"]
+    return subprocess.run(
+        [*launch, *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(base, OMP_NUM_THREADS="1", **env),
+    )
+
+
+def test_demo_without_torchrun_runs_as_one_process():
+    proc = _tp_ext(["demo"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not under torchrun, so one process" in proc.stderr
+    assert "all checks passed on 1 ranks" in proc.stdout
+
+
+def test_a_bad_tp_ext_variable_or_tp_stops_a_command_with_one_line():
+    proc = _tp_ext(["demo"], nproc=2, TP_EXT_SHM="maybe")
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("tp-ext demo:")]
+    assert said == [
+        "tp-ext demo: TP_EXT_SHM='maybe' is not valid; use 1 (on) or 0 (off) (also true/false, "
+        "on/off, yes/no), or unset it."
+    ], proc.stderr[-3000:]
+    assert _only_torchruns_traceback(proc.stderr)
+    proc = _tp_ext(["demo", "--tp", "3"], nproc=2)
+    assert proc.returncode != 0
+    assert (
+        proc.stderr.count("tp-ext demo: --tp 3 does not divide the 2 ranks; use one of [1, 2]") == 2
+    )
+    assert _only_torchruns_traceback(proc.stderr)
+
+
+def _only_torchruns_traceback(stderr: str) -> bool:
+    """No rank printed a traceback: the one there is torchrun's report of the failed ranks."""
+    return stderr.count("Traceback") == 1 and "ChildFailedError" in stderr

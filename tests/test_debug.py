@@ -170,3 +170,27 @@ def test_doctor_reports_and_fails_on_a_version_mismatch(monkeypatch, capsys):
     assert failed[0].name == "torch version"
     assert f"built with torch 1.0.0, this is torch {torch.__version__}" in failed[0].detail
     assert main(["doctor"]) == 1
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("TP_EXT_SHM", "maybe"), ("TP_EXT_SHM_SLOT_BYTES", "100"), ("TP_EXT_CHECK_COLLECTIVES", "2")],
+)
+def test_doctor_fails_on_a_tp_ext_variable_the_first_collective_would_refuse(
+    monkeypatch, capsys, name, value
+):
+    from tp_ext.cli import main
+    from tp_ext.debug import doctor
+
+    for key in ("TP_EXT_SHM", "TP_EXT_SHM_SLOT_BYTES", "TP_EXT_CHECK_COLLECTIVES"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TP_EXT_SHM", "0")
+    checks = {c.name: c for c in doctor()}
+    assert checks["TP_EXT_* variables"].status == "ok"
+    assert checks["TP_EXT_* variables"].detail == "TP_EXT_SHM"
+    monkeypatch.setenv(name, value)
+    failed = [c for c in doctor() if c.status == "fail"]
+    assert [c.name for c in failed] == ["TP_EXT_* variables"]
+    assert f"{name}='{value}' is not valid; use" in failed[0].detail
+    assert main(["doctor"]) == 1
+    assert f"{name}='{value}' is not valid" in capsys.readouterr().out

@@ -11,6 +11,7 @@ Each command lives in its own module (``run``, ``train``, ``demo``); this one pa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tp_ext.cli.flags import BETA, RUN_FIELDS, TRAIN_FIELDS, flag_type
@@ -23,7 +24,24 @@ from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 def _demo(args) -> int:
     from tp_ext.cli.demo import demo
 
-    return demo(args.tp)
+    try:
+        return demo(args.tp)
+    except ValueError as e:  # a --tp that does not fit the ranks
+        print(f"tp-ext demo: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_variables(command: str) -> int:
+    """Before a command that starts process groups (demo, run, train): TP_EXT_* variables that
+    the first collective would refuse stop it here, with one line rather than a traceback from
+    every rank. Returns the exit status to stop with, or 0 to go on."""
+    from tp_ext import ops
+
+    error = ops._C._env_error()
+    if error and os.environ.get("RANK", "0") == "0":
+        for line in error.splitlines():
+            print(f"tp-ext {command}: {line.removeprefix('tp_ext: ')}", file=sys.stderr)
+    return 2 if error else 0
 
 
 def _auto_plan(args) -> int:
@@ -513,6 +531,10 @@ def main(argv=None) -> int:
     )
     train.set_defaults(func=_train)
     args = parser.parse_args(argv)
+    if args.command in ("demo", "run", "train"):
+        status = _check_variables(args.command)
+        if status:
+            return status
     return args.func(args)
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from tp_ext import checkpoint
 from tp_ext.checkpoint import peak_rss_bytes
 from tp_ext.cli.flags import RUN_FIELDS
+from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
 from tp_ext.config import PARALLEL_FIELDS, JobConfig, check_pipeline_fields
 from tp_ext.debug import trace
@@ -245,6 +246,7 @@ def run(
         max_grad_norm,
         profile_dir,
     )
+    one_process_unless_launched("run")
     state = init_parallel(tp=tp, pp=pp, dp=dp)
     path = None
     try:

@@ -110,6 +110,19 @@ def _shared_memory() -> list[Check]:
     return [Check("shared memory", OK, detail + note)]
 
 
+def _variables() -> list[Check]:
+    """tp_ext's own environment variables, parsed by the code that reads them at run time."""
+    try:
+        from tp_ext import ops
+    except Exception:  # noqa: BLE001 (the extension check reports it)
+        return []
+    error = ops._C._env_error()
+    if error:
+        return [Check("TP_EXT_* variables", FAIL, error.replace("\n", "; "))]
+    set_here = sorted(k for k in os.environ if k.startswith("TP_EXT_"))
+    return [Check("TP_EXT_* variables", OK, ", ".join(set_here) if set_here else "none set")]
+
+
 def _launch() -> list[Check]:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     present = {k: os.environ[k] for k in keys if k in os.environ}
@@ -124,10 +137,11 @@ def _launch() -> list[Check]:
 
 def doctor() -> list[Check]:
     """Every check, in order: Python and platform, the extension against the running torch,
-    CUDA and NCCL, the distributed backends, shared memory, the launcher's variables."""
+    CUDA and NCCL, the distributed backends, shared memory, tp_ext's own variables, the
+    launcher's variables."""
     checks = [Check("python", OK, f"{platform.python_version()} on {platform.platform()}")]
     if sys.version_info < (3, 10):
         checks[0] = Check("python", FAIL, f"{platform.python_version()}: tp_ext needs >= 3.10")
-    for part in (_extension, _cuda, _backends, _shared_memory, _launch):
+    for part in (_extension, _cuda, _backends, _shared_memory, _variables, _launch):
         checks += part()
     return checks
