@@ -1,5 +1,5 @@
 """The scripts in examples/ run under torchrun and pass their own checks (against the unsharded
-model, or a falling loss)."""
+model, or a falling loss), and the module paths the docs name import."""
 
 import os
 import subprocess
@@ -33,3 +33,18 @@ def test_example_runs_and_checks_itself(script):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout
+
+
+def test_the_documented_module_paths_import():
+    """The docs name `tp_ext.comm` and `tp_ext.random` as modules: both import statements a
+    user writes from them work, in a fresh interpreter, and give the one module."""
+    code = (
+        "import tp_ext.comm, tp_ext.random, tp_ext.distributed\n"
+        "from tp_ext.comm import track, all_reduce\n"
+        "from tp_ext.random import manual_seed\n"
+        "assert tp_ext.comm is tp_ext.distributed.comm\n"
+        "assert tp_ext.random is tp_ext.distributed.rng\n"
+        "print('imported')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "imported", proc.stderr[-2000:]

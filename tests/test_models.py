@@ -198,3 +198,23 @@ def test_from_pretrained_checks_the_checkpoint_before_allocating(tmp_path):
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert result["error"] == message.format(where), (result, done.stderr[-2000:])
         assert result["grew"] < 60 * 2**20, result  # the model is 205 MB
+
+
+def test_from_pretrained_takes_dtype_names_as_configs_write_them(tmp_path):
+    """dtype="bfloat16" (a config's parallel.dtype, transformers' torch_dtype) loads what
+    dtype=torch.bfloat16 does; a name torch does not have is refused naming dtype."""
+    config = _config("qwen2-mini.yaml").replace(num_hidden_layers=1)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(str(tmp_path))
+    by_name = Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype="bfloat16", progress=False)
+    by_dtype = Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16, progress=False)
+    named, typed = by_name.state_dict(), by_dtype.state_dict()
+    assert named.keys() == typed.keys()
+    for key in named:
+        assert named[key].dtype == torch.bfloat16 and torch.equal(named[key], typed[key]), key
+    with pytest.raises(
+        TypeError, match=r"dtype='fp16' is not a dtype: pass a torch.dtype .*float16"
+    ):
+        Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype="fp16", progress=False)
+    with pytest.raises(TypeError, match="dtype='half' is not a dtype"):
+        Qwen2ForCausalLM(config, dtype="half")

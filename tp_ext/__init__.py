@@ -5,6 +5,8 @@ cli > config > training > pipeline > models > parallelize, checkpoint, data > la
 distributed > ops > sharding, validation.
 """
 
+import sys
+
 import torch  # noqa: F401  (loads libtorch, which the extension links against)
 
 from tp_ext import (
@@ -19,6 +21,11 @@ from tp_ext.distributed import ParallelState, comm, init_parallel, parallel_stat
 from tp_ext.distributed import rng as random
 from tp_ext.parallelize import auto_plan, parallelize
 from tp_ext.sharding import shard_offsets, shard_range, shard_sizes, split_tensor
+
+# `import tp_ext.comm` and `from tp_ext.random import manual_seed` work as the docs write them;
+# the modules themselves live in tp_ext.distributed (their layer)
+sys.modules[f"{__name__}.comm"] = comm
+sys.modules[f"{__name__}.random"] = random
 
 __version__ = "0.1.0"
 

@@ -28,7 +28,14 @@ from tp_ext.models import Qwen2Config
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
 from tp_ext.pipeline.schedules import check_micro_batches
 from tp_ext.training import OptimizerSettings
-from tp_ext.validation import ConfigError, Field, check_fields, check_unknown, read_mapping
+from tp_ext.validation import (
+    DTYPE_NAMES,
+    ConfigError,
+    Field,
+    check_fields,
+    check_unknown,
+    read_mapping,
+)
 
 __all__ = [
     "JobConfig",
@@ -41,7 +48,7 @@ __all__ = [
     "default_micro_batches",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = DTYPE_NAMES
 
 # Degrees up to 2**16 ranks, far beyond any cluster tp_ext targets; seeds up to 2**62:
 # torch.manual_seed takes 64 bits, and the job adds small offsets to the seed.

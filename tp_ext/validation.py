@@ -14,7 +14,15 @@ from typing import Any, Optional
 
 import yaml
 
-__all__ = ["ConfigError", "Field", "check_fields", "read_mapping", "check_unknown", "is_number"]
+__all__ = [
+    "ConfigError",
+    "Field",
+    "check_fields",
+    "read_mapping",
+    "check_unknown",
+    "is_number",
+    "as_torch_dtype",
+]
 
 
 class ConfigError(ValueError):
@@ -52,6 +60,25 @@ def check_unknown(section: str, given, known) -> None:
         raise ConfigError(
             f"unknown field {section}{unknown[0]}{more}; known fields: {sorted(known)}"
         )
+
+
+# the names a config's parallel.dtype and --dtype take, also accepted where a model takes dtype=
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+def as_torch_dtype(value, arg: str = "dtype"):
+    """``value`` as a torch.dtype: None stays None; a name from DTYPE_NAMES (as in a config, or
+    transformers' ``torch_dtype``) is looked up; anything else is refused naming ``arg``."""
+    import torch
+
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in DTYPE_NAMES:
+        return getattr(torch, value)
+    raise TypeError(
+        f"{arg}={value!r} is not a dtype: pass a torch.dtype (torch.bfloat16) or one of "
+        f"{', '.join(DTYPE_NAMES)}"
+    )
 
 
 def is_number(x) -> bool:

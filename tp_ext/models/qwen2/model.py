@@ -34,6 +34,7 @@ from tp_ext.layers import (
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.sharding import StageLayout, shard_sizes
+from tp_ext.validation import as_torch_dtype
 
 __all__ = ["Qwen2ForCausalLM"]
 
@@ -121,6 +122,7 @@ class Qwen2ForCausalLM(ParallelModule):
         stage_order: str = "loop",
     ):
         super().__init__()
+        dtype = as_torch_dtype(dtype)
         if parallel is not None:
             if tp_group is not None:
                 raise ValueError(
@@ -232,7 +234,7 @@ class Qwen2ForCausalLM(ParallelModule):
         before = checkpoint.current_rss_bytes()
         checkpoint.reset_peak_rss()
         config = Qwen2Config.from_file(path)  # every field checked
-        dtype = dtype or checkpoint.checkpoint_dtype(path)
+        dtype = as_torch_dtype(dtype) or checkpoint.checkpoint_dtype(path)
         build = {
             "tp_group": tp_group,
             "parallel": parallel,

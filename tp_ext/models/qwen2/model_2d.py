@@ -40,6 +40,7 @@ from tp_ext.layers.summa_blocks import (
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.sharding import shard_range, shard_sizes
+from tp_ext.validation import as_torch_dtype
 
 __all__ = ["Qwen2ForCausalLM2D"]
 
@@ -75,6 +76,7 @@ class Qwen2ForCausalLM2D(nn.Module):
         **unsupported,
     ):
         super().__init__()
+        dtype = as_torch_dtype(dtype)
         if tp_group is not None:
             raise ValueError("a 2D model takes parallel= (or grid=), not tp_group=")
         grid = grid if grid is not None else getattr(parallel, "tp_grid", None)
