@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tp_ext
 from tp_ext import comm
@@ -322,3 +323,22 @@ def test_bad_input_gives_clear_errors():
     assert all(p.dim() >= 2 for p in groups[0]["params"])
     assert {p.dim() for p in groups[1]["params"]} == {1}
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+def _step_with_a_token_outside_the_vocabulary():
+    state = tp_ext.init_parallel(tp=dist.get_world_size())
+    model = Qwen2ForCausalLM(CONFIG, parallel=state)
+    trainer = Trainer(model, build_optimizer(model, OPTIMIZER), parallel=state)
+    try:
+        trainer.step([_ids() + CONFIG.vocab_size])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_a_models_own_error_in_a_step_is_raised_as_itself(ws):
+    """Not torch's pipeline wrapper ("[Stage 0] failed to run forward: args: ..."): the
+    embedding's own ValueError, naming the token id."""
+    for said in run_distributed(_step_with_a_token_outside_the_vocabulary, ws):
+        assert said is not None and "is outside the vocabulary [0, 1001)" in said, said

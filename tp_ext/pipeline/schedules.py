@@ -200,7 +200,10 @@ class PipelineRunner:
         first = 0 in self.model.stage_ids
         args = (input_ids,) if first else ()
         target = labels if self.holds_last_stage else None
-        schedule.step(*args, target=target, return_outputs=False)
+        try:
+            schedule.step(*args, target=target, return_outputs=False)
+        except RuntimeError as e:
+            raise _model_error(e) from None
         if self.average_after_step:
             state = self.compression_states[0] if self.compression_states else None
             average_gradients(self.model.parameters(), self.parallel, state)
@@ -253,3 +256,16 @@ class PipelineRunner:
         else:
             size = model.config.hidden_size
         return torch.empty(*shape, size, dtype=dtype, device="meta", requires_grad=True)
+
+
+def _model_error(error: RuntimeError) -> BaseException:
+    """torch's stages wrap an error of the model's own ("token id 5990 is outside the
+    vocabulary") in a RuntimeError that says only "[Stage 0] failed to run forward: args: ...":
+    the model's error is what a user needs, so it goes on, with the stage in a note."""
+    cause = error.__cause__
+    message = str(error).strip()
+    if cause is None or "failed to run" not in message:
+        return error
+    if hasattr(cause, "add_note"):  # Python 3.11+
+        cause.add_note(f"(in the pipeline: {message.splitlines()[0].strip()})")
+    return cause
