@@ -203,3 +203,24 @@ def _check_bad_input():
 @pytest.mark.parametrize("ws", [1, 2, 8])
 def test_bad_input_gives_clear_errors(ws):
     run_distributed(_check_bad_input, ws)
+
+
+def _check_uneven_sequence_shards_without_seq_len():
+    r, w = rank(), world_size()
+    x = tp_ext.split_tensor(full((1, 2 * w - 1, HIDDEN), 1), 1, w)[r].contiguous()  # 2, .., 1
+    hint = "need that length on every rank: seq_len= on tp_ext's layers"
+    # with the consistency checks (on in these tests), then without: the shared-memory channel
+    for checks, error in ((True, ValueError), (False, RuntimeError)):
+        comm.set_consistency_checks(checks)
+        group = dist.new_group(list(range(w)))  # a failed collective retires a group's channel
+        block = ParallelTransformerBlock(
+            HIDDEN, HEADS, HEADS, INTER, HEAD_DIM, sequence_parallel=True, tp_group=group
+        )
+        with pytest.raises(error, match=hint):
+            block(x)
+    comm.set_consistency_checks(None)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_uneven_sequence_shards_without_seq_len_say_to_pass_it(ws):
+    run_distributed(_check_uneven_sequence_shards_without_seq_len, ws)

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <sstream>
 
@@ -93,8 +94,18 @@ void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64
        << " sizes=" << (acc[r][kNsizes] < 0 ? "None" : row(r, kSizes, acc[r][kNsizes]))
        << " arg=" << acc[r][kExtra];
   }
-  os << "\nEvery rank must call the same collective with the same dtype, shape, sizes and dim.";
+  os << "\nEvery rank must call the same collective with the same dtype, shape, sizes and dim."
+     << mismatch_hint(op);
   TORCH_CHECK_VALUE(false, os.str());
+}
+
+const char* mismatch_hint(const char* op) {
+  const bool sequence_gather =
+      std::strcmp(op, "gather_from_sp") == 0 || std::strcmp(op, "all_gather_linear") == 0;
+  return sequence_gather ? " Sequence shards of a length that does not divide by the group size "
+                           "need that length on every rank: seq_len= on tp_ext's layers, sizes= "
+                           "on tp_ext.comm.gather_from_sp."
+                         : "";
 }
 
 uint64_t call_signature(int64_t kind, at::ScalarType dtype, at::IntArrayRef shape,

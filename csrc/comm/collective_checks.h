@@ -34,6 +34,11 @@ bool consistency_checks();
 void check_consistent(const Group& g, const char* op, const at::Tensor& x, int64_t free_dim,
                       at::OptionalIntArrayRef sizes, int64_t extra);
 
+// What to add to a "ranks called different collectives" error of `op`: for the sequence gathers
+// (gather_from_sp, all_gather_linear), the likeliest cause, shards of unequal length without
+// `sizes`; "" for the other ops.
+const char* mismatch_hint(const char* op);
+
 // A hash of everything every rank must agree on for one call: the kind of collective, dtype,
 // shape (a free dimension given as -2), the sizes list and other arguments. The shared-memory
 // channel compares it at every round (always on, no extra communication).

@@ -410,7 +410,8 @@ void ShmChannel::exchange(const void* data, int64_t nbytes, uint64_t signature,
                 "': rank ", r,
                 " called a different collective (another op, dtype, shape or sizes) at the same "
                 "point; every rank must make the same collective calls in the "
-                "same order (TP_EXT_CHECK_COLLECTIVES=1 names the difference).");
+                "same order (TP_EXT_CHECK_COLLECTIVES=1 names the difference).",
+                mismatch_hint(op));
   }
   std::vector<const char*> slots(size_);
   for (int64_t r = 0; r < size_; ++r) slots[r] = slot(seq, r);
