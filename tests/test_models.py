@@ -218,3 +218,12 @@ def test_from_pretrained_takes_dtype_names_as_configs_write_them(tmp_path):
         Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype="fp16", progress=False)
     with pytest.raises(TypeError, match="dtype='half' is not a dtype"):
         Qwen2ForCausalLM(config, dtype="half")
+
+
+def test_from_pretrained_names_a_missing_checkpoint_directory(tmp_path):
+    from tp_ext.checkpoint import CheckpointError
+
+    (tmp_path / "file").write_text("")
+    for path, says in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "file", "is not a")):
+        with pytest.raises(CheckpointError, match=f"checkpoint directory '{path}' {says}"):
+            Qwen2ForCausalLM.from_pretrained(str(path))

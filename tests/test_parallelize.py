@@ -113,3 +113,9 @@ def _check_explicit_plan_and_errors():
 @pytest.mark.parametrize("ws", [1, 3])
 def test_parallelize_explicit_plan_and_bad_plans(ws):
     assert run_distributed(_check_explicit_plan_and_errors, ws) == list(range(ws))
+
+
+def test_parallelize_refuses_what_is_not_a_module():
+    for given in ("model", None):
+        with pytest.raises(TypeError, match="parallelize: module must be a torch.nn.Module"):
+            tp_ext.parallelize(given, "auto")

@@ -284,6 +284,20 @@ def test_bad_input_is_refused_clearly():
         estimate(config, Layout((1, 8), 1, 1, 1, 1), seq_len=64, hardware=hw)
     with pytest.raises(ValueError, match="must be an int or a grid"):
         estimate(config, Layout((2, 2, 2), 1, 1, 1, 1), seq_len=64, hardware=hw)
+    with pytest.raises(TypeError, match="plan: config must be a tp_ext.models.Qwen2Config or the"):
+        plan({"hidden_size": 128}, gpus=2)
+
+
+def test_plan_takes_a_config_files_path(tmp_path):
+    """The path of a config file (here a Hugging Face config.json) plans as its Qwen2Config."""
+    from tp_ext.planner import plan
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CFG, "architectures": ["Qwen2ForCausalLM"]}))
+    for where in (str(path), path):
+        by_path = plan(where, gpus=4, seq_len=SEQ, hardware="cpu", top=None)
+        by_config = plan(_config(), gpus=4, seq_len=SEQ, hardware="cpu", top=None)
+        assert by_path == by_config and len(by_path) > 1
 
 
 def test_plan_costs_2d_grids_beside_1d():

@@ -86,6 +86,11 @@ def parallelize(
     :class:`~tp_ext.layers.ExpertParallelMoE` over its EP group (``capacity_factor`` as there;
     None is dropless).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"parallelize: module must be a torch.nn.Module (the model to shard in place), got "
+            f"{type(module).__name__} {module!r:.60}"
+        )
     if parallel is not None and tp_group is None:
         tp_group = parallel.tp_group
     ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None

@@ -6,6 +6,7 @@ then the ones that do not by how far over they are; each with a sentence saying 
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
 from tp_ext.models.qwen2 import Qwen2Config
@@ -190,7 +191,7 @@ def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
 
 
 def plan(
-    config: Qwen2Config,
+    config: Union[Qwen2Config, str, os.PathLike],
     gpus: int,
     gpus_per_node: Optional[int] = None,
     gpu_memory: Union[str, int, None] = None,
@@ -202,12 +203,20 @@ def plan(
     micro_batch: Optional[int] = None,
     grids: bool = True,
 ) -> list[Estimate]:
-    """The candidate training layouts of ``config`` on ``gpus`` devices (``gpus_per_node`` per
-    node, ``gpu_memory`` each: bytes or "80GiB"; default the hardware's), for steps of
-    ``global_batch`` sequences of ``seq_len`` tokens, best first: layouts that fit ranked by
-    estimated step time, then those that do not by how much they miss. ``top``: how many
-    (None: all); ``micro_batch``: sequences per micro-batch (None: 1, 2, 4 or 8, whichever
-    ranks best); ``grids``: 2D TP grids (P, Q) among the candidates (pp = 1, DDP)."""
+    """The candidate training layouts of ``config`` (a Qwen2Config, or a config file's path) on
+    ``gpus`` devices (``gpus_per_node`` per node, ``gpu_memory`` each: bytes or "80GiB"; default
+    the hardware's), for steps of ``global_batch`` sequences of ``seq_len`` tokens, best first:
+    layouts that fit ranked by estimated step time, then those that do not by how much they
+    miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
+    2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
+    (pp = 1, DDP)."""
+    if isinstance(config, (str, os.PathLike)):  # a job YAML or a Hugging Face config.json
+        config = Qwen2Config.from_file(os.fspath(config))
+    if not isinstance(config, Qwen2Config):
+        raise TypeError(
+            f"plan: config must be a tp_ext.models.Qwen2Config or the path of a config file "
+            f"(a job YAML, a Hugging Face config.json), got {type(config).__name__}"
+        )
     _check("gpus", gpus)
     _check("seq_len", seq_len)
     _check("global_batch", global_batch)

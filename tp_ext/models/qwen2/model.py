@@ -8,6 +8,7 @@ up). Where they live in Hugging Face checkpoints: :mod:`tp_ext.models.qwen2.hf_l
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -229,6 +230,12 @@ class Qwen2ForCausalLM(ParallelModule):
 
             return Qwen2ForCausalLM2D.from_pretrained(
                 path, parallel=parallel, dtype=dtype, device=device
+            )
+        if not os.path.isdir(path):
+            missing = "does not exist" if not os.path.exists(path) else "is not a directory"
+            raise checkpoint.CheckpointError(
+                f"from_pretrained: checkpoint directory {path!r} {missing} (a Hugging Face "
+                "checkpoint: config.json with model.safetensors or a sharded index)"
             )
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
