@@ -79,11 +79,26 @@ def test_a_bad_tp_ext_variable_or_tp_stops_a_command_with_one_line():
     proc = _tp_ext(["demo", "--tp", "3"], nproc=2)
     assert proc.returncode != 0
     assert (
-        proc.stderr.count("tp-ext demo: --tp 3 does not divide the 2 ranks; use one of [1, 2]") == 2
-    )
+        proc.stderr.count("tp-ext demo: --tp 3 does not divide the 2 ranks; use one of [1, 2]") == 1
+    ), "said once, by rank 0"
     assert _only_torchruns_traceback(proc.stderr)
 
 
 def _only_torchruns_traceback(stderr: str) -> bool:
     """No rank printed a traceback: the one there is torchrun's report of the failed ranks."""
     return stderr.count("Traceback") == 1 and "ChildFailedError" in stderr
+
+
+def test_one_process_variables_are_undone_after_the_command(monkeypatch, capsys):
+    from tp_ext.cli.launch import launch_variables_restored, one_process_unless_launched
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "7")  # a variable of the caller's own: kept as it was
+    with launch_variables_restored():
+        one_process_unless_launched("run")
+        assert os.environ["WORLD_SIZE"] == "1" and os.environ["LOCAL_RANK"] == "0"
+        assert int(os.environ["MASTER_PORT"]) > 0
+    assert {n: os.environ.get(n) for n in names} == {n: None for n in names} | {"LOCAL_RANK": "7"}
+    assert "tp-ext run: not under torchrun, so one process" in capsys.readouterr().err

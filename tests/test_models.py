@@ -221,9 +221,7 @@ def test_from_pretrained_takes_dtype_names_as_configs_write_them(tmp_path):
 
 
 def test_from_pretrained_names_a_missing_checkpoint_directory(tmp_path):
-    from tp_ext.checkpoint import CheckpointError
-
     (tmp_path / "file").write_text("")
     for path, says in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "file", "is not a")):
-        with pytest.raises(CheckpointError, match=f"checkpoint directory '{path}' {says}"):
+        with pytest.raises(ConfigError, match=f"checkpoint directory '{path}' {says}"):
             Qwen2ForCausalLM.from_pretrained(str(path))

@@ -295,10 +295,20 @@ def test_a_resumed_run_keeps_its_lr_schedule(tmp_path, tokens):
         _torchrun(1, [*flags, "--decay-steps", "2", "--lr-schedule", "linear"]), refused=True
     )
     assert "lr_schedule cosine there, linear here" in err and "give --lr-schedule cosine," in err
+    err = _finish(_torchrun(1, [*flags, "--lr-schedule", "constant"]), refused=True)
+    assert "give --lr-schedule cosine --min-lr 0.0003 --decay-steps 2, or" in err, err[-2000:]
     err = _finish(_torchrun(1, [*flags, "--decay-steps", "2", "--min-lr", "1e-4"]), refused=True)
     assert "min_lr 0.0003 there, 0.0001 here" in err and "give --min-lr 0.0003," in err
     assert sorted(_metrics(tmp_path)) == [1, 2], "nothing trained by the refused runs"
-    _finish(_torchrun(1, [*flags, "--decay-steps", "2"]))
+    # as a checkpoint from before the schedule was saved: only the base lr can be checked
+    manifest = os.path.join(step_path(str(tmp_path), 2), "tp_ext_checkpoint.json")
+    with open(manifest) as f:
+        info = json.load(f)
+    info["lr_scheduler"]["lr_lambdas"] = [None] * len(info["lr_scheduler"]["lr_lambdas"])
+    with open(manifest, "w") as f:
+        json.dump(info, f)
+    err = _finish(_torchrun(1, [*flags, "--decay-steps", "2"]))
+    assert "was saved before checkpoints held their LR schedule, so only its base lr" in err
     lrs = {step: entry["lr"] for step, entry in _metrics(tmp_path).items()}
     # the saved schedule: full LR for the warmup step and the decay's first, min_lr after
     assert lrs == pytest.approx({1: 3e-3, 2: 3e-3, 3: 3e-4, 4: 3e-4}, rel=1e-12)

@@ -15,6 +15,7 @@ import os
 import sys
 
 from tp_ext.cli.flags import BETA, RUN_FIELDS, TRAIN_FIELDS, flag_type
+from tp_ext.cli.launch import launch_variables_restored
 from tp_ext.config import CHECKPOINT_FIELDS, DTYPES, PARALLEL_FIELDS
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
@@ -24,11 +25,16 @@ from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 def _demo(args) -> int:
     from tp_ext.cli.demo import demo
 
-    try:
-        return demo(args.tp)
-    except ValueError as e:  # a --tp that does not fit the ranks
-        print(f"tp-ext demo: {e}", file=sys.stderr)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is not None and world % args.tp:
+        if os.environ.get("RANK", "0") == "0":
+            fits = [d for d in range(1, world + 1) if world % d == 0]
+            print(
+                f"tp-ext demo: --tp {args.tp} does not divide the {world} ranks; use one of {fits}",
+                file=sys.stderr,
+            )
         return 2
+    return demo(args.tp)
 
 
 def _check_variables(command: str) -> int:
@@ -535,7 +541,8 @@ def main(argv=None) -> int:
         status = _check_variables(args.command)
         if status:
             return status
-    return args.func(args)
+    with launch_variables_restored():  # in-process callers (tests, notebooks) get theirs back
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,13 @@ def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
     wanted = _schedule_of(trainer)
     info = trainer.load_checkpoint(path)  # restores the checkpoint's schedule
     _check_schedule(wanted, _schedule_of(trainer))
+    if (info.get("lr_scheduler") or {}).get("lr_lambdas", [None])[0] is None and state.rank == 0:
+        print(
+            f"tp-ext train: {path} was saved before checkpoints held their LR schedule, so "
+            "only its base lr was checked: give the schedule flags it was trained with "
+            "(--decay-steps when --steps changed)",
+            file=sys.stderr,
+        )
     _keep_metrics(state, run.directory, trainer.steps)
     if state.rank == 0:
         saved = info.get("layout", {})
@@ -275,7 +282,10 @@ def _check_schedule(wanted: dict, saved: dict) -> None:
     if not differ:
         return
     said = "; ".join(f"{k} {_show(saved[k])} there, {_show(wanted[k])} here" for k in differ)
-    keep = " ".join(f"{_SCHEDULE_FLAG[k]} {_show(saved[k])}" for k in differ)
+    # another shape: every field of the saved one, so that the next try is not refused again
+    give = list(saved) if "lr_schedule" in differ else differ
+    give = [k for k in _SCHEDULE_FLAG if k in give and not _same(wanted.get(k), saved[k])]
+    keep = " ".join(f"{_SCHEDULE_FLAG[k]} {_show(saved[k])}" for k in give)
     why = (
         " (the decay ends at --steps unless --decay-steps is given)"
         if "decay_end" in differ

@@ -203,7 +203,10 @@ class PipelineRunner:
         try:
             schedule.step(*args, target=target, return_outputs=False)
         except RuntimeError as e:
-            raise _model_error(e) from None
+            inner = _model_error(e)
+            if inner is e:
+                raise
+            raise inner from inner.__cause__
         if self.average_after_step:
             state = self.compression_states[0] if self.compression_states else None
             average_gradients(self.model.parameters(), self.parallel, state)
@@ -260,11 +263,12 @@ class PipelineRunner:
 
 def _model_error(error: RuntimeError) -> BaseException:
     """torch's stages wrap an error of the model's own ("token id 5990 is outside the
-    vocabulary") in a RuntimeError that says only "[Stage 0] failed to run forward: args: ...":
-    the model's error is what a user needs, so it goes on, with the stage in a note."""
+    vocabulary") in a RuntimeError that says only "[Stage 0] failed to run forward: args: ..."
+    (or "Failed to run stage backward ..."): the model's error is what a user needs, so it goes
+    on, with the stage in a note. Any other error is ``error`` itself."""
     cause = error.__cause__
     message = str(error).strip()
-    if cause is None or "failed to run" not in message:
+    if cause is None or "failed to run" not in message.lower():
         return error
     if hasattr(cause, "add_note"):  # Python 3.11+
         cause.add_note(f"(in the pipeline: {message.splitlines()[0].strip()})")

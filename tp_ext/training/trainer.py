@@ -441,7 +441,9 @@ class Trainer:
     def load_checkpoint(self, path: str) -> dict:
         """Restore the state :meth:`save_checkpoint` saved, at this Trainer's layout, whatever
         (tp, pp, dp) it was saved at (every rank calls it). Returns the checkpoint's manifest
-        (``step``, ``layout``, ...)."""
+        (``step``, ``layout``, ...). The LR scheduler resumes the saved schedule: with
+        :func:`~tp_ext.training.build_lr_scheduler`, its settings too, replacing those it was
+        built with (``tp-ext train --resume`` refuses a run that asks for others)."""
         self.wait_for_checkpoint()
         return load_training_state(self, path)
 

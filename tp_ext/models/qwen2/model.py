@@ -35,7 +35,7 @@ from tp_ext.layers import (
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.sharding import StageLayout, shard_sizes
-from tp_ext.validation import as_torch_dtype
+from tp_ext.validation import ConfigError, as_torch_dtype
 
 __all__ = ["Qwen2ForCausalLM"]
 
@@ -225,17 +225,17 @@ class Qwen2ForCausalLM(ParallelModule):
         only its own slices (under ``parallel``: of its own stages' tensors). ``dtype``: default
         the checkpoint's. ``model.load_report`` holds this rank's bytes read, shard bytes and
         peak host memory during the load."""
+        if not os.path.isdir(path):
+            missing = "does not exist" if not os.path.exists(path) else "is not a directory"
+            raise ConfigError(
+                f"from_pretrained: checkpoint directory {str(path)!r} {missing} (a Hugging "
+                "Face checkpoint: config.json with model.safetensors or a sharded index)"
+            )
         if getattr(parallel, "tp_grid", None) is not None:  # tp=(P, Q): the 2D model
             from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
 
             return Qwen2ForCausalLM2D.from_pretrained(
                 path, parallel=parallel, dtype=dtype, device=device
-            )
-        if not os.path.isdir(path):
-            missing = "does not exist" if not os.path.exists(path) else "is not a directory"
-            raise checkpoint.CheckpointError(
-                f"from_pretrained: checkpoint directory {path!r} {missing} (a Hugging Face "
-                "checkpoint: config.json with model.safetensors or a sharded index)"
             )
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
