@@ -266,7 +266,7 @@ _SCHEDULE_FLAG = {
 
 
 def _schedule_of(trainer: Trainer) -> dict:
-    # base_lrs: also restored from checkpoints saved before the schedule's own fields were
+    # base_lrs: restored from every checkpoint, also those older than the saved settings
     scheduler = trainer.lr_scheduler
     return {**scheduler.lr_lambdas[0].settings(), "lr": scheduler.base_lrs[0]}
 
