@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "divisors",
     "shard_sizes",
     "shard_offsets",
     "shard_range",
@@ -27,6 +28,11 @@ __all__ = [
 def _check_count(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def divisors(n: int) -> list[int]:
+    """The degrees that split ``n`` ranks evenly, ascending (what a refused degree lists)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def shard_sizes(n: int, world_size: int) -> list[int]:

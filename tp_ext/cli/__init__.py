@@ -18,7 +18,7 @@ from tp_ext.cli.flags import BETA, RUN_FIELDS, TRAIN_FIELDS, flag_type
 from tp_ext.cli.launch import launch_variables_restored
 from tp_ext.config import CHECKPOINT_FIELDS, DTYPES, PARALLEL_FIELDS
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
-from tp_ext.sharding import STAGE_ORDERS
+from tp_ext.sharding import STAGE_ORDERS, divisors
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 
 
@@ -28,9 +28,9 @@ def _demo(args) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is not None and world % args.tp:
         if os.environ.get("RANK", "0") == "0":
-            fits = [d for d in range(1, world + 1) if world % d == 0]
             print(
-                f"tp-ext demo: --tp {args.tp} does not divide the {world} ranks; use one of {fits}",
+                f"tp-ext demo: --tp {args.tp} does not divide the {world} ranks; use one of "
+                f"{divisors(world)}",
                 file=sys.stderr,
             )
         return 2

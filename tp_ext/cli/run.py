@@ -44,6 +44,7 @@ from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
+from tp_ext.sharding import divisors
 from tp_ext.training import Trainer, build_optimizer
 from tp_ext.validation import check_fields
 
@@ -117,10 +118,6 @@ class Layout:
         )
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def degrees_of(parallel, overrides: dict, world: int) -> tuple[int, int, int]:
     """(tp, pp, dp) over ``world`` ranks: pp and dp as the flags or the config say (dp None:
     the ranks TP and PP leave), tp as --tp says (default: the ranks PP and DP leave). An error
@@ -137,7 +134,7 @@ def degrees_of(parallel, overrides: dict, world: int) -> tuple[int, int, int]:
             continue
         others = {k: v for k, v in fixed.items() if k != key}
         rest = math.prod(others.values())
-        works = [d for d in _divisors(world) if world % (d * rest) == 0]
+        works = [d for d in divisors(world) if world % (d * rest) == 0]
         if not free:
             works = [d for d in works if d * rest == world]
         given = ", ".join(f"{k}={v}" for k, v in others.items())

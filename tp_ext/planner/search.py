@@ -13,6 +13,7 @@ from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.planner.cost import DTYPE_BYTES, Estimate, Layout, estimate, usable_memory
 from tp_ext.planner.cost_2d import grid_problem
 from tp_ext.planner.hardware import Hardware, load_hardware
+from tp_ext.sharding import divisors
 
 __all__ = ["plan", "parse_bytes"]
 
@@ -39,10 +40,6 @@ def parse_bytes(text: Union[str, int, float]) -> int:
     return value
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _gib(n: float) -> str:
     return f"{n / 1024**3:.1f} GiB"
 
@@ -56,8 +53,8 @@ def _check(name: str, value, low: int = 1) -> int:
 def _grids(config: Qwen2Config, gpus: int):
     """The 2D grids (P, Q) worth costing on ``gpus`` devices: P and Q of 2 or more (a 1 x Q
     grid is 1D TP with more communication), every one the 2D model accepts."""
-    for size in _divisors(gpus):
-        for rows in _divisors(size):
+    for size in divisors(gpus):
+        for rows in divisors(size):
             grid = (rows, size // rows)
             layout = Layout(grid, 1, gpus // size, 1, 1)
             if min(grid) >= 2 and not grid_problem(config, layout):
@@ -69,12 +66,12 @@ def _candidates(
 ):
     valid_tp = set(config.valid_tp_sizes())
     layers = config.num_hidden_layers
-    tps = [tp for tp in _divisors(gpus) if tp in valid_tp]
+    tps = [tp for tp in divisors(gpus) if tp in valid_tp]
     if grids:
         tps += list(_grids(config, gpus))
     for tp in tps:
         size = tp if isinstance(tp, int) else tp[0] * tp[1]
-        for pp in _divisors(gpus // size) if isinstance(tp, int) else [1]:
+        for pp in divisors(gpus // size) if isinstance(tp, int) else [1]:
             if pp > layers:
                 continue
             dp = gpus // (size * pp)
