@@ -27,24 +27,24 @@ def _demo(args) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is not None and world % args.tp:
-        if os.environ.get("RANK", "0") == "0":
-            print(
-                f"tp-ext demo: --tp {args.tp} does not divide the {world} ranks; use one of "
-                f"{divisors(world)}",
-                file=sys.stderr,
-            )
+        # every rank says it: torchrun stops the others once the first exits
+        print(
+            f"tp-ext demo: --tp {args.tp} does not divide the {world} ranks; use one of "
+            f"{divisors(world)}",
+            file=sys.stderr,
+        )
         return 2
     return demo(args.tp)
 
 
 def _check_variables(command: str) -> int:
     """Before a command that starts process groups (demo, run, train): TP_EXT_* variables that
-    the first collective would refuse stop it here, with one line rather than a traceback from
-    every rank. Returns the exit status to stop with, or 0 to go on."""
+    the first collective would refuse stop it here, with one line per rank rather than a
+    traceback. Returns the exit status to stop with, or 0 to go on."""
     from tp_ext import ops
 
     error = ops._C._env_error()
-    if error and os.environ.get("RANK", "0") == "0":
+    if error:  # on every rank: torchrun stops the others once the first exits
         for line in error.splitlines():
             print(f"tp-ext {command}: {line.removeprefix('tp_ext: ')}", file=sys.stderr)
     return 2 if error else 0
