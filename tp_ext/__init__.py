@@ -2,7 +2,7 @@
 
 The package's layers, top to bottom (imports point down only; docs/architecture.md):
 cli > config > training > pipeline > models > parallelize, checkpoint, data > layers >
-distributed > ops > sharding, validation.
+distributed > ops > dims > sharding, validation.
 """
 
 import sys
@@ -17,6 +17,7 @@ from tp_ext import (
     ops,  # noqa: F401  (loads tp_ext._C: registers torch.ops.tp_ext.* and fakes)
     training,
 )
+from tp_ext.dims import ParallelDims
 from tp_ext.distributed import ParallelState, comm, init_parallel, parallel_state
 from tp_ext.distributed import rng as random
 from tp_ext.parallelize import auto_plan, parallelize
@@ -42,6 +43,7 @@ __all__ = [
     "init_parallel",
     "parallel_state",
     "ParallelState",
+    "ParallelDims",
     "shard_sizes",
     "shard_offsets",
     "shard_range",

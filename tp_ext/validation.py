@@ -21,6 +21,7 @@ __all__ = [
     "read_mapping",
     "check_unknown",
     "is_number",
+    "check_int",
     "as_torch_dtype",
 ]
 
@@ -79,6 +80,17 @@ def as_torch_dtype(value, arg: str = "dtype"):
         f"{arg}={value!r} is not a dtype: pass a torch.dtype (torch.bfloat16) or one of "
         f"{', '.join(DTYPE_NAMES)}"
     )
+
+
+def check_int(name: str, value, low: int = 1, high: Optional[int] = None) -> int:
+    """``value`` if it is an int (not a bool) in [low, high] (high None: no upper bound); else a
+    ValueError naming ``name``, the value and the range."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= low and (high is None or value <= high):
+            return value
+        if value >= low:
+            raise ValueError(f"{name} must be an int in [{low}, {high:,}], got {value!r}")
+    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def is_number(x) -> bool:
