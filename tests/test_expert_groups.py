@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import tp_ext
-from tp_ext.distributed.mesh import expert_groups, valid_ep
+from tp_ext.distributed.mesh import expert_groups
 
 from .dist_utils import run_distributed
 
@@ -80,7 +80,7 @@ def _check_layout(case):
 
 def test_every_rank_is_in_one_group_of_each_kind():
     ranks = torch.arange(16).view(2, 4, 2)  # pp 2, dp 4, tp 2
-    for ep in valid_ep(4, 2):
+    for ep in tp_ext.ParallelDims(tp=2, dp=4).ep_choices():
         ep_groups, edp_groups = expert_groups(ranks, ep)
         for groups in (ep_groups, edp_groups):
             assert sorted(r for g in groups for r in g) == list(range(16))

@@ -80,12 +80,85 @@ def _bad_layouts():
 
 def test_init_parallel_bad_sizes_say_what_fits():
     w, errors = run_distributed(_bad_layouts, 4)[0]
-    assert "world size 4 is not divisible by tp*pp = 3*1 = 3" in errors["{'tp': 3}"]
-    assert "these tp values fit: [1, 2, 4]" in errors["{'tp': 3}"]
-    assert "world size 4 != tp*pp*dp = 2*1*3 = 6" in errors["{'tp': 2, 'pp': 1, 'dp': 3}"]
+    assert (
+        "tp 3 does not fit the 4 ranks (world size): tp x pp x dp must equal 4"
+        in errors["{'tp': 3}"]
+    )
+    assert "tp values that work: [1, 2, 4]" in errors["{'tp': 3}"]
+    assert "dp 3 does not fit the 4 ranks (world size)" in errors["{'tp': 2, 'pp': 1, 'dp': 3}"]
     assert "tp must be an int >= 1 (1D tensor parallelism) or a pair (P, Q)" in errors["{'tp': 0}"]
     assert errors["{'tp': 0}"].endswith("got 0")
     assert "pp must be an int >= 1, got '2'" in errors["{'tp': 2, 'pp': '2'}"]
+
+
+def _dims_layout(dims):
+    """init_parallel given a ParallelDims: its groups, and the same state for the same dims
+    given as keywords."""
+    state = tp_ext.init_parallel(dims)
+    want = dims.resolve(world_size())
+    tp = want.tp if want.grid is None else want.grid
+    again = tp_ext.init_parallel(tp=tp, pp=want.pp, dp=want.dp, ep=want.ep)
+    ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+    return dict(
+        dims=state.dims,
+        degrees=(state.tp, state.pp, state.dp, state.ep),
+        grid=None if state.tp_grid is None else state.tp_grid.shape,
+        same=again is state,
+        tp=ranks(state.tp_group),
+        dp=ranks(state.dp_group),
+        pp=ranks(state.pp_group),
+    )
+
+
+@pytest.mark.parametrize(
+    "ws, dims, want",
+    [
+        (1, tp_ext.ParallelDims(), tp_ext.ParallelDims(tp=1, dp=1)),
+        (2, tp_ext.ParallelDims(tp=1), tp_ext.ParallelDims(tp=1, dp=2)),
+        (3, tp_ext.ParallelDims(pp=3, dp=1), tp_ext.ParallelDims(tp=1, pp=3, dp=1)),
+        (4, tp_ext.ParallelDims(tp=2, pp=2), tp_ext.ParallelDims(tp=2, pp=2, dp=1)),
+        (4, tp_ext.ParallelDims(tp=1, ep=4), tp_ext.ParallelDims(tp=1, dp=4, ep=4)),
+        (4, tp_ext.ParallelDims(tp=(2, 2)), tp_ext.ParallelDims(tp=(2, 2), dp=1)),
+    ],
+    ids=lambda x: x.describe() if isinstance(x, tp_ext.ParallelDims) else f"world{x}",
+)
+def test_init_parallel_takes_a_parallel_dims(ws, dims, want):
+    tp, pp, dp = want.tp_size, want.pp, want.dp
+    for r, got in enumerate(run_distributed(_dims_layout, ws, dims)):
+        assert got["dims"] == want and got["same"], got
+        assert got["degrees"] == (tp, pp, dp, want.ep) and got["grid"] == want.grid
+        tp_rank, dp_rank, pp_rank = r % tp, (r // tp) % dp, r // (tp * dp)
+        base = pp_rank * tp * dp + dp_rank * tp
+        assert got["tp"] == list(range(base, base + tp))
+        assert got["dp"] == [pp_rank * tp * dp + k * tp + tp_rank for k in range(dp)]
+        assert got["pp"] == [k * tp * dp + dp_rank * tp + tp_rank for k in range(pp)]
+
+
+def _dims_and_keywords():
+    try:
+        tp_ext.init_parallel(tp_ext.ParallelDims(tp=2), pp=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_init_parallel_refuses_dims_and_keywords_together():
+    message = run_distributed(_dims_and_keywords, 2)[0]
+    assert "give the degrees either as a ParallelDims or as tp=, pp=, dp=, ep=" in message
+    assert "{'pp': 2}" in message
+
+
+def test_old_degree_helpers_warn_and_agree():
+    from tp_ext.distributed import valid_layouts
+    from tp_ext.distributed.grid import check_grid_shape
+    from tp_ext.distributed.mesh import valid_ep
+
+    with pytest.warns(DeprecationWarning, match="ParallelDims.tp_choices"):
+        assert valid_layouts(8, 2) == tp_ext.ParallelDims.tp_choices(8, 2) == [1, 2, 4]
+    with pytest.warns(DeprecationWarning, match="ep_choices"):
+        assert valid_ep(4, 2) == [1, 2, 4, 8]
+    with pytest.warns(DeprecationWarning, match="grid_shape_of"):
+        assert check_grid_shape([2, 3]) == (2, 3)
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_local_rank(monkeypatch):

@@ -11,9 +11,11 @@ split policy (:func:`tp_ext.shard_sizes`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch.distributed as dist
 
+from tp_ext.dims import grid_shape_of
 from tp_ext.distributed.groups import GroupLike, TPGroup, resolve_group
 
 __all__ = ["TPGrid", "make_tp_grid", "check_grid_shape"]
@@ -48,15 +50,13 @@ class TPGrid:
 
 
 def check_grid_shape(tp) -> tuple[int, int]:
-    """``tp`` as a grid shape (P, Q), both ints >= 1."""
-    ok = isinstance(tp, (tuple, list)) and len(tp) == 2
-    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in tp)
-    if not ok:
-        raise ValueError(
-            f"tp must be an int >= 1 (1D tensor parallelism) or a pair (P, Q) of ints >= 1 "
-            f"(a P x Q grid of 2D tensor parallelism), got {tp!r}"
-        )
-    return int(tp[0]), int(tp[1])
+    """Deprecated: :func:`tp_ext.dims.grid_shape_of`."""
+    warnings.warn(
+        "tp_ext.distributed.grid.check_grid_shape is deprecated; use tp_ext.dims.grid_shape_of",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return grid_shape_of(tp)
 
 
 def make_tp_grid(rows: int, cols: int, tp_group: GroupLike = None, *, all_tp_ranks=None) -> TPGrid:
@@ -67,7 +67,7 @@ def make_tp_grid(rows: int, cols: int, tp_group: GroupLike = None, *, all_tp_ran
     ``all_tp_ranks`` lists the global ranks of each TP group, by TP rank (default: this one
     group, which must then hold every process). Without torch.distributed (a group of one) the
     groups are groups of one."""
-    rows, cols = check_grid_shape((rows, cols))
+    rows, cols = grid_shape_of((rows, cols))
     tp = resolve_group(tp_group)
     if tp.size != rows * cols:
         raise ValueError(

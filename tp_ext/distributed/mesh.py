@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tp_ext.dims import ParallelDims
 from tp_ext.distributed import peers
-from tp_ext.distributed.grid import TPGrid, check_grid_shape, make_tp_grid
+from tp_ext.distributed.grid import TPGrid, make_tp_grid
 from tp_ext.distributed.state import PROCESS
 
 __all__ = [
@@ -44,20 +45,37 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
+    """The groups :func:`init_parallel` made for ``dims`` (resolved: every degree filled) and
+    this rank's place in them. ``tp``, ``pp``, ``dp`` and ``ep`` read ``dims`` (``tp`` is the
+    TP group's size, P * Q for a grid; ``tp_grid`` then holds the grid's row and column groups)."""
+
     mesh: DeviceMesh
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
-    tp: int
-    pp: int
-    dp: int
+    dims: ParallelDims
     rank: int
     device: torch.device
     backend: str
     tp_grid: Optional[TPGrid] = None  # tp=(P, Q): the 2D grid of the TP ranks
-    ep: int = 1
     ep_group: Optional[dist.ProcessGroup] = None  # the ranks that share out the experts
     expert_dp_group: Optional[dist.ProcessGroup] = None  # the ranks holding the same experts
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp_size
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
 
     @property
     def tp_rank(self) -> int:
@@ -84,44 +102,24 @@ def parallel_state() -> ParallelState:
 
 
 def valid_layouts(world_size: int, pp: int = 1) -> list[int]:
-    """TP degrees that fit ``world_size`` ranks with pipeline degree ``pp``."""
-    if world_size % pp:
-        return []
-    rest = world_size // pp
-    return [tp for tp in range(1, rest + 1) if rest % tp == 0]
-
-
-def _check_degree(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _resolve_sizes(world: int, tp: int, pp: int, dp: Optional[int]) -> int:
-    _check_degree("tp", tp)
-    _check_degree("pp", pp)
-    if dp is None:
-        if world % (tp * pp):
-            raise ValueError(
-                f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                f"with pp={pp} these tp values fit: {valid_layouts(world, pp) or 'none'}"
-            )
-        return world // (tp * pp)
-    _check_degree("dp", dp)
-    if tp * pp * dp != world:
-        raise ValueError(
-            f"world size {world} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
-            f"with pp={pp} these tp values fit: {valid_layouts(world, pp) or 'none'} "
-            f"(leave dp=None to use the remaining ranks for data parallelism)"
-        )
-    return dp
+    """Deprecated: :meth:`tp_ext.ParallelDims.tp_choices`."""
+    warnings.warn(
+        "tp_ext.distributed.valid_layouts is deprecated; use tp_ext.ParallelDims.tp_choices",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return ParallelDims.tp_choices(world_size, pp)
 
 
 def valid_ep(dp: int, tp: int) -> list[int]:
-    """Expert-parallel degrees that fit a stage of dp x tp ranks: the divisors of dp, and dp
-    times a divisor of tp."""
-    from_dp = {e for e in range(1, dp + 1) if dp % e == 0}
-    with_tp = {dp * t for t in range(1, tp + 1) if tp % t == 0}
-    return sorted(from_dp | with_tp)
+    """Deprecated: ``ParallelDims(tp=tp, dp=dp).ep_choices()``."""
+    warnings.warn(
+        "tp_ext.distributed.mesh.valid_ep is deprecated; use "
+        "tp_ext.ParallelDims(tp=tp, dp=dp).ep_choices()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return ParallelDims(tp=tp, dp=dp).ep_choices()
 
 
 def expert_groups(mesh_ranks, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -226,71 +224,86 @@ def init_parallel(
     if it is not up yet). Backend: NCCL when every local rank can have its own GPU, else gloo
     (:func:`default_backend`), unless ``backend`` says.
     ``timeout`` bounds every collective, so a dead rank makes the others fail instead of waiting.
+
+    The degrees: a :class:`tp_ext.ParallelDims` as the first argument
+    (``init_parallel(ParallelDims(tp=2, pp=2))``), or ``tp``, ``pp``, ``dp``, ``ep`` as keywords;
+    either way :meth:`ParallelDims.resolve` fills what is left over the world size (``dp=None``:
+    the ranks TP and PP leave) and names a degree that does not fit. ``state.dims`` holds them.
     ``tp=(P, Q)``: 2D tensor parallelism on a P x Q grid of P * Q TP ranks (``state.tp_grid``,
     :class:`tp_ext.distributed.grid.TPGrid`); ``state.tp`` is then P * Q. ``ep=E``: expert
     parallelism over E ranks of each pipeline stage (``state.ep_group``,
-    ``state.expert_dp_group``; see the module doc).
+    ``state.expert_dp_group``; see the module doc). Called again with the same degrees, it
+    returns the same state (making groups again would be a collective).
     """
-    _check_degree("ep", ep)
-    one_d = isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1
-    grid_shape = None if one_d else check_grid_shape(tp)  # (raises for anything else)
-    if grid_shape is not None:
-        tp = grid_shape[0] * grid_shape[1]
+    dims = _dims_from(tp, pp, dp, ep)  # bad values are refused before any rank connects
     if not dist.is_initialized():
-        missing = [
-            v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
-        ]
-        if missing:
-            raise RuntimeError(
-                f"init_parallel needs torchrun's environment; {', '.join(missing)} not set. Launch "
-                "with `torchrun --nproc-per-node N script.py`, or call "
-                "torch.distributed.init_process_group yourself first."
-            )
-        if backend is None:
-            backend = default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        store = _attempt_store(timeout)
-        try:
-            if store is None:
-                dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-            else:
-                dist.init_process_group(
-                    backend=backend,
-                    store=store,
-                    rank=int(os.environ["RANK"]),
-                    world_size=int(os.environ["WORLD_SIZE"]),
-                    timeout=timeout,
-                )
-        except dist.DistNetworkError as e:
-            if "closed" not in str(e):  # not a lost store (no store at that address, ...)
-                raise
-            raise _lost_rendezvous(e, timeout) from e
-    backend = dist.get_backend()
-    world = dist.get_world_size()
-    dp = _resolve_sizes(world, tp, pp, dp)
-    if ep not in valid_ep(dp, tp):
-        raise ValueError(
-            f"ep={ep} does not fit a pipeline stage of dp={dp} x tp={tp} ranks: the expert group "
-            f"is taken from the DP ranks (ep dividing dp), then from the TP ranks too (dp times "
-            f"a divisor of tp); these work: {valid_ep(dp, tp)}"
-        )
+        _init_process_group(backend, timeout)
+    dims = dims.resolve(dist.get_world_size(), world_name="world size")
     current = PROCESS.parallel
-    current_grid = None if current is None or current.tp_grid is None else current.tp_grid.shape
-    if current is not None and (current.tp, current.pp, current.dp, current.ep, current_grid) == (
-        tp,
-        pp,
-        dp,
-        ep,
-        grid_shape,
-    ):
-        return current  # same layout: reuse the groups (making them again is a collective)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if current is not None and current.dims == dims:
+        return current  # same degrees: reuse the groups (making them again is a collective)
+    PROCESS.parallel = _make_state(dims)
+    peers.record(dist.group.WORLD)  # lets errors name a rank that died (one small all-gather)
+    return PROCESS.parallel
+
+
+def _dims_from(tp, pp, dp, ep) -> ParallelDims:
+    """The degrees init_parallel was given: a ParallelDims, or its keyword arguments."""
+    if not isinstance(tp, ParallelDims):
+        return ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep)
+    defaults = {"pp": 1, "dp": None, "ep": 1}
+    also = {k: v for k, v in zip(defaults, (pp, dp, ep)) if v != defaults[k]}
+    if also:
+        raise ValueError(
+            f"init_parallel: got {tp!r} and also {also}: give the degrees either as a "
+            "ParallelDims or as tp=, pp=, dp=, ep=, not both (ParallelDims.replace changes one)"
+        )
+    return tp
+
+
+def _init_process_group(backend: Optional[str], timeout: datetime.timedelta) -> None:
+    """The default process group, from torchrun's env:// variables."""
+    missing = [
+        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            f"init_parallel needs torchrun's environment; {', '.join(missing)} not set. Launch "
+            "with `torchrun --nproc-per-node N script.py`, or call "
+            "torch.distributed.init_process_group yourself first."
+        )
+    if backend is None:
+        backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    store = _attempt_store(timeout)
+    try:
+        if store is None:
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+    except dist.DistNetworkError as e:
+        if "closed" not in str(e):  # not a lost store (no store at that address, ...)
+            raise
+        raise _lost_rendezvous(e, timeout) from e
+
+
+def _make_state(dims: ParallelDims) -> ParallelState:
+    """The mesh and every group of ``dims`` (resolved), and this rank's state in them."""
+    backend = dist.get_backend()
+    tp = dims.tp_size
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if tp > local_world or local_world % tp:
         warnings.warn(
             f"tp={tp} does not fit inside a node of {local_world} ranks: TP all-reduces will "
             "cross nodes. Prefer a tp that divides the ranks per node.",
-            stacklevel=2,
+            stacklevel=3,
         )
     device_type = "cuda" if backend == "nccl" else "cpu"
     device = (
@@ -298,28 +311,23 @@ def init_parallel(
         if device_type == "cuda"
         else torch.device("cpu")
     )
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     tp_grid = None
-    if grid_shape is not None:
+    if dims.grid is not None:
         every_tp_group = mesh.mesh.reshape(-1, tp).tolist()  # [pp * dp TP groups][tp ranks]
-        tp_grid = make_tp_grid(*grid_shape, mesh.get_group("tp"), all_tp_ranks=every_tp_group)
-    PROCESS.parallel = ParallelState(
+        tp_grid = make_tp_grid(*dims.grid, mesh.get_group("tp"), all_tp_ranks=every_tp_group)
+    return ParallelState(
         mesh=mesh,
         tp_group=mesh.get_group("tp"),
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"),
-        tp=tp,
-        pp=pp,
-        dp=dp,
+        dims=dims,
         rank=dist.get_rank(),
         device=device,
         backend=backend,
         tp_grid=tp_grid,
-        ep=ep,
-        **_expert_process_groups(mesh, ep),
+        **_expert_process_groups(mesh, dims.ep),
     )
-    peers.record(dist.group.WORLD)  # lets errors name a rank that died (one small all-gather)
-    return PROCESS.parallel
 
 
 def _expert_process_groups(mesh: DeviceMesh, ep: int) -> dict:
