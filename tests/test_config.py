@@ -339,3 +339,30 @@ def test_original_qwen_config_json_reads_exactly(tmp_path):
             intermediate_size=44,
         )
     )
+
+
+def test_parallel_section_holds_its_degrees_as_parallel_dims():
+    from tp_ext import ParallelDims
+    from tp_ext.config import PARALLEL_FIELDS, job_dims
+    from tp_ext.dims import MAX_DEGREE, MAX_VIRTUAL_STAGES
+
+    settings = ParallelSettings(tp=2, pp=2, schedule="Interleaved1F1B", virtual_stages=2)
+    assert settings.dims == ParallelDims(tp=2, pp=2, dp=None, virtual_stages=2)
+    # the bounds of the degrees are ParallelDims' own (one place)
+    assert [PARALLEL_FIELDS[k].high for k in ("tp", "pp", "dp")] == [MAX_DEGREE] * 3
+    assert PARALLEL_FIELDS["virtual_stages"].high == MAX_VIRTUAL_STAGES
+    dims = settings.dims.resolve(8)
+    assert settings.describe(dims) == (
+        "layout tp=2 x pp=2 x dp=2 on 8 ranks; pipeline schedule Interleaved1F1B, 4 stages "
+        "(2 per rank, loop order), 4 micro-batches per step; data parallel ddp over 2 replicas; "
+        "activation checkpointing off"
+    )
+    # a command's job: tp from --tp only (the config's tp is not the job's), named as given
+    assert job_dims(settings, {}, 8) == ParallelDims(tp=4, pp=2, dp=1, virtual_stages=2)
+    assert job_dims(settings, {"tp": 2}, 8) == ParallelDims(tp=2, pp=2, dp=2, virtual_stages=2)
+    with pytest.raises(ValueError) as e:
+        job_dims(settings, {"tp": 3}, 8)
+    assert str(e.value) == (
+        "--tp 3 does not fit the 8 ranks (WORLD_SIZE): tp x pp x dp must equal 8 (with pp=2); "
+        "--tp values that work: [1, 2, 4]"
+    )

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from tp_ext.cli import main
-from tp_ext.cli.run import degrees_of
-from tp_ext.config import JobConfig, ParallelSettings
+from tp_ext.config import JobConfig, ParallelSettings, job_dims
 from tp_ext.models import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,7 +250,8 @@ def test_layouts_that_cannot_run_exit_2_naming_the_flag(world, flags, message, c
 
 def test_degrees_fill_what_is_left():
     def degrees(world, tp=None, **parallel):
-        return degrees_of(ParallelSettings(**parallel), {"tp": tp}, world)
+        dims = job_dims(ParallelSettings(**parallel), {"tp": tp}, world)
+        return dims.tp, dims.pp, dims.dp
 
     assert degrees(8) == (8, 1, 1)  # TP takes every rank, as before
     assert degrees(8, pp=2) == (4, 2, 1)

@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from tp_ext.data import TOKEN_DTYPES
+from tp_ext.dims import MAX_DEGREE, MAX_VIRTUAL_STAGES, ParallelDims
 from tp_ext.models import Qwen2Config
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
 from tp_ext.pipeline.schedules import check_micro_batches
@@ -46,13 +47,15 @@ __all__ = [
     "PARALLEL_FIELDS",
     "check_pipeline_fields",
     "default_micro_batches",
+    "flag_namer",
+    "job_dims",
 ]
 
 DTYPES = DTYPE_NAMES
 
-# Degrees up to 2**16 ranks, far beyond any cluster tp_ext targets; seeds up to 2**62:
-# torch.manual_seed takes 64 bits, and the job adds small offsets to the seed.
-_DEGREE = Field("int", 1, 2**16)
+# The degrees' bounds are ParallelDims' (tp_ext.dims); seeds up to 2**62: torch.manual_seed
+# takes 64 bits, and the job adds small offsets to the seed.
+_DEGREE = Field("int", 1, MAX_DEGREE)
 PARALLEL_FIELDS = {
     "tp": _DEGREE,
     "pp": _DEGREE,
@@ -60,8 +63,7 @@ PARALLEL_FIELDS = {
     "dtype": Field("choice", choices=DTYPES),
     "seed": Field("int", 0, 2**62),
     "schedule": Field("choice", choices=tuple(SCHEDULES)),
-    # more stages per rank than this is never faster: each adds a send per micro-batch
-    "virtual_stages": Field("int", 1, 64),
+    "virtual_stages": Field("int", 1, MAX_VIRTUAL_STAGES),
     "data_parallel": Field("choice", choices=DATA_PARALLEL),
     "micro_batches": Field("int", 1, 1024),
     "activation_checkpointing": Field("bool"),
@@ -80,6 +82,19 @@ class _Stages:
     def __init__(self, pp: int, virtual_stages: int) -> None:
         self.pp, self.virtual_stages = pp, virtual_stages
         self.num_stages = pp * virtual_stages
+
+
+def flag_namer(overrides: dict) -> Callable[[str], str]:
+    """How a parallel field is called in a message: as the flag the user typed (``--pp``), or
+    as the config field it came from (``parallel.pp``). ``overrides``: the fields the flags set
+    (None: not given)."""
+
+    def name(field: str) -> str:
+        if overrides.get(field) is not None:
+            return "--" + field.replace("_", "-")
+        return f"parallel.{field}"
+
+    return name
 
 
 def check_pipeline_fields(values: dict[str, Any], name: Callable[[str], str]) -> None:
@@ -161,6 +176,38 @@ class ParallelSettings:
         """The stage order the schedule needs: "v" for ZBVZeroBubble and DualPipeV, else
         "loop"."""
         return SCHEDULES[self.schedule].order
+
+    @property
+    def dims(self) -> ParallelDims:
+        """This section's degrees (tp, pp, dp, virtual_stages) as the one record of them; dp
+        None until :meth:`ParallelDims.resolve` fills it."""
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, virtual_stages=self.virtual_stages)
+
+    def describe(self, dims: ParallelDims) -> str:
+        """One line for a job of these settings at ``dims`` (resolved): its ranks, pipeline
+        and data parallelism."""
+        stages = dims.stages
+        per_rank = f"{dims.virtual_stages} per rank" + (
+            f", {self.stage_order} order" if dims.virtual_stages > 1 else ""
+        )
+        return (
+            f"layout tp={dims.tp} x pp={dims.pp} x dp={dims.dp} on {dims.world_size} "
+            f"ranks; pipeline schedule {self.schedule}, {stages} stage{'s' * (stages > 1)} "
+            f"({per_rank}), {self.pipeline_micro_batches} micro-batches per step; data parallel "
+            + (f"{self.data_parallel} over {dims.dp} replicas" if dims.dp > 1 else "none (dp=1)")
+            + f"; activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
+        )
+
+
+def job_dims(parallel: ParallelSettings, overrides: dict, world_size: int) -> ParallelDims:
+    """The dims of a command's job (``tp-ext run``, ``tp-ext train``) over ``world_size``
+    ranks: pp, dp and virtual_stages as the flags or the config say (dp None: the ranks TP and
+    PP leave), tp as ``--tp`` says (not given: the ranks PP and DP leave; the config's
+    parallel.tp is the degree ``tp-ext plan`` prints the footprint at). The one resolver's
+    errors name each degree as the user gave it (:func:`flag_namer`)."""
+    return parallel.dims.replace(tp=overrides.get("tp")).resolve(
+        world_size, name=flag_namer(overrides), world_name="WORLD_SIZE"
+    )
 
 
 # A token file of ~10^12 tokens at most, sequences up to 2**20; batches up to 2**24 sequences.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import time
@@ -38,13 +37,19 @@ from tp_ext.checkpoint import peak_rss_bytes
 from tp_ext.cli.flags import RUN_FIELDS
 from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
-from tp_ext.config import PARALLEL_FIELDS, JobConfig, check_pipeline_fields
+from tp_ext.config import (
+    PARALLEL_FIELDS,
+    JobConfig,
+    check_pipeline_fields,
+    flag_namer,
+    job_dims,
+)
 from tp_ext.debug import trace
+from tp_ext.dims import ParallelDims
 from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
-from tp_ext.sharding import divisors
 from tp_ext.training import Trainer, build_optimizer
 from tp_ext.validation import check_fields
 
@@ -78,84 +83,6 @@ _SEQ = 32  # tokens per training sequence
 _ROWS = 4  # sequences per micro-batch
 
 
-def flag_namer(overrides: dict):
-    """How a parallel field is called in a message: as the flag the user typed, or as the
-    config field it came from."""
-
-    def name(field: str) -> str:
-        if overrides.get(field) is not None:
-            return "--" + field.replace("_", "-")
-        return f"parallel.{field}"
-
-    return name
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The job's ranks (TP x PP x DP) and how its pipeline and data parallelism run."""
-
-    tp: int
-    pp: int
-    dp: int
-    schedule: str
-    virtual_stages: int
-    stage_order: str
-    data_parallel: str
-    micro_batches: int
-    activation_checkpointing: bool
-
-    def describe(self) -> str:
-        stages = self.pp * self.virtual_stages
-        per_rank = f"{self.virtual_stages} per rank" + (
-            f", {self.stage_order} order" if self.virtual_stages > 1 else ""
-        )
-        return (
-            f"layout tp={self.tp} x pp={self.pp} x dp={self.dp} on {self.tp * self.pp * self.dp} "
-            f"ranks; pipeline schedule {self.schedule}, {stages} stage{'s' * (stages > 1)} "
-            f"({per_rank}), {self.micro_batches} micro-batches per step; data parallel "
-            + (f"{self.data_parallel} over {self.dp} replicas" if self.dp > 1 else "none (dp=1)")
-            + f"; activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
-        )
-
-
-def degrees_of(parallel, overrides: dict, world: int) -> tuple[int, int, int]:
-    """(tp, pp, dp) over ``world`` ranks: pp and dp as the flags or the config say (dp None:
-    the ranks TP and PP leave), tp as --tp says (default: the ranks PP and DP leave). An error
-    names the first degree that does not fit, and the values of it that would."""
-    name = flag_namer(overrides)
-    degrees = {"pp": parallel.pp, "dp": parallel.dp, "tp": overrides.get("tp")}
-    fixed = {k: v for k, v in degrees.items() if v is not None}
-    free = len(fixed) < len(degrees)
-    product = 1
-    for i, (key, value) in enumerate(fixed.items()):
-        product *= value
-        last = i == len(fixed) - 1
-        if world % product == 0 and (free or not last or product == world):
-            continue
-        others = {k: v for k, v in fixed.items() if k != key}
-        rest = math.prod(others.values())
-        works = [d for d in divisors(world) if world % (d * rest) == 0]
-        if not free:
-            works = [d for d in works if d * rest == world]
-        given = ", ".join(f"{k}={v}" for k, v in others.items())
-        raise ValueError(
-            f"{name(key)} {value} does not fit the {world} ranks (WORLD_SIZE): tp x pp x dp must "
-            f"equal {world}{f' (with {given})' if given else ''}; "
-            + (
-                f"{name(key)} values that work: {works}"
-                if works
-                else f"no value of {name(key)} works with {given}"
-            )
-        )
-    pp, dp, tp = degrees["pp"], degrees["dp"], degrees["tp"]
-    if tp is None:
-        dp = dp or 1
-        tp = world // (pp * dp)
-    elif dp is None:
-        dp = world // (tp * pp)
-    return tp, pp, dp
-
-
 @dataclasses.dataclass
 class _Job:
     config_path: str
@@ -163,7 +90,7 @@ class _Job:
     small_job: JobConfig
     small: Qwen2Config
     dtype: torch.dtype  # of the small model: --dtype, else float32 (parity exact to 1e-4)
-    layout: Layout
+    dims: ParallelDims  # resolved: every degree filled
     steps: int
     max_new_tokens: int
     max_grad_norm: float
@@ -199,20 +126,19 @@ def run(
         job.model.check_tp(overrides["tp"])
     small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
     small = small_job.model if small_path else job.model.tiny()
-    tp, pp, dp = degrees_of(job.parallel, overrides, world)
-    job.model.check_tp(tp)
-    small.check_tp(tp)
-    p = job.parallel
-    stages = pp * p.virtual_stages
-    if small.num_hidden_layers < stages:
+    dims = job_dims(job.parallel, overrides, world)
+    job.model.check_tp(dims.tp)
+    small.check_tp(dims.tp)
+    if small.num_hidden_layers < dims.stages:
         if small_path:
             name = flag_namer(overrides)
             raise ValueError(
                 f"--small {small_path}: its {small.num_hidden_layers} decoder layers cannot fill "
-                f"{name('pp')} {pp} x {name('virtual_stages')} {p.virtual_stages} = {stages} "
-                f"pipeline stages (each needs a layer); give a model of at least {stages} layers"
+                f"{name('pp')} {dims.pp} x {name('virtual_stages')} {dims.virtual_stages} = "
+                f"{dims.stages} pipeline stages (each needs a layer); give a model of at least "
+                f"{dims.stages} layers"
             )
-        small = small.replace(num_hidden_layers=stages)  # the tiny model: a layer per stage
+        small = small.replace(num_hidden_layers=dims.stages)  # the tiny model: a layer per stage
     if _PROMPT + max_new_tokens > small.max_position_embeddings:
         raise ValueError(
             f"--max-new-tokens {max_new_tokens} plus the {_PROMPT}-token prompt exceeds the small "
@@ -220,31 +146,20 @@ def run(
         )
     if workdir is not None:
         check_workdir(workdir)
-    layout = Layout(
-        tp,
-        pp,
-        dp,
-        p.schedule,
-        p.virtual_stages,
-        p.stage_order,
-        p.data_parallel,
-        p.pipeline_micro_batches,
-        p.activation_checkpointing,
-    )
     inputs = _Job(
         config_path,
         job,
         small_job,
         small,
         getattr(torch, overrides.get("dtype") or "float32"),
-        layout,
+        dims,
         steps,
         max_new_tokens,
         max_grad_norm,
         profile_dir,
     )
     one_process_unless_launched("run")
-    state = init_parallel(tp=tp, pp=pp, dp=dp)
+    state = init_parallel(dims)
     path = None
     try:
         made = comm.everywhere(
@@ -308,8 +223,8 @@ def _whole_state_dict(model) -> dict[str, torch.Tensor]:
 
 def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: float) -> int:
     job, small_job, small, dtype = inputs.job, inputs.small_job, inputs.small, inputs.dtype
-    layout, steps = inputs.layout, inputs.steps
-    micro_batches = layout.micro_batches
+    settings, steps = job.parallel, inputs.steps
+    micro_batches = settings.pipeline_micro_batches
     max_new_tokens, max_grad_norm = inputs.max_new_tokens, inputs.max_grad_norm
     full, config_path = job.model, inputs.config_path
     device = state.device
@@ -325,7 +240,7 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
         f"tp-ext run: {world} ranks (tp={state.tp}, pp={state.pp}, dp={state.dp}), backend "
         f"{state.backend}, torch {torch.__version__}, device {device}"
     )
-    say(f"  {layout.describe()}")
+    say(f"  {settings.describe(inputs.dims)}")
     say(
         f"\n[1] footprint of {os.path.basename(config_path)} ({full.architecture}) at "
         f"TP={state.tp}, on the meta device"
@@ -360,8 +275,8 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
     # -- 3. sharded load, parity with the single-process model -----------------------------------
     build = {
         "parallel": state,
-        "virtual_stages": layout.virtual_stages,
-        "stage_order": layout.stage_order,
+        "virtual_stages": settings.virtual_stages,
+        "stage_order": settings.stage_order,
     }
     t0 = time.perf_counter()
     model = Qwen2ForCausalLM.from_pretrained(hf_dir, device=device, **build)
@@ -411,9 +326,9 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
         lambda params: build_optimizer(model, small_job.optimizer),
         max_grad_norm=max_grad_norm,
         parallel=state,
-        schedule=layout.schedule,
-        data_parallel=layout.data_parallel,
-        activation_checkpointing=layout.activation_checkpointing,
+        schedule=settings.schedule,
+        data_parallel=settings.data_parallel,
+        activation_checkpointing=settings.activation_checkpointing,
         autocast_dtype=autocast,
     )
     batch = _data(small, _ROWS * micro_batches * state.dp, _SEQ, seed=small_job.parallel.seed + 2)
@@ -431,8 +346,8 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
     train_tokens = batch.numel() * steps
     say(
         f"\n[4] {steps} training steps (AdamW lr {small_job.optimizer.lr:g}, schedule "
-        f"{layout.schedule}, {micro_batches} micro-batches of {_ROWS} x {_SEQ} tokens per replica "
-        f"per step, {state.dp} replica{'s' * (state.dp > 1)}, clip {max_grad_norm}): loss "
+        f"{settings.schedule}, {micro_batches} micro-batches of {_ROWS} x {_SEQ} tokens per "
+        f"replica per step, {state.dp} replica{'s' * (state.dp > 1)}, clip {max_grad_norm}): loss "
         + " -> ".join(f"{x:.3f}" for x in losses)
     )
     every_rank = _gather_rows(losses, device)
@@ -590,6 +505,6 @@ def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: flo
     passed = comm.all_reduce(flags, "min", group=dist.group.WORLD).item() == 1.0
     say(
         f"\n{'all checks passed' if passed else 'SOME CHECKS FAILED'} on {world} ranks "
-        f"({layout.describe()}) in {time.perf_counter() - t_start:.1f} s"
+        f"({settings.describe(inputs.dims)}) in {time.perf_counter() - t_start:.1f} s"
     )
     return 0 if passed else 1

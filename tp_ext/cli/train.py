@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 import tp_ext
 from tp_ext.cli.launch import one_process_unless_launched
-from tp_ext.cli.run import degrees_of, flag_namer
-from tp_ext.config import JobConfig, check_pipeline_fields
+from tp_ext.config import JobConfig, check_pipeline_fields, flag_namer, job_dims
 from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
@@ -55,9 +54,7 @@ class _Run:
     steps: int
     resume: bool
     max_grad_norm: float
-    tp: int
-    pp: int
-    dp: int
+    dims: tp_ext.ParallelDims  # resolved: every degree filled
     micro_batches: int
 
 
@@ -80,7 +77,7 @@ def train(
     checkpoint["async_save"] = async_save
     run = _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm)
     one_process_unless_launched("train")
-    state = init_parallel(tp=run.tp, pp=run.pp, dp=run.dp)
+    state = init_parallel(run.dims)
     try:
         status = _train(state, run)
         # Every rank done before any tears its connections down: a rank still finishing its
@@ -111,8 +108,8 @@ def _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_nor
         raise ConfigError(f"--checkpoint-dir {job.checkpoint.dir} exists and is not a directory")
     tokens = TokenFile(job.data.path, job.data.dtype)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp, dp = degrees_of(job.parallel, overrides, world)
-    job.model.check_tp(tp)
+    dims = job_dims(job.parallel, overrides, world)
+    job.model.check_tp(dims.tp)
     if job.data.seq_len > job.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len {job.data.seq_len} is above the model's max_position_embeddings "
@@ -120,28 +117,26 @@ def _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_nor
             f"{job.model.max_position_embeddings} tokens"
         )
     name = flag_namer(overrides)
-    micro_batches = job.data.micro_batches(dp)
+    micro_batches = job.data.micro_batches(dims.dp)
     p = job.parallel
     if p.micro_batches is not None and p.micro_batches != micro_batches:
         raise ConfigError(
             f"{name('micro_batches')} {p.micro_batches} disagrees with the data section: "
-            f"data.global_batch {job.data.global_batch} / (dp {dp} x data.micro_batch_size "
+            f"data.global_batch {job.data.global_batch} / (dp {dims.dp} x data.micro_batch_size "
             f"{job.data.micro_batch_size}) = {micro_batches} micro-batches per step; leave "
             f"{name('micro_batches')} out"
         )
-    fields = dict(dataclasses.asdict(p), pp=pp, micro_batches=micro_batches)
+    fields = dict(dataclasses.asdict(p), pp=dims.pp, micro_batches=micro_batches)
     check_pipeline_fields(
         fields, lambda f: "data.global_batch" if f == "micro_batches" else name(f)
     )
-    stages = pp * p.virtual_stages
-    if job.model.num_hidden_layers < stages:
+    if job.model.num_hidden_layers < dims.stages:
         raise ConfigError(
-            f"the model's {job.model.num_hidden_layers} decoder layers cannot fill {stages} "
-            f"pipeline stages ({name('pp')} {pp} x {name('virtual_stages')} {p.virtual_stages})"
+            f"the model's {job.model.num_hidden_layers} decoder layers cannot fill {dims.stages} "
+            f"pipeline stages ({name('pp')} {dims.pp} x {name('virtual_stages')} "
+            f"{dims.virtual_stages})"
         )
-    return _Run(
-        job, tokens, job.checkpoint.dir, steps, resume, max_grad_norm, tp, pp, dp, micro_batches
-    )
+    return _Run(job, tokens, job.checkpoint.dir, steps, resume, max_grad_norm, dims, micro_batches)
 
 
 def _build(state, run: _Run):
