@@ -14,7 +14,8 @@ with a JSON manifest) holds:
   ``compression.rank<r>.<parameter>`` (int8 / 1-bit; PowerSGD's ``<parameter>.powersgd_error``
   and its step count) (restored at the same layout and method; elsewhere they
   start at zero, with a warning);
-- in the manifest (JSON, no pickle): the step, the layout, the optimizer's hyperparameters,
+- in the manifest (JSON, no pickle): the step, the dims (``ParallelDims.as_dict()``; also the
+  older "layout" entry: tp, pp, dp, world size, pipeline stages), the optimizer's hyperparameters,
   the LR schedule's, loss scale's and data position's ``state_dict()``.
 
 Exactness: at the same layout every tensor and stream is restored as it was, so the resumed run
@@ -44,9 +45,15 @@ from tp_ext.checkpoint.dcp import (
     write_checkpoint,
 )
 from tp_ext.compression.hooks import SERVER
+from tp_ext.dims import ParallelDims
 from tp_ext.distributed import rng
 
-__all__ = ["save_training_state", "load_training_state", "materialise_optimizer_state"]
+__all__ = [
+    "save_training_state",
+    "load_training_state",
+    "materialise_optimizer_state",
+    "dims_of",
+]
 
 OPTIMIZER_PREFIX = "optimizer."
 
@@ -59,22 +66,50 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def layout_of(trainer) -> dict:
-    """The rank layout a checkpoint was saved at (RNG streams are restored only at the same)."""
+def dims_of(trainer) -> ParallelDims:
+    """The degrees ``trainer`` runs at (virtual stages: its model's, 1 without a pipeline)."""
     parallel = trainer.parallel
     if parallel is None:
         dp = 1 if trainer.dp_group is None else trainer.dp_group.size
-        return {"tp": trainer.tp.size, "pp": 1, "dp": dp, "world": _world_size()}
+        return ParallelDims(tp=trainer.tp.size, pp=1, dp=dp)
     stages = getattr(trainer.model, "stage_layout", None)
-    return {
-        "tp": parallel.tp,
-        "pp": parallel.pp,
-        "dp": parallel.dp,
-        "world": _world_size(),
-        "stage_layers": None if stages is None else stages.layer_counts,
-        "stage_order": None if stages is None else stages.order,
-        "schedule": trainer.runner.schedule.name if trainer.runner is not None else None,
-    }
+    return parallel.dims.replace(virtual_stages=1 if stages is None else stages.virtual_stages)
+
+
+def _layout_record(trainer) -> dict:
+    """The manifest's "layout", as tp_ext has always written it (``tp`` the TP group's size),
+    for the readers of older checkpoints: the degrees, world size and pipeline stages."""
+    dims = dims_of(trainer)
+    record = {"tp": dims.tp_size, "pp": dims.pp, "dp": dims.dp, "world": _world_size()}
+    if trainer.parallel is None:
+        return record
+    stages = getattr(trainer.model, "stage_layout", None)
+    return dict(
+        record,
+        stage_layers=None if stages is None else stages.layer_counts,
+        stage_order=None if stages is None else stages.order,
+        schedule=trainer.runner.schedule.name if trainer.runner is not None else None,
+    )
+
+
+def _same_dims(info: dict, trainer) -> bool:
+    """Whether the checkpoint was saved at this trainer's dims and pipeline stages (RNG streams
+    and compression residuals carry over only then). A checkpoint from before "dims" was
+    written is judged by its "layout" alone."""
+    saved = info.get("dims")
+    same = saved is None or saved == dims_of(trainer).as_dict()
+    return same and info.get("layout") == _layout_record(trainer)
+
+
+def layout_of(trainer) -> dict:
+    """Deprecated: :func:`dims_of` (the degrees) is the record of where a checkpoint was saved;
+    this is the manifest's older "layout" entry."""
+    warnings.warn(
+        "tp_ext.training.state.layout_of is deprecated; use dims_of (a tp_ext.ParallelDims)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _layout_record(trainer)
 
 
 # ---- optimizer state ----------------------------------------------------------------------------
@@ -300,7 +335,8 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
         "format": TRAINING_FORMAT,
         "step": trainer.steps,
         "config": model_fields(getattr(model, "config", None)),
-        "layout": layout_of(trainer),
+        "dims": dims_of(trainer).as_dict(),
+        "layout": _layout_record(trainer),  # for the readers of older checkpoints
         "optimizer": {
             "type": type(optimizer).__name__,
             "param_groups": _hyperparameters(optimizer),
@@ -346,7 +382,7 @@ def load_training_state(trainer, path: str) -> dict:
                 trainer.data.load_state_dict(info["data"])
             except ValueError as e:
                 raise CheckpointError(f"{directory}: the data position does not fit: {e}") from e
-        same_layout = info.get("layout") == layout_of(trainer)
+        same_layout = _same_dims(info, trainer)
         if not same_layout:
             rng_source["rank"] = 0  # the streams of another layout: rank 0's, replicated
         copies.clear()
