@@ -1,6 +1,7 @@
-"""What one training layout of tp_ext's Qwen2 costs per rank: memory (parameters, gradients,
-optimizer state, activations), bytes communicated per step over TP, PP and DP, the pipeline
-bubble and the step time on a :class:`~tp_ext.planner.hardware.Hardware`.
+"""What one training candidate (:class:`~tp_ext.planner.candidate.Candidate`) of tp_ext's Qwen2
+costs per rank: memory (parameters, gradients, optimizer state, activations), bytes
+communicated per step over TP, PP and DP, the pipeline bubble and the step time on a
+:class:`~tp_ext.planner.hardware.Hardware`.
 
 The counts follow tp_ext's own code, not a textbook formula: parameters per rank are those of
 the real layers built on the meta device (the one shard policy), the activation bytes are what

@@ -1,4 +1,4 @@
-"""What one training layout on a P x Q grid of 2D tensor parallelism (SUMMA) costs per rank:
+"""What one training candidate on a P x Q grid of 2D tensor parallelism (SUMMA) costs per rank:
 tp_ext's 2D Qwen2 (:mod:`tp_ext.models.qwen2.model_2d`) run by the Trainer's own loop (no
 pipeline: pp = 1) with its DP gradients all-reduced once per step.
 

@@ -238,8 +238,9 @@ def plan(
     ]
     if not estimates:
         raise ValueError(
-            f"no layout splits {gpus} GPUs for this model with global_batch={global_batch}: "
-            f"TP sizes it accepts are {config.valid_tp_sizes()}, and dp must divide the batch"
+            f"no tp x pp x dp of {gpus} GPUs works for this model with "
+            f"global_batch={global_batch}: TP sizes it accepts are {config.valid_tp_sizes()}, "
+            "and dp must divide the batch"
         )
     ranked = _ranked(estimates, gpus_per_node)
     return ranked[:top] if top else ranked
