@@ -14,7 +14,8 @@ from tp_ext.cli import main
 from tp_ext.config import JobConfig
 from tp_ext.layers import TPGroup
 from tp_ext.models import Qwen2ForCausalLM
-from tp_ext.models.footprint import PlanError, format_pipeline_footprint, pipeline_footprint
+from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprint
+from tp_ext.validation import ArgumentError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 Q72 = os.path.join(CONFIGS, "qwen2-72b.yaml")
@@ -282,12 +283,31 @@ def test_bad_split_text_is_refused_by_the_parser(capsys):
 
 
 def test_library_errors_name_the_argument(q72):
-    with pytest.raises(PlanError, match=r"dp must be an int >= 1, got 0") as e:
+    with pytest.raises(ArgumentError, match=r"dp must be an int >= 1, got 0") as e:
         pipeline_footprint(q72, tp=8, pp=4, dp=0)
     assert e.value.argument == "dp"
-    with pytest.raises(PlanError, match=r"pipeline_split must be a list of layer counts") as e:
+    with pytest.raises(ArgumentError, match=r"pipeline_split must be a list of layer counts") as e:
         pipeline_footprint(q72, tp=8, pp=2, pipeline_split="40,40")
     assert e.value.argument == "pipeline_split"
-    with pytest.raises(PlanError, match=r"dtype must be one of") as e:
+    with pytest.raises(ArgumentError, match=r"dtype must be one of") as e:
         pipeline_footprint(q72, tp=8, dtype="fp8")
     assert e.value.argument == "dtype"
+
+
+def test_plan_error_is_a_deprecated_alias_of_argument_error(q72):
+    """The old import path still works for one release: it warns and is the same class, so an
+    ``except PlanError`` still catches the footprint's errors."""
+    import pickle
+
+    import tp_ext.models.footprint as fp_module
+    from tp_ext.validation import ConfigError
+
+    with pytest.warns(DeprecationWarning, match="PlanError is deprecated"):
+        from tp_ext.models.footprint import PlanError
+    assert PlanError is ArgumentError and issubclass(PlanError, ConfigError)
+    with pytest.raises(PlanError, match="pp must be an int >= 1, got 0") as e:
+        pipeline_footprint(q72, tp=8, pp=0)
+    copy = pickle.loads(pickle.dumps(e.value))  # as raised on a spawned rank
+    assert (copy.argument, str(copy)) == ("pp", str(e.value))
+    with pytest.raises(AttributeError):
+        fp_module.NoSuchName  # noqa: B018

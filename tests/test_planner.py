@@ -41,24 +41,117 @@ def _config(**changes):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameters_per_rank_equal_the_layers(tied):
+    from tp_ext import ParallelDims
     from tp_ext.models.footprint import pipeline_footprint
-    from tp_ext.planner import Layout, estimate, load_hardware
+    from tp_ext.planner import Candidate, estimate, load_hardware
 
     config = _config(tie_word_embeddings=tied, vocab_size=1001, num_hidden_layers=6)
     for tp, pp, v in [(1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 2, 1), (8, 3, 1), (2, 3, 2)]:
         fp = pipeline_footprint(config, tp=tp, pp=pp, virtual_stages=v, dtype="float32")
-        layout = Layout(tp, pp, 1, 1, max(pp, 2), "Interleaved1F1B" if v > 1 else "1F1B", v,
-                        dtype="float32")  # fmt: skip
-        est = estimate(config, layout, seq_len=SEQ, hardware=load_hardware("cpu"))
+        dims = ParallelDims(tp=tp, pp=pp, dp=1, virtual_stages=v)
+        candidate = Candidate(dims, 1, max(pp, 2), "Interleaved1F1B" if v > 1 else "1F1B",
+                              dtype="float32")  # fmt: skip
+        est = estimate(config, candidate, seq_len=SEQ, hardware=load_hardware("cpu"))
         assert est.detail["parameters_per_rank"] == fp["max_rank_parameters"], (tp, pp, v)
         by_rank = [r["parameters"] for r in fp["ranks"] if r["tp_rank"] == 0]
         assert est.detail["parameters_by_pp_rank"] == by_rank, (tp, pp, v)
 
 
+# ---- the candidate record and its deprecated old name --------------------------------------------
+
+
+def test_candidate_holds_dims_and_the_run_settings():
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate
+
+    dims = ParallelDims(tp=2, pp=2, dp=2, virtual_stages=2)
+    c = Candidate(dims, 2, 4, "Interleaved1F1B", True, "fsdp", "float32")
+    assert c.describe() == "tp=2 pp=2 dp=2 Interleaved1F1B v=2 fsdp 4x2 seq recompute"
+    assert Candidate(ParallelDims(tp=(2, 2), dp=1), 3, 1).describe() == "tp=2x2 pp=1 dp=1 1x3 seq"
+    assert c.as_dict() == {
+        "tp": 2, "pp": 2, "dp": 2, "ep": 1, "virtual_stages": 2, "micro_batch": 2,
+        "num_micro_batches": 4, "schedule": "Interleaved1F1B", "activation_checkpointing": True,
+        "data_parallel": "fsdp", "dtype": "float32",
+    }  # fmt: skip
+    bad = [
+        (dict(dims=ParallelDims(tp=2)), "Candidate.dims must be a resolved tp_ext.ParallelDims"),
+        (dict(dims=(2, 1, 1)), "Candidate.dims must be a resolved"),
+        (dict(micro_batch=0), "micro_batch must be an int >= 1, got 0"),
+        (dict(num_micro_batches=True), "num_micro_batches must be an int >= 1, got True"),
+        (dict(schedule="1f1b"), "schedule must be one of .*'1F1B'.*, got '1f1b'"),
+        (dict(activation_checkpointing="yes"), "activation_checkpointing must be True or False"),
+        (dict(data_parallel="zero"), "data_parallel must be 'ddp' or 'fsdp', got 'zero'"),
+        (dict(dtype="int8"), r"dtype must be one of \['bfloat16', .*\], got 'int8'"),
+    ]
+    good = dict(dims=ParallelDims(tp=1, dp=1), micro_batch=1, num_micro_batches=1)
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            Candidate(**{**good, **change})
+
+
+def test_layout_is_a_deprecated_alias_of_candidate():
+    """tp_ext.planner.Layout(tp, pp, dp, ...) still builds (with a DeprecationWarning) the
+    same candidate, readable by its old attributes, and costs exactly as the Candidate."""
+    import pickle
+
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate, Layout, estimate, load_hardware, plan
+    from tp_ext.planner.cost import DTYPE_BYTES, dtype_of
+
+    with pytest.warns(DeprecationWarning, match="tp_ext.planner.Layout is deprecated"):
+        old = Layout(2, 2, 1, 1, 4, "1F1B", 2, True, "ddp", "float32")
+    new = Candidate(ParallelDims(tp=2, pp=2, dp=1, virtual_stages=2), 1, 4, "1F1B", True,
+                    "ddp", "float32")  # fmt: skip
+    assert isinstance(old, Candidate) and old.dims == new.dims
+    assert (old.tp, old.pp, old.dp, old.virtual_stages, old.recompute) == (2, 2, 1, 2, True)
+    assert (old.tp_size, old.world_size, old.describe()) == (2, 4, new.describe())
+    assert pickle.loads(pickle.dumps(old)).dims == old.dims  # travels to spawned ranks
+    hw = load_hardware("cpu")
+    by_old = estimate(_config(), old, seq_len=SEQ, hardware=hw)
+    by_new = estimate(_config(), new, seq_len=SEQ, hardware=hw)
+    assert by_old.as_dict()["candidate"] == by_new.as_dict()["candidate"]
+    assert (by_old.memory_bytes, by_old.comm_bytes, by_old.step_time_s, by_old.detail) == (
+        by_new.memory_bytes, by_new.comm_bytes, by_new.step_time_s, by_new.detail
+    )  # fmt: skip
+    best = plan(_config(), gpus=2, seq_len=SEQ, global_batch=4, hardware="cpu")[0]
+    with pytest.warns(DeprecationWarning, match="Estimate.layout is deprecated"):
+        assert best.layout is best.candidate
+    with pytest.warns(DeprecationWarning, match="dtype_of is deprecated"):
+        assert dtype_of("float16") is torch.float16
+    assert DTYPE_BYTES == {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@pytest.mark.parametrize("module", ["counts", "candidate", "hardware", "cost_2d", "cost", "search"])
+def test_planner_modules_import_alone(module):
+    """Each planner module imports first, alone, in a fresh interpreter: no import circle (the
+    one that was: cost -> cost_2d -> hardware -> cost, hidden by function-level imports)."""
+    code = f"import tp_ext.planner.{module}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_planner_has_no_function_level_imports_of_tp_ext():
+    """Imports between tp_ext's modules sit at the top of the planner's files, where the import
+    contract (lint-imports) sees them."""
+    import ast
+    import pathlib
+
+    import tp_ext.planner
+
+    for path in pathlib.Path(tp_ext.planner.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith(
+                        "tp_ext"
+                    ):
+                        raise AssertionError(f"{path.name}: {node.name} imports {inner.module}")
+
+
 # ---- memory and bytes against a measured Trainer step ------------------------------------------
 
 
-def _measure(layout):
+def _measure(candidate):
     import tp_ext
     from tests.comm_count import CommCount
     from tp_ext.debug.memory import PeakMemory
@@ -72,19 +165,20 @@ def _measure(layout):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
-    state = tp_ext.init_parallel(tp=layout.tp, pp=layout.pp, dp=layout.dp)
+    dims = candidate.dims
+    state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp)
     torch.manual_seed(0)
-    order = "v" if layout.schedule in ("ZBVZeroBubble", "DualPipeV") else "loop"
+    order = "v" if candidate.schedule in ("ZBVZeroBubble", "DualPipeV") else "loop"
     model = Qwen2ForCausalLM(
-        _config(), parallel=state, virtual_stages=layout.virtual_stages, stage_order=order
+        _config(), parallel=state, virtual_stages=dims.virtual_stages, stage_order=order
     )
     trainer = Trainer(
         model,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
         parallel=state,
-        schedule=layout.schedule,
-        data_parallel=layout.data_parallel,
-        activation_checkpointing=layout.recompute,
+        schedule=candidate.schedule,
+        data_parallel=candidate.data_parallel,
+        activation_checkpointing=candidate.activation_checkpointing,
     )
     grads = []  # what the gradients hold when the optimizer steps (the Trainer frees them after)
     trainer.optimizer.register_step_pre_hook(
@@ -92,8 +186,10 @@ def _measure(layout):
     )
     params = list(model.parameters())
     g = torch.Generator().manual_seed(1)
-    shape = (layout.micro_batch, SEQ)
-    batches = [torch.randint(0, 1000, shape, generator=g) for _ in range(layout.num_micro_batches)]
+    shape = (candidate.micro_batch, SEQ)
+    batches = [
+        torch.randint(0, 1000, shape, generator=g) for _ in range(candidate.num_micro_batches)
+    ]
     trainer.step(batches)  # the optimizer state exists from the first step on
     # torch's own communication (pipelining's sends, DDP's and FSDP2's collectives) by group
     groups = {"pp": state.pp_group, "dp": state.dp_group}
@@ -101,7 +197,7 @@ def _measure(layout):
         with PeakMemory(model.parameters(), trainer.optimizer) as memory:
             trainer.step(batches)
     step_grads = grads[-1]
-    if layout.dp > 1 and layout.data_parallel == "ddp":
+    if dims.dp > 1 and candidate.data_parallel == "ddp":
         # DDP rebuilds its buckets once, in its second step (a broadcast of their layout): its
         # bytes per step are those of the next one
         with CommCount(groups) as torch_comm:
@@ -121,63 +217,67 @@ def _measure(layout):
     }
 
 
-def _layout(tp, pp, dp, m, schedule="1F1B", v=1, recompute=False, engine="ddp", mb=2):
-    from tp_ext.planner import Layout
+def _candidate(tp, pp, dp, m, schedule="1F1B", v=1, recompute=False, engine="ddp", mb=2):
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate
 
-    return Layout(tp, pp, dp, mb, m, schedule, v, recompute, engine, "float32")
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, virtual_stages=v)
+    return Candidate(dims, mb, m, schedule, recompute, engine, "float32")
 
 
 # every path in make test; the whole list (8 ranks, the zero-bubble schedules) in make test-all
-LAYOUTS = [
-    pytest.param(_layout(1, 1, 1, 1), id="single"),
-    pytest.param(_layout(2, 1, 1, 2), id="tp2"),
-    pytest.param(_layout(3, 1, 1, 1), id="tp3-uneven"),
-    pytest.param(_layout(2, 1, 1, 1, recompute=True), id="tp2-recompute"),
-    pytest.param(_layout(1, 2, 1, 4, "GPipe"), id="pp2-gpipe"),
-    pytest.param(_layout(2, 2, 1, 4), id="tp2-pp2-1f1b"),
-    pytest.param(_layout(1, 2, 1, 4, "Interleaved1F1B", 2), id="pp2-interleaved"),
-    pytest.param(_layout(1, 1, 2, 2), id="dp2-ddp"),
-    pytest.param(_layout(1, 1, 2, 2, engine="fsdp"), id="dp2-fsdp"),
-    pytest.param(_layout(1, 2, 1, 4), marks=pytest.mark.full_matrix, id="pp2-1f1b"),
-    pytest.param(_layout(4, 1, 1, 2), marks=pytest.mark.full_matrix, id="tp4"),
-    pytest.param(_layout(1, 2, 1, 4, "ZBVZeroBubble", 2), marks=pytest.mark.full_matrix, id="zbv"),
+CANDIDATES = [
+    pytest.param(_candidate(1, 1, 1, 1), id="single"),
+    pytest.param(_candidate(2, 1, 1, 2), id="tp2"),
+    pytest.param(_candidate(3, 1, 1, 1), id="tp3-uneven"),
+    pytest.param(_candidate(2, 1, 1, 1, recompute=True), id="tp2-recompute"),
+    pytest.param(_candidate(1, 2, 1, 4, "GPipe"), id="pp2-gpipe"),
+    pytest.param(_candidate(2, 2, 1, 4), id="tp2-pp2-1f1b"),
+    pytest.param(_candidate(1, 2, 1, 4, "Interleaved1F1B", 2), id="pp2-interleaved"),
+    pytest.param(_candidate(1, 1, 2, 2), id="dp2-ddp"),
+    pytest.param(_candidate(1, 1, 2, 2, engine="fsdp"), id="dp2-fsdp"),
+    pytest.param(_candidate(1, 2, 1, 4), marks=pytest.mark.full_matrix, id="pp2-1f1b"),
+    pytest.param(_candidate(4, 1, 1, 2), marks=pytest.mark.full_matrix, id="tp4"),
     pytest.param(
-        _layout(1, 2, 1, 4, "DualPipeV", 2), marks=pytest.mark.full_matrix, id="dualpipev"
+        _candidate(1, 2, 1, 4, "ZBVZeroBubble", 2), marks=pytest.mark.full_matrix, id="zbv"
     ),
     pytest.param(
-        _layout(1, 2, 1, 4, "InterleavedZeroBubble", 2),
+        _candidate(1, 2, 1, 4, "DualPipeV", 2), marks=pytest.mark.full_matrix, id="dualpipev"
+    ),
+    pytest.param(
+        _candidate(1, 2, 1, 4, "InterleavedZeroBubble", 2),
         marks=pytest.mark.full_matrix,
         id="interleaved-zero-bubble",
     ),
     pytest.param(
-        _layout(1, 2, 1, 4, recompute=True), marks=pytest.mark.full_matrix, id="pp2-recompute"
+        _candidate(1, 2, 1, 4, recompute=True), marks=pytest.mark.full_matrix, id="pp2-recompute"
     ),
-    pytest.param(_layout(2, 2, 2, 4), marks=pytest.mark.full_matrix, id="tp2-pp2-dp2-8ranks"),
+    pytest.param(_candidate(2, 2, 2, 4), marks=pytest.mark.full_matrix, id="tp2-pp2-dp2-8ranks"),
     # 2D TP (SUMMA) grids: the Trainer's own loop, DP by tp_ext's all-reduce
-    pytest.param(_layout((2, 2), 1, 1, 2), id="grid2x2"),
-    pytest.param(_layout((2, 1), 1, 2, 2, mb=3), id="grid2x1-dp2-uneven"),
-    pytest.param(_layout((1, 3), 1, 1, 1), marks=pytest.mark.full_matrix, id="grid1x3-uneven"),
+    pytest.param(_candidate((2, 2), 1, 1, 2), id="grid2x2"),
+    pytest.param(_candidate((2, 1), 1, 2, 2, mb=3), id="grid2x1-dp2-uneven"),
+    pytest.param(_candidate((1, 3), 1, 1, 1), marks=pytest.mark.full_matrix, id="grid1x3-uneven"),
     pytest.param(
-        _layout((2, 2), 1, 1, 2, recompute=True), marks=pytest.mark.full_matrix, id="grid2x2-rc"
+        _candidate((2, 2), 1, 1, 2, recompute=True), marks=pytest.mark.full_matrix, id="grid2x2-rc"
     ),
-    pytest.param(_layout((2, 2), 1, 2, 1), marks=pytest.mark.full_matrix, id="grid2x2-dp2"),
+    pytest.param(_candidate((2, 2), 1, 2, 1), marks=pytest.mark.full_matrix, id="grid2x2-dp2"),
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_estimates_match_a_measured_training_step(layout):
+@pytest.mark.parametrize("candidate", CANDIDATES)
+def test_estimates_match_a_measured_training_step(candidate):
     from tp_ext.planner import estimate, load_hardware
 
-    measured = run_distributed(_measure, layout.world_size, layout, timeout=600)
-    est = estimate(_config(), layout, seq_len=SEQ, hardware=load_hardware("cpu"))
+    measured = run_distributed(_measure, candidate.dims.world_size, candidate, timeout=600)
+    est = estimate(_config(), candidate, seq_len=SEQ, hardware=load_hardware("cpu"))
     mem = est.memory_bytes
     # the breakdown is the busiest pipeline rank's (global ranks: (pp, dp, tp) row-major)
     pp_rank = est.detail["busiest_pp_rank"]
-    group = layout.dp * layout.tp_size
+    group = candidate.dims.dp * candidate.dims.tp_size
     same = measured[pp_rank * group : (pp_rank + 1) * group]
     for key in ("params", "grads", "optimizer"):
         assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
-    grid = not isinstance(layout.tp, int)
+    grid = candidate.dims.grid is not None
     for kind in ("tp", "pp", "dp"):
         # a 2D model's DP all-reduce is tp_ext's own (track()'s "train.dp_sync"), not torch's
         counted = [m["dp_sync" if grid and kind == "dp" else kind] for m in measured]
@@ -186,7 +286,7 @@ def test_estimates_match_a_measured_training_step(layout):
     assert not any(m["other"] for m in measured), [m["other"] for m in measured]
     peak = max(m["peak"] for m in measured)
     assert abs(mem["total"] - peak) <= 0.05 * peak, (
-        f"{layout.describe()}: estimated peak {mem['total']} against measured {peak} "
+        f"{candidate.describe()}: estimated peak {mem['total']} against measured {peak} "
         f"({mem['total'] / peak:.3f}x)"
     )
 
@@ -203,7 +303,7 @@ def test_qwen2_72b_recommendations_keep_tp_in_a_node(gpus):
     ranked = plan(config, gpus=gpus, gpus_per_node=8, gpu_memory="80GiB", seq_len=4096,
                   global_batch=512)  # fmt: skip
     best = ranked[0]
-    lay = best.layout
+    lay = best.candidate.dims
     assert best.fits and best.memory_bytes["total"] <= 80 * 1024**3
     assert lay.world_size == gpus
     assert 1 < lay.tp <= 8 and not best.detail["tp_crosses_nodes"], lay.describe()
@@ -264,7 +364,8 @@ def test_calibrate_measures_every_cost_and_plan_reads_it_back(tmp_path, monkeypa
 
 
 def test_bad_input_is_refused_clearly():
-    from tp_ext.planner import Layout, estimate, load_hardware, plan
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate, estimate, load_hardware, plan
 
     config = _config()
     with pytest.raises(ValueError, match="gpus must be an int >= 1, got 0"):
@@ -279,11 +380,13 @@ def test_bad_input_is_refused_clearly():
         plan(config, gpus=12, gpus_per_node=8, seq_len=64)
     hw = load_hardware("cpu")
     with pytest.raises(ValueError, match="pp=2: 2D tensor parallelism runs without pipelining"):
-        estimate(config, Layout((2, 2), 2, 1, 1, 2), seq_len=64, hardware=hw)
+        estimate(config, Candidate(ParallelDims((2, 2), 2, 1), 1, 2), seq_len=64, hardware=hw)
     with pytest.raises(ValueError, match="a grid of 8 columns splits 4 KV heads"):
-        estimate(config, Layout((1, 8), 1, 1, 1, 1), seq_len=64, hardware=hw)
-    with pytest.raises(ValueError, match="must be an int or a grid"):
-        estimate(config, Layout((2, 2, 2), 1, 1, 1, 1), seq_len=64, hardware=hw)
+        estimate(config, Candidate(ParallelDims((1, 8), 1, 1), 1, 1), seq_len=64, hardware=hw)
+    # the one check of the degrees, ParallelDims's (was the planner's own "must be an int or a
+    # grid")
+    with pytest.raises(ValueError, match=r"tp must be an int >= 1 .* or a pair \(P, Q\)"):
+        estimate(config, Candidate(ParallelDims((2, 2, 2), 1, 1), 1, 1), seq_len=64, hardware=hw)
     with pytest.raises(TypeError, match="plan: config must be a tp_ext.models.Qwen2Config or the"):
         plan({"hidden_size": 128}, gpus=2)
 
@@ -307,18 +410,18 @@ def test_plan_costs_2d_grids_beside_1d():
 
     config = _config()
     ranked = plan(config, gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
-    grids = [e for e in ranked if not isinstance(e.layout.tp, int)]
-    assert {e.layout.tp for e in grids} == {(2, 2)}  # 4 x 1 and 1 x 4 are 1D TP's work
-    assert all(e.layout.pp == 1 and e.layout.data_parallel == "ddp" for e in grids)
+    grids = [e for e in ranked if e.candidate.dims.grid is not None]
+    assert {e.candidate.dims.tp for e in grids} == {(2, 2)}  # 4 x 1 and 1 x 4 are 1D TP's work
+    assert all(e.candidate.dims.pp == 1 and e.candidate.data_parallel == "ddp" for e in grids)
     assert all("TP 2x2 (2D, SUMMA)" in e.reason for e in grids)
     one_d = plan(config, gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None,
                  grids=False)  # fmt: skip
     assert len(one_d) == len(ranked) - len(grids)
-    assert all(isinstance(e.layout.tp, int) for e in one_d)
+    assert all(e.candidate.dims.grid is None for e in one_d)
     # a tied model has no 2D candidates (the 2D model refuses tied embeddings)
     tied = plan(_config(tie_word_embeddings=True), gpus=4, seq_len=SEQ, global_batch=8,
                 hardware="cpu", top=None)  # fmt: skip
-    assert all(isinstance(e.layout.tp, int) for e in tied)
+    assert all(e.candidate.dims.grid is None for e in tied)
 
 
 def test_cli_plan_auto():
@@ -335,9 +438,12 @@ def test_cli_plan_auto():
         "params", "grads", "optimizer", "activations", "kv_cache", "total"
     }  # fmt: skip
     assert set(first["comm_bytes"]) == {"tp", "pp", "dp"}
-    for key in ("tp", "pp", "dp", "micro_batch", "num_micro_batches", "schedule", "recompute",
-                "data_parallel"):  # fmt: skip
-        assert key in first["layout"]
+    for key in ("tp", "pp", "dp", "micro_batch", "num_micro_batches", "schedule",
+                "activation_checkpointing", "data_parallel"):  # fmt: skip
+        assert key in first["candidate"]
+    # the old key, kept for one release: the same values, and "recompute" beside them
+    assert first["layout"] == {**first["candidate"], "recompute": first["candidate"][
+        "activation_checkpointing"]}  # fmt: skip
     assert first["fits"] and first["reason"] and first["step_time_s"] > 0
     table = subprocess.run(cmd + ["--gpus", "16", "--gpus-per-node", "8", "--top", "3"],
                            capture_output=True, text=True, check=True)  # fmt: skip
@@ -346,7 +452,7 @@ def test_cli_plan_auto():
     assert missing.returncode == 2 and "--gpus: required with --auto" in missing.stderr
 
 
-def test_train_and_run_take_the_planners_layout(tmp_path):
+def test_train_and_run_take_the_planners_candidate(tmp_path):
     import tp_ext.data as data
 
     tokens = str(tmp_path / "tokens.bin")

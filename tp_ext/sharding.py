@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from tp_ext.validation import check_int
+
 __all__ = [
     "divisors",
     "shard_sizes",
@@ -25,11 +27,6 @@ __all__ = [
 ]
 
 
-def _check_count(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def divisors(n: int) -> list[int]:
     """The degrees that split ``n`` ranks evenly, ascending (what a refused degree lists)."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -37,8 +34,8 @@ def divisors(n: int) -> list[int]:
 
 def shard_sizes(n: int, world_size: int) -> list[int]:
     """Sizes of the ``world_size`` shards of ``n`` items: ``[3, 3, 2, 2]`` for 10 over 4."""
-    _check_count("n", n, 0)
-    _check_count("world_size", world_size, 1)
+    check_int("n", n, 0)
+    check_int("world_size", world_size, 1)
     base, extra = divmod(n, world_size)
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
 
@@ -220,9 +217,9 @@ class HeadLayout:
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, world_size: int) -> None:
-        _check_count("num_heads", num_heads, 1)
-        _check_count("num_kv_heads", num_kv_heads, 1)
-        _check_count("world_size", world_size, 1)
+        check_int("num_heads", num_heads, 1)
+        check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("world_size", world_size, 1)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
@@ -387,9 +384,9 @@ class StageLayout:
     def __init__(
         self, num_layers: int, pp: int = 1, virtual_stages: int = 1, split=None, order: str = "loop"
     ):
-        _check_count("num_layers", num_layers, 0)
-        _check_count("pp", pp, 1)
-        _check_count("virtual_stages", virtual_stages, 1)
+        check_int("num_layers", num_layers, 0)
+        check_int("pp", pp, 1)
+        check_int("virtual_stages", virtual_stages, 1)
         if order not in STAGE_ORDERS:
             raise ValueError(f"stage_order must be one of {STAGE_ORDERS}, got {order!r}")
         if order == "v" and virtual_stages != 2:

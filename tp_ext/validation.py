@@ -23,11 +23,30 @@ __all__ = [
     "is_number",
     "check_int",
     "as_torch_dtype",
+    "check_dtype_name",
+    "dtype_bytes",
+    "ArgumentError",
+    "DTYPE_NAMES",
+    "DTYPE_BYTES",
+    "SAFETENSORS_DTYPE_NAMES",
 ]
 
 
 class ConfigError(ValueError):
     """A configuration value that is missing, of the wrong type or out of range."""
+
+
+class ArgumentError(ConfigError):
+    """A value that does not fit, raised where the value came from one named argument (``tp``,
+    ``pipeline_split``, ``dtype``, ...): ``argument`` names it, so a command line can name its
+    flag (``--pipeline-split``) and a config loader its field."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+    def __reduce__(self):  # pickles (an error raised on a spawned rank) with its argument
+        return type(self), (self.argument, str(self))
 
 
 def read_mapping(path: str) -> tuple[str, dict[str, Any]]:
@@ -63,14 +82,30 @@ def check_unknown(section: str, given, known) -> None:
         )
 
 
-# the names a config's parallel.dtype and --dtype take, also accepted where a model takes dtype=
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+# The one dtype-name map: the names a config's parallel.dtype and --dtype take (also accepted
+# where a model takes dtype=), each with its bytes per element.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+DTYPE_NAMES = tuple(DTYPE_BYTES)
+# safetensors' header codes of those dtypes
+SAFETENSORS_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def check_dtype_name(value, arg: str = "dtype") -> str:
+    """``value`` if it is a name from DTYPE_NAMES; else a ValueError naming ``arg``."""
+    if isinstance(value, str) and value in DTYPE_BYTES:
+        return value
+    raise ValueError(f"{arg} must be one of {sorted(DTYPE_BYTES)}, got {value!r}")
+
+
+def dtype_bytes(name: str, arg: str = "dtype") -> int:
+    """Bytes per element of dtype ``name`` (a name from DTYPE_NAMES)."""
+    return DTYPE_BYTES[check_dtype_name(name, arg)]
 
 
 def as_torch_dtype(value, arg: str = "dtype"):
     """``value`` as a torch.dtype: None stays None; a name from DTYPE_NAMES (as in a config, or
     transformers' ``torch_dtype``) is looked up; anything else is refused naming ``arg``."""
-    import torch
+    import torch  # here, not at the top: reading a config needs no torch
 
     if value is None or isinstance(value, torch.dtype):
         return value

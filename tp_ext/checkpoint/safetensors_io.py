@@ -10,6 +10,7 @@ import torch
 
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.layout import row_reads
+from tp_ext.validation import SAFETENSORS_DTYPE_NAMES, as_torch_dtype
 
 __all__ = [
     "SINGLE_FILE",
@@ -33,13 +34,10 @@ def checkpoint_dtype(path: str) -> torch.dtype:
     """The dtype of a Hugging Face checkpoint's floating-point tensors (its first one)."""
     files = SafetensorsFiles(path)
     for name in sorted(files.names()):
-        dtype = _DTYPES.get(files.dtype(name))
+        dtype = SAFETENSORS_DTYPE_NAMES.get(files.dtype(name))
         if dtype is not None:
-            return dtype
+            return as_torch_dtype(dtype)
     raise CheckpointError(f"{path}: no floating-point tensors in this checkpoint")
-
-
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def file_inside(root: str, name, source: str) -> str:

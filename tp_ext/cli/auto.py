@@ -68,16 +68,18 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
     if best is None:
         closest = ranked[0].reason
         raise ValueError(f"--auto: no layout of {world} ranks fits; the closest: {closest}")
-    lay = best.layout
+    chosen = best.candidate
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"tp-ext: --auto chose {lay.describe()} ({best.reason})", file=sys.stderr)
+        print(f"tp-ext: --auto chose {chosen.describe()} ({best.reason})", file=sys.stderr)
+    dims = chosen.dims
     return {
         **overrides,
-        "tp": lay.tp,
-        "pp": lay.pp,
-        "dp": lay.dp,
-        "schedule": lay.schedule,
-        "virtual_stages": lay.virtual_stages,
-        "data_parallel": lay.data_parallel,
-        "activation_checkpointing": lay.recompute,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "virtual_stages": dims.virtual_stages,
+        # the candidate's run settings carry the config's (and the flags') names
+        "schedule": chosen.schedule,
+        "data_parallel": chosen.data_parallel,
+        "activation_checkpointing": chosen.activation_checkpointing,
     }

@@ -40,6 +40,7 @@ from tp_ext.compression.powersgd import register_powersgd
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import GroupLike, resolve_group
 from tp_ext.sharding import shard_sizes
+from tp_ext.validation import check_int
 
 __all__ = [
     "METHODS",
@@ -79,8 +80,7 @@ class CompressionState:
         if method not in CHUNK_SIZES:
             raise ValueError(f"method must be one of {sorted(CHUNK_SIZES)}, got {method!r}")
         chunk = CHUNK_SIZES[method] if chunk_size is None else chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        check_int("chunk_size", chunk)
         if method == "1bit" and chunk % 8:
             raise ValueError(
                 f"chunk_size={chunk} with method='1bit': it must be a multiple of 8 (each chunk "

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from tp_ext.validation import is_number
+from tp_ext.validation import check_int, is_number
 
 __all__ = ["OneBitAdam"]
 
@@ -50,11 +50,12 @@ class OneBitAdam(torch.optim.Optimizer):
             raise ValueError(f"OneBitAdam: eps must be a number > 0, got {eps!r}")
         if not is_number(weight_decay) or weight_decay < 0:
             raise ValueError(f"OneBitAdam: weight_decay must be >= 0, got {weight_decay!r}")
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        try:
+            check_int("freeze_step", freeze_step)
+        except ValueError as e:
             raise ValueError(
-                f"OneBitAdam: freeze_step must be an int >= 1 (uncompressed steps before the "
-                f"variance is frozen), got {freeze_step!r}"
-            )
+                f"OneBitAdam: {e} (uncompressed steps before the variance is frozen)"
+            ) from None
         # freeze_step is a group setting, so the optimizer's state_dict carries it
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step

@@ -19,18 +19,12 @@ from __future__ import annotations
 import torch
 
 from tp_ext.data.tokens import TokenFile
-from tp_ext.validation import is_number
+from tp_ext.validation import check_int, is_number
 
 __all__ = ["TokenBatches"]
 
 # What must be equal for a saved position to mean the same data.
 _SAME_DATA = ("seed", "seq_len", "global_batch", "num_samples", "file_tokens")
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class TokenBatches:
@@ -57,16 +51,16 @@ class TokenBatches:
         if not isinstance(tokens, TokenFile):
             raise TypeError(f"tokens must be a tp_ext.data.TokenFile, got {type(tokens).__name__}")
         self.tokens = tokens
-        self.seq_len = _positive_int("seq_len", seq_len, 2)
-        self.global_batch = _positive_int("global_batch", global_batch)
-        self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
-        self.dp_size = _positive_int("dp_size", dp_size)
+        self.seq_len = check_int("seq_len", seq_len, 2)
+        self.global_batch = check_int("global_batch", global_batch)
+        self.micro_batch_size = check_int("micro_batch_size", micro_batch_size)
+        self.dp_size = check_int("dp_size", dp_size)
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}")
         self.dp_rank = dp_rank
-        self.seed = _positive_int("seed", seed, 0)
+        self.seed = check_int("seed", seed, 0)
         if vocab_size is not None:
-            _positive_int("vocab_size", vocab_size)
+            check_int("vocab_size", vocab_size)
         self.vocab_size = vocab_size
         per_step = dp_size * micro_batch_size
         if global_batch % per_step:

@@ -1,45 +1,56 @@
 """A model's footprint: what it costs per rank at a TP degree, computed from the real modules
 built on the meta device (nothing is allocated): parameters, bytes, KV cache and communication
-per token. :func:`pipeline_footprint` does the same per pipeline stage and per (pp, tp) rank of a
-TP x PP (x DP) layout. (A "plan" in tp_ext is only parallelize's map of module names to styles; a
-"layout" is where tensors live in a checkpoint.)"""
+per token. :func:`pipeline_footprint` does the same per pipeline stage and per (pp, tp) rank of
+one set of TP x PP (x DP) dims: what ``tp-ext plan`` prints. (A "plan" in tp_ext is only
+parallelize's map of module names to styles; a "layout" is how one tensor is split.)
+
+A value that does not fit the model raises :class:`~tp_ext.validation.ArgumentError` naming the
+argument (``PlanError``, its old name here, is a deprecated alias for one release)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import types
-
-import torch
+import warnings
 
 from tp_ext.layers import TPGroup
 from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.sharding import STAGE_ORDERS, StageLayout
-from tp_ext.validation import ConfigError
+from tp_ext.validation import (
+    DTYPE_BYTES,
+    ArgumentError,
+    as_torch_dtype,
+    check_dtype_name,
+    check_int,
+)
 
 __all__ = [
-    "PlanError",
     "footprint",
     "format_footprint",
     "pipeline_footprint",
     "format_pipeline_footprint",
 ]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+
+def __getattr__(name: str):
+    if name == "PlanError":  # moved: tp_ext.validation.ArgumentError
+        warnings.warn(
+            "tp_ext.models.footprint.PlanError is deprecated: use "
+            "tp_ext.validation.ArgumentError (the same class: .argument names the argument)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ArgumentError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
     """Per-rank and total counts for ``config`` split over ``tp`` ranks, in ``dtype``."""
     config.check_tp(tp)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    torch_dtype = _DTYPES[dtype]
-    element = torch.empty((), dtype=torch_dtype).element_size()
+    torch_dtype = as_torch_dtype(check_dtype_name(dtype))
+    element = DTYPE_BYTES[dtype]
     ranks = []
     for rank in range(tp):
         model = Qwen2ForCausalLM(
@@ -98,16 +109,6 @@ def format_footprint(fp: dict) -> str:
     return "\n".join(lines)
 
 
-class PlanError(ValueError):
-    """A layout value that does not fit the model; ``argument`` names it (``tp``, ``pp``,
-    ``virtual_stages``, ``pipeline_split``, ``stage_order``, ``dp``, ``dtype``), so a command line
-    can name its flag."""
-
-    def __init__(self, argument: str, message: str) -> None:
-        super().__init__(message)
-        self.argument = argument
-
-
 def _even_counts(num_layers: int, virtual_stages: int) -> list[int]:
     return [
         p
@@ -116,22 +117,27 @@ def _even_counts(num_layers: int, virtual_stages: int) -> list[int]:
     ]
 
 
-def _check_layout(config: Qwen2Config, tp, pp, dp, virtual_stages, split, order, dtype):
-    """Every value checked before anything is built; errors name the argument, the value and
-    what works."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(name, f"{name} must be an int >= 1, got {value!r}")
-    if dtype not in _DTYPES:
-        raise PlanError("dtype", f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+def _argument(name: str, check, *args):
+    """``check(*args)``, its ValueError raised as an ArgumentError naming ``name``."""
     try:
-        config.check_tp(tp)
-    except ConfigError as e:
-        raise PlanError("tp", str(e)) from None
+        return check(*args)
+    except ValueError as e:  # ConfigError included
+        raise ArgumentError(name, str(e)) from None
+
+
+def _check_arguments(config: Qwen2Config, tp, pp, dp, virtual_stages, split, order, dtype):
+    """Every value checked before anything is built; errors (ArgumentError) name the argument,
+    the value and what works."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual_stages", virtual_stages)):
+        _argument(name, check_int, name, value)
+    _argument("dtype", check_dtype_name, dtype)
+    _argument("tp", config.check_tp, tp)
     if order not in STAGE_ORDERS:
-        raise PlanError("stage_order", f"stage_order must be one of {STAGE_ORDERS}, got {order!r}")
+        raise ArgumentError(
+            "stage_order", f"stage_order must be one of {STAGE_ORDERS}, got {order!r}"
+        )
     if order == "v" and virtual_stages != 2:
-        raise PlanError(
+        raise ArgumentError(
             "virtual_stages",
             f"stage_order='v' puts two stages on each pipeline rank: it needs virtual_stages=2, "
             f"got virtual_stages={virtual_stages}",
@@ -140,13 +146,13 @@ def _check_layout(config: Qwen2Config, tp, pp, dp, virtual_stages, split, order,
     stages = pp * virtual_stages
     if split is None:
         if virtual_stages > layers:
-            raise PlanError(
+            raise ArgumentError(
                 "virtual_stages",
                 f"virtual_stages={virtual_stages} gives more stages than the {layers} decoder "
                 f"layers; every stage needs at least one layer: use virtual_stages <= {layers}",
             )
         if stages > layers:
-            raise PlanError(
+            raise ArgumentError(
                 "pp",
                 f"pp={pp} x virtual_stages={virtual_stages} = {stages} pipeline stages, but the "
                 f"model has {layers} decoder layers and every stage needs at least one: use "
@@ -158,7 +164,7 @@ def _check_layout(config: Qwen2Config, tp, pp, dp, virtual_stages, split, order,
     default = StageLayout(layers, pp, virtual_stages).layer_counts if stages <= layers else None
     hint = f"; the default split would be {default}" if default else ""
     if counts is None or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
-        raise PlanError(
+        raise ArgumentError(
             "pipeline_split",
             f"pipeline_split must be a list of layer counts, one per stage, got {split!r}{hint}",
         )
@@ -168,14 +174,14 @@ def _check_layout(config: Qwen2Config, tp, pp, dp, virtual_stages, split, order,
             if len(counts) % virtual_stages == 0 and len(counts) >= virtual_stages
             else ""
         )
-        raise PlanError(
+        raise ArgumentError(
             "pipeline_split",
             f"pipeline_split lists {len(counts)} stages ({split!r}) but pp={pp} x "
             f"virtual_stages={virtual_stages} makes {stages}: give {stages} layer counts"
             f"{other}{hint}",
         )
     if min(counts) < 1 or sum(counts) != layers:
-        raise PlanError(
+        raise ArgumentError(
             "pipeline_split",
             f"pipeline_split must give every stage at least one layer and sum to the model's "
             f"{layers} decoder layers; got {split!r} (sum {sum(counts)}){hint}",
@@ -258,110 +264,14 @@ def pipeline_footprint(
     ``parameters_all_shards == parameters_total + replicated.parameters``. Data parallelism
     replicates all of it ``dp`` times (DDP; FSDP2 shards each replica's tensors over ``dp``).
     """
-    _check_layout(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
+    _check_arguments(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
     split = list(pipeline_split) if pipeline_split is not None else None
-    layout = StageLayout(config.num_hidden_layers, pp, virtual_stages, split, stage_order)
-    torch_dtype = _DTYPES[dtype]
-    element = torch.empty((), dtype=torch_dtype).element_size()
-
-    full_numel, full_unique, full_total = _full_counts(config)
-
-    classes = _tp_shape_classes(config, tp, torch_dtype)
-    # per stage and representative TP rank: {name: numel}, and KV heads per layer
-    held: dict[tuple[int, int], dict[str, int]] = {}
-    kv_heads: dict[int, int] = {}
-    q_heads: dict[int, int] = {}
-    for pp_rank in range(pp):
-        for rep in sorted(set(classes.values())):
-            model = _build(
-                config, tp, rep, pp, pp_rank, virtual_stages, split, stage_order, torch_dtype
-            )
-            names = {id(p): n for n, p in model.named_parameters()}
-            for stage_module in model.stage_modules():
-                held[stage_module.stage, rep] = {
-                    names[id(p)]: p.numel() for p in stage_module.parameters()
-                }
-            attn = next(iter(model.model.layers)).self_attn
-            kv_heads[rep], q_heads[rep] = attn.num_kv_heads_local, attn.num_heads_local
-            head_dim = attn.head_dim
-
-    stages = []
-    replicated: dict[str, dict] = {}
-    for stage in range(layout.num_stages):
-        layers = layout.layers_of(stage)
-        per_tp = []
-        for tp_rank in range(tp):
-            rep = classes[tp_rank]
-            count = sum(held[stage, rep].values())
-            kv_bytes = 2 * len(layers) * kv_heads[rep] * head_dim * element  # k and v
-            per_tp.append(
-                {
-                    "tp_rank": tp_rank,
-                    "parameters": count,
-                    "bytes": count * element,
-                    "query_heads": q_heads[rep],
-                    "kv_heads": kv_heads[rep],
-                    "kv_cache_bytes_per_token": kv_bytes,
-                }
-            )
-        stage_extra = 0
-        for name in held[stage, classes[0]]:
-            over_tp = sum(held[stage, classes[r]][name] for r in range(tp))
-            if name in full_unique:
-                extra, why = over_tp - full_numel[name], "TP"
-            else:  # a tied weight's own copy on this stage
-                extra, why = over_tp, "stages"
-            if extra:
-                stage_extra += extra
-                entry = replicated.setdefault(
-                    _pattern(name),
-                    {
-                        "parameters": 0,
-                        "bytes": 0,
-                        "reason": _reason(
-                            config, tp, why, held[stage, classes[0]][name], full_numel[name]
-                        ),
-                    },
-                )
-                entry["parameters"] += extra
-                entry["bytes"] += extra * element
-        total = sum(r["parameters"] for r in per_tp)
-        stages.append(
-            {
-                "stage": stage,
-                "pp_rank": layout.rank_of(stage),
-                "first_layer": layers.start,
-                "last_layer": layers.stop - 1,
-                "num_layers": len(layers),
-                "embedding": stage == 0,
-                "head": stage == layout.last_stage,
-                "parameters": total,
-                "bytes": total * element,
-                "replicated_parameters": stage_extra,
-                "tp_ranks": per_tp,
-            }
-        )
-
-    ranks = []
-    for pp_rank in range(pp):
-        mine = layout.stages_of(pp_rank)
-        for tp_rank in range(tp):
-            count = sum(stages[s]["tp_ranks"][tp_rank]["parameters"] for s in mine)
-            ranks.append(
-                {
-                    "pp_rank": pp_rank,
-                    "tp_rank": tp_rank,
-                    "stages": mine,
-                    "num_layers": sum(stages[s]["num_layers"] for s in mine),
-                    "parameters": count,
-                    "bytes": count * element,
-                    "kv_cache_bytes_per_token": sum(
-                        stages[s]["tp_ranks"][tp_rank]["kv_cache_bytes_per_token"] for s in mine
-                    ),
-                    # the mesh is (pp, dp, tp), row-major
-                    "global_ranks": [(pp_rank * dp + d) * tp + tp_rank for d in range(dp)],
-                }
-            )
+    placement = StageLayout(config.num_hidden_layers, pp, virtual_stages, split, stage_order)
+    element = DTYPE_BYTES[dtype]
+    shards = _stage_shards(config, tp, pp, virtual_stages, split, stage_order, dtype)
+    stages, replicated = _stage_rows(config, tp, placement, shards, element)
+    ranks = _rank_rows(tp, pp, dp, placement, stages, element)
+    full_total = _full_counts(config)[2]
     all_shards = sum(s["parameters"] for s in stages)
     extra = sum(e["parameters"] for e in replicated.values())
     return {
@@ -373,9 +283,9 @@ def pipeline_footprint(
         "dp": dp,
         "virtual_stages": virtual_stages,
         "stage_order": stage_order,
-        "num_stages": layout.num_stages,
+        "num_stages": placement.num_stages,
         "world_size": tp * pp * dp,
-        "layer_counts": list(layout.layer_counts),
+        "layer_counts": list(placement.layer_counts),
         # the unsharded model's, as footprint() reports them
         "parameters_total": full_total,
         "bytes_total": full_total * element,
@@ -390,11 +300,135 @@ def pipeline_footprint(
         "max_rank_bytes": max(r["bytes"] for r in ranks),
         # forward: one [tokens, hidden] activation from each stage to the next (and its
         # gradient back), TP-replicated on every TP rank
-        "p2p_bytes_per_token": config.hidden_size * element if layout.num_stages > 1 else 0,
+        "p2p_bytes_per_token": config.hidden_size * element if placement.num_stages > 1 else 0,
         "bytes_all_ranks_with_dp": dp * all_shards * element,
         "stages": stages,
         "ranks": ranks,
     }
+
+
+@dataclasses.dataclass
+class _Shards:
+    """What the meta-built models hold, per pipeline stage and representative TP rank (the
+    first TP rank of each shard shape): ``held[stage, rep]`` its parameters' elements by name;
+    its KV and query heads per layer; each TP rank's representative."""
+
+    held: dict
+    kv_heads: dict
+    q_heads: dict
+    head_dim: int
+    rep_of: dict
+
+
+def _stage_shards(config, tp, pp, virtual_stages, split, order, dtype) -> _Shards:
+    """One model per pipeline rank and distinct TP shard shape, built on the meta device."""
+    torch_dtype = as_torch_dtype(dtype)
+    rep_of = _tp_shape_classes(config, tp, torch_dtype)
+    shards = _Shards({}, {}, {}, 0, rep_of)
+    for pp_rank in range(pp):
+        for rep in sorted(set(rep_of.values())):
+            model = _build(config, tp, rep, pp, pp_rank, virtual_stages, split, order, torch_dtype)
+            names = {id(p): n for n, p in model.named_parameters()}
+            for stage_module in model.stage_modules():
+                shards.held[stage_module.stage, rep] = {
+                    names[id(p)]: p.numel() for p in stage_module.parameters()
+                }
+            attn = next(iter(model.model.layers)).self_attn
+            shards.kv_heads[rep], shards.q_heads[rep] = (
+                attn.num_kv_heads_local,
+                attn.num_heads_local,
+            )
+            shards.head_dim = attn.head_dim
+    return shards
+
+
+def _stage_rows(config, tp, placement, shards: _Shards, element: int) -> tuple[list, dict]:
+    """Per stage: each TP rank's shard; and what is replicated, by tensor name pattern."""
+    stages, replicated = [], {}
+    for stage in range(placement.num_stages):
+        layers = placement.layers_of(stage)
+        per_tp = []
+        for tp_rank in range(tp):
+            rep = shards.rep_of[tp_rank]
+            count = sum(shards.held[stage, rep].values())
+            kv_bytes = 2 * len(layers) * shards.kv_heads[rep] * shards.head_dim * element  # k, v
+            per_tp.append(
+                {
+                    "tp_rank": tp_rank,
+                    "parameters": count,
+                    "bytes": count * element,
+                    "query_heads": shards.q_heads[rep],
+                    "kv_heads": shards.kv_heads[rep],
+                    "kv_cache_bytes_per_token": kv_bytes,
+                }
+            )
+        stage_extra = _add_replicated(config, tp, stage, shards, element, replicated)
+        total = sum(r["parameters"] for r in per_tp)
+        stages.append(
+            {
+                "stage": stage,
+                "pp_rank": placement.rank_of(stage),
+                "first_layer": layers.start,
+                "last_layer": layers.stop - 1,
+                "num_layers": len(layers),
+                "embedding": stage == 0,
+                "head": stage == placement.last_stage,
+                "parameters": total,
+                "bytes": total * element,
+                "replicated_parameters": stage_extra,
+                "tp_ranks": per_tp,
+            }
+        )
+    return stages, replicated
+
+
+def _add_replicated(config, tp, stage, shards: _Shards, element, replicated: dict) -> int:
+    """Adds to ``replicated`` the elements ``stage`` holds more than once over its TP ranks (or
+    as a tied weight's own copy); returns how many."""
+    full_numel, full_unique, _ = _full_counts(config)
+    first = shards.held[stage, shards.rep_of[0]]
+    stage_extra = 0
+    for name in first:
+        over_tp = sum(shards.held[stage, shards.rep_of[r]][name] for r in range(tp))
+        if name in full_unique:
+            extra, why = over_tp - full_numel[name], "TP"
+        else:  # a tied weight's own copy on this stage
+            extra, why = over_tp, "stages"
+        if not extra:
+            continue
+        stage_extra += extra
+        reason = _reason(config, tp, why, first[name], full_numel[name])
+        entry = replicated.setdefault(
+            _pattern(name), {"parameters": 0, "bytes": 0, "reason": reason}
+        )
+        entry["parameters"] += extra
+        entry["bytes"] += extra * element
+    return stage_extra
+
+
+def _rank_rows(tp, pp, dp, placement, stages: list, element: int) -> list:
+    """Per (pp rank, tp rank): all its stages, and the global ranks holding it (the mesh is
+    (pp, dp, tp), row-major)."""
+    ranks = []
+    for pp_rank in range(pp):
+        mine = placement.stages_of(pp_rank)
+        for tp_rank in range(tp):
+            count = sum(stages[s]["tp_ranks"][tp_rank]["parameters"] for s in mine)
+            ranks.append(
+                {
+                    "pp_rank": pp_rank,
+                    "tp_rank": tp_rank,
+                    "stages": mine,
+                    "num_layers": sum(stages[s]["num_layers"] for s in mine),
+                    "parameters": count,
+                    "bytes": count * element,
+                    "kv_cache_bytes_per_token": sum(
+                        stages[s]["tp_ranks"][tp_rank]["kv_cache_bytes_per_token"] for s in mine
+                    ),
+                    "global_ranks": [(pp_rank * dp + d) * tp + tp_rank for d in range(dp)],
+                }
+            )
+    return ranks
 
 
 def _spans(values: list) -> list[tuple[int, int]]:

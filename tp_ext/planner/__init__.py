@@ -1,20 +1,24 @@
-"""The planner: which TP x PP x DP layout to train a model with, from a memory, communication and
-time model of tp_ext's own layers (:mod:`.cost`) on a hardware table or this machine measured
-(:mod:`.hardware`), every candidate ranked with a reason (:mod:`.search`).
+"""The planner: which parallel degrees and run settings to train a model with. It ranks
+candidates (:class:`Candidate`: a :class:`~tp_ext.ParallelDims` and the run settings) by a
+memory, communication and time model of tp_ext's own layers (:mod:`.cost`, :mod:`.cost_2d`,
+from the counts of :mod:`.counts`) on a hardware table or this machine measured
+(:mod:`.hardware`), every candidate with a reason (:mod:`.search`).
 
     from tp_ext.planner import plan
     for est in plan(config, gpus=64, gpus_per_node=8, gpu_memory="80GiB", seq_len=4096,
                     global_batch=512):
-        print(est.layout.describe(), est.memory_bytes["total"], est.step_time_s, est.reason)
+        print(est.candidate.describe(), est.memory_bytes["total"], est.step_time_s, est.reason)
 """
 
-from tp_ext.planner.cost import Estimate, Layout, bubble_fraction, estimate
+from tp_ext.planner.candidate import Candidate, Estimate, Layout
+from tp_ext.planner.cost import bubble_fraction, estimate
 from tp_ext.planner.hardware import HARDWARE, Hardware, calibrate, load_hardware
 from tp_ext.planner.search import parse_bytes, plan
 
 __all__ = [
     "plan",
     "estimate",
+    "Candidate",
     "Layout",
     "Estimate",
     "Hardware",

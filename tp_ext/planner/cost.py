@@ -1,6 +1,7 @@
-"""What one training layout of tp_ext's Qwen2 costs per rank: memory (parameters, gradients,
-optimizer state, activations), bytes communicated per step over TP, PP and DP, the pipeline
-bubble and the step time on a :class:`~tp_ext.planner.hardware.Hardware`.
+"""What one training candidate (:class:`~tp_ext.planner.candidate.Candidate`) of tp_ext's Qwen2
+costs per rank: memory (parameters, gradients, optimizer state, activations), bytes
+communicated per step over TP, PP and DP, the pipeline bubble and the step time on a
+:class:`~tp_ext.planner.hardware.Hardware`.
 
 The counts follow tp_ext's own code, not a textbook formula: parameters per rank are those of
 the real layers built on the meta device (the one shard policy), the activation bytes are what
@@ -10,160 +11,38 @@ Trainer step. The tests hold the model to the measured numbers."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from typing import Optional, Union
+import warnings
+from typing import Optional
 
 import torch
 
-from tp_ext.layers import TPGroup
-from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.pipeline.schedules import SCHEDULES
+from tp_ext.planner.candidate import Candidate, Estimate, Layout, memory_breakdown, usable_memory
+from tp_ext.planner.cost_2d import estimate_2d
+from tp_ext.planner.counts import (
+    fsdp_numel,
+    head_flops,
+    layer_flops,
+    op_counts,
+    rank_shapes,
+)
 from tp_ext.planner.hardware import Hardware
 from tp_ext.sharding import StageLayout
+from tp_ext.validation import DTYPE_BYTES, as_torch_dtype, dtype_bytes
 
-__all__ = ["Layout", "Estimate", "estimate", "bubble_fraction", "DTYPE_BYTES", "usable_memory"]
+__all__ = [
+    "Candidate",
+    "Layout",
+    "Estimate",
+    "estimate",
+    "bubble_fraction",
+    "DTYPE_BYTES",
+    "usable_memory",
+]
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-# Of a device's memory, what tensors may take: 5% goes to the caching allocator's fragmentation
-# and kernels' workspaces, and 1 GiB to the CUDA context and NCCL's buffers.
-USABLE_FRACTION, RESERVED_BYTES = 0.95, 1024**3
-
-
-def usable_memory(device_bytes: int) -> int:
-    return int(device_bytes * USABLE_FRACTION) - RESERVED_BYTES
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run training: ``tp`` ranks per TP group (an int; a ``(P, Q)`` grid is 2D TP),
-    ``pp`` pipeline ranks of ``virtual_stages`` stages each, ``dp`` replicas synchronised by
-    ``data_parallel`` ("ddp" or "fsdp"), ``num_micro_batches`` of ``micro_batch`` sequences per
-    DP rank and step under ``schedule``, ``recompute``: activation checkpointing per decoder
-    layer; ``dtype``: the parameters' dtype (gradients and AdamW state take it too)."""
-
-    tp: Union[int, tuple[int, int]]
-    pp: int
-    dp: int
-    micro_batch: int
-    num_micro_batches: int
-    schedule: str = "1F1B"
-    virtual_stages: int = 1
-    recompute: bool = False
-    data_parallel: str = "ddp"
-    dtype: str = "bfloat16"
-
-    @property
-    def tp_size(self) -> int:
-        return self.tp if isinstance(self.tp, int) else self.tp[0] * self.tp[1]
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp * self.dp
-
-    def describe(self) -> str:
-        tp = self.tp if isinstance(self.tp, int) else f"{self.tp[0]}x{self.tp[1]}"
-        parts = [f"tp={tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        if self.pp > 1:
-            v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-            parts.append(f"{self.schedule}{v}")
-        if self.dp > 1:
-            parts.append(self.data_parallel)
-        parts.append(f"{self.num_micro_batches}x{self.micro_batch} seq")
-        if self.recompute:
-            parts.append("recompute")
-        return " ".join(parts)
-
-
-@dataclasses.dataclass
-class Estimate:
-    layout: Layout
-    memory_bytes: dict  # params, grads, optimizer, activations, kv_cache, total (busiest rank)
-    # tp, pp, dp: payload bytes per step of the busiest rank, counted as tp_ext.comm.track() does:
-    # an all-reduce's tensor, an all-gather's gathered output, a reduce-scatter's full input, and
-    # each pipeline send or receive's tensor on the rank that sends or receives it
-    comm_bytes: dict
-    bubble: float
-    step_time_s: float
-    fits: bool
-    memory_limit: Optional[int]
-    reason: str = ""
-    detail: dict = dataclasses.field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["layout"] = dataclasses.asdict(self.layout)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankShapes:
-    """Rank 0's shard of one decoder layer and of the embedding / head at a TP degree (the
-    shard policy gives the first ranks the larger shards, so rank 0 is the busiest)."""
-
-    embedding: int  # parameters
-    layer: int
-    final: int  # final norm + LM head
-    layer_tensors: int
-    embedding_tensors: int
-    final_tensors: int
-    largest: int  # elements of the largest parameter tensor
-    # (dim 0, numel) of each tensor, for FSDP2's shards (dim 0 padded to a multiple of dp)
-    layer_rows: tuple
-    embedding_rows: tuple
-    final_rows: tuple
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-
-@functools.lru_cache(maxsize=64)
-def _rank_shapes(config: Qwen2Config, tp: int) -> _RankShapes:
-    one = Qwen2ForCausalLM(
-        config.replace(num_hidden_layers=1), TPGroup.virtual(tp, 0), device="meta"
-    )
-    named = list(one.named_parameters(remove_duplicate=False))
-
-    def part(prefix):
-        ps = [p for n, p in named if n.startswith(prefix)]
-        return sum(p.numel() for p in ps), len(ps)
-
-    def rows(*prefixes):
-        return tuple((p.shape[0], p.numel()) for n, p in named if n.startswith(prefixes))
-
-    emb, emb_n = part("model.embed_tokens")
-    layer, layer_n = part("model.layers.0.")
-    norm, norm_n = part("model.norm")
-    head, head_n = part("lm_head")
-    attn = one.model.layers[0].self_attn
-    mlp = one.model.layers[0].mlp
-    return _RankShapes(
-        embedding=emb,
-        layer=layer,
-        final=norm + head,
-        layer_tensors=layer_n,
-        embedding_tensors=emb_n,
-        final_tensors=norm_n + head_n,
-        largest=max(p.numel() for _, p in named),
-        layer_rows=rows("model.layers.0."),
-        embedding_rows=rows("model.embed_tokens"),
-        final_rows=rows("model.norm", "lm_head"),
-        q_heads=attn.num_heads_local,
-        kv_heads=attn.num_kv_heads_local,
-        head_dim=attn.head_dim,
-        intermediate=mlp.down_proj.weight.shape[1],
-        vocab=one.lm_head.weight.shape[0],
-    )
-
-
-def _fsdp_numel(rows, dp: int) -> int:
-    """Elements of FSDP2's unsharded buffers for these tensors: each tensor's dim 0 padded to a
-    multiple of ``dp`` (every rank's shard has ceil(dim0 / dp) rows)."""
-    return sum(-(-d0 // dp) * dp * (n // d0) for d0, n in rows)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -197,76 +76,7 @@ def _in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     return ahead
 
 
-@functools.lru_cache(maxsize=16)
-def _op_counts(config: Qwen2Config) -> dict:
-    """Operators a forward + backward dispatches, counted by running tp_ext's model on the
-    meta device (no memory, no time): per decoder layer (and its forward alone, what recompute
-    repeats), for the embedding and for the final norm, head and loss."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from tp_ext.layers.loss import vocab_parallel_cross_entropy
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    def count(layers: int, backward: bool) -> int:
-        model = Qwen2ForCausalLM(
-            config.replace(num_hidden_layers=layers), TPGroup.local(), device="meta"
-        )
-        ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
-        with Count() as counter:
-            h = model.model.embed_tokens(ids)
-            embedding = counter.n
-            for layer in model.model.layers:
-                h = layer(h, None, None)
-            logits = model.lm_head(model.model.norm(h))
-            loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], reduction="sum")
-            if backward:
-                loss.backward()
-        return counter.n, embedding
-
-    one, embedding = count(1, True)
-    two, _ = count(2, True)
-    one_fwd, _ = count(1, False)
-    two_fwd, _ = count(2, False)
-    layer, layer_forward = two - one, two_fwd - one_fwd
-    return {
-        "layer": layer,
-        "layer_forward": layer_forward,
-        "embedding": embedding,
-        "head": one - layer - embedding,
-    }
-
-
-def _layer_flops(s: _RankShapes, b: int, seq: int) -> float:
-    """One decoder layer's forward + backward FLOPs on one TP rank for ``b`` sequences of
-    ``seq`` tokens: 6 per parameter and token, and attention's scores and values."""
-    return 6 * s.layer * b * seq + 12 * b * seq * seq * s.q_heads * s.head_dim
-
-
-def _head_flops(s: _RankShapes, config: Qwen2Config, b: int, seq: int) -> float:
-    return 6 * s.vocab * config.hidden_size * b * seq
-
-
-def forward_backward_work(config: Qwen2Config, micro_batch: int, seq_len: int) -> tuple:
-    """(FLOPs, dispatched operators) of one forward + backward of ``micro_batch`` sequences of
-    ``seq_len`` tokens through the whole model on one rank, as :func:`estimate` charges them:
-    what :func:`~tp_ext.planner.hardware.calibrate` fits this machine's rate and per-operator
-    cost to."""
-    s, ops = _rank_shapes(config, 1), _op_counts(config)
-    layers = config.num_hidden_layers
-    flops = layers * _layer_flops(s, micro_batch, seq_len)
-    flops += _head_flops(s, config, micro_batch, seq_len)
-    return flops, layers * ops["layer"] + ops["head"] + ops["embedding"]
-
-
-def _layer_activation_bytes(s: _RankShapes, config: Qwen2Config, b: int, seq: int, c: int) -> int:
+def _layer_activation_bytes(s, config: Qwen2Config, b: int, seq: int, c: int) -> int:
     """What one tp_ext decoder layer saves for backward for ``b`` sequences of ``seq`` tokens in
     a dtype of ``c`` bytes (counted from its code): the two norms' inputs and outputs (4 x
     [T, hidden], replicated over TP), q / k / v after RoPE, attention's output twice (its own
@@ -278,199 +88,167 @@ def _layer_activation_bytes(s: _RankShapes, config: Qwen2Config, b: int, seq: in
     return t * per_token * c + b * s.q_heads * seq * 4 + 2 * b * seq * hd * c
 
 
-def memory_breakdown(params, optimizer, activations, total, fsdp_buffers=0) -> dict:
-    """An estimate's ``memory_bytes``: gradients as large as the parameters (their dtype);
-    training keeps no KV cache."""
-    return {
-        "params": int(params),
-        "grads": int(params),
-        "optimizer": int(optimizer),
-        "activations": int(activations),
-        "kv_cache": 0,
-        "fsdp_buffers": int(fsdp_buffers),
-        "total": int(total),
-    }
-
-
-def _check_layout(config: Qwen2Config, layout: Layout) -> None:
-    if isinstance(layout.tp, int):
-        config.check_tp(layout.tp)
-    elif not (isinstance(layout.tp, tuple) and len(layout.tp) == 2):
-        raise ValueError(f"layout.tp must be an int or a grid (P, Q), got {layout.tp!r}")
-    if layout.dtype not in DTYPE_BYTES:
-        raise ValueError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}, got {layout.dtype!r}")
-    if layout.data_parallel not in ("ddp", "fsdp"):
-        raise ValueError(
-            f"layout.data_parallel must be 'ddp' or 'fsdp', got {layout.data_parallel!r}"
+def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
+    if not isinstance(candidate, Candidate):
+        raise TypeError(
+            f"estimate: candidate must be a tp_ext.planner.Candidate, got "
+            f"{type(candidate).__name__}"
         )
-    stages = layout.pp * layout.virtual_stages
-    if stages > config.num_hidden_layers:
+    dims = candidate.dims
+    if dims.grid is None:
+        config.check_tp(dims.tp)
+    if dims.stages > config.num_hidden_layers:
         raise ValueError(
-            f"pp={layout.pp} x virtual_stages={layout.virtual_stages} = {stages} stages, more "
+            f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "
             f"than the model's {config.num_hidden_layers} decoder layers"
         )
 
 
-def estimate(
-    config: Qwen2Config,
-    layout: Layout,
-    *,
-    seq_len: int,
-    hardware: Hardware,
-    gpu_memory: Optional[int] = None,
-    gpus_per_node: Optional[int] = None,
-) -> Estimate:
-    """The cost of training ``config`` with ``layout`` on ``hardware`` (a step of
-    ``dp x num_micro_batches x micro_batch`` sequences of ``seq_len`` tokens)."""
-    _check_layout(config, layout)
-    if isinstance(layout.tp, tuple):  # a 2D grid: its own model
-        from tp_ext.planner.cost_2d import estimate_2d
+class _Step:
+    """One training step of a 1D candidate, and what each pipeline rank r of it costs: the
+    estimate's quantities derived once from its arguments, and one method per cost."""
 
-        return estimate_2d(
-            config,
-            layout,
-            seq_len=seq_len,
-            hardware=hardware,
-            gpu_memory=gpu_memory,
-            gpus_per_node=gpus_per_node,
-        )
-    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
-    m, b = layout.num_micro_batches, layout.micro_batch
-    e = DTYPE_BYTES[layout.dtype]
-    s = _rank_shapes(config, tp)
-    order = "v" if layout.schedule in V_SCHEDULES else "loop"
-    stages = StageLayout(config.num_hidden_layers, pp, v, None, order)
+    def __init__(self, config, candidate: Candidate, seq_len, hardware, gpus_per_node):
+        dims = candidate.dims
+        self.config, self.candidate, self.hardware = config, candidate, hardware
+        self.seq_len, self.gpus_per_node = seq_len, gpus_per_node
+        self.tp, self.pp, self.dp, self.v = dims.tp, dims.pp, dims.dp, dims.virtual_stages
+        self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
+        self.recompute = candidate.activation_checkpointing
+        self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
+        self.s = rank_shapes(config, self.tp)
+        order = "v" if candidate.schedule in V_SCHEDULES else "loop"
+        self.stages = StageLayout(config.num_hidden_layers, self.pp, self.v, None, order)
+        self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
+        self.tokens = self.b * seq_len
+        # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send
+        self.hidden_bytes = self.tokens * config.hidden_size * self.e
+        self.act_layer = _layer_activation_bytes(self.s, config, self.b, seq_len, self.e)
 
-    # -- memory of the busiest rank: parameters (exact, rank 0's shards), gradients in the same
-    # dtype, AdamW's two moments plus its per-tensor fp32 step count
-    def rank_params(r):
-        mine = stages.stages_of(r)
-        n = sum(len(stages.layers_of(st)) for st in mine) * s.layer
-        t = sum(len(stages.layers_of(st)) for st in mine) * s.layer_tensors
+    # ---- what rank r holds ---------------------------------------------------------------
+
+    def layers_on(self, r: int) -> int:
+        return sum(len(self.stages.layers_of(st)) for st in self.stages.stages_of(r))
+
+    def params_on(self, r: int) -> tuple[int, int]:
+        """(parameters, tensors) of rank r's TP-rank-0 shards (exact: rank 0's are the
+        largest); with tied embeddings the head is the last stage's own copy."""
+        mine, s = self.stages.stages_of(r), self.s
+        n, t = self.layers_on(r) * s.layer, self.layers_on(r) * s.layer_tensors
         if 0 in mine:
             n, t = n + s.embedding, t + s.embedding_tensors
-        if stages.last_stage in mine:  # with tied embeddings the head is the last stage's copy
+        if self.stages.last_stage in mine:
             n, t = n + s.final, t + s.final_tensors
         return n, t
 
-    shard = dp if layout.data_parallel == "fsdp" else 1
-    c = e  # activations in the parameters' dtype
-    act_layer = _layer_activation_bytes(s, config, b, seq_len, c)
-    tokens = b * seq_len
-    layer_input = tokens * config.hidden_size * c
+    def in_flight(self, r: int) -> float:
+        return _in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
 
-    def rank_memory(r):
-        """The rank's peak over the phases of a step (parameters and optimizer state always
-        there; gradients from the first backward on):
+    def activations_on(self, r: int) -> tuple[int, int]:
+        """(activations held at rank r's peak, the transient tensors of the backward that
+        starts there): every in-flight micro-batch's saved tensors (with activation
+        checkpointing: each layer's input only) and the input ids; on the last stage the head's
+        (final norm in / out, logits, the loss's per-token stats) and the logits' gradient;
+        on the first the embedding's weight gradient; on every other stage each in-flight
+        micro-batch's output, kept until its gradient arrives."""
+        mine, s, config, c = self.stages.stages_of(r), self.s, self.config, self.e
+        held = self.layers_on(r) * (self.hidden_bytes if self.recompute else self.act_layer)
+        in_flight = self.in_flight(r)
+        acts = in_flight * held + self.ids_on(r)
+        if self.stages.last_stage in mine:
+            head = 2 * self.hidden_bytes + self.tokens * s.vocab * c
+            acts += in_flight * (head + 8 * self.b * (self.seq_len - 1) + 4 * self.tp)
+            transient = self.tokens * s.vocab + s.vocab * config.hidden_size
+            return acts, (transient + self.hidden_bytes // c) * c
+        transient = s.embedding * self.e + self.hidden_bytes if 0 in mine else 0
+        if self.pp > 1:
+            acts += in_flight * self.hidden_bytes
+        return acts, transient
+
+    def ids_on(self, r: int) -> int:
+        return self.tokens * 8 if 0 in self.stages.stages_of(r) else 0
+
+    def fsdp_buffers(self, numel: int) -> int:
+        if self.shard == 1:
+            return 0
+        if self.m > 1:
+            # torch's pipelining keeps FSDP2's parameters unsharded between micro-batches and
+            # accumulates unsharded gradients (no reduce-scatter until the last): both in full
+            return 2 * numel * self.e
+        # one layer gathered, the next prefetched, and one layer's gradient to scatter
+        return 3 * self.s.layer * self.e
+
+    def memory_on(self, r: int) -> tuple[dict, int]:
+        """(memory_bytes, parameters) of rank r: its peak over the phases of a step
+        (parameters and optimizer state always there; gradients from the first backward on):
         A: the most activations in flight, at the LM head's backward on the last stage (the
            logits' gradient, the head's weight gradient and the hidden states' gradient beside
            the activations); with gradients already there when a backward came before it;
         C: the first layer's backward, every gradient allocated, that layer's activations (with
-           recompute: rebuilt from its input, the other inputs still held) and its temporaries;
+           activation checkpointing: rebuilt from its input, the other inputs still held) and
+           its temporaries (the hidden state's gradient flowing back);
         D: the optimizer step (fused AdamW on GPUs: no temporaries; torch's per-tensor loop on
-           CPU: two of the largest tensor)."""
-        mine = stages.stages_of(r)
-        numel, tensors = rank_params(r)
-        if config.tie_word_embeddings and pp == 1:
-            numel, tensors = numel - s.embedding, tensors - s.embedding_tensors  # one tensor
-        params = math.ceil(numel / shard) * e
+           CPU: two of the largest tensor).
+        AdamW keeps two moments plus a per-tensor fp32 step count; DDP a copy of the gradients
+        in its buckets."""
+        numel, tensors = self.params_on(r)
+        if self.config.tie_word_embeddings and self.pp == 1:  # one tensor
+            numel, tensors = numel - self.s.embedding, tensors - self.s.embedding_tensors
+        params = math.ceil(numel / self.shard) * self.e
         optimizer = 2 * params + 4 * tensors
-        if shard == 1:
-            fsdp_buffers = 0
-        elif m > 1:
-            # torch's pipelining keeps FSDP2's parameters unsharded between micro-batches and
-            # accumulates unsharded gradients (no reduce-scatter until the last): both in full
-            fsdp_buffers = 2 * numel * e
-        else:  # one layer gathered, the next prefetched, and one layer's gradient to scatter
-            fsdp_buffers = 3 * s.layer * e
-        layers = sum(len(stages.layers_of(st)) for st in mine)
-        held = layers * (layer_input if layout.recompute else act_layer)
-        in_flight = _in_flight(layout.schedule, pp, m, v, r)
-        ids = tokens * 8 if 0 in mine else 0
-        acts = in_flight * held + ids
-        transient = 0
-        if stages.last_stage in mine:
-            # final norm in / out, the logits and the loss's per-token stats, for every
-            # micro-batch in flight (GPipe: all of them)
-            head = 2 * tokens * config.hidden_size * c + tokens * s.vocab * c
-            acts += in_flight * (head + 8 * b * (seq_len - 1) + 4 * tp)
-            transient = (tokens * s.vocab + s.vocab * config.hidden_size + layer_input // c) * c
-        elif 0 in mine:
-            # the embedding's backward ends each backward of the first stage: its weight
-            # gradient (a new tensor, then accumulated) and the hidden state's gradient
-            transient = s.embedding * e + layer_input
+        acts, transient = self.activations_on(r)
+        rebuilt = self.layers_on(r) * self.hidden_bytes if self.recompute else 0
         # a backward ran before this peak when the first rank's warm-up is shorter than m
-        grads_before = params if m > math.ceil(in_flight) and shard == 1 else 0
-        phase_a = params + optimizer + grads_before + acts + transient
-        layer_temps = layer_input  # the hidden state's gradient flowing back
-        rebuilt = layers * layer_input if layout.recompute else 0
-        phase_c = 2 * params + optimizer + rebuilt + act_layer + layer_temps + ids
-        # pipeline stages keep each in-flight micro-batch's output until its gradient arrives
-        # (the last layer's output, which autograd itself does not save)
-        if pp > 1 and stages.last_stage not in mine:
-            acts += in_flight * layer_input
-            phase_a += in_flight * layer_input
-        opt_temp = 0 if hardware.fused_optimizer else 2 * s.largest * e
-        phase_d = 2 * params + optimizer + opt_temp
-        if layout.data_parallel == "ddp" and dp > 1:  # DDP's gradient buckets: a copy of them
-            phase_a, phase_c, phase_d = (x + params for x in (phase_a, phase_c, phase_d))
+        ran_backward = self.m > math.ceil(self.in_flight(r)) and self.shard == 1
+        layer_backward = rebuilt + self.act_layer + self.hidden_bytes
+        opt_temp = 0 if self.hardware.fused_optimizer else 2 * self.s.largest * self.e
+        phases = (
+            params + optimizer + (params if ran_backward else 0) + acts + transient,
+            2 * params + optimizer + layer_backward + self.ids_on(r),
+            2 * params + optimizer + opt_temp,
+        )
+        ddp = self.candidate.data_parallel == "ddp" and self.dp > 1
+        fsdp = self.fsdp_buffers(numel)
+        peak = max(phases) + (params if ddp else 0) + fsdp
         memory = memory_breakdown(
-            params,
-            optimizer,
-            max(acts + transient, rebuilt + act_layer + layer_temps),
-            max(phase_a, phase_c, phase_d) + fsdp_buffers,
-            fsdp_buffers,
+            params, optimizer, max(acts + transient, layer_backward), peak, fsdp
         )
         return memory, numel
 
-    ranks = [rank_memory(r) for r in range(pp)]
-    busiest = max(range(pp), key=lambda r: ranks[r][0]["total"])
-    memory = ranks[busiest][0]
-    numel = max(n for _, n in ranks)
-    params = memory["params"]
-    grads, optimizer = memory["grads"], memory["optimizer"]
-    layers_max = max(
-        sum(len(stages.layers_of(st)) for st in stages.stages_of(r)) for r in range(pp)
-    )
+    # ---- bytes per step (payloads, as track() counts them) --------------------------------
 
-    # -- bytes per step (payloads, as track() counts them) of the busiest rank
-    hidden_bytes = tokens * config.hidden_size * c
-
-    def rank_tp_bytes(r):
-        if tp == 1:
+    def tp_bytes_on(self, r: int) -> int:
+        """Forward: each layer's two row-parallel all-reduces and the vocab-parallel
+        embedding's; backward: the column-parallel inputs' gradients and the LM head's
+        (non-reentrant checkpointing stops recomputing after the last saved tensor it needs,
+        before the MLP's all-reduce: one more per layer); the loss's max and shard sizes, then
+        3 sums per token."""
+        if self.tp == 1:
             return 0
-        mine = stages.stages_of(r)
-        layers = sum(len(stages.layers_of(st)) for st in mine)
-        # forward: each layer's two row-parallel all-reduces and the vocab-parallel embedding's;
-        # backward: the column-parallel inputs' gradients and the LM head's
-        # (non-reentrant checkpointing stops recomputing after the last saved tensor it
-        # needs, before the MLP's all-reduce: one more per layer)
-        fwd = (3 if layout.recompute else 2) * layers + (0 in mine)
-        bwd = 2 * layers + (stages.last_stage in mine)
-        n = b * (seq_len - 1)  # the loss's tokens: max and shard sizes, then 3 sums per token
-        loss = (n + tp) * 4 + 3 * n * 4 if stages.last_stage in mine else 0
-        return m * ((fwd + bwd) * hidden_bytes + loss)
+        mine, layers = self.stages.stages_of(r), self.layers_on(r)
+        last = self.stages.last_stage in mine
+        fwd = (3 if self.recompute else 2) * layers + (0 in mine)
+        bwd = 2 * layers + last
+        n = self.b * (self.seq_len - 1)  # the loss's tokens
+        loss = (n + self.tp) * 4 + 3 * n * 4 if last else 0
+        return self.m * ((fwd + bwd) * self.hidden_bytes + loss)
 
-    tp_bytes = max(rank_tp_bytes(r) for r in range(pp))
-
-    # PP: torch's pipelining sends each micro-batch's [micro_batch, seq, hidden] activation across
-    # every stage boundary and its gradient back (on every TP rank); a rank counts both for each
-    # boundary between one of its stages and a neighbour on another rank: two per inner stage,
-    # so interleaving v stages per rank crosses up to 2 v boundaries, and a V's middle boundary
-    # (both stages on one rank) is passed locally
-    def rank_pp_bytes(r):
+    def pp_bytes_on(self, r: int) -> int:
+        """torch's pipelining sends each micro-batch's [micro_batch, seq, hidden] activation
+        across every stage boundary and its gradient back (on every TP rank); a rank counts both
+        for each boundary between one of its stages and a neighbour on another rank: two per
+        inner stage, so interleaving v stages per rank crosses up to 2 v boundaries, and a V's
+        middle boundary (both stages on one rank) is passed locally."""
+        stages = self.stages
         crossed = sum(
             1
             for st in stages.stages_of(r)
             for other in (st - 1, st + 1)
             if 0 <= other < stages.num_stages and stages.rank_of(other) != r
         )
-        return m * 2 * crossed * hidden_bytes
+        return self.m * 2 * crossed * self.hidden_bytes
 
-    pp_bytes = max(rank_pp_bytes(r) for r in range(pp)) if pp > 1 else 0
-    boundaries = 2 * v if pp > 1 else 0
-
-    def rank_fsdp_bytes(r):
+    def fsdp_bytes_on(self, r: int) -> tuple[int, int]:
         """(all-gather bytes, reduce-scatter bytes) of FSDP2 under torch's pipelining, per stage
         (each its own root unit): a layer is gathered for each forward that finds it resharded
         (non-root units reshard after forward) and for each backward after a forward
@@ -478,115 +256,178 @@ def estimate(
         F...B sequence of m micro-batches is m + 1 times; the root unit (embedding, final norm,
         head) keeps its parameters from its first forward to the step's end: once. Then one
         reduce-scatter of every gradient."""
+        s, dp, stages = self.s, self.dp, self.stages
         gathered = scattered = 0
         for st in stages.stages_of(r):
-            layers = len(stages.layers_of(st)) * _fsdp_numel(s.layer_rows, dp)
-            root = 0
-            if st == 0:
-                root += _fsdp_numel(s.embedding_rows, dp)
+            layers = len(stages.layers_of(st)) * fsdp_numel(s.layer_rows, dp)
+            root = fsdp_numel(s.embedding_rows, dp) if st == 0 else 0
             if st == stages.last_stage:
-                root += _fsdp_numel(s.final_rows, dp)
-                if config.tie_word_embeddings and pp == 1:  # one tensor, gathered once
-                    root -= _fsdp_numel(s.embedding_rows, dp)
-            gathered += (m + 1) * layers + root
+                root += fsdp_numel(s.final_rows, dp)
+                if self.config.tie_word_embeddings and self.pp == 1:  # one tensor, once
+                    root -= fsdp_numel(s.embedding_rows, dp)
+            gathered += (self.m + 1) * layers + root
             scattered += layers + root
-        return gathered * e, scattered * e
+        return gathered * self.e, scattered * self.e
 
-    weight_split = layout.schedule in ("InterleavedZeroBubble", *V_SCHEDULES)
-    if dp == 1:
-        dp_bytes = 0
-    elif layout.data_parallel == "ddp" and weight_split:
-        # these schedules write weight gradients outside DDP's hooks: tp_ext all-reduces them
-        # once after the step, flattened in float32 (float64 for float64 parameters)
-        dp_bytes = numel * (8 if e == 8 else 4)
-    elif layout.data_parallel == "ddp":
-        # one all-reduce of every gradient, in the last micro-batch's backward (no_sync before):
-        # DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2): the same bytes
-        dp_bytes = numel * e
-    else:
-        gathered, scattered = max((rank_fsdp_bytes(r) for r in range(pp)), key=sum)
-        dp_bytes = gathered + scattered
-    comm = {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}
+    def dp_bytes(self, numel: int) -> tuple[int, int, int]:
+        """(DP bytes, FSDP2's gathered bytes, its scattered bytes) of the busiest rank."""
+        weight_split = self.candidate.schedule in ("InterleavedZeroBubble", *V_SCHEDULES)
+        if self.dp == 1:
+            return 0, 0, 0
+        if self.shard == 1 and weight_split:
+            # these schedules write weight gradients outside DDP's hooks: tp_ext all-reduces
+            # them once after the step, flattened in float32 (float64 for float64 parameters)
+            return numel * (8 if self.e == 8 else 4), 0, 0
+        if self.shard == 1:
+            # one all-reduce of every gradient, in the last micro-batch's backward (no_sync
+            # before): DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2)
+            return numel * self.e, 0, 0
+        gathered, scattered = max((self.fsdp_bytes_on(r) for r in range(self.pp)), key=sum)
+        return gathered + scattered, gathered, scattered
 
-    # -- time
-    nodes_span = gpus_per_node or tp * pp * dp
-    tp_cross = tp > nodes_span
-    pp_cross = pp > 1 and tp * dp * pp > nodes_span
-    dp_cross = dp > 1 and tp * dp > nodes_span
-    layer_flops = _layer_flops(s, b, seq_len)
-    head_flops = _head_flops(s, config, b, seq_len)
-    ops = _op_counts(config)
-    recompute = 1 if layout.recompute else 0
+    # ---- time ------------------------------------------------------------------------------
 
-    def rank_compute(r):
+    def crosses_nodes(self) -> tuple[bool, bool, bool]:
+        """Whether the TP, PP and DP groups span nodes (ranks (pp, dp, tp) row-major)."""
+        tp, pp, dp = self.tp, self.pp, self.dp
+        span = self.gpus_per_node or tp * pp * dp
+        return tp > span, pp > 1 and tp * dp * pp > span, dp > 1 and tp * dp > span
+
+    def compute_on(self, r: int) -> float:
         """Seconds of one micro-batch's forward + backward on pipeline rank r: its FLOPs at the
         device's rate, and its operators' fixed cost (dispatch, launch: what dominates small
         shapes)."""
-        mine = stages.stages_of(r)
-        layers = sum(len(stages.layers_of(st)) for st in mine)
-        flops = layers * layer_flops * (4 / 3 if recompute else 1)
+        mine, layers, hw = self.stages.stages_of(r), self.layers_on(r), self.hardware
+        ops, recompute = op_counts(self.config), 1 if self.recompute else 0
+        flops = layers * layer_flops(self.s, self.b, self.seq_len) * (4 / 3 if recompute else 1)
         n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"])
-        if stages.last_stage in mine:
-            flops += head_flops
+        if self.stages.last_stage in mine:
+            flops += head_flops(self.s, self.config, self.b, self.seq_len)
             n_ops += ops["head"]
         if 0 in mine:
             n_ops += ops["embedding"]
-        return flops / hardware.flops + n_ops * hardware.op_overhead
+        return flops / hw.flops + n_ops * hw.op_overhead
 
-    compute = max(rank_compute(r) for r in range(pp))
-    bus = 2 * (tp - 1) / tp if tp > 1 else 0
-    collectives = ((4 + recompute) * layers_max + 2) if tp > 1 else 0
-    tp_time = (tp_bytes / m) * bus / hardware.link(tp_cross) + collectives * hardware.latency
-    # each stage boundary a rank crosses: a send and a receive forward, the same backward
-    pp_time = (
-        (pp_bytes / m) / hardware.link(pp_cross) + 2 * boundaries * hardware.latency
-        if pp > 1
-        else 0.0
-    )
-    micro = compute + tp_time + pp_time
-    bubble = bubble_fraction(layout.schedule, pp, m, v)
-    pipeline = m * micro / (1 - bubble)
-    # where collectives cannot run beside compute (CPU ranks over gloo share their cores),
-    # nothing of the DP traffic is hidden
-    hide = 1.0 if hardware.overlap else 0.0
-    tensors = max(rank_params(r)[1] for r in range(pp))
-    if dp > 1 and shard == 1:
-        # a ring all-reduce, overlapped only with the last micro-batch's backward; one call per
-        # 25 MB bucket (DDP's default), per parameter above 2 ranks (the reproducible hook)
-        calls = tensors if dp > 2 else math.ceil(numel * e / (25 * 2**20))
-        dp_time = 2 * (dp - 1) / dp * dp_bytes / hardware.link(dp_cross)
-        dp_time += calls * hardware.latency
-        dp_exposed = max(0.0, dp_time - hide * compute * 2 / 3)
-    elif dp > 1:
+    def micro_batch_seconds(self, comm: dict, layers_max: int) -> tuple:
+        """(TP seconds, PP seconds) of one micro-batch: a ring's bus bytes at the link's rate
+        and each collective's latency; each stage boundary a rank crosses: a send and a receive
+        forward, the same backward."""
+        hw, tp, pp, m = self.hardware, self.tp, self.pp, self.m
+        tp_cross, pp_cross, _ = self.crosses_nodes()
+        recompute = 1 if self.recompute else 0
+        bus = 2 * (tp - 1) / tp if tp > 1 else 0
+        collectives = ((4 + recompute) * layers_max + 2) if tp > 1 else 0
+        tp_time = (comm["tp"] / m) * bus / hw.link(tp_cross) + collectives * hw.latency
+        if pp == 1:
+            return tp_time, 0.0
+        boundaries = 2 * self.v
+        pp_time = (comm["pp"] / m) / hw.link(pp_cross) + 2 * boundaries * hw.latency
+        return tp_time, pp_time
+
+    def dp_seconds(self, dp_traffic: tuple, numel: int, tensors: int, compute: float) -> tuple:
+        """(DP seconds, the part not hidden behind compute). Where collectives cannot run
+        beside compute (CPU ranks over gloo share their cores), nothing is hidden."""
+        hw, dp, m, e = self.hardware, self.dp, self.m, self.e
+        dp_bytes, gathered, scattered = dp_traffic
+        link = hw.link(self.crosses_nodes()[2])
+        hide = 1.0 if hw.overlap else 0.0
+        if dp == 1:
+            return 0.0, 0.0
+        if self.shard == 1:
+            # a ring all-reduce, overlapped only with the last micro-batch's backward; one call
+            # per 25 MB bucket (DDP's default), per parameter above 2 ranks (the reproducible
+            # hook)
+            calls = tensors if dp > 2 else math.ceil(numel * e / (25 * 2**20))
+            dp_time = 2 * (dp - 1) / dp * dp_bytes / link + calls * hw.latency
+            return dp_time, max(0.0, dp_time - hide * compute * 2 / 3)
         # all-gathers and the reduce-scatter move (dp-1)/dp of their payload (the reduce-scatter
-        # at its own rate where measured: gloo's is slower than its gathers); the gathers come in
-        # every micro-batch, prefetching hides each behind its micro-batch's compute, up to it;
-        # each unit (a decoder layer, and the stage's root) costs FSDP2's own work (hooks, copies
-        # in and out of the flat buffers, the calls) in every micro-batch on top
-        units = layers_max + 1
-        link = hardware.link(dp_cross)
-        dp_time = (dp - 1) / dp * (gathered / link + scattered / (hardware.reduce_scatter or link))
-        overhead = m * units * hardware.fsdp_unit_overhead
-        dp_exposed = max(0.0, dp_time - hide * m * compute) + overhead
-    else:
-        dp_time = dp_exposed = 0.0
-    # torch's pipelining runtime: per schedule action (a stage's forward or backward of a
-    # micro-batch; the zero-bubble schedules split the backward in two)
-    split_backward = SCHEDULES[layout.schedule].weight_split
-    # (the Trainer runs a schedule at pp=1 too: one stage)
-    actions = m * v * (3 if split_backward else 2)
-    pp_runtime = actions * hardware.pp_action_overhead
-    if hardware.optimizer_seconds_per_param is not None:
-        optimizer_time = params / e * hardware.optimizer_seconds_per_param
-    else:  # a fused AdamW reads and writes parameters, gradients and moments about twice
-        optimizer_time = 4 * (params + grads + optimizer) / hardware.memory_bandwidth
-    step = pipeline + pp_runtime + dp_exposed + optimizer_time
+        # at its own rate where measured: gloo's is slower than its gathers); the gathers come
+        # in every micro-batch, prefetching hides each behind its micro-batch's compute, up to
+        # it; each unit (a decoder layer, and the stage's root) costs FSDP2's own work (hooks,
+        # copies in and out of the flat buffers, the calls) in every micro-batch on top
+        units = max(self.layers_on(r) for r in range(self.pp)) + 1
+        dp_time = (dp - 1) / dp * (gathered / link + scattered / (hw.reduce_scatter or link))
+        overhead = m * units * hw.fsdp_unit_overhead
+        return dp_time, max(0.0, dp_time - hide * m * compute) + overhead
 
-    limit = gpu_memory
-    fits = limit is None or memory["total"] <= usable_memory(limit)
-    detail = {
+    def runtime_seconds(self, memory: dict) -> tuple[float, float]:
+        """(torch's pipelining runtime, the optimizer step): per schedule action (a stage's
+        forward or backward of a micro-batch; the zero-bubble schedules split the backward in
+        two; the Trainer runs a schedule at pp=1 too: one stage); a fused AdamW reads and
+        writes parameters, gradients and moments about twice, where not measured."""
+        hw = self.hardware
+        split_backward = SCHEDULES[self.candidate.schedule].weight_split
+        actions = self.m * self.v * (3 if split_backward else 2)
+        if hw.optimizer_seconds_per_param is not None:
+            optimizer = memory["params"] / self.e * hw.optimizer_seconds_per_param
+        else:
+            moved = memory["params"] + memory["grads"] + memory["optimizer"]
+            optimizer = 4 * moved / hw.memory_bandwidth
+        return actions * hw.pp_action_overhead, optimizer
+
+
+def estimate(
+    config: Qwen2Config,
+    candidate: Candidate,
+    *,
+    seq_len: int,
+    hardware: Hardware,
+    gpu_memory: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+) -> Estimate:
+    """The cost of training ``config`` with ``candidate`` on ``hardware`` (a step of
+    ``dp x num_micro_batches x micro_batch`` sequences of ``seq_len`` tokens)."""
+    _check_candidate(config, candidate)
+    if candidate.dims.grid is not None:  # a 2D grid: its own model
+        return estimate_2d(
+            config,
+            candidate,
+            seq_len=seq_len,
+            hardware=hardware,
+            gpu_memory=gpu_memory,
+            gpus_per_node=gpus_per_node,
+        )
+    step = _Step(config, candidate, seq_len, hardware, gpus_per_node)
+    ranks = [step.memory_on(r) for r in range(step.pp)]
+    busiest = max(range(step.pp), key=lambda r: ranks[r][0]["total"])
+    memory = ranks[busiest][0]
+    numel = max(n for _, n in ranks)
+    dp_traffic = step.dp_bytes(numel)
+    comm = {
+        "tp": max(step.tp_bytes_on(r) for r in range(step.pp)),
+        "pp": max(step.pp_bytes_on(r) for r in range(step.pp)) if step.pp > 1 else 0,
+        "dp": dp_traffic[0],
+    }
+    detail = _timing(step, comm, dp_traffic, memory, numel)
+    detail.update(
+        parameters_per_rank=numel,
+        parameters_by_pp_rank=[n for _, n in ranks],
+        busiest_pp_rank=busiest,
+    )
+    bubble = bubble_fraction(candidate.schedule, step.pp, step.m, step.v)
+    fits = gpu_memory is None or memory["total"] <= usable_memory(gpu_memory)
+    step_time = detail.pop("step_s")
+    return Estimate(candidate, memory, comm, bubble, step_time, fits, gpu_memory, "", detail)
+
+
+def _timing(step: _Step, comm: dict, dp_traffic: tuple, memory: dict, numel: int) -> dict:
+    """The estimate's ``detail`` on time (and ``step_s``, the step's seconds): the pipeline's
+    micro-batches stretched by its bubble, then torch's pipelining runtime, the DP traffic not
+    hidden and the optimizer step."""
+    pp, m = step.pp, step.m
+    compute = max(step.compute_on(r) for r in range(pp))
+    layers_max = max(step.layers_on(r) for r in range(pp))
+    tp_time, pp_time = step.micro_batch_seconds(comm, layers_max)
+    bubble = bubble_fraction(step.candidate.schedule, pp, m, step.v)
+    pipeline = m * (compute + tp_time + pp_time) / (1 - bubble)
+    tensors = max(step.params_on(r)[1] for r in range(pp))
+    dp_time, dp_exposed = step.dp_seconds(dp_traffic, numel, tensors, compute)
+    pp_runtime, optimizer_time = step.runtime_seconds(memory)
+    tp_cross, pp_cross, dp_cross = step.crosses_nodes()
+    return {
+        "step_s": pipeline + pp_runtime + dp_exposed + optimizer_time,
         "layers_per_rank": layers_max,
-        "in_flight_micro_batches": _in_flight(layout.schedule, pp, m, v, 0),
+        "in_flight_micro_batches": step.in_flight(0),
         "compute_s": m * compute,
         "tp_s": m * tp_time,
         "pp_s": m * pp_time,
@@ -597,13 +438,14 @@ def estimate(
         "tp_crosses_nodes": tp_cross,
         "pp_crosses_nodes": pp_cross,
         "dp_crosses_nodes": dp_cross,
-        "parameters_per_rank": numel,
-        "parameters_by_pp_rank": [n for _, n in ranks],
-        "busiest_pp_rank": busiest,
     }
-    return Estimate(layout, memory, comm, bubble, step, fits, limit, "", detail)
 
 
 def dtype_of(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "float64": torch.float64}[name]  # fmt: skip
+    """Deprecated (for one release): :func:`tp_ext.validation.as_torch_dtype`."""
+    warnings.warn(
+        "tp_ext.planner.cost.dtype_of is deprecated: use tp_ext.validation.as_torch_dtype",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return as_torch_dtype(name)

@@ -1,4 +1,4 @@
-"""What one training layout on a P x Q grid of 2D tensor parallelism (SUMMA) costs per rank:
+"""What one training candidate on a P x Q grid of 2D tensor parallelism (SUMMA) costs per rank:
 tp_ext's 2D Qwen2 (:mod:`tp_ext.models.qwen2.model_2d`) run by the Trainer's own loop (no
 pipeline: pp = 1) with its DP gradients all-reduced once per step.
 
@@ -15,24 +15,30 @@ import functools
 
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.models.qwen2 import Qwen2Config
+from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
+from tp_ext.planner.candidate import Candidate, Estimate, memory_breakdown, usable_memory
+from tp_ext.planner.counts import op_counts
 from tp_ext.planner.hardware import Hardware
 from tp_ext.sharding import shard_sizes
+from tp_ext.validation import dtype_bytes
 
 __all__ = ["grid_problem", "estimate_2d"]
 
 
-def grid_problem(config: Qwen2Config, layout) -> str:
-    """Why tp_ext cannot train ``config`` with this 2D layout ("" when it can): the 2D model's
-    own limits (no pipeline, no FSDP2, no tied embeddings, whole KV heads per grid column)."""
-    rows, cols = layout.tp
-    if not all(isinstance(n, int) and n >= 1 for n in (rows, cols)):
-        return f"layout.tp={layout.tp!r} must be a grid (P, Q) of ints >= 1"
-    if layout.pp != 1:
-        return f"pp={layout.pp}: 2D tensor parallelism runs without pipelining; use pp=1"
-    if layout.data_parallel != "ddp":
+def grid_problem(config: Qwen2Config, candidate: Candidate) -> str:
+    """Why tp_ext cannot train ``config`` with this 2D candidate ("" when it can): the 2D
+    model's own limits (no pipeline, no FSDP2, no tied embeddings, whole KV heads per grid
+    column)."""
+    dims = candidate.dims
+    if dims.grid is None:
+        return f"tp={dims.tp!r} is one degree, not a grid (P, Q): the 1D cost model's case"
+    rows, cols = dims.grid
+    if dims.pp != 1:
+        return f"pp={dims.pp}: 2D tensor parallelism runs without pipelining; use pp=1"
+    if candidate.data_parallel != "ddp":
         return (
-            f"data_parallel={layout.data_parallel!r}: a 2D model's DP replicas synchronise by one "
-            "all-reduce of the gradients per step; use 'ddp'"
+            f"data_parallel={candidate.data_parallel!r}: a 2D model's DP replicas synchronise "
+            "by one all-reduce of the gradients per step; use 'ddp'"
         )
     if config.tie_word_embeddings:
         return "tie_word_embeddings=True: the 2D model does not support tied embeddings"
@@ -62,8 +68,6 @@ class _GridShapes:
 
 @functools.lru_cache(maxsize=64)
 def _grid_shapes(config: Qwen2Config, rows: int, cols: int) -> _GridShapes:
-    from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
-
     grid = TPGrid(rows, cols, 0, 0, None, None, None)  # no groups: nothing is communicated
     model = Qwen2ForCausalLM2D(config, grid=grid, device="meta")
     params = list(model.parameters())
@@ -105,130 +109,164 @@ def _layer_activation_bytes(
     return (t * per_token + rope + weights + norm_weights) * c + 2 * t * 4 + b * g.heads * seq * 4
 
 
-def estimate_2d(config, layout, *, seq_len, hardware: Hardware, gpu_memory, gpus_per_node):
-    """The :class:`~tp_ext.planner.cost.Estimate` of a 2D layout (``layout.tp`` = (P, Q))."""
-    from tp_ext.planner.cost import (
-        DTYPE_BYTES,
-        Estimate,
-        _op_counts,
-        memory_breakdown,
-        usable_memory,
-    )
+class _GridStep:
+    """One training step of a 2D candidate on grid rank (0, 0): the quantities the estimate
+    derives once, and one method per cost."""
 
-    problem = grid_problem(config, layout)
-    if problem:
-        raise ValueError(problem)
-    rows, cols = layout.tp
-    tp, dp, m = rows * cols, layout.dp, layout.num_micro_batches
-    e = DTYPE_BYTES[layout.dtype]
-    c = e  # activations in the parameters' dtype
-    g = _grid_shapes(config, rows, cols)
-    b = shard_sizes(layout.micro_batch, rows)[0]  # grid row 0's sequences (the most)
-    tokens = b * seq_len
-    h, layers = config.hidden_size, config.num_hidden_layers
-    heads_dim = config.num_attention_heads * config.head_dim
+    def __init__(self, config, candidate: Candidate, seq_len, hardware, gpus_per_node):
+        self.config, self.candidate, self.hardware = config, candidate, hardware
+        self.seq_len, self.gpus_per_node = seq_len, gpus_per_node
+        self.rows, self.cols = candidate.dims.grid
+        self.tp, self.dp = self.rows * self.cols, candidate.dims.dp
+        self.m = candidate.num_micro_batches
+        self.recompute = candidate.activation_checkpointing
+        self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
+        self.g = _grid_shapes(config, self.rows, self.cols)
+        self.b = shard_sizes(candidate.micro_batch, self.rows)[0]  # grid row 0's (the most)
+        self.tokens = self.b * seq_len
+        self.block = self.tokens * self.g.hidden * self.e  # a [b, seq, h_j] residual block
+        self.act_layer = _layer_activation_bytes(self.g, config, self.rows, self.b, seq_len, self.e)
 
-    # -- memory: as the 1D model at pp = 1 (phases A, C, D), and E: the DP all-reduce of the
-    # gradients flattened in fp32 (fp64 for fp64 parameters)
-    params = g.numel * e
-    optimizer = 2 * params + 4 * g.tensors
-    block = tokens * g.hidden * c  # one [b, seq, h_j] block of the residual stream
-    act_layer = _layer_activation_bytes(g, config, rows, b, seq_len, c)
-    held = layers * (block if layout.recompute else act_layer)
-    ids = layout.micro_batch * seq_len * 8  # whole on every rank
-    head = 2 * block + tokens * g.vocab * c + 8 * b * (seq_len - 1) + 4 * cols
-    acts = held + head + ids
-    transient = (tokens * g.vocab + g.vocab * h // rows + block // c) * c
-    grads_before = params if m > 1 else 0
-    phase_a = params + optimizer + grads_before + acts + transient
-    rebuilt = layers * block if layout.recompute else 0
-    phase_c = 2 * params + optimizer + rebuilt + act_layer + block + ids
-    opt_temp = 0 if hardware.fused_optimizer else 2 * g.largest * e
-    phase_d = 2 * params + optimizer + opt_temp
-    flat = (g.numel + 2) * (8 if e == 8 else 4) if dp > 1 else 0
-    phase_e = 2 * params + optimizer + 2 * flat  # the flat gradients and all_reduce's result
-    memory = memory_breakdown(
-        params,
-        optimizer,
-        max(acts + transient, rebuilt + act_layer + block),
-        max(phase_a, phase_c, phase_d, phase_e),
-    )
+    def flat_gradients(self) -> int:
+        """Bytes of the DP all-reduce's gradients, flattened in fp32 (fp64 for fp64
+        parameters)."""
+        return (self.g.numel + 2) * (8 if self.e == 8 else 4) if self.dp > 1 else 0
 
-    # -- bytes per step, as track() counts them, on grid rank (0, 0)
-    def summa(k, n):
+    def memory(self) -> dict:
+        """As the 1D model at pp = 1 (phases A, C, D), and E: the DP all-reduce of the flat
+        gradients beside its result."""
+        g, c, e, config = self.g, self.e, self.e, self.config
+        layers = config.num_hidden_layers
+        params = g.numel * e
+        optimizer = 2 * params + 4 * g.tensors
+        held = layers * (self.block if self.recompute else self.act_layer)
+        ids = self.candidate.micro_batch * self.seq_len * 8  # whole on every rank
+        head = 2 * self.block + self.tokens * g.vocab * c + 8 * self.b * (self.seq_len - 1)
+        acts = held + head + 4 * self.cols + ids
+        transient = (
+            self.tokens * g.vocab + g.vocab * config.hidden_size // self.rows + self.block // c
+        ) * c
+        grads_before = params if self.m > 1 else 0
+        rebuilt = layers * self.block if self.recompute else 0
+        opt_temp = 0 if self.hardware.fused_optimizer else 2 * g.largest * e
+        phases = (
+            params + optimizer + grads_before + acts + transient,
+            2 * params + optimizer + rebuilt + self.act_layer + self.block + ids,
+            2 * params + optimizer + opt_temp,
+            2 * params + optimizer + 2 * self.flat_gradients(),
+        )
+        return memory_breakdown(
+            params,
+            optimizer,
+            max(acts + transient, rebuilt + self.act_layer + self.block),
+            max(phases),
+        )
+
+    def summa(self, k: int, n: int) -> int:
         """summa_linear forward + backward: per panel of K, x's panel broadcast along the
         grid row and the weight's along the grid column (forward, again in backward), and
         the two gradients' panels reduced back (backward): 3 x ([T, K] + [N, K])."""
-        return 3 * ((tokens * k if cols > 1 else 0) + (n * k if rows > 1 else 0)) * c
+        x = self.tokens * k if self.cols > 1 else 0
+        w = n * k if self.rows > 1 else 0
+        return 3 * (x + w) * self.e
 
-    def norm():
+    def norm(self) -> int:
         """RMSNorm2D: the sum of squares (fp32, a value per token) all-reduced along the
         row forward and backward; the weight's gradient summed along the column."""
-        return (2 * tokens * 4 if cols > 1 else 0) + (g.hidden * e if rows > 1 else 0)
+        row = 2 * self.tokens * 4 if self.cols > 1 else 0
+        return row + (self.g.hidden * self.e if self.rows > 1 else 0)
 
-    products = summa(h, g.q + 2 * g.kv) + summa(heads_dim, g.hidden)
-    products += summa(h, 2 * g.intermediate) + summa(config.intermediate_size, g.hidden)
-    per_layer = 2 * norm() + products
-    per_layer += g.qkv_bias * e if rows > 1 else 0  # the biases' gradients along the column
-    if layout.recompute:  # the layer's forward runs again in backward, its collectives too
-        per_layer += products // 3 + (2 * tokens * 4 if cols > 1 else 0)
-    whole = layout.micro_batch * seq_len * g.hidden * c
-    embedding = 2 * whole if rows > 1 else 0  # reduce-scatter forward, all-gather backward
-    n = b * (seq_len - 1)  # the loss's tokens on this grid row
-    loss = ((n + cols) * 4 + 3 * n * 4 if cols > 1 else 0) + (4 if rows > 1 else 0)
-    per_micro_batch = layers * per_layer + embedding + norm() + summa(h, g.vocab) + loss
-    tp_bytes = m * per_micro_batch if tp > 1 else 0
-    dp_bytes = flat
-    comm = {"tp": tp_bytes, "pp": 0, "dp": dp_bytes}
+    def tp_bytes(self) -> int:
+        """Bytes per step, as track() counts them, on grid rank (0, 0)."""
+        if self.tp == 1:
+            return 0
+        g, config, h, e = self.g, self.config, self.config.hidden_size, self.e
+        heads_dim = config.num_attention_heads * config.head_dim
+        products = self.summa(h, g.q + 2 * g.kv) + self.summa(heads_dim, g.hidden)
+        products += self.summa(h, 2 * g.intermediate)
+        products += self.summa(config.intermediate_size, g.hidden)
+        per_layer = 2 * self.norm() + products
+        per_layer += g.qkv_bias * e if self.rows > 1 else 0  # the biases' gradients (column)
+        if self.recompute:  # the layer's forward runs again in backward, its collectives too
+            per_layer += products // 3 + (2 * self.tokens * 4 if self.cols > 1 else 0)
+        whole = self.candidate.micro_batch * self.seq_len * g.hidden * e
+        embedding = 2 * whole if self.rows > 1 else 0  # reduce-scatter fwd, all-gather bwd
+        n = self.b * (self.seq_len - 1)  # the loss's tokens on this grid row
+        loss = (n + self.cols) * 4 + 3 * n * 4 if self.cols > 1 else 0
+        loss += 4 if self.rows > 1 else 0
+        layers = config.num_hidden_layers
+        per_micro_batch = layers * per_layer + embedding + self.norm() + self.summa(h, g.vocab)
+        return self.m * (per_micro_batch + loss)
 
-    # -- time: FLOPs of this rank's blocks (each linear multiplies its [T, K] panels by the
-    # column's [N, K] weight rows), operators as the 1D model's, SUMMA's panels
-    nodes_span = gpus_per_node or tp * dp
-    tp_cross = tp > nodes_span
-    dp_cross = dp > 1 and tp * dp > nodes_span
-    weights = h * (g.q + 2 * g.kv) + heads_dim * g.hidden + 2 * h * g.intermediate
-    weights += config.intermediate_size * g.hidden
-    layer_flops = 6 * tokens * weights + 12 * b * seq_len * seq_len * g.heads * config.head_dim
-    head_flops = 6 * tokens * h * g.vocab
-    recompute = 1 if layout.recompute else 0
-    ops = _op_counts(config)
-    flops = layers * layer_flops * (4 / 3 if recompute else 1) + head_flops
-    n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"]) + ops["head"]
-    compute = flops / hardware.flops + (n_ops + ops["embedding"]) * hardware.op_overhead
-    # each SUMMA product runs about P + Q - 1 panels, two broadcasts each forward and four
-    # collectives backward; the norms' and the loss's all-reduces on top
-    panels = rows + cols - 1
-    collectives = (layers * (4 * 6 * panels + 6) + 6 * panels + 6) if tp > 1 else 0
-    tp_time = (tp_bytes / m) / hardware.link(tp_cross) + collectives * hardware.latency
-    micro = compute + tp_time
-    hide = 1.0 if hardware.overlap else 0.0
-    if dp > 1:
-        dp_time = 2 * (dp - 1) / dp * dp_bytes / hardware.link(dp_cross) + hardware.latency
-        dp_exposed = max(0.0, dp_time - hide * compute * 2 / 3)
-    else:
+    def compute(self) -> float:
+        """Seconds of one micro-batch's forward + backward: FLOPs of this rank's blocks (each
+        linear multiplies its [T, K] panels by the column's [N, K] weight rows), operators as
+        the 1D model's."""
+        g, config, h, hw = self.g, self.config, self.config.hidden_size, self.hardware
+        heads_dim = config.num_attention_heads * config.head_dim
+        weights = h * (g.q + 2 * g.kv) + heads_dim * g.hidden + 2 * h * g.intermediate
+        weights += config.intermediate_size * g.hidden
+        attention = 12 * self.b * self.seq_len * self.seq_len * g.heads * config.head_dim
+        layer_flops = 6 * self.tokens * weights + attention
+        head_flops = 6 * self.tokens * h * g.vocab
+        recompute, ops, layers = int(self.recompute), op_counts(config), config.num_hidden_layers
+        flops = layers * layer_flops * (4 / 3 if recompute else 1) + head_flops
+        n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"]) + ops["head"]
+        return flops / hw.flops + (n_ops + ops["embedding"]) * hw.op_overhead
+
+    def timing(self, comm: dict, memory: dict) -> dict:
+        """The estimate's ``detail`` on time and ``step_s``: each SUMMA product runs about
+        P + Q - 1 panels, two broadcasts each forward and four collectives backward; the norms'
+        and the loss's all-reduces on top; the DP all-reduce hidden behind the last backward
+        where collectives overlap compute."""
+        hw, tp, dp, m = self.hardware, self.tp, self.dp, self.m
+        span = self.gpus_per_node or tp * dp
+        tp_cross, dp_cross = tp > span, dp > 1 and tp * dp > span
+        compute = self.compute()
+        panels = self.rows + self.cols - 1
+        layers = self.config.num_hidden_layers
+        collectives = (layers * (4 * 6 * panels + 6) + 6 * panels + 6) if tp > 1 else 0
+        tp_time = (comm["tp"] / m) / hw.link(tp_cross) + collectives * hw.latency
         dp_time = dp_exposed = 0.0
-    if hardware.optimizer_seconds_per_param is not None:
-        optimizer_time = g.numel * hardware.optimizer_seconds_per_param
-    else:
-        optimizer_time = 4 * (3 * params + optimizer) / hardware.memory_bandwidth
-    step = m * micro + dp_exposed + optimizer_time
+        if dp > 1:
+            dp_time = 2 * (dp - 1) / dp * comm["dp"] / hw.link(dp_cross) + hw.latency
+            dp_exposed = max(0.0, dp_time - (1.0 if hw.overlap else 0.0) * compute * 2 / 3)
+        if hw.optimizer_seconds_per_param is not None:
+            optimizer_time = self.g.numel * hw.optimizer_seconds_per_param
+        else:  # a fused AdamW reads and writes parameters, gradients and moments about twice
+            moved = 3 * memory["params"] + memory["optimizer"]
+            optimizer_time = 4 * moved / hw.memory_bandwidth
+        return {
+            "step_s": m * (compute + tp_time) + dp_exposed + optimizer_time,
+            "layers_per_rank": layers,
+            "in_flight_micro_batches": 1,
+            "compute_s": m * compute,
+            "tp_s": m * tp_time,
+            "pp_s": 0.0,
+            "dp_s": dp_time,
+            "dp_exposed_s": dp_exposed,
+            "optimizer_s": optimizer_time,
+            "pp_runtime_s": 0.0,
+            "tp_crosses_nodes": tp_cross,
+            "pp_crosses_nodes": False,
+            "dp_crosses_nodes": dp_cross,
+        }
 
+
+def estimate_2d(
+    config, candidate: Candidate, *, seq_len, hardware: Hardware, gpu_memory, gpus_per_node
+) -> Estimate:
+    """The :class:`~tp_ext.planner.candidate.Estimate` of a 2D candidate (``dims.tp`` =
+    (P, Q))."""
+    problem = grid_problem(config, candidate)
+    if problem:
+        raise ValueError(problem)
+    step = _GridStep(config, candidate, seq_len, hardware, gpus_per_node)
+    memory = step.memory()
+    comm = {"tp": step.tp_bytes(), "pp": 0, "dp": step.flat_gradients()}
+    detail = step.timing(comm, memory)
+    numel = step.g.numel
+    detail.update(parameters_per_rank=numel, parameters_by_pp_rank=[numel], busiest_pp_rank=0)
+    step_time = detail.pop("step_s")
     fits = gpu_memory is None or memory["total"] <= usable_memory(gpu_memory)
-    detail = {
-        "layers_per_rank": layers,
-        "in_flight_micro_batches": 1,
-        "compute_s": m * compute,
-        "tp_s": m * tp_time,
-        "pp_s": 0.0,
-        "dp_s": dp_time,
-        "dp_exposed_s": dp_exposed,
-        "optimizer_s": optimizer_time,
-        "pp_runtime_s": 0.0,
-        "tp_crosses_nodes": tp_cross,
-        "pp_crosses_nodes": False,
-        "dp_crosses_nodes": dp_cross,
-        "parameters_per_rank": g.numel,
-        "parameters_by_pp_rank": [g.numel],
-        "busiest_pp_rank": 0,
-    }
-    return Estimate(layout, memory, comm, 0.0, step, fits, gpu_memory, "", detail)
+    return Estimate(candidate, memory, comm, 0.0, step_time, fits, gpu_memory, "", detail)

@@ -10,6 +10,10 @@ import os
 import time
 from typing import Optional
 
+from tp_ext.layers.loss import vocab_parallel_cross_entropy
+from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from tp_ext.planner.counts import forward_backward_work
+
 __all__ = ["Hardware", "HARDWARE", "calibrate", "calibration_path", "load_hardware"]
 
 
@@ -110,9 +114,6 @@ def _decoder_rate_and_overhead(torch) -> tuple:
     rate from a small Qwen2's forward + backward at 1 and 4 sequences of 128 tokens less that
     overhead. (A large matmul's rate alone overstates it: GEMMs of a few hundred rows and the
     elementwise work between them run well below it.)"""
-    from tp_ext.layers.loss import vocab_parallel_cross_entropy
-    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-    from tp_ext.planner.cost import forward_backward_work
 
     def seconds(config, b, seq):
         torch.manual_seed(0)

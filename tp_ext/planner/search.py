@@ -1,19 +1,22 @@
-"""The layouts worth running, best first: every (tp, pp, dp) that multiplies to the GPU count
+"""The candidates worth running, best first: every (tp, pp, dp) that multiplies to the GPU count
 and that the model accepts (tp a TP degree, or a 2D grid (P, Q) at pp = 1), with each
-micro-batch size, schedule, recompute setting and DP
-engine, costed by :func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time,
-then the ones that do not by how far over they are; each with a sentence saying why."""
+micro-batch size, schedule, activation checkpointing setting and DP engine, costed by
+:func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time, then the ones that
+do not by how far over they are; each with a sentence saying why."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional, Union
 
+from tp_ext.dims import ParallelDims
 from tp_ext.models.qwen2 import Qwen2Config
-from tp_ext.planner.cost import DTYPE_BYTES, Estimate, Layout, estimate, usable_memory
+from tp_ext.planner.candidate import Candidate, Estimate, usable_memory
+from tp_ext.planner.cost import estimate
 from tp_ext.planner.cost_2d import grid_problem
 from tp_ext.planner.hardware import Hardware, load_hardware
 from tp_ext.sharding import divisors
+from tp_ext.validation import check_dtype_name, check_int
 
 __all__ = ["plan", "parse_bytes"]
 
@@ -44,80 +47,81 @@ def _gib(n: float) -> str:
     return f"{n / 1024**3:.1f} GiB"
 
 
-def _check(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
 def _grids(config: Qwen2Config, gpus: int):
     """The 2D grids (P, Q) worth costing on ``gpus`` devices: P and Q of 2 or more (a 1 x Q
     grid is 1D TP with more communication), every one the 2D model accepts."""
     for size in divisors(gpus):
         for rows in divisors(size):
             grid = (rows, size // rows)
-            layout = Layout(grid, 1, gpus // size, 1, 1)
-            if min(grid) >= 2 and not grid_problem(config, layout):
+            probe = Candidate(ParallelDims(tp=grid, dp=gpus // size), 1, 1)
+            if min(grid) >= 2 and not grid_problem(config, probe):
                 yield grid
 
 
-def _candidates(
-    config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch, grids: bool
-):
+def _dims(config: Qwen2Config, gpus: int, global_batch: int, grids: bool):
+    """Every ParallelDims of ``gpus`` ranks the model accepts whose dp divides the batch: a TP
+    degree the model takes, or a 2D grid (pp = 1), times a pipeline degree of at most one
+    stage per decoder layer."""
     valid_tp = set(config.valid_tp_sizes())
-    layers = config.num_hidden_layers
     tps = [tp for tp in divisors(gpus) if tp in valid_tp]
     if grids:
         tps += list(_grids(config, gpus))
     for tp in tps:
         size = tp if isinstance(tp, int) else tp[0] * tp[1]
         for pp in divisors(gpus // size) if isinstance(tp, int) else [1]:
-            if pp > layers:
-                continue
-            dp = gpus // (size * pp)
-            if global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            for mb in (1, 2, 4, 8) if micro_batch is None else (micro_batch,):
-                if per_replica % mb:
-                    continue
-                m = per_replica // mb
-                if pp > 1 and m < pp:
-                    continue  # torch's schedules need at least pp micro-batches
-                schedules = [("none", 1)] if pp == 1 else [("1F1B", 1), ("GPipe", 1)]
-                if pp > 1 and layers % (2 * pp) == 0 and m % pp == 0:
-                    schedules += [("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
-                for schedule, v in schedules:
-                    for recompute in (False, True):
-                        engines = ("ddp", "fsdp") if dp > 1 and isinstance(tp, int) else ("ddp",)
-                        for engine in engines:
-                            yield Layout(
-                                tp=tp,
-                                pp=pp,
-                                dp=dp,
-                                micro_batch=mb,
-                                num_micro_batches=m,
-                                schedule=schedule if pp > 1 else "1F1B",
-                                virtual_stages=v,
-                                recompute=recompute,
-                                data_parallel=engine,
-                                dtype=dtype,
-                            )
+            dims = ParallelDims(tp=tp, pp=pp).resolve(gpus)
+            if pp <= config.num_hidden_layers and global_batch % dims.dp == 0:
+                yield dims
+
+
+def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) worth trying: 1F1B and GPipe; interleaved and the V with two
+    stages per rank where the layers split evenly."""
+    if pp == 1:
+        return [("1F1B", 1)]  # the Trainer runs a schedule at pp=1 too: one stage
+    schedules = [("1F1B", 1), ("GPipe", 1)]
+    if config.num_hidden_layers % (2 * pp) == 0 and m % pp == 0:
+        schedules += [("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)]
+    return schedules
+
+
+def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch,
+                grids: bool):  # fmt: skip
+    for dims in _dims(config, gpus, global_batch, grids):
+        per_replica = global_batch // dims.dp
+        for mb in (1, 2, 4, 8) if micro_batch is None else (micro_batch,):
+            m = per_replica // mb
+            if per_replica % mb or (dims.pp > 1 and m < dims.pp):
+                continue  # torch's schedules need at least pp micro-batches
+            engines = ("ddp", "fsdp") if dims.dp > 1 and dims.grid is None else ("ddp",)
+            for schedule, v in _schedules(config, dims.pp, m):
+                for checkpointing in (False, True):
+                    for engine in engines:
+                        yield Candidate(
+                            dims.replace(virtual_stages=v),
+                            micro_batch=mb,
+                            num_micro_batches=m,
+                            schedule=schedule,
+                            activation_checkpointing=checkpointing,
+                            data_parallel=engine,
+                            dtype=dtype,
+                        )
 
 
 def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
-    """One sentence: what this layout is, why it ranks where it does, what limits it."""
-    lay, mem, d = est.layout, est.memory_bytes, est.detail
+    """One sentence: what this candidate is, why it ranks where it does, what limits it."""
+    lay, mem, d = est.candidate.dims, est.memory_bytes, est.detail
     limit = est.memory_limit
     where = []
     if lay.tp_size > 1:
-        tp = lay.tp if isinstance(lay.tp, int) else f"{lay.tp[0]}x{lay.tp[1]} (2D, SUMMA)"
+        tp = lay.tp if lay.grid is None else f"{lay.grid[0]}x{lay.grid[1]} (2D, SUMMA)"
         where.append(f"TP {tp} {'across nodes' if d['tp_crosses_nodes'] else 'inside a node'}")
     if lay.pp > 1:
         where.append(f"PP {lay.pp} {'across nodes' if d['pp_crosses_nodes'] else 'in a node'}")
     if lay.dp > 1:
         where.append(
-            f"DP {lay.dp} ({lay.data_parallel}{', across nodes' if d['dp_crosses_nodes'] else ''})"
+            f"DP {lay.dp} ({est.candidate.data_parallel}"
+            f"{', across nodes' if d['dp_crosses_nodes'] else ''})"
         )
     head = ", ".join(where) or "one rank"
     usable = usable_memory(limit) if limit else None
@@ -136,7 +140,7 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
         + (f", DP exposed {d['dp_exposed_s']:.3g} s" if lay.dp > 1 else "")
         + ")",
     ]
-    if lay.recompute:
+    if est.candidate.activation_checkpointing:
         parts.append("recomputes activations to fit (a third more compute)")
     if best is not None and best is not est:
         parts.append(f"{est.step_time_s / best.step_time_s:.2f}x the best step time")
@@ -146,19 +150,19 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
 
 
 def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
-    """Why not the nearest other choices: the best layout at each other TP degree, and with
-    one pipeline stage fewer or more."""
+    """Why not the nearest other choices: the best candidate at each other TP degree, and
+    without pipelining."""
     notes = []
 
     def best_of(pred):
-        pool = [e for e in estimates if pred(e.layout)]
+        pool = [e for e in estimates if pred(e.candidate.dims)]
         fit = [e for e in pool if e.fits]
         if fit:
             return min(fit, key=lambda e: e.step_time_s)
         return min(pool, key=lambda e: e.memory_bytes["total"]) if pool else None
 
-    lay = best.layout
-    one_d = {e.layout.tp for e in estimates if isinstance(e.layout.tp, int)}
+    lay = best.candidate.dims
+    one_d = {e.candidate.dims.tp for e in estimates if e.candidate.dims.grid is None}
     for tp in sorted(one_d - {lay.tp}):
         if tp not in (lay.tp_size // 2, lay.tp_size * 2):
             continue
@@ -167,15 +171,15 @@ def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
             continue
         if other.fits:
             notes.append(
-                f"TP {tp} at best {other.step_time_s:.3g} s ({other.layout.describe()}, TP comm "
+                f"TP {tp} at best {other.step_time_s:.3g} s ({other.candidate.describe()}, TP comm "
                 f"{other.detail['tp_s']:.3g} s)"
             )
         else:
             notes.append(f"TP {tp} does not fit ({_gib(other.memory_bytes['total'])} per rank)")
-    grid = best_of(lambda x: not isinstance(x.tp, int) and x.tp != lay.tp)
+    grid = best_of(lambda x: x.grid is not None and x.tp != lay.tp)
     if grid is not None and grid.fits:
         notes.append(
-            f"2D TP at best {grid.step_time_s:.3g} s ({grid.layout.describe()}, TP comm "
+            f"2D TP at best {grid.step_time_s:.3g} s ({grid.candidate.describe()}, TP comm "
             f"{grid.detail['tp_s']:.3g} s)"
         )
     if lay.pp > 1:
@@ -183,7 +187,7 @@ def _against_alternatives(best: Estimate, estimates: list[Estimate]) -> str:
         if flat is not None and not flat.fits:
             notes.append(f"without PP it does not fit ({_gib(flat.memory_bytes['total'])})")
         elif flat is not None:
-            notes.append(f"without PP {flat.step_time_s:.3g} s ({flat.layout.describe()})")
+            notes.append(f"without PP {flat.step_time_s:.3g} s ({flat.candidate.describe()})")
     return "; against: " + ", ".join(notes) if notes else ""
 
 
@@ -200,33 +204,21 @@ def plan(
     micro_batch: Optional[int] = None,
     grids: bool = True,
 ) -> list[Estimate]:
-    """The candidate training layouts of ``config`` (a Qwen2Config, or a config file's path) on
+    """The candidates for training ``config`` (a Qwen2Config, or a config file's path) on
     ``gpus`` devices (``gpus_per_node`` per node, ``gpu_memory`` each: bytes or "80GiB"; default
     the hardware's), for steps of ``global_batch`` sequences of ``seq_len`` tokens, best first:
-    layouts that fit ranked by estimated step time, then those that do not by how much they
+    candidates that fit ranked by estimated step time, then those that do not by how much they
     miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
     2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
     (pp = 1, DDP)."""
-    if isinstance(config, (str, os.PathLike)):  # a job YAML or a Hugging Face config.json
-        config = Qwen2Config.from_file(os.fspath(config))
-    if not isinstance(config, Qwen2Config):
-        raise TypeError(
-            f"plan: config must be a tp_ext.models.Qwen2Config or the path of a config file "
-            f"(a job YAML, a Hugging Face config.json), got {type(config).__name__}"
-        )
-    _check("gpus", gpus)
-    _check("seq_len", seq_len)
-    _check("global_batch", global_batch)
+    config = _model_config(config)
+    for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
+        check_int(name, value)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    gpus_per_node = _check("gpus_per_node", gpus_per_node if gpus_per_node else gpus)
-    if gpus % gpus_per_node and gpus > gpus_per_node:
-        raise ValueError(
-            f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}"
-        )
+    gpus_per_node = _check_nodes(gpus, gpus_per_node)
     if micro_batch is not None:
-        _check("micro_batch", micro_batch)
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        check_int("micro_batch", micro_batch)
+    check_dtype_name(dtype)
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else hw.memory
     if seq_len > config.max_position_embeddings:
         raise ValueError(
@@ -236,19 +228,48 @@ def plan(
     estimates = [
         estimate(
             config,
-            layout,
+            candidate,
             seq_len=seq_len,
             hardware=hw,
             gpu_memory=memory,
             gpus_per_node=gpus_per_node,
         )
-        for layout in _candidates(config, gpus, global_batch, dtype, micro_batch, grids)
+        for candidate in _candidates(config, gpus, global_batch, dtype, micro_batch, grids)
     ]
     if not estimates:
         raise ValueError(
-            f"no layout splits {gpus} GPUs for this model with global_batch={global_batch}: "
-            f"TP sizes it accepts are {config.valid_tp_sizes()}, and dp must divide the batch"
+            f"no tp x pp x dp of {gpus} GPUs works for this model with "
+            f"global_batch={global_batch}: TP sizes it accepts are {config.valid_tp_sizes()}, "
+            "and dp must divide the batch"
         )
+    ranked = _ranked(estimates, gpus_per_node)
+    return ranked[:top] if top else ranked
+
+
+def _model_config(config) -> Qwen2Config:
+    if isinstance(config, (str, os.PathLike)):  # a job YAML or a Hugging Face config.json
+        config = Qwen2Config.from_file(os.fspath(config))
+    if not isinstance(config, Qwen2Config):
+        raise TypeError(
+            f"plan: config must be a tp_ext.models.Qwen2Config or the path of a config file "
+            f"(a job YAML, a Hugging Face config.json), got {type(config).__name__}"
+        )
+    return config
+
+
+def _check_nodes(gpus: int, gpus_per_node: Optional[int]) -> int:
+    """``gpus_per_node`` checked (default: all ``gpus`` in one node)."""
+    gpus_per_node = check_int("gpus_per_node", gpus_per_node if gpus_per_node else gpus)
+    if gpus % gpus_per_node and gpus > gpus_per_node:
+        raise ValueError(
+            f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}"
+        )
+    return gpus_per_node
+
+
+def _ranked(estimates: list[Estimate], gpus_per_node: int) -> list[Estimate]:
+    """Those that fit by step time, then those that do not by memory; each with its reason,
+    the best also with why not its nearest alternatives."""
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
     over = sorted(
         (e for e in estimates if not e.fits),
@@ -260,4 +281,4 @@ def plan(
         est.reason = _reason(est, best, gpus_per_node)
     if best is not None:
         best.reason += _against_alternatives(best, estimates)
-    return ranked[:top] if top else ranked
+    return ranked

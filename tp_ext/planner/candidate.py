@@ -1,0 +1,171 @@
+"""What the planner ranks: a :class:`Candidate` (the parallel degrees as a
+:class:`~tp_ext.ParallelDims` and the run settings that go with them) and its :class:`Estimate`
+(memory, communication and time per rank). The cost models (:mod:`.cost`, :mod:`.cost_2d`)
+fill Estimates; the search (:mod:`.search`) builds and ranks Candidates."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional, Union
+
+from tp_ext.dims import ParallelDims
+from tp_ext.pipeline.schedules import SCHEDULES
+from tp_ext.validation import check_dtype_name, check_int
+
+__all__ = ["Candidate", "Estimate", "Layout", "memory_breakdown", "usable_memory"]
+
+DATA_PARALLEL = ("ddp", "fsdp")
+# Of a device's memory, what tensors may take: 5% goes to the caching allocator's fragmentation
+# and kernels' workspaces, and 1 GiB to the CUDA context and NCCL's buffers.
+USABLE_FRACTION, RESERVED_BYTES = 0.95, 1024**3
+
+
+def usable_memory(device_bytes: int) -> int:
+    return int(device_bytes * USABLE_FRACTION) - RESERVED_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run training that the planner costs: ``dims`` (resolved: tp, pp, dp and
+    virtual stages; ``dims.tp`` a ``(P, Q)`` grid is 2D TP), ``num_micro_batches`` of
+    ``micro_batch`` sequences per DP rank and step under ``schedule``, DP replicas synchronised
+    by ``data_parallel`` ("ddp" or "fsdp"), ``activation_checkpointing`` per decoder layer (the
+    config's and the CLI's name), and ``dtype``: the parameters' dtype (gradients and AdamW
+    state take it too)."""
+
+    dims: ParallelDims
+    micro_batch: int
+    num_micro_batches: int
+    schedule: str = "1F1B"
+    activation_checkpointing: bool = False
+    data_parallel: str = "ddp"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dims, ParallelDims) or not self.dims.resolved:
+            raise ValueError(
+                f"Candidate.dims must be a resolved tp_ext.ParallelDims (tp and dp given, or "
+                f"ParallelDims(...).resolve(world_size)), got {self.dims!r}"
+            )
+        check_int("micro_batch", self.micro_batch)
+        check_int("num_micro_batches", self.num_micro_batches)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(
+                f"activation_checkpointing must be True or False, got "
+                f"{self.activation_checkpointing!r}"
+            )
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {self.data_parallel!r}")
+        check_dtype_name(self.dtype)
+
+    def describe(self) -> str:
+        """``tp=2 pp=2 dp=2 1F1B ddp 4x2 seq`` (virtual stages beside the schedule)."""
+        dims = self.dims
+        parts = [dims.replace(virtual_stages=1).describe()]
+        if dims.pp > 1:
+            v = f" v={dims.virtual_stages}" if dims.virtual_stages > 1 else ""
+            parts.append(f"{self.schedule}{v}")
+        if dims.dp > 1:
+            parts.append(self.data_parallel)
+        parts.append(f"{self.num_micro_batches}x{self.micro_batch} seq")
+        if self.activation_checkpointing:
+            parts.append("recompute")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        """The degrees (:meth:`ParallelDims.as_dict`) and the run settings, flat, for JSON."""
+        out = self.dims.as_dict()
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(Candidate)[1:]})
+        return out
+
+
+class Layout(Candidate):
+    """Deprecated (for one release): the planner's candidate under its old name and fields;
+    use :class:`Candidate` (``Layout(tp, pp, dp, ...)`` is ``Candidate(ParallelDims(tp=tp,
+    pp=pp, dp=dp, virtual_stages=...), ..., activation_checkpointing=recompute)``)."""
+
+    def __init__(
+        self,
+        tp: Union[int, tuple[int, int]],
+        pp: int,
+        dp: int,
+        micro_batch: int,
+        num_micro_batches: int,
+        schedule: str = "1F1B",
+        virtual_stages: int = 1,
+        recompute: bool = False,
+        data_parallel: str = "ddp",
+        dtype: str = "bfloat16",
+    ) -> None:
+        warnings.warn(
+            "tp_ext.planner.Layout is deprecated: use tp_ext.planner.Candidate(dims="
+            "ParallelDims(tp=..., pp=..., dp=..., virtual_stages=...), ..., "
+            "activation_checkpointing=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        dims = ParallelDims(tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages)
+        super().__init__(
+            dims, micro_batch, num_micro_batches, schedule, recompute, data_parallel, dtype
+        )
+
+    # the old attributes, read from the new record
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    dp = property(lambda self: self.dims.dp)
+    virtual_stages = property(lambda self: self.dims.virtual_stages)
+    tp_size = property(lambda self: self.dims.tp_size)
+    world_size = property(lambda self: self.dims.world_size)
+    recompute = property(lambda self: self.activation_checkpointing)
+
+
+@dataclasses.dataclass
+class Estimate:
+    """What one :class:`Candidate` costs on the busiest rank."""
+
+    candidate: Candidate
+    memory_bytes: dict  # params, grads, optimizer, activations, kv_cache, total (busiest rank)
+    # tp, pp, dp: payload bytes per step of the busiest rank, counted as tp_ext.comm.track() does:
+    # an all-reduce's tensor, an all-gather's gathered output, a reduce-scatter's full input, and
+    # each pipeline send or receive's tensor on the rank that sends or receives it
+    comm_bytes: dict
+    bubble: float
+    step_time_s: float
+    fits: bool
+    memory_limit: Optional[int]
+    reason: str = ""
+    detail: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def layout(self) -> Candidate:
+        """Deprecated (for one release): :attr:`candidate`."""
+        warnings.warn(
+            "Estimate.layout is deprecated: use Estimate.candidate", DeprecationWarning, 2
+        )
+        return self.candidate
+
+    def as_dict(self) -> dict:
+        """For JSON: ``candidate`` (:meth:`Candidate.as_dict`), and under ``layout`` the same
+        with ``recompute`` beside ``activation_checkpointing`` (the old key, kept for one
+        release)."""
+        out = dataclasses.asdict(self)
+        out["candidate"] = self.candidate.as_dict()
+        out["layout"] = {**out["candidate"], "recompute": self.candidate.activation_checkpointing}
+        return out
+
+
+def memory_breakdown(params, optimizer, activations, total, fsdp_buffers=0) -> dict:
+    """An estimate's ``memory_bytes``: gradients as large as the parameters (their dtype);
+    training keeps no KV cache."""
+    return {
+        "params": int(params),
+        "grads": int(params),
+        "optimizer": int(optimizer),
+        "activations": int(activations),
+        "kv_cache": 0,
+        "fsdp_buffers": int(fsdp_buffers),
+        "total": int(total),
+    }

@@ -1,0 +1,165 @@
+"""What tp_ext's own Qwen2 is made of, counted on the meta device (no memory, no time): rank 0's
+parameter shards at a TP degree, and the operators a forward + backward dispatches. The 1D and
+2D cost models (:mod:`.cost`, :mod:`.cost_2d`) and the calibration (:mod:`.hardware`) all read
+these counts; this module imports none of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tp_ext.layers import TPGroup
+from tp_ext.layers.loss import vocab_parallel_cross_entropy
+from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+__all__ = [
+    "RankShapes",
+    "rank_shapes",
+    "op_counts",
+    "layer_flops",
+    "head_flops",
+    "forward_backward_work",
+    "fsdp_numel",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankShapes:
+    """Rank 0's shard of one decoder layer and of the embedding / head at a TP degree (the
+    shard policy gives the first ranks the larger shards, so rank 0 is the busiest)."""
+
+    embedding: int  # parameters
+    layer: int
+    final: int  # final norm + LM head
+    layer_tensors: int
+    embedding_tensors: int
+    final_tensors: int
+    largest: int  # elements of the largest parameter tensor
+    # (dim 0, numel) of each tensor, for FSDP2's shards (dim 0 padded to a multiple of dp)
+    layer_rows: tuple
+    embedding_rows: tuple
+    final_rows: tuple
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+
+@functools.lru_cache(maxsize=64)
+def rank_shapes(config: Qwen2Config, tp: int) -> RankShapes:
+    one = Qwen2ForCausalLM(
+        config.replace(num_hidden_layers=1), TPGroup.virtual(tp, 0), device="meta"
+    )
+    named = list(one.named_parameters(remove_duplicate=False))
+
+    def part(prefix):
+        ps = [p for n, p in named if n.startswith(prefix)]
+        return sum(p.numel() for p in ps), len(ps)
+
+    def rows(*prefixes):
+        return tuple((p.shape[0], p.numel()) for n, p in named if n.startswith(prefixes))
+
+    emb, emb_n = part("model.embed_tokens")
+    layer, layer_n = part("model.layers.0.")
+    norm, norm_n = part("model.norm")
+    head, head_n = part("lm_head")
+    attn = one.model.layers[0].self_attn
+    mlp = one.model.layers[0].mlp
+    return RankShapes(
+        embedding=emb,
+        layer=layer,
+        final=norm + head,
+        layer_tensors=layer_n,
+        embedding_tensors=emb_n,
+        final_tensors=norm_n + head_n,
+        largest=max(p.numel() for _, p in named),
+        layer_rows=rows("model.layers.0."),
+        embedding_rows=rows("model.embed_tokens"),
+        final_rows=rows("model.norm", "lm_head"),
+        q_heads=attn.num_heads_local,
+        kv_heads=attn.num_kv_heads_local,
+        head_dim=attn.head_dim,
+        intermediate=mlp.down_proj.weight.shape[1],
+        vocab=one.lm_head.weight.shape[0],
+    )
+
+
+def fsdp_numel(rows, dp: int) -> int:
+    """Elements of FSDP2's unsharded buffers for these tensors: each tensor's dim 0 padded to a
+    multiple of ``dp`` (every rank's shard has ceil(dim0 / dp) rows)."""
+    return sum(-(-d0 // dp) * dp * (n // d0) for d0, n in rows)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the operators dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(config: Qwen2Config, layers: int, backward: bool) -> tuple[int, int]:
+    """(operators of the whole step, operators of the embedding alone) of a ``layers``-layer
+    model's forward (and backward) of one sequence of 8 tokens."""
+    model = Qwen2ForCausalLM(
+        config.replace(num_hidden_layers=layers), TPGroup.local(), device="meta"
+    )
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    with _CountOps() as counter:
+        h = model.model.embed_tokens(ids)
+        embedding = counter.n
+        for layer in model.model.layers:
+            h = layer(h, None, None)
+        logits = model.lm_head(model.model.norm(h))
+        loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], reduction="sum")
+        if backward:
+            loss.backward()
+    return counter.n, embedding
+
+
+@functools.lru_cache(maxsize=16)
+def op_counts(config: Qwen2Config) -> dict:
+    """Operators a forward + backward dispatches, counted by running tp_ext's model on the
+    meta device: per decoder layer (and its forward alone, what activation checkpointing
+    repeats), for the embedding and for the final norm, head and loss."""
+    one, embedding = _count_ops(config, 1, True)
+    two, _ = _count_ops(config, 2, True)
+    one_fwd, _ = _count_ops(config, 1, False)
+    two_fwd, _ = _count_ops(config, 2, False)
+    layer, layer_forward = two - one, two_fwd - one_fwd
+    return {
+        "layer": layer,
+        "layer_forward": layer_forward,
+        "embedding": embedding,
+        "head": one - layer - embedding,
+    }
+
+
+def layer_flops(s: RankShapes, b: int, seq: int) -> float:
+    """One decoder layer's forward + backward FLOPs on one TP rank for ``b`` sequences of
+    ``seq`` tokens: 6 per parameter and token, and attention's scores and values."""
+    return 6 * s.layer * b * seq + 12 * b * seq * seq * s.q_heads * s.head_dim
+
+
+def head_flops(s: RankShapes, config: Qwen2Config, b: int, seq: int) -> float:
+    return 6 * s.vocab * config.hidden_size * b * seq
+
+
+def forward_backward_work(config: Qwen2Config, micro_batch: int, seq_len: int) -> tuple:
+    """(FLOPs, dispatched operators) of one forward + backward of ``micro_batch`` sequences of
+    ``seq_len`` tokens through the whole model on one rank, as the cost model charges them:
+    what :func:`~tp_ext.planner.hardware.calibrate` fits this machine's rate and per-operator
+    cost to."""
+    s, ops = rank_shapes(config, 1), op_counts(config)
+    layers = config.num_hidden_layers
+    flops = layers * layer_flops(s, micro_batch, seq_len)
+    flops += head_flops(s, config, micro_batch, seq_len)
+    return flops, layers * ops["layer"] + ops["head"] + ops["embedding"]
