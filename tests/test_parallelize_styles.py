@@ -161,8 +161,8 @@ def _check_bad_styles_and_own_styles():
     reference = _tiny_qwen2()
     aliases = "'colwise', 'rowwise', 'vocab'"
     for value, hint in (
-        ("Colwise", r"aliases are lower case: 'colwise'"),
-        (Colwise, r"a class: write Colwise\(\) for an instance"),
+        ("Colwise", "aliases are lower case: 'colwise'"),
+        (Colwise, "a class: write Colwise() for an instance"),
         (3, ""),
         (nn.Linear, ""),
     ):
@@ -177,8 +177,9 @@ def _check_bad_styles_and_own_styles():
         tp_ext.parallelize(
             copy.deepcopy(reference), {"model.embed_tokens": VocabParallel(gather_output=False)}
         )
-    with pytest.raises(ValueError, match=r"q_proj: Colwise\(gather_output=True\) on an attention"):
-        tp_ext.parallelize(copy.deepcopy(reference), {"*.q_proj": Colwise(gather_output=True)})
+    for bad in (Colwise(gather_output=True), Colwise(parts=[8, 8])):
+        with pytest.raises(ValueError, match=r"q_proj: Colwise\(.*\) on an attention projection"):
+            tp_ext.parallelize(copy.deepcopy(reference), {"*.q_proj": bad})
     with pytest.raises(ValueError, match=r"up_proj: Colwise\(parts=\[5, 5\]\) sums to 10, but"):
         tp_ext.parallelize(copy.deepcopy(reference), {"*.up_proj": Colwise(parts=[5, 5])})
 

@@ -167,12 +167,12 @@ class Colwise(_Swap):
         parts = self.parts or target.parts
         partition = None
         if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
-            if self.gather_output:
+            if self.gather_output or self.parts is not None:
                 raise ValueError(
-                    f"{target.name}: Colwise(gather_output=True) on an attention projection "
-                    "split by heads would hand the attention all heads while it runs on this "
-                    "rank's; use Colwise() (and Rowwise() for its output projection) or "
-                    "Replicate()"
+                    f"{target.name}: {self!r} on an attention projection: it is split by whole "
+                    "heads (gather_output=True would hand the attention all heads while it runs "
+                    "on this rank's; the head counts give the parts); use Colwise() (and "
+                    "Rowwise() for its output projection) or Replicate()"
                 )
             partition = head_partition(target.name, info, target.tp)
             parts = None
