@@ -1,7 +1,8 @@
 """Tensor-parallelise an existing model in place: a plan (``"auto"`` or name patterns -> styles)
-decides each module's style (:mod:`.plan`), the styles swap modules for tp_ext layers keeping
-each rank's slice of the weights (:mod:`.styles`), and sequence parallelism is added by hooks
-(:mod:`.sequence_parallel`). :func:`parallelize` (:mod:`.api`) does all three.
+decides each module's style (:mod:`.plan`), the styles (classes such as :class:`Colwise`, or their
+string aliases) swap modules for tp_ext layers keeping each rank's slice of the weights
+(:mod:`.styles`), and sequence parallelism is added by hooks (:mod:`.sequence_parallel`).
+:func:`parallelize` (:mod:`.api`) applies them.
 
 ``tp_ext.parallelize`` at the top level is the function; import this package's pieces by their
 module paths (``from tp_ext.parallelize.plan import auto_plan``)."""
@@ -9,5 +10,32 @@ module paths (``from tp_ext.parallelize.plan import auto_plan``)."""
 from tp_ext.parallelize import sequence_parallel, styles
 from tp_ext.parallelize.api import parallelize
 from tp_ext.parallelize.plan import STYLES, auto_plan, resolve_plan
+from tp_ext.parallelize.styles import (
+    ALIASES,
+    Colwise,
+    Experts,
+    ParallelStyle,
+    Replicate,
+    Rowwise,
+    SequenceParallel,
+    StyleTarget,
+    VocabParallel,
+)
 
-__all__ = ["parallelize", "auto_plan", "resolve_plan", "STYLES", "sequence_parallel", "styles"]
+__all__ = [
+    "parallelize",
+    "auto_plan",
+    "resolve_plan",
+    "STYLES",
+    "ALIASES",
+    "ParallelStyle",
+    "StyleTarget",
+    "Colwise",
+    "Rowwise",
+    "VocabParallel",
+    "Experts",
+    "SequenceParallel",
+    "Replicate",
+    "sequence_parallel",
+    "styles",
+]

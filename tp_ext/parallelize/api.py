@@ -5,27 +5,22 @@ tp_ext layers by a plan, keeping each rank's slice of the existing weights.
     tp_ext.parallelize(model, "auto")    # or {"model.layers.*.self_attn.q_proj": "colwise", ...}
     logits = model(input_ids).logits                    # equal to the unsharded model's
 
-Styles:
-    colwise     nn.Linear -> ColumnParallelLinear (output features split; output stays split)
-    rowwise     nn.Linear -> RowParallelLinear (input features split; output all-reduced)
-    vocab       nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ParallelLMHead with full
-                logits gathered (the model's own loss and generation keep working)
-    experts     MoE experts with 3D gate_up_proj/down_proj (Mixtral, Qwen2-MoE): each expert's
-                intermediate dim split over the ranks, output all-reduced. With
-                ``parallel=state`` where ``state.ep > 1`` the whole sparse-MoE block becomes
-                tp_ext.layers.ExpertParallelMoE instead: experts spread over the EP group (and
-                split over TP inside), tokens routed to them with all-to-all
-    replicate   left as it is (every rank computes it in full)
-    sequence_parallel_local
-                for a norm on a row-parallel output before the residual add (Gemma 2/3's
-                post-norms): runs on this rank's sequence shard, output left split
-    sequence_parallel
-                for norms (RMSNorm/LayerNorm): Megatron's sequence parallelism. The residual
-                stream is split along the sequence from the first norm's decoder layer on;
-                each such norm runs on this rank's shard (its weight gradient all-reduced) and
-                its output is all-gathered once for the column-parallel layers after it, and
-                row-parallel layers reduce-scatter instead of all-reducing. Same bytes as plain
-                TP, 1/tp of the norm work and residual activations.
+Styles (classes in :mod:`tp_ext.parallelize.styles`, each with its options there; a plan may
+give an instance or its string alias):
+    Colwise()          "colwise"    nn.Linear -> ColumnParallelLinear (output features split,
+                                    output left split)
+    Rowwise()          "rowwise"    nn.Linear -> RowParallelLinear (input features split,
+                                    output all-reduced)
+    VocabParallel()    "vocab"      nn.Embedding -> VocabParallelEmbedding; nn.Linear ->
+                                    ParallelLMHead with the full logits gathered
+    Experts()          "experts"    MoE experts with 3D gate_up_proj/down_proj (Mixtral,
+                                    Qwen2-MoE): each expert's intermediate dim split. With
+                                    ``parallel=state`` where ``state.ep > 1`` the whole
+                                    sparse-MoE block becomes tp_ext.layers.ExpertParallelMoE
+    SequenceParallel() "sequence_parallel"  norms: Megatron's sequence parallelism (the norm
+                                    on this rank's sequence shard, its output all-gathered)
+    SequenceParallel(gather_output=False)  "sequence_parallel_local"  its output left split
+    Replicate()        "replicate"  left as it is (every rank computes it in full)
 
 Attention projections are split by whole heads (HeadLayout) whenever their parent module looks
 like Hugging Face attention (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and a ``head_dim``, with
@@ -42,17 +37,18 @@ from torch import nn
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
-from tp_ext.layers import ColumnParallelLinear, ParallelModule, load_full_state_dict, no_init
+from tp_ext.layers import ColumnParallelLinear, ParallelModule
 from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
-from tp_ext.parallelize.plan import auto_plan, is_norm, resolve_plan
+from tp_ext.parallelize.modules import attention_heads, localize_attention
+from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
 from tp_ext.parallelize.styles import (
-    attention_heads,
-    convert,
-    full_state,
-    is_fused_experts,
-    localize_attention,
-    shard_experts,
+    ParallelStyle,
+    Replicate,
+    SequenceParallel,
+    StyleTarget,
+    VocabParallel,
+    as_style,
 )
 
 __all__ = ["parallelize"]
@@ -60,7 +56,7 @@ __all__ = ["parallelize"]
 
 def parallelize(
     module: nn.Module,
-    plan: Union[str, Mapping[str, str]] = "auto",
+    plan: Union[str, Mapping[str, StyleLike]] = "auto",
     tp_group=None,
     verbose: bool = False,
     explain: bool = False,
@@ -75,7 +71,9 @@ def parallelize(
     module name to what was done to it (style and this rank's shard). Nothing is stored on the
     user's modules beyond the replaced children and the sequence-parallel hooks.
 
-    ``plan``: "auto" (:func:`auto_plan`) or ``{name pattern: style}``. ``tp_group``: the TP group
+    ``plan``: "auto" (:func:`auto_plan`) or ``{name pattern: style}``, each style a
+    :class:`~tp_ext.parallelize.styles.ParallelStyle` (``Colwise()``, ``Rowwise()``, ... with
+    keyword options) or its string alias ("colwise", ...). ``tp_group``: the TP group
     (default: the one from :func:`tp_ext.init_parallel`). ``verbose`` prints the decisions on
     TP rank 0; ``explain=True`` adds to each decision why it was taken (in the report too) and
     prints them. ``sequence_parallel=True`` with "auto" adds the "sequence_parallel" style for every
@@ -86,23 +84,78 @@ def parallelize(
     :class:`~tp_ext.layers.ExpertParallelMoE` over its EP group (``capacity_factor`` as there;
     None is dropless).
     """
+    _check_not_parallelized(module)
+    if parallel is not None and tp_group is None:
+        tp_group = parallel.tp_group
+    ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None
+    tp = resolve_group(tp_group)
+    decided, reasons, parts = _decide(module, plan, sequence_parallel, example_inputs)
+
+    report: dict[str, str] = {}
+    sp_norms = [
+        n for n, s in decided.items() if isinstance(s, SequenceParallel) and s.gather_output
+    ]
+    sp = bool(sp_norms) and tp.size > 1
+    if ep_group is not None:
+        _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor)
+    shards = SequenceShards(tp)
+    if sp:
+        _split_sequence_from(module, sp_norms[0], shards, report)
+    shared = _shared_parameters(module)
+    _check_ties(module, decided, shared)
+    converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
+    # Embeddings first, so an LM head tied to one finds it converted.
+    order = sorted(decided.items(), key=lambda item: not _is_embedding(module, item[0]))
+    for name, style in order:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        child = getattr(parent, leaf)
+        tie_to = _tied_embedding(child, shared, converted)
+        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name))
+        new, what = style.apply(child, target)
+        if new is not child:
+            for param in child.parameters(recurse=False):
+                converted[id(param)] = new
+            setattr(parent, leaf, new)
+        report[name] = f"{style.name}: {what}"
+
+    _run_attention_on_local_heads(module, tp, report)
+    if explain:
+        report.update(
+            {n: f"{what}  [why: {reasons[n]}]" for n, what in report.items() if n in reasons}
+        )
+    if (verbose or explain) and tp.rank == 0:
+        _print_report(report, tp)
+    return (module, report) if return_report else module
+
+
+def _print_report(report: dict[str, str], tp) -> None:
+    width = max((len(n) for n in report), default=0)
+    print(f"tp_ext.parallelize over {tp.size} ranks (rank 0's shards):")
+    for name, what in report.items():
+        print(f"  {name:<{width}}  {what}")
+
+
+def _check_not_parallelized(module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"parallelize: module must be a torch.nn.Module (the model to shard in place), got "
             f"{type(module).__name__} {module!r:.60}"
         )
-    if parallel is not None and tp_group is None:
-        tp_group = parallel.tp_group
-    ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None
-    tp = resolve_group(tp_group)
     done = [n for n, m in module.named_modules() if isinstance(m, ParallelModule)]
     if done:
         raise ValueError(
             f"{type(module).__name__} already holds tp_ext layers ({done[0]!r}, ...): it was "
             "parallelized before (or built from tp_ext layers); parallelize each model once"
         )
+
+
+def _decide(module, plan, sequence_parallel, example_inputs):
+    """``({module name: style}, {module name: why}, {module name: part widths})``: the style of
+    every module the plan covers, why it got it (for ``explain``), and the widths auto traced a
+    fused column's output being cut into."""
     reasons: dict[str, str] = {}
-    parts: dict[str, list] = {}  # fused columns the traced forward cuts into parts
+    parts: dict[str, list] = {}
     if isinstance(plan, str):
         if plan != "auto":
             raise ValueError(
@@ -114,76 +167,23 @@ def parallelize(
         reasons = {name: "given by the plan" for name in decided}
     else:
         raise TypeError(f"plan must be 'auto' or a dict, got {type(plan).__name__}")
+    styles = {name: as_style(style, f"the style of {name}") for name, style in decided.items()}
+    return styles, reasons, {name: tuple(widths) for name, widths in parts.items()}
 
-    report: dict[str, str] = {}
-    sp_norms = [n for n, style in decided.items() if style == "sequence_parallel"]
-    sp = bool(sp_norms) and tp.size > 1
-    if ep_group is not None:
-        _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor)
-    shards = SequenceShards(tp)
-    if sp:
-        # The residual stream is split where the first norm's block (decoder layer) begins.
-        first_block = sp_norms[0].rpartition(".")[0]
-        if not first_block:
-            raise ValueError(f"sequence-parallel norm {sp_norms[0]!r} must sit inside a block")
-        module.get_submodule(first_block).register_forward_pre_hook(shards.split, with_kwargs=True)
-        report[first_block] = "sequence parallel from here: hidden states split along the sequence"
-    shared = _shared_parameters(module)
-    _check_ties(module, decided, shared)
-    converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
-    # Embeddings first, so an LM head tied to one finds it converted.
-    order = sorted(decided.items(), key=lambda item: not _is_embedding(module, item[0]))
-    for name, style in order:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        child = getattr(parent, leaf)
-        sequence_style = style in ("sequence_parallel", "sequence_parallel_local")
-        if style == "replicate" or (sequence_style and not sp):
-            report[name] = f"{style}: unchanged"
-            continue
-        if sequence_style:
-            if not is_norm(child):
-                raise ValueError(
-                    f"{name}: style {style!r} applies to norm modules "
-                    f"(RMSNorm, LayerNorm), not {type(child).__name__}"
-                )
-            # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
-            gathered = style == "sequence_parallel"
-            if gathered:
-                child.register_forward_hook(shards.gather_output)
-            for p in child.parameters():
-                if p.requires_grad:  # frozen weights (fine-tuning) have no gradient to reduce
-                    p.register_hook(shards.all_reduce_grad)
-            report[name] = f"{style}: runs on this rank's shard" + (
-                ", output all-gathered" if gathered else ", output stays split"
-            )
-            continue
-        if style == "experts":
-            if not is_fused_experts(child):
-                raise ValueError(
-                    f"{name}: style 'experts' applies to Mixtral-style experts (3D gate_up_proj "
-                    f"and down_proj parameters), not {type(child).__name__}"
-                )
-            if sp:
-                raise ValueError(
-                    f"{name}: split experts do not support sequence_parallel=True yet; "
-                    "parallelize this model with sequence_parallel=False"
-                )
-            report[name] = f"experts: {shard_experts(child, tp)}"
-            continue
-        tie_to = _tied_embedding(name, child, shared, converted)
-        full = full_state(child)
-        with no_init():
-            new, what = convert(name, child, style, parent, tp, sp, tie_to, parts.get(name))
-        load_full_state_dict(new, full)
-        for param_name, param in child.named_parameters(recurse=False):
-            getattr(new, param_name).requires_grad_(param.requires_grad)  # frozen stays frozen
-            converted[id(param)] = new
-        new.train(child.training)
-        setattr(parent, leaf, new)
-        report[name] = f"{style}: {what}"
 
-    # Hugging Face attention: run its own code on this rank's heads.
+def _split_sequence_from(module, first_norm: str, shards: SequenceShards, report) -> None:
+    """The residual stream is split where the first sequence-parallel norm's block (decoder
+    layer) begins."""
+    first_block = first_norm.rpartition(".")[0]
+    if not first_block:
+        raise ValueError(f"sequence-parallel norm {first_norm!r} must sit inside a block")
+    module.get_submodule(first_block).register_forward_pre_hook(shards.split, with_kwargs=True)
+    report[first_block] = "sequence parallel from here: hidden states split along the sequence"
+
+
+def _run_attention_on_local_heads(module: nn.Module, tp, report: dict) -> None:
+    """Hugging Face attention whose input projections were split by heads: run its own code on
+    this rank's heads."""
     for name, child in module.named_modules():
         info = attention_heads(child)
         first = None if info is None else getattr(child, info.fused or "q_proj", None)
@@ -193,16 +193,6 @@ def parallelize(
             report[name] = f"attention: {q} query heads, {kv} KV heads on this rank" + (
                 f"; {', '.join(per_head)} gradients summed over TP" if per_head else ""
             )
-    if explain:
-        report.update(
-            {n: f"{what}  [why: {reasons[n]}]" for n, what in report.items() if n in reasons}
-        )
-    if (verbose or explain) and tp.rank == 0:
-        width = max((len(n) for n in report), default=0)
-        print(f"tp_ext.parallelize over {tp.size} ranks (rank 0's shards):")
-        for name, what in report.items():
-            print(f"  {name:<{width}}  {what}")
-    return (module, report) if return_report else module
 
 
 def _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor) -> None:
@@ -243,19 +233,19 @@ def _shared_parameters(module: nn.Module) -> dict[int, list[str]]:
     return {pid: names for pid, names in owners.items() if len(set(names)) > 1}
 
 
-def _check_ties(module: nn.Module, decided: dict[str, str], shared) -> None:
-    """Every shared parameter stays shared: either no owner is converted, or it is an embedding
-    and an LM head both given the 'vocab' style (the head is then tied to the new embedding).
-    Anything else would be silently untied, so it is refused."""
+def _check_ties(module: nn.Module, decided: dict[str, ParallelStyle], shared) -> None:
+    """Every shared parameter stays shared: either no owner's weights are split, or it is an
+    embedding and an LM head both given the 'vocab' style (the head is then tied to the new
+    embedding). Anything else would be silently untied, so it is refused."""
     for owner_names in shared.values():
         owners = sorted(set(owner_names))
-        styles = {n: decided.get(n, "replicate") for n in owners}
-        if all(style in ("replicate", "sequence_parallel") for style in styles.values()):
+        styles = {n: decided.get(n, Replicate()) for n in owners}
+        if not any(style.shards_weights for style in styles.values()):
             continue
         kinds = [type(module.get_submodule(n)).__name__ for n in owners]
         embedding_and_head = (
             len(owners) == 2
-            and all(style == "vocab" for style in styles.values())
+            and all(isinstance(style, VocabParallel) for style in styles.values())
             and any(isinstance(module.get_submodule(n), nn.Embedding) for n in owners)
             and any(isinstance(module.get_submodule(n), nn.Linear) for n in owners)
         )
@@ -267,7 +257,7 @@ def _check_ties(module: nn.Module, decided: dict[str, str], shared) -> None:
             )
 
 
-def _tied_embedding(name: str, child: nn.Module, shared, converted):
+def _tied_embedding(child: nn.Module, shared, converted):
     """The converted embedding an LM head shares its weight with (see _check_ties), or None."""
     weight = getattr(child, "weight", None)
     if isinstance(child, nn.Linear) and weight is not None and id(weight) in shared:

@@ -258,6 +258,70 @@ def _example_inputs(model: nn.Module, tokens: int):
     return (), kwargs
 
 
+class _FlowHooks:
+    """The module hooks that record, while the traced forward runs, which linears are called
+    and what their inputs were computed from, which embeddings read the token ids, and which
+    norms are called and feed a linear."""
+
+    def __init__(self, flow: Flow, tracer: _Tracer, linears: dict) -> None:
+        self.flow, self.tracer = flow, tracer
+        self.by_module = {id(m): n for n, m in linears.items()}
+
+    def install(self, model: nn.Module, linears: dict, norms: dict) -> list:
+        handles = []
+        for name, module in norms.items():
+            handles.append(module.register_forward_hook(self.norm_after(name)))
+        for module in linears.values():
+            handles.append(module.register_forward_pre_hook(self.linear_before))
+            handles.append(module.register_forward_hook(self.linear_after))
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Embedding):
+                handles.append(module.register_forward_hook(self.embedding_after(name)))
+        return handles
+
+    def linear_before(self, module, inputs):
+        name = self.by_module[id(module)]
+        prov = self.tracer.get(inputs[0]) if inputs else None
+        f = self.flow.linears[name]
+        f.called = True
+        if prov is not None:
+            if prov.norm is not None:
+                self.flow.norms_feeding_linears.add(prov.norm)
+            f.reads_stream = f.reads_stream or prov.stream
+            f.sources = f.sources | prov.linears
+            f.mixed_sources = f.mixed_sources | prov.mixed
+
+    def linear_after(self, module, inputs, output):
+        name = self.by_module[id(module)]
+        if isinstance(output, torch.Tensor):
+            self.tracer.tag(output, _Provenance(linears=frozenset([name])))
+            self.tracer.outputs[id(output)] = name
+
+    def embedding_after(self, name):
+        flow, tracer = self.flow, self.tracer
+
+        def hook(module, inputs, output):
+            prov = tracer.get(inputs[0]) if inputs else None
+            (flow.token_embeddings if prov and prov.tokens else flow.other_embeddings).add(name)
+            tracer.tag(output, _Provenance(stream=True))
+
+        return hook
+
+    def norm_after(self, name):
+        flow, tracer = self.flow, self.tracer
+
+        def hook(module, inputs, output):
+            if name not in flow.norms_called:
+                flow.norms_called.append(name)
+            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() < 3:
+                flow.norms_flat.add(name)
+            prov = tracer.get(output)
+            if isinstance(output, torch.Tensor) and prov is not None and prov.stream:
+                tracer.tag(output, _Provenance(stream=True, norm=name))
+
+        return hook
+
+
 def trace_flow(
     model: nn.Module,
     linears: dict,
@@ -282,55 +346,7 @@ def trace_flow(
         )
     args, kwargs = call
     tracer = _Tracer(flow, head_dims or {})
-    handles = []
-    by_module = {id(m): n for n, m in linears.items()}
-
-    def before(module, inputs):
-        name = by_module[id(module)]
-        prov = tracer.get(inputs[0]) if inputs else None
-        f = flow.linears[name]
-        f.called = True
-        if prov is not None:
-            if prov.norm is not None:
-                flow.norms_feeding_linears.add(prov.norm)
-            f.reads_stream = f.reads_stream or prov.stream
-            f.sources = f.sources | prov.linears
-            f.mixed_sources = f.mixed_sources | prov.mixed
-
-    def after(module, inputs, output):
-        name = by_module[id(module)]
-        if isinstance(output, torch.Tensor):
-            tracer.tag(output, _Provenance(linears=frozenset([name])))
-            tracer.outputs[id(output)] = name
-
-    def embedding_after(name):
-        def hook(module, inputs, output):
-            prov = tracer.get(inputs[0]) if inputs else None
-            (flow.token_embeddings if prov and prov.tokens else flow.other_embeddings).add(name)
-            tracer.tag(output, _Provenance(stream=True))
-
-        return hook
-
-    def norm_after(name):
-        def hook(module, inputs, output):
-            if name not in flow.norms_called:
-                flow.norms_called.append(name)
-            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() < 3:
-                flow.norms_flat.add(name)
-            prov = tracer.get(output)
-            if isinstance(output, torch.Tensor) and prov is not None and prov.stream:
-                tracer.tag(output, _Provenance(stream=True, norm=name))
-
-        return hook
-
-    for name, module in (norms or {}).items():
-        handles.append(module.register_forward_hook(norm_after(name)))
-    for module in linears.values():
-        handles.append(module.register_forward_pre_hook(before))
-        handles.append(module.register_forward_hook(after))
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding):
-            handles.append(module.register_forward_hook(embedding_after(name)))
+    handles = _FlowHooks(flow, tracer, linears).install(model, linears, norms or {})
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor):
             # ids index embeddings; float inputs are whole on every rank, like the stream

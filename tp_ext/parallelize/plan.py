@@ -1,33 +1,24 @@
 """Which style each module of a model gets: "auto", decided from a traced forward (how the
 linears connect: :mod:`tp_ext.parallelize.dataflow`), or a user's plan of name patterns. The
-styles themselves are in :mod:`tp_ext.parallelize.styles`."""
+styles themselves (classes, and the string aliases auto writes) are in
+:mod:`tp_ext.parallelize.styles`."""
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Optional
+from typing import Optional, Union
 
 from torch import nn
 
 from tp_ext.parallelize.dataflow import trace_flow
-from tp_ext.parallelize.styles import attention_heads, is_conv1d, is_fused_experts
+from tp_ext.parallelize.modules import attention_heads, is_conv1d, is_fused_experts, is_norm
+from tp_ext.parallelize.styles import ALIASES, ParallelStyle, as_style
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
-STYLES = (
-    "colwise",
-    "rowwise",
-    "vocab",
-    "experts",
-    "sequence_parallel",
-    "sequence_parallel_local",
-    "replicate",
-)
-
-
-def is_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+# The string aliases of the styles (a plan may also give ParallelStyle instances).
+STYLES = tuple(ALIASES)
 
 
 def is_plain(module: nn.Module, base: type) -> bool:
@@ -99,28 +90,13 @@ def auto_plan(
     head_dims = {n: info.head_dim for n, (info, _, out) in heads.items() if not out}
     norms = {n: c for n, c in module.named_modules() if n and is_norm(c)}
     flow = trace_flow(module, linears, head_dims, example_inputs, norms)
-    norms_called = set(flow.norms_called)
     rows, blocked = _pairs(flow)
     columns = {c: sorted(r for r in rows if c in rows[r]) for r in rows for c in rows[r]}
     _check_heads(heads, rows, columns)
 
     for name, child in module.named_modules():
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
-            if name in flow.norms_flat:
-                raise ValueError(
-                    f"sequence_parallel=True: {name} ({type(child).__name__}) normalises hidden "
-                    "states flattened to [tokens, hidden] in the traced forward, so there is no "
-                    "sequence dimension to split there; use sequence_parallel=False for "
-                    f"{type(module).__name__}"
-                )
-            if name in flow.norms_feeding_linears or name not in norms_called:
-                plan[name], why[name] = "sequence_parallel", "a norm over the model's width"
-            else:
-                plan[name] = "sequence_parallel_local"
-                why[name] = (
-                    "a norm over the model's width whose output goes back to the residual "
-                    "stream, read by no linear: it runs on the sequence shard, not gathered"
-                )
+            plan[name], why[name] = _sequence_parallel_norm(module, name, child, flow)
         elif is_fused_experts(child):
             plan[name], why[name] = "experts", "MoE experts as 3D gate_up_proj/down_proj"
         elif name in flow.token_embeddings and (
@@ -147,8 +123,30 @@ def auto_plan(
         elif name in linears:
             plan[name], why[name] = "replicate", _whole_reason(flow, name, blocked, linears)
     _refuse_large_unsplit(module, plan, flow, why)
-    # sequence-parallel norms first, in the order the forward calls them: the stream is split
-    # at the block of the first one called (not of the first one defined: OPT's final norm)
+    return _called_norms_first(plan, flow)
+
+
+def _sequence_parallel_norm(module: nn.Module, name: str, norm: nn.Module, flow):
+    """The sequence-parallel style of a norm over the model's width, and why."""
+    if name in flow.norms_flat:
+        raise ValueError(
+            f"sequence_parallel=True: {name} ({type(norm).__name__}) normalises hidden "
+            "states flattened to [tokens, hidden] in the traced forward, so there is no "
+            "sequence dimension to split there; use sequence_parallel=False for "
+            f"{type(module).__name__}"
+        )
+    if name in flow.norms_feeding_linears or name not in flow.norms_called:
+        return "sequence_parallel", "a norm over the model's width"
+    return "sequence_parallel_local", (
+        "a norm over the model's width whose output goes back to the residual "
+        "stream, read by no linear: it runs on the sequence shard, not gathered"
+    )
+
+
+def _called_norms_first(plan: dict[str, str], flow) -> dict[str, str]:
+    """The plan with the sequence-parallel norms first, in the order the forward calls them: the
+    stream is split at the block of the first one called (not of the first one defined: OPT's
+    final norm)."""
     order = {n: i for i, n in enumerate(flow.norms_called)}
     first = sorted((n for n in plan if n in order), key=order.get)
     return {**{n: plan[n] for n in first}, **plan}
@@ -306,24 +304,35 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str], flow, why: di
             f"forward, {first}{fused}: {reason}. Left "
             "whole they would hold the model's large matmuls on every rank. Pass a plan of name "
             "patterns to styles instead, e.g. {'*.q_proj': 'colwise', '*.o_proj': 'rowwise', "
-            "...} (styles: colwise, rowwise, vocab, sequence_parallel, replicate; 'replicate' "
-            "keeps a module whole on purpose)"
+            "...} (styles: colwise, rowwise, vocab, sequence_parallel, replicate, or the classes "
+            "tp_ext.parallelize.Colwise(), ... with options; 'replicate' keeps a module whole on "
+            "purpose)"
         )
 
 
-def resolve_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
-    """Exact module name -> style, from name patterns (fnmatch; the first matching pattern wins)."""
+StyleLike = Union[str, ParallelStyle]
+
+
+def resolve_plan(module: nn.Module, plan: Mapping[str, StyleLike]) -> dict[str, StyleLike]:
+    """Exact module name -> style (as the plan gives it: a string alias or a ParallelStyle), from
+    name patterns (fnmatch; the first matching pattern wins). A pattern that matches no module
+    or a value that is not a style is refused."""
     names = [n for n, _ in module.named_modules() if n]
-    decided: dict[str, str] = {}
+    decided: dict[str, StyleLike] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style; use one of {STYLES}")
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"plan key {pattern!r} is not a module name pattern; use strings such as "
+                "'model.layers.*.mlp.down_proj'"
+            )
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             example = ", ".join(names[:6])
             raise ValueError(
                 f"plan pattern {pattern!r} matches no module; names look like: {example}, ..."
             )
+        more = f" and {len(matched) - 1} more" if len(matched) > 1 else ""
+        as_style(style, f"plan[{pattern!r}] (for module {matched[0]}{more})")
         for name in matched:
             decided.setdefault(name, style)
     return decided

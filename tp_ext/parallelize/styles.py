@@ -1,218 +1,406 @@
-"""The styles: the tp_ext layer that replaces a module of a given style, keeping its slice of
-the module's weights. Attention projections are split by whole heads when their parent looks like
-Hugging Face attention."""
+"""The styles: what :func:`tp_ext.parallelize` does to one module of a plan. Each is a
+:class:`ParallelStyle` (``Colwise()``, ``Rowwise()``, ``VocabParallel()``, ``Experts()``,
+``SequenceParallel()``, ``Replicate()``, with keyword options) that applies itself to a module;
+the plan's strings ("colwise", "rowwise", ...) are aliases of default instances (:data:`ALIASES`).
+
+A style that swaps the module for a tp_ext layer keeps this rank's slice of the module's weights.
+Attention projections are split by whole heads when their parent looks like Hugging Face
+attention (:mod:`tp_ext.parallelize.modules`)."""
 
 from __future__ import annotations
 
-import copy
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from torch import nn
 
-from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup
 from tp_ext.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
-    ParallelModule,
     RowParallelLinear,
     VocabParallelEmbedding,
+    load_full_state_dict,
+    no_init,
 )
-from tp_ext.sharding import HeadLayout, Partition
+from tp_ext.parallelize.modules import (
+    AttentionHeads,
+    attention_heads,
+    full_state,
+    head_partition,
+    is_conv1d,
+    is_fused_experts,
+    is_norm,
+    linear_features,
+    localize_attention,
+    shard_experts,
+)
+from tp_ext.parallelize.sequence_parallel import SequenceShards
+from tp_ext.sharding import Partition
+from tp_ext.validation import check_int
 
 __all__ = [
+    "ParallelStyle",
+    "StyleTarget",
+    "Colwise",
+    "Rowwise",
+    "VocabParallel",
+    "Experts",
+    "SequenceParallel",
+    "Replicate",
+    "ALIASES",
+    "as_style",
     "convert",
+    # moved to tp_ext.parallelize.modules; still importable from here
+    "AttentionHeads",
     "attention_heads",
     "is_conv1d",
     "full_state",
     "localize_attention",
-    "AttentionHeads",
 ]
 
 
 @dataclass(frozen=True)
-class AttentionHeads:
-    """What auto knows about a Hugging Face attention module: its head counts and how its input
-    projections lay out q, k and v.
+class StyleTarget:
+    """Where a style is applied: the module's full name and parent, the TP group, and what the
+    whole :func:`~tp_ext.parallelize` call decided.
 
-    ``qkv``: "separate" (q_proj, k_proj, v_proj), "concat" (one projection: all q heads, then
-    all k, then all v: Phi-3, Falcon's multi_query) or "grouped" (one projection laid out per KV
-    group as [its q heads, k, v]: GPT-NeoX and classic Falcon with one query head per group,
-    Falcon's new_decoder_architecture with several). ``fused``/``out``: the fused input and the
-    output projection's attribute names."""
+    ``sequence_parallel``: the residual stream is split along the sequence (the plan has a
+    gathering sequence-parallel norm and TP > 1). ``shards``: the sequence shards' hooks.
+    ``tie_to``: the converted embedding an LM head shares its weight with. ``parts``: the widths
+    auto traced a column's output being cut into."""
 
-    heads: int
-    kv: int
-    head_dim: int
-    qkv: str
-    fused: Optional[str]
-    out: str
-
-    def layout(self, tp: TPGroup) -> HeadLayout:
-        return HeadLayout(self.heads, self.kv, tp.size)
+    name: str
+    parent: nn.Module
+    tp: TPGroup
+    sequence_parallel: bool = False
+    shards: Optional[SequenceShards] = None
+    tie_to: Optional[VocabParallelEmbedding] = None
+    parts: Optional[tuple[int, ...]] = None
 
 
-def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
-    """The heads of ``parent`` when it is an attention module auto understands, else None."""
-    config = getattr(parent, "config", None)
-    if config is None:
-        return None
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int):
-        return None
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(parent, "head_dim", None)
-    has = lambda *names: all(hasattr(parent, n) for n in names)  # noqa: E731
-    if head_dim is not None and has("q_proj", "k_proj", "v_proj"):
-        out = "o_proj" if has("o_proj") else "out_proj" if has("out_proj") else None
-        return AttentionHeads(heads, kv, head_dim, "separate", None, out) if out else None
-    if head_dim is not None and has("c_attn", "c_proj", "split_size"):  # GPT-2, [q | k | v]
-        if getattr(parent, "is_cross_attention", False):
-            return None  # c_attn is [k | v] there and q_attn separate: not known here
-        return AttentionHeads(heads, heads, head_dim, "concat", "c_attn", "c_proj")
-    if head_dim is not None and has("qkv_proj", "o_proj"):  # Phi-3
-        return AttentionHeads(heads, kv, head_dim, "concat", "qkv_proj", "o_proj")
-    if has("query_key_value", "dense", "head_size"):  # GPT-NeoX: per head [q, k, v]
-        return AttentionHeads(heads, heads, parent.head_size, "grouped", "query_key_value", "dense")
-    if has("query_key_value", "dense", "new_decoder_architecture", "multi_query"):  # Falcon
-        if getattr(config, "alibi", False):
-            raise ValueError(
-                f"{type(parent).__name__}: Falcon with alibi=True is not split by "
-                "parallelize(plan='auto') (its ALiBi slopes are built for all heads outside the "
-                "attention module). Pass a plan, or use a rotary Falcon (alibi=False)"
-            )
-        if parent.new_decoder_architecture:
-            kv = config.num_kv_heads
-            return AttentionHeads(heads, kv, head_dim, "grouped", "query_key_value", "dense")
-        if parent.multi_query:
-            return AttentionHeads(heads, 1, head_dim, "concat", "query_key_value", "dense")
-        return AttentionHeads(heads, heads, head_dim, "grouped", "query_key_value", "dense")
-    return None
+class ParallelStyle(ABC):
+    """How one module is parallelised. ``apply(module, target)`` returns the module that takes
+    its place (a new tp_ext layer, or ``module`` itself changed in place or left as it is) and a
+    line for parallelize's report; parallelize installs it under the module's name.
+
+    ``name`` is the style's string alias, the first word of its report lines.
+    ``shards_weights`` is False for styles that keep every parameter whole (parameters shared
+    with other modules may then stay shared)."""
+
+    name: ClassVar[str] = ""
+    shards_weights: ClassVar[bool] = True
+
+    @abstractmethod
+    def apply(self, module: nn.Module, target: StyleTarget) -> tuple[nn.Module, str]: ...
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (GPT-2): a linear layer storing its weight as [in, out]."""
-    return (
-        type(module).__name__ == "Conv1D"
-        and hasattr(module, "nf")
-        and getattr(module, "weight", None) is not None
-        and module.weight.dim() == 2
-    )
+class _Swap(ParallelStyle):
+    """A style that replaces the module with a tp_ext layer (``build``), loaded with this rank's
+    slice of the module's weights; frozen parameters stay frozen, the train/eval mode is kept."""
+
+    @abstractmethod
+    def build(self, module: nn.Module, target: StyleTarget) -> tuple[nn.Module, str]: ...
+
+    def apply(self, module: nn.Module, target: StyleTarget) -> tuple[nn.Module, str]:
+        full = full_state(module)
+        with no_init():  # the weights come from the module: no random init
+            new, what = self.build(module, target)
+        load_full_state_dict(new, full)
+        for param_name, param in module.named_parameters(recurse=False):
+            getattr(new, param_name).requires_grad_(param.requires_grad)
+        new.train(module.training)
+        return new, what
 
 
-def linear_features(module: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of an nn.Linear or a Conv1D."""
-    if is_conv1d(module):
-        return module.weight.shape[0], module.weight.shape[1]
-    return module.in_features, module.out_features
-
-
-def full_state(module: nn.Module) -> dict:
-    """The module's full state as the tp_ext layers load it: a Conv1D's [in, out] weight
-    transposed to nn.Linear's [out, in]."""
-    state = {k: v.detach() for k, v in module.state_dict().items()}
-    if is_conv1d(module):
-        state["weight"] = state["weight"].t()
-    return state
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    """Mixtral-style experts: ``gate_up_proj`` [experts, 2 * inter, hidden] and ``down_proj``
-    [experts, hidden, inter] as 3D parameters, the forward looping over experts."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (
-        isinstance(gate_up, nn.Parameter)
-        and isinstance(down, nn.Parameter)
-        and gate_up.dim() == 3
-        and down.dim() == 3
-        and gate_up.shape[1] == 2 * down.shape[2]
-    )
-
-
-def shard_experts(experts: nn.Module, tp: TPGroup) -> str:
-    """Split every expert's MLP in place: gate and up rows, down columns (the intermediate dim
-    over the TP group). The module's own forward runs on the local slices; its output is
-    all-reduced. Its class becomes a ParallelModule subclass of the original, so state dicts,
-    checkpoints and local_shards see the shard specs under the same names."""
-    cls = type(experts)
-    inter = experts.down_proj.shape[2]
-    gate_up, down = Partition.merged([inter, inter], tp.size), Partition.split(inter, tp.size)
-    for attr, dim, partition in (("gate_up_proj", 1, gate_up), ("down_proj", 2, down)):
-        full = getattr(experts, attr)
-        local = partition.local(full.detach(), dim, tp.rank).clone()
-        setattr(experts, attr, nn.Parameter(local, requires_grad=full.requires_grad))
-
-    config = getattr(experts, "config", None)
-    local_bytes = down.local_size(tp.rank) * experts.down_proj.element_size()
-    if getattr(config, "_experts_implementation", None) == "grouped_mm" and local_bytes % 16:
-        # torch's grouped_mm needs 16-byte strides, which this rank's slice may not have: the
-        # experts' own loop instead, on a copy of the config (the model's stays as it is)
-        config = copy.copy(config)
-        config._experts_implementation = "eager"
-        experts.config = config
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        # Both inputs are replicated: their gradients are summed over the ranks' slices.
-        hidden_states = comm.copy_to_tp(hidden_states, self.tp)
-        top_k_weights = comm.copy_to_tp(top_k_weights, self.tp)
-        out = cls.forward(self, hidden_states, top_k_index, top_k_weights)
-        return comm.reduce_from_tp(out, self.tp)
-
-    experts.__class__ = type(
-        f"TensorParallel{cls.__name__}", (ParallelModule, cls), {"forward": forward}
-    )
-    experts._setup_tp(tp)
-    experts._set_shard("gate_up_proj", 1, gate_up)
-    experts._set_shard("down_proj", 2, down)
-    local = down.local_size(tp.rank)
-    return f"experts split by intermediate dim, local {local} of {inter}, output all-reduced"
-
-
-def _input_partition(name: str, info: AttentionHeads, tp: TPGroup) -> Partition:
-    """The head-aligned rows of an attention input projection (q, k, v or fused) each rank holds."""
-    leaf = name.rpartition(".")[2]
-    layout, hd = info.layout(tp), info.head_dim
-    if leaf == "q_proj":
-        return layout.q_partition(hd)
-    if leaf in ("k_proj", "v_proj"):
-        return layout.kv_partition(hd)
-    if info.qkv == "concat":
-        return layout.qkv_partition(hd)
-    # grouped: whole KV groups per rank (a replicated KV head would sit inside another rank's
-    # block of the fused rows, which no contiguous layout gives).
-    if info.kv < tp.size:
+def _linear_only(module: nn.Module, target: StyleTarget, style: str, also: str = "") -> None:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         raise ValueError(
-            f"{name}: its {info.kv} KV head groups (fused per group as [q heads, k, v]) cannot "
-            f"be split over {tp.size} ranks; use a TP size of at most {info.kv}"
+            f"{target.name}: style {style!r} applies to nn.Linear or Hugging Face Conv1D{also}, "
+            f"not {type(module).__name__}"
         )
-    group = info.heads // info.kv
-    return Partition.split(info.kv * (group + 2) * hd, tp.size, unit=(group + 2) * hd)
 
 
-def localize_attention(attention: nn.Module, info: AttentionHeads, tp: TPGroup) -> tuple[int, int]:
-    """Make ``attention``'s own forward run on this rank's heads: set the head counts it reads.
-    Returns this rank's (query heads, KV heads)."""
-    layout = info.layout(tp)
-    q, kv = layout.q[tp.rank][1], layout.kv[tp.rank][1]
-    local = {
-        "num_key_value_groups": q // kv,
-        "num_heads": q,  # OPT, Falcon
-        "num_key_value_heads": kv,  # Phi-3
-        "num_kv_heads": kv,  # Falcon
-    }
-    if info.fused == "c_attn":
-        local["split_size"] = q * info.head_dim  # GPT-2 splits c_attn's output by this width
-    for attr, value in local.items():
-        if hasattr(attention, attr):
-            setattr(attention, attr, value)
-    if info.qkv == "concat" and info.fused == "qkv_proj":
-        # Phi-3 finds where k begins in the fused output from config.num_attention_heads: give
-        # this module its own config with the local count (the model's config stays whole).
-        config = copy.copy(attention.config)
-        config.num_attention_heads, config.num_key_value_heads = q, kv
-        attention.config = config
-    return q, kv
+def _factory(module: nn.Module, target: StyleTarget) -> dict:
+    return {"tp_group": target.tp, "device": module.weight.device, "dtype": module.weight.dtype}
+
+
+@dataclass(frozen=True)
+class Colwise(_Swap):
+    """nn.Linear (or Conv1D) -> :class:`~tp_ext.layers.ColumnParallelLinear`: output features
+    split over the ranks, the output left split for a :class:`Rowwise` after it.
+
+    q/k/v (and fused qkv) projections of Hugging Face attention are split by whole heads.
+    ``parts``: the widths the output is cut into downstream (a fused ``[gate | up]``): each part
+    is split on its own (default: what auto traced, ``gate_up_proj`` in halves).
+    ``gather_output=True`` all-gathers the output (a linear whose consumer needs it whole; not
+    for head-split attention projections)."""
+
+    parts: Optional[Sequence[int]] = None
+    gather_output: bool = False
+    name: ClassVar[str] = "colwise"
+
+    def __post_init__(self):
+        if self.parts is not None:
+            if isinstance(self.parts, (str, bytes)) or not isinstance(self.parts, Sequence):
+                raise ValueError(
+                    f"Colwise(parts=...) must be a list of output widths (e.g. [1024, 1024] for "
+                    f"[gate | up]), got {self.parts!r}"
+                )
+            widths = tuple(
+                check_int(f"Colwise(parts=...)[{i}]", p) for i, p in enumerate(self.parts)
+            )
+            object.__setattr__(self, "parts", widths)
+        if not isinstance(self.gather_output, bool):
+            raise ValueError(
+                f"Colwise(gather_output=...) must be True or False, got {self.gather_output!r}"
+            )
+
+    def build(self, module, target):
+        _linear_only(module, target, self.name)
+        in_features, out_features = linear_features(module)
+        leaf = target.name.rpartition(".")[2]
+        info = attention_heads(target.parent)
+        parts = self.parts or target.parts
+        partition = None
+        if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
+            if self.gather_output or self.parts is not None:
+                raise ValueError(
+                    f"{target.name}: {self!r} on an attention projection: it is split by whole "
+                    "heads (gather_output=True would hand the attention all heads while it runs "
+                    "on this rank's; the head counts give the parts); use Colwise() (and "
+                    "Rowwise() for its output projection) or Replicate()"
+                )
+            partition = head_partition(target.name, info, target.tp)
+            parts = None
+        elif parts is not None or leaf == "gate_up_proj":  # [gate | up]: each part on its own
+            if self.parts is not None and sum(self.parts) != out_features:
+                raise ValueError(
+                    f"{target.name}: Colwise(parts={list(parts)}) sums to {sum(parts)}, but the "
+                    f"linear has {out_features} output features; give widths that add up to it"
+                )
+            parts = parts or [out_features // 2] * 2
+            partition = Partition.merged(list(parts), target.tp.size)
+        new = ColumnParallelLinear(
+            in_features,
+            out_features,
+            module.bias is not None,
+            gather_output=self.gather_output,
+            partition=partition,
+            input_is_gathered=target.sequence_parallel,
+            **_factory(module, target),
+        )
+        how = "by rows" if partition is None else f"by parts {list(parts)}" if parts else "by heads"
+        gathered = ", output gathered" if self.gather_output else ""
+        return new, f"column-parallel {how}, local outputs {new.out_features_local}{gathered}"
+
+
+@dataclass(frozen=True)
+class Rowwise(_Swap):
+    """nn.Linear (or Conv1D) -> :class:`~tp_ext.layers.RowParallelLinear`: input features split
+    over the ranks, the output all-reduced (reduce-scattered along the sequence under sequence
+    parallelism). The output projection of Hugging Face attention is split by whole heads.
+    ``input_is_parallel=False`` takes a whole input and keeps this rank's slice of it (a row
+    linear with no :class:`Colwise` before it)."""
+
+    input_is_parallel: bool = True
+    name: ClassVar[str] = "rowwise"
+
+    def __post_init__(self):
+        if not isinstance(self.input_is_parallel, bool):
+            raise ValueError(
+                f"Rowwise(input_is_parallel=...) must be True or False, got "
+                f"{self.input_is_parallel!r}"
+            )
+
+    def build(self, module, target):
+        _linear_only(module, target, self.name)
+        in_features, out_features = linear_features(module)
+        info = attention_heads(target.parent)
+        partition = None
+        if info is not None and target.name.rpartition(".")[2] == info.out:
+            partition = info.layout(target.tp).q_partition(info.head_dim)
+        new = RowParallelLinear(
+            in_features,
+            out_features,
+            module.bias is not None,
+            input_is_parallel=self.input_is_parallel,
+            partition=partition,
+            sequence_parallel=target.sequence_parallel,
+            **_factory(module, target),
+        )
+        sp = ", output reduce-scattered" if target.sequence_parallel else ""
+        return new, f"row-parallel, local inputs {new.in_features_local}{sp}"
+
+
+@dataclass(frozen=True)
+class VocabParallel(_Swap):
+    """Split by vocabulary: nn.Embedding -> :class:`~tp_ext.layers.VocabParallelEmbedding` (its
+    output whole; Gemma's ``embed_scale`` kept), an LM head nn.Linear ->
+    :class:`~tp_ext.layers.ParallelLMHead`, tied to the embedding when they share a weight.
+    ``gather_output`` (heads only): True gathers the full logits, so the model's own loss and
+    generation keep working; False leaves each rank its vocabulary slice (for
+    :func:`tp_ext.vocab_parallel_cross_entropy`)."""
+
+    gather_output: bool = True
+    name: ClassVar[str] = "vocab"
+
+    def __post_init__(self):
+        if not isinstance(self.gather_output, bool):
+            raise ValueError(
+                f"VocabParallel(gather_output=...) must be True or False, got "
+                f"{self.gather_output!r}"
+            )
+
+    def build(self, module, target):
+        if isinstance(module, nn.Embedding):
+            return self._embedding(module, target)
+        _linear_only(module, target, self.name, " or nn.Embedding")
+        in_features, out_features = linear_features(module)
+        new = ParallelLMHead(
+            out_features,
+            in_features,
+            module.bias is not None,
+            gather_output=self.gather_output,
+            input_is_gathered=target.sequence_parallel,
+            tie_to=target.tie_to,
+            **_factory(module, target),
+        )
+        tied = ", weight tied to the embedding" if target.tie_to is not None else ""
+        logits = "logits gathered" if self.gather_output else "logits left split"
+        rows = new.partition.segments[target.tp.rank]
+        return new, f"vocab-parallel head, rows {rows}, {logits}{tied}"
+
+    def _embedding(self, module: nn.Embedding, target: StyleTarget):
+        if not self.gather_output:
+            raise ValueError(
+                f"{target.name}: VocabParallel(gather_output=False) is for LM heads; an "
+                "embedding's output is always whole. Use VocabParallel() for "
+                f"{type(module).__name__}"
+            )
+        scale = getattr(module, "embed_scale", None)  # Gemma's scaled embedding
+        scale = None if scale is None else float(scale)
+        new = VocabParallelEmbedding(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            output_scale=scale,
+            **_factory(module, target),
+        )
+        scaled = "" if scale is None else f", output scaled by {scale:g}"
+        return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}{scaled}"
+
+
+@dataclass(frozen=True)
+class Experts(ParallelStyle):
+    """Mixtral-style MoE experts (3D ``gate_up_proj``/``down_proj``), split in place: every
+    expert's intermediate dim over the ranks, the output all-reduced. (Expert parallelism,
+    ``parallel.ep > 1``, replaces the whole sparse-MoE block instead: see parallelize.)"""
+
+    name: ClassVar[str] = "experts"
+
+    def apply(self, module, target):
+        if not is_fused_experts(module):
+            raise ValueError(
+                f"{target.name}: style 'experts' applies to Mixtral-style experts (3D "
+                f"gate_up_proj and down_proj parameters), not {type(module).__name__}"
+            )
+        if target.sequence_parallel:
+            raise ValueError(
+                f"{target.name}: split experts do not support sequence_parallel=True yet; "
+                "parallelize this model with sequence_parallel=False"
+            )
+        return module, shard_experts(module, target.tp)
+
+
+@dataclass(frozen=True)
+class SequenceParallel(ParallelStyle):
+    """For a norm (RMSNorm/LayerNorm): Megatron's sequence parallelism, by hooks (the norm keeps
+    its names in state dicts). The norm runs on this rank's sequence shard, its weight gradient
+    all-reduced; the residual stream is split from the first such norm's block on.
+    ``gather_output=True`` all-gathers its output once for the column-parallel layers after it;
+    False (alias "sequence_parallel_local") leaves it split: a norm of a row-parallel output
+    before the residual add (Gemma 2/3's post-norms). At TP 1 the norm is left unchanged."""
+
+    gather_output: bool = True
+    shards_weights: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if not isinstance(self.gather_output, bool):
+            raise ValueError(
+                f"SequenceParallel(gather_output=...) must be True or False, got "
+                f"{self.gather_output!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        return "sequence_parallel" if self.gather_output else "sequence_parallel_local"
+
+    def apply(self, module, target):
+        if not target.sequence_parallel:
+            return module, "unchanged"
+        if not is_norm(module):
+            raise ValueError(
+                f"{target.name}: style {self.name!r} applies to norm modules "
+                f"(RMSNorm, LayerNorm), not {type(module).__name__}"
+            )
+        # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
+        if self.gather_output:
+            module.register_forward_hook(target.shards.gather_output)
+        for p in module.parameters():
+            if p.requires_grad:  # frozen weights (fine-tuning) have no gradient to reduce
+                p.register_hook(target.shards.all_reduce_grad)
+        output = "output all-gathered" if self.gather_output else "output stays split"
+        return module, f"runs on this rank's shard, {output}"
+
+
+@dataclass(frozen=True)
+class Replicate(ParallelStyle):
+    """Left as it is: every rank holds and computes the module in full."""
+
+    name: ClassVar[str] = "replicate"
+    shards_weights: ClassVar[bool] = False
+
+    def apply(self, module, target):
+        return module, "unchanged"
+
+
+# The plan's strings: each names a default instance.
+ALIASES: dict[str, ParallelStyle] = {
+    "colwise": Colwise(),
+    "rowwise": Rowwise(),
+    "vocab": VocabParallel(),
+    "experts": Experts(),
+    "sequence_parallel": SequenceParallel(),
+    "sequence_parallel_local": SequenceParallel(gather_output=False),
+    "replicate": Replicate(),
+}
+
+_CLASSES = (Colwise, Rowwise, VocabParallel, Experts, SequenceParallel, Replicate)
+
+
+def as_style(value, where: str) -> ParallelStyle:
+    """The style a plan entry names: a :class:`ParallelStyle` instance as it is, a string alias
+    as :data:`ALIASES` says; anything else is refused, naming ``where`` (the plan entry and the
+    module it is for), the value and what would work."""
+    if isinstance(value, ParallelStyle):
+        return value
+    if isinstance(value, str) and value in ALIASES:
+        return ALIASES[value]
+    hint = ""
+    if isinstance(value, type) and issubclass(value, ParallelStyle):
+        hint = f" (a class: write {value.__name__}() for an instance)"
+    elif isinstance(value, str) and value.lower() in ALIASES:
+        hint = f" (aliases are lower case: {value.lower()!r})"
+    classes = ", ".join(f"{c.__name__}()" for c in _CLASSES)
+    raise ValueError(
+        f"{where} = {value!r} is not a style{hint}; use a string alias "
+        f"({', '.join(map(repr, ALIASES))}) or a tp_ext.parallelize.ParallelStyle instance "
+        f"({classes}, with keyword options)"
+    )
 
 
 def convert(
@@ -225,74 +413,17 @@ def convert(
     tie_to: Optional[VocabParallelEmbedding] = None,
     parts: Optional[list] = None,
 ):
-    """The tp_ext layer replacing ``child``, and a line saying what was done. ``tie_to``: the
-    converted embedding an LM head shares its weight with. ``parts``: the widths a column's
-    output is cut into (each part is split on its own); by default, ``gate_up_proj`` in halves."""
-    leaf = name.rpartition(".")[2]
-    kw = {"tp_group": tp, "device": None, "dtype": None}
-    if style == "vocab" and isinstance(child, nn.Embedding):
-        kw.update(device=child.weight.device, dtype=child.weight.dtype)
-        scale = getattr(child, "embed_scale", None)  # Gemma's scaled embedding
-        scale = None if scale is None else float(scale)
-        new = VocabParallelEmbedding(
-            child.num_embeddings, child.embedding_dim, child.padding_idx, output_scale=scale, **kw
-        )
-        scaled = "" if scale is None else f", output scaled by {scale:g}"
-        return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}{scaled}"
-    if not (isinstance(child, nn.Linear) or is_conv1d(child)):
-        raise ValueError(
-            f"{name}: style {style!r} applies to nn.Linear or Hugging Face Conv1D"
-            f"{' or nn.Embedding' if style == 'vocab' else ''}, not "
-            f"{type(child).__name__}"
-        )
-    kw.update(device=child.weight.device, dtype=child.weight.dtype)
-    bias = child.bias is not None
-    in_features, out_features = linear_features(child)
-    info = attention_heads(parent)
-    if style == "vocab":
-        new = ParallelLMHead(
-            out_features,
-            in_features,
-            bias,
-            gather_output=True,
-            input_is_gathered=sp,
-            tie_to=tie_to,
-            **kw,
-        )
-        tied = ", weight tied to the embedding" if tie_to is not None else ""
-        rows = new.partition.segments[tp.rank]
-        return new, f"vocab-parallel head, rows {rows}, logits gathered{tied}"
-    if style == "colwise":
-        partition = None
-        if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
-            partition = _input_partition(name, info, tp)
-        elif parts is not None or leaf == "gate_up_proj":  # [gate | up]: each part on its own
-            parts = parts or [out_features // 2] * 2
-            partition = Partition.merged(list(parts), tp.size)
-        new = ColumnParallelLinear(
-            in_features,
-            out_features,
-            bias,
-            partition=partition,
-            input_is_gathered=sp,
-            **kw,
-        )
-        how = "by rows" if partition is None else f"by parts {list(parts)}" if parts else "by heads"
-        return new, f"column-parallel {how}, local outputs {new.out_features_local}"
-    if style == "rowwise":
-        partition = None
-        if info is not None and leaf == info.out:
-            partition = info.layout(tp).q_partition(info.head_dim)
-        new = RowParallelLinear(
-            in_features,
-            out_features,
-            bias,
-            partition=partition,
-            sequence_parallel=sp,
-            **kw,
-        )
-        return new, (
-            f"row-parallel, local inputs {new.in_features_local}"
-            f"{', output reduce-scattered' if sp else ''}"
-        )
-    raise AssertionError(style)
+    """Deprecated: ``as_style(style, ...).build(child, StyleTarget(...))``; the tp_ext layer that
+    replaces ``child`` (weights not loaded) and its report line."""
+    warnings.warn(
+        "tp_ext.parallelize.styles.convert is deprecated: use the style classes "
+        "(tp_ext.parallelize.Colwise(), ...: style.apply(module, StyleTarget(...)))",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    chosen = as_style(style, f"convert(style=...) for {name}")
+    if not isinstance(chosen, _Swap):
+        raise ValueError(f"convert: style {style!r} does not replace a module; use its apply()")
+    parts = None if parts is None else tuple(parts)
+    target = StyleTarget(name, parent, tp, sp, tie_to=tie_to, parts=parts)
+    return chosen.build(child, target)
