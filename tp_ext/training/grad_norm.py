@@ -226,4 +226,4 @@ def _grads_with_specs(model: nn.Module, tp: TPGroup, skip=frozenset()):
                     f"{type(module).__name__}.{name} is sharded over {spec.world_size} ranks "
                     f"but tp_group has {tp.size}; pass the group the model was built with"
                 )
-            yield param, spec, module.shard_coord
+            yield param, spec, None if spec is None else module.shard_coord
