@@ -286,7 +286,7 @@ def _train_steps(layout, path: str, load: bool):
 
     torch.manual_seed(5)
     state = tp_ext.init_parallel(tp=layout)
-    model = Qwen2ForCausalLM(_tiny_config(), parallel=state)
+    model = Qwen2ForCausalLM.from_config(_tiny_config(), parallel=state)
     trainer = Trainer(
         model,
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),

@@ -8,6 +8,9 @@ empty.
 
 from __future__ import annotations
 
+import abc
+from typing import Optional
+
 import torch
 
 from tp_ext.validation import check_int
@@ -19,6 +22,7 @@ __all__ = [
     "shard_range",
     "split_tensor",
     "uneven_sizes",
+    "ShardSpec",
     "Partition",
     "HeadLayout",
     "GridBlock",
@@ -86,22 +90,82 @@ def split_tensor(t: torch.Tensor, dim: int, world_size: int) -> tuple[torch.Tens
     )
 
 
-# ---- partitions of one axis: plain, merged (gate/up) and attention heads ------------------------
+# ---- what every reader of a sharded tensor needs: the spec protocol -----------------------------
 
 Segment = tuple[int, int]  # (offset, length) along the full axis
+Box = tuple[Segment, ...]  # (offset, length) along every dimension of the full tensor
 
 
-class Partition:
+class ShardSpec(abc.ABC):
+    """How one tensor is split over ranks (its layout): which block of the full tensor a rank
+    holds. Implemented by :class:`Partition` (1D: one axis over a TP group, heads included) and
+    :class:`GridBlock` (2D: a P x Q grid); layers, state dicts, checkpoints and gradient norms
+    read a tensor's spec through these methods alone.
+
+    ``where`` is the rank's place in the spec: a TP rank (int) for a Partition, ``(row, col)``
+    for a GridBlock (:attr:`tp_ext.layers.ParallelModule.shard_coord` gives it for a layer).
+    A rank's local tensor is its :meth:`boxes` laid end to end along :attr:`local_dim`.
+    """
+
+    local_dim: int = 0
+
+    @abc.abstractmethod
+    def full_shape_of(self, local_shape) -> tuple[int, ...]:
+        """The full (unsharded) shape of a tensor whose local block has ``local_shape``."""
+
+    @abc.abstractmethod
+    def boxes(self, where, local_shape) -> list[Box]:
+        """Rank ``where``'s pieces of the full tensor, in local order."""
+
+    @abc.abstractmethod
+    def counted(self, local: torch.Tensor, where) -> Optional[torch.Tensor]:
+        """The part of ``local`` that rank ``where`` alone counts in sums over the full tensor
+        (a norm): all of it, the elements no earlier rank also holds, or None when another
+        rank's copy counts."""
+
+    def take_block(self, full: torch.Tensor, where) -> torch.Tensor:
+        """Rank ``where``'s block of ``full`` (a view when it is one box)."""
+        pieces = [_narrowed(full, box) for box in self.boxes(where, tuple(full.shape))]
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return full.narrow(self.local_dim, 0, 0)
+        return torch.cat(pieces, self.local_dim)
+
+    def put_block(self, local: torch.Tensor, full: torch.Tensor, where) -> None:
+        """Copy rank ``where``'s block ``local`` into its place in ``full`` (the inverse of
+        :meth:`take_block`)."""
+        position = 0
+        for box in self.boxes(where, tuple(local.shape)):
+            length = box[self.local_dim][1]
+            _narrowed(full, box).copy_(local.narrow(self.local_dim, position, length))
+            position += length
+
+
+def _narrowed(t: torch.Tensor, box: Box) -> torch.Tensor:
+    for d, (offset, length) in enumerate(box):
+        t = t.narrow(d, offset, length)
+    return t
+
+
+# ---- partitions of one axis: plain, merged (gate/up) and attention heads ------------------------
+
+
+class Partition(ShardSpec):
     """Which indices of a full axis of length ``full`` each rank holds.
 
     ``segments[r]`` lists rank r's pieces as ``(offset, length)``; rank r's local axis is their
     concatenation, in that order. Pieces are whole ``unit``s (attention heads); an index may be
     held by more than one rank (replicated KV heads). Every layer, loader and checkpoint reads
     the same Partition, so they always agree on who holds what.
+
+    As a :class:`ShardSpec` it splits dimension ``dim`` of a tensor (:meth:`along` sets it;
+    layers record ``partition.along(dim)`` for each sharded parameter); ``where`` is a TP rank.
     """
 
-    def __init__(self, full: int, segments, parts=None) -> None:
+    def __init__(self, full: int, segments, parts=None, dim: int = 0) -> None:
         self.full = full
+        self.dim = dim
         # the logical parts laid end to end, (start, length) each (merged: gate, up)
         self.parts: tuple[Segment, ...] = tuple(parts) if parts is not None else ((0, full),)
         self.segments: tuple[tuple[Segment, ...], ...] = tuple(
@@ -136,6 +200,51 @@ class Partition:
                 segments[rank].append((start + offset * unit, size * unit))
             start += n
         return cls(start, segments, [(sum(parts[:k]), n) for k, n in enumerate(parts)])
+
+    def along(self, dim: int) -> "Partition":
+        """This partition applied to dimension ``dim`` of a tensor (the same split)."""
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"dim must be an int >= 0 (the split dimension), got {dim!r}")
+        if dim == self.dim:
+            return self
+        other = object.__new__(Partition)
+        other.__dict__.update(self.__dict__)
+        other.dim = dim
+        return other
+
+    # -- the ShardSpec protocol --------------------------------------------------------------------
+
+    @property
+    def local_dim(self) -> int:
+        return self.dim
+
+    def full_shape_of(self, local_shape) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def boxes(self, where, local_shape) -> list[Box]:
+        whole = [(0, int(n)) for n in local_shape]
+        out = []
+        for segment in self.segments[where]:
+            box = list(whole)
+            box[self.dim] = segment
+            out.append(tuple(box))
+        return out
+
+    def counted(self, local: torch.Tensor, where) -> Optional[torch.Tensor]:
+        if not self.replicated:
+            return local
+        keep = self.first_owner_positions(where)
+        if len(keep) == local.size(self.dim):
+            return local
+        index = torch.tensor(keep, dtype=torch.long, device=local.device)
+        return local.index_select(self.dim, index)
+
+    def first_owner_positions(self, rank: int) -> list[int]:
+        """Local positions of ``rank``'s indices that no lower rank also holds."""
+        earlier = {i for r in range(rank) for i in self.local_indices(r)}
+        return [pos for pos, i in enumerate(self.local_indices(rank)) if i not in earlier]
 
     def part_of(self, offset: int) -> tuple[int, Segment]:
         """(index, (start, length)) of the logical part holding full index ``offset``."""
@@ -293,14 +402,15 @@ def _fits(num_heads: int, num_kv_heads: int, world_size: int) -> bool:
     return True
 
 
-class GridBlock:
+class GridBlock(ShardSpec):
     """Which block of a full tensor a rank of a P x Q grid holds (2D tensor parallelism).
 
     ``splits[d]`` says how dimension ``d`` is cut: None (whole on every rank), or ``(axis,
     sizes)`` with ``axis`` "P" (over the grid rows: rank (i, j) holds piece i) or "Q" (over the
     columns: piece j) and ``sizes`` every piece's length (:func:`shard_sizes`, or whole heads).
     A tensor not cut over an axis is replicated over it: the copy at index 0 of that axis is the
-    one counted (gradient norms) and saved.
+    one counted (gradient norms) and saved. As a :class:`ShardSpec`, ``where`` is
+    ``(row, col)``.
     """
 
     AXES = ("P", "Q")
@@ -355,6 +465,20 @@ class GridBlock:
         for d, (offset, length) in enumerate(self.ranges(row, col)):
             full = full.narrow(d, offset, length)
         return full
+
+    # -- the ShardSpec protocol --------------------------------------------------------------------
+
+    def full_shape_of(self, local_shape) -> tuple[int, ...]:
+        return self.full_shape
+
+    def boxes(self, where, local_shape) -> list[Box]:
+        return [tuple(self.ranges(*where))]
+
+    def counted(self, local: torch.Tensor, where) -> Optional[torch.Tensor]:
+        return local if self.first_copy(*where) else None
+
+    def take_block(self, full: torch.Tensor, where) -> torch.Tensor:
+        return self.take(full, *where)
 
     def replicated_axes(self) -> list[str]:
         used = {s[0] for s in self.splits if s is not None}

@@ -25,7 +25,8 @@ from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
 from tp_ext.distributed.groups import TPGroup, device_of
 from tp_ext.distributed.state import PROCESS
-from tp_ext.layers import expert_rows, state_entries
+from tp_ext.layers import expert_rows, tensor_specs
+from tp_ext.sharding import GridBlock
 
 __all__ = [
     "save_sharded",
@@ -111,10 +112,11 @@ def checkpoint_tensors(
     is a separate copy on this rank (a tied embedding under a V-shaped pipeline: the first and
     the last stage on one rank), ``(copy, original)`` goes into ``tied_copies``: a load fills
     the original and must then copy it over."""
-    if getattr(model, "is_2d", False):
-        return _grid_checkpoint_tensors(model, prefix, tensor_of, tied_copies)
+    entries = list(tensor_specs(model))
+    if any(isinstance(spec, GridBlock) for _, _, spec, _ in entries):
+        # a 2D model: its entries carry the checkpoint's names already, each a grid block
+        return _grid_checkpoint_tensors(model, entries, prefix, tensor_of, tied_copies)
     layout = model_layout(model)
-    entries = list(state_entries(model))
     tied = tied_names(entries, layout)
     state: dict[str, torch.Tensor] = {}
     holder: dict[str, torch.Tensor] = {}  # checkpoint name -> the tensor saved under it
@@ -181,11 +183,11 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
     if local.dim() == 0:  # one number per tensor (an optimizer's step count): under the name
         yield pieces[0].name, local, (), ()  # of its first piece, the same at every layout
         return
-    if spec is not None and spec[0] != 0:  # split along another dim: one checkpoint tensor
-        dim, partition = spec
+    if spec is not None and spec.dim != 0:  # split along another dim: one checkpoint tensor
+        dim, partition = spec.dim, spec
         (piece,) = pieces
         start = 0
-        for offset, length in partition.segments[owner.tp_rank]:
+        for offset, length in partition.segments[owner.shard_coord]:
             # A merged split (gate | up of fused experts) gives each rank a block of every part:
             # each part is a checkpoint tensor of its own ("<name>.part<k>"), at every TP degree
             # (one block per name per rank, as the sharded format needs).
@@ -199,7 +201,7 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
             start += length
         return
     # rows: this TP rank's rows of the unsharded tensor, as (unsharded row, length) runs
-    runs = [(0, shape[0])] if spec is None else spec[1].segments[owner.tp_rank]
+    runs = [(0, shape[0])] if spec is None else spec.segments[owner.shard_coord]
     start = 0
     for offset, length in runs:
         lo, hi = max(start, first_row), min(start + length, first_row + rows)
@@ -218,7 +220,7 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
 
 
 def _grid_checkpoint_tensors(
-    model, prefix: str, tensor_of, tied_copies: Optional[list]
+    model, entries, prefix: str, tensor_of, tied_copies: Optional[list]
 ) -> dict[str, torch.Tensor]:
     """:func:`checkpoint_tensors` of a 2D (SUMMA) model: its parameters carry the Hugging Face
     names already, and each rank's block goes in at its offsets in both dimensions (copies
@@ -226,15 +228,13 @@ def _grid_checkpoint_tensors(
     of a 1D model's checkpoint, so the two load each other's: a scalar (an optimizer's step
     count) goes under the first piece of the tensor the model's declared layout fuses it into
     (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it."""
-    from tp_ext.layers.summa import grid_state_entries
-
     first_piece = {}
     if getattr(model, "checkpoint_layout", None) is not None:
         for pieces in model_layout(model).values():
             for piece in pieces:
                 first_piece[piece.name] = pieces[0].name
     state: dict[str, torch.Tensor] = {}
-    for name, tensor, block, owner in grid_state_entries(model):
+    for name, tensor, block, owner in entries:
         if tensor_of is not None:
             tensor = tensor_of(tensor)
             if tensor is None:
@@ -250,13 +250,15 @@ def _grid_checkpoint_tensors(
         if block is None:  # whole on every rank
             state[prefix + name] = local
             continue
-        offsets = tuple(o for o, _ in block.ranges(owner.grid.row, owner.grid.col))
+        (box,) = block.boxes(owner.shard_coord, local.shape)  # a grid block is one box
+        offsets = tuple(offset for offset, _ in box)
         if local.numel() == 0:
             continue  # an empty block (more grid rows or columns than entries)
-        if tuple(local.shape) == block.full_shape:
+        full_shape = block.full_shape_of(local.shape)
+        if tuple(local.shape) == full_shape:
             state[prefix + name] = local
         else:
-            _add_chunk(state, prefix + name, local, offsets, block.full_shape)
+            _add_chunk(state, prefix + name, local, offsets, full_shape)
     return state
 
 

@@ -38,7 +38,8 @@ from tp_ext.checkpoint.safetensors_io import (
 )
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup
-from tp_ext.layers import ParallelModule, iter_full_tensors, state_entries
+from tp_ext.layers import iter_full_tensors, tensor_specs
+from tp_ext.sharding import Partition
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "model_group", "tp_size"]
 
@@ -73,7 +74,7 @@ def load_hf_checkpoint(
 
 
 def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) -> dict:
-    entries = list(state_entries(model))
+    entries = list(tensor_specs(model))
     show = progress and group.rank == 0
 
     def prepare():
@@ -98,8 +99,9 @@ def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) ->
         read_bytes = 0
         bar = _progress(len(entries), f"loading {os.path.basename(os.path.normpath(path))}", show)
         for name, tensor, spec, owner in entries:
-            rank = owner.tp_rank if isinstance(owner, ParallelModule) else 0
-            read_bytes += load_local(files, layout[name], spec, rank, tensor, lossy_dtypes)
+            rows = _row_split(name, spec)
+            rank = 0 if spec is None else owner.shard_coord
+            read_bytes += load_local(files, layout[name], rows, rank, tensor, lossy_dtypes)
             bar.update(1)
         bar.close()
         return read_bytes
@@ -156,7 +158,7 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
                 f"max_shard_bytes must be an int >= 1 (bytes per file), got {max_shard_bytes!r}"
             )
         layout = model_layout(model)
-        entries = list(state_entries(model))
+        entries = list(tensor_specs(model))
         if not entries:
             raise CheckpointError(f"{type(model).__name__} has no tensors on this rank to save")
         unknown = [name for name, *_ in entries if name not in layout]
@@ -195,6 +197,17 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
         comm.everywhere(group, what, write_all, CheckpointError)
 
 
+def _row_split(name: str, spec):
+    """A 1D spec as the ``(dim, Partition)`` that slice reads take; a grid block is refused."""
+    if spec is None or isinstance(spec, Partition):
+        return None if spec is None else (spec.dim, spec)
+    raise CheckpointError(
+        f"{name}: a {type(spec).__name__} (2D) is read by the 2D model's own from_pretrained, "
+        "not load_hf_checkpoint; build it with Qwen2ForCausalLM.from_pretrained(path, "
+        "parallel=state)"
+    )
+
+
 def _stage_of_entries(model, entries) -> list[int]:
     """Order keys for this rank's entries: the pipeline stage each belongs to (from the model's
     ``stage_ids`` and ``stage_modules()``), made non-decreasing along the state_dict order so
@@ -220,7 +233,7 @@ def _describe_entries(model, entries, pipeline) -> list[list]:
     for (name, tensor, spec, _), key in zip(entries, keys):
         shape = list(tensor.shape)  # a DTensor's is its whole (DP-unsharded) shape
         if spec is not None:
-            shape[spec[0]] = spec[1].full
+            shape = list(spec.full_shape_of(shape))
         described.append([name, key, shape, str(tensor.dtype).removeprefix("torch.")])
     return described
 

@@ -95,12 +95,13 @@ def tied_names(entries, layout) -> set[str]:
 
 
 def expected_shapes(entries, layout) -> dict[str, tuple[int, ...]]:
-    """Full shape each checkpoint tensor must have, from the model's full shapes and layout."""
+    """Full shape each checkpoint tensor must have, from the model's full shapes and layout.
+    ``entries``: :func:`tp_ext.layers.tensor_specs` of the model."""
     shapes: dict[str, list[int]] = {}
     for name, tensor, spec, _ in entries:
-        full = list(tensor.shape)
-        if spec is not None:
-            full[spec[0]] = spec[1].full
+        if isinstance(spec, tuple):  # the (dim, Partition) of tp_ext.layers.state_entries
+            spec = spec[1].along(spec[0])
+        full = list(tensor.shape if spec is None else spec.full_shape_of(tensor.shape))
         for piece in layout[name]:
             rows = max(shapes.get(piece.name, [0])[0], piece.start + piece.rows)
             shapes[piece.name] = [rows] + full[1:]

@@ -1,11 +1,12 @@
 """Tensor-parallel layers: each equals its torch.nn equivalent at any TP size (1D: over a TP
 group; 2D, the ``*2D`` layers: over a P x Q grid, :mod:`tp_ext.layers.summa`).
 
-Every layer takes ``tp_group`` (a ProcessGroup, a group name, a :class:`TPGroup`, or None for the
-group made by :func:`tp_ext.init_parallel`), can ``load_full_state_dict(full)`` and
-``full_state_dict()``, and initialises itself so that the gathered weights do not depend on the
-TP size. Layers communicate only through :mod:`tp_ext.distributed.comm` and run kernels only
-through :mod:`tp_ext.ops`.
+Every layer is a :class:`ParallelModule`: it takes ``tp_group`` (a ProcessGroup, a group name, a
+:class:`TPGroup`, or None for the group made by :func:`tp_ext.init_parallel`; 2D layers take
+``grid``), records each sharded parameter's :class:`tp_ext.sharding.ShardSpec`, can
+``load_full_state_dict(full)`` and ``full_state_dict()``, and initialises itself so that the
+gathered weights do not depend on the TP size. Layers communicate only through
+:mod:`tp_ext.distributed.comm` and run kernels only through :mod:`tp_ext.ops`.
 """
 
 from tp_ext.distributed.groups import TPGroup
@@ -32,6 +33,7 @@ from tp_ext.layers.state_dict import (
     load_full_state_dict,
     local_shards,
     state_entries,
+    tensor_specs,
 )
 from tp_ext.layers.summa import GridModule, Linear2D, gather_2d, split_2d
 from tp_ext.layers.summa_blocks import (
@@ -53,6 +55,7 @@ __all__ = [
     "iter_full_tensors",
     "local_shards",
     "state_entries",
+    "tensor_specs",
     "full_shapes",
     "expert_rows",
     "ColumnParallelLinear",

@@ -1,8 +1,9 @@
-"""What every tp_ext layer shares: its TP group, how each parameter maps onto the full
-(unsharded) tensor, and the conversions between the two.
+"""What every tp_ext layer shares, 1D and 2D: its TP group (or P x Q grid), how each parameter
+maps onto the full (unsharded) tensor, and the conversions between the two.
 
-A parallel module records, for each parameter it owns, a ``(dim, Partition)`` shard spec; a
-parameter without one is replicated (every rank holds the whole tensor). From that one record:
+A parallel module records, for each parameter it owns, a :class:`tp_ext.sharding.ShardSpec`
+(a ``Partition`` along one dim over the TP group, or a ``GridBlock`` of the grid); a parameter
+without one is replicated (every rank holds the whole tensor). From that one record:
 
 - ``load_full_state_dict(full)`` takes this rank's slice of full tensors (as vLLM's weight
   loaders do), so tests, checkpoint converters and users load the same way;
@@ -22,9 +23,12 @@ import torch
 from torch import nn
 
 from tp_ext.distributed import comm
+from tp_ext.distributed.grid import TPGrid
 from tp_ext.distributed.groups import TPGroup, resolve_group
 from tp_ext.distributed.state import PROCESS
-from tp_ext.sharding import Partition, shard_sizes, uneven_sizes
+from tp_ext.layers.state_dict import full_state_dict as _full_state_dict
+from tp_ext.layers.state_dict import load_full_state_dict as _load_full_state_dict
+from tp_ext.sharding import GridBlock, Partition, ShardSpec, shard_sizes, uneven_sizes
 
 __all__ = [
     "ParallelModule",
@@ -33,6 +37,7 @@ __all__ = [
     "no_init",
     "check_int",
     "default_linear_init",
+    "default_grid",
 ]
 
 # Sequence parallelism shards the sequence axis: dim 1 of [batch, seq, hidden], dim 0 of
@@ -60,17 +65,48 @@ def check_int(name: str, value, minimum: int = 1) -> int:
 
 
 class ParallelModule(nn.Module):
-    """Base of every tp_ext layer."""
+    """Base of every tp_ext layer, 1D (over a TP group: :meth:`_setup_tp`) and 2D (over a P x Q
+    grid: :meth:`_setup_grid`). Each sharded parameter has a :class:`~tp_ext.sharding.ShardSpec`
+    (:meth:`param_spec`) and this rank's place in it (:attr:`shard_coord`); the state-dict
+    functions (:mod:`tp_ext.layers.state_dict`) and initialisation read only those."""
 
     def _setup_tp(self, tp_group) -> TPGroup:
         tp = resolve_group(tp_group)
         # Not a module or tensor: stored without nn.Module's registration.
         object.__setattr__(self, "tp", tp)
+        object.__setattr__(self, "grid", None)
         self.tp_size, self.tp_rank = tp.size, tp.rank
-        self._shard_specs: dict[str, tuple[int, Partition]] = {}
-        self._expert_specs: dict[str, tuple[int, Partition]] = {}
-        object.__setattr__(self, "ep", None)
+        self._init_specs()
         return tp
+
+    def _setup_grid(self, grid: Optional[TPGrid]) -> TPGrid:
+        """A 2D layer on ``grid`` (None: the grid of ``tp_ext.init_parallel(tp=(P, Q))``); its
+        TP group is the grid's P x Q ranks."""
+        grid = default_grid() if grid is None else grid
+        if not isinstance(grid, TPGrid):
+            raise TypeError(f"grid must be a tp_ext TPGrid, got {type(grid).__name__}")
+        object.__setattr__(self, "grid", grid)  # not a module: no registration
+        object.__setattr__(self, "tp", grid.tp_group)
+        self.tp_size, self.tp_rank = grid.tp_group.size, grid.tp_group.rank
+        self._init_specs()
+        return grid
+
+    def _init_specs(self) -> None:
+        self._specs: dict[str, ShardSpec] = {}
+        self._expert_specs: dict[str, Partition] = {}
+        object.__setattr__(self, "ep", None)
+
+    @property
+    def shard_coord(self):
+        """This rank's place in its parameters' specs: ``(row, col)`` on a grid, else its TP
+        rank."""
+        grid = getattr(self, "grid", None)
+        return (grid.row, grid.col) if grid is not None else self.tp_rank
+
+    def param_spec(self, param_name: str) -> Optional[ShardSpec]:
+        """The :class:`~tp_ext.sharding.ShardSpec` of one of this module's own parameters
+        (a Partition along one dim, or a GridBlock); None if every rank holds it whole."""
+        return getattr(self, "_specs", {}).get(param_name)
 
     def _set_expert_shard(self, param_name: str, dim: int, partition: Partition, ep) -> None:
         """A second split of a parameter, over the expert-parallel group ``ep`` (a TPGroup):
@@ -81,7 +117,7 @@ class ParallelModule(nn.Module):
                 f"does not fit an EP group of {ep.size} ranks"
             )
         object.__setattr__(self, "ep", ep)
-        self._expert_specs[param_name] = (dim, partition)
+        self._expert_specs[param_name] = partition.along(dim)
 
     def _set_shard(self, param_name: str, dim: int, partition: Partition) -> None:
         if partition.world_size != self.tp_size:
@@ -89,15 +125,34 @@ class ParallelModule(nn.Module):
                 f"{type(self).__name__}: a partition over {partition.world_size} ranks does not "
                 f"fit a TP group of {self.tp_size} ranks"
             )
-        self._shard_specs[param_name] = (dim, partition)
+        self._specs[param_name] = partition.along(dim)
+
+    def _set_block(self, param_name: str, block: GridBlock) -> None:
+        self._specs[param_name] = block
+
+    def _new_param(self, name: str, block: GridBlock, device, dtype) -> nn.Parameter:
+        """Register parameter ``name`` as this rank's block of a grid-split tensor."""
+        shape = block.shape(*self.shard_coord)
+        param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.register_parameter(name, param)
+        self._set_block(name, block)
+        return param
 
     def shard_spec(self, param_name: str) -> Optional[tuple[int, Partition]]:
-        """``(dim, Partition)`` of one of this module's own parameters; None if replicated."""
-        return self._shard_specs.get(param_name)
+        """``(dim, Partition)`` of a 1D-sharded parameter; None if replicated (or a grid
+        block: read :meth:`param_spec`)."""
+        spec = self.param_spec(param_name)
+        return (spec.dim, spec) if isinstance(spec, Partition) else None
+
+    def grid_block(self, param_name: str) -> Optional[GridBlock]:
+        """The :class:`GridBlock` of a 2D layer's parameter; None: whole on every rank."""
+        spec = self.param_spec(param_name)
+        return spec if isinstance(spec, GridBlock) else None
 
     def expert_spec(self, param_name: str) -> Optional[tuple[int, Partition]]:
         """``(dim, Partition)`` over the EP group (``self.ep``); None unless split by expert."""
-        return getattr(self, "_expert_specs", {}).get(param_name)
+        spec = getattr(self, "_expert_specs", {}).get(param_name)
+        return None if spec is None else (spec.dim, spec)
 
     def _check_same_group(self, *children: "ParallelModule") -> None:
         for child in children:
@@ -144,37 +199,44 @@ class ParallelModule(nn.Module):
 
     @torch.no_grad()
     def _init_from_full(self, param_name: str, init: InitFn) -> None:
-        """Draw the full tensor with ``init`` and keep this rank's slice (every rank draws the same
-        numbers when seeded alike, whatever the TP degree). Skipped on the meta device."""
+        """Draw the full tensor with ``init`` and keep this rank's block (every rank draws the
+        same numbers when seeded alike, whatever the TP degree or grid). Skipped on the meta
+        device."""
         param = getattr(self, param_name)
         if param is None or param.device.type == "meta" or not PROCESS.init_weights:
             return
-        spec = self.shard_spec(param_name)
+        spec = self.param_spec(param_name)
         if spec is None:
             init(param)
             return
-        dim, partition = spec
-        shape = list(param.shape)
-        shape[dim] = partition.full
-        full = torch.empty(shape, dtype=param.dtype, device=param.device)
+        full_shape = spec.full_shape_of(param.shape)
+        full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
         init(full)
-        param.copy_(partition.local(full, dim, self.tp_rank))
+        param.copy_(spec.take_block(full, self.shard_coord))
 
     # -- full state dicts --------------------------------------------------------------------------
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load this rank's slices of the full (unsharded) tensors in ``full``; see
+        """Load this rank's blocks of the full (unsharded) tensors in ``full``; see
         :func:`tp_ext.layers.state_dict.load_full_state_dict`."""
-        from tp_ext.layers.state_dict import load_full_state_dict
-
-        load_full_state_dict(self, full, strict=strict)
+        _load_full_state_dict(self, full, strict=strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors, gathered on every rank (every rank must call it); see
         :func:`tp_ext.layers.state_dict.full_state_dict`."""
-        from tp_ext.layers.state_dict import full_state_dict
+        return _full_state_dict(self)
 
-        return full_state_dict(self)
+
+def default_grid() -> TPGrid:
+    """The grid of :func:`tp_ext.init_parallel` (``tp=(P, Q)``)."""
+    state = PROCESS.parallel
+    if state is None or state.tp_grid is None:
+        raise ValueError(
+            "no 2D grid: pass grid= (tp_ext.init_parallel(tp=(P, Q)).tp_grid, or "
+            "tp_ext.distributed.grid.make_tp_grid(P, Q, group)), or call "
+            "tp_ext.init_parallel(tp=(P, Q)) first"
+        )
+    return state.tp_grid
 
 
 def default_linear_init(fan_in: int) -> tuple[InitFn, InitFn]:

@@ -1,33 +1,56 @@
-"""Full (unsharded) and sharded state dicts of any module holding tp_ext layers.
+"""Full (unsharded) and sharded state dicts of any module holding tp_ext layers, 1D and 2D.
 
-Each parallel layer records a ``(dim, Partition)`` shard spec per sharded parameter (see
-:class:`tp_ext.layers.base.ParallelModule`). From it: this rank's slices of full tensors
+Each parallel layer records a :class:`tp_ext.sharding.ShardSpec` per sharded parameter (a
+:class:`~tp_ext.sharding.Partition` over its TP group, or a :class:`~tp_ext.sharding.GridBlock`
+of a P x Q grid) and its place in it (``shard_coord``); see
+:class:`tp_ext.layers.base.ParallelModule`. From those alone: this rank's blocks of full tensors
 (:func:`local_shards`, :func:`load_full_state_dict`, local), and full tensors gathered from every
 rank (:func:`iter_full_tensors`, :func:`full_state_dict`, collectives). Checkpoint code reads
-:func:`state_entries`.
+:func:`tensor_specs`.
+
+This module reads layers through the :class:`HoldsShardSpecs` protocol, so the layers' base
+class imports it and not the other way round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
-from tp_ext.layers.base import ParallelModule
+from tp_ext.sharding import GridBlock, Partition, ShardSpec
 
 __all__ = [
+    "HoldsShardSpecs",
     "load_full_state_dict",
     "full_state_dict",
     "iter_full_tensors",
     "local_shards",
+    "tensor_specs",
     "state_entries",
     "full_shapes",
     "expert_rows",
+    "check_full_keys",
 ]
+
+
+@runtime_checkable
+class HoldsShardSpecs(Protocol):
+    """A module whose own parameters may be sharded (every tp_ext layer)."""
+
+    def param_spec(self, param_name: str) -> Optional[ShardSpec]:
+        """The layout of one of its own parameters; None when every rank holds it whole."""
+
+    @property
+    def shard_coord(self):
+        """This rank's place in its specs: a TP rank, or ``(row, col)`` on a grid."""
+
+    def expert_spec(self, param_name: str) -> Optional[tuple[int, Partition]]:
+        """A second split over the expert-parallel group; None for all but experts."""
 
 
 def _owned_tensors(module: nn.Module):
@@ -38,30 +61,45 @@ def _owned_tensors(module: nn.Module):
         yield name, tensor, owner, leaf
 
 
-def _spec(owner: nn.Module, leaf: str):
-    return owner.shard_spec(leaf) if isinstance(owner, ParallelModule) else None
+def _spec(owner: nn.Module, leaf: str) -> Optional[ShardSpec]:
+    return owner.param_spec(leaf) if isinstance(owner, HoldsShardSpecs) else None
 
 
-def _expert_spec(owner: nn.Module, leaf: str):
+def _expert_spec(owner: nn.Module, leaf: str) -> Optional[Partition]:
     """The split over the expert-parallel group (experts of an MoE layer), or None."""
-    return owner.expert_spec(leaf) if isinstance(owner, ParallelModule) else None
+    expert = owner.expert_spec(leaf) if isinstance(owner, HoldsShardSpecs) else None
+    return None if expert is None else expert[1].along(expert[0])
 
 
 def _local(value: torch.Tensor, owner: nn.Module, leaf: str) -> torch.Tensor:
-    """This rank's piece of a full tensor: its TP slice, then its experts."""
+    """This rank's piece of a full tensor: its TP (or grid) block, then its experts."""
     spec, expert = _spec(owner, leaf), _expert_spec(owner, leaf)
     if spec is not None:
-        value = spec[1].local(value, spec[0], owner.tp_rank)
+        value = spec.take_block(value, owner.shard_coord)
     if expert is not None:
-        value = expert[1].local(value, expert[0], owner.ep.rank)
+        value = expert.take_block(value, owner.ep.rank)
     return value
 
 
-def state_entries(module: nn.Module):
+def tensor_specs(module: nn.Module):
     """``(name, tensor, spec, owner)`` for every entry of ``module.state_dict()``: ``spec`` is
-    the owner's ``(dim, Partition)`` for sharded tensors, else None. Checkpoint I/O reads this."""
+    the :class:`~tp_ext.sharding.ShardSpec` of a sharded tensor (read with
+    ``owner.shard_coord``), else None. Checkpoint I/O reads this."""
     for name, tensor, owner, leaf in _owned_tensors(module):
         yield name, tensor, _spec(owner, leaf), owner
+
+
+def state_entries(module: nn.Module):
+    """``(name, tensor, (dim, Partition) or None, owner)``: :func:`tensor_specs` in the 1D
+    form older callers read. A module with 2D grid blocks has no such form (read
+    :func:`tensor_specs`)."""
+    for name, tensor, spec, owner in tensor_specs(module):
+        if isinstance(spec, GridBlock):
+            raise ValueError(
+                f"state_entries: {name!r} is a 2D grid block, which has no (dim, Partition) "
+                "form; read tp_ext.layers.tensor_specs (its ShardSpec) instead"
+            )
+        yield name, tensor, None if spec is None else (spec.dim, spec), owner
 
 
 def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -78,19 +116,20 @@ def expert_rows(owner: nn.Module, name: str) -> Optional[tuple[int, int]]:
     expert = _expert_spec(owner, name.rpartition(".")[2])
     if expert is None:
         return None
-    dim, partition = expert
-    if dim != 0:
-        raise ValueError(f"{name}: experts split along dim {dim}; tp_ext splits them along dim 0")
-    mine = partition.segments[owner.ep.rank]
-    return (mine[0][0] if mine else 0), partition.full
+    if expert.dim != 0:
+        raise ValueError(
+            f"{name}: experts split along dim {expert.dim}; tp_ext splits them along dim 0"
+        )
+    mine = expert.segments[owner.ep.rank]
+    return (mine[0][0] if mine else 0), expert.full
 
 
 def _full_shape(tensor: torch.Tensor, spec, expert=None) -> tuple[int, ...]:
-    shape = list(tensor.shape)
+    shape = tuple(tensor.shape)
     for split in (spec, expert):
         if split is not None:
-            shape[split[0]] = split[1].full
-    return tuple(shape)
+            shape = split.full_shape_of(shape)
+    return shape
 
 
 def local_shards(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -118,7 +157,7 @@ def check_full_keys(module: nn.Module, names: set, full: Mapping[str, torch.Tens
 def load_full_state_dict(
     module: nn.Module, full: Mapping[str, torch.Tensor], strict: bool = True
 ) -> None:
-    """Copy this rank's slice of every full tensor in ``full`` into ``module`` (keys as in
+    """Copy this rank's block of every full tensor in ``full`` into ``module`` (keys as in
     ``module.state_dict()``; shapes those of the unsharded module). Local, no communication.
     With ``strict``, missing and unexpected keys are errors that list them."""
     entries = list(_owned_tensors(module))
@@ -158,8 +197,9 @@ def iter_full_tensors(module: nn.Module):
         full = _gather_full(tensor, _spec(owner, leaf), owner)
         expert = _expert_spec(owner, leaf)
         if expert is not None and owner.ep.size > 1:
-            dim, partition = expert
-            full = comm.all_gather(full.contiguous(), dim, partition.local_sizes(), group=owner.ep)
+            full = comm.all_gather(
+                full.contiguous(), expert.dim, expert.local_sizes(), group=owner.ep
+            )
         yield name, full
 
 
@@ -167,19 +207,31 @@ def iter_full_tensors(module: nn.Module):
 def _gather_full(tensor: torch.Tensor, spec, owner) -> torch.Tensor:
     if isinstance(tensor, DTensor):  # sharded over data-parallel ranks too (FSDP2): whole first
         tensor = tensor.full_tensor()
+    if isinstance(spec, GridBlock):
+        return _gather_grid_block(tensor, spec, owner.grid)
     if spec is None or owner.tp_size == 1:
         return tensor.detach().clone()
-    dim, partition = spec
     gathered = comm.all_gather(
-        tensor.detach().contiguous(), dim, partition.local_sizes(), group=owner.tp
+        tensor.detach().contiguous(), spec.dim, spec.local_sizes(), group=owner.tp
     )
-    if not partition.is_contiguous_split():
-        order = torch.tensor(partition.gather_order(), device=gathered.device)
-        gathered = gathered.index_select(dim, order)
+    if not spec.is_contiguous_split():
+        order = torch.tensor(spec.gather_order(), device=gathered.device)
+        gathered = gathered.index_select(spec.dim, order)
     return gathered
+
+
+def _gather_grid_block(local: torch.Tensor, block: GridBlock, grid) -> torch.Tensor:
+    """A grid block's full tensor: each split dimension gathered over its grid axis."""
+    out = local.detach()
+    for dim, split in enumerate(block.splits):
+        if split is not None:
+            axis, sizes = split
+            group = grid.col_group if axis == "P" else grid.row_group
+            out = comm.all_gather(out.contiguous(), dim, list(sizes), group=group)
+    return out.clone() if all(s is None for s in block.splits) else out
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every entry of ``module.state_dict()`` as its full (unsharded) tensor, on every rank.
-    A collective over each parallel layer's TP group: every rank must call it."""
+    A collective over each parallel layer's TP group (or grid): every rank must call it."""
     return dict(iter_full_tensors(module))

@@ -17,6 +17,7 @@ gradients are summed over it in backward, so every copy takes the same update.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Callable, Optional
 
@@ -26,9 +27,8 @@ from torch import nn
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.grid import TPGrid
-from tp_ext.distributed.state import PROCESS
-from tp_ext.layers.base import check_int, default_linear_init
-from tp_ext.layers.state_dict import check_full_keys
+from tp_ext.layers.base import ParallelModule, check_int, default_grid, default_linear_init
+from tp_ext.layers.state_dict import full_state_dict, load_full_state_dict, tensor_specs
 from tp_ext.sharding import GridBlock, shard_sizes
 
 __all__ = [
@@ -45,18 +45,6 @@ __all__ = [
 InitFn = Callable[[torch.Tensor], None]
 
 
-def default_grid() -> TPGrid:
-    """The grid of :func:`tp_ext.init_parallel` (``tp=(P, Q)``)."""
-    state = PROCESS.parallel
-    if state is None or state.tp_grid is None:
-        raise ValueError(
-            "no 2D grid: pass grid= (tp_ext.init_parallel(tp=(P, Q)).tp_grid, or "
-            "tp_ext.distributed.grid.make_tp_grid(P, Q, group)), or call "
-            "tp_ext.init_parallel(tp=(P, Q)) first"
-        )
-    return state.tp_grid
-
-
 def _check_sizes(name: str, sizes, total: int, parts: int) -> tuple[int, ...]:
     ok = isinstance(sizes, Sequence) and len(sizes) == parts
     ok = ok and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
@@ -68,110 +56,41 @@ def _check_sizes(name: str, sizes, total: int, parts: int) -> tuple[int, ...]:
     return tuple(int(n) for n in sizes)
 
 
-class GridModule(nn.Module):
-    """Base of the 2D layers: the grid, and each parameter's :class:`GridBlock`."""
+class GridModule(ParallelModule):
+    """Base of the 2D layers: a :class:`ParallelModule` set up on a grid (``_setup_grid``),
+    each parameter's spec a :class:`GridBlock`. Kept as a name for the 2D layers; everything it
+    does is :class:`ParallelModule`'s."""
 
-    def _setup_grid(self, grid: Optional[TPGrid]) -> TPGrid:
-        grid = default_grid() if grid is None else grid
-        if not isinstance(grid, TPGrid):
-            raise TypeError(f"grid must be a tp_ext TPGrid, got {type(grid).__name__}")
-        object.__setattr__(self, "grid", grid)  # not a module: no registration
-        self._grid_blocks: dict[str, GridBlock] = {}
-        return grid
 
-    def _set_block(self, param_name: str, block: GridBlock) -> None:
-        self._grid_blocks[param_name] = block
-
-    def grid_block(self, param_name: str) -> Optional[GridBlock]:
-        """The block of its full tensor that this rank's ``param_name`` is; None: whole on
-        every rank."""
-        return self._grid_blocks.get(param_name)
-
-    def _new_param(self, name: str, block: GridBlock, device, dtype) -> nn.Parameter:
-        grid = self.grid
-        shape = block.shape(grid.row, grid.col)
-        param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.register_parameter(name, param)
-        self._set_block(name, block)
-        return param
-
-    @torch.no_grad()
-    def _init_from_full(self, param_name: str, init: InitFn) -> None:
-        """Draw the full tensor and keep this rank's block: the same weights at every grid
-        shape when seeded alike."""
-        param = getattr(self, param_name)
-        if param is None or param.device.type == "meta" or not PROCESS.init_weights:
-            return
-        block = self.grid_block(param_name)
-        full = torch.empty(block.full_shape, dtype=param.dtype, device=param.device)
-        init(full)
-        param.copy_(block.take(full, self.grid.row, self.grid.col))
-
-    def load_full_state_dict(self, full: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Take this rank's block of each full tensor (names as in ``state_dict()``)."""
-        load_full_state_dict_2d(self, full, strict)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full tensors, gathered on every rank (every rank of the grid calls it)."""
-        return full_state_dict_2d(self)
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"tp_ext.layers.summa.{old} is deprecated and will be removed in the next release; "
+        f"use {new} (one state-dict module serves 1D and 2D layers)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def grid_state_entries(module: nn.Module):
-    """(name, tensor, block or None, owning module) of every parameter of ``module``."""
-    for prefix, owner in module.named_modules():
-        for name, param in owner.named_parameters(recurse=False):
-            block = owner.grid_block(name) if isinstance(owner, GridModule) else None
-            yield (f"{prefix}.{name}" if prefix else name), param, block, owner
+    """Deprecated: (name, tensor, GridBlock or None, owner) of every parameter; use
+    :func:`tp_ext.layers.tensor_specs`."""
+    _deprecated("grid_state_entries", "tp_ext.layers.tensor_specs")
+    for name, tensor, spec, owner in tensor_specs(module):
+        yield name, tensor, spec if isinstance(spec, GridBlock) else None, owner
 
 
-@torch.no_grad()
 def load_full_state_dict_2d(
     module: nn.Module, full: Mapping[str, torch.Tensor], strict: bool = True
 ) -> None:
-    """Copy this rank's block of each of ``full``'s tensors into ``module``'s parameters."""
-    entries = list(grid_state_entries(module))
-    if strict:
-        check_full_keys(module, {name for name, *_ in entries}, full)
-    for name, param, block, owner in entries:
-        if name not in full:
-            continue
-        tensor = full[name]
-        if block is None:
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{name}: expected a full tensor of shape {tuple(param.shape)}, got "
-                    f"{tuple(tensor.shape)}"
-                )
-            param.copy_(tensor)
-        else:
-            try:
-                piece = block.take(tensor, owner.grid.row, owner.grid.col)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            param.copy_(piece)
+    """Deprecated: :func:`tp_ext.layers.load_full_state_dict` (1D and 2D)."""
+    _deprecated("load_full_state_dict_2d", "tp_ext.layers.load_full_state_dict")
+    load_full_state_dict(module, full, strict)
 
 
-@torch.no_grad()
 def full_state_dict_2d(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of ``module`` as its full tensor, on every rank (a collective over the
-    grid: each split dimension is gathered over its axis)."""
-    out = {}
-    for name, param, block, owner in grid_state_entries(module):
-        out[name] = (
-            param.detach().clone() if block is None else _gather_block(param, block, owner.grid)
-        )
-    return out
-
-
-def _gather_block(local: torch.Tensor, block: GridBlock, grid: TPGrid) -> torch.Tensor:
-    out = local.detach()
-    for dim, split in enumerate(block.splits):
-        if split is None:
-            continue
-        axis, sizes = split
-        group = grid.col_group if axis == "P" else grid.row_group
-        out = comm.all_gather(out.contiguous(), dim, list(sizes), group=group)
-    return out.clone() if out is local else out
+    """Deprecated: :func:`tp_ext.layers.full_state_dict` (1D and 2D)."""
+    _deprecated("full_state_dict_2d", "tp_ext.layers.full_state_dict")
+    return full_state_dict(module)
 
 
 # ---- activations: split and gather ---------------------------------------------------------------

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import TPGroup, resolve_group
-from tp_ext.layers import GridModule, ParallelModule, expert_parameters
+from tp_ext.layers import ParallelModule, expert_parameters
+from tp_ext.sharding import Partition
 from tp_ext.validation import is_number
 
 __all__ = ["grad_norm", "clip_grad_norm_", "parallel_grad_norm", "scale_grads_", "model_tp_group"]
@@ -104,30 +105,34 @@ def _local_norm_power(model, tp: TPGroup, p: float, skip=frozenset(), dp_shards=
     """This rank's share of sum(|g|^p) (or max |g| for p = inf) over the unsharded gradients.
     ``dp_shards``: the ParallelState when gradients are FSDP2 shards along dim 0 over DP."""
     terms = []
-    for param, spec in _grads_with_specs(model, tp, skip):
+    for param, spec, where in _grads_with_specs(model, tp, skip):
         g = param.grad
-        shard = None
+        rows = None
         if isinstance(g, DTensor):
             g = g.to_local()
-            shard = _dp_rows(param.shape[0], dp_shards) if dp_shards is not None else None
-        if spec is _OWN_BLOCK:
-            pass  # a block of a 2D layer that this rank alone counts
-        elif spec is None:
+            rows = _dp_rows(param.shape[0], dp_shards) if dp_shards is not None else None
+        if spec is None:
             if tp.rank != 0 and p != math.inf:  # replicated: identical on every rank
                 continue
-        elif spec[1].replicated and p != math.inf:
-            dim, partition = spec
-            keep = _first_owner_positions(partition, tp.rank)
-            if dim == 0 and shard is not None:  # this DP rank holds rows [start, end) only
-                start, end = shard
-                keep = [k - start for k in keep if start <= k < end]
-                if len(keep) != g.size(0):
-                    g = g.index_select(0, torch.tensor(keep, dtype=torch.long, device=g.device))
-            elif len(keep) != g.size(dim):
-                g = g.index_select(dim, torch.tensor(keep, dtype=torch.long, device=g.device))
+        elif not isinstance(spec, Partition) or p != math.inf:  # (a max needs no de-duplication)
+            g = _counted(g, spec, where, rows)
+            if g is None:  # another rank's copy of this block counts
+                continue
         terms.append(_norm_of(g, p))
     device = next((q.device for q in model.parameters()), torch.device("cpu"))
     return _power_of(terms, p, device)
+
+
+def _counted(g: torch.Tensor, spec, where, rows) -> Optional[torch.Tensor]:
+    """The part of this rank's gradient block ``g`` that it alone counts (the spec says which);
+    ``rows``: the dim-0 rows [start, end) of its block that FSDP2 left on this DP rank."""
+    if rows is None or not isinstance(spec, Partition) or spec.dim != 0 or not spec.replicated:
+        return spec.counted(g, where)
+    start, end = rows
+    keep = [k - start for k in spec.first_owner_positions(where) if start <= k < end]
+    if len(keep) == g.size(0):
+        return g
+    return g.index_select(0, torch.tensor(keep, dtype=torch.long, device=g.device))
 
 
 def _norm_of(g: torch.Tensor, p: float) -> torch.Tensor:
@@ -189,9 +194,8 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
         return resolve_group(tp_group)
     groups = {}
     for module in model.modules():
+        # a 2D layer's group is its grid's P x Q ranks
         tp = getattr(module, "tp", None) if isinstance(module, ParallelModule) else None
-        if isinstance(module, GridModule):
-            tp = module.grid.tp_group
         if tp is not None and tp.size > 1:
             groups[tp.name] = tp
     if len(groups) > 1:
@@ -202,12 +206,9 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
     return next(iter(groups.values()), TPGroup.local())
 
 
-_OWN_BLOCK = ("grid block",)  # the spec of a 2D layer's block counted on this rank
-
-
 def _grads_with_specs(model: nn.Module, tp: TPGroup, skip=frozenset()):
-    """(parameter, shard spec or None) for each distinct parameter with a gradient, but those
-    in ``skip`` (ids)."""
+    """(parameter, ShardSpec or None, this rank's place in it) for each distinct parameter with
+    a gradient, but those in ``skip`` (ids)."""
     seen = set(skip)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -216,21 +217,13 @@ def _grads_with_specs(model: nn.Module, tp: TPGroup, skip=frozenset()):
             seen.add(id(param))
             if param.grad is None:
                 continue
-            if isinstance(module, GridModule) and module.grid_block(name) is not None:
-                grid = module.grid
-                if module.grid_block(name).first_copy(grid.row, grid.col):
-                    yield param, _OWN_BLOCK
-                continue  # another rank's copy of this block counts
-            spec = module.shard_spec(name) if isinstance(module, ParallelModule) else None
-            if spec is not None and spec[1].world_size != tp.size:
+            if not isinstance(module, ParallelModule):
+                yield param, None, None
+                continue
+            spec = module.param_spec(name)
+            if isinstance(spec, Partition) and spec.world_size != tp.size:
                 raise ValueError(
-                    f"{type(module).__name__}.{name} is sharded over {spec[1].world_size} ranks "
+                    f"{type(module).__name__}.{name} is sharded over {spec.world_size} ranks "
                     f"but tp_group has {tp.size}; pass the group the model was built with"
                 )
-            yield param, spec
-
-
-def _first_owner_positions(partition, rank: int) -> list[int]:
-    """Local positions of the rows no lower rank also holds."""
-    earlier = {i for r in range(rank) for i in partition.local_indices(r)}
-    return [pos for pos, i in enumerate(partition.local_indices(rank)) if i not in earlier]
+            yield param, spec, None if spec is None else module.shard_coord

@@ -9,6 +9,7 @@ up). Where they live in Hugging Face checkpoints: :mod:`tp_ext.models.qwen2.hf_l
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -30,10 +31,11 @@ from tp_ext.layers import (
     RMSNorm,
     VocabParallelEmbedding,
     no_init,
-    state_entries,
+    tensor_specs,
 )
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
 from tp_ext.sharding import StageLayout, shard_sizes
 from tp_ext.validation import ConfigError, as_torch_dtype
 
@@ -90,7 +92,8 @@ class Qwen2ForCausalLM(ParallelModule):
     (``local_logits=True``: this rank's vocabulary shard, for the vocab-parallel loss);
     ``generate(input_ids, max_new_tokens)`` decodes greedily with a KV cache.
 
-    With ``parallel`` from ``tp_ext.init_parallel(tp=(P, Q))`` it builds the 2D (SUMMA) model,
+    :meth:`from_config` (and :meth:`from_pretrained`) with ``parallel`` from
+    ``tp_ext.init_parallel(tp=(P, Q))`` build the 2D (SUMMA) model instead,
     :class:`tp_ext.models.qwen2.model_2d.Qwen2ForCausalLM2D`.
 
     ``parallel`` (from :func:`tp_ext.init_parallel`) builds this rank's part of a TP x PP x DP
@@ -103,12 +106,28 @@ class Qwen2ForCausalLM(ParallelModule):
     """
 
     def __new__(cls, *args, parallel=None, **kwargs):
-        # tp=(P, Q) in the layout: the 2D (SUMMA) model, built from the same arguments
-        if cls is Qwen2ForCausalLM and getattr(parallel, "tp_grid", None) is not None:
-            from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
-
+        # Deprecated path (one release): the constructor with a 2D grid gave the 2D model, which
+        # is not an instance of this class. from_config is the factory that picks the class.
+        if cls is Qwen2ForCausalLM and _is_grid(parallel):
+            warnings.warn(
+                "Qwen2ForCausalLM(config, parallel=<state with tp=(P, Q)>) is deprecated and "
+                "will be refused in the next release: it returns a Qwen2ForCausalLM2D, which is "
+                "not a Qwen2ForCausalLM; use Qwen2ForCausalLM.from_config(config, parallel=...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return Qwen2ForCausalLM2D(*args, parallel=parallel, **kwargs)
         return super().__new__(cls)
+
+    @classmethod
+    def from_config(cls, config: Qwen2Config, *, parallel=None, **kwargs):
+        """The model for ``parallel``'s layout: :class:`Qwen2ForCausalLM2D` on a P x Q grid
+        (``tp_ext.init_parallel(tp=(P, Q))``), else this class (1D TP x PP x DP, or ``tp_group``
+        alone). ``kwargs`` are the constructor's (``tp_group``, ``device``, ``dtype``, the
+        pipeline options)."""
+        if _is_grid(parallel):
+            return Qwen2ForCausalLM2D(config, parallel=parallel, **kwargs)
+        return cls(config, parallel=parallel, **kwargs)
 
     def __init__(
         self,
@@ -231,9 +250,7 @@ class Qwen2ForCausalLM(ParallelModule):
                 f"from_pretrained: checkpoint directory {str(path)!r} {missing} (a Hugging "
                 "Face checkpoint: config.json with model.safetensors or a sharded index)"
             )
-        if getattr(parallel, "tp_grid", None) is not None:  # tp=(P, Q): the 2D model
-            from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
-
+        if _is_grid(parallel):  # tp=(P, Q): the 2D model
             return Qwen2ForCausalLM2D.from_pretrained(
                 path, parallel=parallel, dtype=dtype, device=device
             )
@@ -398,6 +415,11 @@ class Qwen2ForCausalLM(ParallelModule):
         return tokens
 
 
+def _is_grid(parallel) -> bool:
+    """Whether a ParallelState lays tensor parallelism out on a P x Q grid."""
+    return getattr(parallel, "tp_grid", None) is not None
+
+
 class _Stage(nn.Module):
     """Pipeline stage ``stage`` of a :class:`Qwen2ForCausalLM`: ids or hidden states in, hidden
     states or this rank's vocabulary shard of the logits out (``model.stage_forward``)."""
@@ -423,10 +445,10 @@ def _check_checkpoint(model: Qwen2ForCausalLM, path: str, strict: bool) -> None:
     """The checks load_hf_checkpoint makes before reading (files present and readable, every
     tensor the model needs with its full shape, no unused ones when ``strict``), on a
     meta-device ``model``; an error on any rank raises on all."""
-    entries = list(state_entries(model))
+    entries = list(tensor_specs(model))
     if model.is_pipelined:  # the strict check is against the whole model's tensors
         full = type(model)(model.config, tp_group=model.tp, device="meta", dtype=model._dtype)
-        entries = list(state_entries(full))
+        entries = list(tensor_specs(full))
     group = dist.group.WORLD if model.is_pipelined else model_group(model)
 
     def check():

@@ -1,4 +1,4 @@
-"""Qwen2 on a P x Q grid of 2D tensor parallelism (SUMMA): ``Qwen2ForCausalLM(config,
+"""Qwen2 on a P x Q grid of 2D tensor parallelism (SUMMA): ``Qwen2ForCausalLM.from_config(config,
 parallel=init_parallel(tp=(P, Q)))`` builds this model.
 
 Every weight and every activation is split over the whole grid (:mod:`tp_ext.layers.summa`):
@@ -23,13 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext.distributed.grid import TPGrid
-from tp_ext.layers.summa import (
-    Linear2D,
-    full_state_dict_2d,
-    gather_2d,
-    grid_state_entries,
-    load_full_state_dict_2d,
-)
+from tp_ext.layers.state_dict import full_state_dict, load_full_state_dict, tensor_specs
+from tp_ext.layers.summa import Linear2D, gather_2d
 from tp_ext.layers.summa_blocks import (
     DecoderLayer2D,
     Embedding2D,
@@ -62,6 +57,8 @@ class Qwen2ForCausalLM2D(nn.Module):
     ``local_logits=True`` this rank's block (grid row i's sequences, column j's vocabulary);
     :meth:`summed_loss` takes that block to the loss without gathering it."""
 
+    # Read by the Trainer to pick its 2D step (its strategies are chosen elsewhere); the
+    # checkpoint and gradient-norm code read the parameters' ShardSpecs instead.
     is_2d = True
 
     def __init__(
@@ -155,10 +152,10 @@ class Qwen2ForCausalLM2D(nn.Module):
         return hf_layout.checkpoint_layout(self.config, fmt or "qwen2")
 
     def load_full_state_dict(self, full, strict: bool = True) -> None:
-        load_full_state_dict_2d(self, full, strict)
+        load_full_state_dict(self, full, strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return full_state_dict_2d(self)
+        return full_state_dict(self)
 
     @classmethod
     def from_pretrained(cls, path: str, *, parallel=None, grid=None, dtype=None, device=None):
@@ -174,29 +171,17 @@ class Qwen2ForCausalLM2D(nn.Module):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     where[name] = file
-        wanted = {name for name, *_ in grid_state_entries(model)}
-        missing = sorted(wanted - set(where))
+        entries = list(tensor_specs(model))
+        missing = sorted({name for name, *_ in entries} - set(where))
         if missing:
             raise KeyError(
                 f"{path}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                 "(2D loads transformers' Qwen2 names)"
             )
         with torch.no_grad():
-            for name, param, block, owner in grid_state_entries(model):
+            for name, param, spec, owner in entries:
                 with safe_open(where[name], framework="pt") as f:
-                    piece = f.get_slice(name)
-                    if block is None:
-                        tensor = piece[:]
-                    else:
-                        ranges = block.ranges(owner.grid.row, owner.grid.col)
-                        shape = tuple(piece.get_shape())
-                        if shape != block.full_shape:
-                            raise ValueError(
-                                f"{path}: {name} has shape {shape}, the config says "
-                                f"{block.full_shape}"
-                            )
-                        tensor = piece[tuple(slice(o, o + n) for o, n in ranges)]
-                param.copy_(tensor.to(param.dtype))
+                    param.copy_(_read_block(f.get_slice(name), name, param, spec, owner, path))
         return model
 
     def save_pretrained(self, path: str) -> None:
@@ -214,6 +199,18 @@ class Qwen2ForCausalLM2D(nn.Module):
         )
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_layout.hf_config(self.config, dtype), f, indent=2)
+
+
+def _read_block(piece, name: str, param, spec, owner, path: str) -> torch.Tensor:
+    """This rank's block of checkpoint tensor ``name`` (a safetensors slice), read alone."""
+    shape = tuple(piece.get_shape())
+    expected = tuple(param.shape) if spec is None else spec.full_shape_of(param.shape)
+    if shape != expected:
+        raise ValueError(f"{path}: {name} has shape {shape}, the config says {expected}")
+    if spec is None:
+        return piece[:].to(param.dtype)
+    (box,) = spec.boxes(owner.shard_coord, tuple(param.shape))  # a grid block is one box
+    return piece[tuple(slice(o, o + n) for o, n in box)].to(param.dtype)
 
 
 def _safetensors_files(path: str) -> list[str]:
