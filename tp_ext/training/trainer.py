@@ -12,6 +12,13 @@ With ``parallel=`` (a model built with ``parallel=state``) the step runs on a pi
 (:mod:`tp_ext.pipeline`: torch's schedules, DDP or FSDP2 on the DP dimension); its collectives
 add ``train.loss`` (the global loss, one all-reduce) and ``train.tied`` (a tied embedding's
 gradient, summed between the first and last stage).
+
+The Trainer is composed of parts chosen once, at construction: a step strategy for its
+parallel form (:mod:`tp_ext.training.steps`: the local loop, 2D, expert-parallel or pipeline),
+the precision settings, the optimizer and LR schedule. :meth:`Trainer.fit` runs the whole loop
+(:mod:`tp_ext.training.loop`: checkpoints in a directory, resume, metrics)::
+
+    losses = trainer.fit(trainer.data, steps=1000, checkpoint_dir="ckpt", checkpoint_every=100)
 """
 
 from __future__ import annotations
