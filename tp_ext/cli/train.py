@@ -21,8 +21,9 @@ An application on top of the library: it uses only public tp_ext names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import logging
 import os
 import sys
 import time
@@ -37,8 +38,8 @@ from tp_ext.config import JobConfig, check_pipeline_fields, flag_namer, job_dims
 from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
-from tp_ext.training import Trainer, build_lr_scheduler, build_optimizer
-from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
+from tp_ext.training import CheckpointManager, Trainer, build_lr_scheduler, build_optimizer
+from tp_ext.training.loop import Wording
 from tp_ext.validation import ConfigError
 
 __all__ = ["train", "METRICS"]
@@ -177,69 +178,6 @@ def _build(state, run: _Run):
 _ACCEPTED = "tp_ext/train/accepted"  # in torchrun's agent store: attempt 0 passed the checks
 
 
-def _start(state, run: _Run, trainer: Trainer) -> Optional[int]:
-    """Resume from the newest complete checkpoint in the directory, if there is one and resuming
-    is asked for (or torchrun restarted a run that had started). Returns the step resumed from,
-    or None for a fresh start."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-    def look():
-        if state.rank != 0:
-            return ""
-        os.makedirs(run.directory, exist_ok=True)
-        remove_unpublished(run.directory)
-        found = newest(run.directory)
-        if found is not None and not (run.resume or _started_before(restarted)):
-            raise ConfigError(
-                f"{run.directory} holds checkpoints (the newest after step {found[0]}): pass "
-                "--resume to continue from it, or give another --checkpoint-dir"
-            )
-        if found is not None and found[0] > run.steps:
-            raise ConfigError(
-                f"--steps {run.steps} is below the step of the newest checkpoint in "
-                f"{run.directory} ({found[0]}): give --steps {found[0] + 1} or more to train on"
-            )
-        store = launcher_store()
-        if store is not None:
-            store.set(_ACCEPTED, "1")  # a restart of this run may resume by itself
-        return json.dumps(None if found is None else list(found))
-
-    found = json.loads(
-        comm.broadcast_text(
-            comm.everywhere(
-                dist.group.WORLD, "reading the checkpoint directory", look, ConfigError
-            ),
-            0,
-            dist.group.WORLD,
-        )
-    )
-    if found is None:
-        _keep_metrics(state, run.directory, 0)
-        return None
-    step, path = found
-    if step == run.steps:
-        return step  # nothing left to train; the caller says so
-    wanted = _schedule_of(trainer)
-    info = trainer.load_checkpoint(path)  # restores the checkpoint's schedule
-    _check_schedule(wanted, _schedule_of(trainer))
-    if (info.get("lr_scheduler") or {}).get("lr_lambdas", [None])[0] is None and state.rank == 0:
-        print(
-            f"tp-ext train: {path} was saved before checkpoints held their LR schedule, so "
-            "only its base lr was checked: give the schedule flags it was trained with "
-            "(--decay-steps when --steps changed)",
-            file=sys.stderr,
-        )
-    _keep_metrics(state, run.directory, trainer.steps)
-    if state.rank == 0:
-        saved = info.get("layout", {})
-        where = " ".join(f"{k}={saved.get(k)}" for k in ("tp", "pp", "dp"))
-        print(
-            f"tp-ext train: resumed from {path} (step {trainer.steps}, saved at {where})",
-            file=sys.stderr,
-        )
-    return trainer.steps
-
-
 def _started_before(restarted: bool) -> bool:
     """Whether this is a torchrun restart of a run that had passed its checks: only then does a
     restart resume without --resume. (A run refused for want of --resume fails, and torchrun
@@ -250,143 +188,104 @@ def _started_before(restarted: bool) -> bool:
     return store is None or store.check([_ACCEPTED])
 
 
-# the flag that sets each field of LRSchedule.settings()
-_SCHEDULE_FLAG = {
+def _accept() -> None:
+    """The run passed its checks: a torchrun restart of it may resume by itself."""
+    store = launcher_store()
+    if store is not None:
+        store.set(_ACCEPTED, "1")
+
+
+# the flag that sets each field of LRSchedule.settings(), and fit's arguments
+_FLAG = {
     "lr": "--lr",
     "lr_schedule": "--lr-schedule",
     "warmup_steps": "--warmup-steps",
     "min_lr": "--min-lr",
     "decay_end": "--decay-steps",
+    "steps": "--steps",
+    "resume": "--resume",
+    "checkpoint_dir": "--checkpoint-dir",
 }
 
 
-def _schedule_of(trainer: Trainer) -> dict:
-    # base_lrs: restored from every checkpoint, also those older than the saved settings
-    scheduler = trainer.lr_scheduler
-    return {**scheduler.lr_lambdas[0].settings(), "lr": scheduler.base_lrs[0]}
+class _Flags(Wording):
+    """fit's errors in this command's words: its flags."""
 
+    def arg(self, name: str, value=None) -> str:
+        flag = _FLAG.get(name, "--" + name.replace("_", "-"))
+        return flag if value is None or value is True else f"{flag} {self.show(value)}"
 
-def _check_schedule(wanted: dict, saved: dict) -> None:
-    """The schedule resumes from the checkpoint (as Megatron-Core does by default): a run asking
-    for another one (another LR, shape, warmup, floor, or decay end, which is --steps unless
-    --decay-steps is given) is refused rather than silently changed mid-run. Every rank holds
-    the same schedule, so every rank raises."""
-    # a field one of them lacks (a constant schedule's decay) follows from lr_schedule differing
-    both = [k for k in _SCHEDULE_FLAG if k in wanted and k in saved]
-    differ = [k for k in both if not _same(wanted[k], saved[k])]
-    if not differ:
-        return
-    said = "; ".join(f"{k} {_show(saved[k])} there, {_show(wanted[k])} here" for k in differ)
-    # another shape: every field of the saved one, so that the next try is not refused again
-    give = list(saved) if "lr_schedule" in differ else differ
-    give = [k for k in _SCHEDULE_FLAG if k in give and not _same(wanted.get(k), saved[k])]
-    keep = " ".join(f"{_SCHEDULE_FLAG[k]} {_show(saved[k])}" for k in give)
-    why = (
-        " (the decay ends at --steps unless --decay-steps is given)"
-        if "decay_end" in differ
-        else ""
-    )
-    raise ConfigError(
-        f"the checkpoint's LR schedule differs from this run's: {said}{why}. A resumed run keeps "
-        f"its schedule: give {keep}, or start a new run in another --checkpoint-dir"
-    )
+    def schedule(self, field: str, value=None) -> str:
+        return self.arg(field, value)
 
+    def decay_note(self) -> str:
+        return "(the decay ends at --steps unless --decay-steps is given)"
 
-def _same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
-    return a == b
-
-
-def _show(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _keep_metrics(state, directory: str, step: int) -> None:
-    """Keep the metrics of steps up to ``step`` (those a resumed run does not repeat); a line
-    cut short by a kill is dropped."""
-    if state.rank != 0:
-        return
-    path = os.path.join(directory, METRICS)
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and isinstance(entry.get("step"), int):
-                if entry["step"] <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-    temp = path + ".tmp"
-    with open(temp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    def schedule_hint(self) -> str:
+        return "give the schedule flags it was trained with"
 
 
 def _train(state, run: _Run) -> int:
     trainer = _build(state, run)
-    first = _start(state, run, trainer) or 0
-    if first == run.steps:
-        if state.rank == 0:
-            print(
-                f"tp-ext train: {run.directory} already holds the checkpoint after step "
-                f"{run.steps}; nothing to train (give a larger --steps to go on)",
-                file=sys.stderr,
-            )
-        return 0
     settings = run.job.checkpoint
-    tokens_per_step = run.job.data.global_batch * run.job.data.seq_len
-    metrics = open(os.path.join(run.directory, METRICS), "a") if state.rank == 0 else None
-    started = time.perf_counter()
-    try:
-        while trainer.steps < run.steps:
-            t0 = time.perf_counter()
-            lr = trainer.optimizer.param_groups[0]["lr"]
-            loss = trainer.step(next(trainer.data))
-            seconds = time.perf_counter() - t0
-            entry = {
-                "step": trainer.steps,
-                "loss": loss,
-                "grad_norm": trainer.last_grad_norm,
-                "lr": float(lr),
-                "tokens_per_s": tokens_per_step / seconds,
-            }
-            if metrics is not None:
-                metrics.write(json.dumps(entry) + "\n")
-                metrics.flush()
-                os.fsync(metrics.fileno())
-                _progress(entry, run.steps, first, time.perf_counter() - started)
-            if trainer.steps % settings.save_every == 0 or trainer.steps == run.steps:
-                _save(state, run, trainer, settings)
-        trainer.wait_for_checkpoint()
-        if state.rank == 0:
-            keep_newest(run.directory, settings.keep_last)
-    finally:
-        if metrics is not None:
-            metrics.close()
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # only rank 0 reads the directory (and the launcher's store)
+    resume = run.resume or (state.rank == 0 and _started_before(restarted))
+    checkpoints = CheckpointManager(
+        run.directory,
+        every=settings.save_every,
+        keep_last=settings.keep_last,
+        async_save=settings.async_save,
+        on_accept=_accept,
+    )
+    with _said_on_stderr():
+        trainer.fit(
+            trainer.data,
+            run.steps,
+            checkpoint_dir=checkpoints,
+            resume=resume,
+            metrics=[os.path.join(run.directory, METRICS), _progress(state, run.steps)],
+            wording=_Flags(),
+        )
     return 0
 
 
-def _save(state, run: _Run, trainer: Trainer, settings) -> None:
-    trainer.wait_for_checkpoint()  # the previous one published: older ones may go
-    if state.rank == 0:
-        keep_newest(run.directory, settings.keep_last)
-    trainer.save_checkpoint(step_path(run.directory, trainer.steps), async_save=settings.async_save)
+@contextlib.contextmanager
+def _said_on_stderr():
+    """fit's notes (resumed from ..., nothing to train) as this command's stderr lines."""
+    logger = logging.getLogger("tp_ext.training.loop")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tp-ext train: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
-def _progress(entry: dict, total: int, first: int, elapsed: float) -> None:
-    done = entry["step"] - first
-    eta = elapsed / done * (total - entry["step"]) if done else 0.0
-    norm = entry["grad_norm"]
-    print(
-        f"step {entry['step']}/{total} loss {entry['loss']:.4f} grad_norm "
-        f"{'-' if norm is None else f'{norm:.3g}'} lr {entry['lr']:.3g} tok/s "
-        f"{entry['tokens_per_s']:.0f} eta {int(eta // 60)}m{int(eta % 60):02d}s",
-        file=sys.stderr,
-        flush=True,
-    )
+def _progress(state, total: int):
+    """Rank 0's progress line per step, on stderr."""
+    started = time.perf_counter()
+    first: list[int] = []
+
+    def show(entry: dict) -> None:
+        if state.rank != 0:
+            return
+        if not first:
+            first.append(entry["step"] - 1)
+        done = entry["step"] - first[0]
+        elapsed = time.perf_counter() - started
+        eta = elapsed / done * (total - entry["step"]) if done else 0.0
+        norm = entry["grad_norm"]
+        print(
+            f"step {entry['step']}/{total} loss {entry['loss']:.4f} grad_norm "
+            f"{'-' if norm is None else f'{norm:.3g}'} lr {entry['lr']:.3g} tok/s "
+            f"{entry['tokens_per_s']:.0f} eta {int(eta // 60)}m{int(eta % 60):02d}s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show

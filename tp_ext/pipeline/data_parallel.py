@@ -8,6 +8,7 @@ Both average gradients over the DP group.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Optional
 
@@ -15,10 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tp_ext.compression import CompressionState, averages, register
+from tp_ext.compression import CompressionState, PowerSGDCompression, averages, register
 from tp_ext.distributed import comm
 
-__all__ = ["DATA_PARALLEL", "wrap_data_parallel", "average_gradients"]
+__all__ = [
+    "DATA_PARALLEL",
+    "wrap_data_parallel",
+    "average_gradients",
+    "ReplicatedStages",
+    "replicate_stages",
+]
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -102,3 +109,64 @@ def average_gradients(params, parallel, compression: Optional[CompressionState] 
         n = p.numel()
         p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
         offset += n
+
+
+@dataclasses.dataclass
+class ReplicatedStages:
+    """A pipeline rank's stage modules as data parallelism runs them: what a
+    :class:`~tp_ext.pipeline.PipelineRunner` needs from the DP side.
+
+    - ``modules``: one module per stage this rank holds (DDP- or FSDP2-wrapped, or as they are);
+    - ``average_after_step``: tp_ext averages the gradients after the schedule's step (schedules
+      that write weight gradients outside autograd, where DDP's hooks never fire);
+    - ``compression_states``: the gradient-compression states (int8 / 1-bit residuals, PowerSGD's
+      errors), whose ``state_dict()`` the checkpoints hold; empty without compression."""
+
+    modules: list
+    average_after_step: bool = False
+    compression_states: list = dataclasses.field(default_factory=list)
+
+    def average(self, params, parallel) -> None:
+        """The DP average after the step (only with ``average_after_step``)."""
+        state = self.compression_states[0] if self.compression_states else None
+        average_gradients(params, parallel, state)
+
+
+def replicate_stages(
+    model: nn.Module,
+    data_parallel: Optional[str],
+    *,
+    average_after_step: bool = False,
+    compression: Optional[str] = None,
+) -> ReplicatedStages:
+    """``model.stage_modules()`` set up for data parallelism over ``model.parallel``'s DP group:
+    wrapped by :func:`wrap_data_parallel` (``data_parallel`` "ddp" / "fsdp"; None: as they are),
+    or left unwrapped with ``average_after_step``; with ``compression`` (a method of
+    :mod:`tp_ext.compression`, already checked against the schedule) its DDP hooks, or its state
+    for the average after the step. Every int8 / 1-bit residual exists (and is saved) from the
+    start."""
+    parallel = model.parallel
+    compression = compression if parallel.dp > 1 else None
+    # residuals named as the model names its parameters (the checkpoint's keys)
+    named = list(model.named_parameters())
+    modules = model.stage_modules()
+    if data_parallel is not None and not average_after_step:
+        hook = (compression, named) if compression else None
+        modules = [wrap_data_parallel(m, data_parallel, parallel, hook) for m in modules]
+    states = [
+        m.compression_state
+        for m in modules
+        if isinstance(
+            getattr(m, "compression_state", None), (CompressionState, PowerSGDCompression)
+        )
+    ]
+    if compression and average_after_step:
+        states = [CompressionState(parallel.dp_group, compression, named)]
+    owners = [m.module for m in modules if hasattr(m, "compression_state")] or [model]
+    for state, owner in zip(states, owners):
+        if not isinstance(state, CompressionState):
+            continue  # PowerSGD's state_dict has every parameter from the start
+        for param in owner.parameters():
+            if param.requires_grad:
+                state.residual_of(param)
+    return ReplicatedStages(modules, average_after_step, states)

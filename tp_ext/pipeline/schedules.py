@@ -14,10 +14,10 @@ from typing import Callable, Optional
 import torch
 from torch.distributed import pipelining as torch_pp
 
-from tp_ext.compression import METHODS, CompressionState, PowerSGDCompression
-from tp_ext.pipeline.data_parallel import average_gradients, wrap_data_parallel
+from tp_ext.compression import METHODS
+from tp_ext.pipeline.data_parallel import ReplicatedStages, replicate_stages
 
-__all__ = ["SCHEDULES", "Schedule", "check_schedule", "PipelineRunner"]
+__all__ = ["SCHEDULES", "Schedule", "check_schedule", "prepare_stages", "PipelineRunner"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +116,32 @@ def check_micro_batches(schedule: Schedule, layout, n: int) -> None:
         )
 
 
+def prepare_stages(
+    model, schedule: Schedule, data_parallel: Optional[str], compression: Optional[str] = None
+) -> ReplicatedStages:
+    """``model``'s stages set up for data parallelism under ``schedule`` (checked first: FSDP2
+    and the compression method against the schedule). The data-parallel side
+    (:func:`~tp_ext.pipeline.data_parallel.replicate_stages`) wraps them and installs the
+    compression; the runner only runs them."""
+    dp = model.parallel.dp
+    if schedule.weight_split and data_parallel == "fsdp" and dp > 1:
+        raise ValueError(
+            f"schedule {schedule.name!r} splits the weight gradient out of autograd (torch writes "
+            "it to .grad directly), which FSDP2's reduce-scatter never sees: use "
+            "data_parallel='ddp' with it, or data_parallel='fsdp' with one of "
+            f"{[s.name for s in SCHEDULES.values() if not s.weight_split]}"
+        )
+    compression = compression if dp > 1 else None
+    check_compression(compression, data_parallel, schedule)
+    # the same reason for DDP: its hooks would not fire, so tp_ext averages after the step
+    return replicate_stages(
+        model,
+        data_parallel,
+        average_after_step=schedule.weight_split and dp > 1,
+        compression=compression,
+    )
+
+
 class PipelineRunner:
     """The stages of ``model`` this rank holds, wrapped for data parallelism (``data_parallel``:
     "ddp", "fsdp" or None) and run by schedule ``schedule`` (a key of :data:`SCHEDULES`).
@@ -128,49 +154,24 @@ class PipelineRunner:
         self,
         model,
         schedule: str,
-        data_parallel: Optional[str],
+        data_parallel: Optional[str] = None,
         gradient_compression: Optional[str] = None,
+        *,
+        stages: Optional[ReplicatedStages] = None,
     ) -> None:
+        """``stages``: the stage modules as the data-parallel side prepared them
+        (:func:`prepare_stages`); without it they are prepared here from ``data_parallel`` and
+        ``gradient_compression``."""
         self.model, self.parallel = model, model.parallel
         self.layout = model.stage_layout
         self.schedule = check_schedule(schedule, self.layout)
-        dp = self.parallel.dp
-        if self.schedule.weight_split and data_parallel == "fsdp" and dp > 1:
-            raise ValueError(
-                f"schedule {schedule!r} splits the weight gradient out of autograd (torch writes "
-                "it to .grad directly), which FSDP2's reduce-scatter never sees: use "
-                "data_parallel='ddp' with it, or data_parallel='fsdp' with one of "
-                f"{[s.name for s in SCHEDULES.values() if not s.weight_split]}"
-            )
-        # the same reason for DDP: its hooks would not fire, so tp_ext averages after the step
-        self.average_after_step = self.schedule.weight_split and dp > 1
-        compression = gradient_compression if dp > 1 else None
-        check_compression(compression, data_parallel, self.schedule)
-        # residuals named as the model names its parameters (the checkpoint's keys)
-        named = list(model.named_parameters())
-        modules = model.stage_modules()
-        if data_parallel is not None and not self.average_after_step:
-            hook = (compression, named) if compression else None
-            modules = [wrap_data_parallel(m, data_parallel, self.parallel, hook) for m in modules]
-        self.modules = modules
+        if stages is None:
+            stages = prepare_stages(model, self.schedule, data_parallel, gradient_compression)
+        self.stages = stages
+        self.modules = stages.modules
+        self.average_after_step = stages.average_after_step
         # the hooks' states (int8 / 1-bit residuals; PowerSGD's error by parameter)
-        self.compression_states = [
-            m.compression_state
-            for m in modules
-            if isinstance(
-                getattr(m, "compression_state", None), (CompressionState, PowerSGDCompression)
-            )
-        ]
-        if compression and self.average_after_step:
-            self.compression_states = [CompressionState(self.parallel.dp_group, compression, named)]
-        # every residual exists (and is saved) from the start
-        owners = [m.module for m in modules if hasattr(m, "compression_state")] or [model]
-        for state, owner in zip(self.compression_states, owners):
-            if not isinstance(state, CompressionState):
-                continue  # PowerSGD's state_dict has every parameter from the start
-            for param in owner.parameters():
-                if param.requires_grad:
-                    state.residual_of(param)
+        self.compression_states = stages.compression_states
         self._built: dict = {}
 
     @property
@@ -208,8 +209,7 @@ class PipelineRunner:
                 raise
             raise inner from inner.__cause__
         if self.average_after_step:
-            state = self.compression_states[0] if self.compression_states else None
-            average_gradients(self.model.parameters(), self.parallel, state)
+            self.stages.average(self.model.parameters(), self.parallel)
 
     def _build(self, n: int, loss_fn: Callable, shape, logits_dtype):
         device = self.parallel.device

@@ -1,0 +1,512 @@
+"""The parts a :class:`~tp_ext.training.Trainer` is composed of: how one step runs for each
+parallel form (a :class:`StepStrategy`, chosen once by :func:`build_step`), the loss of a
+micro-batch (:func:`choose_loss`) and the precision settings (:class:`Precision`: autocast and
+fp16's loss scale).
+
+The Trainer owns what every form shares (checking the micro-batches, the optimizer step, the
+LR schedule, checkpoints); a strategy owns the forward and backward of one step, its
+data-parallel synchronisation and the gradient norm over its ranks:
+
+- :class:`LocalStep`: the Trainer's own loop over the micro-batches, optionally with a DP group
+  (one flat all-reduce per step); a model without ``parallel=`` (plain or 1D tensor parallel);
+- :class:`GridStep`: the same loop for a 2D (SUMMA) model, DP from its ``parallel=`` state;
+- :class:`ExpertStep`: the same loop for a model with ExpertParallelMoE layers (the loss scaled
+  by the global token count; dense gradients summed over DP, expert ones over expert-DP);
+- :class:`PipelineStep`: torch's pipeline schedules over the stages, DDP or FSDP2 on DP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tp_ext.distributed import comm
+from tp_ext.layers import ExpertParallelMoE, expert_parameters, vocab_parallel_cross_entropy
+from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner, check_schedule
+from tp_ext.pipeline.schedules import prepare_stages
+from tp_ext.training.grad_norm import (
+    clip_grad_norm_,
+    model_tp_group,
+    parallel_grad_norm,
+    scale_grads_,
+)
+
+__all__ = [
+    "Precision",
+    "StepStrategy",
+    "LocalStep",
+    "GridStep",
+    "ExpertStep",
+    "PipelineStep",
+    "build_step",
+    "choose_loss",
+]
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+# ---- precision ----------------------------------------------------------------------------------
+
+
+class Precision:
+    """Autocast to ``autocast_dtype`` (None: none) and, for float16, a dynamic loss scale whose
+    overflow check is agreed over every rank (so every rank skips the same steps)."""
+
+    def __init__(self, autocast_dtype: Optional[torch.dtype], model: nn.Module) -> None:
+        self.autocast_dtype = autocast_dtype
+        self.scaler = None
+        if autocast_dtype == torch.float16:
+            device = next(model.parameters()).device
+            self.scaler = _loss_scaler(device)
+            # the scale is made on first use; ranks without the loss (earlier pipeline stages)
+            # never scale one, yet take part in the agreed overflow check
+            self.scaler.scale(torch.zeros((), device=device))
+
+    def autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def unscale(self, optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # the overflow check, agreed over every rank
+
+    def step(self, optimizer) -> bool:
+        """``optimizer.step()`` (skipped when any rank overflowed); returns whether skipped."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() < scale
+
+
+def _loss_scaler(device: torch.device):
+    """fp16's dynamic loss scale. torch's ShardedGradScaler all-reduces the overflow flag over
+    the default group, so every rank (TP, PP and DP) skips the same steps; plain GradScaler
+    checks only its own process's gradients."""
+    if dist.is_initialized():
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type, process_group=dist.group.WORLD)
+    return torch.amp.GradScaler(device.type)
+
+
+# ---- the loss -----------------------------------------------------------------------------------
+
+
+class VocabParallelLoss:
+    """A tp_ext causal LM's loss: ``model(ids, local_logits=True)`` gives this rank's vocabulary
+    shard of the logits; position t predicts ``labels[:, t + 1]`` (Hugging Face style)."""
+
+    def __init__(self, tp_group, ignore_index: int) -> None:
+        self.tp, self.ignore_index = tp_group, ignore_index
+
+    def summed(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of the token losses (also the pipeline's last stage's loss)."""
+        return vocab_parallel_cross_entropy(
+            local_logits[:, :-1],
+            labels[:, 1:],
+            tp_group=self.tp,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+
+    def __call__(self, model, ids, labels) -> torch.Tensor:
+        return self.summed(model(ids, local_logits=True), labels)
+
+
+class GridLoss:
+    """A 2D model's loss from its logits blocks (the model's ``summed_loss``)."""
+
+    def __init__(self, ignore_index: int) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, model, ids, labels) -> torch.Tensor:
+        return model.summed_loss(model(ids, local_logits=True), labels, self.ignore_index)
+
+
+class FullLogitsLoss:
+    """Full logits (a Hugging Face model, parallelized); an MoE model's load-balancing loss
+    (``output_router_logits``) is added as its own loss adds it: ``router_aux_loss_coef *
+    aux_loss`` per token."""
+
+    def __init__(self, ignore_index: int) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, model, ids, labels) -> torch.Tensor:
+        out = model(ids)
+        targets = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].flatten(0, 1).float(),
+            targets.flatten(),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        aux = getattr(out, "aux_loss", None)
+        coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
+        if aux is not None and coef:
+            loss = loss + coef * aux.float() * (targets != self.ignore_index).sum()
+        return loss
+
+
+def choose_loss(model: nn.Module, tp_group, ignore_index: int, is_2d: bool = False):
+    """The micro-batch loss for ``model`` (a callable ``loss(model, ids, labels)``, the summed
+    token loss)."""
+    if is_2d:
+        return GridLoss(ignore_index)
+    if "local_logits" in inspect.signature(model.forward).parameters:
+        return VocabParallelLoss(tp_group, ignore_index)
+    return FullLogitsLoss(ignore_index)
+
+
+# ---- the strategies -----------------------------------------------------------------------------
+
+
+class StepStrategy:
+    """One parallel form's step: :meth:`forward_backward` leaves the step's gradients on the
+    parameters (synchronised over data parallelism) and returns the mean loss; :meth:`clip`
+    takes the gradient norm over every rank that holds a part of the model and clips to it."""
+
+    form = ""
+    runner: Optional[PipelineRunner] = None
+    expert_dp_group = None
+    gradient_compression: Optional[str] = None
+
+    def __init__(self, model, loss, tp, dp_group, data_parallel: Optional[str]) -> None:
+        self.model, self.loss = model, loss
+        self.tp, self.dp_group, self.data_parallel = tp, dp_group, data_parallel
+
+    @property
+    def compression_states(self) -> list:
+        return []
+
+    @property
+    def stage_modules(self) -> list:
+        """The modules the step runs (FSDP2 units among them are gathered by
+        ``Trainer.whole_parameters``)."""
+        return []
+
+    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
+        raise NotImplementedError
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.model, max_norm, self.tp)
+
+
+class LocalStep(StepStrategy):
+    """The Trainer's own loop: each micro-batch's summed loss scaled by the local token count
+    (known before any forward, so no host sync), backward, then one DP synchronisation."""
+
+    form = "local"
+
+    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        ignore = self.loss.ignore_index
+        count = torch.stack([(labels[:, 1:] != ignore).sum() for _, labels in batches]).sum()
+        count = self._global_count(count)
+        scale = count.clamp_min(1).float()
+        count = count.float()
+        loss_sum = torch.zeros((), device=batches[0][0].device)
+        with comm.tag("train.compute"):
+            for ids, labels in batches:
+                with precision.autocast(ids.device):
+                    loss = self.loss(self.model, ids, labels)
+                precision.scaled(loss / scale).backward()
+                loss_sum += loss.detach().float()
+        loss_sum, count = self._synchronise(params, loss_sum, scale, count)
+        return loss_sum / count  # nan when no target counts, as torch's mean
+
+    def _global_count(self, count: torch.Tensor) -> torch.Tensor:
+        return count
+
+    @torch.no_grad()
+    def _synchronise(self, params, loss_sum, scale, count):
+        """One all-reduce of every gradient, the loss sum and the token count: gradients become
+        the gradient of the mean over all DP ranks' tokens (weighted by each rank's count)."""
+        if self.dp_group is None or self.dp_group.size == 1:
+            return loss_sum, count
+        flat = _flat_grads(params, [loss_sum, count])
+        flat[:-2] *= scale.to(flat.dtype)  # back to the gradient of this rank's summed loss
+        with comm.tag("train.dp_sync"):
+            flat = comm.all_reduce(flat, "sum", group=self.dp_group)
+        total = flat[-1]
+        flat[:-2] /= total.clamp_min(1)
+        _set_grads(params, flat)
+        return flat[-2], total
+
+
+class GridStep(LocalStep):
+    """A 2D (SUMMA) model: the local loop, its loss from the logits blocks, DP gradients
+    all-reduced once per step over the DP group, the norm over the grid."""
+
+    form = "2d"
+
+
+class ExpertStep(LocalStep):
+    """A model with ExpertParallelMoE layers: the loss is scaled by the global token count (one
+    all-reduce before the forwards), so each rank's gradients are its share of the global mean;
+    dense gradients are then summed over the DP group and expert gradients over the expert-DP
+    group (the ranks holding the same experts: the dispatch's backward already summed over the
+    EP group's tokens)."""
+
+    form = "expert"
+
+    def __init__(self, model, loss, tp, dp_group, data_parallel, expert_dp_group) -> None:
+        super().__init__(model, loss, tp, dp_group, data_parallel)
+        self.expert_dp_group = expert_dp_group
+        self._expert_ids = {id(p) for p in expert_parameters(model)[0]}
+
+    def _global_count(self, count: torch.Tensor) -> torch.Tensor:
+        if self.dp_group.size == 1:
+            return count
+        # experts see other ranks' tokens: every rank scales by the global count
+        with comm.tag("train.dp_sync"):
+            return comm.all_reduce(count.float(), "sum", group=self.dp_group)
+
+    @torch.no_grad()
+    def _synchronise(self, params, loss_sum, scale, count):
+        """Gradients already scaled by the global token count: dense ones (and the loss) summed
+        over the DP group, expert ones over the expert-DP group."""
+        dense = [p for p in params if id(p) not in self._expert_ids]
+        split = [p for p in params if id(p) in self._expert_ids]
+        if self.dp_group.size > 1:
+            flat = _flat_grads(dense, [loss_sum])
+            with comm.tag("train.dp_sync"):
+                flat = comm.all_reduce(flat, "sum", group=self.dp_group)
+            loss_sum = _set_grads(dense, flat)[0]
+        if self.expert_dp_group.size > 1:
+            with comm.tag("train.dp_sync"):
+                flat = comm.all_reduce(_flat_grads(split, []), "sum", group=self.expert_dp_group)
+            _set_grads(split, flat)
+        return loss_sum, count
+
+
+class PipelineStep(StepStrategy):
+    """One step on the pipeline: torch's schedule runs forward and backward of every
+    micro-batch (DP gradients synchronised once, in the last backward), then the tied
+    embedding's copies are summed, and the norm is taken over every rank."""
+
+    form = "pipeline"
+
+    def __init__(self, model, loss, parallel, runner, data_parallel, compression) -> None:
+        tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
+        super().__init__(model, loss, tp, dp, data_parallel)
+        self.parallel, self.runner = parallel, runner
+        self.gradient_compression = compression
+
+    @property
+    def compression_states(self) -> list:
+        return self.runner.compression_states
+
+    @property
+    def stage_modules(self) -> list:
+        return self.runner.modules
+
+    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
+        shapes = {tuple(ids.shape) for ids, _ in batches}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"under pipelining every micro-batch must have one shape (the stages exchange "
+                f"fixed-size activations); got {sorted(shapes)}"
+            )
+        parallel = self.parallel
+        ids = torch.cat([b[0] for b in batches])
+        labels = torch.cat([b[1] for b in batches])
+        count = (labels[:, 1:] != self.loss.ignore_index).sum().float()
+        if parallel.dp > 1:
+            with comm.tag("train.loss"):
+                count = comm.all_reduce(count, "sum", group=self.dp_group)
+        # DDP and FSDP2 average over DP: each replica's loss is its sum over count / dp, so the
+        # averaged gradient is that of the mean over every token of every replica.
+        denominator = count.clamp_min(1) / parallel.dp
+        sums: list[torch.Tensor] = []
+
+        def loss_fn(logits, target):
+            loss = self.loss.summed(logits, target)
+            sums.append(loss.detach().float())
+            return precision.scaled(loss / denominator)
+
+        with comm.tag("train.compute"), precision.autocast(parallel.device):
+            logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
+            self.runner.step(ids, labels, len(batches), loss_fn, logits_dtype)
+        self._sum_tied_gradients()
+        # the global loss: the last stage's TP rank 0 of each replica holds a sum
+        mine = torch.stack(sums).sum() if sums and self.tp.rank == 0 else None
+        total = torch.zeros((), device=parallel.device) if mine is None else mine
+        with comm.tag("train.loss"):
+            total = comm.all_reduce(total, "sum", group=dist.group.WORLD)
+        return total / count
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
+        scale_grads_(self.model, max_norm, norm)
+        return norm
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self) -> None:
+        """A tied embedding under pipelining has a copy on the first and on the last stage:
+        both get the sum of the two gradients (so both copies take the same update)."""
+        weights = self.model.tied_weights() if hasattr(self.model, "tied_weights") else []
+        grads = [_local(w.grad) for w in weights if w.grad is not None]
+        if len(grads) == 2:  # both copies on this rank (V-shaped schedules)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+            return
+        group = self.model.tied_group()
+        if group is not None and grads:
+            with comm.tag("train.tied"):
+                dist.all_reduce(grads[0], group=group)
+
+
+# ---- the factory --------------------------------------------------------------------------------
+
+
+def build_step(
+    model: nn.Module,
+    parallel,
+    *,
+    schedule: str = "1F1B",
+    data_parallel: Optional[str] = "ddp",
+    dp_group=None,
+    tp_group=None,
+    compression: Optional[str] = None,
+    ignore_index: int = -100,
+) -> StepStrategy:
+    """The step strategy for ``model``: chosen once, from ``parallel`` (None: the local loop)
+    and what the model is (2D, or with ExpertParallelMoE layers). Refuses, naming the argument,
+    a combination the form cannot run."""
+    if parallel is None:
+        if compression is not None:
+            raise ValueError(
+                f"gradient_compression={compression!r} needs Trainer(parallel=...): the "
+                "DP hooks go on the DDP modules of its layout"
+            )
+        tp = model_tp_group(model, tp_group)
+        dp = None if dp_group is None else comm.resolve_group(dp_group)
+        return LocalStep(model, choose_loss(model, tp, ignore_index), tp, dp, None)
+    if any(isinstance(m, ExpertParallelMoE) for m in model.modules()):
+        return _expert_step(
+            model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
+        )
+    _check_built_with(model, parallel, dp_group, tp_group)
+    if getattr(model, "is_2d", False):
+        return _grid_step(model, parallel, data_parallel, compression, ignore_index)
+    return _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore_index)
+
+
+def _check_built_with(model, parallel, dp_group, tp_group) -> None:
+    built_with = getattr(model, "parallel", None)
+    if built_with is not parallel:
+        how = "without parallel=" if built_with is None else "with another layout"
+        raise ValueError(
+            f"parallel= needs the model built with the same layout: "
+            f"{type(model).__name__}(config, parallel=state); this one was built {how}"
+        )
+    _check_no_groups(dp_group, tp_group)
+
+
+def _check_no_groups(dp_group, tp_group) -> None:
+    if dp_group is not None or tp_group is not None:
+        raise ValueError(
+            "with parallel=, the TP and DP groups are the layout's; drop dp_group= / tp_group="
+        )
+
+
+def _grid_step(model, parallel, data_parallel, compression, ignore_index) -> GridStep:
+    if compression is not None and parallel.dp > 1:
+        raise ValueError(
+            f"gradient_compression={compression!r} with a 2D model: its DP all-reduce is "
+            "tp_ext's own, not a DDP hook's; use 1D tensor parallelism to compress"
+        )
+    if data_parallel not in (None, "ddp"):
+        raise ValueError(
+            f"data_parallel={data_parallel!r} with a 2D model: its DP replicas synchronise "
+            "by one all-reduce of the gradients per step; use data_parallel='ddp' (or None "
+            "at dp=1)"
+        )
+    tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
+    loss = choose_loss(model, tp, ignore_index, is_2d=True)
+    return GridStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None)
+
+
+def _expert_step(
+    model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
+) -> ExpertStep:
+    if parallel.pp > 1:
+        raise ValueError(
+            f"expert parallelism with pp={parallel.pp}: pipeline stages of a model with "
+            "ExpertParallelMoE layers are not supported yet; use pp=1"
+        )
+    _check_no_groups(dp_group, tp_group)
+    if data_parallel not in (None, "ddp") or compression is not None:
+        raise ValueError(
+            f"data_parallel={data_parallel!r}, gradient_compression={compression!r} with "
+            "expert parallelism: its gradients are summed by one all-reduce per group "
+            "(dense over DP, experts over expert-DP); use data_parallel='ddp' (or None) and "
+            "no compression"
+        )
+    tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
+    expert_dp = comm.resolve_group(parallel.expert_dp_group)
+    loss = choose_loss(model, tp, ignore_index)
+    return ExpertStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None, expert_dp)
+
+
+def _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore_index):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if data_parallel is not None and data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if data_parallel is None and parallel.dp > 1:
+        raise ValueError(
+            f"data_parallel=None with dp={parallel.dp}: the replicas would drift apart; "
+            f"use one of {DATA_PARALLEL}"
+        )
+    data_parallel = data_parallel if parallel.dp > 1 else None
+    checked = check_schedule(schedule, model.stage_layout)
+    # the data-parallel side wraps the stages and installs the compression hooks
+    stages = prepare_stages(model, checked, data_parallel, compression)
+    runner = PipelineRunner(model, schedule, stages=stages)
+    loss = VocabParallelLoss(comm.resolve_group(parallel.tp_group), ignore_index)
+    compression = compression if parallel.dp > 1 else None
+    return PipelineStep(model, loss, parallel, runner, data_parallel, compression)
+
+
+# ---- flat gradients -----------------------------------------------------------------------------
+
+
+def _flat_grads(params, extras) -> torch.Tensor:
+    """Every gradient (zeros where None) and then the 0-d ``extras``, in one flat tensor (fp64
+    when a parameter is, else fp32), for one all-reduce."""
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    pieces = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().to(dtype) for p in params
+    ]
+    return torch.cat(pieces + [e.view(1).to(dtype) for e in extras])
+
+
+def _set_grads(params, flat: torch.Tensor) -> torch.Tensor:
+    """The gradients back from a tensor of :func:`_flat_grads`; returns the extras after them."""
+    offset = 0
+    for p in params:
+        grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad.copy_(grad)
+        offset += p.numel()
+    return flat[offset:]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
