@@ -348,7 +348,7 @@ class _SelfCheck:
         self.checks.append((name, bool(ok)))
         REPORT.info(f"  {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
 
-    def footprint(self) -> None:
+    def show_footprint(self) -> None:
         """[1] The full-size config's footprint at this TP degree, on the meta device."""
         state, full = self.state, self.inputs.job.model
         REPORT.info(
@@ -650,7 +650,7 @@ class _SelfCheck:
 def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: float) -> int:
     """The stages in order; 0 if every check passed on every rank, else 1."""
     job = _SelfCheck(state, inputs, workdir, keep, world)
-    job.footprint()
+    job.show_footprint()
     hf_dir = job.write_small_checkpoint()
     model, ids = job.load_and_compare(hf_dir)
     trainer, losses, batch, tokens_per_s = job.train(model)
