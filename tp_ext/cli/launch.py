@@ -8,8 +8,6 @@ import os
 import socket
 import sys
 
-from tp_ext.cli.logs import LOG
-
 __all__ = [
     "one_process_unless_launched",
     "launch_variables_restored",
@@ -85,7 +83,9 @@ def one_process_unless_launched(command: str) -> None:
         port = s.getsockname()[1]
     one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.update(one, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    LOG.warning(
+    # printed, not logged: the one process is rank 0, and the note must show at any log level
+    print(
         f"tp-ext {command}: not under torchrun, so one process (for N ranks: torchrun "
-        f"--standalone --nproc-per-node N -m tp_ext {command} ...)"
+        f"--standalone --nproc-per-node N -m tp_ext {command} ...)",
+        file=sys.stderr,
     )
