@@ -57,16 +57,38 @@ DTYPES = DTYPE_NAMES
 # takes 64 bits, and the job adds small offsets to the seed.
 _DEGREE = Field("int", 1, MAX_DEGREE)
 PARALLEL_FIELDS = {
-    "tp": _DEGREE,
-    "pp": _DEGREE,
-    "dp": _DEGREE,
-    "dtype": Field("choice", choices=DTYPES),
-    "seed": Field("int", 0, 2**62),
-    "schedule": Field("choice", choices=tuple(SCHEDULES)),
-    "virtual_stages": Field("int", 1, MAX_VIRTUAL_STAGES),
-    "data_parallel": Field("choice", choices=DATA_PARALLEL),
-    "micro_batches": Field("int", 1, 1024),
-    "activation_checkpointing": Field("bool"),
+    "tp": dataclasses.replace(_DEGREE, help="tensor-parallel degree"),
+    "pp": dataclasses.replace(_DEGREE, help="pipeline-parallel degree (stages)"),
+    "dp": dataclasses.replace(_DEGREE, help="data-parallel degree"),
+    "dtype": Field("choice", choices=DTYPES, help="dtype of the parameters"),
+    "seed": Field("int", 0, 2**62, help="seed of the model's initialisation and the data"),
+    "schedule": Field(
+        "choice",
+        choices=tuple(SCHEDULES),
+        help="pipeline schedule (default 1F1B); ZBVZeroBubble and DualPipeV need 2 virtual stages",
+    ),
+    # more stages per rank than this is never faster: each adds a send per micro-batch
+    "virtual_stages": Field(
+        "int",
+        1,
+        MAX_VIRTUAL_STAGES,
+        help="pipeline stages per rank (default 1; >1 needs an interleaved or V schedule)",
+    ),
+    "data_parallel": Field(
+        "choice",
+        choices=DATA_PARALLEL,
+        help="how DP replicas synchronise: ddp (default) or fsdp (FSDP2, parameters sharded)",
+    ),
+    "micro_batches": Field(
+        "int",
+        1,
+        1024,
+        help="micro-batches per step (pipeline micro-batches and gradient accumulation; "
+        "default max(2, pp x virtual stages))",
+    ),
+    "activation_checkpointing": Field(
+        "bool", help="recompute each decoder layer in backward (default: the config's, else off)"
+    ),
 }
 
 
@@ -213,8 +235,8 @@ def job_dims(parallel: ParallelSettings, overrides: dict, world_size: int) -> Pa
 # A token file of ~10^12 tokens at most, sequences up to 2**20; batches up to 2**24 sequences.
 DATA_FIELDS = {
     "dtype": Field("choice", choices=tuple(TOKEN_DTYPES)),
-    "seq_len": Field("int", 2, 2**20),
-    "global_batch": Field("int", 1, 2**24),
+    "seq_len": Field("int", 2, 2**20, help="tokens per sequence"),
+    "global_batch": Field("int", 1, 2**24, help="sequences per step over all DP replicas"),
     "micro_batch_size": Field("int", 1, 2**20),
     "seed": Field("int", 0, 2**62),
 }
@@ -252,9 +274,9 @@ class DataSettings:
 
 
 CHECKPOINT_FIELDS = {
-    "save_every": Field("int", 1, 10**9),
-    "keep_last": Field("int", 1, 10**6),
-    "async_save": Field("bool"),
+    "save_every": Field("int", 1, 10**9, help="save every K steps, and after the last"),
+    "keep_last": Field("int", 1, 10**6, help="keep the newest M checkpoints"),
+    "async_save": Field("bool", help="write checkpoints while training goes on"),
 }
 
 

@@ -141,7 +141,8 @@ class Field:
     "float" (an int or float, finite), "bool" (true or false only: the string "false" would be
     truthy), "choice" (one of ``choices``), "betas" (two floats in [0, 1)). ``low``/``high``
     bound numbers; ``low_open``/``high_open`` exclude the bound itself. ``why`` says where an
-    upper bound comes from; it is part of the message."""
+    upper bound comes from; it is part of the message. ``help`` says what the value does: the
+    command-line flag that sets it shows it (tp_ext.cli.flags makes the flags from these)."""
 
     kind: str
     low: Optional[float] = None
@@ -150,6 +151,7 @@ class Field:
     high_open: bool = False
     choices: tuple = ()
     why: str = ""
+    help: str = dataclasses.field(default="", compare=False)
 
     def allowed(self) -> str:
         """What is allowed, in words: the second half of every error message."""

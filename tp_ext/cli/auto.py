@@ -5,10 +5,10 @@ machine's devices and the job's batch, as the overrides the layout flags would g
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
+from tp_ext.cli.logs import LOG
 from tp_ext.planner import plan
 
 __all__ = ["auto_overrides", "LAYOUT_FLAGS"]
@@ -42,7 +42,7 @@ def _this_machine(local_ranks: int) -> tuple[str, int]:
 def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
     """``overrides`` with the planner's layout for ``model_config`` trained on ``data``'s
     batches (seq_len, global_batch, micro_batch_size). Refuses layout flags given beside
-    --auto, and says what was chosen and why (on rank 0)."""
+    --auto, and says what was chosen and why (logged)."""
     given = [f"--{k.replace('_', '-')}" for k in LAYOUT_FLAGS if overrides.get(k) is not None]
     if given:
         raise ValueError(
@@ -69,8 +69,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         closest = ranked[0].reason
         raise ValueError(f"--auto: no layout of {world} ranks fits; the closest: {closest}")
     chosen = best.candidate
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"tp-ext: --auto chose {chosen.describe()} ({best.reason})", file=sys.stderr)
+    LOG.info(f"tp-ext: --auto chose {chosen.describe()} ({best.reason})")
     dims = chosen.dims
     return {
         **overrides,

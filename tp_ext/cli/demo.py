@@ -12,10 +12,29 @@ import torch.distributed as dist
 
 import tp_ext
 from tp_ext import comm
+from tp_ext.cli.flags import add_field_flag
 from tp_ext.cli.launch import one_process_unless_launched
+from tp_ext.cli.logs import REPORT
+from tp_ext.config import PARALLEL_FIELDS
 from tp_ext.distributed import destroy_parallel
+from tp_ext.sharding import divisors
 
-__all__ = ["demo"]
+__all__ = ["demo", "add_arguments", "main"]
+
+HELP = "run every collective and pair across ranks and check them (launch with torchrun)"
+
+
+def add_arguments(parser) -> None:
+    add_field_flag(parser, "tp", PARALLEL_FIELDS["tp"], "world size")
+
+
+def main(args) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is not None and world % args.tp:
+        raise ValueError(
+            f"--tp {args.tp} does not divide the {world} ranks; use one of {divisors(world)}"
+        )
+    return demo(args.tp)
 
 
 def demo(tp=None) -> int:
@@ -24,7 +43,7 @@ def demo(tp=None) -> int:
     one_process_unless_launched("demo")
     state = tp_ext.init_parallel(tp=tp or int(os.environ.get("WORLD_SIZE", 1)))
     r, w = state.tp_rank, state.tp
-    say = print if state.rank == 0 else (lambda *a, **k: None)
+    say = REPORT.info  # rank 0's (tp_ext.cli.logs)
     say(
         f"tp_ext demo: {dist.get_world_size()} ranks, backend {state.backend}, tp={w} "
         f"pp={state.pp} dp={state.dp}, torch {torch.__version__}"

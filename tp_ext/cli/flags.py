@@ -1,25 +1,47 @@
-"""Command-line flags checked by the same rules as the config fields they override
-(:data:`tp_ext.config.PARALLEL_FIELDS`, :data:`tp_ext.training.optimizer.OPTIMIZER_FIELDS`),
-plus the rules of ``tp-ext run``'s own flags."""
+"""Command-line flags made from the rules of the config fields they set
+(:data:`tp_ext.config.PARALLEL_FIELDS`, :data:`tp_ext.training.optimizer.OPTIMIZER_FIELDS`, ...):
+each flag's type, bounds, choices and help text come from its field's
+:class:`~tp_ext.validation.Field`, so they are written once. Plus the rules of the commands' own
+flags (``RUN_FIELDS``, ``TRAIN_FIELDS``)."""
 
 from __future__ import annotations
 
 import argparse
 
+from tp_ext.config import PARALLEL_FIELDS
+from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 from tp_ext.validation import Field
 
-__all__ = ["RUN_FIELDS", "TRAIN_FIELDS", "BETA", "flag_type"]
+__all__ = [
+    "RUN_FIELDS",
+    "TRAIN_FIELDS",
+    "BETA",
+    "OVERRIDE_FIELDS",
+    "flag_type",
+    "add_field_flag",
+    "add_override_flags",
+    "overrides_of",
+]
 
 # tp-ext run's own flags (its parallel ones, --micro-batches included, are config fields:
 # PARALLEL_FIELDS). Bounds keep a typo from running for hours or filling memory: the toy batch
 # is 4 x micro-batches x dp sequences of 32 tokens, and a step takes about a second.
 RUN_FIELDS = {
-    "steps": Field("int", 1, 100_000),
-    "max-new-tokens": Field("int", 1, 2**20),
-    "max-grad-norm": Field("float", 0, low_open=True),
+    "steps": Field("int", 1, 100_000, help="training steps"),
+    "max-new-tokens": Field("int", 1, 2**20, help="tokens to generate per sequence"),
+    "max-grad-norm": Field("float", 0, low_open=True, help="clip gradients to this norm"),
 }
-TRAIN_FIELDS = {"steps": Field("int", 1, 10**9)}
+TRAIN_FIELDS = {"steps": Field("int", 1, 10**9, help="train up to this step")}
 BETA = Field("float", 0, 1, high_open=True)  # one of --betas' two values
+
+# The config fields that tp-ext run and train take as flags, in the order --help lists them
+# (--auto, which is no field, comes after micro_batches and activation_checkpointing).
+_LAYOUT_OVERRIDES = ("tp", "pp", "dp", "schedule", "virtual_stages", "data_parallel")
+_LAYOUT_OVERRIDES += ("micro_batches", "activation_checkpointing")
+OVERRIDE_FIELDS = {
+    **{name: PARALLEL_FIELDS[name] for name in (*_LAYOUT_OVERRIDES, "dtype", "seed")},
+    **{name: OPTIMIZER_FIELDS[name] for name in ("lr", "weight_decay", "betas")},
+}
 
 
 def flag_type(rule: Field):
@@ -37,3 +59,40 @@ def flag_type(rule: Field):
         return value
 
     return convert
+
+
+def add_field_flag(parser, name: str, rule: Field, default_help: str = "", **options) -> None:
+    """``--name`` (underscores as dashes), checked and described by ``rule``: ints and floats
+    by its bounds, choices by its choices, a bool as --name / --no-name (None: not given), betas
+    as two floats. ``default_help`` says what not giving the flag means for this command;
+    ``options`` go to ``add_argument`` as they are (``default=``, ``metavar=``, ...)."""
+    kinds = {
+        "int": {"type": flag_type(rule)},
+        "float": {"type": flag_type(rule)},
+        "choice": {"choices": rule.choices},
+        "bool": {"action": argparse.BooleanOptionalAction, "default": None},
+        "betas": {"type": flag_type(BETA), "nargs": 2},
+    }
+    text = rule.help + (f" (default: {default_help})" if default_help else "")
+    kwargs = {**kinds[rule.kind], "help": text.replace("%", "%%") or None, **options}
+    parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def add_override_flags(parser, defaults_help: dict[str, str]) -> None:
+    """The flags that override the config's parallel and optimizer sections (run and train),
+    with ``--auto``; ``defaults_help``: what a field left out means for this command."""
+    group = parser.add_argument_group("overrides of the config's parallel and optimizer settings")
+    for name, rule in OVERRIDE_FIELDS.items():
+        add_field_flag(group, name, rule, defaults_help.get(name, ""))
+        if name == "activation_checkpointing":
+            group.add_argument(
+                "--auto",
+                action="store_true",
+                help="take the planner's best layout that fits these ranks and devices (tp-ext "
+                "plan --auto ranks them all); no other layout flag with it",
+            )
+
+
+def overrides_of(args) -> dict:
+    """The parallel and optimizer fields the flags set (None: as the config has them)."""
+    return {name: getattr(args, name) for name in OVERRIDE_FIELDS}

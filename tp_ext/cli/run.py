@@ -34,16 +34,12 @@ import torch.nn.functional as F
 
 from tp_ext import checkpoint
 from tp_ext.checkpoint import peak_rss_bytes
-from tp_ext.cli.flags import RUN_FIELDS
+from tp_ext.cli.auto import auto_overrides
+from tp_ext.cli.flags import RUN_FIELDS, add_field_flag, add_override_flags, overrides_of
 from tp_ext.cli.launch import one_process_unless_launched
+from tp_ext.cli.logs import REPORT
 from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
-from tp_ext.config import (
-    PARALLEL_FIELDS,
-    JobConfig,
-    check_pipeline_fields,
-    flag_namer,
-    job_dims,
-)
+from tp_ext.config import PARALLEL_FIELDS, JobConfig, check_pipeline_fields, flag_namer, job_dims
 from tp_ext.debug import trace
 from tp_ext.dims import ParallelDims
 from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
@@ -53,7 +49,7 @@ from tp_ext.models.footprint import footprint, format_footprint
 from tp_ext.training import Trainer, build_optimizer
 from tp_ext.validation import check_fields
 
-__all__ = ["run"]
+__all__ = ["run", "add_arguments", "main"]
 
 
 def _memory(device: torch.device) -> dict:
@@ -158,8 +154,13 @@ def run(
         max_grad_norm,
         profile_dir,
     )
+    return _launch(inputs, workdir, world, t_start)
+
+
+def _launch(inputs: _Job, workdir: str | None, world: int, t_start: float) -> int:
+    """Start the process groups, run the job in its work directory, and take them down."""
     one_process_unless_launched("run")
-    state = init_parallel(dims)
+    state = init_parallel(inputs.dims)
     path = None
     try:
         made = comm.everywhere(
@@ -221,290 +222,414 @@ def _whole_state_dict(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: float) -> int:
-    job, small_job, small, dtype = inputs.job, inputs.small_job, inputs.small, inputs.dtype
-    settings, steps = job.parallel, inputs.steps
-    micro_batches = settings.pipeline_micro_batches
-    max_new_tokens, max_grad_norm = inputs.max_new_tokens, inputs.max_grad_norm
-    full, config_path = job.model, inputs.config_path
-    device = state.device
-    is_main = state.rank == 0
-    say = print if is_main else (lambda *a, **k: None)
-    checks: list[tuple[str, bool]] = []
+class _SelfCheck:
+    """The stages of the job (1-6 in the module's docstring), one method each, and the checks
+    they record. Every rank runs every stage; rank 0 reports (tp_ext.cli.logs.REPORT)."""
 
-    def check(name: str, ok: bool, detail: str = "") -> None:
-        checks.append((name, bool(ok)))
-        say(f"  {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
-
-    say(
-        f"tp-ext run: {world} ranks (tp={state.tp}, pp={state.pp}, dp={state.dp}), backend "
-        f"{state.backend}, torch {torch.__version__}, device {device}"
-    )
-    say(f"  {settings.describe(inputs.dims)}")
-    say(
-        f"\n[1] footprint of {os.path.basename(config_path)} ({full.architecture}) at "
-        f"TP={state.tp}, on the meta device"
-        + (f" (pipelining splits its layers further over pp={state.pp})" if state.pp > 1 else "")
-        + ":"
-    )
-    say(format_footprint(footprint(full, state.tp, job.parallel.dtype)))
-
-    # -- 2. a small random checkpoint of the same family, in Hugging Face format -----------------
-    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-    autocast = None
-    if dtype == torch.float16:
-        # float16 training is mixed precision: float32 parameters (AdamW's eps of 1e-8 is 0 in
-        # float16, so its first step would turn float16 weights into NaN) under float16
-        # autocast with the Trainer's dynamic loss scale
-        autocast, dtype = torch.float16, torch.float32
-    hf_dir = os.path.join(workdir, "hf")
-    torch.manual_seed(small_job.parallel.seed)
-    if is_main:
-        source = Qwen2ForCausalLM(small, tp_group=TPGroup.local(), dtype=dtype)
-        source.save_pretrained(hf_dir, max_shard_bytes=200_000)
-        del source
-    comm.barrier(dist.group.WORLD)
-    files = sorted(os.listdir(hf_dir))
-    say(
-        f"\n[2] small {small.architecture} model (vocab {small.vocab_size}, hidden "
-        f"{small.hidden_size}, {small.num_attention_heads} heads / {small.num_key_value_heads} "
-        f"KV heads, {small.num_hidden_layers} layers, {dtype}) written to {hf_dir}: "
-        f"{len([f for f in files if f.endswith('.safetensors')])} safetensors files + index"
-    )
-
-    # -- 3. sharded load, parity with the single-process model -----------------------------------
-    build = {
-        "parallel": state,
-        "virtual_stages": settings.virtual_stages,
-        "stage_order": settings.stage_order,
-    }
-    t0 = time.perf_counter()
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, device=device, **build)
-    load_s = time.perf_counter() - t0
-    report = model.load_report
-    reference = Qwen2ForCausalLM.from_pretrained(
-        hf_dir, tp_group=TPGroup.local(), device=device, progress=False
-    )
-    say(
-        f"\n[3] loaded across {state.tp * state.pp} ranks per replica in {load_s:.2f} s; rank 0 "
-        f"read {report['read_bytes']:,} of {report['checkpoint_bytes']:,} bytes (its shard: "
-        f"{report['shard_bytes']:,})"
-    )
-    if state.pp > 1:
-        say(f"    {_stages_text(model)}")
-    ids = _data(small, 4, 24, seed=small_job.parallel.seed + 1).to(device)
-    with torch.no_grad():
-        logits, expected = model(ids), reference(ids)
-    scale = expected.abs().max().item()
-    diff = (logits - expected).abs().max().item()
-    check(
-        "logits equal the single-process model",
-        diff <= tolerance * scale,
-        f"max |diff| {diff:.2e} (logit scale {scale:.2f})",
-    )
-    with torch.no_grad():
-        loss_tp = vocab_parallel_cross_entropy(
-            model(ids[:, :-1], local_logits=True), ids[:, 1:], tp_group=state.tp_group
+    def __init__(self, state, inputs: _Job, workdir: str, keep: bool, world: int) -> None:
+        self.state, self.inputs, self.workdir, self.keep, self.world = (
+            state,
+            inputs,
+            workdir,
+            keep,
+            world,
         )
-        loss_ref = F.cross_entropy(
-            expected[:, :-1].reshape(-1, small.vocab_size).float(), ids[:, 1:].reshape(-1)
-        )
-    check(
-        "vocab-parallel loss equals F.cross_entropy",
-        abs(loss_tp.item() - loss_ref.item()) <= tolerance * max(1.0, loss_ref.item()),
-        f"{loss_tp.item():.6f} vs {loss_ref.item():.6f}",
-    )
-    prompt = ids[:, :6]
-    same = torch.equal(model.generate(prompt, 8), reference.generate(prompt, 8))
-    check("greedy tokens equal the single-process model", same)
-    del reference
+        self.device = state.device
+        self.is_main = state.rank == 0
+        self.checks: list[tuple[str, bool]] = []
+        dtype = inputs.dtype
+        self.tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+        self.autocast = None
+        if dtype == torch.float16:
+            # float16 training is mixed precision: float32 parameters (AdamW's eps of 1e-8 is 0
+            # in float16, so its first step would turn float16 weights into NaN) under float16
+            # autocast with the Trainer's dynamic loss scale
+            self.autocast, dtype = torch.float16, torch.float32
+        self.dtype = dtype
+        self.build = {
+            "parallel": state,
+            "virtual_stages": inputs.dims.virtual_stages,
+            "stage_order": inputs.job.parallel.stage_order,
+        }
 
-    # -- 4. training -----------------------------------------------------------------------------
-    trainer = Trainer(
-        model,
-        # called after DDP/FSDP2 wrapping, so FSDP2's sharded parameters are the ones stepped
-        lambda params: build_optimizer(model, small_job.optimizer),
-        max_grad_norm=max_grad_norm,
-        parallel=state,
-        schedule=settings.schedule,
-        data_parallel=settings.data_parallel,
-        activation_checkpointing=settings.activation_checkpointing,
-        autocast_dtype=autocast,
-    )
-    batch = _data(small, _ROWS * micro_batches * state.dp, _SEQ, seed=small_job.parallel.seed + 2)
-    mine = batch.chunk(state.dp)[state.dp_rank].to(device)  # this DP replica's own data
-    chunks = list(mine.chunk(micro_batches))
-    losses = []
-    tracing = trace(inputs.profile_dir) if inputs.profile_dir else contextlib.nullcontext()
-    t0 = time.perf_counter()
-    with tracing:
-        for _ in range(steps):
-            losses.append(trainer.step(chunks))
-    train_s = time.perf_counter() - t0
-    if inputs.profile_dir:
-        say(f"\n    profiler trace of the training steps: {inputs.profile_dir}/trace_rank<r>.json")
-    train_tokens = batch.numel() * steps
-    say(
-        f"\n[4] {steps} training steps (AdamW lr {small_job.optimizer.lr:g}, schedule "
-        f"{settings.schedule}, {micro_batches} micro-batches of {_ROWS} x {_SEQ} tokens per "
-        f"replica per step, {state.dp} replica{'s' * (state.dp > 1)}, clip {max_grad_norm}): loss "
-        + " -> ".join(f"{x:.3f}" for x in losses)
-    )
-    every_rank = _gather_rows(losses, device)
-    check(
-        "training loss is the same on every rank",
-        all(row == every_rank[0] for row in every_rank),
-        f"{len(every_rank)} ranks",
-    )
-    check(
-        "training loss goes down at every step",
-        all(b < a for a, b in zip(losses, losses[1:])),
-        f"{losses[0]:.3f} -> {losses[-1]:.3f}",
-    )
-    # The single-process model trained on every replica's micro-batches, on rank 0 only (an
-    # error there is raised on every rank).
-    all_chunks = list(batch.to(device).chunk(micro_batches * state.dp))
-    reference, expected_losses = comm.everywhere(
-        dist.group.WORLD,
-        "training the single-process reference",
-        lambda: (
-            _reference_training(hf_dir, device, small_job, max_grad_norm, all_chunks, steps)
-            if is_main
-            else (None, None)
-        ),
-    )
-    if is_main:
-        worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, expected_losses))
-        check(
-            "training losses equal the single-process model trained on every replica's data",
-            worst <= tolerance,
-            f"max relative diff {worst:.1e}",
-        )
-    # Inference reads whole parameters (gathered under FSDP2).
-    with trainer.whole_parameters():
-        with torch.no_grad():
-            trained = model(ids)
-            expected = reference(ids) if is_main else torch.empty_like(trained)
-        expected = comm.broadcast(expected.contiguous(), 0, group=dist.group.WORLD)
-        scale = expected.abs().max().item()
-        diff = comm.all_reduce(
-            (trained - expected).abs().max().reshape(1), "max", group=dist.group.WORLD
-        ).item()
-        check(
-            "after training, every replica's logits equal the single-process model's",
-            diff <= tolerance * scale,
-            f"max |diff| {diff:.2e} over {world} ranks",
-        )
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        self.checks.append((name, bool(ok)))
+        REPORT.info(f"  {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
 
-    # -- 5. sharded save/reload, merged export ---------------------------------------------------
-    sharded = os.path.join(workdir, "sharded")
-    whole_state = _whole_state_dict(model)
-    saved = model
-    if trainer.data_parallel == "fsdp":
-        # FSDP2's parameters are DP-sharded DTensors, which the checkpoint code (TP slices of
-        # plain tensors) does not read: the checkpoints are written from a plain copy.
-        saved = Qwen2ForCausalLM(small, device=device, dtype=dtype, **build)
-        saved.load_state_dict(whole_state)
-    checkpoint.save_sharded(saved, sharded, step=steps)
-    fresh = Qwen2ForCausalLM(small, device=device, dtype=dtype, **build)
-    info = checkpoint.load_sharded(fresh, sharded)
-    bitwise = all(
-        torch.equal(a, b) for a, b in zip(whole_state.values(), fresh.state_dict().values())
-    )
-    check("sharded DCP checkpoint reloads bitwise", bitwise and info["step"] == steps)
-    del fresh
-    export = os.path.join(workdir, "export")
-    saved.save_pretrained(export)  # one merged export of every stage and TP slice
-
-    def read_export() -> float:
-        if not is_main:
-            return 0.0
-        merged = Qwen2ForCausalLM.from_pretrained(
-            export, tp_group=TPGroup.local(), device=device, progress=False
+    def show_footprint(self) -> None:
+        """[1] The full-size config's footprint at this TP degree, on the meta device."""
+        state, full = self.state, self.inputs.job.model
+        REPORT.info(
+            f"tp-ext run: {self.world} ranks (tp={state.tp}, pp={state.pp}, dp={state.dp}), "
+            f"backend {state.backend}, torch {torch.__version__}, device {self.device}"
         )
-        with torch.no_grad():
-            return (merged(ids) - trained).abs().max().item()
-
-    diff = comm.everywhere(dist.group.WORLD, f"reading the export {export}", read_export)
-    if is_main:
-        check(
-            "the merged Hugging Face export holds the trained model",
-            diff <= tolerance * scale,
-            f"max |diff| {diff:.2e} of its logits",
-        )
-    del saved
-    say(
-        f"\n[5] saved {sharded} (DCP, one file per rank)"
-        + f" and a merged Hugging Face export in {export}"
-        + ("" if keep else " (temporary; --workdir keeps them)")
-    )
-
-    # -- 6. generation, throughput, memory -------------------------------------------------------
-    with trainer.whole_parameters():
-        prompt = ids[:, :_PROMPT]
-        t0 = time.perf_counter()
-        tokens = model.generate(prompt, max_new_tokens)
-        gen_s = time.perf_counter() - t0
-        generated = tokens.numel() - prompt.numel()
-        check(
-            "generation produced every token",
-            tokens.shape == (prompt.size(0), _PROMPT + max_new_tokens),
-        )
-        # After training in 16 bits the two models' logits differ by rounding (checked above
-        # within its tolerance), enough to flip a near tie: tokens are compared at 32 and 64.
-        if dtype in (torch.float32, torch.float64):
-            wanted = (
-                reference.generate(prompt, max_new_tokens) if is_main else torch.empty_like(tokens)
+        REPORT.info(f"  {self.inputs.job.parallel.describe(self.inputs.dims)}")
+        REPORT.info(
+            f"\n[1] footprint of {os.path.basename(self.inputs.config_path)} "
+            f"({full.architecture}) at TP={state.tp}, on the meta device"
+            + (
+                f" (pipelining splits its layers further over pp={state.pp})"
+                if state.pp > 1
+                else ""
             )
-            wanted = comm.broadcast(wanted, 0, group=dist.group.WORLD)
-            agree = comm.all_reduce(
-                torch.tensor([float(torch.equal(tokens, wanted))], device=device),
-                "min",
-                group=dist.group.WORLD,
-            ).item()
-            check("after training, greedy tokens equal the single-process model's", agree == 1.0)
-        del reference
-    say(
-        f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
-        f"cache; first sequence: {tokens[0, _PROMPT:].tolist()}"
-    )
-    memory = _memory(device)
-    rows = _gather_rows(
-        [
-            memory["peak_rss_mib"],
-            memory.get("peak_gpu_mib", 0.0),
-            report["shard_bytes"] / 2**20,
-            report["peak_rss_increase_bytes"] / 2**20,
-        ],
-        device,
-    )
-    say(
-        f"    training {train_tokens / train_s:,.0f} tokens/s; generation "
-        f"{generated / gen_s:,.1f} tokens/s ({gen_s / max_new_tokens * 1e3:.1f} ms per step)"
-    )
-    say(
-        "    rank  tp pp dp  peak host MiB"
-        + ("  peak GPU MiB" if device.type == "cuda" else "")
-        + "  shard MiB  host MiB added while loading"
-    )
-    coords = _gather_rows([state.tp_rank, state.pp_rank, state.dp_rank], device)
-    for r, ((rss, gpu, shard, load), (t, pp_r, d)) in enumerate(zip(rows, coords)):
-        say(
-            f"    {r:>4}  {int(t):>2} {int(pp_r):>2} {int(d):>2}  {rss:>13.1f}"
-            + (f"  {gpu:>12.1f}" if device.type == "cuda" else "")
-            + f"  {shard:>9.3f}  {load:>10.1f}"
+            + ":"
         )
-    say(
-        "    (peak host memory is mostly the Python and torch runtime; the load adds the shard "
-        "plus at most one 16 MiB read piece, see docs/checkpoints.md)"
-    )
+        REPORT.info(format_footprint(footprint(full, state.tp, self.inputs.job.parallel.dtype)))
 
-    flags = torch.tensor(
-        [min((ok for _, ok in checks), default=True)], dtype=torch.float32, device=device
-    )
-    passed = comm.all_reduce(flags, "min", group=dist.group.WORLD).item() == 1.0
-    say(
+    def write_small_checkpoint(self) -> str:
+        """[2] A small random checkpoint of the same family in Hugging Face format (rank 0)."""
+        small, hf_dir = self.inputs.small, os.path.join(self.workdir, "hf")
+        torch.manual_seed(self.inputs.small_job.parallel.seed)
+        if self.is_main:
+            source = Qwen2ForCausalLM(small, tp_group=TPGroup.local(), dtype=self.dtype)
+            source.save_pretrained(hf_dir, max_shard_bytes=200_000)
+            del source
+        comm.barrier(dist.group.WORLD)
+        files = sorted(os.listdir(hf_dir))
+        REPORT.info(
+            f"\n[2] small {small.architecture} model (vocab {small.vocab_size}, hidden "
+            f"{small.hidden_size}, {small.num_attention_heads} heads / "
+            f"{small.num_key_value_heads} KV heads, {small.num_hidden_layers} layers, "
+            f"{self.dtype}) written to {hf_dir}: "
+            f"{len([f for f in files if f.endswith('.safetensors')])} safetensors files + index"
+        )
+        return hf_dir
+
+    def load_and_compare(self, hf_dir: str):
+        """[3] Sharded load; logits, loss and greedy tokens against the single-process model.
+        Returns the model and the input ids the later stages compare on."""
+        state, small, device = self.state, self.inputs.small, self.device
+        t0 = time.perf_counter()
+        model = Qwen2ForCausalLM.from_pretrained(hf_dir, device=device, **self.build)
+        load_s = time.perf_counter() - t0
+        report = model.load_report
+        reference = Qwen2ForCausalLM.from_pretrained(
+            hf_dir, tp_group=TPGroup.local(), device=device, progress=False
+        )
+        REPORT.info(
+            f"\n[3] loaded across {state.tp * state.pp} ranks per replica in {load_s:.2f} s; "
+            f"rank 0 read {report['read_bytes']:,} of {report['checkpoint_bytes']:,} bytes (its "
+            f"shard: {report['shard_bytes']:,})"
+        )
+        if state.pp > 1:
+            REPORT.info(f"    {_stages_text(model)}")
+        ids = _data(small, 4, 24, seed=self.inputs.small_job.parallel.seed + 1).to(device)
+        with torch.no_grad():
+            logits, expected = model(ids), reference(ids)
+        scale = expected.abs().max().item()
+        diff = (logits - expected).abs().max().item()
+        self.check(
+            "logits equal the single-process model",
+            diff <= self.tolerance * scale,
+            f"max |diff| {diff:.2e} (logit scale {scale:.2f})",
+        )
+        with torch.no_grad():
+            loss_tp = vocab_parallel_cross_entropy(
+                model(ids[:, :-1], local_logits=True), ids[:, 1:], tp_group=state.tp_group
+            )
+            loss_ref = F.cross_entropy(
+                expected[:, :-1].reshape(-1, small.vocab_size).float(), ids[:, 1:].reshape(-1)
+            )
+        self.check(
+            "vocab-parallel loss equals F.cross_entropy",
+            abs(loss_tp.item() - loss_ref.item()) <= self.tolerance * max(1.0, loss_ref.item()),
+            f"{loss_tp.item():.6f} vs {loss_ref.item():.6f}",
+        )
+        prompt = ids[:, :6]
+        same = torch.equal(model.generate(prompt, 8), reference.generate(prompt, 8))
+        self.check("greedy tokens equal the single-process model", same)
+        return model, ids
+
+    def train(self, model):
+        """[4] The training steps through the pipeline schedule, DDP or FSDP2, with clipping:
+        the loss is the same on every rank and goes down. Returns the trainer, the losses, the
+        whole batch (every replica's) and the training throughput."""
+        state, inputs, settings = self.state, self.inputs, self.inputs.job.parallel
+        small_job, micro_batches = inputs.small_job, settings.pipeline_micro_batches
+        trainer = Trainer(
+            model,
+            # called after DDP/FSDP2 wrapping, so FSDP2's sharded parameters are the ones stepped
+            lambda params: build_optimizer(model, small_job.optimizer),
+            max_grad_norm=inputs.max_grad_norm,
+            parallel=state,
+            schedule=settings.schedule,
+            data_parallel=settings.data_parallel,
+            activation_checkpointing=settings.activation_checkpointing,
+            autocast_dtype=self.autocast,
+        )
+        seed = small_job.parallel.seed + 2
+        batch = _data(inputs.small, _ROWS * micro_batches * state.dp, _SEQ, seed=seed)
+        mine = batch.chunk(state.dp)[state.dp_rank].to(self.device)  # this replica's own data
+        chunks = list(mine.chunk(micro_batches))
+        losses = []
+        tracing = trace(inputs.profile_dir) if inputs.profile_dir else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with tracing:
+            for _ in range(inputs.steps):
+                losses.append(trainer.step(chunks))
+        tokens_per_s = batch.numel() * inputs.steps / (time.perf_counter() - t0)
+        if inputs.profile_dir:
+            REPORT.info(
+                f"\n    profiler trace of the training steps: {inputs.profile_dir}/"
+                "trace_rank<r>.json"
+            )
+        REPORT.info(
+            f"\n[4] {inputs.steps} training steps (AdamW lr {small_job.optimizer.lr:g}, schedule "
+            f"{settings.schedule}, {micro_batches} micro-batches of {_ROWS} x {_SEQ} tokens per "
+            f"replica per step, {state.dp} replica{'s' * (state.dp > 1)}, clip "
+            f"{inputs.max_grad_norm}): loss " + " -> ".join(f"{x:.3f}" for x in losses)
+        )
+        every_rank = _gather_rows(losses, self.device)
+        self.check(
+            "training loss is the same on every rank",
+            all(row == every_rank[0] for row in every_rank),
+            f"{len(every_rank)} ranks",
+        )
+        self.check(
+            "training loss goes down at every step",
+            all(b < a for a, b in zip(losses, losses[1:])),
+            f"{losses[0]:.3f} -> {losses[-1]:.3f}",
+        )
+        return trainer, losses, batch, tokens_per_s
+
+    def compare_training(self, hf_dir, trainer, model, losses, batch, ids):
+        """[4] The losses and the trained logits against the single-process model trained on
+        every replica's micro-batches (on rank 0; an error there is raised on every rank).
+        Returns that reference (None off rank 0), the trained logits and their scale."""
+        inputs, device, is_main = self.inputs, self.device, self.is_main
+        micro_batches = inputs.job.parallel.pipeline_micro_batches
+        all_chunks = list(batch.to(device).chunk(micro_batches * self.state.dp))
+        args = (hf_dir, device, inputs.small_job, inputs.max_grad_norm, all_chunks, inputs.steps)
+        reference, expected_losses = comm.everywhere(
+            dist.group.WORLD,
+            "training the single-process reference",
+            lambda: _reference_training(*args) if is_main else (None, None),
+        )
+        if is_main:
+            worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, expected_losses))
+            self.check(
+                "training losses equal the single-process model trained on every replica's data",
+                worst <= self.tolerance,
+                f"max relative diff {worst:.1e}",
+            )
+        # Inference reads whole parameters (gathered under FSDP2).
+        with trainer.whole_parameters():
+            with torch.no_grad():
+                trained = model(ids)
+                expected = reference(ids) if is_main else torch.empty_like(trained)
+            expected = comm.broadcast(expected.contiguous(), 0, group=dist.group.WORLD)
+            scale = expected.abs().max().item()
+            diff = comm.all_reduce(
+                (trained - expected).abs().max().reshape(1), "max", group=dist.group.WORLD
+            ).item()
+            self.check(
+                "after training, every replica's logits equal the single-process model's",
+                diff <= self.tolerance * scale,
+                f"max |diff| {diff:.2e} over {self.world} ranks",
+            )
+        return reference, trained, scale
+
+    def save_and_reload(self, trainer, model, ids, trained, scale) -> None:
+        """[5] A sharded (DCP) save and bitwise reload, and a merged Hugging Face export that
+        holds the trained model."""
+        small, device, steps = self.inputs.small, self.device, self.inputs.steps
+        sharded = os.path.join(self.workdir, "sharded")
+        whole_state = _whole_state_dict(model)
+        saved = model
+        if trainer.data_parallel == "fsdp":
+            # FSDP2's parameters are DP-sharded DTensors, which the checkpoint code (TP slices
+            # of plain tensors) does not read: the checkpoints are written from a plain copy.
+            saved = Qwen2ForCausalLM(small, device=device, dtype=self.dtype, **self.build)
+            saved.load_state_dict(whole_state)
+        checkpoint.save_sharded(saved, sharded, step=steps)
+        fresh = Qwen2ForCausalLM(small, device=device, dtype=self.dtype, **self.build)
+        info = checkpoint.load_sharded(fresh, sharded)
+        bitwise = all(
+            torch.equal(a, b) for a, b in zip(whole_state.values(), fresh.state_dict().values())
+        )
+        self.check("sharded DCP checkpoint reloads bitwise", bitwise and info["step"] == steps)
+        del fresh
+        export = os.path.join(self.workdir, "export")
+        saved.save_pretrained(export)  # one merged export of every stage and TP slice
+
+        def read_export() -> float:
+            if not self.is_main:
+                return 0.0
+            merged = Qwen2ForCausalLM.from_pretrained(
+                export, tp_group=TPGroup.local(), device=device, progress=False
+            )
+            with torch.no_grad():
+                return (merged(ids) - trained).abs().max().item()
+
+        diff = comm.everywhere(dist.group.WORLD, f"reading the export {export}", read_export)
+        if self.is_main:
+            self.check(
+                "the merged Hugging Face export holds the trained model",
+                diff <= self.tolerance * scale,
+                f"max |diff| {diff:.2e} of its logits",
+            )
+        del saved
+        REPORT.info(
+            f"\n[5] saved {sharded} (DCP, one file per rank)"
+            + f" and a merged Hugging Face export in {export}"
+            + ("" if self.keep else " (temporary; --workdir keeps them)")
+        )
+
+    def generate(self, trainer, model, reference, ids) -> tuple[int, float]:
+        """[6] Greedy generation with the KV cache, its tokens against the single-process
+        model's. Returns the tokens generated and the seconds it took."""
+        max_new_tokens, device = self.inputs.max_new_tokens, self.device
+        with trainer.whole_parameters():
+            prompt = ids[:, :_PROMPT]
+            t0 = time.perf_counter()
+            tokens = model.generate(prompt, max_new_tokens)
+            gen_s = time.perf_counter() - t0
+            self.check(
+                "generation produced every token",
+                tokens.shape == (prompt.size(0), _PROMPT + max_new_tokens),
+            )
+            # After training in 16 bits the two models' logits differ by rounding (checked
+            # above within its tolerance), enough to flip a near tie: tokens are compared at
+            # 32 and 64.
+            if self.dtype in (torch.float32, torch.float64):
+                wanted = (
+                    reference.generate(prompt, max_new_tokens)
+                    if self.is_main
+                    else torch.empty_like(tokens)
+                )
+                wanted = comm.broadcast(wanted, 0, group=dist.group.WORLD)
+                agree = comm.all_reduce(
+                    torch.tensor([float(torch.equal(tokens, wanted))], device=device),
+                    "min",
+                    group=dist.group.WORLD,
+                ).item()
+                self.check(
+                    "after training, greedy tokens equal the single-process model's",
+                    agree == 1.0,
+                )
+        REPORT.info(
+            f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
+            f"cache; first sequence: {tokens[0, _PROMPT:].tolist()}"
+        )
+        return tokens.numel() - prompt.numel(), gen_s
+
+    def throughput_and_memory(self, model, tokens_per_s, generated, gen_s) -> None:
+        """[6] Tokens per second, and every rank's memory (a table on rank 0)."""
+        state, device, report = self.state, self.device, model.load_report
+        memory = _memory(device)
+        rows = _gather_rows(
+            [
+                memory["peak_rss_mib"],
+                memory.get("peak_gpu_mib", 0.0),
+                report["shard_bytes"] / 2**20,
+                report["peak_rss_increase_bytes"] / 2**20,
+            ],
+            device,
+        )
+        max_new_tokens = self.inputs.max_new_tokens
+        REPORT.info(
+            f"    training {tokens_per_s:,.0f} tokens/s; generation "
+            f"{generated / gen_s:,.1f} tokens/s ({gen_s / max_new_tokens * 1e3:.1f} ms per step)"
+        )
+        gpu = device.type == "cuda"
+        REPORT.info(
+            "    rank  tp pp dp  peak host MiB"
+            + ("  peak GPU MiB" if gpu else "")
+            + "  shard MiB  host MiB added while loading"
+        )
+        coords = _gather_rows([state.tp_rank, state.pp_rank, state.dp_rank], device)
+        for r, ((rss, gpu_mib, shard, load), (t, pp_r, d)) in enumerate(zip(rows, coords)):
+            REPORT.info(
+                f"    {r:>4}  {int(t):>2} {int(pp_r):>2} {int(d):>2}  {rss:>13.1f}"
+                + (f"  {gpu_mib:>12.1f}" if gpu else "")
+                + f"  {shard:>9.3f}  {load:>10.1f}"
+            )
+        REPORT.info(
+            "    (peak host memory is mostly the Python and torch runtime; the load adds the "
+            "shard plus at most one 16 MiB read piece, see docs/checkpoints.md)"
+        )
+
+    def passed_everywhere(self) -> bool:
+        """Whether every check passed on every rank."""
+        ok = min((ok for _, ok in self.checks), default=True)
+        flags = torch.tensor([ok], dtype=torch.float32, device=self.device)
+        return comm.all_reduce(flags, "min", group=dist.group.WORLD).item() == 1.0
+
+
+def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: float) -> int:
+    """The stages in order; 0 if every check passed on every rank, else 1."""
+    job = _SelfCheck(state, inputs, workdir, keep, world)
+    job.show_footprint()
+    hf_dir = job.write_small_checkpoint()
+    model, ids = job.load_and_compare(hf_dir)
+    trainer, losses, batch, tokens_per_s = job.train(model)
+    reference, trained, scale = job.compare_training(hf_dir, trainer, model, losses, batch, ids)
+    job.save_and_reload(trainer, model, ids, trained, scale)
+    generated, gen_s = job.generate(trainer, model, reference, ids)
+    del reference
+    job.throughput_and_memory(model, tokens_per_s, generated, gen_s)
+    passed = job.passed_everywhere()
+    REPORT.info(
         f"\n{'all checks passed' if passed else 'SOME CHECKS FAILED'} on {world} ranks "
-        f"({settings.describe(inputs.dims)}) in {time.perf_counter() - t_start:.1f} s"
+        f"({inputs.job.parallel.describe(inputs.dims)}) in {time.perf_counter() - t_start:.1f} s"
     )
     return 0 if passed else 1
+
+
+HELP = (
+    "the main job (launch with torchrun): full-size plan, then a small model of the family "
+    "loaded sharded, checked, trained, saved and sampled"
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
+    parser.add_argument(
+        "--small",
+        default=None,
+        help="config of the model actually run (default: a tiny model of CONFIG's family)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the checkpoints in this directory (created if absent). An existing one must "
+        "be empty or one an earlier tp-ext run wrote: anything else is refused, never written "
+        "into. Default: a fresh private temporary directory (mode 0700), removed at the end",
+    )
+    add_override_flags(
+        parser,
+        {
+            "tp": "the ranks PP and DP leave; the config's tp is the plan's",
+            "dp": "the ranks TP and PP leave",
+            "dtype": "float32",
+        },
+    )
+    add_field_flag(parser, "steps", RUN_FIELDS["steps"], "6", default=6)
+    add_field_flag(parser, "max_new_tokens", RUN_FIELDS["max-new-tokens"], "16", default=16)
+    add_field_flag(parser, "max_grad_norm", RUN_FIELDS["max-grad-norm"], "1.0", default=1.0)
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="write a torch.profiler trace of the training steps to DIR/trace_rank<r>.json "
+        "(chrome://tracing or ui.perfetto.dev; tp_ext's tags show as ranges)",
+    )
+
+
+def main(args) -> int:
+    overrides = overrides_of(args)
+    if args.auto:  # the planner's layout for the model this job runs: --small's, else a tiny one
+        job = JobConfig.from_file(args.config)
+        model = JobConfig.from_file(args.small).model if args.small else job.model.tiny()
+        dtype = overrides["dtype"] or job.parallel.dtype
+        overrides = auto_overrides(model, job.data, overrides, dtype)
+    return run(
+        args.config,
+        overrides,
+        small_path=args.small,
+        workdir=args.workdir,
+        steps=args.steps,
+        max_new_tokens=args.max_new_tokens,
+        max_grad_norm=args.max_grad_norm,
+        profile_dir=args.profile,
+    )

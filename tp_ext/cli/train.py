@@ -33,13 +33,22 @@ import torch
 import torch.distributed as dist
 
 import tp_ext
+from tp_ext.cli.auto import auto_overrides
+from tp_ext.cli.flags import (
+    RUN_FIELDS,
+    TRAIN_FIELDS,
+    add_field_flag,
+    add_override_flags,
+    overrides_of,
+)
 from tp_ext.cli.launch import one_process_unless_launched
-from tp_ext.config import JobConfig, check_pipeline_fields, flag_namer, job_dims
+from tp_ext.config import CHECKPOINT_FIELDS, JobConfig, check_pipeline_fields, flag_namer, job_dims
 from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.training import CheckpointManager, Trainer, build_lr_scheduler, build_optimizer
 from tp_ext.training.loop import Wording
+from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 from tp_ext.validation import ConfigError
 
 __all__ = ["train", "METRICS"]
@@ -289,3 +298,72 @@ def _progress(state, total: int):
         )
 
     return show
+
+
+# ---- the command line: tp-ext train's flags, and its main ----------------------------------------
+
+HELP = (
+    "train the config's model on a token file (launch with torchrun), saving resumable "
+    "checkpoints; resumes after a kill, at any layout"
+)
+_SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr", "decay_steps")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "config",
+        help="tp_ext YAML/JSON job config (model, parallel, optimizer, data, checkpoint sections)",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="token file (flat uint16/uint32 ids; default: the config's data.path)",
+    )
+    add_field_flag(parser, "steps", TRAIN_FIELDS["steps"], required=True)
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoints step-<N> and metrics.jsonl go here (default: the config's "
+        "checkpoint.dir)",
+    )
+    for name, rule in CHECKPOINT_FIELDS.items():
+        default = "the config's, else all" if name == "keep_last" else "the config's"
+        add_field_flag(parser, name, rule, default)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in the directory (automatic after a "
+        "torchrun restart)",
+    )
+    add_field_flag(parser, "max_grad_norm", RUN_FIELDS["max-grad-norm"], "1.0", default=1.0)
+    add_override_flags(
+        parser,
+        {
+            "tp": "the ranks PP and DP leave",
+            "dp": "the ranks TP and PP leave",
+            "dtype": "the config's parallel.dtype",
+        },
+    )
+    schedule = parser.add_argument_group("overrides of the config's LR schedule")
+    for name in _SCHEDULE_FIELDS:
+        add_field_flag(schedule, name, OPTIMIZER_FIELDS[name])
+
+
+def main(args) -> int:
+    overrides = {**overrides_of(args), **{f: getattr(args, f) for f in _SCHEDULE_FIELDS}}
+    if args.auto:  # the planner's layout for the config's model
+        job = JobConfig.from_file(args.config)
+        dtype = overrides["dtype"] or job.parallel.dtype
+        overrides = auto_overrides(job.model, job.data, overrides, dtype)
+    return train(
+        args.config,
+        overrides,
+        data=args.data,
+        steps=args.steps,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        keep_last=args.keep_last,
+        async_save=args.async_save,
+        resume=args.resume,
+        max_grad_norm=args.max_grad_norm,
+    )

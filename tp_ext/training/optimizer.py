@@ -58,13 +58,21 @@ class OptimizerSettings:
 # AdamW diverges far below lr 1; weight decay above 1 would shrink weights by more than lr per
 # step (decoupled decay multiplies by 1 - lr * wd). Both bounds are beyond any working setting.
 OPTIMIZER_FIELDS = {
-    "lr": Field("float", 0, 1, low_open=True),
-    "weight_decay": Field("float", 0, 1),
-    "betas": Field("betas"),
-    "lr_schedule": Field("choice", choices=LR_SCHEDULES),
-    "warmup_steps": Field("int", 0, 10**9),
-    "min_lr": Field("float", 0, 1),
-    "decay_steps": Field("int", 1, 10**9),
+    "lr": Field("float", 0, 1, low_open=True, help="AdamW's learning rate (after warmup)"),
+    "weight_decay": Field("float", 0, 1, help="AdamW's decoupled weight decay"),
+    "betas": Field("betas", help="AdamW's two moment decay rates"),
+    "lr_schedule": Field(
+        "choice", choices=LR_SCHEDULES, help="after warmup, how the LR goes from lr to min_lr"
+    ),
+    "warmup_steps": Field("int", 0, 10**9, help="steps of linear warmup"),
+    "min_lr": Field("float", 0, 1, help="the LR the decay ends at"),
+    "decay_steps": Field(
+        "int",
+        1,
+        10**9,
+        help="the step the decay ends at (default: the run's last step; set it when a run will be "
+        "resumed to a later step, so that the schedule stays the same)",
+    ),
 }
 
 

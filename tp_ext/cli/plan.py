@@ -1,0 +1,162 @@
+"""``tp-ext plan CONFIG``: the footprint of a config per pipeline stage and per (pp, tp) rank
+(parameters, bytes, what is replicated, KV cache and communication), on the meta device.
+``tp-ext plan CONFIG --auto --gpus N``: the planner ranks the training layouts of N devices by
+memory and step time (``--calibrate`` first measures this machine as the "cpu" hardware)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tp_ext.cli.flags import add_field_flag
+from tp_ext.cli.launch import refuse
+from tp_ext.cli.logs import LOG
+from tp_ext.config import DATA_FIELDS, PARALLEL_FIELDS, JobConfig
+from tp_ext.models.footprint import PlanError, format_pipeline_footprint, pipeline_footprint
+from tp_ext.planner import calibrate, plan
+from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
+from tp_ext.sharding import STAGE_ORDERS
+from tp_ext.validation import Field
+
+__all__ = ["add_arguments", "main", "PLANNER_FIELDS"]
+
+HELP = (
+    "per-stage and per-rank parameters and bytes, replicated bytes, KV cache and communication "
+    "of a model config over TP x PP (x DP), without allocating it"
+)
+
+# The planner's own flags; --seq-len and --global-batch are the data section's fields.
+PLANNER_FIELDS = {
+    "gpus": Field("int", 1, 2**20, help="devices in all", why="a million devices"),
+    "gpus_per_node": Field("int", 1, 2**20, help="devices per node", why="a million devices"),
+    "seq_len": DATA_FIELDS["seq_len"],
+    "global_batch": DATA_FIELDS["global_batch"],
+    "top": Field("int", 1, help="print the best N layouts"),
+}
+
+
+def _layer_counts(text: str) -> list[int]:
+    """``--pipeline-split``: decoder layers per stage, comma-separated."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = None
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(
+            f"must be the decoder layers of each stage, comma-separated ints >= 1 (e.g. "
+            f"27,27,26), got {text!r}"
+        )
+    return counts
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "config", nargs="?", help="tp_ext YAML/JSON config or a Hugging Face config.json"
+    )
+    auto = parser.add_argument_group(
+        "the planner (--auto): training layouts ranked by memory and step time, with reasons"
+    )
+    auto.add_argument("--auto", action="store_true", help="rank the TP x PP x DP layouts")
+    add_field_flag(auto, "gpus", PLANNER_FIELDS["gpus"])
+    add_field_flag(auto, "gpus_per_node", PLANNER_FIELDS["gpus_per_node"], "all in one node")
+    auto.add_argument(
+        "--gpu-memory", help="memory per device, e.g. 80GiB (default: the hardware's)"
+    )
+    add_field_flag(auto, "seq_len", PLANNER_FIELDS["seq_len"], "4096", default=4096)
+    add_field_flag(auto, "global_batch", PLANNER_FIELDS["global_batch"], "512", default=512)
+    auto.add_argument(
+        "--hardware",
+        default="h100",
+        choices=sorted(HARDWARE_NAMES),
+        help="device and link speeds (default h100); cpu: this machine once --calibrate ran",
+    )
+    add_field_flag(auto, "top", PLANNER_FIELDS["top"], "10", default=10)
+    auto.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (matmul FLOP/s, gloo all-reduce) as the 'cpu' hardware",
+    )
+    add_field_flag(parser, "tp", PARALLEL_FIELDS["tp"], "the config's")
+    add_field_flag(parser, "pp", PARALLEL_FIELDS["pp"], "the config's")
+    add_field_flag(parser, "dp", PARALLEL_FIELDS["dp"], "the config's, else 1")
+    add_field_flag(parser, "virtual_stages", PARALLEL_FIELDS["virtual_stages"], default=1)
+    parser.add_argument(
+        "--pipeline-split",
+        type=_layer_counts,
+        default=None,
+        metavar="N0,N1,...",
+        help="decoder layers of each stage (default: split evenly, earlier stages take the "
+        "extra layers)",
+    )
+    parser.add_argument(
+        "--stage-order",
+        choices=STAGE_ORDERS,
+        default="loop",
+        help="stages on ranks: loop (stage s on rank s %% pp) or v (virtual_stages=2: stages r "
+        "and 2*pp-1-r on rank r) (default loop)",
+    )
+    add_field_flag(parser, "dtype", PARALLEL_FIELDS["dtype"], "the config's parallel.dtype")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def main(args) -> int:
+    if args.auto or args.calibrate:
+        return _auto_plan(args)
+    if args.config is None:
+        return refuse("plan", "argument config: required")
+    job = JobConfig.from_file(args.config)
+    par = job.parallel
+    try:
+        fp = pipeline_footprint(
+            job.model,
+            tp=args.tp if args.tp is not None else par.tp,
+            pp=args.pp if args.pp is not None else par.pp,
+            dp=args.dp if args.dp is not None else (par.dp or 1),
+            virtual_stages=args.virtual_stages,
+            pipeline_split=args.pipeline_split,
+            stage_order=args.stage_order,
+            dtype=args.dtype or par.dtype,
+        )
+    except PlanError as e:
+        return refuse("plan", f"argument --{e.argument.replace('_', '-')}: {e}")
+    print(json.dumps(fp, indent=2) if args.json else format_pipeline_footprint(fp))
+    return 0
+
+
+def _auto_plan(args) -> int:
+    """``--auto``: the planner's layouts, best first, as a table or JSON on stdout."""
+    if args.calibrate:
+        hw = calibrate()
+        LOG.info(
+            f"calibrated: {hw.flops / 1e9:.3g} GFLOP/s per rank, all-reduce "
+            f"{hw.intra_node / 1e9:.3g} GB/s, latency {hw.latency * 1e6:.0f} us"
+        )
+        if not args.auto:
+            return 0
+    if args.config is None:
+        return refuse("plan", "argument config: required with --auto")
+    if args.gpus is None:
+        return refuse("plan", "argument --gpus: required with --auto (devices to plan for)")
+    job = JobConfig.from_file(args.config)
+    ranked = plan(
+        job.model,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory=args.gpu_memory,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        hardware=args.hardware,
+        dtype=args.dtype or job.parallel.dtype,
+        top=args.top,
+    )
+    if args.json:
+        print(json.dumps([est.as_dict() for est in ranked], indent=2))
+        return 0
+    gib = 1024**3
+    print(f"{'#':>2} {'layout':<48} {'fits':>4} {'GiB/rank':>8} {'step s':>8}  reason")
+    for i, est in enumerate(ranked, 1):
+        print(
+            f"{i:>2} {est.layout.describe():<48} {'yes' if est.fits else 'no':>4} "
+            f"{est.memory_bytes['total'] / gib:>8.1f} {est.step_time_s:>8.3g}  {est.reason}"
+        )
+    return 0
