@@ -434,3 +434,32 @@ def _hf_dense_resumed_unsharded(path):
 
 def test_hugging_face_model_sharded_by_parallelize_resumes_unsharded(tmp_path):
     run_distributed(_hf_dense_resumed_unsharded, 2, str(tmp_path / "ckpt"))
+
+
+# ---- the dims in the manifest ---------------------------------------------------------------
+
+
+def test_the_manifest_records_the_dims_and_an_older_manifest_still_resumes_bitwise(tmp_path):
+    """The manifest holds ``dims`` (ParallelDims.as_dict(): virtual stages included) beside the
+    "layout" entry older tp_ext wrote; a checkpoint from before "dims" (only "layout") still
+    counts as saved at the same dims, so its random streams carry over (dropout: bitwise)."""
+    from tp_ext import ParallelDims
+
+    path = str(tmp_path / "ckpt")
+    args = ((1, 2, 1), "Interleaved1F1B", "ddp", 0.1, False)
+    losses, _ = _run(*args, save=path)
+    with open(os.path.join(path, MANIFEST)) as f:
+        info = json.load(f)
+    assert info["dims"] == ParallelDims(tp=1, pp=2, dp=1, virtual_stages=2).as_dict()
+    assert {k: info["layout"][k] for k in ("tp", "pp", "dp", "world")} == {
+        "tp": 1,
+        "pp": 2,
+        "dp": 1,
+        "world": 2,
+    }
+    assert info["layout"]["stage_layers"] == [1, 1, 1, 1]
+    del info["dims"]  # as tp_ext wrote it before the dims
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(info, f)
+    resumed, _ = _run(*args, load=path)
+    assert resumed == {s: losses[s] for s in range(SAVE_AT + 1, STEPS + 1)}
