@@ -452,7 +452,7 @@ def test_cli_plan_auto():
     assert missing.returncode == 2 and "--gpus: required with --auto" in missing.stderr
 
 
-def test_train_and_run_take_the_planners_candidate(tmp_path):
+def test_train_and_run_take_the_planners_layout(tmp_path):
     import tp_ext.data as data
 
     tokens = str(tmp_path / "tokens.bin")
