@@ -88,7 +88,7 @@ def add_override_flags(parser, defaults_help: dict[str, str]) -> None:
             group.add_argument(
                 "--auto",
                 action="store_true",
-                help="take the planner's best layout that fits these ranks and devices (tp-ext "
+                help="take the planner's best candidate that fits these ranks and devices (tp-ext "
                 "plan --auto ranks them all); no other layout flag with it",
             )
 

@@ -12,11 +12,11 @@ from tp_ext.cli.flags import add_field_flag
 from tp_ext.cli.launch import refuse
 from tp_ext.cli.logs import LOG
 from tp_ext.config import DATA_FIELDS, PARALLEL_FIELDS, JobConfig
-from tp_ext.models.footprint import PlanError, format_pipeline_footprint, pipeline_footprint
+from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprint
 from tp_ext.planner import calibrate, plan
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
-from tp_ext.validation import Field
+from tp_ext.validation import ArgumentError, Field
 
 __all__ = ["add_arguments", "main", "PLANNER_FIELDS"]
 
@@ -117,7 +117,7 @@ def main(args) -> int:
             stage_order=args.stage_order,
             dtype=args.dtype or par.dtype,
         )
-    except PlanError as e:
+    except ArgumentError as e:
         return refuse("plan", f"argument --{e.argument.replace('_', '-')}: {e}")
     print(json.dumps(fp, indent=2) if args.json else format_pipeline_footprint(fp))
     return 0
@@ -156,7 +156,7 @@ def _auto_plan(args) -> int:
     print(f"{'#':>2} {'layout':<48} {'fits':>4} {'GiB/rank':>8} {'step s':>8}  reason")
     for i, est in enumerate(ranked, 1):
         print(
-            f"{i:>2} {est.layout.describe():<48} {'yes' if est.fits else 'no':>4} "
+            f"{i:>2} {est.candidate.describe():<48} {'yes' if est.fits else 'no':>4} "
             f"{est.memory_bytes['total'] / gib:>8.1f} {est.step_time_s:>8.3g}  {est.reason}"
         )
     return 0
