@@ -297,7 +297,7 @@ def _compare_worker(tp, pp, dp, data_parallel, n_micro, batch, warmup, steps):
     cfg, hf_cfg = _configs()
     hf = _hf_model(hf_cfg)
     model = _tp_ext_model(state, cfg, hf)
-    layer_ids = list(model.stage_layout.layers_of(model.stage_ids[0]))
+    layer_ids = list(model.stage_split.layers_of(model.stage_ids[0]))
     ours = Trainer(
         model,
         optimizer=_optimizer,
@@ -395,7 +395,7 @@ def _stage_time(model, trainer, batch, repeats):
         for stage, module in zip(model.stage_ids, stages):
             x = ids if stage == 0 else hidden.clone().requires_grad_()
             out = module(x)
-            if stage == model.stage_layout.last_stage:
+            if stage == model.stage_split.last_stage:
                 loss = vocab_parallel_cross_entropy(
                     out[:, :-1], ids[:, 1:], tp_group=trainer.tp, reduction="sum"
                 )
@@ -451,7 +451,7 @@ def _bubble_worker(pp, schedules, micros, batch, warmup, steps):
             try:
                 from tp_ext.pipeline.schedules import check_micro_batches
 
-                check_micro_batches(trainer.runner.schedule, model.stage_layout, m)
+                check_micro_batches(trainer.runner.schedule, model.stage_split, m)
             except ValueError as e:
                 out[(name, m)] = {"skip": str(e)}
                 continue

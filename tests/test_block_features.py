@@ -13,8 +13,8 @@ from tp_ext.layers import (
     ParallelLMHead,
     ParallelTransformerBlock,
     QKVParallelLinear,
+    ResolvedGroup,
     RowParallelLinear,
-    TPGroup,
     VocabParallelEmbedding,
     full_state_dict,
 )
@@ -114,7 +114,7 @@ def _build_all(tp_group):
 
 def _check_init_is_tp_invariant():
     gathered = full_state_dict(_build_all(None))
-    single = _build_all(TPGroup.local()).state_dict()
+    single = _build_all(ResolvedGroup.local()).state_dict()
     assert gathered.keys() == single.keys()
     for name, value in single.items():
         assert torch.equal(gathered[name], value), f"{name} differs from the TP=1 model"
@@ -187,7 +187,7 @@ def _check_bad_input():
             ParallelLMHead(
                 11,
                 4,
-                tie_to=VocabParallelEmbedding(11, 4, tp_group=TPGroup.local()),
+                tie_to=VocabParallelEmbedding(11, 4, tp_group=ResolvedGroup.local()),
                 tp_group=dist.group.WORLD,
             )
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -15,7 +15,7 @@ import transformers
 import tp_ext
 from tp_ext import ops
 from tp_ext.distributed import comm
-from tp_ext.layers import TPGroup, full_state_dict, local_shards
+from tp_ext.layers import ResolvedGroup, full_state_dict, local_shards
 from tp_ext.layers.moe import MOE_TAG, ExpertParallelMoE, ParallelExperts
 from tp_ext.sharding import shard_sizes
 from tp_ext.training import Trainer
@@ -405,7 +405,7 @@ def test_full_state_dict_gathers_the_experts_in_the_hugging_face_layout(ws):
 def _capacity(ep, factor):
     state = tp_ext.init_parallel(tp=1, dp=ep, ep=ep)
     torch.manual_seed(0)
-    experts_full = ParallelExperts(EXPERTS, HIDDEN, 16, torch.nn.SiLU(), ep=TPGroup.local())
+    experts_full = ParallelExperts(EXPERTS, HIDDEN, 16, torch.nn.SiLU(), ep=ResolvedGroup.local())
     full = {k: v.detach().clone() for k, v in experts_full.state_dict().items()}
     experts = ParallelExperts(EXPERTS, HIDDEN, 16, torch.nn.SiLU(), ep=state.ep_group)
     experts.load_full_state_dict(full)
@@ -453,8 +453,8 @@ def test_capacity_factor_drops_and_counts_the_choices_past_capacity(ws):
 
 def test_misuse_is_refused_clearly():
     with pytest.raises(ValueError, match="capacity_factor=0 must be a positive number"):
-        experts = ParallelExperts(4, 8, 8, torch.nn.SiLU(), ep=TPGroup.local())
-        ExpertParallelMoE(_Router(), experts, TPGroup.local(), capacity_factor=0)
+        experts = ParallelExperts(4, 8, 8, torch.nn.SiLU(), ep=ResolvedGroup.local())
+        ExpertParallelMoE(_Router(), experts, ResolvedGroup.local(), capacity_factor=0)
     with pytest.raises(ValueError, match="is not a sparse-MoE block"):
         ExpertParallelMoE.from_block(torch.nn.Linear(2, 2))
 

@@ -9,7 +9,7 @@ import torch
 
 import tp_ext
 from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
-from tp_ext.sharding import StageLayout
+from tp_ext.sharding import StageSplit
 from tp_ext.training import Trainer
 
 from .dist_utils import run_distributed
@@ -20,21 +20,21 @@ from .test_pipeline import MAX_NORM, _config, _micro_batches, _optimizer, _refer
 
 
 def test_stage_layout_splits_layers_by_the_shard_policy():
-    layout = StageLayout(10, pp=4)
+    layout = StageSplit(10, pp=4)
     assert layout.layer_counts == [3, 3, 2, 2]
     assert [list(layout.layers_of(s)) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
     assert [layout.stages_of(r) for r in range(4)] == [[0], [1], [2], [3]]
 
 
 def test_stage_layout_orders():
-    loop = StageLayout(8, pp=2, virtual_stages=2)
+    loop = StageSplit(8, pp=2, virtual_stages=2)
     assert [loop.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
-    v = StageLayout(8, pp=2, virtual_stages=2, order="v")
+    v = StageSplit(8, pp=2, virtual_stages=2, order="v")
     assert [v.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
-    for layout in (loop, v, StageLayout(9, pp=3, virtual_stages=3)):
+    for layout in (loop, v, StageSplit(9, pp=3, virtual_stages=3)):
         for stage in range(layout.num_stages):
             assert stage in layout.stages_of(layout.rank_of(stage))
-    split = StageLayout(5, pp=2, split=[1, 4])
+    split = StageSplit(5, pp=2, split=[1, 4])
     assert [list(split.layers_of(s)) for s in range(2)] == [[0], [1, 2, 3, 4]]
 
 
@@ -52,7 +52,7 @@ def test_stage_layout_orders():
 )
 def test_stage_layout_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        StageLayout(**kwargs)
+        StageSplit(**kwargs)
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def _held(tp, pp, tie):
 def test_each_rank_holds_only_its_stages(tp, pp, tie):
     config = _config(5, tie)
     full = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(config).named_parameters()}
-    layout = StageLayout(5, pp)
+    layout = StageSplit(5, pp)
     held = run_distributed(_held, tp * pp, tp, pp, tie)
     union = set()
     for rank, (names, stages) in enumerate(held):

@@ -12,7 +12,7 @@ import pytest
 
 from tp_ext.cli import main
 from tp_ext.config import JobConfig
-from tp_ext.layers import TPGroup
+from tp_ext.layers import ResolvedGroup
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprint
 from tp_ext.validation import ArgumentError
@@ -44,7 +44,7 @@ def q72():
 def tp_only_tp8(q72):
     """TP rank 0's shard of the whole model (no pipeline): numel per layer index (None for the
     embedding, norm and head), summed later over whatever stages a layout makes."""
-    model = Qwen2ForCausalLM(q72, TPGroup.virtual(8, 0), device="meta")
+    model = Qwen2ForCausalLM(q72, ResolvedGroup.virtual(8, 0), device="meta")
     per = {}
     for name, p in model.named_parameters():
         m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -181,7 +181,9 @@ def test_tied_embedding_copy_and_uneven_tp():
     per_tp = [
         sum(
             p.numel()
-            for p in Qwen2ForCausalLM(config, TPGroup.virtual(3, r), device="meta").parameters()
+            for p in Qwen2ForCausalLM(
+                config, ResolvedGroup.virtual(3, r), device="meta"
+            ).parameters()
         )
         for r in range(3)
     ]

@@ -143,7 +143,7 @@ def test_state_dict_module_does_not_import_the_layers_base():
 
 def _specs_and_factory(rows: int, cols: int):
     import tp_ext
-    from tp_ext.distributed.groups import TPGroup
+    from tp_ext.distributed.groups import ResolvedGroup
     from tp_ext.layers import Linear2D, full_state_dict, load_full_state_dict, tensor_specs
     from tp_ext.layers.summa import full_state_dict_2d, grid_state_entries
     from tp_ext.models import Qwen2Config, Qwen2ForCausalLM, Qwen2ForCausalLM2D
@@ -189,8 +189,8 @@ def _specs_and_factory(rows: int, cols: int):
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), old_path.parameters()))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # the 1D path does not warn
-        one_d = Qwen2ForCausalLM.from_config(config, tp_group=TPGroup.local())
-        plain = Qwen2ForCausalLM(config, tp_group=TPGroup.local())
+        one_d = Qwen2ForCausalLM.from_config(config, tp_group=ResolvedGroup.local())
+        plain = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local())
     assert isinstance(one_d, Qwen2ForCausalLM) and isinstance(plain, Qwen2ForCausalLM)
     dist.barrier()
     return same

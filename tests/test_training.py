@@ -13,7 +13,7 @@ import torch.distributed as dist
 import tp_ext
 from tp_ext import comm
 from tp_ext.config import JobConfig
-from tp_ext.layers import TPGroup, local_shards, vocab_parallel_cross_entropy
+from tp_ext.layers import ResolvedGroup, local_shards, vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.training import Trainer, build_optimizer, clip_grad_norm_, grad_norm
 
@@ -224,7 +224,7 @@ def _check_data_parallel():
     trainer = Trainer(
         model, build_optimizer(model, OPTIMIZER), max_grad_norm=MAX_NORM, dp_group=state.dp_group
     )
-    reference, _ = _model(TPGroup.local())
+    reference, _ = _model(ResolvedGroup.local())
     ref_trainer = Trainer(reference, build_optimizer(reference, OPTIMIZER), max_grad_norm=MAX_NORM)
     grads, ref_grads = _record_grads(trainer), _record_grads(ref_trainer)
     rows = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)

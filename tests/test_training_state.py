@@ -396,7 +396,7 @@ def _hf_dense_resumed_unsharded(path):
     import transformers
 
     import tp_ext
-    from tp_ext.layers import TPGroup, full_state_dict
+    from tp_ext.layers import ResolvedGroup, full_state_dict
 
     config = transformers.Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -424,7 +424,7 @@ def _hf_dense_resumed_unsharded(path):
     want = full_state_dict(sharded)
 
     model = unsharded()
-    again = trainer(model, TPGroup.local())
+    again = trainer(model, ResolvedGroup.local())
     assert again.load_checkpoint(path)["step"] == 1
     resumed = again.step([batch[1]])
     assert abs(resumed - loss) <= 1e-6 * abs(loss), (resumed, loss)

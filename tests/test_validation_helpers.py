@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from tp_ext.sharding import HeadLayout, StageLayout, shard_sizes
+from tp_ext.sharding import HeadLayout, StageSplit, shard_sizes
 from tp_ext.validation import (
     DTYPE_BYTES,
     DTYPE_NAMES,
@@ -59,7 +59,7 @@ def test_safetensors_checkpoint_dtype_reads_the_one_map(tmp_path):
     "call, message",
     [
         (lambda: shard_sizes(-1, 2), "n must be an int >= 0, got -1"),
-        (lambda: StageLayout(4, pp=True), "pp must be an int >= 1, got True"),
+        (lambda: StageSplit(4, pp=True), "pp must be an int >= 1, got True"),
         (lambda: HeadLayout(8, 0, 2), "num_kv_heads must be an int >= 1, got 0"),
     ],
 )

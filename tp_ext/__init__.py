@@ -20,7 +20,17 @@ from tp_ext import (
 from tp_ext.dims import ParallelDims
 from tp_ext.distributed import ParallelState, comm, init_parallel, parallel_state
 from tp_ext.distributed import rng as random
-from tp_ext.parallelize import auto_plan, parallelize
+from tp_ext.parallelize import (
+    Colwise,
+    Experts,
+    ParallelStyle,
+    Replicate,
+    Rowwise,
+    SequenceParallel,
+    VocabParallel,
+    auto_plan,
+    parallelize,
+)
 from tp_ext.sharding import shard_offsets, shard_range, shard_sizes, split_tensor
 
 # `import tp_ext.comm` and `from tp_ext.random import manual_seed` work as the docs write them;
@@ -40,6 +50,13 @@ __all__ = [
     "training",
     "parallelize",
     "auto_plan",
+    "ParallelStyle",
+    "Colwise",
+    "Rowwise",
+    "VocabParallel",
+    "Experts",
+    "SequenceParallel",
+    "Replicate",
     "init_parallel",
     "parallel_state",
     "ParallelState",

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from tp_ext.validation import check_int
+from tp_ext.validation import check_int, deprecated_aliases
 
 __all__ = [
     "divisors",
@@ -26,7 +26,7 @@ __all__ = [
     "Partition",
     "HeadLayout",
     "GridBlock",
-    "StageLayout",
+    "StageSplit",
     "STAGE_ORDERS",
 ]
 
@@ -492,7 +492,7 @@ class GridBlock(ShardSpec):
 STAGE_ORDERS = ("loop", "v")
 
 
-class StageLayout:
+class StageSplit:
     """Which pipeline stages a rank holds and which decoder layers each stage runs.
 
     ``num_stages = pp * virtual_stages``. Layers go to stages in order, split by the one policy
@@ -574,7 +574,12 @@ class StageLayout:
 
     def __repr__(self) -> str:
         return (
-            f"StageLayout(num_layers={self.num_layers}, pp={self.pp}, "
+            f"StageSplit(num_layers={self.num_layers}, pp={self.pp}, "
             f"virtual_stages={self.virtual_stages}, order={self.order!r}, "
             f"layer_counts={self.layer_counts})"
         )
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"StageLayout": (StageSplit, "tp_ext.sharding.StageSplit")}
+)

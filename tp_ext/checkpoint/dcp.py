@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 from tp_ext.checkpoint.atomic import abandon_save, commit_save, reading, saving, start_save
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import tp_size
-from tp_ext.checkpoint.layout import model_layout, row_reads, tied_names
+from tp_ext.checkpoint.layout import declared_map, model_checkpoint_map, row_reads, tied_names
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
-from tp_ext.distributed.groups import TPGroup, device_of
+from tp_ext.distributed.groups import ResolvedGroup, device_of
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import expert_rows, tensor_specs
 from tp_ext.sharding import GridBlock
@@ -48,7 +48,9 @@ _DCP_ERRORS = (Exception, CheckpointException)
 def _world():
     """DCP saves over every rank: the world group, or a group of one without torch.distributed."""
     distributed = dist.is_available() and dist.is_initialized()
-    return distributed, (TPGroup.of(dist.group.WORLD) if distributed else TPGroup.local())
+    return distributed, (
+        ResolvedGroup.of(dist.group.WORLD) if distributed else ResolvedGroup.local()
+    )
 
 
 class _Chunk(torch.Tensor):
@@ -116,7 +118,7 @@ def checkpoint_tensors(
     if any(isinstance(spec, GridBlock) for _, _, spec, _ in entries):
         # a 2D model: its entries carry the checkpoint's names already, each a grid block
         return _grid_checkpoint_tensors(model, entries, prefix, tensor_of, tied_copies)
-    layout = model_layout(model)
+    layout = model_checkpoint_map(model)
     tied = tied_names(entries, layout)
     state: dict[str, torch.Tensor] = {}
     holder: dict[str, torch.Tensor] = {}  # checkpoint name -> the tensor saved under it
@@ -229,8 +231,8 @@ def _grid_checkpoint_tensors(
     count) goes under the first piece of the tensor the model's declared layout fuses it into
     (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it."""
     first_piece = {}
-    if getattr(model, "checkpoint_layout", None) is not None:
-        for pieces in model_layout(model).values():
+    if declared_map(model) is not None:
+        for pieces in model_checkpoint_map(model).values():
             for piece in pieces:
                 first_piece[piece.name] = pieces[0].name
     state: dict[str, torch.Tensor] = {}

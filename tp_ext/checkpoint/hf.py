@@ -26,7 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
-from tp_ext.checkpoint.layout import detect_layout, expected_shapes, model_layout, tied_names
+from tp_ext.checkpoint.layout import (
+    detect_checkpoint_map,
+    expected_shapes,
+    model_checkpoint_map,
+    tied_names,
+)
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, check_listed, read_manifest
 from tp_ext.checkpoint.memory import peak_rss_bytes
 from tp_ext.checkpoint.safetensors_io import (
@@ -37,17 +42,17 @@ from tp_ext.checkpoint.safetensors_io import (
     load_local,
 )
 from tp_ext.distributed import comm
-from tp_ext.distributed.groups import TPGroup
+from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import iter_full_tensors, tensor_specs
 from tp_ext.sharding import Partition
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "model_group", "tp_size"]
 
 
-def model_group(model) -> TPGroup:
+def model_group(model) -> ResolvedGroup:
     """The TP group of a tp_ext model (a group of one for a model without one)."""
     tp = getattr(model, "tp", None)
-    return tp if isinstance(tp, TPGroup) else TPGroup.local()
+    return tp if isinstance(tp, ResolvedGroup) else ResolvedGroup.local()
 
 
 def tp_size(model) -> int:
@@ -83,7 +88,11 @@ def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) ->
             info = read_manifest(directory)
             check_listed(directory, info, files.paths())
             check_files(directory, info, hashes=True, group=group)
-        layout = detect_layout(model, files.names()) if fmt is None else model_layout(model, fmt)
+        layout = (
+            detect_checkpoint_map(model, files.names())
+            if fmt is None
+            else model_checkpoint_map(model, fmt)
+        )
         check_names_and_shapes(files, expected_shapes(entries, layout), strict)
         for name, tensor, *_ in entries:
             if tensor.device.type == "meta":
@@ -157,14 +166,14 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
             raise ValueError(
                 f"max_shard_bytes must be an int >= 1 (bytes per file), got {max_shard_bytes!r}"
             )
-        layout = model_layout(model)
+        layout = model_checkpoint_map(model)
         entries = list(tensor_specs(model))
         if not entries:
             raise CheckpointError(f"{type(model).__name__} has no tensors on this rank to save")
         unknown = [name for name, *_ in entries if name not in layout]
         if unknown:
             raise CheckpointError(
-                f"{type(model).__name__}.checkpoint_layout() has no place for {unknown[:5]}"
+                f"{type(model).__name__}.checkpoint_map() has no place for {unknown[:5]}"
             )
         return layout, entries, _describe_entries(model, entries, pipeline)
 

@@ -5,7 +5,7 @@ A model that the checkpoint code can load and save (any model, not only Qwen2) p
 - ``config``: a dataclass of its architecture (recorded in sharded checkpoints' manifests);
 - ``checkpoint_formats``: the names of the checkpoint formats it can be read from, the first
   being the one it saves in;
-- ``checkpoint_layout(fmt=None) -> {name: [Piece, ...]}``: for every entry of its
+- ``checkpoint_map(fmt=None) -> {name: [Piece, ...]}``: for every entry of its
   ``state_dict()``, the checkpoint tensors that, stacked along dim 0, make up the full tensor
   in format ``fmt`` (None: the first format);
 - ``hf_config(dtype) -> dict``: the config.json written next to a merged export;
@@ -18,7 +18,7 @@ A model that the checkpoint code can load and save (any model, not only Qwen2) p
   send it, and a load reads each rank's own stages.
 
 A model that declares no layout is saved under its own state-dict names
-(:func:`own_names_layout`). The checkpoint code never imports a model: it reads these, and the
+(:func:`own_names_map`). The checkpoint code never imports a model: it reads these, and the
 layers' shard specs for which rows each rank holds. A tensor whose pieces all belong to an
 earlier entry is tied to it (a tied LM head): it is read from that entry's tensors and never
 written twice.
@@ -27,17 +27,20 @@ written twice.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from tp_ext.layers import full_shapes
+from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "Piece",
     "row_reads",
     "expected_shapes",
     "tied_names",
-    "model_layout",
-    "own_names_layout",
-    "detect_layout",
+    "declared_map",
+    "model_checkpoint_map",
+    "own_names_map",
+    "detect_checkpoint_map",
 ]
 
 
@@ -50,16 +53,31 @@ class Piece:
     rows: int
 
 
-def model_layout(model, fmt=None) -> dict[str, list[Piece]]:
-    """The model's declared layout (see the module docstring); for a model that declares none,
-    :func:`own_names_layout`."""
-    declare = getattr(model, "checkpoint_layout", None)
+def declared_map(model):
+    """The model's ``checkpoint_map`` method, or None when it declares none. A model written
+    for an older tp_ext declares ``checkpoint_layout`` (the old name): read, with a warning."""
+    declare = getattr(model, "checkpoint_map", None)
+    if declare is None and callable(getattr(model, "checkpoint_layout", None)):
+        warnings.warn(
+            f"{type(model).__name__}.checkpoint_layout is deprecated: name the method "
+            "checkpoint_map (where a model's tensors live in a checkpoint)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        declare = model.checkpoint_layout
+    return declare
+
+
+def model_checkpoint_map(model, fmt=None) -> dict[str, list[Piece]]:
+    """The model's declared checkpoint map (see the module docstring); for a model that
+    declares none, :func:`own_names_map`."""
+    declare = declared_map(model)
     if declare is None:
-        return own_names_layout(model)
+        return own_names_map(model)
     return declare(fmt)
 
 
-def own_names_layout(model) -> dict[str, list[Piece]]:
+def own_names_map(model) -> dict[str, list[Piece]]:
     """Every entry of ``model.state_dict()`` as one checkpoint tensor of its own name and full
     shape: the layout of a model whose names are already the checkpoint's, such as a Hugging
     Face model that ``tp_ext.parallelize`` sharded in place (it keeps its module names)."""
@@ -69,18 +87,18 @@ def own_names_layout(model) -> dict[str, list[Piece]]:
     }
 
 
-def detect_layout(model, names) -> dict[str, list[Piece]]:
+def detect_checkpoint_map(model, names) -> dict[str, list[Piece]]:
     """The layout of the first of the model's formats whose tensors are all among ``names`` (a
     checkpoint's tensor names); the default format's when none is complete (its check then says
     what is missing)."""
     for fmt in getattr(model, "checkpoint_formats", (None,)):
         try:
-            layout = model_layout(model, fmt)
+            layout = model_checkpoint_map(model, fmt)
         except ValueError:  # a format this model's config cannot have
             continue
         if {p.name for pieces in layout.values() for p in pieces} <= set(names):
             return layout
-    return model_layout(model)
+    return model_checkpoint_map(model)
 
 
 def tied_names(entries, layout) -> set[str]:
@@ -121,3 +139,13 @@ def row_reads(pieces, offset: int, length: int):
 
 
 # Large slices are read in pieces of at most this many bytes, each straight into its place in
+
+
+__getattr__ = deprecated_aliases(
+    __name__,
+    {
+        "model_layout": (model_checkpoint_map, "model_checkpoint_map"),
+        "own_names_layout": (own_names_map, "own_names_map"),
+        "detect_layout": (detect_checkpoint_map, "detect_checkpoint_map"),
+    },
+)

@@ -42,7 +42,7 @@ from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
 from tp_ext.config import PARALLEL_FIELDS, JobConfig, check_pipeline_fields, flag_namer, job_dims
 from tp_ext.debug import trace
 from tp_ext.dims import ParallelDims
-from tp_ext.distributed import TPGroup, comm, destroy_parallel, init_parallel
+from tp_ext.distributed import ResolvedGroup, comm, destroy_parallel, init_parallel
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
@@ -186,7 +186,7 @@ _FLAG_FIELDS = {k.replace("_", "-"): rule for k, rule in PARALLEL_FIELDS.items()
 
 def _stages_text(model) -> str:
     """Which pipeline rank holds which stages, layers, embedding and head."""
-    layout = model.stage_layout
+    layout = model.stage_split
     parts = []
     for rank in range(layout.pp):
         held = []
@@ -204,7 +204,7 @@ def _reference_training(hf_dir, device, small_job, max_grad_norm, chunks, steps)
     """The single-process model from the same files, trained on every replica's micro-batches
     in one step each: what the TP x PP x DP job must equal."""
     reference = Qwen2ForCausalLM.from_pretrained(
-        hf_dir, tp_group=TPGroup.local(), device=device, progress=False
+        hf_dir, tp_group=ResolvedGroup.local(), device=device, progress=False
     )
     trainer = Trainer(
         reference, build_optimizer(reference, small_job.optimizer), max_grad_norm=max_grad_norm
@@ -281,7 +281,7 @@ class _SelfCheck:
         small, hf_dir = self.inputs.small, os.path.join(self.workdir, "hf")
         torch.manual_seed(self.inputs.small_job.parallel.seed)
         if self.is_main:
-            source = Qwen2ForCausalLM(small, tp_group=TPGroup.local(), dtype=self.dtype)
+            source = Qwen2ForCausalLM(small, tp_group=ResolvedGroup.local(), dtype=self.dtype)
             source.save_pretrained(hf_dir, max_shard_bytes=200_000)
             del source
         comm.barrier(dist.group.WORLD)
@@ -304,7 +304,7 @@ class _SelfCheck:
         load_s = time.perf_counter() - t0
         report = model.load_report
         reference = Qwen2ForCausalLM.from_pretrained(
-            hf_dir, tp_group=TPGroup.local(), device=device, progress=False
+            hf_dir, tp_group=ResolvedGroup.local(), device=device, progress=False
         )
         REPORT.info(
             f"\n[3] loaded across {state.tp * state.pp} ranks per replica in {load_s:.2f} s; "
@@ -456,7 +456,7 @@ class _SelfCheck:
             if not self.is_main:
                 return 0.0
             merged = Qwen2ForCausalLM.from_pretrained(
-                export, tp_group=TPGroup.local(), device=device, progress=False
+                export, tp_group=ResolvedGroup.local(), device=device, progress=False
             )
             with torch.no_grad():
                 return (merged(ids) - trained).abs().max().item()

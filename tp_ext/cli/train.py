@@ -21,11 +21,8 @@ An application on top of the library: it uses only public tp_ext names.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import os
-import sys
 import time
 from typing import Optional
 
@@ -42,6 +39,7 @@ from tp_ext.cli.flags import (
     overrides_of,
 )
 from tp_ext.cli.launch import one_process_unless_launched
+from tp_ext.cli.logs import LOG
 from tp_ext.config import CHECKPOINT_FIELDS, JobConfig, check_pipeline_fields, flag_namer, job_dims
 from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
@@ -247,36 +245,20 @@ def _train(state, run: _Run) -> int:
         async_save=settings.async_save,
         on_accept=_accept,
     )
-    with _said_on_stderr():
-        trainer.fit(
-            trainer.data,
-            run.steps,
-            checkpoint_dir=checkpoints,
-            resume=resume,
-            metrics=[os.path.join(run.directory, METRICS), _progress(state, run.steps)],
-            wording=_Flags(),
-        )
+    trainer.fit(
+        trainer.data,
+        run.steps,
+        checkpoint_dir=checkpoints,
+        resume=resume,
+        metrics=[os.path.join(run.directory, METRICS), _progress(state, run.steps)],
+        wording=_Flags(),
+    )
     return 0
 
 
-@contextlib.contextmanager
-def _said_on_stderr():
-    """fit's notes (resumed from ..., nothing to train) as this command's stderr lines."""
-    logger = logging.getLogger("tp_ext.training.loop")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("tp-ext train: %(message)s"))
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def _progress(state, total: int):
-    """Rank 0's progress line per step, on stderr."""
+    """Rank 0's progress line per step (the tp_ext logger: stderr at --log-level info). fit's own
+    notes (resumed from ..., nothing to train) come through the same logger."""
     started = time.perf_counter()
     first: list[int] = []
 
@@ -289,12 +271,10 @@ def _progress(state, total: int):
         elapsed = time.perf_counter() - started
         eta = elapsed / done * (total - entry["step"]) if done else 0.0
         norm = entry["grad_norm"]
-        print(
+        LOG.info(
             f"step {entry['step']}/{total} loss {entry['loss']:.4f} grad_norm "
             f"{'-' if norm is None else f'{norm:.3g}'} lr {entry['lr']:.3g} tok/s "
-            f"{entry['tokens_per_s']:.0f} eta {int(eta // 60)}m{int(eta % 60):02d}s",
-            file=sys.stderr,
-            flush=True,
+            f"{entry['tokens_per_s']:.0f} eta {int(eta // 60)}m{int(eta % 60):02d}s"
         )
 
     return show

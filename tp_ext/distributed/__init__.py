@@ -4,7 +4,7 @@ streams (:mod:`.rng`) and the accounting and settings of the C++ communication l
 (:mod:`.accounting`). The one process-wide state is :mod:`.state`."""
 
 from tp_ext.distributed import accounting, comm, rng
-from tp_ext.distributed.groups import GroupLike, TPGroup, default_group, resolve_group
+from tp_ext.distributed.groups import GroupLike, ResolvedGroup, default_group, resolve_group
 from tp_ext.distributed.mesh import (
     ParallelState,
     destroy_parallel,
@@ -13,13 +13,14 @@ from tp_ext.distributed.mesh import (
     parallel_state,
     valid_layouts,
 )
+from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "accounting",
     "comm",
     "rng",
     "GroupLike",
-    "TPGroup",
+    "ResolvedGroup",
     "default_group",
     "resolve_group",
     "ParallelState",
@@ -29,3 +30,8 @@ __all__ = [
     "parallel_state",
     "valid_layouts",
 ]
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
+)

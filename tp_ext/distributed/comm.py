@@ -1,10 +1,11 @@
 """Every collective tp_ext calls from Python: plain collectives, the Megatron communication pairs,
 the vocab-parallel loss op, and "an error on any rank is an error on every rank".
 
-Every function takes ``group``: a ``ProcessGroup``, a group name, a :class:`TPGroup` (what layers
-hold), or ``None`` for the TP group made by :func:`tp_ext.init_parallel` (the world group if it
-was not called). Groups are resolved by :func:`tp_ext.distributed.groups.resolve_group` and the
-ops take ``(group_name, group_size[, group_rank])``; see docs/ops.md for each op.
+Every function takes ``group``: a ``ProcessGroup``, a group name, a :class:`ResolvedGroup`
+(what layers hold), or ``None`` for the TP group made by :func:`tp_ext.init_parallel` (the
+world group if it was not called). Groups are resolved by
+:func:`tp_ext.distributed.groups.resolve_group` and the ops take
+``(group_name, group_size[, group_rank])``; see docs/ops.md for each op.
 
 The differentiable pairs (Megatron's mappings)::
 
@@ -43,8 +44,9 @@ from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the p
     tag,
     track,
 )
-from tp_ext.distributed.groups import GroupLike, TPGroup, device_of, resolve_group
+from tp_ext.distributed.groups import GroupLike, ResolvedGroup, device_of, resolve_group
 from tp_ext.sharding import shard_sizes, uneven_sizes
+from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "all_reduce",
@@ -69,7 +71,7 @@ __all__ = [
     "everywhere",
     "barrier",
     "resolve_group",
-    "TPGroup",
+    "ResolvedGroup",
     "track",
     "tag",
     "CommStats",
@@ -80,7 +82,7 @@ __all__ = [
 ]
 
 
-def _live(group: GroupLike, op: str) -> TPGroup:
+def _live(group: GroupLike, op: str) -> ResolvedGroup:
     """The resolved group, which must be able to communicate (or be a group of one)."""
     g = resolve_group(group)
     if g.group is None and g.size > 1:
@@ -91,7 +93,7 @@ def _live(group: GroupLike, op: str) -> TPGroup:
     return g
 
 
-def _split_sizes(x: torch.Tensor, dim: int, g: TPGroup, sizes) -> Optional[list[int]]:
+def _split_sizes(x: torch.Tensor, dim: int, g: ResolvedGroup, sizes) -> Optional[list[int]]:
     """``sizes`` for splitting x's full ``dim`` over the group: as given (the op checks them),
     else the shard_sizes policy (None when even)."""
     if sizes is not None:
@@ -472,3 +474,8 @@ def barrier(group: GroupLike) -> None:
     g = resolve_group(group)
     if g.group is not None and g.size > 1:
         dist.barrier(group=g.group)
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
+)

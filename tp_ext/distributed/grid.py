@@ -16,7 +16,7 @@ import warnings
 import torch.distributed as dist
 
 from tp_ext.dims import grid_shape_of
-from tp_ext.distributed.groups import GroupLike, TPGroup, resolve_group
+from tp_ext.distributed.groups import GroupLike, ResolvedGroup, resolve_group
 
 __all__ = ["TPGrid", "make_tp_grid", "check_grid_shape"]
 
@@ -33,9 +33,9 @@ class TPGrid:
     cols: int
     row: int
     col: int
-    row_group: TPGroup
-    col_group: TPGroup
-    tp_group: TPGroup
+    row_group: ResolvedGroup
+    col_group: ResolvedGroup
+    tp_group: ResolvedGroup
 
     @property
     def size(self) -> int:
@@ -76,7 +76,7 @@ def make_tp_grid(rows: int, cols: int, tp_group: GroupLike = None, *, all_tp_ran
         )
     row, col = divmod(tp.rank, cols)
     if tp.group is None:  # a group of one: no communication
-        local = TPGroup.local()
+        local = ResolvedGroup.local()
         return TPGrid(rows, cols, row, col, local, local, tp)
     mine = dist.get_process_group_ranks(tp.group)  # global ranks, by TP rank
     if all_tp_ranks is None:
@@ -100,4 +100,4 @@ def make_tp_grid(rows: int, cols: int, tp_group: GroupLike = None, *, all_tp_ran
             found = (row_groups[row], col_groups[col])
     if found is None:
         raise ValueError(f"all_tp_ranks {all_tp_ranks} does not contain this TP group {mine}")
-    return TPGrid(rows, cols, row, col, TPGroup.of(found[0]), TPGroup.of(found[1]), tp)
+    return TPGrid(rows, cols, row, col, ResolvedGroup.of(found[0]), ResolvedGroup.of(found[1]), tp)

@@ -1,6 +1,7 @@
 """The one resolver of process groups: anything a caller may pass as a group (a ProcessGroup, its
-name, a :class:`TPGroup`, or None for the default) becomes a :class:`TPGroup` here, once, so
-forward passes only read plain attributes (no global lookups: torch.compile sees constants)."""
+name, a :class:`ResolvedGroup`, or None for the default) becomes a :class:`ResolvedGroup` here,
+once, so forward passes only read plain attributes (no global lookups: torch.compile sees
+constants). (A group is any process group: TP, DP, EP, ...; ``ResolvedGroup`` was ``TPGroup``.)"""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from tp_ext.distributed.state import PROCESS
+from tp_ext.validation import deprecated_aliases
 
-__all__ = ["TPGroup", "GroupLike", "resolve_group", "default_group", "device_of"]
+__all__ = ["ResolvedGroup", "GroupLike", "resolve_group", "default_group", "device_of"]
 
 
-class TPGroup:
+class ResolvedGroup:
     """A process group resolved once: ``group`` (None for a group of one or a virtual group),
     ``name`` (its c10d name, what the ops take), ``size`` and this process's ``rank`` in it."""
 
@@ -21,17 +23,17 @@ class TPGroup:
         self.group, self.name, self.size, self.rank = group, name, size, rank
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup) -> "TPGroup":
+    def of(cls, group: dist.ProcessGroup) -> "ResolvedGroup":
         return cls(group, group.group_name, group.size(), group.rank())
 
     @classmethod
-    def local(cls) -> "TPGroup":
+    def local(cls) -> "ResolvedGroup":
         """A group of one, with no communication: the layers as their unsharded equivalents
         (references, or unsharded parts of a distributed job)."""
         return cls(None, "", 1, 0)
 
     @classmethod
-    def virtual(cls, size: int, rank: int) -> "TPGroup":
+    def virtual(cls, size: int, rank: int) -> "ResolvedGroup":
         """Rank ``rank`` of ``size`` ranks with no process group behind it: for building one
         rank's shard on the meta device (footprints, shapes, byte counts). Cannot communicate."""
         return cls(None, "<virtual>", size, rank)
@@ -41,13 +43,13 @@ class TPGroup:
         return self.group is not None
 
     def __repr__(self) -> str:
-        return f"TPGroup(name={self.name!r}, size={self.size}, rank={self.rank})"
+        return f"ResolvedGroup(name={self.name!r}, size={self.size}, rank={self.rank})"
 
 
-GroupLike = Union[TPGroup, dist.ProcessGroup, str, None]
+GroupLike = Union[ResolvedGroup, dist.ProcessGroup, str, None]
 
 
-def device_of(g: TPGroup) -> str:
+def device_of(g: ResolvedGroup) -> str:
     """Where tensors for a group's collectives must live: CUDA for NCCL, else the CPU."""
     return "cuda" if dist.get_backend(g.group) == "nccl" else "cpu"
 
@@ -60,15 +62,15 @@ def default_group() -> Optional[dist.ProcessGroup]:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def resolve_group(group: GroupLike = None) -> TPGroup:
-    """``group`` as a :class:`TPGroup`. None is the default TP group (see :func:`default_group`);
-    without torch.distributed it is a group of one."""
-    if isinstance(group, TPGroup):
+def resolve_group(group: GroupLike = None) -> ResolvedGroup:
+    """``group`` as a :class:`ResolvedGroup`. None is the default TP group (see
+    :func:`default_group`); without torch.distributed it is a group of one."""
+    if isinstance(group, ResolvedGroup):
         return group
     if group is None:
         group = default_group()
         if group is None:
-            return TPGroup.local()
+            return ResolvedGroup.local()
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -81,7 +83,12 @@ def resolve_group(group: GroupLike = None) -> TPGroup:
             ) from e
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
-            f"group must be a ProcessGroup, a group name, a TPGroup or None, got "
+            f"group must be a ProcessGroup, a group name, a ResolvedGroup or None, got "
             f"{type(group).__name__}"
         )
-    return TPGroup.of(group)
+    return ResolvedGroup.of(group)
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
+)

@@ -2,14 +2,14 @@
 group; 2D, the ``*2D`` layers: over a P x Q grid, :mod:`tp_ext.layers.summa`).
 
 Every layer is a :class:`ParallelModule`: it takes ``tp_group`` (a ProcessGroup, a group name, a
-:class:`TPGroup`, or None for the group made by :func:`tp_ext.init_parallel`; 2D layers take
+:class:`ResolvedGroup`, or None for the group made by :func:`tp_ext.init_parallel`; 2D layers take
 ``grid``), records each sharded parameter's :class:`tp_ext.sharding.ShardSpec`, can
 ``load_full_state_dict(full)`` and ``full_state_dict()``, and initialises itself so that the
 gathered weights do not depend on the TP size. Layers communicate only through
 :mod:`tp_ext.distributed.comm` and run kernels only through :mod:`tp_ext.ops`.
 """
 
-from tp_ext.distributed.groups import TPGroup
+from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers.attention import KVCache, ParallelAttention
 from tp_ext.layers.base import SEQUENCE_DIM, ParallelModule, no_init
 from tp_ext.layers.block import ParallelTransformerBlock
@@ -44,10 +44,11 @@ from tp_ext.layers.summa_blocks import (
     RMSNorm2D,
     cross_entropy_2d,
 )
+from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "ParallelModule",
-    "TPGroup",
+    "ResolvedGroup",
     "SEQUENCE_DIM",
     "no_init",
     "load_full_state_dict",
@@ -87,3 +88,8 @@ __all__ = [
     "MLP2D",
     "DecoderLayer2D",
 ]
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
+)

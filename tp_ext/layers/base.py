@@ -24,15 +24,16 @@ from torch import nn
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.grid import TPGrid
-from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.state_dict import full_state_dict as _full_state_dict
 from tp_ext.layers.state_dict import load_full_state_dict as _load_full_state_dict
 from tp_ext.sharding import GridBlock, Partition, ShardSpec, shard_sizes, uneven_sizes
+from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "ParallelModule",
-    "TPGroup",
+    "ResolvedGroup",
     "SEQUENCE_DIM",
     "no_init",
     "check_int",
@@ -70,7 +71,7 @@ class ParallelModule(nn.Module):
     (:meth:`param_spec`) and this rank's place in it (:attr:`shard_coord`); the state-dict
     functions (:mod:`tp_ext.layers.state_dict`) and initialisation read only those."""
 
-    def _setup_tp(self, tp_group) -> TPGroup:
+    def _setup_tp(self, tp_group) -> ResolvedGroup:
         tp = resolve_group(tp_group)
         # Not a module or tensor: stored without nn.Module's registration.
         object.__setattr__(self, "tp", tp)
@@ -109,7 +110,7 @@ class ParallelModule(nn.Module):
         return getattr(self, "_specs", {}).get(param_name)
 
     def _set_expert_shard(self, param_name: str, dim: int, partition: Partition, ep) -> None:
-        """A second split of a parameter, over the expert-parallel group ``ep`` (a TPGroup):
+        """A second split of a parameter, over the expert-parallel group ``ep`` (a ResolvedGroup):
         each EP rank holds whole experts along ``dim``, on top of any TP split."""
         if partition.world_size != ep.size:
             raise ValueError(
@@ -250,3 +251,8 @@ def default_linear_init(fan_in: int) -> tuple[InitFn, InitFn]:
         nn.init.uniform_(t, -bound, bound)
 
     return weight, bias
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
+)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tp_ext.distributed import comm
-from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.layers.base import (
     SEQUENCE_DIM,
     InitFn,
@@ -58,7 +58,10 @@ def _index_buffer(module: nn.Module, name: str, values, device) -> None:
 
 
 def sum_over_replicas(
-    local: torch.Tensor, dim: int, tp: TPGroup, replica_rows: tuple[torch.Tensor, torch.Tensor, int]
+    local: torch.Tensor,
+    dim: int,
+    tp: ResolvedGroup,
+    replica_rows: tuple[torch.Tensor, torch.Tensor, int],
 ) -> torch.Tensor:
     """Identity forward; backward sums the gradient of rows held by several ranks (replicated KV
     heads) over those ranks, so replicas get the full gradient and stay equal. Only the replicated

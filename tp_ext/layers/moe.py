@@ -41,7 +41,7 @@ from torch import nn
 
 from tp_ext import ops
 from tp_ext.distributed import comm
-from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.base import ParallelModule, no_init
 from tp_ext.sharding import Partition, shard_sizes
@@ -75,7 +75,7 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
     )
 
 
-def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], Optional[TPGroup]]:
+def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], Optional[ResolvedGroup]]:
     """The parameters of ``model`` split by expert over an EP group, and that group (None when
     there are none): their gradients are summed over expert-DP, not DP, and their norms over EP."""
     params, group = [], None
@@ -88,17 +88,17 @@ def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], Optional[TP
     return params, group
 
 
-def expert_group(group=None) -> TPGroup:
-    """``group`` as a TPGroup; None is the EP group of :func:`tp_ext.init_parallel` (``ep=``),
+def expert_group(group=None) -> ResolvedGroup:
+    """``group`` as a ResolvedGroup; None is the EP group of :func:`tp_ext.init_parallel` (``ep=``),
     or a group of one when it made none."""
     if group is not None:
         return resolve_group(group)
     state = PROCESS.parallel
     ep = getattr(state, "ep_group", None)
-    return TPGroup.local() if ep is None else resolve_group(ep)
+    return ResolvedGroup.local() if ep is None else resolve_group(ep)
 
 
-def tp_ranks_in_ep(tp: TPGroup, ep: TPGroup) -> int:
+def tp_ranks_in_ep(tp: ResolvedGroup, ep: ResolvedGroup) -> int:
     """How many ranks of this rank's TP group its EP group holds: 1 when the EP group is taken
     from DP ranks only, more when ``init_parallel(ep > dp)`` took it across TP ranks too."""
     if tp.size == 1 or ep.size == 1 or tp.group is None or ep.group is None:
@@ -235,7 +235,9 @@ class ExpertParallelMoE(ParallelModule):
         # share of them through the experts (whole experts, not split over TP) and the TP group
         # gathers the results; else the experts are split over TP as the layer is.
         self.tokens_split_over_tp = tp_ranks_in_ep(tp, ep) > 1
-        experts_tp = (TPGroup.local().name, 1) if self.tokens_split_over_tp else (tp.name, tp.size)
+        experts_tp = (
+            (ResolvedGroup.local().name, 1) if self.tokens_split_over_tp else (tp.name, tp.size)
+        )
         if (experts.tp.name, experts.tp_size) != experts_tp or experts.ep.size != ep.size:
             want = "no TP group" if self.tokens_split_over_tp else f"TP {tp}"
             raise ValueError(
@@ -277,7 +279,7 @@ class ExpertParallelMoE(ParallelModule):
         ep = expert_group(ep_group)
         experts_tp = resolve_group(tp_group)
         if tp_ranks_in_ep(experts_tp, ep) > 1:
-            experts_tp = TPGroup.local()  # EP across TP ranks: whole experts (see __init__)
+            experts_tp = ResolvedGroup.local()  # EP across TP ranks: whole experts (see __init__)
         with no_init():  # loaded from the block's weights just below
             experts = ParallelExperts(
                 num_experts,

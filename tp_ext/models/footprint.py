@@ -15,9 +15,9 @@ import re
 import types
 import warnings
 
-from tp_ext.layers import TPGroup
+from tp_ext.layers import ResolvedGroup
 from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-from tp_ext.sharding import STAGE_ORDERS, StageLayout
+from tp_ext.sharding import STAGE_ORDERS, StageSplit
 from tp_ext.validation import (
     DTYPE_BYTES,
     ArgumentError,
@@ -54,7 +54,7 @@ def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
     ranks = []
     for rank in range(tp):
         model = Qwen2ForCausalLM(
-            config, TPGroup.virtual(tp, rank), device="meta", dtype=torch_dtype
+            config, ResolvedGroup.virtual(tp, rank), device="meta", dtype=torch_dtype
         )
         params = sum(p.numel() for p in model.parameters())
         attn = model.model.layers[0].self_attn
@@ -71,7 +71,7 @@ def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
                 "kv_cache_bytes_per_token": kv_per_token,
             }
         )
-    full = Qwen2ForCausalLM(config, TPGroup.local(), device="meta", dtype=torch_dtype)
+    full = Qwen2ForCausalLM(config, ResolvedGroup.local(), device="meta", dtype=torch_dtype)
     total = sum(p.numel() for p in full.parameters())
     # Forward: one all-reduce of hidden-size activations after attention and one after the MLP.
     all_reduce = 0 if tp == 1 else 2 * config.hidden_size * element
@@ -161,7 +161,7 @@ def _check_arguments(config: Qwen2Config, tp, pp, dp, virtual_stages, split, ord
             )
         return
     counts = list(split) if isinstance(split, (list, tuple)) else None
-    default = StageLayout(layers, pp, virtual_stages).layer_counts if stages <= layers else None
+    default = StageSplit(layers, pp, virtual_stages).layer_counts if stages <= layers else None
     hint = f"; the default split would be {default}" if default else ""
     if counts is None or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
         raise ArgumentError(
@@ -207,7 +207,9 @@ def _pattern(name: str) -> str:
 def _build(config, tp, tp_rank, pp, pp_rank, virtual_stages, split, order, dtype):
     """One rank's model on the meta device, through the real class (its constructor reads only
     these attributes of ``parallel``)."""
-    stand_in = types.SimpleNamespace(tp_group=TPGroup.virtual(tp, tp_rank), pp=pp, pp_rank=pp_rank)
+    stand_in = types.SimpleNamespace(
+        tp_group=ResolvedGroup.virtual(tp, tp_rank), pp=pp, pp_rank=pp_rank
+    )
     return Qwen2ForCausalLM(
         config,
         parallel=stand_in,
@@ -223,7 +225,7 @@ def _build(config, tp, tp_rank, pp, pp_rank, virtual_stages, split, order, dtype
 def _full_counts(config: Qwen2Config) -> tuple[dict[str, int], frozenset, int]:
     """The unsharded model's elements per parameter name (a tied weight's alias included), the
     names of its distinct tensors, and its total."""
-    full = Qwen2ForCausalLM(config, TPGroup.local(), device="meta")
+    full = Qwen2ForCausalLM(config, ResolvedGroup.local(), device="meta")
     numel = {n: p.numel() for n, p in full.named_parameters(remove_duplicate=False)}
     unique = frozenset(n for n, _ in full.named_parameters())
     return numel, unique, sum(p.numel() for p in full.parameters())
@@ -237,7 +239,9 @@ def _tp_shape_classes(config, tp, dtype) -> dict[int, int]:
     first_of: dict[tuple, int] = {}
     classes = {}
     for rank in range(tp):
-        model = Qwen2ForCausalLM(one_layer, TPGroup.virtual(tp, rank), device="meta", dtype=dtype)
+        model = Qwen2ForCausalLM(
+            one_layer, ResolvedGroup.virtual(tp, rank), device="meta", dtype=dtype
+        )
         shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
         classes[rank] = first_of.setdefault(shapes, rank)
     return classes
@@ -257,7 +261,7 @@ def pipeline_footprint(
     per (pp rank, tp rank), and in total, for ``config`` over ``tp`` x ``pp`` (x ``dp``) ranks.
 
     Computed from the real :class:`Qwen2ForCausalLM` built on the meta device for one rank per
-    pipeline rank and per distinct TP shard shape (:class:`StageLayout` decides which layers
+    pipeline rank and per distinct TP shard shape (:class:`StageSplit` decides which layers
     each stage holds). ``replicated`` counts the elements held more than once within one DP
     replica, against the full model: norms on every TP rank, KV heads shared by TP ranks when
     ``num_key_value_heads < tp``, a tied embedding's copy on the last stage. So
@@ -266,7 +270,7 @@ def pipeline_footprint(
     """
     _check_arguments(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
     split = list(pipeline_split) if pipeline_split is not None else None
-    placement = StageLayout(config.num_hidden_layers, pp, virtual_stages, split, stage_order)
+    placement = StageSplit(config.num_hidden_layers, pp, virtual_stages, split, stage_order)
     element = DTYPE_BYTES[dtype]
     shards = _stage_shards(config, tp, pp, virtual_stages, split, stage_order, dtype)
     stages, replicated = _stage_rows(config, tp, placement, shards, element)

@@ -12,7 +12,7 @@ from typing import Optional
 from torch import nn
 
 from tp_ext.distributed import comm
-from tp_ext.distributed.groups import TPGroup
+from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import ParallelModule
 from tp_ext.sharding import HeadLayout, Partition
 
@@ -48,7 +48,7 @@ class AttentionHeads:
     fused: Optional[str]
     out: str
 
-    def layout(self, tp: TPGroup) -> HeadLayout:
+    def layout(self, tp: ResolvedGroup) -> HeadLayout:
         return HeadLayout(self.heads, self.kv, tp.size)
 
 
@@ -133,7 +133,7 @@ def is_fused_experts(module: nn.Module) -> bool:
     )
 
 
-def shard_experts(experts: nn.Module, tp: TPGroup) -> str:
+def shard_experts(experts: nn.Module, tp: ResolvedGroup) -> str:
     """Split every expert's MLP in place: gate and up rows, down columns (the intermediate dim
     over the TP group). The module's own forward runs on the local slices; its output is
     all-reduced. Its class becomes a ParallelModule subclass of the original, so state dicts,
@@ -172,7 +172,7 @@ def shard_experts(experts: nn.Module, tp: TPGroup) -> str:
     return f"experts split by intermediate dim, local {local} of {inter}, output all-reduced"
 
 
-def head_partition(name: str, info: AttentionHeads, tp: TPGroup) -> Partition:
+def head_partition(name: str, info: AttentionHeads, tp: ResolvedGroup) -> Partition:
     """The head-aligned rows of an attention input projection (q, k, v or fused) each rank holds."""
     leaf = name.rpartition(".")[2]
     layout, hd = info.layout(tp), info.head_dim
@@ -193,7 +193,9 @@ def head_partition(name: str, info: AttentionHeads, tp: TPGroup) -> Partition:
     return Partition.split(info.kv * (group + 2) * hd, tp.size, unit=(group + 2) * hd)
 
 
-def localize_attention(attention: nn.Module, info: AttentionHeads, tp: TPGroup) -> tuple[int, int]:
+def localize_attention(
+    attention: nn.Module, info: AttentionHeads, tp: ResolvedGroup
+) -> tuple[int, int]:
     """Make ``attention``'s own forward run on this rank's heads: set the head counts it reads.
     Returns this rank's (query heads, KV heads)."""
     layout = info.layout(tp)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from tp_ext.distributed import comm
-from tp_ext.distributed.groups import TPGroup
+from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.sharding import shard_sizes, uneven_sizes
 
 __all__ = ["SequenceShards"]
@@ -20,7 +20,7 @@ class SequenceShards:
     """Every rank's sequence-shard length for the current forward, set where the residual stream
     is split and read where it is gathered (uneven lengths need all ranks' sizes)."""
 
-    def __init__(self, tp: TPGroup) -> None:
+    def __init__(self, tp: ResolvedGroup) -> None:
         self.tp = tp
         self.sizes: Optional[list[int]] = None
 

@@ -17,7 +17,7 @@ from typing import ClassVar, Optional
 
 from torch import nn
 
-from tp_ext.distributed.groups import TPGroup
+from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -75,7 +75,7 @@ class StyleTarget:
 
     name: str
     parent: nn.Module
-    tp: TPGroup
+    tp: ResolvedGroup
     sequence_parallel: bool = False
     shards: Optional[SequenceShards] = None
     tie_to: Optional[VocabParallelEmbedding] = None
@@ -408,7 +408,7 @@ def convert(
     child: nn.Module,
     style: str,
     parent: nn.Module,
-    tp: TPGroup,
+    tp: ResolvedGroup,
     sp: bool,
     tie_to: Optional[VocabParallelEmbedding] = None,
     parts: Optional[list] = None,

@@ -1,7 +1,7 @@
 """Pipeline parallelism on torch.distributed.pipelining: a model's stages as PipelineStages,
 its data-parallel wrapping (DDP or FSDP2 on the DP mesh dimension), and the named schedules.
 
-A model that can be pipelined provides ``stage_layout`` (:class:`tp_ext.sharding.StageLayout`),
+A model that can be pipelined provides ``stage_split`` (:class:`tp_ext.sharding.StageSplit`),
 ``stage_ids`` (the stages this rank holds), ``stage_modules()`` (one module per held stage, in
 order) and ``parallel`` (its :class:`tp_ext.ParallelState`); tp_ext's Qwen2 does.
 """

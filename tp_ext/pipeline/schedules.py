@@ -3,7 +3,7 @@
 Every schedule is torch.distributed.pipelining's; tp_ext adds the checks that turn a bad
 combination into an error at construction (never a hang), the loss that counts every token
 once across micro-batches and DP replicas, and stage modules built from the model's own
-:class:`tp_ext.sharding.StageLayout`.
+:class:`tp_ext.sharding.StageSplit`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Schedule:
     name: str
     torch_class: type
     multi_stage: bool  # several stages per rank (virtual stages)
-    order: str  # the StageLayout order it needs: "loop" or "v"
+    order: str  # the StageSplit order it needs: "loop" or "v"
     weight_split: bool  # backward split into input and weight gradients (zero bubble)
 
     def requirement(self) -> str:
@@ -71,7 +71,7 @@ def check_compression(method: Optional[str], data_parallel: Optional[str], sched
 
 
 def check_schedule(name, layout) -> Schedule:
-    """The schedule called ``name``, if it can run the stages of ``layout`` (a StageLayout);
+    """The schedule called ``name``, if it can run the stages of ``layout`` (a StageSplit);
     otherwise an error that says what would work."""
     schedule = SCHEDULES.get(name) if isinstance(name, str) else None
     if schedule is None:
@@ -163,7 +163,7 @@ class PipelineRunner:
         (:func:`prepare_stages`); without it they are prepared here from ``data_parallel`` and
         ``gradient_compression``."""
         self.model, self.parallel = model, model.parallel
-        self.layout = model.stage_layout
+        self.layout = model.stage_split
         self.schedule = check_schedule(schedule, self.layout)
         if stages is None:
             stages = prepare_stages(model, self.schedule, data_parallel, gradient_compression)

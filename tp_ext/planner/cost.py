@@ -29,7 +29,7 @@ from tp_ext.planner.counts import (
     rank_shapes,
 )
 from tp_ext.planner.hardware import Hardware
-from tp_ext.sharding import StageLayout
+from tp_ext.sharding import StageSplit
 from tp_ext.validation import DTYPE_BYTES, as_torch_dtype, dtype_bytes
 
 __all__ = [
@@ -118,7 +118,7 @@ class _Step:
         self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
         self.s = rank_shapes(config, self.tp)
         order = "v" if candidate.schedule in V_SCHEDULES else "loop"
-        self.stages = StageLayout(config.num_hidden_layers, self.pp, self.v, None, order)
+        self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, None, order)
         self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
         self.tokens = self.b * seq_len
         # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from tp_ext.distributed import TPGroup
+from tp_ext.distributed import ResolvedGroup
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
@@ -70,7 +70,7 @@ class _GridShapes:
 @functools.lru_cache(maxsize=64)
 def _grid_shapes(config: Qwen2Config, rows: int, cols: int) -> _GridShapes:
     # rank (0, 0) of a grid with virtual groups: shapes only, nothing is communicated
-    virtual = TPGroup.virtual
+    virtual = ResolvedGroup.virtual
     grid = TPGrid(rows, cols, 0, 0, virtual(cols, 0), virtual(rows, 0), virtual(rows * cols, 0))
     model = Qwen2ForCausalLM2D(config, grid=grid, device="meta")
     params = list(model.parameters())

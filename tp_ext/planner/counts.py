@@ -11,7 +11,7 @@ import functools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tp_ext.layers import TPGroup
+from tp_ext.layers import ResolvedGroup
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -52,7 +52,7 @@ class RankShapes:
 @functools.lru_cache(maxsize=64)
 def rank_shapes(config: Qwen2Config, tp: int) -> RankShapes:
     one = Qwen2ForCausalLM(
-        config.replace(num_hidden_layers=1), TPGroup.virtual(tp, 0), device="meta"
+        config.replace(num_hidden_layers=1), ResolvedGroup.virtual(tp, 0), device="meta"
     )
     named = list(one.named_parameters(remove_duplicate=False))
 
@@ -110,7 +110,7 @@ def _count_ops(config: Qwen2Config, layers: int, backward: bool) -> tuple[int, i
     """(operators of the whole step, operators of the embedding alone) of a ``layers``-layer
     model's forward (and backward) of one sequence of 8 tokens."""
     model = Qwen2ForCausalLM(
-        config.replace(num_hidden_layers=layers), TPGroup.local(), device="meta"
+        config.replace(num_hidden_layers=layers), ResolvedGroup.local(), device="meta"
     )
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     with _CountOps() as counter:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
-from tp_ext.distributed.groups import TPGroup, resolve_group
+from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.layers import ParallelModule, expert_parameters
 from tp_ext.sharding import Partition
 from tp_ext.validation import is_number
@@ -101,7 +101,7 @@ def parallel_grad_norm(
     return local if p == math.inf else local.pow(1.0 / p)
 
 
-def _local_norm_power(model, tp: TPGroup, p: float, skip=frozenset(), dp_shards=None):
+def _local_norm_power(model, tp: ResolvedGroup, p: float, skip=frozenset(), dp_shards=None):
     """This rank's share of sum(|g|^p) (or max |g| for p = inf) over the unsharded gradients.
     ``dp_shards``: the ParallelState when gradients are FSDP2 shards along dim 0 over DP."""
     terms = []
@@ -187,7 +187,7 @@ def _check_norm_type(norm_type) -> float:
     return float(norm_type)
 
 
-def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
+def model_tp_group(model: nn.Module, tp_group) -> ResolvedGroup:
     """The explicit group, else the one group of the model's parallel layers (a group of one
     for a model without any)."""
     if tp_group is not None:
@@ -203,10 +203,10 @@ def model_tp_group(model: nn.Module, tp_group) -> TPGroup:
             f"{type(model).__name__} has layers on several TP groups "
             f"({sorted(groups)}); pass tp_group= to say which one to reduce over"
         )
-    return next(iter(groups.values()), TPGroup.local())
+    return next(iter(groups.values()), ResolvedGroup.local())
 
 
-def _grads_with_specs(model: nn.Module, tp: TPGroup, skip=frozenset()):
+def _grads_with_specs(model: nn.Module, tp: ResolvedGroup, skip=frozenset()):
     """(parameter, ShardSpec or None, this rank's place in it) for each distinct parameter with
     a gradient, but those in ``skip`` (ids)."""
     seen = set(skip)

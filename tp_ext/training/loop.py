@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch.distributed as dist
 
-from tp_ext.distributed import TPGroup, comm
+from tp_ext.distributed import ResolvedGroup, comm
 from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
 from tp_ext.validation import ConfigError
 
@@ -424,4 +424,4 @@ def _rank() -> int:
 def _world():
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
-    return TPGroup.local()
+    return ResolvedGroup.local()

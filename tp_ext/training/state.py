@@ -72,7 +72,7 @@ def dims_of(trainer) -> ParallelDims:
     if parallel is None:
         dp = 1 if trainer.dp_group is None else trainer.dp_group.size
         return ParallelDims(tp=trainer.tp.size, pp=1, dp=dp)
-    stages = getattr(trainer.model, "stage_layout", None)
+    stages = getattr(trainer.model, "stage_split", None)
     return parallel.dims.replace(virtual_stages=1 if stages is None else stages.virtual_stages)
 
 
@@ -83,7 +83,7 @@ def _layout_record(trainer) -> dict:
     record = {"tp": dims.tp_size, "pp": dims.pp, "dp": dims.dp, "world": _world_size()}
     if trainer.parallel is None:
         return record
-    stages = getattr(trainer.model, "stage_layout", None)
+    stages = getattr(trainer.model, "stage_split", None)
     return dict(
         record,
         stage_layers=None if stages is None else stages.layer_counts,

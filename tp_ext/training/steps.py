@@ -473,7 +473,7 @@ def _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore
             f"use one of {DATA_PARALLEL}"
         )
     data_parallel = data_parallel if parallel.dp > 1 else None
-    checked = check_schedule(schedule, model.stage_layout)
+    checked = check_schedule(schedule, model.stage_split)
     # the data-parallel side wraps the stages and installs the compression hooks
     stages = prepare_stages(model, checked, data_parallel, compression)
     runner = PipelineRunner(model, schedule, stages=stages)

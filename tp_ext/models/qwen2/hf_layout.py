@@ -8,13 +8,14 @@ import torch
 
 from tp_ext.checkpoint.layout import Piece
 from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.validation import deprecated_aliases
 
-__all__ = ["FORMATS", "checkpoint_layout", "hf_to_tp_ext_names", "hf_config"]
+__all__ = ["FORMATS", "checkpoint_map", "hf_to_tp_ext_names", "hf_config"]
 
 FORMATS = ("qwen2", "qwen")
 
 
-def checkpoint_layout(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list[Piece]]:
+def checkpoint_map(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list[Piece]]:
     """Where each of this model's full tensors lives in a Hugging Face checkpoint: the pieces,
     stacked along dim 0, that make it up. ``fmt``: "qwen2" (transformers' Qwen2ForCausalLM
     names; q/k/v and gate/up separate) or "qwen" (the original Qwen: fused ``attn.c_attn``,
@@ -95,7 +96,7 @@ def hf_to_tp_ext_names(
     """A Hugging Face state dict (in memory) as full tensors under this model's names."""
     return {
         ours: torch.cat([state[p.name][p.start : p.start + p.rows] for p in pieces], 0)
-        for ours, pieces in checkpoint_layout(config, fmt).items()
+        for ours, pieces in checkpoint_map(config, fmt).items()
     }
 
 
@@ -118,3 +119,8 @@ def hf_config(config: Qwen2Config, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+__getattr__ = deprecated_aliases(
+    __name__, {"checkpoint_layout": (checkpoint_map, "checkpoint_map")}
+)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext import checkpoint
 from tp_ext.checkpoint.hf import model_group
-from tp_ext.checkpoint.layout import detect_layout, expected_shapes
+from tp_ext.checkpoint.layout import detect_checkpoint_map, expected_shapes
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
 from tp_ext.distributed import comm
 from tp_ext.distributed.mesh import tied_embedding_group
@@ -36,7 +36,7 @@ from tp_ext.layers import (
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
-from tp_ext.sharding import StageLayout, shard_sizes
+from tp_ext.sharding import StageSplit, shard_sizes
 from tp_ext.validation import ConfigError, as_torch_dtype
 
 __all__ = ["Qwen2ForCausalLM"]
@@ -97,7 +97,7 @@ class Qwen2ForCausalLM(ParallelModule):
     :class:`tp_ext.models.qwen2.model_2d.Qwen2ForCausalLM2D`.
 
     ``parallel`` (from :func:`tp_ext.init_parallel`) builds this rank's part of a TP x PP x DP
-    model: its TP slices of the layers of its pipeline stages only (:class:`StageLayout`:
+    model: its TP slices of the layers of its pipeline stages only (:class:`StageSplit`:
     ``virtual_stages`` stages per rank in ``stage_order``, layers split by the one shard policy
     or by ``pipeline_split``). Stage 0 holds the embedding, the last stage the final norm and LM
     head. A tied LM head on a rank without the embedding keeps its own copy, loaded (or
@@ -155,13 +155,13 @@ class Qwen2ForCausalLM(ParallelModule):
         self.config = config
         self.parallel = parallel
         pp, pp_rank = (1, 0) if parallel is None else (parallel.pp, parallel.pp_rank)
-        self.stage_layout = StageLayout(
+        self.stage_split = StageSplit(
             config.num_hidden_layers, pp, virtual_stages, pipeline_split, stage_order
         )
-        self.stage_ids = self.stage_layout.stages_of(pp_rank)
-        layer_ids = [i for s in self.stage_ids for i in self.stage_layout.layers_of(s)]
+        self.stage_ids = self.stage_split.stages_of(pp_rank)
+        layer_ids = [i for s in self.stage_ids for i in self.stage_split.layers_of(s)]
         has_embedding = 0 in self.stage_ids
-        has_head = self.stage_layout.last_stage in self.stage_ids
+        has_head = self.stage_split.last_stage in self.stage_ids
         self.model = _Qwen2Model(
             config, tp, device, dtype, sorted(layer_ids), has_embedding, has_head
         )
@@ -187,7 +187,7 @@ class Qwen2ForCausalLM(ParallelModule):
 
     @property
     def is_pipelined(self) -> bool:
-        return self.stage_layout.pp > 1
+        return self.stage_split.pp > 1
 
     def tied_weights(self) -> list[torch.Tensor]:
         """The copies of a tied embedding this rank holds under pipelining: the embedding's on
@@ -202,7 +202,7 @@ class Qwen2ForCausalLM(ParallelModule):
         """The group joining the first and last stage's ranks when they differ, else None."""
         if not self.tied_across_stages:
             return None
-        if self.stage_layout.rank_of(self.stage_layout.last_stage) == 0:
+        if self.stage_split.rank_of(self.stage_split.last_stage) == 0:
             return None  # both on pipeline rank 0
         return tied_embedding_group(self.parallel)
 
@@ -303,9 +303,24 @@ class Qwen2ForCausalLM(ParallelModule):
     # "qwen2": transformers' Qwen2 names (what saves write); "qwen": the original Qwen's.
     checkpoint_formats = hf_layout.FORMATS
 
-    def checkpoint_layout(self, fmt: Optional[str] = None):
+    def checkpoint_map(self, fmt: Optional[str] = None):
         """This model's tensors in a Hugging Face checkpoint of format ``fmt`` (None: "qwen2")."""
-        return hf_layout.checkpoint_layout(self.config, fmt or self.checkpoint_formats[0])
+        return hf_layout.checkpoint_map(self.config, fmt or self.checkpoint_formats[0])
+
+    def checkpoint_layout(self, fmt: Optional[str] = None):
+        """Deprecated: :meth:`checkpoint_map` (the old name)."""
+        warnings.warn(
+            "checkpoint_layout is deprecated: use checkpoint_map", DeprecationWarning, stacklevel=2
+        )
+        return self.checkpoint_map(fmt)
+
+    @property
+    def stage_layout(self) -> StageSplit:
+        """Deprecated: :attr:`stage_split` (which stage holds which layers)."""
+        warnings.warn(
+            "stage_layout is deprecated: use stage_split", DeprecationWarning, stacklevel=2
+        )
+        return self.stage_split
 
     def hf_config(self, dtype: torch.dtype) -> dict:
         return hf_layout.hf_config(self.config, dtype)
@@ -326,7 +341,7 @@ class Qwen2ForCausalLM(ParallelModule):
         """What pipeline stage ``stage`` computes: ids -> embedding on the first stage, its
         decoder layers, then norm and this rank's vocabulary shard of the logits on the last.
         ``kv_caches``: one per decoder layer of the full model, by global index."""
-        layout = self.stage_layout
+        layout = self.stage_split
         if stage not in self.stage_ids:
             raise ValueError(
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
@@ -353,7 +368,7 @@ class Qwen2ForCausalLM(ParallelModule):
                 "between ranks): call it under torch.no_grad(), or train with "
                 "tp_ext.training.Trainer(model, parallel=state)"
             )
-        layout, group = self.stage_layout, self.parallel.pp_group
+        layout, group = self.stage_split, self.parallel.pp_group
         me = self.parallel.pp_rank
         batch, seq = input_ids.shape
         h = None
@@ -428,7 +443,7 @@ class _Stage(nn.Module):
         super().__init__()
         object.__setattr__(self, "_model", model)  # not a child: its other stages are not ours
         self.stage = stage
-        layout = model.stage_layout
+        layout = model.stage_split
         if stage == 0:
             self.embed_tokens = model.model.embed_tokens
         self.layers = nn.ModuleDict(
@@ -453,7 +468,7 @@ def _check_checkpoint(model: Qwen2ForCausalLM, path: str, strict: bool) -> None:
 
     def check():
         files = SafetensorsFiles(path)
-        layout = detect_layout(model, files.names())
+        layout = detect_checkpoint_map(model, files.names())
         check_names_and_shapes(files, expected_shapes(entries, layout), strict)
 
     comm.everywhere(group, f"checking {path}", check, checkpoint.CheckpointError)

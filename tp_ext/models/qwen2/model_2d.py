@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -146,10 +147,17 @@ class Qwen2ForCausalLM2D(nn.Module):
 
     # -- state -------------------------------------------------------------------------------------
 
-    def checkpoint_layout(self, fmt: Optional[str] = None):
+    def checkpoint_map(self, fmt: Optional[str] = None):
         """The 1D model's fusions of these tensors (q, k, v; gate, up): what keeps training
         checkpoints of the two interchangeable (:mod:`tp_ext.checkpoint.dcp`)."""
-        return hf_layout.checkpoint_layout(self.config, fmt or "qwen2")
+        return hf_layout.checkpoint_map(self.config, fmt or "qwen2")
+
+    def checkpoint_layout(self, fmt: Optional[str] = None):
+        """Deprecated: :meth:`checkpoint_map` (the old name)."""
+        warnings.warn(
+            "checkpoint_layout is deprecated: use checkpoint_map", DeprecationWarning, stacklevel=2
+        )
+        return self.checkpoint_map(fmt)
 
     def load_full_state_dict(self, full, strict: bool = True) -> None:
         load_full_state_dict(self, full, strict)
