@@ -203,8 +203,7 @@ class Partition(ShardSpec):
 
     def along(self, dim: int) -> "Partition":
         """This partition applied to dimension ``dim`` of a tensor (the same split)."""
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ValueError(f"dim must be an int >= 0 (the split dimension), got {dim!r}")
+        check_int("dim", dim, 0, why="the split dimension")
         if dim == self.dim:
             return self
         other = object.__new__(Partition)

@@ -119,15 +119,17 @@ def as_torch_dtype(value, arg: str = "dtype"):
     )
 
 
-def check_int(name: str, value, low: int = 1, high: Optional[int] = None) -> int:
+def check_int(name: str, value, low: int = 1, high: Optional[int] = None, why: str = "") -> int:
     """``value`` if it is an int (not a bool) in [low, high] (high None: no upper bound); else a
-    ValueError naming ``name``, the value and the range."""
+    ValueError naming ``name``, the value and the range (``why``: what the value is, said in
+    parentheses after the range). The one int check of tp_ext's arguments."""
+    note = f" ({why})" if why else ""
     if isinstance(value, int) and not isinstance(value, bool):
         if value >= low and (high is None or value <= high):
             return value
         if value >= low:
-            raise ValueError(f"{name} must be an int in [{low}, {high:,}], got {value!r}")
-    raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            raise ValueError(f"{name} must be an int in [{low}, {high:,}]{note}, got {value!r}")
+    raise ValueError(f"{name} must be an int >= {low}{note}, got {value!r}")
 
 
 def deprecated_aliases(module: str, renamed: dict):

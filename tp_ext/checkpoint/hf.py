@@ -45,6 +45,7 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import iter_full_tensors, tensor_specs
 from tp_ext.sharding import Partition
+from tp_ext.validation import as_torch_dtype, check_int
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "model_group", "tp_size"]
 
@@ -158,14 +159,7 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
     what = f"saving {path}"
 
     def describe():
-        if (
-            not isinstance(max_shard_bytes, int)
-            or isinstance(max_shard_bytes, bool)
-            or max_shard_bytes < 1
-        ):
-            raise ValueError(
-                f"max_shard_bytes must be an int >= 1 (bytes per file), got {max_shard_bytes!r}"
-            )
+        check_int("max_shard_bytes", max_shard_bytes, 1, why="bytes per file")
         layout = model_checkpoint_map(model)
         entries = list(tensor_specs(model))
         if not entries:
@@ -281,7 +275,7 @@ def _plan_files(sources, layout, max_shard_bytes) -> _Plan:
             numel = 1
             for n in shape:
                 numel *= n
-            sizes[name] = numel * getattr(torch, dtype).itemsize
+            sizes[name] = numel * as_torch_dtype(dtype).itemsize
     files, current, used = [], [], 0
     for name, size in sizes.items():
         if current and used + size > max_shard_bytes:
@@ -323,7 +317,7 @@ def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
                 raise CheckpointError(f"saving: expected {name} next, got {own_name}")
         elif name in plan.file_of:
             shape, dtype_name = plan.shapes[name]
-            full = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
+            full = torch.empty(shape, dtype=as_torch_dtype(dtype_name), device=device)
             dist.recv(full, rank, group=pipeline)
         if name not in plan.file_of or failure is not None:
             continue

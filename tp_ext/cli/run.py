@@ -47,7 +47,7 @@ from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
 from tp_ext.training import Trainer, build_optimizer
-from tp_ext.validation import check_fields
+from tp_ext.validation import as_torch_dtype, check_fields
 
 __all__ = ["run", "add_arguments", "main"]
 
@@ -147,7 +147,7 @@ def run(
         job,
         small_job,
         small,
-        getattr(torch, overrides.get("dtype") or "float32"),
+        as_torch_dtype(overrides.get("dtype") or "float32"),
         dims,
         steps,
         max_new_tokens,

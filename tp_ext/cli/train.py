@@ -47,7 +47,7 @@ from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.training import CheckpointManager, Trainer, build_lr_scheduler, build_optimizer
 from tp_ext.training.loop import Wording
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
-from tp_ext.validation import ConfigError
+from tp_ext.validation import ConfigError, as_torch_dtype
 
 __all__ = ["train", "METRICS"]
 
@@ -156,7 +156,7 @@ def _build(state, run: _Run):
         parallel=state,
         virtual_stages=p.virtual_stages,
         stage_order=p.stage_order,
-        dtype=getattr(torch, p.dtype),
+        dtype=as_torch_dtype(p.dtype),
     )
     batches = TokenBatches(
         run.tokens,

@@ -46,7 +46,7 @@ from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the p
 )
 from tp_ext.distributed.groups import GroupLike, ResolvedGroup, device_of, resolve_group
 from tp_ext.sharding import shard_sizes, uneven_sizes
-from tp_ext.validation import deprecated_aliases
+from tp_ext.validation import check_int, deprecated_aliases
 
 __all__ = [
     "all_reduce",
@@ -265,10 +265,8 @@ def set_overlap(enabled: Optional[bool], min_elements: Optional[int] = None) -> 
     and from which input size (elements of the layer's input on this rank; default 65536)."""
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"set_overlap: enabled must be True, False or None, got {enabled!r}")
-    if min_elements is not None and (
-        isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0
-    ):
-        raise ValueError(f"set_overlap: min_elements must be an int >= 0, got {min_elements!r}")
+    if min_elements is not None:
+        check_int("set_overlap: min_elements", min_elements, 0)
     _OVERLAP[0] = enabled
     if min_elements is not None:
         _OVERLAP[1] = min_elements

@@ -29,7 +29,7 @@ from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.state_dict import full_state_dict as _full_state_dict
 from tp_ext.layers.state_dict import load_full_state_dict as _load_full_state_dict
 from tp_ext.sharding import GridBlock, Partition, ShardSpec, shard_sizes, uneven_sizes
-from tp_ext.validation import deprecated_aliases
+from tp_ext.validation import check_int, deprecated_aliases
 
 __all__ = [
     "ParallelModule",
@@ -57,12 +57,6 @@ def no_init():
         yield
     finally:
         PROCESS.init_weights = previous
-
-
-def check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class ParallelModule(nn.Module):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tp_ext.distributed import ResolvedGroup, comm
 from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
-from tp_ext.validation import ConfigError
+from tp_ext.validation import ConfigError, check_int
 
 __all__ = ["CheckpointManager", "Wording", "check_schedule", "fit", "keep_metrics"]
 
@@ -358,8 +358,7 @@ def _tokens(trainer, micro_batches) -> int:
 
 
 def _check_steps(steps, done: int, with_checkpoints: bool) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1 (the step to train up to), got {steps!r}")
+    check_int("steps", steps, 1, why="the step to train up to")
     if steps < done and not with_checkpoints:
         raise ValueError(
             f"steps={steps} is below this Trainer's step {done}: steps is the total to train "
@@ -368,8 +367,8 @@ def _check_steps(steps, done: int, with_checkpoints: bool) -> None:
 
 
 def _check_positive(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    if value is not None:
+        check_int(name, value, 1, why="or None")
 
 
 def _manager(checkpoint_dir, every, keep_last, async_save) -> Optional[CheckpointManager]:

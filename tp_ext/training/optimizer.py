@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tp_ext.validation import ConfigError, Field, check_fields
+from tp_ext.validation import ConfigError, Field, check_fields, check_int
 
 __all__ = [
     "OptimizerSettings",
@@ -159,6 +159,5 @@ def build_lr_scheduler(
     ``total_steps`` steps. A LambdaLR: its ``state_dict()`` is plain numbers, the schedule's
     settings included (:class:`LRSchedule`), so a Trainer checkpoint holds it in its JSON
     manifest, and loading one restores the saved schedule."""
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    check_int("total_steps", total_steps, 1)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(settings, total_steps))

@@ -37,7 +37,7 @@ from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
 from tp_ext.sharding import StageSplit, shard_sizes
-from tp_ext.validation import ConfigError, as_torch_dtype
+from tp_ext.validation import ConfigError, as_torch_dtype, check_int
 
 __all__ = ["Qwen2ForCausalLM"]
 
@@ -412,12 +412,7 @@ class Qwen2ForCausalLM(ParallelModule):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding: the prompt once, then one token at a time through the KV caches
         (under pipelining each stage keeps the caches of its own layers)."""
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0
-        ):
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 0)
         batch, prompt = input_ids.shape
         caches = [None] * self.config.num_hidden_layers
         for i in self.model.layers.indices():
