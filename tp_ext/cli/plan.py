@@ -153,7 +153,7 @@ def _auto_plan(args) -> int:
         print(json.dumps([est.as_dict() for est in ranked], indent=2))
         return 0
     gib = 1024**3
-    print(f"{'#':>2} {'layout':<48} {'fits':>4} {'GiB/rank':>8} {'step s':>8}  reason")
+    print(f"{'#':>2} {'candidate':<48} {'fits':>4} {'GiB/rank':>8} {'step s':>8}  reason")
     for i, est in enumerate(ranked, 1):
         print(
             f"{i:>2} {est.candidate.describe():<48} {'yes' if est.fits else 'no':>4} "
