@@ -88,7 +88,7 @@ def _layout_record(trainer) -> dict:
         record,
         stage_layers=None if stages is None else stages.layer_counts,
         stage_order=None if stages is None else stages.order,
-        schedule=trainer.runner.schedule.name if trainer.runner is not None else None,
+        schedule=trainer.strategy.schedule_name,
     )
 
 

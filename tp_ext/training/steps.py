@@ -192,6 +192,11 @@ class StepStrategy:
         return []
 
     @property
+    def schedule_name(self) -> Optional[str]:
+        """The pipeline schedule the step runs (None without a pipeline)."""
+        return None
+
+    @property
     def stage_modules(self) -> list:
         """The modules the step runs (FSDP2 units among them are gathered by
         ``Trainer.whole_parameters``)."""
@@ -308,6 +313,10 @@ class PipelineStep(StepStrategy):
     @property
     def compression_states(self) -> list:
         return self.runner.compression_states
+
+    @property
+    def schedule_name(self) -> Optional[str]:
+        return self.runner.schedule.name
 
     @property
     def stage_modules(self) -> list:
