@@ -38,7 +38,12 @@ def _check_variables(command: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tp-ext", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tp-ext",
+        description="tp_ext's commands: footprints and ranked candidates (plan), the main job, "
+        "training, the collectives and the environment (launch run, train and demo with "
+        "torchrun)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         command = sub.add_parser(name, help=module.HELP)
