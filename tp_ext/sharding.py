@@ -151,6 +151,27 @@ def _narrowed(t: torch.Tensor, box: Box) -> torch.Tensor:
 # ---- partitions of one axis: plain, merged (gate/up) and attention heads ------------------------
 
 
+def _holder_runs(full: int, segments) -> list[tuple[int, int, int]]:
+    """``(start, stop, holders)`` runs covering ``[0, full)``: how many ranks hold each index.
+    Counted per run between segment boundaries, not per index, so building a full-size model on
+    the meta device (the planner's footprints) costs no time per row."""
+    pieces = [
+        (offset, offset + length) for rank_segments in segments for offset, length in rank_segments
+    ]
+    for rank, rank_segments in enumerate(segments):
+        for offset, length in rank_segments:
+            if offset < 0 or offset + length > full:
+                raise ValueError(
+                    f"rank {rank}'s segment (offset {offset}, length {length}) lies outside "
+                    f"the full axis [0, {full})"
+                )
+    bounds = sorted({0, full, *(start for start, _ in pieces), *(stop for _, stop in pieces)})
+    return [
+        (start, stop, sum(1 for s, e in pieces if s <= start and stop <= e))
+        for start, stop in zip(bounds, bounds[1:])
+    ]
+
+
 class Partition(ShardSpec):
     """Which indices of a full axis of length ``full`` each rank holds.
 
@@ -171,15 +192,11 @@ class Partition(ShardSpec):
         self.segments: tuple[tuple[Segment, ...], ...] = tuple(
             tuple((int(o), int(n)) for o, n in rank_segments if n > 0) for rank_segments in segments
         )
-        owners = [0] * full  # how many ranks hold each index
-        for rank_segments in self.segments:
-            for offset, length in rank_segments:
-                for i in range(offset, offset + length):
-                    owners[i] += 1
-        if 0 in owners:
-            raise ValueError(f"partition leaves index {owners.index(0)} of {full} on no rank")
-        self._owners = owners
-        self.replicated = any(n > 1 for n in owners)
+        self._holders = _holder_runs(full, self.segments)
+        unheld = next((start for start, _, holders in self._holders if holders == 0), None)
+        if unheld is not None:
+            raise ValueError(f"partition leaves index {unheld} of {full} on no rank")
+        self.replicated = any(holders > 1 for _, _, holders in self._holders)
 
     @classmethod
     def split(cls, n: int, world_size: int, unit: int = 1) -> "Partition":
@@ -283,7 +300,7 @@ class Partition(ShardSpec):
 
     def replicated_indices(self) -> list[int]:
         """Full indices held by more than one rank (replicated KV heads' rows), ascending."""
-        return [i for i, n in enumerate(self._owners) if n > 1]
+        return [i for start, stop, n in self._holders if n > 1 for i in range(start, stop)]
 
     def local_indices(self, rank: int) -> list[int]:
         return [i for o, n in self.segments[rank] for i in range(o, o + n)]
