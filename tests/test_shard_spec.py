@@ -77,6 +77,18 @@ def test_partition_counts_each_replicated_row_once():
     assert plain.counted(local, 2) is local
 
 
+def test_partition_holders_and_refusals():
+    qkv = HeadLayout(4, 1, 3).qkv_partition(2)  # k and v rows 8..11 on all three ranks
+    assert qkv.replicated and qkv.replicated_indices() == [8, 9, 10, 11]
+    assert not Partition.split(10, 4).replicated
+    overlap = Partition(10, [[(0, 6)], [(4, 6)]])
+    assert overlap.replicated_indices() == [4, 5]
+    with pytest.raises(ValueError, match="partition leaves index 4 of 10 on no rank"):
+        Partition(10, [[(0, 4)], [(6, 4)]])
+    with pytest.raises(ValueError, match=r"rank 1's segment \(offset 6, length 5\) lies outside"):
+        Partition(10, [[(0, 6)], [(6, 5)]])
+
+
 GRID_BLOCKS = {
     "weight 7x5 on 2x3": (
         GridBlock((7, 5), [("Q", shard_sizes(7, 3)), ("P", shard_sizes(5, 2))]),
