@@ -97,8 +97,10 @@ def _extension():
     cxx_flags += ["-Wno-deprecated-declarations"] + _cpu_vector_flags()
     openmp = _openmp_flags()
     cxx_flags += openmp
-    if debug:
-        cxx_flags += ["-g"]
+    # Python's own CFLAGS carry -g; debug info in every TU of torch's templates is most of an
+    # object's size (14 MB against 0.6 MB) and a third of its compile time, so release builds
+    # drop it, as torch's own wheels do.
+    cxx_flags += ["-g"] if debug else ["-g0"]
     if _want_cuda():
         nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DTP_EXT_WITH_CUDA"]
         return cpp_extension.CUDAExtension(
