@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.full_matrix), 3])
 def test_demo_under_torchrun(nproc):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

@@ -121,7 +121,15 @@ def test_layout_is_a_deprecated_alias_of_candidate():
     assert DTYPE_BYTES == {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
-@pytest.mark.parametrize("module", ["counts", "candidate", "hardware", "cost_2d", "cost", "search"])
+# `cost` was in the circle; the others (a fresh interpreter each, 6 s apiece) run in test-all
+@pytest.mark.parametrize(
+    "module",
+    ["cost"]
+    + [
+        pytest.param(m, marks=pytest.mark.full_matrix)
+        for m in ("counts", "candidate", "hardware", "cost_2d", "search")
+    ],
+)
 def test_planner_modules_import_alone(module):
     """Each planner module imports first, alone, in a fresh interpreter: no import circle (the
     one that was: cost -> cost_2d -> hardware -> cost, hidden by function-level imports)."""

@@ -98,6 +98,7 @@ def test_fsdp_and_an_interleaved_schedule_with_recompute_on_4_ranks():
     assert "pp rank 0: stage 0 (layers 0-0, embedding), stage 2 (layers 2-2); pp rank 1" in out
 
 
+@pytest.mark.full_matrix  # in-process at every schedule: test_pipeline's (1, 2, 2) ZBVZeroBubble
 def test_zero_bubble_schedule_with_data_parallel_equals_the_reference():
     """Found by this job: zero-bubble schedules write weight gradients outside autograd's
     hooks, so DDP never reduced them; tp_ext.pipeline now averages them after the step."""

@@ -224,6 +224,19 @@ def _metrics(directory) -> dict[int, dict]:
     return {entry["step"]: entry for entry in lines}
 
 
+def _train_here(capsys, *flags) -> tuple[int, str]:
+    """`tp-ext train` in this process, as one rank outside torchrun runs it: its exit status and
+    what it printed on stderr. An error found once the job started is raised (under torchrun
+    the worker prints its traceback and exits 1): here that is status 1 and the message. One
+    rank's runs go through here, saving a torchrun and a worker start (seconds each) apiece."""
+    capsys.readouterr()
+    try:
+        status = main(["train", TINY, *flags])
+    except ValueError as e:
+        return 1, capsys.readouterr().err + str(e)
+    return status, capsys.readouterr().err
+
+
 LAYOUTS = {  # name: (ranks, flags)
     "single": (1, []),
     "tp2": (2, ["--tp", "2"]),
@@ -231,7 +244,8 @@ LAYOUTS = {  # name: (ranks, flags)
 }
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2-dp2"])
+# the pipeline's resume is bitwise in Python at every layout (test_fit, test_training_state)
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-dp2", marks=pytest.mark.full_matrix)])
 def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, layout):
     nproc, flags = LAYOUTS[layout]
     # the cosine decay runs from step 2 to step 8 in both runs (the stopped one's --steps 4
@@ -251,9 +265,10 @@ def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, layout):
     assert [s for s, _ in published(str(tmp_path / "stopped"))] == [4, 6, 8], "keep_last 3"
 
 
-def test_resume_at_another_layout(tmp_path, tokens):
-    _train(1, tokens, tmp_path / "straight", 6)
-    _train(1, tokens, tmp_path / "moved", 4)
+def test_resume_at_another_layout(tmp_path, tokens, capsys):
+    for name, steps in (("straight", 6), ("moved", 4)):
+        flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path / name), "--save-every", "2"]
+        assert _train_here(capsys, *flags, "--steps", str(steps))[0] == 0
     _, flags = LAYOUTS["pp2-dp2"]
     err = _train(4, tokens, tmp_path / "moved", 6, *flags, "--resume")
     assert "saved at tp=1 pp=1 dp=1" in err
@@ -262,42 +277,47 @@ def test_resume_at_another_layout(tmp_path, tokens):
         assert moved[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-5, abs=0)
 
 
-def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens):
-    _train(1, tokens, tmp_path, 2)
+def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens, capsys):
+    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path)]
+    assert _train_here(capsys, *flags, "--steps", "2", "--save-every", "2")[0] == 0
     saved = os.readlink(step_path(str(tmp_path), 2))
     # refused, and the restart torchrun makes of the refused run is refused too
-    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path)]
     err = _finish(_torchrun(1, [*flags, "--steps", "4"], restarts=1), refused=True)
     assert err.count("holds checkpoints (the newest after step 2): pass --resume") == 2, err
     assert newest(str(tmp_path)) == (2, step_path(str(tmp_path), 2))
     assert os.readlink(step_path(str(tmp_path), 2)) == saved, "nothing was overwritten"
-    err = _finish(_torchrun(1, [*flags, "--steps", "1", "--resume"]), refused=True)
-    assert "--steps 1 is below the step of the newest checkpoint" in err
+    status, err = _train_here(capsys, *flags, "--steps", "1", "--resume")
+    assert status != 0 and "--steps 1 is below the step of the newest checkpoint" in err
     assert "give --steps 3 or more" in err
-    err = _finish(_torchrun(1, [*flags, "--steps", "2", "--resume"]))
-    assert "already holds the checkpoint after step 2; nothing to train" in err
+    status, err = _train_here(capsys, *flags, "--steps", "2", "--resume")
+    assert status == 0 and "already holds the checkpoint after step 2; nothing to train" in err
     # the checkpoint's schedule goes on: another LR is refused, not silently ignored
-    err = _finish(_torchrun(1, [*flags, "--steps", "4", "--resume", "--lr", "1e-3"]), refused=True)
+    status, err = _train_here(capsys, *flags, "--steps", "4", "--resume", "--lr", "1e-3")
+    assert status != 0
     assert "the checkpoint's LR schedule differs from this run's: lr 0.003 there, 0.001 here" in err
     assert "give --lr 0.003, or start a new run" in err
     assert sorted(_metrics(tmp_path)) == [1, 2]
 
 
-def test_a_resumed_run_keeps_its_lr_schedule(tmp_path, tokens):
+def test_a_resumed_run_keeps_its_lr_schedule(tmp_path, tokens, capsys):
     # cosine after one warmup step, decaying until --steps 2; --steps 4 would move the end
-    _train(1, tokens, tmp_path, 2, "--warmup-steps", "1")
-    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path), "--steps", "4", "--resume"]
-    flags += ["--warmup-steps", "1"]
-    err = _finish(_torchrun(1, flags), refused=True)
+    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path), "--warmup-steps", "1"]
+    assert _train_here(capsys, *flags, "--steps", "2", "--save-every", "2")[0] == 0
+    flags += ["--steps", "4", "--resume"]
+
+    def refused(*extra) -> str:
+        status, err = _train_here(capsys, *flags, *extra)
+        assert status != 0, f"expected a refusal, got exit 0:\n{err[-4000:]}"
+        return err
+
+    err = refused()
     assert "decay_end 2 there, 4 here (the decay ends at --steps unless --decay-steps" in err, err
     assert "give --decay-steps 2, or start a new run" in err
-    err = _finish(
-        _torchrun(1, [*flags, "--decay-steps", "2", "--lr-schedule", "linear"]), refused=True
-    )
+    err = refused("--decay-steps", "2", "--lr-schedule", "linear")
     assert "lr_schedule cosine there, linear here" in err and "give --lr-schedule cosine," in err
-    err = _finish(_torchrun(1, [*flags, "--lr-schedule", "constant"]), refused=True)
+    err = refused("--lr-schedule", "constant")
     assert "give --lr-schedule cosine --min-lr 0.0003 --decay-steps 2, or" in err, err[-2000:]
-    err = _finish(_torchrun(1, [*flags, "--decay-steps", "2", "--min-lr", "1e-4"]), refused=True)
+    err = refused("--decay-steps", "2", "--min-lr", "1e-4")
     assert "min_lr 0.0003 there, 0.0001 here" in err and "give --min-lr 0.0003," in err
     assert sorted(_metrics(tmp_path)) == [1, 2], "nothing trained by the refused runs"
     # as a checkpoint from before the schedule was saved: only the base lr can be checked
@@ -307,7 +327,8 @@ def test_a_resumed_run_keeps_its_lr_schedule(tmp_path, tokens):
     info["lr_scheduler"]["lr_lambdas"] = [None] * len(info["lr_scheduler"]["lr_lambdas"])
     with open(manifest, "w") as f:
         json.dump(info, f)
-    err = _finish(_torchrun(1, [*flags, "--decay-steps", "2"]))
+    status, err = _train_here(capsys, *flags, "--decay-steps", "2")
+    assert status == 0
     assert "was saved before checkpoints held their LR schedule, so only its base lr" in err
     lrs = {step: entry["lr"] for step, entry in _metrics(tmp_path).items()}
     # the saved schedule: full LR for the warmup step and the decay's first, min_lr after
