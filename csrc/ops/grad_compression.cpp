@@ -11,6 +11,7 @@
 // was sent plus the residual is always the gradients' running sum (to fp32 rounding).
 #include "grad_compression.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>

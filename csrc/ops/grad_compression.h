@@ -10,7 +10,7 @@
 // residual becomes v - what was sent.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace tp_ext::ops {
 

@@ -11,6 +11,7 @@
 // Math in fp32 (double for double), rounded once.
 #include "moe_permute.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

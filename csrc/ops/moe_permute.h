@@ -3,7 +3,7 @@
 // outputs, so both devices raise the same errors.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace tp_ext::ops {
 

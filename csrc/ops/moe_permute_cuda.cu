@@ -5,7 +5,15 @@
 // the expert ids (dropped choices last), the same order as the CPU counting sort. Unlike the CPU
 // kernel, moe_permute does not check that no row is named twice (that would cost a
 // synchronisation); moe_route's row_map never does.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

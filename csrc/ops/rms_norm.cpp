@@ -9,6 +9,7 @@
 // parallel over rows, each row converted to fp32 once and processed with Vectorized<float>.
 #include "rms_norm.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/autograd.h>

@@ -3,7 +3,7 @@
 // raise the same errors and compute from the same layouts.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace tp_ext::ops {
 

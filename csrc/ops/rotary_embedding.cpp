@@ -13,6 +13,7 @@
 // heads. Math in fp32 (fp64 for fp64).
 #include "rotary_embedding.h"
 
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>

@@ -1,7 +1,7 @@
 // Shared by the CPU and CUDA kernels of tp_ext::rotary_embedding.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace tp_ext::ops {
 

@@ -8,6 +8,7 @@
 // (tests/test_fused_kernels.py: test_swiglu_rounds_once).
 #include "swiglu.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

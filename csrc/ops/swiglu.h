@@ -2,7 +2,7 @@
 // the argument checks and the setup of inputs and outputs, so both devices raise the same errors.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

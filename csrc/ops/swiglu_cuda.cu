@@ -3,6 +3,7 @@
 // grid-stride loop, fp32 math (double for double), one rounding, on the current stream. Inputs
 // arrive contiguous. When I is a multiple of 16 bytes of elements (and the tensors are aligned)
 // each step moves one 128-bit pack of gate, up and the output; otherwise one element.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 // c10's stream header, not ATen/cuda/CUDAContext.h (which pulls in cuSPARSE/cuBLAS headers the
 // compile-check toolkit lacks); c10::cuda::getCurrentCUDAStream is what at::cuda re-exports.

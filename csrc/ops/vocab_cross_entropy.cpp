@@ -19,6 +19,7 @@
 // for fp64 logits).
 #include "vocab_cross_entropy.h"
 
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

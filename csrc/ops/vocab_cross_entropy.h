@@ -2,7 +2,7 @@
 // vocab_cross_entropy_cuda.cu) and its communicating op (vocab_parallel_cross_entropy.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace tp_ext::ops {
 

@@ -13,6 +13,7 @@
 // Every step is a registered op called through the dispatcher below autograd, so torch.compile /
 // AOTAutograd trace the collectives (ordered effects) and the local kernels into the graph, as the
 // Megatron pairs do (comm/megatron_pairs.cpp).
+#include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
