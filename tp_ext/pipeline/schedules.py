@@ -9,10 +9,10 @@ once across micro-batches and DP replicas, and stage modules built from the mode
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable, Optional
 
 import torch
-from torch.distributed import pipelining as torch_pp
 
 from tp_ext.compression import METHODS
 from tp_ext.pipeline.data_parallel import ReplicatedStages, replicate_stages
@@ -23,10 +23,14 @@ __all__ = ["SCHEDULES", "Schedule", "check_schedule", "prepare_stages", "Pipelin
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     name: str
-    torch_class: type
+    torch_class_name: str  # in torch.distributed.pipelining
     multi_stage: bool  # several stages per rank (virtual stages)
     order: str  # the StageSplit order it needs: "loop" or "v"
     weight_split: bool  # backward split into input and weight gradients (zero bubble)
+
+    @property
+    def torch_class(self) -> type:
+        return getattr(_torch_pipelining(), self.torch_class_name)
 
     def requirement(self) -> str:
         if self.order == "v":
@@ -36,17 +40,21 @@ class Schedule:
         return "virtual_stages=1 (one stage per rank)"
 
 
+def _torch_pipelining():
+    """torch.distributed.pipelining, imported on first use: it imports torch._dynamo (a second of
+    CPU per process), which a job without a pipeline, and `import tp_ext`, need not pay."""
+    return importlib.import_module("torch.distributed.pipelining")
+
+
 SCHEDULES = {
     s.name: s
     for s in (
-        Schedule("GPipe", torch_pp.ScheduleGPipe, False, "loop", False),
-        Schedule("1F1B", torch_pp.Schedule1F1B, False, "loop", False),
-        Schedule("Interleaved1F1B", torch_pp.ScheduleInterleaved1F1B, True, "loop", False),
-        Schedule(
-            "InterleavedZeroBubble", torch_pp.ScheduleInterleavedZeroBubble, True, "loop", True
-        ),
-        Schedule("ZBVZeroBubble", torch_pp.ScheduleZBVZeroBubble, True, "v", True),
-        Schedule("DualPipeV", torch_pp.ScheduleDualPipeV, True, "v", True),
+        Schedule("GPipe", "ScheduleGPipe", False, "loop", False),
+        Schedule("1F1B", "Schedule1F1B", False, "loop", False),
+        Schedule("Interleaved1F1B", "ScheduleInterleaved1F1B", True, "loop", False),
+        Schedule("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", True, "loop", True),
+        Schedule("ZBVZeroBubble", "ScheduleZBVZeroBubble", True, "v", True),
+        Schedule("DualPipeV", "ScheduleDualPipeV", True, "v", True),
     )
 }
 
@@ -217,7 +225,7 @@ class PipelineRunner:
         # running a forward and the loss on the first micro-batch, which would count that
         # micro-batch's loss twice and draw dropout masks out of turn.
         stages = [
-            torch_pp.PipelineStage(
+            _torch_pipelining().PipelineStage(
                 module,
                 stage,
                 self.layout.num_stages,
