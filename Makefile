@@ -22,10 +22,13 @@ demo: install
 lint: install
 	PY=$(PY) bash scripts/lint.sh
 
-# the linters, then pytest with the CUDA compile check beside it (scripts/test.sh)
 test: install
-	PY=$(PY) bash scripts/test.sh $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/lint.sh
+	PY=$(PY) bash scripts/check_cuda_compile.sh
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # every combination of the layout x schedule matrices (`make test` runs a subset covering every path)
 test-all: install
-	PY=$(PY) bash scripts/test.sh --full-matrix $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/lint.sh
+	PY=$(PY) bash scripts/check_cuda_compile.sh
+	$(PY) -m pytest -q tests --full-matrix $(PYTEST_ARGS)
