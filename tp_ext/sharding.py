@@ -155,9 +155,7 @@ def _holder_runs(full: int, segments) -> list[tuple[int, int, int]]:
     """``(start, stop, holders)`` runs covering ``[0, full)``: how many ranks hold each index.
     Counted per run between segment boundaries, not per index, so building a full-size model on
     the meta device (the planner's footprints) costs no time per row."""
-    pieces = [
-        (offset, offset + length) for rank_segments in segments for offset, length in rank_segments
-    ]
+    pieces = []
     for rank, rank_segments in enumerate(segments):
         for offset, length in rank_segments:
             if offset < 0 or offset + length > full:
@@ -165,6 +163,7 @@ def _holder_runs(full: int, segments) -> list[tuple[int, int, int]]:
                     f"rank {rank}'s segment (offset {offset}, length {length}) lies outside "
                     f"the full axis [0, {full})"
                 )
+            pieces.append((offset, offset + length))
     bounds = sorted({0, full, *(start for start, _ in pieces), *(stop for _, stop in pieces)})
     return [
         (start, stop, sum(1 for s, e in pieces if s <= start and stop <= e))
