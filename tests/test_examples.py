@@ -37,13 +37,21 @@ def test_example_runs_and_checks_itself(script):
 
 def test_the_documented_module_paths_import():
     """The docs name `tp_ext.comm` and `tp_ext.random` as modules: both import statements a
-    user writes from them work, in a fresh interpreter, and give the one module."""
+    user writes from them work, in a fresh interpreter, and give the one module. Importing
+    tp_ext loads none of the torch packages that cost a second or more per process and that
+    only some jobs use (every rank of every launch would pay): DTensor (with sympy), DCP,
+    pipelining (with dynamo)."""
     code = (
+        "import sys\n"
         "import tp_ext.comm, tp_ext.random, tp_ext.distributed\n"
         "from tp_ext.comm import track, all_reduce\n"
         "from tp_ext.random import manual_seed\n"
         "assert tp_ext.comm is tp_ext.distributed.comm\n"
         "assert tp_ext.random is tp_ext.distributed.rng\n"
+        "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint',\n"
+        "         'torch.distributed.pipelining', 'torch._dynamo', 'sympy')\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, f'import tp_ext loaded {loaded}'\n"
         "print('imported')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -173,3 +173,23 @@ def test_default_backend_is_nccl_only_with_a_gpu_per_local_rank(monkeypatch):
         assert default_backend() == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_backend() == "gloo"
+
+
+def _dtensor_checks():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tp_ext.distributed.dtensors import is_dtensor, local_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    whole = torch.arange(12.0).reshape(6, 2)
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    assert is_dtensor(sharded) and not is_dtensor(whole) and not is_dtensor(None)
+    assert local_tensor(whole) is whole
+    return local_tensor(sharded)
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_dtensor_helpers_find_dtensors_and_their_local_pieces(ws):
+    pieces = run_distributed(_dtensor_checks, ws)
+    assert torch.equal(torch.cat(pieces), torch.arange(12.0).reshape(6, 2))

@@ -14,8 +14,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from tp_ext.checkpoint.atomic import abandon_save, commit_save, reading, saving, start_save
 from tp_ext.checkpoint.errors import CheckpointError
@@ -23,6 +21,7 @@ from tp_ext.checkpoint.hf import tp_size
 from tp_ext.checkpoint.layout import declared_map, model_checkpoint_map, row_reads, tied_names
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
+from tp_ext.distributed.dtensors import is_dtensor
 from tp_ext.distributed.groups import ResolvedGroup, device_of
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import expert_rows, tensor_specs
@@ -41,8 +40,13 @@ __all__ = [
 ]
 
 
-# DCP's gathered failure is a BaseException, which ``except Exception`` would let through.
-_DCP_ERRORS = (Exception, CheckpointException)
+def _dcp_errors() -> tuple:
+    """What a DCP call can raise: its gathered failure is a BaseException, which ``except
+    Exception`` would let through. DCP is imported on first use (it imports DTensor: see
+    :mod:`tp_ext.distributed.dtensors`)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def _world():
@@ -159,7 +163,7 @@ def copy_tied(tied_copies: list) -> None:
 def _data_parallel_slice(tensor: torch.Tensor, name: str):
     """(this rank's local data, the first of its rows, the shape it is a slice of). FSDP2 keeps
     a dim-0 slice of each TP-local tensor on each DP rank (a DTensor on the DP mesh)."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return tensor.detach(), 0, tuple(tensor.shape)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -337,7 +341,7 @@ def _save(state, directory, distributed, path, world) -> None:
                 storage_writer=HuggingFaceStorageWriter(directory, save_distributed=True),
                 no_dist=not distributed,
             )
-    except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
+    except _dcp_errors() as e:  # DCP raises on every rank (it gathers failures)
         raise CheckpointError(f"saving {path}: {e}{peers.explain(world)}") from e
 
 
@@ -395,7 +399,7 @@ class PendingSave:
         def written():
             try:
                 self._future.result()
-            except _DCP_ERRORS as e:  # DCP's gathered failure is a BaseException
+            except _dcp_errors() as e:  # DCP's gathered failure is a BaseException
                 raise CheckpointError(f"saving {self.path}: {e}") from e
 
         try:
@@ -540,5 +544,5 @@ def _read(directory, info, state, world, distributed, path) -> None:
     try:
         with _single_process_is_intended(distributed):
             dcp.load(state, storage_reader=reader, no_dist=not distributed)
-    except _DCP_ERRORS as e:  # DCP raises on every rank (it gathers failures)
+    except _dcp_errors() as e:  # DCP raises on every rank (it gathers failures)
         raise CheckpointError(f"loading {path} ({directory}): {e}{peers.explain(world)}") from e

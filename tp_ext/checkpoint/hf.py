@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
@@ -42,6 +41,7 @@ from tp_ext.checkpoint.safetensors_io import (
     load_local,
 )
 from tp_ext.distributed import comm
+from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import iter_full_tensors, tensor_specs
 from tp_ext.sharding import Partition
@@ -309,7 +309,7 @@ def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
     own = iter_full_tensors(model)  # a collective: every rank iterates
     first = entries[0][1]
     dtype = first.dtype
-    device = (first.to_local() if isinstance(first, DTensor) else first).device
+    device = local_tensor(first).device
     for rank, name in plan.order:
         if rank == me:
             own_name, full = next(own)

@@ -19,9 +19,9 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
+from tp_ext.distributed.dtensors import is_dtensor
 from tp_ext.sharding import GridBlock, Partition, ShardSpec
 
 __all__ = [
@@ -205,7 +205,7 @@ def iter_full_tensors(module: nn.Module):
 
 @torch.no_grad()
 def _gather_full(tensor: torch.Tensor, spec, owner) -> torch.Tensor:
-    if isinstance(tensor, DTensor):  # sharded over data-parallel ranks too (FSDP2): whole first
+    if is_dtensor(tensor):  # sharded over data-parallel ranks too (FSDP2): whole first
         tensor = tensor.full_tensor()
     if isinstance(spec, GridBlock):
         return _gather_grid_block(tensor, spec, owner.grid)

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
+from tp_ext.distributed.dtensors import is_dtensor, local_tensor
 from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.layers import ParallelModule, expert_parameters
 from tp_ext.sharding import Partition
@@ -108,7 +108,7 @@ def _local_norm_power(model, tp: ResolvedGroup, p: float, skip=frozenset(), dp_s
     for param, spec, where in _grads_with_specs(model, tp, skip):
         g = param.grad
         rows = None
-        if isinstance(g, DTensor):
+        if is_dtensor(g):
             g = g.to_local()
             rows = _dp_rows(param.shape[0], dp_shards) if dp_shards is not None else None
         if spec is None:
@@ -177,7 +177,7 @@ def scale_grads_(model: nn.Module, max_norm: float, total: torch.Tensor) -> None
     for param in model.parameters():
         g = param.grad
         if g is not None:
-            g = g.to_local() if isinstance(g, DTensor) else g
+            g = local_tensor(g)
             g.mul_(coef.to(g.dtype))
 
 

@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tp_ext.distributed import comm
+from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.layers import ExpertParallelMoE, expert_parameters, vocab_parallel_cross_entropy
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner, check_schedule
 from tp_ext.pipeline.schedules import prepare_stages
@@ -367,7 +367,7 @@ class PipelineStep(StepStrategy):
         """A tied embedding under pipelining has a copy on the first and on the last stage:
         both get the sum of the two gradients (so both copies take the same update)."""
         weights = self.model.tied_weights() if hasattr(self.model, "tied_weights") else []
-        grads = [_local(w.grad) for w in weights if w.grad is not None]
+        grads = [local_tensor(w.grad) for w in weights if w.grad is not None]
         if len(grads) == 2:  # both copies on this rank (V-shaped schedules)
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
@@ -515,7 +515,3 @@ def _set_grads(params, flat: torch.Tensor) -> torch.Tensor:
             p.grad.copy_(grad)
         offset += p.numel()
     return flat[offset:]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
