@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import time
@@ -274,7 +275,8 @@ class _SelfCheck:
             )
             + ":"
         )
-        REPORT.info(format_footprint(footprint(full, state.tp, self.inputs.job.parallel.dtype)))
+        if REPORT.isEnabledFor(logging.INFO):  # rank 0: 9 full-size models built on meta
+            REPORT.info(format_footprint(footprint(full, state.tp, self.inputs.job.parallel.dtype)))
 
     def write_small_checkpoint(self) -> str:
         """[2] A small random checkpoint of the same family in Hugging Face format (rank 0)."""
