@@ -2,6 +2,8 @@
 test-all``); without it, tests marked ``full_matrix`` are deselected (not skipped), and the
 representative subset that covers every code path runs (``make test``)."""
 
+import pytest
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -20,3 +22,22 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+@pytest.fixture
+def tp_ext_here(capsys):
+    """``tp-ext ARGS`` run in this process, as one rank outside torchrun runs it: returns its exit
+    status, stdout and stderr. For the single-process commands whose tests are about what they
+    print and return, not about the process they run in (a fresh interpreter costs seconds)."""
+    from tp_ext.cli import main
+
+    def run(*argv):
+        capsys.readouterr()
+        try:
+            status = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse's refusals
+            status = e.code
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    return run

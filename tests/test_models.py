@@ -82,39 +82,16 @@ def test_hf_config_json_is_read(tmp_path):
     assert config == mini
 
 
-def test_cli_plan_json():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tp_ext",
-            "plan",
-            os.path.join(CONFIGS, "qwen2-72b.yaml"),
-            "--tp",
-            "8",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_cli_plan_json(tp_ext_here):
+    status, out, _ = tp_ext_here(
+        "plan", os.path.join(CONFIGS, "qwen2-72b.yaml"), "--tp", 8, "--json"
+    )
+    assert status == 0
     plan = json.loads(out)
     assert plan["parameters_total"] == 72_706_203_648
     assert plan["ranks"][7]["parameters"] == 9_089_429_504
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tp_ext",
-            "plan",
-            os.path.join(CONFIGS, "qwen2-mini.yaml"),
-            "--tp",
-            "9",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "use one of" in bad.stderr
+    status, _, err = tp_ext_here("plan", os.path.join(CONFIGS, "qwen2-mini.yaml"), "--tp", 9)
+    assert status == 2 and "use one of" in err
 
 
 def _check_against_hf():

@@ -5,8 +5,6 @@ Qwen2-72B on the meta device, checked against the per-layer formula of
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -201,26 +199,9 @@ def test_tied_embedding_copy_and_uneven_tp():
         assert fp["ranks"][t]["bytes"] == 4 * fp["ranks"][t]["parameters"]
 
 
-def test_cli_json(q72):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tp_ext",
-            "plan",
-            Q72,
-            "--tp",
-            "8",
-            "--pp",
-            "4",
-            "--dp",
-            "2",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_cli_json(q72, tp_ext_here):
+    status, out, _ = tp_ext_here("plan", Q72, "--tp", 8, "--pp", 4, "--dp", 2, "--json")
+    assert status == 0
     fp = json.loads(out)
     assert (fp["tp"], fp["pp"], fp["dp"], fp["world_size"]) == (8, 4, 2, 64)
     assert [s["tp_ranks"][7]["parameters"] for s in fp["stages"]] == [

@@ -432,15 +432,13 @@ def test_plan_costs_2d_grids_beside_1d():
     assert all(e.candidate.dims.grid is None for e in tied)
 
 
-def test_cli_plan_auto():
-    cmd = [sys.executable, "-m", "tp_ext", "plan", "configs/qwen2-72b.yaml", "--auto"]
-    out = subprocess.run(
-        cmd + ["--gpus", "64", "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
+def test_cli_plan_auto(tp_ext_here):
+    cmd = ["plan", "configs/qwen2-72b.yaml", "--auto"]
+    status, out, _ = tp_ext_here(
+        *cmd, "--gpus", 64, "--gpus-per-node", 8, "--gpu-memory", "80GiB", "--json"
     )
-    ranked = json.loads(out.stdout)
+    assert status == 0
+    ranked = json.loads(out)
     first = ranked[0]
     assert set(first["memory_bytes"]) >= {
         "params", "grads", "optimizer", "activations", "kv_cache", "total"
@@ -453,14 +451,14 @@ def test_cli_plan_auto():
     assert first["layout"] == {**first["candidate"], "recompute": first["candidate"][
         "activation_checkpointing"]}  # fmt: skip
     assert first["fits"] and first["reason"] and first["step_time_s"] > 0
-    table = subprocess.run(cmd + ["--gpus", "16", "--gpus-per-node", "8", "--top", "3"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    assert len(table.stdout.strip().splitlines()) == 4  # the header and three layouts
-    missing = subprocess.run(cmd, capture_output=True, text=True)
-    assert missing.returncode == 2 and "--gpus: required with --auto" in missing.stderr
+    status, table, _ = tp_ext_here(*cmd, "--gpus", 16, "--gpus-per-node", 8, "--top", 3)
+    assert status == 0
+    assert len(table.strip().splitlines()) == 4  # the header and three layouts
+    status, _, err = tp_ext_here(*cmd)
+    assert status == 2 and "--gpus: required with --auto" in err
 
 
-def test_train_and_run_take_the_planners_layout(tmp_path):
+def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
     import tp_ext.data as data
 
     tokens = str(tmp_path / "tokens.bin")
@@ -476,10 +474,6 @@ def test_train_and_run_take_the_planners_layout(tmp_path):
     for command in (["train", "configs/train-tiny.yaml", "--data", tokens, "--steps", "2",
                      "--checkpoint-dir", str(tmp_path / "other")],
                     ["run", "configs/qwen2-72b.yaml"]):  # fmt: skip
-        refused = subprocess.run(
-            [sys.executable, "-m", "tp_ext", *command, "--auto", "--tp", "2"],
-            capture_output=True,
-            text=True,
-        )
-        assert refused.returncode == 2, refused.stderr
-        assert "--auto chooses the layout itself; drop --tp" in refused.stderr
+        status, _, err = tp_ext_here(*command, "--auto", "--tp", 2)
+        assert status == 2, err
+        assert "--auto chooses the layout itself; drop --tp" in err
