@@ -138,8 +138,9 @@ class BuildExtension(cpp_extension.BuildExtension):
     autograd, the dispatcher); torch's setup.py path has no precompiled-header option (only its
     JIT ``load_inline`` does), so this compiles ``csrc/common/precompiled.h`` once with exactly the
     flags of the C++ objects and force-includes it. GCC ignores a precompiled header whose flags
-    differ (``-Winvalid-pch`` says so), so a mismatch costs time, never correctness. Rebuilt only
-    when its command line, its source or torch changes, so incremental builds stay incremental."""
+    differ (``-Winvalid-pch`` says so), so a mismatch costs time, never correctness. Rebuilt, with
+    every object, only when its command line, its source or torch changes, so incremental builds
+    stay incremental."""
 
     def build_extension(self, ext):
         cxx = cpp_extension.get_cxx_compiler()
@@ -168,8 +169,16 @@ class BuildExtension(cpp_extension.BuildExtension):
         stamp = "\n".join([shlex.join(command), torch.__version__, text])
         stamp_file = gch + ".stamp"
         os.makedirs(pch_dir, exist_ok=True)
-        fresh = os.path.exists(gch) and os.path.exists(stamp_file)
-        if not fresh or open(stamp_file).read() != stamp:
+        try:
+            with open(stamp_file) as f:
+                fresh = os.path.exists(gch) and f.read() == stamp
+        except FileNotFoundError:
+            fresh = False
+        if not fresh:
+            # GCC's dependency lists leave out what came from the precompiled header, so ninja
+            # would not see that torch or this header changed: the objects are rebuilt here
+            for obj in glob.glob(os.path.join(self.build_temp, "**", "*.o"), recursive=True):
+                os.remove(obj)
             shutil.copyfile(source, header)
             print(f"precompiling {os.path.relpath(source, ROOT)}", flush=True)
             subprocess.run(command, check=True)
