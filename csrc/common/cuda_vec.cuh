@@ -62,6 +62,17 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
   return total;
 }
 
+// Threads per block of tp_ext's one-dimensional kernels (8 warps).
+constexpr int kThreads = 256;
+
+// Threads for a block that covers `n` elements, a row or a chunk: whole warps (the block
+// reductions and ballots need them), a power of two, at most kThreads.
+inline int threads_for(int64_t n) {
+  int t = 32;
+  while (t < kThreads && t < n) t *= 2;
+  return t;
+}
+
 // Multiprocessors of the current device (grid sizes of persistent kernels).
 inline int multiprocessors() {
   int device = 0, count = 0;

@@ -15,13 +15,15 @@
 #include <algorithm>
 #include <tuple>
 
+#include "../common/cuda_vec.cuh"
 #include "../common/dispatch.h"
 #include "grad_compression.h"
 
 namespace tp_ext::ops {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda::kThreads;
+using cuda::threads_for;
 constexpr int64_t kMaxBlocks = 4096;  // enough to fill any current GPU; grid-stride beyond
 
 struct Max {
@@ -126,14 +128,6 @@ __global__ void dequantize_1bit_kernel(const uint8_t* __restrict__ bits,
     const float scale = scales[i / chunk];
     out[i] = (bits[i / 8] >> (i % 8)) & 1 ? scale : -scale;
   }
-}
-
-// Threads per quantiser block: a multiple of 32 (whole warps for the ballot), no more than the
-// chunk needs.
-int threads_for(int64_t chunk) {
-  int t = 32;
-  while (t < kThreads && t < chunk) t *= 2;
-  return t;
 }
 
 int64_t elementwise_blocks(int64_t n) {

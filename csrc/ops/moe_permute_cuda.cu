@@ -22,13 +22,14 @@
 
 #include <type_traits>
 
+#include "../common/cuda_vec.cuh"
 #include "../common/dispatch.h"
 #include "moe_permute.h"
 
 namespace tp_ext::ops {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda::kThreads;
 
 template <typename T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;

@@ -32,6 +32,7 @@ using cuda::kVec;
 using cuda::load_pack;
 using cuda::Pack;
 using cuda::store_pack;
+using cuda::threads_for;
 
 // Fast path: at most 512 threads (so the compiler may give each 128 registers) holding at most
 // 8 packs of the row each; wider rows (> 32768 bf16, > 16384 fp32) take the scalar kernels.
@@ -267,12 +268,6 @@ __global__ void rms_norm_weight_grad_kernel(const G* __restrict__ g, const T* __
     acc += static_cast<float>(g[i * hdim + j]) *
            round_t<T>(static_cast<float>(x[i * hdim + j]) * rstd[i]);
   gw[j] = acc;
-}
-
-int threads_for(int64_t hdim) {
-  int t = 32;
-  while (t < 256 && t < hdim) t *= 2;
-  return t;
 }
 
 // ---- launches ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@
 namespace tp_ext::ops {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda::kThreads;
 
 // fp32 math for every type but double, which keeps double.
 template <typename T>

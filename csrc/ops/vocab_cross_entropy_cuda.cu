@@ -21,7 +21,7 @@
 namespace tp_ext::ops {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda::kThreads;
 constexpr int kWarps = kThreads / 32;
 
 struct MaxOp {
