@@ -3,10 +3,12 @@
 ``run_distributed(fn, world_size, *args)`` runs module-level ``fn(*args)`` on every rank of a
 process group of ``world_size`` ranks and returns the per-rank results. Worker processes are kept
 between calls (one pool per world size), since starting Python and importing torch dominates
-small tests. When any rank fails, the others get a short grace period, then every rank's status
-is reported together (tracebacks of failed ranks, the Python stack of ranks that were still
-running) and the pool is torn down, so the next test starts clean. A call that runs past its
-timeout (default 120 s) fails the same way, so a hang fails the test within about two minutes.
+small tests; they are forked from a server process that imported torch, tp_ext, Dynamo and
+transformers once (see PRELOAD). When any rank fails, the others get a short grace period, then
+every rank's status is reported together (tracebacks of failed ranks, the Python stack of ranks
+that were still running) and the pool is torn down, so the next test starts clean. A call that
+runs past its timeout (default 120 s) fails the same way, so a hang fails the test within about
+two minutes.
 
 ``launch_once`` starts fresh processes for one call and returns every rank's outcome, for tests
 that kill or hang ranks on purpose.
@@ -84,7 +86,13 @@ def _reset_tp_ext_state():
     _C._set_tracking(False)
 
 
-def _worker(rank, world_size, init_file, tasks, results, stack_dir, pg_timeout):
+def _worker(rank, world_size, init_file, tasks, results, stack_dir, pg_timeout, environ, cwd):
+    # A worker is forked from the fork server, whose environment and directory are the ones it
+    # started with: take the test's (a spawned process would have inherited them), TMPDIR too.
+    os.environ.clear()
+    os.environ.update(environ)
+    tempfile.tempdir = None
+    os.chdir(cwd)
     import torch
 
     torch.set_num_threads(1)
@@ -119,9 +127,22 @@ def _worker(rank, world_size, init_file, tasks, results, stack_dir, pg_timeout):
     dist.destroy_process_group()
 
 
+# Workers are forked from one server process that has imported these once: a spawned worker
+# spent 5 to 8 s of CPU importing them (torch, tp_ext, Dynamo that torch's optimizers load,
+# transformers for the reference models), and the suite starts about a hundred workers on 2
+# cores. The server only imports (no ops, no threads of tp_ext's), so forking it is safe.
+PRELOAD = ["torch", "tp_ext", "torch._dynamo", "transformers"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class _Pool:
     def __init__(self, world_size: int, pg_timeout: float = PG_TIMEOUT):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.dir = tempfile.mkdtemp(prefix=f"tp_ext_ws{world_size}_")
         init_file = os.path.join(self.dir, "rendezvous")
@@ -131,7 +152,17 @@ class _Pool:
             ctx.Process(
                 target=_worker,
                 daemon=True,
-                args=(r, world_size, init_file, self.tasks[r], self.results, self.dir, pg_timeout),
+                args=(
+                    r,
+                    world_size,
+                    init_file,
+                    self.tasks[r],
+                    self.results,
+                    self.dir,
+                    pg_timeout,
+                    dict(os.environ),
+                    os.getcwd(),
+                ),
             )
             for r in range(world_size)
         ]
