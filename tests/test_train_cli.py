@@ -244,18 +244,39 @@ LAYOUTS = {  # name: (ranks, flags)
 }
 
 
+# The interrupted runs (stopped and resumed, or a worker killed) train 8 steps, the cosine decay
+# running from step 2 to step 8 in every run (a stopped run's --steps 4 would otherwise end it
+# at step 4), and must equal the straight run bitwise.
+STEPS = 8
+SCHEDULE = ["--warmup-steps", "2", "--decay-steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, tokens):
+    """The metrics of the uninterrupted run at a layout, trained once for all the tests that
+    compare with it (each run is a torchrun of its own: ~10 s on 2 cores)."""
+    runs = {}
+
+    def metrics_of(layout: str) -> dict[int, dict]:
+        if layout not in runs:
+            nproc, flags = LAYOUTS[layout]
+            directory = tmp_path_factory.mktemp(f"straight-{layout}")
+            _train(nproc, tokens, directory, STEPS, *flags, *SCHEDULE)
+            runs[layout] = _metrics(directory)
+        return runs[layout]
+
+    return metrics_of
+
+
 # the pipeline's resume is bitwise in Python at every layout (test_fit, test_training_state)
 @pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-dp2", marks=pytest.mark.full_matrix)])
-def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, layout):
+def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_run, layout):
     nproc, flags = LAYOUTS[layout]
-    # the cosine decay runs from step 2 to step 8 in both runs (the stopped one's --steps 4
-    # would otherwise end it at step 4)
-    flags = [*flags, "--warmup-steps", "2", "--decay-steps", "8"]
-    _train(nproc, tokens, tmp_path / "straight", 8, *flags)
+    flags = [*flags, *SCHEDULE]
     _train(nproc, tokens, tmp_path / "stopped", 4, *flags, "--async-save")
-    err = _train(nproc, tokens, tmp_path / "stopped", 8, *flags, "--resume", "--async-save")
+    err = _train(nproc, tokens, tmp_path / "stopped", STEPS, *flags, "--resume", "--async-save")
     assert "resumed from" in err and "(step 4," in err
-    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "stopped")
+    straight, resumed = straight_run(layout), _metrics(tmp_path / "stopped")
     assert sorted(straight) == sorted(resumed) == list(range(1, 9))
     for step in straight:
         assert resumed[step]["loss"] == straight[step]["loss"], f"step {step} (bitwise)"
@@ -414,25 +435,23 @@ def _kill_a_worker_after(proc, directory, step: int, timeout: float = 120) -> in
     raise AssertionError(f"training never reached step {step}: {proc.communicate()[1][-3000:]}")
 
 
-ELASTIC = [("tp2", 7, 14), pytest.param("pp2-dp2", 5, 12, marks=pytest.mark.full_matrix)]
-
-
-@pytest.mark.parametrize("layout, kill_after, steps", ELASTIC)
+# killed after step 3: the restarted group resumes from the checkpoint of step 2 and trains
+# steps 3 to 8 again
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-dp2", marks=pytest.mark.full_matrix)])
 def test_a_killed_worker_is_restarted_and_the_run_is_bitwise_the_same(
-    tmp_path, tokens, layout, kill_after, steps
+    tmp_path, tokens, straight_run, layout
 ):
     nproc, flags = LAYOUTS[layout]
-    _train(nproc, tokens, tmp_path / "straight", steps, *flags)
     directory = tmp_path / "elastic"
     proc = _torchrun(
         nproc,
-        ["--data", tokens, "--checkpoint-dir", str(directory), "--steps", str(steps)]
-        + ["--save-every", "2", *flags],
+        ["--data", tokens, "--checkpoint-dir", str(directory), "--steps", str(STEPS)]
+        + ["--save-every", "2", *flags, *SCHEDULE],
         restarts=3,
     )
-    _kill_a_worker_after(proc, directory, kill_after)
+    _kill_a_worker_after(proc, directory, 3)
     err = _finish(proc)
     assert "resumed from" in err, "the restarted group continued from a checkpoint"
-    straight, elastic = _metrics(tmp_path / "straight"), _metrics(directory)
-    assert sorted(elastic) == list(range(1, steps + 1))
+    straight, elastic = straight_run(layout), _metrics(directory)
+    assert sorted(elastic) == list(range(1, STEPS + 1))
     assert [elastic[s]["loss"] for s in elastic] == [straight[s]["loss"] for s in elastic]
