@@ -371,6 +371,41 @@ def test_calibrate_measures_every_cost_and_plan_reads_it_back(tmp_path, monkeypa
     assert json.loads(path.read_text()) == dataclasses.asdict(hw)
 
 
+def test_plan_of_a_file_plans_in_the_dtype_it_trains_in(tmp_path):
+    """A job file's parallel.dtype (float32 when it names none, the job's default), a Hugging
+    Face config's torch_dtype; dtype= overrides both (it used to plan every file in bfloat16:
+    a tiny float32 job's memory estimate came out half the measured peak)."""
+    import yaml
+
+    from tp_ext.models import Qwen2Config
+    from tp_ext.planner import plan
+
+    def memory(config, **kw):
+        ranked = plan(config, gpus=2, seq_len=SEQ, global_batch=4, hardware="cpu", top=None, **kw)
+        return {(str(e.candidate.dims), e.candidate.micro_batch): e.memory_bytes for e in ranked}
+
+    job = tmp_path / "job.yaml"
+    for dtype in ("float32", "bfloat16", None):
+        parallel = {"tp": 1} if dtype is None else {"tp": 1, "dtype": dtype}
+        job.write_text(yaml.safe_dump({"model": CFG, "parallel": parallel}))
+        expected = memory(_config(), dtype=dtype or "float32")
+        assert memory(str(job)) == expected, dtype
+        assert memory(_config()) == memory(_config(), dtype="bfloat16")  # no file: bfloat16
+    job.write_text(yaml.safe_dump({"model": CFG, "parallel": {"dtype": "float32"}}))
+    assert memory(str(job), dtype="bfloat16") == memory(_config(), dtype="bfloat16")
+    assert memory(str(job)) != memory(str(job), dtype="bfloat16")
+    hf = tmp_path / "config.json"
+    hf_config = {**CFG, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    hf.write_text(json.dumps({**hf_config, "torch_dtype": "float32"}))
+    assert memory(str(hf)) == memory(_config(), dtype="float32")
+    hf.write_text(json.dumps(hf_config))
+    assert memory(str(hf)) == memory(_config(), dtype="bfloat16")
+    assert Qwen2Config.from_file(str(hf)) == _config()
+    job.write_text(yaml.safe_dump({"model": CFG, "parallel": {"dtype": "int3"}}))
+    with pytest.raises(ValueError, match=r"job.yaml: parallel.dtype must be one of .*'int3'"):
+        plan(str(job), gpus=2, seq_len=SEQ, global_batch=4, hardware="cpu")
+
+
 def test_bad_input_is_refused_clearly():
     from tp_ext import ParallelDims
     from tp_ext.planner import Candidate, estimate, load_hardware, plan

@@ -31,6 +31,7 @@ from tp_ext.pipeline.schedules import check_micro_batches
 from tp_ext.training import OptimizerSettings
 from tp_ext.validation import (
     DTYPE_NAMES,
+    JOB_DEFAULT_DTYPE,
     ConfigError,
     Field,
     check_fields,
@@ -170,7 +171,7 @@ class ParallelSettings:
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None
-    dtype: str = "float32"
+    dtype: str = JOB_DEFAULT_DTYPE
     seed: int = 1234
     schedule: str = "1F1B"
     virtual_stages: int = 1

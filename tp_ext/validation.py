@@ -88,6 +88,8 @@ def check_unknown(section: str, given, known) -> None:
 # where a model takes dtype=), each with its bytes per element.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 DTYPE_NAMES = tuple(DTYPE_BYTES)
+# a job's parameters when its config names no parallel.dtype (tp_ext.config, tp_ext.planner)
+JOB_DEFAULT_DTYPE = "float32"
 # safetensors' header codes of those dtypes
 SAFETENSORS_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 

@@ -16,7 +16,13 @@ from tp_ext.planner.cost import estimate
 from tp_ext.planner.cost_2d import grid_problem
 from tp_ext.planner.hardware import Hardware, load_hardware
 from tp_ext.sharding import divisors
-from tp_ext.validation import check_dtype_name, check_int
+from tp_ext.validation import (
+    DTYPE_BYTES,
+    JOB_DEFAULT_DTYPE,
+    check_dtype_name,
+    check_int,
+    read_mapping,
+)
 
 __all__ = ["plan", "parse_bytes"]
 
@@ -199,7 +205,7 @@ def plan(
     seq_len: int = 4096,
     global_batch: int = 512,
     hardware: Union[str, Hardware] = "h100",
-    dtype: str = "bfloat16",
+    dtype: Optional[str] = None,
     top: Optional[int] = 10,
     micro_batch: Optional[int] = None,
     grids: bool = True,
@@ -210,8 +216,10 @@ def plan(
     candidates that fit ranked by estimated step time, then those that do not by how much they
     miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
     2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
-    (pp = 1, DDP)."""
-    config = _model_config(config)
+    (pp = 1, DDP). ``dtype``: the parameters' (None: a job file's ``parallel.dtype``, float32
+    when it names none, as the job trains; a Hugging Face config's ``torch_dtype``; else
+    bfloat16)."""
+    config, dtype = _model_config(config, dtype)
     for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
         check_int(name, value)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -246,15 +254,33 @@ def plan(
     return ranked[:top] if top else ranked
 
 
-def _model_config(config) -> Qwen2Config:
+def _model_config(config, dtype: Optional[str]) -> tuple[Qwen2Config, str]:
+    """The model config and the dtype to plan in: ``dtype`` when given, else the file's."""
+    file_dtype = None
     if isinstance(config, (str, os.PathLike)):  # a job YAML or a Hugging Face config.json
-        config = Qwen2Config.from_file(os.fspath(config))
+        path = os.fspath(config)
+        config = Qwen2Config.from_file(path)
+        file_dtype = _file_dtype(*read_mapping(path))
     if not isinstance(config, Qwen2Config):
         raise TypeError(
             f"plan: config must be a tp_ext.models.Qwen2Config or the path of a config file "
             f"(a job YAML, a Hugging Face config.json), got {type(config).__name__}"
         )
-    return config
+    return config, dtype or file_dtype or "bfloat16"
+
+
+def _file_dtype(path: str, data: dict) -> Optional[str]:
+    """The dtype a config file trains in: a job file's parallel.dtype (the job's default when
+    it has none), a Hugging Face config's torch_dtype (dtype in newer transformers) when it is
+    one tp_ext trains in; None otherwise."""
+    if "model_type" in data or "architectures" in data:
+        name = data.get("torch_dtype") or data.get("dtype")
+        return name if isinstance(name, str) and name in DTYPE_BYTES else None
+    parallel = data.get("parallel") or {}
+    if not isinstance(parallel, dict):
+        return None
+    name = parallel.get("dtype", JOB_DEFAULT_DTYPE)
+    return check_dtype_name(name, f"{path}: parallel.dtype")
 
 
 def _check_nodes(gpus: int, gpus_per_node: Optional[int]) -> int:
