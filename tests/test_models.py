@@ -202,3 +202,112 @@ def test_from_pretrained_names_a_missing_checkpoint_directory(tmp_path):
     for path, says in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "file", "is not a")):
         with pytest.raises(ConfigError, match=f"checkpoint directory '{path}' {says}"):
             Qwen2ForCausalLM.from_pretrained(str(path))
+
+
+# ---- random initialisation from a config ---------------------------------------------------------
+
+
+def _initial_weights(tp, pp, tied):
+    """This rank's stages of a model built from a config at the layout, gathered over TP (a
+    grid when ``tp`` is a (P, Q) pair), and the single-process model built from the same seed."""
+    import tp_ext
+    from tp_ext.distributed import ResolvedGroup
+
+    config = Qwen2Config.from_dict({**_TINY, "tie_word_embeddings": tied})
+    state = tp_ext.init_parallel(tp=tp, pp=pp)
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM.from_config(config, parallel=state, virtual_stages=1)
+    torch.manual_seed(7)
+    single = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local()).state_dict()
+    if isinstance(tp, tuple):  # the 2D model keeps transformers' separate q/k/v, gate/up
+        single = _as_hf_names(single, config)
+    return model.full_state_dict(), single
+
+
+def _as_hf_names(state, config):
+    """Our full tensors under transformers' names (fused ones cut into their pieces)."""
+    from tp_ext.models.qwen2.hf_layout import checkpoint_map
+
+    out = {}
+    for name, pieces in checkpoint_map(config).items():
+        offset = 0
+        for piece in pieces:
+            out[piece.name] = state[name][offset : offset + piece.rows]
+            offset += piece.rows
+    return out
+
+
+_TINY = dict(
+    vocab_size=301,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.05,
+)
+
+
+# every layout holds blocks of the one model the seed gives: TP degrees (uneven at 3), pipeline
+# stages (a stage builds only its layers; a tied head on the last stage copies the embedding's
+# draw), both, and a 2D grid
+@pytest.mark.parametrize(
+    "tp, pp, tied",
+    [(1, 1, True), (2, 1, False), (3, 1, True), (1, 2, True), (2, 2, True), ((2, 2), 1, False)],
+    ids=["tp1-tied", "tp2", "tp3-tied", "pp2-tied", "tp2-pp2-tied", "grid2x2"],
+)
+def test_initial_weights_are_the_same_at_every_layout(tp, pp, tied):
+    world = (tp[0] * tp[1] if isinstance(tp, tuple) else tp) * pp
+    results = run_distributed(_initial_weights, world, tp, pp, tied)
+    for held, single in results:
+        assert held, "every rank holds part of the model"
+        for name, tensor in held.items():
+            assert torch.equal(tensor, single[name]), name
+    assert set().union(*(held for held, _ in results)) == set(single), "the whole model"
+
+
+def test_initial_weights_follow_transformers():
+    """N(0, initializer_range) for every linear and embedding weight, biases zero, norms one:
+    a model built from a config starts at the loss of a uniform guess, ln(vocab), as
+    transformers' Qwen2 does (the layers' torch.nn initialisation gave the tied embedding
+    N(0, 1): a first loss of about 62 for configs/train-tiny.yaml)."""
+    import math
+
+    from transformers import Qwen2Config as HFQwen2Config
+    from transformers import Qwen2ForCausalLM as HFQwen2
+
+    config = _config("train-tiny.yaml")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    std = config.initializer_range
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".bias"):
+            assert torch.count_nonzero(tensor) == 0, name
+        elif "norm" in name:
+            assert torch.equal(tensor, torch.ones_like(tensor)), name
+        else:
+            assert abs(tensor.std().item() - std) < 0.1 * std, (name, tensor.std().item())
+            assert abs(tensor.mean().item()) < 0.1 * std, name
+    ids = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
+
+    def first_loss(logits):
+        flat = logits[:, :-1].reshape(-1, config.vocab_size).float()
+        return torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1)).item()
+
+    uniform = math.log(config.vocab_size)
+    with torch.no_grad():
+        ours = first_loss(model(ids))
+        hf_config = HFQwen2Config(**_hf_fields(config))
+        theirs = first_loss(HFQwen2(hf_config).eval()(ids).logits)
+    assert abs(ours - uniform) < 0.05 and abs(theirs - uniform) < 0.05, (ours, theirs, uniform)
+
+
+def _hf_fields(config):
+    from tp_ext.models.qwen2.hf_layout import hf_config
+
+    fields = hf_config(config, torch.float32)
+    assert fields["initializer_range"] == config.initializer_range
+    return {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")}

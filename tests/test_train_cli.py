@@ -282,7 +282,10 @@ def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_
         assert resumed[step]["loss"] == straight[step]["loss"], f"step {step} (bitwise)"
         assert resumed[step]["grad_norm"] == straight[step]["grad_norm"], f"step {step}"
         assert resumed[step]["lr"] == straight[step]["lr"]
-    assert straight[8]["loss"] < straight[1]["loss"] / 2, "it learns"
+    # it starts at the loss of a uniform guess over the 300 tokens (transformers' initial scale)
+    # and learns
+    assert abs(straight[1]["loss"] - math.log(300)) < 0.1, straight[1]["loss"]
+    assert straight[8]["loss"] < straight[1]["loss"] - 0.5, "it learns"
     assert [s for s, _ in published(str(tmp_path / "stopped"))] == [4, 6, 8], "keep_last 3"
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "full_shapes",
     "expert_rows",
     "check_full_keys",
+    "init_from_full_tensors",
 ]
 
 
@@ -130,6 +131,26 @@ def _full_shape(tensor: torch.Tensor, spec, expert=None) -> tuple[int, ...]:
         if split is not None:
             shape = split.full_shape_of(shape)
     return shape
+
+
+@torch.no_grad()
+def init_from_full_tensors(module: nn.Module, draw) -> None:
+    """Set every parameter of ``module`` to this rank's block of the full tensor that
+    ``draw(name, full_shape, owner)`` returns (``name`` as in ``module.state_dict()``, ``owner``
+    the module holding it). When ``draw`` depends only on its arguments, every layout (TP degree,
+    grid, pipeline stage, expert split) holds blocks of the same full model. A parameter held
+    under two names (a tied head) is set once; parameters on the meta device are skipped."""
+    done = set()
+    for name, tensor, owner, leaf in _owned_tensors(module):
+        if (
+            not isinstance(tensor, nn.Parameter)
+            or tensor.device.type == "meta"
+            or id(tensor) in done
+        ):
+            continue
+        done.add(id(tensor))
+        full = draw(name, _full_shape(tensor, _spec(owner, leaf), _expert_spec(owner, leaf)), owner)
+        tensor.copy_(_local(full, owner, leaf).to(tensor.device, tensor.dtype))
 
 
 def local_shards(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ MODEL_FIELDS = {
     "tie_word_embeddings": Field("bool"),
     "attention_dropout": Field("float", 0, 1, high_open=True),
     "architecture": Field("choice", choices=("qwen2", "qwen")),
+    "initializer_range": Field("float", 0, 1, low_open=True),
 }
 
 
@@ -61,6 +62,8 @@ class Qwen2Config:
     tie_word_embeddings: bool = False
     attention_dropout: float = 0.0  # training only; generation and eval run without dropout
     architecture: str = "qwen2"
+    # the std of the random initial weights of a model built from this config (transformers')
+    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         check_fields("model.", dataclasses.asdict(self), MODEL_FIELDS)
@@ -189,6 +192,8 @@ class Qwen2Config:
         values["tie_word_embeddings"] = False if tie is None else tie
         dropout = data.get("attention_dropout")
         values["attention_dropout"] = 0.0 if dropout is None else dropout
+        init_range = data.get("initializer_range")
+        values["initializer_range"] = 0.02 if init_range is None else init_range
         if not original:  # null: transformers' default, no grouped-query attention
             kv = data.get("num_key_value_heads")
             values["num_key_value_heads"] = values["num_attention_heads"] if kv is None else kv
@@ -223,7 +228,13 @@ _QWEN_NAMES = {"rope_theta": "rotary_emb_base", "rms_norm_eps": "layer_norm_epsi
 
 def _hf_table(names: dict) -> dict:
     table = {theirs: MODEL_FIELDS[ours] for ours, theirs in names.items()}
-    for name in ("tie_word_embeddings", "num_key_value_heads", "attention_dropout"):  # same name
+    same_name = (
+        "tie_word_embeddings",
+        "num_key_value_heads",
+        "attention_dropout",
+        "initializer_range",
+    )
+    for name in same_name:
         table[name] = MODEL_FIELDS[name]
     return table
 

@@ -116,6 +116,7 @@ def hf_config(config: Qwen2Config, dtype: torch.dtype) -> dict:
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_dropout": config.attention_dropout,
+        "initializer_range": config.initializer_range,
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

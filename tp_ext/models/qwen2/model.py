@@ -35,6 +35,7 @@ from tp_ext.layers import (
 )
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
 from tp_ext.sharding import StageSplit, shard_sizes
 from tp_ext.validation import ConfigError, as_torch_dtype, check_int
@@ -162,27 +163,29 @@ class Qwen2ForCausalLM(ParallelModule):
         layer_ids = [i for s in self.stage_ids for i in self.stage_split.layers_of(s)]
         has_embedding = 0 in self.stage_ids
         has_head = self.stage_split.last_stage in self.stage_ids
-        self.model = _Qwen2Model(
-            config, tp, device, dtype, sorted(layer_ids), has_embedding, has_head
-        )
-        self.lm_head = None
         # Under pipelining a tied head keeps its own copy, even on the rank that also holds the
         # embedding (V-shaped schedules): each stage module then owns its parameters, as DDP
         # and FSDP2 need; the Trainer sums the two gradients, so the copies stay equal.
         self.tied_across_stages = config.tie_word_embeddings and pp > 1
-        if has_head:
-            self.lm_head = ParallelLMHead(
-                config.vocab_size,
-                config.hidden_size,
-                tp_group=tp,
-                device=device,
-                dtype=dtype,
-                tie_to=self.model.embed_tokens
-                if config.tie_word_embeddings and not self.tied_across_stages
-                else None,
+        seed = draw_seed() if PROCESS.init_weights else None  # before any layer is built
+        with no_init():  # the layers' own (torch.nn's) initialisation is replaced below
+            self.model = _Qwen2Model(
+                config, tp, device, dtype, sorted(layer_ids), has_embedding, has_head
             )
-        if self.tied_across_stages and str(device) != "meta":
-            self._share_tied_init()
+            self.lm_head = None
+            if has_head:
+                self.lm_head = ParallelLMHead(
+                    config.vocab_size,
+                    config.hidden_size,
+                    tp_group=tp,
+                    device=device,
+                    dtype=dtype,
+                    tie_to=self.model.embed_tokens
+                    if config.tie_word_embeddings and not self.tied_across_stages
+                    else None,
+                )
+        if seed is not None:  # a tied head's own copy draws the embedding's tensor
+            init_weights(self, config, seed)
         self.activation_checkpointing = False
 
     @property
@@ -205,18 +208,6 @@ class Qwen2ForCausalLM(ParallelModule):
         if self.stage_split.rank_of(self.stage_split.last_stage) == 0:
             return None  # both on pipeline rank 0
         return tied_embedding_group(self.parallel)
-
-    @torch.no_grad()
-    def _share_tied_init(self) -> None:
-        """Copy the first stage's embedding into the last stage's head (fresh weights only)."""
-        group = self.tied_group() if self.is_pipelined else None
-        if not PROCESS.init_weights:
-            return  # about to be loaded: both copies come from the same checkpoint tensor
-        weights = self.tied_weights()
-        if len(weights) == 2:
-            weights[1].copy_(weights[0])
-        elif group is not None and weights:
-            dist.broadcast(weights[0], dist.get_global_rank(group, 0), group=group)
 
     def stage_modules(self) -> list[nn.Module]:
         """One module per pipeline stage this rank holds, in order, each owning the

@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext.distributed.grid import TPGrid
+from tp_ext.distributed.state import PROCESS
+from tp_ext.layers.base import no_init
 from tp_ext.layers.state_dict import full_state_dict, load_full_state_dict, tensor_specs
 from tp_ext.layers.summa import Linear2D, gather_2d
 from tp_ext.layers.summa_blocks import (
@@ -35,6 +37,7 @@ from tp_ext.layers.summa_blocks import (
 )
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
+from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.sharding import shard_range, shard_sizes
 from tp_ext.validation import as_torch_dtype
 
@@ -101,10 +104,14 @@ class Qwen2ForCausalLM2D(nn.Module):
             )
         kv_head_sizes(config.num_key_value_heads, grid.cols)  # Q <= KV heads, said clearly
         self.config, self.parallel, self.grid = config, parallel, grid
-        self.model = _Model2D(config, grid, device, dtype)
-        self.lm_head = Linear2D(
-            config.hidden_size, config.vocab_size, False, grid, device=device, dtype=dtype
-        )
+        seed = draw_seed() if PROCESS.init_weights else None  # before any layer is built
+        with no_init():  # the layers' own initialisation is replaced: the 1D model's weights
+            self.model = _Model2D(config, grid, device, dtype)
+            self.lm_head = Linear2D(
+                config.hidden_size, config.vocab_size, False, grid, device=device, dtype=dtype
+            )
+        if seed is not None:
+            init_weights(self, config, seed)
         self.activation_checkpointing = False
 
     # -- forward and loss -------------------------------------------------------------------------
