@@ -6,6 +6,7 @@ docs/layers.md ("parallelize")."""
 import contextlib
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import tp_ext
 from tp_ext.layers import local_shards
 from tp_ext.parallelize.styles import is_conv1d
 
-from .dist_utils import run_distributed
+from .dist_utils import rank, run_distributed
 from .test_layers import assert_rel
 
 VOCAB = 101  # not divisible by 2 or 3
@@ -200,10 +201,8 @@ def _check_architectures(sequence_parallel=False):
         assert_rel(loss.detach(), expected_loss.detach(), f"{arch}: loss")
         loss.backward()
         expected_loss.backward()
+        # full tensors in the original modules' layout (GPT-2's Conv1D: [in, out])
         grads = {n: p.grad for n, p in reference.named_parameters()}
-        for name, m in reference.named_modules():
-            if is_conv1d(m):  # GPT-2's Conv1D became a linear layer: [out, in]
-                grads[f"{name}.weight"] = grads[f"{name}.weight"].t()
         expected_grads = local_shards(model, grads)
         for name, p in model.named_parameters():
             if name.endswith("k_proj.bias"):
@@ -307,3 +306,99 @@ def test_explain_prints_each_decision_and_why():
     printed = run_distributed(_check_explain, 2)
     assert "model.layers.0.mlp.experts" in printed[0] and "[why: " in printed[0], printed[0]
     assert printed[1] == ""  # rank 0 only
+
+
+class _TiedWithBias(torch.nn.Module):
+    """PyTorch's weight-tying test model: a head with a bias whose weight is the embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8)
+        self.fc = torch.nn.Linear(8, 16)
+        self.fc.weight = self.embedding.weight
+
+    def forward(self, ids):
+        return self.fc(self.embedding(ids))
+
+
+def _check_tied_head_with_bias():
+    torch.manual_seed(0)
+    reference = _TiedWithBias()
+    model = copy.deepcopy(reference)
+    tp_ext.parallelize(model, {"embedding": "vocab", "fc": "vocab"})
+    assert model.fc.weight is model.embedding.weight, "the tie was kept"
+    ids = torch.tensor([[1, 5, 15, 0], [7, 7, 3, 12]])
+    out, expected = model(ids), reference(ids)
+    assert_rel(out, expected, "logits of a tied head with a bias")
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    # this rank's blocks of the reference's gradients (the tied weight once, with both uses)
+    full = {name: p.grad for name, p in reference.named_parameters()}
+    expected_grads = tp_ext.layers.local_shards(model, full)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert set(grads) == set(expected_grads) == {"embedding.weight", "fc.bias"}
+    for name, grad in grads.items():
+        assert_rel(grad, expected_grads[name], f"gradient of {name}")
+    assert set(tp_ext.layers.full_state_dict(model)) == set(reference.state_dict())
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_a_tied_head_with_a_bias_splits_the_bias_with_the_vocabulary(ws):
+    run_distributed(_check_tied_head_with_bias, ws)
+
+
+def _check_gpt2_export_round_trip(directory):
+    """A converted GPT-2's full state is transformers' own (Conv1D weights [in, out]): equal
+    to the unsharded model's, loadable back, and a save_pretrained export of it loads in
+    transformers with equal logits."""
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64
+    )
+    reference = _build(lambda: config, "GPT2LMHeadModel")
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto")
+    assert any(is_conv1d(m) for m in reference.modules())
+    full = tp_ext.layers.full_state_dict(model)
+    expected = reference.state_dict()
+    assert set(full) == set(expected)
+    for name, tensor in full.items():
+        assert tensor.shape == expected[name].shape, (name, tensor.shape, expected[name].shape)
+        assert torch.equal(tensor, expected[name]), name
+    assert tp_ext.layers.full_shapes(model) == {n: tuple(t.shape) for n, t in expected.items()}
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = reference(ids).logits
+        blank = tp_ext.parallelize(copy.deepcopy(reference), "auto")
+        for p in blank.parameters():
+            p.zero_()
+        tp_ext.layers.load_full_state_dict(blank, expected)  # transformers' layout goes in
+        assert_rel(blank(ids).logits, logits, "logits after load_full_state_dict")
+    if rank() == 0:
+        reference.save_pretrained(directory, state_dict=full)
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(directory).float().eval()
+        with torch.no_grad():
+            assert_rel(loaded(ids).logits, logits, "logits of the export, read by transformers")
+    # tp_ext's own merged save and its sliced load, in the same layout
+    from safetensors.torch import load_file
+
+    from tp_ext import checkpoint
+
+    merged = os.path.join(directory, "merged")
+    checkpoint.save_hf_checkpoint(model, merged)
+    saved = load_file(os.path.join(merged, "model.safetensors"))
+    assert saved, "nothing saved"
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, expected[name]), name
+    if rank() == 0:
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(merged).float().eval()
+        with torch.no_grad():
+            assert_rel(loaded(ids).logits, logits, "logits of tp_ext's merged save in transformers")
+    with torch.no_grad():
+        for p in blank.parameters():
+            p.zero_()
+        checkpoint.load_hf_checkpoint(blank, merged, progress=False)
+        assert_rel(blank(ids).logits, logits, "logits after tp_ext's merged save and load")
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_a_converted_gpt2_exports_transformers_layout(ws, tmp_path):
+    run_distributed(_check_gpt2_export_round_trip, ws, str(tmp_path))

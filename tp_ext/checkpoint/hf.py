@@ -43,7 +43,7 @@ from tp_ext.checkpoint.safetensors_io import (
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.distributed.groups import ResolvedGroup
-from tp_ext.layers import iter_full_tensors, tensor_specs
+from tp_ext.layers import is_full_transposed, iter_full_tensors, tensor_specs
 from tp_ext.sharding import Partition
 from tp_ext.validation import as_torch_dtype, check_int
 
@@ -111,7 +111,11 @@ def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) ->
         for name, tensor, spec, owner in entries:
             rows = _row_split(name, spec)
             rank = 0 if spec is None else owner.shard_coord
-            read_bytes += load_local(files, layout[name], rows, rank, tensor, lossy_dtypes)
+            dest = tensor
+            if is_full_transposed(owner, name.rpartition(".")[2]):  # the file holds [in, out]
+                dest = tensor.t()
+                rows = None if rows is None else (1 - rows[0], rows[1])
+            read_bytes += load_local(files, layout[name], rows, rank, dest, lossy_dtypes)
             bar.update(1)
         bar.close()
         return read_bytes
@@ -233,10 +237,12 @@ def _describe_entries(model, entries, pipeline) -> list[list]:
     """``[name, order key, full shape, dtype]`` of each entry, in state_dict order."""
     keys = _stage_of_entries(model, entries) if pipeline is not None else [0] * len(entries)
     described = []
-    for (name, tensor, spec, _), key in zip(entries, keys):
+    for (name, tensor, spec, owner), key in zip(entries, keys):
         shape = list(tensor.shape)  # a DTensor's is its whole (DP-unsharded) shape
         if spec is not None:
             shape = list(spec.full_shape_of(shape))
+        if is_full_transposed(owner, name.rpartition(".")[2]):  # written as its full form
+            shape.reverse()
         described.append([name, key, shape, str(tensor.dtype).removeprefix("torch.")])
     return described
 
@@ -343,4 +349,18 @@ def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
         with open(os.path.join(directory, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model.hf_config(dtype), f, indent=2)
+        json.dump(_config_json(model, dtype), f, indent=2)
+
+
+def _config_json(model, dtype: torch.dtype) -> dict:
+    """The export's config.json: the model's own (tp_ext's models), or the config of a Hugging
+    Face model that tp_ext.parallelize converted in place, with the saved dtype."""
+    if hasattr(model, "hf_config"):
+        return model.hf_config(dtype)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise CheckpointError(
+            f"{type(model).__name__} has no config to write beside its weights: give it an "
+            "hf_config(dtype) method, or save a Hugging Face model (its .config is written)"
+        )
+    return {**config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}

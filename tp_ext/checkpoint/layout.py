@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from tp_ext.layers import full_shapes
+from tp_ext.layers import full_shapes, is_full_transposed
 from tp_ext.validation import deprecated_aliases
 
 __all__ = [
@@ -116,10 +116,12 @@ def expected_shapes(entries, layout) -> dict[str, tuple[int, ...]]:
     """Full shape each checkpoint tensor must have, from the model's full shapes and layout.
     ``entries``: :func:`tp_ext.layers.tensor_specs` of the model."""
     shapes: dict[str, list[int]] = {}
-    for name, tensor, spec, _ in entries:
+    for name, tensor, spec, owner in entries:
         if isinstance(spec, tuple):  # the (dim, Partition) of tp_ext.layers.state_entries
             spec = spec[1].along(spec[0])
         full = list(tensor.shape if spec is None else spec.full_shape_of(tensor.shape))
+        if is_full_transposed(owner, name.rpartition(".")[2]):
+            full.reverse()
         for piece in layout[name]:
             rows = max(shapes.get(piece.name, [0])[0], piece.start + piece.rows)
             shapes[piece.name] = [rows] + full[1:]

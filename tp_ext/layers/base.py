@@ -103,6 +103,18 @@ class ParallelModule(nn.Module):
         (a Partition along one dim, or a GridBlock); None if every rank holds it whole."""
         return getattr(self, "_specs", {}).get(param_name)
 
+    def full_is_transposed(self, param_name: str) -> bool:
+        """True when the parameter's full (unsharded) form, the one full and loaded state dicts
+        hold, is the transpose of the tensor this layer computes with: a linear layer converted
+        from Hugging Face's Conv1D (GPT-2) keeps that module's [in, out] weight there, so an
+        export is a checkpoint transformers reads, while it computes with nn.Linear's [out, in]."""
+        return param_name in getattr(self, "_full_transposed", ())
+
+    def keep_full_transposed(self, param_name: str) -> None:
+        """From now on, the full form of ``param_name`` is its transpose (see
+        :meth:`full_is_transposed`)."""
+        self._full_transposed = frozenset(getattr(self, "_full_transposed", ())) | {param_name}
+
     def _set_expert_shard(self, param_name: str, dim: int, partition: Partition, ep) -> None:
         """A second split of a parameter, over the expert-parallel group ``ep`` (a ResolvedGroup):
         each EP rank holds whole experts along ``dim``, on top of any TP split."""

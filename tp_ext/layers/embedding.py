@@ -127,7 +127,8 @@ class ParallelLMHead(ColumnParallelLinear):
 
     By default it returns this rank's vocabulary shard of the logits, for
     :func:`vocab_parallel_cross_entropy`; ``gather_output=True`` returns full logits. With
-    ``tie_to=embedding`` it shares the embedding's weight (same vocabulary split).
+    ``tie_to=embedding`` it shares the embedding's weight (same vocabulary split); a bias, tied
+    or not, is split over the vocabulary with the weight.
     With ``sequence_parallel`` its input is this rank's sequence shard (gathered here).
     """
 
@@ -151,8 +152,6 @@ class ParallelLMHead(ColumnParallelLinear):
                     f"tie_to has shape ({tie_to.num_embeddings}, {tie_to.embedding_dim}); a tied "
                     f"head needs ({vocab_size}, {hidden_size})"
                 )
-            if bias:
-                raise ValueError("a tied LM head has no bias; pass bias=False")
             tp_group = tie_to.tp if tp_group is None else tp_group
         super().__init__(
             hidden_size,

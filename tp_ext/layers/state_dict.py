@@ -36,6 +36,7 @@ __all__ = [
     "expert_rows",
     "check_full_keys",
     "init_from_full_tensors",
+    "is_full_transposed",
 ]
 
 
@@ -72,8 +73,18 @@ def _expert_spec(owner: nn.Module, leaf: str) -> Optional[Partition]:
     return None if expert is None else expert[1].along(expert[0])
 
 
+def is_full_transposed(owner: nn.Module, leaf: str) -> bool:
+    """Whether the entry's full form is the transpose of what the layer holds (a weight
+    converted from Hugging Face's Conv1D): full tensors go in and come out transposed, and
+    checkpoint code reads and writes that form."""
+    is_transposed = getattr(owner, "full_is_transposed", None)
+    return bool(is_transposed and is_transposed(leaf))
+
+
 def _local(value: torch.Tensor, owner: nn.Module, leaf: str) -> torch.Tensor:
     """This rank's piece of a full tensor: its TP (or grid) block, then its experts."""
+    if is_full_transposed(owner, leaf):
+        value = value.t()
     spec, expert = _spec(owner, leaf), _expert_spec(owner, leaf)
     if spec is not None:
         value = spec.take_block(value, owner.shard_coord)
@@ -106,7 +117,7 @@ def state_entries(module: nn.Module):
 def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """The unsharded shape of every entry of ``module.state_dict()`` (no communication)."""
     return {
-        name: _full_shape(tensor, _spec(owner, leaf), _expert_spec(owner, leaf))
+        name: _full_shape(tensor, _spec(owner, leaf), _expert_spec(owner, leaf), owner, leaf)
         for name, tensor, owner, leaf in _owned_tensors(module)
     }
 
@@ -125,12 +136,13 @@ def expert_rows(owner: nn.Module, name: str) -> Optional[tuple[int, int]]:
     return (mine[0][0] if mine else 0), expert.full
 
 
-def _full_shape(tensor: torch.Tensor, spec, expert=None) -> tuple[int, ...]:
+def _full_shape(tensor: torch.Tensor, spec, expert=None, owner=None, leaf="") -> tuple[int, ...]:
+    """The shape of the entry's full form."""
     shape = tuple(tensor.shape)
     for split in (spec, expert):
         if split is not None:
             shape = split.full_shape_of(shape)
-    return shape
+    return shape[::-1] if owner is not None and is_full_transposed(owner, leaf) else shape
 
 
 @torch.no_grad()
@@ -149,7 +161,8 @@ def init_from_full_tensors(module: nn.Module, draw) -> None:
         ):
             continue
         done.add(id(tensor))
-        full = draw(name, _full_shape(tensor, _spec(owner, leaf), _expert_spec(owner, leaf)), owner)
+        shape = _full_shape(tensor, _spec(owner, leaf), _expert_spec(owner, leaf), owner, leaf)
+        full = draw(name, shape, owner)
         tensor.copy_(_local(full, owner, leaf).to(tensor.device, tensor.dtype))
 
 
@@ -189,7 +202,7 @@ def load_full_state_dict(
             continue
         value = full[name]
         spec, expert = _spec(owner, leaf), _expert_spec(owner, leaf)
-        expected = _full_shape(tensor, spec, expert)
+        expected = _full_shape(tensor, spec, expert, owner, leaf)
         if tuple(value.shape) != expected:
             hint = (
                 ""
@@ -221,7 +234,7 @@ def iter_full_tensors(module: nn.Module):
             full = comm.all_gather(
                 full.contiguous(), expert.dim, expert.local_sizes(), group=owner.ep
             )
-        yield name, full
+        yield name, (full.t().contiguous() if is_full_transposed(owner, leaf) else full)
 
 
 @torch.no_grad()

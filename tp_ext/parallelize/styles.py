@@ -110,6 +110,8 @@ class _Swap(ParallelStyle):
         with no_init():  # the weights come from the module: no random init
             new, what = self.build(module, target)
         load_full_state_dict(new, full)
+        if is_conv1d(module):  # its full weight stays [in, out]: exports load in transformers
+            new.keep_full_transposed("weight")
         for param_name, param in module.named_parameters(recurse=False):
             getattr(new, param_name).requires_grad_(param.requires_grad)
         new.train(module.training)
