@@ -289,6 +289,9 @@ def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_
     assert [s for s, _ in published(str(tmp_path / "stopped"))] == [4, 6, 8], "keep_last 3"
 
 
+# in `make test-all` (a 4-rank torchrun, 23 s on 2 cores): `make test` resumes the CLI's runs at
+# their own layout here, and the Trainer's at other layouts in test_training_state
+@pytest.mark.full_matrix
 def test_resume_at_another_layout(tmp_path, tokens, capsys):
     for name, steps in (("straight", 6), ("moved", 4)):
         flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path / name), "--save-every", "2"]
