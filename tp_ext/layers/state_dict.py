@@ -136,13 +136,13 @@ def expert_rows(owner: nn.Module, name: str) -> Optional[tuple[int, int]]:
     return (mine[0][0] if mine else 0), expert.full
 
 
-def _full_shape(tensor: torch.Tensor, spec, expert=None, owner=None, leaf="") -> tuple[int, ...]:
+def _full_shape(tensor: torch.Tensor, spec, expert, owner, leaf: str) -> tuple[int, ...]:
     """The shape of the entry's full form."""
     shape = tuple(tensor.shape)
     for split in (spec, expert):
         if split is not None:
             shape = split.full_shape_of(shape)
-    return shape[::-1] if owner is not None and is_full_transposed(owner, leaf) else shape
+    return shape[::-1] if is_full_transposed(owner, leaf) else shape
 
 
 @torch.no_grad()
