@@ -216,9 +216,17 @@ def _check_compile():
     assert any("tp_ext" in o for o in ops), ops
 
 
-# 2 ranks (13 s of Inductor code generation on 2 cores) in `make test-all`: 3 ranks compile the
-# same collectives at uneven sizes
-@pytest.mark.parametrize("ws", [1, pytest.param(2, marks=pytest.mark.full_matrix), 3])
+# 1 and 2 ranks (8 and 13 s of Inductor code generation on 2 cores) in `make test-all`: 3 ranks
+# compile the same collectives at uneven sizes, and test_layers compiles a block with Inductor
+# at 1 rank
+@pytest.mark.parametrize(
+    "ws",
+    [
+        pytest.param(1, marks=pytest.mark.full_matrix),
+        pytest.param(2, marks=pytest.mark.full_matrix),
+        3,
+    ],
+)
 def test_compile_fullgraph_forward_and_backward(ws):
     run_distributed(_check_compile, ws, timeout=300)
 

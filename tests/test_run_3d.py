@@ -63,6 +63,8 @@ def _assert_passed(out: str, err: str, world: int, layout: str) -> None:
 # -- the job under torchrun ----------------------------------------------------------------------
 
 
+# in `make test-all` (40 s on 2 cores): the two-node job below runs the same 8-rank layout
+@pytest.mark.full_matrix
 def test_3d_job_on_8_local_ranks():
     proc = _torchrun(["--standalone", "--nproc-per-node", "8"], "--tp 2 --pp 2 --dp 2".split())
     code, out, err = _finish(proc)
@@ -114,8 +116,9 @@ def _free_port() -> int:
 
 
 def test_two_nodes_on_one_host(tmp_path):
-    """Two torchrun agents (--nnodes 2, c10d rendezvous), 2 ranks each: tp=2 inside a node,
-    the pipeline across the nodes, in the V order (rank 0 holds the first and last stage)."""
+    """Two torchrun agents (--nnodes 2, c10d rendezvous), 4 ranks each: tp=2 x pp=2 x dp=2, tp
+    inside a node, the pipeline across the nodes in the V order (rank 0 holds the first and
+    last stage), two replicas."""
     port = _free_port()
     procs = [
         _torchrun(
@@ -125,7 +128,7 @@ def test_two_nodes_on_one_host(tmp_path):
                 "--node-rank",
                 str(node),
                 "--nproc-per-node",
-                "2",
+                "4",
                 "--rdzv-backend",
                 "c10d",
                 "--rdzv-endpoint",
@@ -133,8 +136,8 @@ def test_two_nodes_on_one_host(tmp_path):
                 "--rdzv-id",
                 f"tp-ext-run-{port}",
             ],
-            ["--tp", "2", "--pp", "2", "--schedule", "DualPipeV", "--virtual-stages", "2"]
-            + ["--steps", "3", "--workdir", str(tmp_path / "work")],
+            ["--tp", "2", "--pp", "2", "--dp", "2", "--schedule", "DualPipeV"]
+            + ["--virtual-stages", "2", "--steps", "3", "--workdir", str(tmp_path / "work")],
         )
         for node in (0, 1)
     ]
@@ -143,10 +146,14 @@ def test_two_nodes_on_one_host(tmp_path):
     assert [code for code, _, _ in results] == [0, 0], both[-6000:]
     out = "".join(out for _, out, _ in results)  # global rank 0 prints, on either node
     _assert_passed(
-        out, "", 4, "tp=2 x pp=2 x dp=1 on 4 ranks; pipeline schedule DualPipeV, 4 stages"
+        out, "", 8, "tp=2 x pp=2 x dp=2 on 8 ranks; pipeline schedule DualPipeV, 4 stages"
     )
-    assert "tp-ext run: 4 ranks (tp=2, pp=2, dp=1)" in out
+    assert "tp-ext run: 8 ranks (tp=2, pp=2, dp=2)" in out
     assert "pp rank 0: stage 0 (layers 0-0, embedding), stage 3 (layers 3-3, norm + lm_head)" in out
+    assert "data parallel ddp over 2 replicas" in out and "2 replicas, clip 1.0" in out
+    # the rank table: global rank r is (tp, pp, dp) = (r % 2, r // 4, r // 2 % 2)
+    for r in range(8):
+        assert f"    {r:>4}  {r % 2:>2} {r // 4:>2} {r // 2 % 2:>2}  " in out, out
     assert os.path.isdir(tmp_path / "work" / "sharded")
 
 

@@ -7,6 +7,8 @@ run's, bitwise."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -213,8 +215,15 @@ def _finish(proc: subprocess.Popen, timeout: float = 300, refused: bool = False)
 
 
 def _train(nproc, tokens, directory, steps, *extra, restarts=0, timeout=300) -> str:
+    """A run of ``nproc`` ranks under torchrun (``nproc=0``: one rank in this process, as
+    ``tp-ext train`` runs outside torchrun, without a worker start); its stderr."""
     flags = ["--data", tokens, "--checkpoint-dir", str(directory), "--steps", str(steps)]
-    return _finish(_torchrun(nproc, [*flags, "--save-every", "2", *extra], restarts), timeout)
+    flags += ["--save-every", "2", *extra]
+    if nproc == 0:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["train", TINY, *flags]) == 0, err.getvalue()[-4000:]
+        return err.getvalue()
+    return _finish(_torchrun(nproc, flags, restarts), timeout)
 
 
 def _metrics(directory) -> dict[int, dict]:
@@ -237,7 +246,8 @@ def _train_here(capsys, *flags) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
-LAYOUTS = {  # name: (ranks, flags)
+LAYOUTS = {  # name: (ranks, flags); 0 ranks: one rank in this process
+    "here": (0, []),
     "single": (1, []),
     "tp2": (2, ["--tp", "2"]),
     "pp2-dp2": (4, ["--tp", "1", "--pp", "2", "--dp", "2"]),
@@ -268,8 +278,13 @@ def straight_run(tmp_path_factory, tokens):
     return metrics_of
 
 
-# the pipeline's resume is bitwise in Python at every layout (test_fit, test_training_state)
-@pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-dp2", marks=pytest.mark.full_matrix)])
+# `make test` stops and resumes the command in this process (the killed-worker test resumes it
+# under torchrun at tp2, and the pipeline's resume is bitwise in Python at every layout:
+# test_fit, test_training_state); `make test-all` also under torchrun, at tp2 and pp2 x dp2
+@pytest.mark.parametrize(
+    "layout",
+    ["here"] + [pytest.param(name, marks=pytest.mark.full_matrix) for name in ("tp2", "pp2-dp2")],
+)
 def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_run, layout):
     nproc, flags = LAYOUTS[layout]
     flags = [*flags, *SCHEDULE]

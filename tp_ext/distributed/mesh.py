@@ -370,4 +370,8 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
     PROCESS.parallel = None
     PROCESS.tied_groups.clear()
     if destroy_process_group and dist.is_initialized():
+        # groups of the world torn down: a job started later in this process (a second
+        # `tp-ext train` in a notebook) makes its own
+        PROCESS.async_checkpoint_group = None
+        PROCESS.peers.clear()
         dist.destroy_process_group()
