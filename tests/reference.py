@@ -115,3 +115,21 @@ def hf_qwen2(config, seed: int = 0):
     )
     torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(hf_config).float()
+
+
+def train_in_one_process(model, batches, steps: int, optimizer, max_norm: float):
+    """The reference of the pipeline tests: ``model`` (transformers') trained ``steps`` steps in
+    one process on every micro-batch of ``batches`` (equal token counts: the step's loss is the
+    mean of their means), clipped to ``max_norm``. Returns (losses, norms before clipping)."""
+    losses, norms = [], []
+    for _ in range(steps):
+        total = 0.0
+        for ids in batches:
+            loss = model(ids, labels=ids).loss / len(batches)
+            loss.backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, norms

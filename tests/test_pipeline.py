@@ -22,7 +22,7 @@ from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.training import Trainer
 
 from .dist_utils import run_distributed
-from .reference import hf_qwen2
+from .reference import hf_qwen2, train_in_one_process
 from .test_training import CONFIG
 
 STEPS = 5
@@ -61,19 +61,8 @@ def _reference(layers: int, tie: bool, total_micro_batches: int):
     norms before clipping, and the weights after (under tp_ext's names)."""
     config = _config(layers, tie)
     hf = hf_qwen2(config)
-    optimizer = _optimizer(hf.parameters())
     batches = _micro_batches(config, total_micro_batches)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        total = 0.0
-        for ids in batches:  # equal token counts: the mean of the means
-            loss = hf(ids, labels=ids).loss / len(batches)
-            loss.backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
+    losses, norms = train_in_one_process(hf, batches, STEPS, _optimizer(hf.parameters()), MAX_NORM)
     return losses, norms, hf_to_tp_ext_names(hf.state_dict(), config)
 
 
@@ -180,6 +169,14 @@ def _check_case(case):
         timeout=300,
     )
     ref_losses, ref_norms, ref_weights = _reference(layers, tie, micro * dp)
+    expected = {k: v for k, v in ref_weights.items() if not (tie and k == "lm_head.weight")}
+    assert_training_matches(results, ref_losses, ref_norms, expected)
+
+
+def assert_training_matches(results, ref_losses, ref_norms, ref_weights) -> None:
+    """Every rank's ``(losses, norms, weights part)`` against the one-process reference: the
+    same losses and norms on every rank, equal to the reference's (clipping acted), and the
+    ranks' parts together the reference's weights."""
     losses, norms, _ = results[0]
     for rank, (other_losses, other_norms, _) in enumerate(results):
         assert other_losses == losses, f"rank {rank}'s losses differ from rank 0's"
@@ -190,9 +187,8 @@ def _check_case(case):
     weights = {}
     for _, _, part in results:
         weights.update(part)
-    expected = {k: v for k, v in ref_weights.items() if not (tie and k == "lm_head.weight")}
-    assert sorted(weights) == sorted(expected), "the stages together hold the whole model"
-    for name, tensor in expected.items():
+    assert sorted(weights) == sorted(ref_weights), "the stages together hold the whole model"
+    for name, tensor in ref_weights.items():
         # 1e-5 relative, and 1e-2 x lr absolute near zero: the k bias's gradient is
         # analytically zero (softmax ignores a shift of every score), and Adam's normalised
         # update turns its rounding noise into moves of ~1e-3 x lr; a real error moves by ~lr

@@ -39,9 +39,11 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule
 from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
+from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.modules import attention_heads, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
+from tp_ext.parallelize.stages import StagedCausalLM, find_decoder_parts
 from tp_ext.parallelize.styles import (
     ParallelStyle,
     Replicate,
@@ -50,6 +52,7 @@ from tp_ext.parallelize.styles import (
     VocabParallel,
     as_style,
 )
+from tp_ext.sharding import StageSplit
 
 __all__ = ["parallelize"]
 
@@ -65,6 +68,9 @@ def parallelize(
     example_inputs=None,
     parallel=None,
     capacity_factor=None,
+    virtual_stages: int = 1,
+    pipeline_split=None,
+    stage_order: str = "loop",
 ):
     """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
     return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
@@ -83,8 +89,20 @@ def parallelize(
     ``tp_group`` is given) and, with ``ep > 1``, every sparse-MoE block becomes an
     :class:`~tp_ext.layers.ExpertParallelMoE` over its EP group (``capacity_factor`` as there;
     None is dropless).
+
+    With ``parallel.pp > 1`` (a Hugging Face causal LM) the result is this rank's pipeline
+    stages, a :class:`~tp_ext.parallelize.stages.StagedCausalLM` for
+    :class:`tp_ext.training.Trainer`: ``virtual_stages`` stages per rank in ``stage_order``
+    ("loop" or "v"), the decoder layers split by the one shard policy or by ``pipeline_split``
+    (layers per stage), as for the native model. The model passed in keeps only those stages.
     """
     _check_not_parallelized(module)
+    stages = None
+    if parallel is not None and parallel.pp > 1:  # checked and traced before anything changes
+        options = dict(
+            virtual_stages=virtual_stages, pipeline_split=pipeline_split, stage_order=stage_order
+        )
+        stages = _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options)
     if parallel is not None and tp_group is None:
         tp_group = parallel.tp_group
     ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None
@@ -101,6 +119,22 @@ def parallelize(
     shards = SequenceShards(tp)
     if sp:
         _split_sequence_from(module, sp_norms[0], shards, report)
+    _apply_styles(module, decided, tp, sp, shards, parts, report)
+    _run_attention_on_local_heads(module, tp, report)
+    if explain:
+        report.update(
+            {n: f"{what}  [why: {reasons[n]}]" for n, what in report.items() if n in reasons}
+        )
+    if (verbose or explain) and tp.rank == 0:
+        _print_report(report, tp)
+    if stages is not None:
+        decoder, options = stages
+        module = StagedCausalLM(decoder, parallel, **options)
+    return (module, report) if return_report else module
+
+
+def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
+    """Replace every module the plan covers by its style's layer (this rank's slice)."""
     shared = _shared_parameters(module)
     _check_ties(module, decided, shared)
     converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
@@ -119,14 +153,45 @@ def parallelize(
             setattr(parent, leaf, new)
         report[name] = f"{style.name}: {what}"
 
-    _run_attention_on_local_heads(module, tp, report)
-    if explain:
-        report.update(
-            {n: f"{what}  [why: {reasons[n]}]" for n, what in report.items() if n in reasons}
+
+def _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options: dict):
+    """What pipelining ``module`` needs, checked before anything is converted: its decoder
+    parts (:func:`find_decoder_parts`) and the stage ``options`` (virtual_stages,
+    pipeline_split, stage_order)."""
+    config = getattr(module, "config", None)
+    refusal = None
+    if getattr(parallel, "ep", 1) > 1:
+        refusal = f"expert parallelism (ep={parallel.ep}) inside pipeline stages"
+    elif sequence_parallel:
+        refusal = "sequence_parallel=True inside pipeline stages"
+    elif getattr(config, "output_router_logits", False):
+        refusal = (
+            "the router's load-balancing loss (config.output_router_logits=True), which spans "
+            "the layers of every stage,"
         )
-    if (verbose or explain) and tp.rank == 0:
-        _print_report(report, tp)
-    return (module, report) if return_report else module
+    if refusal is not None:
+        raise ValueError(
+            f"parallelize: pp={parallel.pp} with {refusal} is not supported yet; use pp=1 "
+            "for this model, or drop that option"
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int):  # a bad split is refused before the model is touched
+        StageSplit(
+            layers,
+            parallel.pp,
+            options["virtual_stages"],
+            options["pipeline_split"],
+            options["stage_order"],
+        )
+    if example_inputs is None:
+        example_inputs = example_token_inputs(module)
+    if example_inputs is None:
+        raise ValueError(
+            f"parallelize: pp={parallel.pp} runs {type(module).__name__} once to see which "
+            "modules come before and after its decoder layers, and could not make token ids "
+            "for it; pass example_inputs=(args, kwargs)"
+        )
+    return find_decoder_parts(module, example_inputs), options
 
 
 def _print_report(report: dict[str, str], tp) -> None:

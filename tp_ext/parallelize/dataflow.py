@@ -237,7 +237,9 @@ def _trace_length(model: nn.Module) -> int:
     return t
 
 
-def _example_inputs(model: nn.Module, tokens: int):
+def example_token_inputs(model: nn.Module, tokens: int = 5):
+    """``(args, kwargs)`` calling ``model`` on 1 x ``tokens`` token ids (None when it has no
+    vocabulary to draw them from)."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None) or max(
@@ -337,7 +339,7 @@ def trace_flow(
     flow = Flow(tokens=tokens)
     for name, module in linears.items():
         flow.linears[name] = LinearFlow(name, _out_features(module))
-    call = example_inputs if example_inputs is not None else _example_inputs(model, tokens)
+    call = example_inputs if example_inputs is not None else example_token_inputs(model, tokens)
     if call is None:
         raise ValueError(
             f"parallelize(plan='auto') traces one forward of {type(model).__name__} to see how "

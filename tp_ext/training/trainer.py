@@ -60,7 +60,8 @@ class Trainer:
       ShardedGradScaler on the default group), so every rank skips the same steps.
     - ``tp_group``: None takes the model's.
     - ``parallel``: the :class:`tp_ext.ParallelState` the model was built with
-      (``Qwen2ForCausalLM(config, parallel=state)``): TP x PP x DP training. Then
+      (``Qwen2ForCausalLM(config, parallel=state)``, or the stages of a Hugging Face model that
+      ``tp_ext.parallelize(hf_model, "auto", parallel=state)`` returns): TP x PP x DP training. Then
       ``schedule`` (one of :data:`tp_ext.pipeline.SCHEDULES`) runs the pipeline,
       ``data_parallel`` ("ddp" or "fsdp") synchronises DP once per step, and
       ``activation_checkpointing`` recomputes each decoder layer in backward.

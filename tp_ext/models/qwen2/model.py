@@ -37,6 +37,7 @@ from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
+from tp_ext.parallelize.stages import pipelined_forward
 from tp_ext.sharding import StageSplit, shard_sizes
 from tp_ext.validation import ConfigError, as_torch_dtype, check_int
 
@@ -353,38 +354,14 @@ class Qwen2ForCausalLM(ParallelModule):
         return x
 
     def _pipelined_forward(self, input_ids, local_logits, kv_caches) -> torch.Tensor:
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            raise RuntimeError(
-                "forward of a pipelined model runs the stages for inference only (no autograd "
-                "between ranks): call it under torch.no_grad(), or train with "
-                "tp_ext.training.Trainer(model, parallel=state)"
-            )
-        layout, group = self.stage_split, self.parallel.pp_group
-        me = self.parallel.pp_rank
-        batch, seq = input_ids.shape
-        h = None
-        for stage in range(layout.num_stages):
-            if layout.rank_of(stage) != me:
-                continue
-            if stage > 0 and layout.rank_of(stage - 1) != me:
-                h = self._hidden_buffer(batch, seq)
-                dist.recv(h, dist.get_global_rank(group, layout.rank_of(stage - 1)), group=group)
-            h = self.stage_forward(stage, input_ids if stage == 0 else h, kv_caches)
-            if stage < layout.last_stage and layout.rank_of(stage + 1) != me:
-                dist.send(
-                    h.contiguous(),
-                    dist.get_global_rank(group, layout.rank_of(stage + 1)),
-                    group=group,
-                )
-        # every rank of the pipeline returns the last stage's logits
-        owner = layout.rank_of(layout.last_stage)
-        if me == owner and not local_logits:
-            h = self.lm_head.gather_features(h)
-        vocab = self.config.vocab_size if not local_logits else self.local_vocab_size
-        if me != owner:
-            h = torch.empty(batch, seq, vocab, device=input_ids.device, dtype=self._dtype)
-        dist.broadcast(h, dist.get_global_rank(group, owner), group=group)
-        return h
+        gather = self.lm_head.gather_features if self.lm_head is not None else None
+        return pipelined_forward(
+            self,
+            input_ids,
+            local_logits,
+            lambda stage, x: self.stage_forward(stage, x, kv_caches),
+            gather,
+        )
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -394,10 +371,6 @@ class Qwen2ForCausalLM(ParallelModule):
     def local_vocab_size(self) -> int:
         """This TP rank's share of the vocabulary (its columns of the logits)."""
         return shard_sizes(self.config.vocab_size, self.tp_size)[self.tp_rank]
-
-    def _hidden_buffer(self, batch: int, seq: int) -> torch.Tensor:
-        device = next(self.parameters()).device
-        return torch.empty(batch, seq, self.config.hidden_size, device=device, dtype=self._dtype)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

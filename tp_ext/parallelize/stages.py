@@ -1,0 +1,409 @@
+"""Pipeline stages of a Hugging Face causal LM: ``parallelize(model, "auto", parallel=state)`` at
+``state.pp > 1`` keeps this rank's stages of the (tensor-parallel) model and returns them as a
+:class:`StagedCausalLM`, which :class:`tp_ext.training.Trainer` trains with torch's schedules
+as it trains the native Qwen2.
+
+Each stage runs the model's *own* forward, so what an architecture does around its decoder
+layers stays its own: position ids, rotary tables, causal and sliding-window masks (chosen by
+the layer's global index), scaled embeddings (Gemma), learned positions (GPT-2), logit
+soft-capping (Gemma 2). The layer list the forward iterates is, for the time of one stage's
+forward, this stage's layers behind stand-ins for the layers before it; the last stand-in hands
+over the hidden states the previous stage sent, so each layer sees its global index. A stage
+other than the first calls the model with a zero ``inputs_embeds`` (the embedding is not there);
+what the model adds to it before the layers (GPT-2's position embedding) is discarded by that
+hand-over. Modules with parameters that run before the layers belong to the first stage, those
+after them (final norm, LM head) to the last; which is which is seen by running the model once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from tp_ext.distributed.mesh import tied_embedding_group
+from tp_ext.layers import ParallelLMHead
+from tp_ext.sharding import StageSplit, shard_sizes
+
+__all__ = ["StagedCausalLM", "DecoderParts", "find_decoder_parts", "pipelined_forward"]
+
+
+class DecoderParts:
+    """Where a Hugging Face causal LM keeps its decoder layers (``owner.<name>``, a ModuleList
+    of ``num_hidden_layers``) and which of its modules with parameters run before them
+    (``before``: embeddings) and after them (``after``: final norm, LM head), as
+    ``(parent, attribute)`` pairs, found by running the model once on a few tokens."""
+
+    def __init__(self, model: nn.Module, layers_owner: nn.Module, layers_name: str, order):
+        self.model, self.layers_owner, self.layers_name = model, layers_owner, layers_name
+        self.before, self.after = order
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.layers_owner, self.layers_name)
+
+
+def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
+    """The :class:`DecoderParts` of ``model``, or an error naming what is missing."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    layers_count = getattr(config, "num_hidden_layers", None)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(layers_count, int) or not isinstance(base, nn.Module) or base is model:
+        raise ValueError(
+            f"pipeline parallelism (pp > 1) splits a Hugging Face causal LM (a model with "
+            f"config.num_hidden_layers and a base model under its base_model_prefix); "
+            f"{name} is not one: use pp=1"
+        )
+    lists = [
+        (n, m)
+        for n, m in base.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) == layers_count and n
+    ]
+    if not lists:
+        raise ValueError(
+            f"pipeline parallelism: {name} has no list of its {layers_count} decoder layers "
+            "(an nn.ModuleList of config.num_hidden_layers modules) to split over stages; use pp=1"
+        )
+    path = min((n for n, _ in lists), key=lambda n: n.count("."))
+    owner_path, _, layers_name = path.rpartition(".")
+    owner = base.get_submodule(owner_path) if owner_path else base
+    order = _call_order(model, base, owner, layers_name, example_inputs)
+    return DecoderParts(model, owner, layers_name, order)
+
+
+def _call_order(model, base, owner, layers_name, example_inputs):
+    """``(before, after)``: the (parent, attribute) of each module holding parameters outside the
+    decoder layers, by whether the model's forward calls it before the first layer or after."""
+    candidates = []
+    for parent in dict.fromkeys([model, base, owner]):  # the route down to the layers
+        for attr, child in parent.named_children():
+            if child in (base, owner) or attr == layers_name and parent is owner:
+                continue
+            if any(True for _ in child.parameters()):
+                candidates.append((parent, attr, child))
+    layers = getattr(owner, layers_name)
+    seen: dict = {"layers": 0, "order": {}}  # order: 0 before the last layer ran, 1 after
+
+    def after_layer(*_):
+        seen["layers"] += 1
+
+    def called(key):
+        def hook(*_):
+            seen["order"].setdefault(key, seen["layers"])
+
+        return hook
+
+    handles = [layers[-1].register_forward_hook(after_layer)]
+    handles += [c.register_forward_pre_hook(called(i)) for i, (_, _, c) in enumerate(candidates)]
+    args, kwargs = example_inputs
+    try:
+        with torch.no_grad():
+            outputs = model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(getattr(outputs, "logits", None), torch.Tensor):
+        raise ValueError(
+            f"pipeline parallelism: {type(model).__name__}'s forward returns no .logits; "
+            "pp > 1 splits causal LMs (…ForCausalLM); use pp=1"
+        )
+    before = [(p, a) for i, (p, a, _) in enumerate(candidates) if seen["order"].get(i) == 0]
+    after = [(p, a) for i, (p, a, _) in enumerate(candidates) if seen["order"].get(i, 0) > 0]
+    return before, after
+
+
+class _Passthrough(nn.Module):
+    """Stands in for a module this stage does not hold, or does not run now: returns its input
+    (what a skipped decoder layer or final norm passes on)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _AbsentEmbedding(nn.Module):
+    """Stands in for an embedding a later stage does not hold (GPT-2's position embedding, which
+    its forward calls even with ``inputs_embeds``): zeros of the right shape, discarded by the
+    hand-over to the received hidden states."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+
+
+class _HandOver(nn.Module):
+    """The stand-in for the layer just before a stage's first: it returns the hidden states the
+    previous stage sent, in place of what the model computed from its zero input."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        return self.hidden
+
+
+class _Recomputed(nn.Module):
+    """A decoder layer recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return recompute(self.layer, *args, use_reentrant=False, **kwargs)
+
+
+class StagedCausalLM(nn.Module):
+    """This rank's pipeline stages of a Hugging Face causal LM (tensor-parallel inside), with
+    what :class:`tp_ext.training.Trainer` and :mod:`tp_ext.pipeline` need: ``stage_split``,
+    ``stage_ids``, :meth:`stage_modules`, :meth:`stage_forward` and the tied-embedding copies.
+
+    Its parameters carry transformers' own names (its children are the model's, so
+    ``tp_ext.layers.full_state_dict(stages)`` is this rank's part of the model's state dict,
+    unsharded): decoder layers keep their global index. A tied LM head has its own copy on the
+    last stage, equal to the embedding's; the Trainer sums the two gradients.
+    :meth:`forward` runs the stages one after another for inference (no autograd between ranks).
+    """
+
+    def __init__(
+        self,
+        parts: DecoderParts,
+        parallel,
+        *,
+        virtual_stages: int = 1,
+        pipeline_split=None,
+        stage_order: str = "loop",
+    ) -> None:
+        super().__init__()
+        model = parts.model
+        object.__setattr__(self, "hf_model", model)  # the user's object, now pruned
+        self.config, self.parallel = model.config, parallel
+        self.stage_split = StageSplit(
+            self.config.num_hidden_layers, parallel.pp, virtual_stages, pipeline_split, stage_order
+        )
+        self.stage_ids = self.stage_split.stages_of(parallel.pp_rank)
+        self._parts = parts
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.stage_split.last_stage in self.stage_ids
+        self.tied_across_stages = bool(getattr(self.config, "tie_word_embeddings", False))
+        self._untie_head()
+        self._prune()
+        for attr, child in model.named_children():  # transformers' names for the parameters
+            self.add_module(attr, child)
+        self.activation_checkpointing = False
+
+    # -- building --------------------------------------------------------------------------------
+
+    def _untie_head(self) -> None:
+        """Under pipelining each stage owns its parameters (DDP and FSDP2 wrap stage modules):
+        the LM head takes its own copy of a tied embedding."""
+        head = self.hf_model.get_output_embeddings()
+        if not self.tied_across_stages or head is None:
+            self.tied_across_stages = False
+            return
+        if not self.has_last:
+            return
+        if not isinstance(head, ParallelLMHead):
+            raise ValueError(
+                "pipeline parallelism with tied embeddings needs the LM head split by "
+                f"vocabulary ('vocab' style); {type(self.hf_model).__name__}'s head is "
+                f"{type(head).__name__}"
+            )
+        head.weight = nn.Parameter(head.weight.detach().clone())
+
+    def _prune(self) -> None:
+        parts = self._parts
+        held = {i for s in self.stage_ids for i in self.stage_split.layers_of(s)}
+        layers = parts.layers
+        kept = nn.ModuleDict({str(i): layers[i] for i in sorted(held)})
+        setattr(parts.layers_owner, parts.layers_name, kept)
+        for parent, attr in [] if self.has_first else parts.before:
+            child = getattr(parent, attr)
+            dim = getattr(child, "embedding_dim", None)
+            setattr(parent, attr, _AbsentEmbedding(dim) if dim else _Passthrough())
+        head = self.hf_model.get_output_embeddings()
+        for parent, attr in [] if self.has_last else parts.after:
+            # the head is called only by the last stage's forward; a final norm passes through
+            setattr(parent, attr, None if getattr(parent, attr) is head else _Passthrough())
+
+    # -- what the pipeline code reads -------------------------------------------------------------
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return getattr(self._parts.layers_owner, self._parts.layers_name)
+
+    def _head(self) -> Optional[nn.Module]:
+        """This rank's LM head (None when it does not hold the last stage)."""
+        return self.hf_model.get_output_embeddings() if self.has_last else None
+
+    @property
+    def is_pipelined(self) -> bool:
+        return True
+
+    @property
+    def local_vocab_size(self) -> int:
+        tp = self.parallel.tp
+        return shard_sizes(self.config.vocab_size, tp)[self.parallel.tp_rank]
+
+    def tied_weights(self) -> list[torch.Tensor]:
+        """The copies of a tied embedding this rank holds (see the native model's)."""
+        if not self.tied_across_stages:
+            return []
+        held = []
+        if self.has_first:
+            held.append(self.hf_model.get_input_embeddings().weight)
+        if self.has_last:
+            held.append(self._head().weight)
+        return held
+
+    def tied_group(self):
+        if not self.tied_across_stages:
+            return None
+        if self.stage_split.rank_of(self.stage_split.last_stage) == 0:
+            return None  # both copies on pipeline rank 0
+        return tied_embedding_group(self.parallel)
+
+    @property
+    def pipeline_group(self):
+        return self.parallel.pp_group
+
+    def stage_modules(self) -> list[nn.Module]:
+        return [_Stage(self, stage) for stage in self.stage_ids]
+
+    def stage_parts(self, stage: int) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of what ``stage`` owns besides its decoder layers."""
+        split = self.stage_split
+        pairs = (self._parts.before if stage == 0 else []) + (
+            self._parts.after if stage == split.last_stage else []
+        )
+        names = {id(m): n for n, m in self.named_modules()}
+        return [(names[id(getattr(p, a))], getattr(p, a)) for p, a in pairs]
+
+    # -- running a stage --------------------------------------------------------------------------
+
+    def stage_forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage ``stage``: token ids (first stage) or the previous stage's hidden states in;
+        hidden states, or this rank's vocabulary shard of the logits (last stage), out."""
+        if stage not in self.stage_ids:
+            raise ValueError(
+                f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
+                f"{self.stage_split.num_stages}"
+            )
+        # a later stage's zero input only carries the shape (see the module's docstring)
+        inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": torch.zeros_like(x)}
+        with self._running(stage, None if stage == 0 else x):
+            if stage == self.stage_split.last_stage:
+                out = self.hf_model(**inputs, use_cache=False).logits
+            else:
+                base = getattr(self.hf_model, self.hf_model.base_model_prefix)
+                out = base(**inputs, use_cache=False).last_hidden_state
+        # torch's stages detach their outputs in place after backward, which a view refuses
+        # (GPT-2 returns its hidden states through .view)
+        return out.clone() if out._is_view() else out
+
+    @contextlib.contextmanager
+    def _running(self, stage: int, received: Optional[torch.Tensor]):
+        """For one forward: the layer list the model iterates is this stage's layers behind
+        stand-ins (the last handing over ``received``); the final norm passes through on a
+        stage before the last; the LM head gives this rank's vocabulary shard."""
+        parts, split = self._parts, self.stage_split
+        start = split.layers_of(stage).start
+        stage_layers = [self.layers[str(i)] for i in split.layers_of(stage)]
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            stage_layers = [_Recomputed(layer) for layer in stage_layers]
+        lead = [_Passthrough() for _ in range(max(start - 1, 0))]
+        if start > 0:
+            lead.append(_HandOver(received))
+        owner, name = parts.layers_owner, parts.layers_name
+        kept = getattr(owner, name)
+        swapped = [(owner, name, kept)]
+        owner._modules[name] = nn.ModuleList(lead + stage_layers)
+        if stage != split.last_stage and self.has_last:  # the V order: both ends on one rank
+            for parent, attr in parts.after:
+                swapped.append((parent, attr, getattr(parent, attr)))
+                parent._modules[attr] = _Passthrough()
+        head = self._head() if stage == split.last_stage else None
+        gather = getattr(head, "gather_output", None)
+        if isinstance(head, ParallelLMHead):
+            head.gather_output = False
+        try:
+            yield
+        finally:
+            for parent, attr, module in reversed(swapped):
+                parent._modules[attr] = module
+            if isinstance(head, ParallelLMHead):
+                head.gather_output = gather
+
+    def forward(self, input_ids: torch.Tensor, local_logits: bool = False) -> torch.Tensor:
+        """Logits of ``input_ids`` (every rank of a pipeline passes the same ids and gets the
+        last stage's logits); inference only: train with :class:`tp_ext.training.Trainer`."""
+        head = self._head()
+        gather = head.gather_features if isinstance(head, ParallelLMHead) else None
+        return pipelined_forward(self, input_ids, local_logits, self.stage_forward, gather)
+
+
+class _Stage(nn.Module):
+    """Pipeline stage ``stage`` of a :class:`StagedCausalLM`: the module torch's PipelineStage,
+    DDP and FSDP2 wrap (it owns the stage's decoder layers, in ``layers``, and its embedding or
+    final norm and head)."""
+
+    def __init__(self, model: StagedCausalLM, stage: int):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self.stage = stage
+        self.layers = nn.ModuleDict(
+            {str(i): model.layers[str(i)] for i in model.stage_split.layers_of(stage)}
+        )
+        for name, module in model.stage_parts(stage):
+            self.add_module(name.replace(".", "_"), module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model.stage_forward(self.stage, x)
+
+
+def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gather_logits):
+    """Run ``model``'s stages one after another over its pipeline group for inference (the
+    hidden states sent to the next stage's rank) and return the last stage's logits on every
+    rank of the pipeline (full, or this rank's vocabulary shard with ``local_logits``).
+    ``stage_forward(stage, x)`` runs one stage; ``gather_logits`` (on the last stage's rank)
+    gathers the vocabulary shards into full logits."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+        raise RuntimeError(
+            "forward of a pipelined model runs the stages for inference only (no autograd "
+            "between ranks): call it under torch.no_grad(), or train with "
+            "tp_ext.training.Trainer(model, parallel=state)"
+        )
+    split, group, me = model.stage_split, model.parallel.pp_group, model.parallel.pp_rank
+    batch, seq = input_ids.shape
+    param = next(model.parameters())
+    h = None
+    for stage in range(split.num_stages):
+        if split.rank_of(stage) != me:
+            continue
+        if stage > 0 and split.rank_of(stage - 1) != me:
+            h = torch.empty(
+                batch, seq, model.config.hidden_size, device=param.device, dtype=param.dtype
+            )
+            dist.recv(h, dist.get_global_rank(group, split.rank_of(stage - 1)), group=group)
+        h = stage_forward(stage, input_ids if stage == 0 else h)
+        if stage < split.last_stage and split.rank_of(stage + 1) != me:
+            dist.send(
+                h.contiguous(), dist.get_global_rank(group, split.rank_of(stage + 1)), group=group
+            )
+    owner = split.rank_of(split.last_stage)
+    if me == owner and not local_logits:
+        h = gather_logits(h)
+    vocab = model.config.vocab_size if not local_logits else model.local_vocab_size
+    if me != owner:
+        h = torch.empty(batch, seq, vocab, device=input_ids.device, dtype=param.dtype)
+    h = h.contiguous()
+    dist.broadcast(h, dist.get_global_rank(group, owner), group=group)
+    return h
