@@ -123,10 +123,10 @@ SUBSET = [
     ("gpt2", (1, 2, 1), "ZBVZeroBubble", "ddp", 4, False),  # tied; both ends on rank 0
     ("gpt2", (2, 2, 2), "1F1B", "ddp", 2, False),  # 8 ranks, tied across ranks
 ]
-FULL = [
-    (arch, layout, "1F1B", "ddp", 2, False)
+FULL = [  # 1F1B needs a micro-batch per stage
+    (arch, layout, "1F1B", "ddp", max(2, layout[1]), False)
     for arch, layout in itertools.product(ARCHS, LAYOUTS)
-    if (arch, layout, "1F1B", "ddp", 2, False) not in SUBSET
+    if (arch, layout, "1F1B", "ddp", max(2, layout[1]), False) not in SUBSET
 ] + [
     ("llama", (1, 2, 1), "Interleaved1F1B", "ddp", 4, False),
     ("gemma2", (1, 2, 1), "DualPipeV", "ddp", 4, False),
