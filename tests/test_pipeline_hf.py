@@ -257,3 +257,30 @@ def _not_a_causal_lm():
 def test_what_cannot_be_split_is_refused_by_name(build, pp, ep, options, message):
     for text in run_distributed(_refusal, pp * ep, build, pp, ep, **options):
         assert text is not None and message in text, text
+
+
+def _steps_with_checkpoint(arch, layout, path, steps, save: bool):
+    """``steps`` steps at ``layout`` on the same global batch (after loading ``path`` unless
+    ``save``; saving it after them if ``save``): the losses."""
+    tp, pp, dp = layout
+    state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp)
+    stages = tp_ext.parallelize(_hf_model(arch), "auto", parallel=state)
+    trainer = Trainer(stages, optimizer=_optimizer, parallel=state, max_grad_norm=MAX_NORM)
+    per_replica = 4 // dp
+    mine = _micro_batches(4)[state.dp_rank * per_replica : (state.dp_rank + 1) * per_replica]
+    if not save:
+        trainer.load_checkpoint(path)
+    losses = [trainer.step(mine) for _ in range(steps)]
+    if save:
+        trainer.save_checkpoint(path)
+    return losses
+
+
+def test_a_checkpoint_of_the_stages_resumes_at_another_layout(tmp_path):
+    """The Trainer's checkpoint of a Hugging Face model's stages (transformers' names, layers by
+    global index) loads at another (tp, pp, dp) and training goes on as if never stopped."""
+    path = str(tmp_path / "ckpt")
+    straight = _reference("llama", 4)[0][:STEPS]
+    first = run_distributed(_steps_with_checkpoint, 4, "llama", (1, 2, 2), path, 1, True)[0]
+    rest = run_distributed(_steps_with_checkpoint, 4, "llama", (2, 2, 1), path, STEPS - 1, False)
+    torch.testing.assert_close(first + rest[0], straight, rtol=1e-5, atol=0)
