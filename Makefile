@@ -1,6 +1,7 @@
 # The two commands: `make run` (the main job) and `make test` (the test suite). Each installs
 # what it needs first, so both work on a fresh machine. `make test` runs the linters first
-# (`make lint` alone: ruff, clang-format, import layers). `make demo` runs the collectives demo.
+# (`make lint` alone: ruff, clang-format, import layers) and checks that the CUDA sources
+# compile (nvcc, beside the tests). `make demo` runs the collectives demo.
 # `make test-all` also runs the whole layout x schedule matrix of the pipeline tests.
 PY ?= python3
 NPROC ?= 8
@@ -22,13 +23,10 @@ demo: install
 lint: install
 	PY=$(PY) bash scripts/lint.sh
 
+# the linters, then the tests with the CUDA compile check beside them (scripts/test.sh says why)
 test: install
-	PY=$(PY) bash scripts/lint.sh
-	PY=$(PY) bash scripts/check_cuda_compile.sh
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/test.sh $(PYTEST_ARGS)
 
 # every combination of the layout x schedule matrices (`make test` runs a subset covering every path)
 test-all: install
-	PY=$(PY) bash scripts/lint.sh
-	PY=$(PY) bash scripts/check_cuda_compile.sh
-	$(PY) -m pytest -q tests --full-matrix $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/test.sh --full-matrix $(PYTEST_ARGS)
