@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-$PY -c "import matplotlib" 2>/dev/null || $PY -m pip install -q -r benchmarks/requirements.txt
+$PY -c "import matplotlib, accelerate" 2>/dev/null || $PY -m pip install -q -r benchmarks/requirements.txt
 echo "load before: $(cat /proc/loadavg)"
 $PY benchmarks/bench_kernels.py
 $PY benchmarks/bench_collective_overhead.py
@@ -14,6 +14,8 @@ $PY benchmarks/bench_checkpoint.py
 $PY benchmarks/bench_summa.py
 $PY benchmarks/bench_planner.py
 $PY benchmarks/bench_moe.py
+$PY benchmarks/bench_vs_transformers.py --tp 2 4 --shapes small
+$PY benchmarks/bench_vs_transformers.py --tp 2 --shapes large --repeats 6
 $PY benchmarks/plot.py
 $PY benchmarks/report.py --update BENCHMARKS.md
 echo "load after: $(cat /proc/loadavg)"

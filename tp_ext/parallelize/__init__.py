@@ -2,14 +2,16 @@
 decides each module's style (:mod:`.plan`), the styles (classes such as :class:`Colwise`, or their
 string aliases) swap modules for tp_ext layers keeping each rank's slice of the weights
 (:mod:`.styles`), and sequence parallelism is added by hooks (:mod:`.sequence_parallel`).
-:func:`parallelize` (:mod:`.api`) applies them.
+:func:`parallelize` (:mod:`.api`) applies them; with pipeline parallelism it returns this rank's
+stages of a Hugging Face causal LM (:class:`StagedCausalLM`, :mod:`.stages`).
 
 ``tp_ext.parallelize`` at the top level is the function; import this package's pieces by their
 module paths (``from tp_ext.parallelize.plan import auto_plan``)."""
 
-from tp_ext.parallelize import sequence_parallel, styles
+from tp_ext.parallelize import sequence_parallel, stages, styles
 from tp_ext.parallelize.api import parallelize
 from tp_ext.parallelize.plan import STYLES, auto_plan, resolve_plan
+from tp_ext.parallelize.stages import StagedCausalLM
 from tp_ext.parallelize.styles import (
     ALIASES,
     Colwise,
@@ -24,6 +26,7 @@ from tp_ext.parallelize.styles import (
 
 __all__ = [
     "parallelize",
+    "StagedCausalLM",
     "auto_plan",
     "resolve_plan",
     "STYLES",
@@ -37,5 +40,6 @@ __all__ = [
     "SequenceParallel",
     "Replicate",
     "sequence_parallel",
+    "stages",
     "styles",
 ]

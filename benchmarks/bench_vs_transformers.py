@@ -1,0 +1,154 @@
+"""tp_ext against transformers' own native distributed mode, same checkpoint, same batch, in the
+same processes: ``tp_ext.parallelize(model, "auto")`` vs ``from_pretrained(path,
+distributed_config=DistributedConfig(tp_size=T))`` (transformers 5, DTensor underneath; it needs
+the ``accelerate`` package, in benchmarks/requirements.txt).
+
+Per case (architecture, shape, TP degree): the median forward+backward step time of each, called
+in turn every round so load changes hit both alike (ratio = tp_ext / transformers), and each
+one's logits against the unsharded model's (max relative error). A failure of either side is
+recorded as such (metric ``failed``), not skipped.
+
+    python benchmarks/bench_vs_transformers.py [--tp 2 4] [--shapes small large] [--arch llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import append_rows, bench_interleaved, run_ranks  # noqa: E402
+
+BENCH = "vs_transformers"
+SHAPES = {  # name: hidden, heads, kv_heads, intermediate, layers, vocab, batch, seq
+    "small": (256, 8, 4, 704, 2, 1024, 1, 64),
+    "large": (1024, 16, 4, 2816, 2, 4096, 1, 512),
+}
+CONFIGS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+
+
+def _checkpoint(arch: str, shape: str, directory: str) -> str:
+    import transformers
+
+    hidden, heads, kv, inter, layers, vocab, _, _ = SHAPES[shape]
+    config = getattr(transformers, CONFIGS[arch])(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    path = os.path.join(directory, f"{arch}-{shape}")
+    model.save_pretrained(path)
+    return path
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _step(model, ids):
+    def run():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss
+
+    return run
+
+
+def _rank(path: str, shape: str, repeats: int) -> dict:
+    """On every rank: both models from ``path``, their logits against the unsharded model's,
+    then their steps timed in turn."""
+    import transformers
+
+    import tp_ext
+
+    batch, seq = SHAPES[shape][6:]
+    vocab = SHAPES[shape][5]
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        expected = reference(ids).logits
+        del reference
+    out: dict = {}
+    ours = tp_ext.parallelize(
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), "auto"
+    )
+    with torch.no_grad():
+        out["tp_ext_error"] = _rel(ours(ids).logits, expected)
+    theirs = None
+    try:
+        from transformers.distributed import DistributedConfig
+
+        size = torch.distributed.get_world_size()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=size)
+        )
+        with torch.no_grad():
+            logits = theirs(ids).logits
+            if hasattr(logits, "full_tensor"):
+                logits = logits.full_tensor()
+            out["transformers_error"] = _rel(logits, expected)
+    except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
+        out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+    if theirs is None:
+        (out["tp_ext_s"],) = bench_interleaved(_step(ours, ids), warmup=2, repeats=repeats)
+    else:
+        out["tp_ext_s"], out["transformers_s"] = bench_interleaved(
+            _step(ours, ids), _step(theirs, ids), warmup=2, repeats=repeats
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--arch", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for arch in args.arch:
+            for shape in args.shapes:
+                path = _checkpoint(arch, shape, directory)
+                for tp in args.tp:
+                    result = run_ranks(_rank, tp, path, shape, args.repeats)[0]
+                    rows += _rows(f"{arch}-{shape}-tp{tp}", result)
+                    print(f"{arch} {shape} tp={tp}: {result}", flush=True)
+    append_rows(rows)
+
+
+def _rows(case: str, r: dict) -> list[dict]:
+    def row(metric, value, unit="", baseline=""):
+        return dict(
+            benchmark=BENCH, case=case, metric=metric, value=value, unit=unit, baseline=baseline
+        )
+
+    rows = [row("tp_ext_logits_rel_error", r["tp_ext_error"])]
+    if "transformers_failed" in r:  # what failed, and tp_ext's time alone
+        return rows + [
+            row("transformers_failed", r["transformers_failed"]),
+            row("tp_ext_step_s", r["tp_ext_s"], "s"),
+        ]
+    return rows + [
+        row("transformers_logits_rel_error", r["transformers_error"]),
+        row("step_s", r["tp_ext_s"], "s", r["transformers_s"]),  # ratio filled by append_rows
+    ]
+
+
+if __name__ == "__main__":
+    main()
