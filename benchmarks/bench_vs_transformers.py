@@ -9,11 +9,13 @@ one's logits against the unsharded model's (max relative error). A failure of ei
 recorded as such (metric ``failed``), not skipped.
 
     python benchmarks/bench_vs_transformers.py [--tp 2 4] [--shapes small large] [--arch llama]
+    python benchmarks/bench_vs_transformers.py --pp 2  # pipeline inference (Llama, Gemma 2, GPT-2)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -69,12 +71,15 @@ def _step(model, ids):
     return run
 
 
-def _rank(path: str, shape: str, repeats: int) -> dict:
+def _rank(path: str, shape: str, repeats: int, overlap: bool = False) -> dict:
     """On every rank: both models from ``path``, their logits against the unsharded model's,
-    then their steps timed in turn."""
+    then their steps timed in turn. ``overlap``: tp_ext's fused, overlapped linear ops (off by
+    default on CPU: on one host the ranks share the cores the overlap would use)."""
     import transformers
 
     import tp_ext
+
+    tp_ext.comm.set_overlap(True if overlap else None)
 
     batch, seq = SHAPES[shape][6:]
     vocab = SHAPES[shape][5]
@@ -113,21 +118,89 @@ def _rank(path: str, shape: str, repeats: int) -> dict:
     return out
 
 
+PP_ARCHS = {  # tiny 4-layer decoders for the pipeline comparison (logits and forward time)
+    "llama": ("LlamaConfig", {}),
+    "gemma2": ("Gemma2Config", {"head_dim": 64, "sliding_window": 32}),
+    "gpt2": ("GPT2Config", {}),
+}
+
+
+def _pp_checkpoint(arch: str, directory: str) -> str:
+    import transformers
+
+    name, extra = PP_ARCHS[arch]
+    sizes = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4)
+    sizes.update(num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    if arch == "gpt2":
+        sizes = dict(vocab_size=1024, n_embd=256, n_layer=4, n_head=4, n_positions=256)
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(**sizes, **extra)
+    path = os.path.join(directory, f"pp-{arch}")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+def _pp_rank(path: str, repeats: int) -> dict:
+    """Pipeline parallelism over every rank, inference: tp_ext's stages (``parallelize`` at
+    pp = world size) and transformers' ``DistributedConfig(pp_size=...)`` (forward only, naive),
+    logits against the unsharded model's and the forward time of each."""
+    import transformers
+
+    import tp_ext
+
+    size = torch.distributed.get_world_size()
+    ids = torch.randint(0, 1024, (1, 128), generator=torch.Generator().manual_seed(1))
+    load = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, path)
+    with torch.no_grad():
+        expected = load(dtype=torch.float32)(ids).logits
+    state = tp_ext.init_parallel(tp=1, pp=size)
+    ours = tp_ext.parallelize(load(dtype=torch.float32), "auto", parallel=state)
+    out: dict = {}
+    with torch.no_grad():
+        out["tp_ext_error"] = _rel(ours(ids), expected)
+        steps = [lambda: ours(ids)]
+        try:
+            from transformers.distributed import DistributedConfig
+
+            theirs = load(dtype=torch.float32, distributed_config=DistributedConfig(pp_size=size))
+            out["transformers_error"] = _rel(theirs(ids).logits, expected)
+            steps.append(lambda: theirs(ids))
+        except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
+            out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+        times = bench_interleaved(*steps, warmup=2, repeats=repeats)
+    out["tp_ext_s"] = times[0]
+    if len(times) > 1:
+        out["transformers_s"] = times[1]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--arch", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--overlap", action="store_true", help="tp_ext's overlapped linear ops")
+    parser.add_argument(
+        "--pp", type=int, default=0, help="instead: pipeline inference over this many ranks"
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as directory:
+        if args.pp:
+            for arch in PP_ARCHS:
+                result = run_ranks(_pp_rank, args.pp, _pp_checkpoint(arch, directory), 5)[0]
+                rows += _rows(f"{arch}-pp{args.pp}-forward", result)
+                print(f"{arch} pp={args.pp}: {result}", flush=True)
+            append_rows(rows)
+            return
         for arch in args.arch:
             for shape in args.shapes:
                 path = _checkpoint(arch, shape, directory)
                 for tp in args.tp:
-                    result = run_ranks(_rank, tp, path, shape, args.repeats)[0]
-                    rows += _rows(f"{arch}-{shape}-tp{tp}", result)
+                    result = run_ranks(_rank, tp, path, shape, args.repeats, args.overlap)[0]
+                    case = f"{arch}-{shape}-tp{tp}" + ("-overlap" if args.overlap else "")
+                    rows += _rows(case, result)
                     print(f"{arch} {shape} tp={tp}: {result}", flush=True)
     append_rows(rows)
 

@@ -16,6 +16,7 @@ $PY benchmarks/bench_planner.py
 $PY benchmarks/bench_moe.py
 $PY benchmarks/bench_vs_transformers.py --tp 2 4 --shapes small
 $PY benchmarks/bench_vs_transformers.py --tp 2 --shapes large --repeats 6
+$PY benchmarks/bench_vs_transformers.py --pp 2
 $PY benchmarks/plot.py
 $PY benchmarks/report.py --update BENCHMARKS.md
 echo "load after: $(cat /proc/loadavg)"
