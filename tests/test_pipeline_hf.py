@@ -42,6 +42,17 @@ def _hf_config(arch: str):
         return transformers.Gemma2Config(**common, head_dim=8, sliding_window=4)
     if arch == "mixtral":  # experts split over TP inside the stages (no EP, no router loss)
         return transformers.MixtralConfig(**common, num_local_experts=4)
+    if arch == "opt":  # decoder layers one level deeper, learned positions, tied embedding
+        return transformers.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            ffn_dim=44,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            max_position_embeddings=64,
+            word_embed_proj_dim=48,
+            dropout=0.0,
+        )
     if arch == "gpt2":
         return transformers.GPT2Config(
             vocab_size=VOCAB,
@@ -136,6 +147,7 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("gpt2", (1, 2, 2), "1F1B", "fsdp", 2, True),
     ("mixtral", (1, 2, 1), "1F1B", "ddp", 2, False),
     ("mixtral", (2, 2, 1), "GPipe", "ddp", 2, False),
+    ("opt", (2, 2, 1), "1F1B", "ddp", 2, False),
 ]
 
 
@@ -205,7 +217,12 @@ def _logits_under_pipelining(arch, tp, pp, schedule):
 
 @pytest.mark.parametrize(
     "arch, tp, pp, schedule",
-    [("gemma2", 1, 3, "1F1B"), ("gpt2", 2, 2, "1F1B"), ("qwen3", 1, 2, "DualPipeV")],
+    [
+        ("gemma2", 1, 3, "1F1B"),
+        ("gpt2", 2, 2, "1F1B"),
+        ("qwen3", 1, 2, "DualPipeV"),
+        ("opt", 1, 2, "1F1B"),
+    ],
 )
 def test_forward_under_pipelining_gives_transformers_logits(arch, tp, pp, schedule):
     """Every rank of the pipeline gets the last stage's logits (full, or its vocabulary shard)."""

@@ -72,21 +72,29 @@ def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
     path = min((n for n, _ in lists), key=lambda n: n.count("."))
     owner_path, _, layers_name = path.rpartition(".")
     owner = base.get_submodule(owner_path) if owner_path else base
-    order = _call_order(model, base, owner, layers_name, example_inputs)
+    route = [model, base] + [
+        base.get_submodule(".".join(owner_path.split(".")[: i + 1]))
+        for i in range(len(owner_path.split(".")))
+        if owner_path
+    ]
+    order = _call_order(model, route, layers_name, example_inputs)
     return DecoderParts(model, owner, layers_name, order)
 
 
-def _call_order(model, base, owner, layers_name, example_inputs):
+def _call_order(model, route, layers_name, example_inputs):
     """``(before, after)``: the (parent, attribute) of each module holding parameters outside the
-    decoder layers, by whether the model's forward calls it before the first layer or after."""
+    decoder layers (a child of a module on the ``route`` from the model down to the layers' owner,
+    itself off the route), by whether the model's forward calls it before the last layer has run
+    or after."""
+    owner = route[-1]
+    layers = getattr(owner, layers_name)
     candidates = []
-    for parent in dict.fromkeys([model, base, owner]):  # the route down to the layers
+    for parent in dict.fromkeys(route):
         for attr, child in parent.named_children():
-            if child in (base, owner) or attr == layers_name and parent is owner:
+            if child in route or child is layers:
                 continue
             if any(True for _ in child.parameters()):
                 candidates.append((parent, attr, child))
-    layers = getattr(owner, layers_name)
     seen: dict = {"layers": 0, "order": {}}  # order: 0 before the last layer ran, 1 after
 
     def after_layer(*_):
@@ -126,16 +134,18 @@ class _Passthrough(nn.Module):
 
 
 class _AbsentEmbedding(nn.Module):
-    """Stands in for an embedding a later stage does not hold (GPT-2's position embedding, which
-    its forward calls even with ``inputs_embeds``): zeros of the right shape, discarded by the
-    hand-over to the received hidden states."""
+    """Stands in for an embedding a later stage does not hold (GPT-2's and OPT's position
+    embeddings, which their forwards call even with ``inputs_embeds``): zeros shaped like its
+    output (its first tensor argument's shape + ``dim``: ids, positions or OPT's attention mask),
+    discarded by the hand-over to the received hidden states."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, dtype: torch.dtype):
         super().__init__()
-        self.dim = dim
+        self.dim, self.dtype = dim, dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        return torch.zeros(*first.shape, self.dim, device=first.device, dtype=self.dtype)
 
 
 class _HandOver(nn.Module):
@@ -228,7 +238,8 @@ class StagedCausalLM(nn.Module):
         for parent, attr in [] if self.has_first else parts.before:
             child = getattr(parent, attr)
             dim = getattr(child, "embedding_dim", None)
-            setattr(parent, attr, _AbsentEmbedding(dim) if dim else _Passthrough())
+            dtype = next(child.parameters()).dtype
+            setattr(parent, attr, _AbsentEmbedding(dim, dtype) if dim else _Passthrough())
         head = self.hf_model.get_output_embeddings()
         for parent, attr in [] if self.has_last else parts.after:
             # the head is called only by the last stage's forward; a final norm passes through
