@@ -29,7 +29,13 @@ from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
 from tp_ext.sharding import StageSplit, shard_sizes
 
-__all__ = ["StagedCausalLM", "DecoderParts", "find_decoder_parts", "pipelined_forward"]
+__all__ = [
+    "StagedCausalLM",
+    "DecoderParts",
+    "find_decoder_parts",
+    "pipelined_forward",
+    "tied_copies_group",
+]
 
 
 class DecoderParts:
@@ -71,14 +77,11 @@ def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
         )
     path = min((n for n, _ in lists), key=lambda n: n.count("."))
     owner_path, _, layers_name = path.rpartition(".")
-    owner = base.get_submodule(owner_path) if owner_path else base
-    route = [model, base] + [
-        base.get_submodule(".".join(owner_path.split(".")[: i + 1]))
-        for i in range(len(owner_path.split(".")))
-        if owner_path
-    ]
+    route = [model, base]  # down to the layers' owner
+    for attr in owner_path.split(".") if owner_path else []:
+        route.append(getattr(route[-1], attr))
     order = _call_order(model, route, layers_name, example_inputs)
-    return DecoderParts(model, owner, layers_name, order)
+    return DecoderParts(model, route[-1], layers_name, order)
 
 
 def _call_order(model, route, layers_name, example_inputs):
@@ -131,6 +134,9 @@ class _Passthrough(nn.Module):
 
     def forward(self, *args, **kwargs):
         return args[0] if args else next(iter(kwargs.values()))
+
+
+_SKIPPED = _Passthrough()
 
 
 class _AbsentEmbedding(nn.Module):
@@ -276,11 +282,7 @@ class StagedCausalLM(nn.Module):
         return held
 
     def tied_group(self):
-        if not self.tied_across_stages:
-            return None
-        if self.stage_split.rank_of(self.stage_split.last_stage) == 0:
-            return None  # both copies on pipeline rank 0
-        return tied_embedding_group(self.parallel)
+        return tied_copies_group(self)
 
     @property
     def pipeline_group(self):
@@ -330,7 +332,7 @@ class StagedCausalLM(nn.Module):
         stage_layers = [self.layers[str(i)] for i in split.layers_of(stage)]
         if self.activation_checkpointing and torch.is_grad_enabled():
             stage_layers = [_Recomputed(layer) for layer in stage_layers]
-        lead = [_Passthrough() for _ in range(max(start - 1, 0))]
+        lead = [_SKIPPED] * max(start - 1, 0)  # one stateless stand-in, listed once per layer
         if start > 0:
             lead.append(_HandOver(received))
         owner, name = parts.layers_owner, parts.layers_name
@@ -378,6 +380,15 @@ class _Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._model.stage_forward(self.stage, x)
+
+
+def tied_copies_group(model):
+    """The group over which ``model``'s two copies of a tied embedding (first and last stage) sum
+    their gradients; None when untied, or when both copies are on pipeline rank 0."""
+    split = model.stage_split
+    if not model.tied_across_stages or split.rank_of(split.last_stage) == 0:
+        return None
+    return tied_embedding_group(model.parallel)
 
 
 def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gather_logits):

@@ -86,8 +86,8 @@ def parallel_grad_norm(
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, parallel.tp_group)
     skip = set()
-    split = model.stage_split
-    if getattr(model, "tied_across_stages", False) and split.last_stage in model.stage_ids:
+    tied = getattr(model, "tied_across_stages", False)
+    if tied and model.stage_split.last_stage in model.stage_ids:
         skip = {id(model.tied_weights()[-1])}  # the tied head's copy; the embedding's counts
     replicated_dp = data_parallel != "fsdp" and parallel.dp > 1
     if replicated_dp and parallel.dp_rank != 0 and p != math.inf:

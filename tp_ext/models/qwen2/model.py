@@ -22,7 +22,6 @@ from tp_ext.checkpoint.hf import model_group
 from tp_ext.checkpoint.layout import detect_checkpoint_map, expected_shapes
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
 from tp_ext.distributed import comm
-from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import (
     ParallelLMHead,
@@ -37,7 +36,7 @@ from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
-from tp_ext.parallelize.stages import pipelined_forward
+from tp_ext.parallelize.stages import pipelined_forward, tied_copies_group
 from tp_ext.sharding import StageSplit, shard_sizes
 from tp_ext.validation import ConfigError, as_torch_dtype, check_int
 
@@ -204,11 +203,7 @@ class Qwen2ForCausalLM(ParallelModule):
 
     def tied_group(self):
         """The group joining the first and last stage's ranks when they differ, else None."""
-        if not self.tied_across_stages:
-            return None
-        if self.stage_split.rank_of(self.stage_split.last_stage) == 0:
-            return None  # both on pipeline rank 0
-        return tied_embedding_group(self.parallel)
+        return tied_copies_group(self)
 
     def stage_modules(self) -> list[nn.Module]:
         """One module per pipeline stage this rank holds, in order, each owning the
