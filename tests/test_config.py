@@ -279,12 +279,16 @@ HF_BAD = [
     (
         dict(HF, model_type="llama", architectures=["LlamaForCausalLM"]),
         "model_type 'llama' (architectures ['LlamaForCausalLM']) is not a model tp_ext "
-        "implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen ('qwen')",
+        "implements natively; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen ('qwen'). "
+        "Other transformers architectures go through tp_ext.parallelize(model, 'auto') "
+        "(`tp-ext plan --model PATH` counts them)",
     ),
     (
         dict(HF, model_type="qwen2_moe"),
         "model_type 'qwen2_moe' (architectures ['Qwen2ForCausalLM']) is not a model tp_ext "
-        "implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen ('qwen')",
+        "implements natively; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen ('qwen'). "
+        "Other transformers architectures go through tp_ext.parallelize(model, 'auto') "
+        "(`tp-ext plan --model PATH` counts them)",
     ),
     (
         dict(HF, use_sliding_window=True),

@@ -6,6 +6,7 @@ memory and step time (``--calibrate`` first measures this machine as the "cpu" h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from tp_ext.cli.flags import add_field_flag
@@ -13,6 +14,8 @@ from tp_ext.cli.launch import refuse
 from tp_ext.cli.logs import LOG
 from tp_ext.config import DATA_FIELDS, PARALLEL_FIELDS, JobConfig
 from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprint
+from tp_ext.models.hf import load_hf_config
+from tp_ext.models.hf.footprint import hf_pipeline_footprint
 from tp_ext.planner import calibrate, plan
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
@@ -32,6 +35,9 @@ PLANNER_FIELDS = {
     "seq_len": DATA_FIELDS["seq_len"],
     "global_batch": DATA_FIELDS["global_batch"],
     "top": Field("int", 1, help="print the best N layouts"),
+    "ep": dataclasses.replace(
+        PARALLEL_FIELDS["tp"], help="expert-parallel degree (MoE models; taken from the DP ranks)"
+    ),
 }
 
 
@@ -52,6 +58,12 @@ def _layer_counts(text: str) -> list[int]:
 def add_arguments(parser) -> None:
     parser.add_argument(
         "config", nargs="?", help="tp_ext YAML/JSON config or a Hugging Face config.json"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR_OR_CONFIG",
+        help="a Hugging Face model of any architecture parallelize('auto') converts: its "
+        "checkpoint directory or config.json (counted as parallelize would shard it)",
     )
     auto = parser.add_argument_group(
         "the planner (--auto): training layouts ranked by memory and step time, with reasons"
@@ -79,6 +91,7 @@ def add_arguments(parser) -> None:
     add_field_flag(parser, "tp", PARALLEL_FIELDS["tp"], "the config's")
     add_field_flag(parser, "pp", PARALLEL_FIELDS["pp"], "the config's")
     add_field_flag(parser, "dp", PARALLEL_FIELDS["dp"], "the config's, else 1")
+    add_field_flag(parser, "ep", PLANNER_FIELDS["ep"], "1")
     add_field_flag(parser, "virtual_stages", PARALLEL_FIELDS["virtual_stages"], default=1)
     parser.add_argument(
         "--pipeline-split",
@@ -102,21 +115,35 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     if args.auto or args.calibrate:
         return _auto_plan(args)
-    if args.config is None:
-        return refuse("plan", "argument config: required")
-    job = JobConfig.from_file(args.config)
-    par = job.parallel
+    if (args.config is None) == (args.model is None):
+        return refuse("plan", "argument config: give a config file or --model DIR_OR_CONFIG")
+    layout = dict(
+        virtual_stages=args.virtual_stages,
+        pipeline_split=args.pipeline_split,
+        stage_order=args.stage_order,
+    )
     try:
-        fp = pipeline_footprint(
-            job.model,
-            tp=args.tp if args.tp is not None else par.tp,
-            pp=args.pp if args.pp is not None else par.pp,
-            dp=args.dp if args.dp is not None else (par.dp or 1),
-            virtual_stages=args.virtual_stages,
-            pipeline_split=args.pipeline_split,
-            stage_order=args.stage_order,
-            dtype=args.dtype or par.dtype,
-        )
+        if args.model is not None:
+            fp = hf_pipeline_footprint(
+                load_hf_config(args.model),
+                tp=args.tp or 1,
+                pp=args.pp or 1,
+                dp=args.dp or 1,
+                ep=args.ep or 1,
+                dtype=args.dtype or "bfloat16",
+                **layout,
+            )
+        else:
+            job = JobConfig.from_file(args.config)
+            par = job.parallel
+            fp = pipeline_footprint(
+                job.model,
+                tp=args.tp if args.tp is not None else par.tp,
+                pp=args.pp if args.pp is not None else par.pp,
+                dp=args.dp if args.dp is not None else (par.dp or 1),
+                dtype=args.dtype or par.dtype,
+                **layout,
+            )
     except ArgumentError as e:
         return refuse("plan", f"argument --{e.argument.replace('_', '-')}: {e}")
     print(json.dumps(fp, indent=2) if args.json else format_pipeline_footprint(fp))

@@ -217,6 +217,8 @@ def load_full_state_dict(
                 f"expected the unsharded shape {expected}{hint}"
             )
         if tensor.device.type == "meta":
+            if value.device.type == "meta":
+                continue  # a model converted on the meta device: shapes only, nothing to copy
             raise ValueError(
                 f"load_full_state_dict: {name!r} is on the meta device; call "
                 "module.to_empty(device=...) first"

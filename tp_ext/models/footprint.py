@@ -125,9 +125,10 @@ def _argument(name: str, check, *args):
         raise ArgumentError(name, str(e)) from None
 
 
-def _check_arguments(config: Qwen2Config, tp, pp, dp, virtual_stages, split, order, dtype):
+def check_layout_arguments(config, tp, pp, dp, virtual_stages, split, order, dtype):
     """Every value checked before anything is built; errors (ArgumentError) name the argument,
-    the value and what works."""
+    the value and what works. ``config``: anything with ``num_hidden_layers`` and
+    ``check_tp(tp)`` (the Hugging Face footprint passes a stand-in)."""
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("virtual_stages", virtual_stages)):
         _argument(name, check_int, name, value)
     _argument("dtype", check_dtype_name, dtype)
@@ -199,7 +200,7 @@ def _reason(config: Qwen2Config, tp: int, why: str, local: int, full: int) -> st
     return "some rows on more than one TP rank"
 
 
-def _pattern(name: str) -> str:
+def layer_pattern(name: str) -> str:
     """A parameter's name with its layer index replaced by ``*``."""
     return re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
 
@@ -268,7 +269,7 @@ def pipeline_footprint(
     ``parameters_all_shards == parameters_total + replicated.parameters``. Data parallelism
     replicates all of it ``dp`` times (DDP; FSDP2 shards each replica's tensors over ``dp``).
     """
-    _check_arguments(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
+    check_layout_arguments(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
     split = list(pipeline_split) if pipeline_split is not None else None
     placement = StageSplit(config.num_hidden_layers, pp, virtual_stages, split, stage_order)
     element = DTYPE_BYTES[dtype]
@@ -367,23 +368,27 @@ def _stage_rows(config, tp, placement, shards: _Shards, element: int) -> tuple[l
                 }
             )
         stage_extra = _add_replicated(config, tp, stage, shards, element, replicated)
-        total = sum(r["parameters"] for r in per_tp)
-        stages.append(
-            {
-                "stage": stage,
-                "pp_rank": placement.rank_of(stage),
-                "first_layer": layers.start,
-                "last_layer": layers.stop - 1,
-                "num_layers": len(layers),
-                "embedding": stage == 0,
-                "head": stage == placement.last_stage,
-                "parameters": total,
-                "bytes": total * element,
-                "replicated_parameters": stage_extra,
-                "tp_ranks": per_tp,
-            }
-        )
+        stages.append(stage_entry(placement, stage, per_tp, stage_extra, element))
     return stages, replicated
+
+
+def stage_entry(placement: StageSplit, stage: int, tp_rows: list, extra: int, element: int):
+    """One stage's row of a footprint: its layers, parts and TP ranks' shards."""
+    layers = placement.layers_of(stage)
+    total = sum(r["parameters"] for r in tp_rows)
+    return {
+        "stage": stage,
+        "pp_rank": placement.rank_of(stage),
+        "first_layer": layers.start,
+        "last_layer": layers.stop - 1,
+        "num_layers": len(layers),
+        "embedding": stage == 0,
+        "head": stage == placement.last_stage,
+        "parameters": total,
+        "bytes": total * element,
+        "replicated_parameters": extra,
+        "tp_ranks": tp_rows,
+    }
 
 
 def _add_replicated(config, tp, stage, shards: _Shards, element, replicated: dict) -> int:
@@ -403,7 +408,7 @@ def _add_replicated(config, tp, stage, shards: _Shards, element, replicated: dic
         stage_extra += extra
         reason = _reason(config, tp, why, first[name], full_numel[name])
         entry = replicated.setdefault(
-            _pattern(name), {"parameters": 0, "bytes": 0, "reason": reason}
+            layer_pattern(name), {"parameters": 0, "bytes": 0, "reason": reason}
         )
         entry["parameters"] += extra
         entry["bytes"] += extra * element
@@ -486,14 +491,15 @@ def format_pipeline_footprint(fp: dict) -> str:
         f"{'pp rank':>7} {'tp ranks':>8} {'stages':>8} {'layers':>6} {'parameters':>16} "
         f"{'bytes':>18}  global ranks (one per DP replica)",
     ]
-    for pp_rank in range(fp["pp"]):
-        rows = [r for r in fp["ranks"] if r["pp_rank"] == pp_rank]
+    groups = dict.fromkeys((r["pp_rank"], r.get("ep_rank")) for r in fp["ranks"])
+    for pp_rank, ep_rank in groups:  # with EP: each EP rank's TP ranks on their own rows
+        rows = [r for r in fp["ranks"] if (r["pp_rank"], r.get("ep_rank")) == (pp_rank, ep_rank)]
         for a, b in _spans([r["parameters"] for r in rows]):
             r = rows[a]
             glob = ", ".join(
                 _span(rows[a]["global_ranks"][d], rows[b]["global_ranks"][d])
-                for d in range(fp["dp"])
-            )
+                for d in range(len(r["global_ranks"]))
+            ) + ("" if ep_rank is None else f" (EP rank {ep_rank})")
             lines.append(
                 f"{pp_rank:>7} {_span(a, b):>8} {','.join(map(str, r['stages'])):>8} "
                 f"{r['num_layers']:>6} {r['parameters']:>16,} {r['bytes']:>18,}  {glob}"

@@ -318,6 +318,7 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, StyleLike]) -> dict[str, 
     name patterns (fnmatch; the first matching pattern wins). A pattern that matches no module
     or a value that is not a style is refused."""
     names = [n for n, _ in module.named_modules() if n]
+    exact = set(names)
     decided: dict[str, StyleLike] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str):
@@ -325,7 +326,10 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, StyleLike]) -> dict[str, 
                 f"plan key {pattern!r} is not a module name pattern; use strings such as "
                 "'model.layers.*.mlp.down_proj'"
             )
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not any(c in pattern for c in "*?["):  # a plain name (a traced plan's): itself
+            matched = [pattern] if pattern in exact else []
+        else:
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             example = ", ".join(names[:6])
             raise ValueError(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+import torch
 from torch import nn
 
 from tp_ext.distributed.groups import ResolvedGroup
@@ -284,6 +285,8 @@ class VocabParallel(_Swap):
                 f"{type(module).__name__}"
             )
         scale = getattr(module, "embed_scale", None)  # Gemma's scaled embedding
+        if isinstance(scale, torch.Tensor) and scale.is_meta:  # a model built on the meta device
+            scale = getattr(module, "scalar_embed_scale", None)
         scale = None if scale is None else float(scale)
         new = VocabParallelEmbedding(
             module.num_embeddings,

@@ -176,8 +176,9 @@ class Qwen2Config:
             # plan and build the wrong thing
             raise ConfigError(
                 f"model_type {model_type!r} (architectures {architectures!r}) is not a model "
-                "tp_ext implements; it reads Qwen2/Qwen2.5 ('qwen2') and the original Qwen "
-                "('qwen')"
+                "tp_ext implements natively; it reads Qwen2/Qwen2.5 ('qwen2') and the original "
+                "Qwen ('qwen'). Other transformers architectures go through "
+                "tp_ext.parallelize(model, 'auto') (`tp-ext plan --model PATH` counts them)"
             )
         original = model_type == "qwen" or "QWenLMHeadModel" in architectures
         names = dict(_HF_NAMES, **(_QWEN_NAMES if original else {}))
