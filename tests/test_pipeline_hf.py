@@ -136,6 +136,8 @@ SUBSET = [
     ("gemma2", (1, 3, 1), "GPipe", "ddp", 3, False),  # 2 + 1 + 1 layers: sliding by global index
     ("gpt2", (1, 2, 1), "ZBVZeroBubble", "ddp", 4, False),  # tied; both ends on rank 0
     ("gpt2", (2, 2, 2), "1F1B", "ddp", 2, False),  # 8 ranks, tied across ranks
+    # pp = 1: the converted model trains as one stage (tied on one rank, FSDP2, recompute)
+    ("gpt2", (2, 1, 2), "1F1B", "fsdp", 2, True),
 ]
 FULL = [  # 1F1B needs a micro-batch per stage
     (arch, layout, "1F1B", "ddp", max(2, layout[1]), False)
@@ -148,6 +150,9 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("mixtral", (1, 2, 1), "1F1B", "ddp", 2, False),
     ("mixtral", (2, 2, 1), "GPipe", "ddp", 2, False),
     ("opt", (2, 2, 1), "1F1B", "ddp", 2, False),
+    ("llama", (2, 1, 2), "1F1B", "ddp", 2, False),
+    ("gemma2", (3, 1, 1), "1F1B", "ddp", 2, False),
+    ("mixtral", (2, 1, 1), "1F1B", "ddp", 2, False),
 ]
 
 
@@ -185,6 +190,54 @@ def test_hf_pipeline_training_matches_transformers(case):
 @pytest.mark.parametrize("case", FULL, ids=_case_id)
 def test_hf_pipeline_training_matrix(case):
     _check(case)
+
+
+def _train_then_run(arch, tp, dp):
+    state = tp_ext.init_parallel(tp=tp, dp=dp)
+    model = tp_ext.parallelize(_hf_model(arch), "auto", parallel=state)
+    trainer = Trainer(model, optimizer=_optimizer, parallel=state, max_grad_norm=MAX_NORM)
+    batches = _micro_batches(2 * dp)
+    for _ in range(STEPS):
+        trainer.step(batches[state.dp_rank * 2 : (state.dp_rank + 1) * 2])
+    with torch.no_grad():
+        return model(batches[0]).logits
+
+
+def test_a_model_trained_at_pp1_still_runs_as_itself():
+    """At pp = 1 the Trainer trains the converted model as one stage; the user's model keeps
+    its layer list and its tie, and its own forward gives the trained weights' logits."""
+    logits = run_distributed(_train_then_run, 2, "gpt2", 2, 1)
+    reference = _hf_model("gpt2")
+    reference.load_state_dict(_reference("gpt2", 2)[2])
+    with torch.no_grad():
+        expected = reference(_micro_batches(2)[0]).logits
+    for got in logits:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _router_loss_refusal():
+    config = _hf_config("mixtral")
+    config.output_router_logits = True
+    state = tp_ext.init_parallel(tp=1)
+    model = tp_ext.parallelize(
+        transformers.AutoModelForCausalLM.from_config(config), "auto", parallel=state
+    )
+    with pytest.raises(ValueError, match="router loss .* would be dropped") as refusal:
+        Trainer(model, optimizer=_optimizer, parallel=state)
+    return str(refusal.value)
+
+
+def _unconverted_refusal():
+    state = tp_ext.init_parallel(tp=2)
+    with pytest.raises(ValueError, match="holds no tp_ext layers; convert it first") as refusal:
+        Trainer(_hf_model("llama"), optimizer=_optimizer, parallel=state)
+    return str(refusal.value)
+
+
+def test_a_router_loss_is_not_dropped_at_pp1():
+    (message,) = run_distributed(_router_loss_refusal, 1)
+    assert "output_router_logits=False" in message
+    assert "tp=2" in run_distributed(_unconverted_refusal, 2)[0]
 
 
 def test_gradient_compression_trains_the_stages():

@@ -27,12 +27,14 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
+from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.sharding import StageSplit, shard_sizes
 
 __all__ = [
     "StagedCausalLM",
     "DecoderParts",
     "find_decoder_parts",
+    "single_stage",
     "pipelined_forward",
     "tied_copies_group",
 ]
@@ -82,6 +84,15 @@ def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
         route.append(getattr(route[-1], attr))
     order = _call_order(model, route, layers_name, example_inputs)
     return DecoderParts(model, route[-1], layers_name, order)
+
+
+def single_stage(model: nn.Module, parallel) -> "StagedCausalLM":
+    """A Hugging Face causal LM converted by ``parallelize(..., parallel=state)`` at pp = 1, as
+    the one pipeline stage :class:`tp_ext.training.Trainer` trains (DDP or FSDP2 on it,
+    activation checkpointing, gradient compression, checkpoints that reshard to pp > 1). The
+    model stays runnable on its own: it keeps its layer list and its tied weights. Its decoder
+    parts are found by running it once on a few tokens (every TP rank together)."""
+    return StagedCausalLM(find_decoder_parts(model, example_token_inputs(model)), parallel)
 
 
 def _call_order(model, route, layers_name, example_inputs):
@@ -209,7 +220,9 @@ class StagedCausalLM(nn.Module):
         self._parts = parts
         self.has_first = 0 in self.stage_ids
         self.has_last = self.stage_split.last_stage in self.stage_ids
-        self.tied_across_stages = bool(getattr(self.config, "tie_word_embeddings", False))
+        # one stage holds both ends of a tie: the model keeps its one tensor
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        self.tied_across_stages = tied and self.stage_split.num_stages > 1
         self._untie_head()
         self._prune()
         for attr, child in model.named_children():  # transformers' names for the parameters
@@ -239,8 +252,9 @@ class StagedCausalLM(nn.Module):
         parts = self._parts
         held = {i for s in self.stage_ids for i in self.stage_split.layers_of(s)}
         layers = parts.layers
-        kept = nn.ModuleDict({str(i): layers[i] for i in sorted(held)})
-        setattr(parts.layers_owner, parts.layers_name, kept)
+        if len(held) < len(layers):  # one stage with every layer keeps the model runnable
+            kept = nn.ModuleDict({str(i): layers[i] for i in sorted(held)})
+            setattr(parts.layers_owner, parts.layers_name, kept)
         for parent, attr in [] if self.has_first else parts.before:
             child = getattr(parent, attr)
             dim = getattr(child, "embedding_dim", None)
@@ -254,8 +268,14 @@ class StagedCausalLM(nn.Module):
     # -- what the pipeline code reads -------------------------------------------------------------
 
     @property
-    def layers(self) -> nn.ModuleDict:
+    def layers(self) -> nn.Module:
+        """This rank's decoder layers: a ModuleDict by global index, or the model's own
+        ModuleList when it holds them all (one stage)."""
         return getattr(self._parts.layers_owner, self._parts.layers_name)
+
+    def layer(self, index: int) -> nn.Module:
+        layers = self.layers
+        return layers[index] if isinstance(layers, nn.ModuleList) else layers[str(index)]
 
     def _head(self) -> Optional[nn.Module]:
         """This rank's LM head (None when it does not hold the last stage)."""
@@ -329,7 +349,7 @@ class StagedCausalLM(nn.Module):
         stage before the last; the LM head gives this rank's vocabulary shard."""
         parts, split = self._parts, self.stage_split
         start = split.layers_of(stage).start
-        stage_layers = [self.layers[str(i)] for i in split.layers_of(stage)]
+        stage_layers = [self.layer(i) for i in split.layers_of(stage)]
         if self.activation_checkpointing and torch.is_grad_enabled():
             stage_layers = [_Recomputed(layer) for layer in stage_layers]
         lead = [_SKIPPED] * max(start - 1, 0)  # one stateless stand-in, listed once per layer
@@ -373,7 +393,7 @@ class _Stage(nn.Module):
         object.__setattr__(self, "_model", model)
         self.stage = stage
         self.layers = nn.ModuleDict(
-            {str(i): model.layers[str(i)] for i in model.stage_split.layers_of(stage)}
+            {str(i): model.layer(i) for i in model.stage_split.layers_of(stage)}
         )
         for name, module in model.stage_parts(stage):
             self.add_module(name.replace(".", "_"), module)

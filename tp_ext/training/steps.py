@@ -27,7 +27,13 @@ from torch import nn
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import local_tensor
-from tp_ext.layers import ExpertParallelMoE, expert_parameters, vocab_parallel_cross_entropy
+from tp_ext.layers import (
+    ExpertParallelMoE,
+    ParallelModule,
+    expert_parameters,
+    vocab_parallel_cross_entropy,
+)
+from tp_ext.parallelize.stages import single_stage
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner, check_schedule
 from tp_ext.pipeline.schedules import prepare_stages
 from tp_ext.training.grad_norm import (
@@ -412,6 +418,38 @@ def build_step(
     if getattr(model, "is_2d", False):
         return _grid_step(model, parallel, data_parallel, compression, ignore_index)
     return _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore_index)
+
+
+def trainable_model(model: nn.Module, parallel) -> nn.Module:
+    """What the Trainer trains for ``model``: a Hugging Face causal LM that
+    ``parallelize(model, "auto", parallel=state)`` converted at pp = 1 becomes its one pipeline
+    stage (:func:`~tp_ext.parallelize.stages.single_stage`), so DDP or FSDP2, recompute,
+    compression and resharding checkpoints apply as at pp > 1; anything else is itself."""
+    plain_hf = (
+        parallel is not None
+        and parallel.pp == 1
+        and getattr(model, "parallel", None) is None
+        and not hasattr(model, "stage_split")
+        and hasattr(model, "base_model_prefix")
+        and hasattr(model, "get_output_embeddings")
+        and not any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+    )
+    if not plain_hf:
+        return model
+    if parallel.tp > 1 and not any(isinstance(m, ParallelModule) for m in model.modules()):
+        raise ValueError(
+            f"Trainer(parallel=...) with tp={parallel.tp}: {type(model).__name__} holds no "
+            "tp_ext layers; convert it first with tp_ext.parallelize(model, 'auto', "
+            "parallel=state)"
+        )
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            f"Trainer(parallel=...) trains {type(model).__name__} as a pipeline stage, whose "
+            "loss is the tokens' alone: its router loss (config.output_router_logits=True) "
+            "would be dropped. Set output_router_logits=False, or train it with "
+            "Trainer(model, dp_group=state.dp_group) (full logits and the router loss)"
+        )
+    return single_stage(model, parallel)
 
 
 def _check_built_with(model, parallel, dp_group, tp_group) -> None:

@@ -36,7 +36,7 @@ from tp_ext.pipeline import PipelineRunner
 from tp_ext.training import loop
 from tp_ext.training.optimizer import build_optimizer
 from tp_ext.training.state import load_training_state, save_training_state
-from tp_ext.training.steps import Precision, build_step
+from tp_ext.training.steps import Precision, build_step, trainable_model
 from tp_ext.validation import is_number
 
 __all__ = ["Trainer"]
@@ -124,6 +124,7 @@ class Trainer:
             raise TypeError(
                 f"activation_checkpointing must be True or False, got {activation_checkpointing!r}"
             )
+        model = trainable_model(model, parallel)  # a pp=1 Hugging Face model: its one stage
         self.model = model
         self.parallel = parallel
         # the one place the parallel form is told apart: the step strategy, chosen once
