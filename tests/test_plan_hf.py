@@ -20,6 +20,7 @@ from tp_ext.models.hf.footprint import hf_pipeline_footprint
 
 from .dist_utils import run_distributed
 from .test_pipeline_hf import _hf_config
+from .test_planner import CFG, SEQ
 
 LLAMA_3_70B = dict(
     model_type="llama",
@@ -128,9 +129,9 @@ SUBSET = [
     ("gpt2", (1, 2, 1, 1)),  # tied: the last stage's own copy
     ("gemma2", (3, 1, 1, 1)),
     ("llama", (2, 2, 1, 1)),
-    ("mixtral", (1, 1, 2, 2)),
 ]
-FULL = [
+FULL = [  # EP's per-rank counts are also checked in make test by the planner's memory test
+    ("mixtral", (1, 1, 2, 2)),
     ("llama", (1, 1, 1, 1)),
     ("qwen3", (2, 2, 1, 1)),
     ("gpt2", (2, 2, 1, 1)),
@@ -167,3 +168,126 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
     (tmp_path / "job.json").write_text(json.dumps({"model": {}}))
     assert main(["plan", "--model", str(tmp_path / "job.json")]) == 2
     assert "no 'model_type' field" in capsys.readouterr().err
+
+
+# --- the planner on a transformers config: memory against a measured Trainer step ------------
+
+PLANNER_CFG = CFG  # test_planner's sizes
+PLANNER_SEQ = SEQ
+
+
+def _planner_config(arch: str):
+    if arch == "llama":
+        return transformers.LlamaConfig(**PLANNER_CFG)
+    return transformers.MixtralConfig(**PLANNER_CFG, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _measure_hf(arch, candidate):
+    from tp_ext.debug.memory import PeakMemory
+    from tp_ext.training import Trainer
+
+    def local_bytes(tensors):
+        seen = {}
+        for t in tensors:
+            t = getattr(t, "_local_tensor", t)  # FSDP2's DTensor: this rank's shard
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    dims = candidate.dims
+    state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_planner_config(arch))
+    model = tp_ext.parallelize(model, "auto", parallel=state)
+    trainer = Trainer(
+        model,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        parallel=state,
+        schedule=candidate.schedule,
+        data_parallel=candidate.data_parallel,
+        activation_checkpointing=candidate.activation_checkpointing,
+    )
+    params = list(trainer.model.parameters())
+    grads = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.append(local_bytes([p.grad for p in params]))
+    )
+    g = torch.Generator().manual_seed(1)
+    shape = (candidate.micro_batch, PLANNER_SEQ)
+    batches = [
+        torch.randint(0, 1000, shape, generator=g) for _ in range(candidate.num_micro_batches)
+    ]
+    trainer.step(batches)
+    with PeakMemory(params, trainer.optimizer) as memory:
+        trainer.step(batches)
+    states = [t for s in trainer.optimizer.state.values() for t in s.values()]
+    return {
+        "peak": memory.peak,
+        "params": local_bytes(params),
+        "grads": grads[-1],
+        "optimizer": local_bytes(states),
+    }
+
+
+def _hf_candidate(tp, pp, dp, m, ep=1, schedule="1F1B", recompute=False, engine="ddp"):
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate
+
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep)
+    return Candidate(dims, 2, m, schedule, recompute, engine, "float32")
+
+
+# make test: TP (each linear's input copy), PP, EP; test-all: the rest. Not yet within 5%
+# (measured, open): recompute at tp=2 x pp=2 (0.90x) and EP with TP inside (tp=2 ep=2, 0.94x).
+PLANNER_CASES = [
+    ("llama", _hf_candidate(2, 1, 1, 2)),
+    ("llama", _hf_candidate(1, 2, 1, 4)),
+    ("mixtral", _hf_candidate(1, 1, 2, 2, ep=2)),
+    pytest.param("llama", _hf_candidate(1, 1, 1, 1), marks=pytest.mark.full_matrix),
+    pytest.param("llama", _hf_candidate(1, 1, 2, 2, engine="fsdp"), marks=pytest.mark.full_matrix),
+    pytest.param("mixtral", _hf_candidate(2, 1, 1, 2), marks=pytest.mark.full_matrix),
+]
+
+
+@pytest.mark.parametrize("arch,candidate", PLANNER_CASES)
+def test_planner_memory_matches_a_measured_step(arch, candidate):
+    from tp_ext.planner import estimate, load_hardware
+    from tp_ext.planner.hf_model import HFModel
+
+    measured = run_distributed(_measure_hf, candidate.dims.world_size, arch, candidate)
+    est = estimate(
+        HFModel(_planner_config(arch)),
+        candidate,
+        seq_len=PLANNER_SEQ,
+        hardware=load_hardware("cpu"),
+    )
+    mem = est.memory_bytes
+    # the breakdown is the busiest pipeline rank's (global ranks: (pp, dp, tp) row-major)
+    group = candidate.dims.dp * candidate.dims.tp
+    busiest = est.detail["busiest_pp_rank"]
+    same = measured[busiest * group : (busiest + 1) * group]
+    for key in ("params", "grads", "optimizer"):
+        assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
+    peak = max(m["peak"] for m in measured)
+    assert abs(mem["total"] - peak) <= 0.05 * peak, (
+        f"{arch} {candidate.describe()}: estimated peak {mem['total']} against measured {peak} "
+        f"({mem['total'] / peak:.3f}x)"
+    )
+
+
+def test_cli_auto_ranks_layouts_of_a_transformers_model(tmp_path, capsys):
+    """`tp-ext plan --model DIR --auto`: the ranked layouts of a MoE model, EP among them (at
+    pp = 1, taken from the DP ranks), best first; the dtype the config trains in."""
+    config = _planner_config("mixtral")
+    config.dtype = "float32"
+    config.save_pretrained(tmp_path)
+    ranked = _plan_json(
+        capsys, "--model", tmp_path, "--auto", "--gpus", 4, "--seq-len", 64,
+        "--global-batch", 8, "--top", 1000, "--hardware", "cpu",
+    )  # fmt: skip
+    cands = [r["candidate"] for r in ranked]
+    layouts = {(c["tp"], c["pp"], c["dp"], c["ep"]) for c in cands}
+    assert {(1, 1, 4, 4), (1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 1), (4, 1, 1, 1)} <= layouts
+    assert all(c["pp"] == 1 and c["data_parallel"] == "ddp" for c in cands if c["ep"] > 1)
+    times = [r["step_time_s"] for r in ranked if r["fits"]]
+    assert times == sorted(times) and ranked[0]["reason"]
+    assert {c["dtype"] for c in cands} == {"float32"}  # the config's own

@@ -430,7 +430,7 @@ def test_bad_input_is_refused_clearly():
     # grid")
     with pytest.raises(ValueError, match=r"tp must be an int >= 1 .* or a pair \(P, Q\)"):
         estimate(config, Candidate(ParallelDims((2, 2, 2), 1, 1), 1, 1), seq_len=64, hardware=hw)
-    with pytest.raises(TypeError, match="plan: config must be a tp_ext.models.Qwen2Config or the"):
+    with pytest.raises(TypeError, match="plan: config must be a tp_ext.models.Qwen2Config, a "):
         plan({"hidden_size": 128}, gpus=2)
 
 

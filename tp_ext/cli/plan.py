@@ -160,20 +160,26 @@ def _auto_plan(args) -> int:
         )
         if not args.auto:
             return 0
-    if args.config is None:
-        return refuse("plan", "argument config: required with --auto")
+    if (args.config is None) == (args.model is None):
+        return refuse(
+            "plan", "argument config: give a config file or --model DIR_OR_CONFIG with --auto"
+        )
     if args.gpus is None:
         return refuse("plan", "argument --gpus: required with --auto (devices to plan for)")
-    job = JobConfig.from_file(args.config)
+    if args.model is not None:  # any transformers decoder; its config's dtype unless given
+        model, dtype = args.model, args.dtype
+    else:
+        job = JobConfig.from_file(args.config)
+        model, dtype = job.model, args.dtype or job.parallel.dtype
     ranked = plan(
-        job.model,
+        model,
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
         gpu_memory=args.gpu_memory,
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         hardware=args.hardware,
-        dtype=args.dtype or job.parallel.dtype,
+        dtype=dtype,
         top=args.top,
     )
     if args.json:

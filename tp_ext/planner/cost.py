@@ -29,6 +29,12 @@ from tp_ext.planner.counts import (
     rank_shapes,
 )
 from tp_ext.planner.hardware import Hardware
+from tp_ext.planner.hf_model import (
+    HFModel,
+    hf_layer_activation_bytes,
+    hf_op_counts,
+    hf_rank_shapes,
+)
 from tp_ext.sharding import StageSplit
 from tp_ext.validation import DTYPE_BYTES, as_torch_dtype, dtype_bytes
 
@@ -88,6 +94,10 @@ def _layer_activation_bytes(s, config: Qwen2Config, b: int, seq: int, c: int) ->
     return t * per_token * c + b * s.q_heads * seq * 4 + 2 * b * seq * hd * c
 
 
+def _op_counts(config) -> dict:
+    return hf_op_counts(config) if isinstance(config, HFModel) else op_counts(config)
+
+
 def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     if not isinstance(candidate, Candidate):
         raise TypeError(
@@ -116,14 +126,22 @@ class _Step:
         self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
         self.recompute = candidate.activation_checkpointing
         self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
-        self.s = rank_shapes(config, self.tp)
+        hf = isinstance(config, HFModel)
+        self.s = hf_rank_shapes(config, self.tp, dims.ep) if hf else rank_shapes(config, self.tp)
+        # the Trainer's EP loop computes the loss on full logits (the pipeline: on its shard)
+        self.logits_vocab = config.vocab_size if dims.ep > 1 else self.s.vocab
         order = "v" if candidate.schedule in V_SCHEDULES else "loop"
         self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, None, order)
         self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
         self.tokens = self.b * seq_len
         # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send
         self.hidden_bytes = self.tokens * config.hidden_size * self.e
-        self.act_layer = _layer_activation_bytes(self.s, config, self.b, seq_len, self.e)
+        if hf:  # measured on the architecture itself
+            self.act_layer = hf_layer_activation_bytes(
+                self.s, config, self.b, seq_len, self.e, self.tp, dims.ep, candidate.dtype
+            )
+        else:
+            self.act_layer = _layer_activation_bytes(self.s, config, self.b, seq_len, self.e)
 
     # ---- what rank r holds ---------------------------------------------------------------
 
@@ -156,9 +174,9 @@ class _Step:
         in_flight = self.in_flight(r)
         acts = in_flight * held + self.ids_on(r)
         if self.stages.last_stage in mine:
-            head = 2 * self.hidden_bytes + self.tokens * s.vocab * c
+            head = 2 * self.hidden_bytes + self.tokens * self.logits_vocab * c
             acts += in_flight * (head + 8 * self.b * (self.seq_len - 1) + 4 * self.tp)
-            transient = self.tokens * s.vocab + s.vocab * config.hidden_size
+            transient = self.tokens * self.logits_vocab + s.vocab * config.hidden_size
             return acts, (transient + self.hidden_bytes // c) * c
         transient = s.embedding * self.e + self.hidden_bytes if 0 in mine else 0
         if self.pp > 1:
@@ -202,12 +220,16 @@ class _Step:
         ran_backward = self.m > math.ceil(self.in_flight(r)) and self.shard == 1
         layer_backward = rebuilt + self.act_layer + self.hidden_bytes
         opt_temp = 0 if self.hardware.fused_optimizer else 2 * self.s.largest * self.e
+        # with EP the Trainer's own loop syncs DP: every gradient flattened into one buffer for
+        # one all-reduce at the step's end (no DDP buckets kept beside the gradients)
+        flat_sync = self.candidate.dims.ep > 1 and self.dp > 1
         phases = (
             params + optimizer + (params if ran_backward else 0) + acts + transient,
             2 * params + optimizer + layer_backward + self.ids_on(r),
             2 * params + optimizer + opt_temp,
+            3 * params + optimizer if flat_sync else 0,
         )
-        ddp = self.candidate.data_parallel == "ddp" and self.dp > 1
+        ddp = self.candidate.data_parallel == "ddp" and self.dp > 1 and not flat_sync
         fsdp = self.fsdp_buffers(numel)
         peak = max(phases) + (params if ddp else 0) + fsdp
         memory = memory_breakdown(
@@ -298,7 +320,7 @@ class _Step:
         device's rate, and its operators' fixed cost (dispatch, launch: what dominates small
         shapes)."""
         mine, layers, hw = self.stages.stages_of(r), self.layers_on(r), self.hardware
-        ops, recompute = op_counts(self.config), 1 if self.recompute else 0
+        ops, recompute = _op_counts(self.config), 1 if self.recompute else 0
         flops = layers * layer_flops(self.s, self.b, self.seq_len) * (4 / 3 if recompute else 1)
         n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"])
         if self.stages.last_stage in mine:

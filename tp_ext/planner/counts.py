@@ -47,6 +47,9 @@ class RankShapes:
     head_dim: int
     intermediate: int
     vocab: int
+    # parameters each token's matmuls run through, where not all of ``layer`` (an MoE layer:
+    # the dense part and its top-k experts); 0: all of them
+    layer_flop_params: int = 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,7 +97,7 @@ def fsdp_numel(rows, dp: int) -> int:
     return sum(-(-d0 // dp) * dp * (n // d0) for d0, n in rows)
 
 
-class _CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
     """Counts the operators dispatched under it."""
 
     def __init__(self):
@@ -113,7 +116,7 @@ def _count_ops(config: Qwen2Config, layers: int, backward: bool) -> tuple[int, i
         config.replace(num_hidden_layers=layers), ResolvedGroup.local(), device="meta"
     )
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
-    with _CountOps() as counter:
+    with CountOps() as counter:
         h = model.model.embed_tokens(ids)
         embedding = counter.n
         for layer in model.model.layers:
@@ -146,7 +149,8 @@ def op_counts(config: Qwen2Config) -> dict:
 def layer_flops(s: RankShapes, b: int, seq: int) -> float:
     """One decoder layer's forward + backward FLOPs on one TP rank for ``b`` sequences of
     ``seq`` tokens: 6 per parameter and token, and attention's scores and values."""
-    return 6 * s.layer * b * seq + 12 * b * seq * seq * s.q_heads * s.head_dim
+    params = s.layer_flop_params or s.layer
+    return 6 * params * b * seq + 12 * b * seq * seq * s.q_heads * s.head_dim
 
 
 def head_flops(s: RankShapes, config: Qwen2Config, b: int, seq: int) -> float:

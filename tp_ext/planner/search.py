@@ -10,11 +10,13 @@ import os
 from typing import Optional, Union
 
 from tp_ext.dims import ParallelDims
+from tp_ext.models.hf import is_hf_config_dict, load_hf_config
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.planner.candidate import Candidate, Estimate, usable_memory
 from tp_ext.planner.cost import estimate
 from tp_ext.planner.cost_2d import grid_problem
 from tp_ext.planner.hardware import Hardware, load_hardware
+from tp_ext.planner.hf_model import HFModel
 from tp_ext.sharding import divisors
 from tp_ext.validation import (
     DTYPE_BYTES,
@@ -70,7 +72,7 @@ def _dims(config: Qwen2Config, gpus: int, global_batch: int, grids: bool):
     stage per decoder layer."""
     valid_tp = set(config.valid_tp_sizes())
     tps = [tp for tp in divisors(gpus) if tp in valid_tp]
-    if grids:
+    if grids and isinstance(config, Qwen2Config):  # 2D TP is the native model's
         tps += list(_grids(config, gpus))
     for tp in tps:
         size = tp if isinstance(tp, int) else tp[0] * tp[1]
@@ -78,6 +80,15 @@ def _dims(config: Qwen2Config, gpus: int, global_batch: int, grids: bool):
             dims = ParallelDims(tp=tp, pp=pp).resolve(gpus)
             if pp <= config.num_hidden_layers and global_batch % dims.dp == 0:
                 yield dims
+                yield from _expert_dims(config, dims)
+
+
+def _expert_dims(config, dims: ParallelDims):
+    """An MoE model's EP degrees on these dims: taken from the DP ranks (ep dividing dp), at
+    pp = 1 (EP inside pipeline stages is not supported yet)."""
+    if getattr(config, "is_moe", False) and dims.pp == 1:
+        for ep in divisors(dims.dp)[1:]:
+            yield dims.replace(ep=ep)
 
 
 def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
@@ -99,7 +110,9 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, m
             m = per_replica // mb
             if per_replica % mb or (dims.pp > 1 and m < dims.pp):
                 continue  # torch's schedules need at least pp micro-batches
-            engines = ("ddp", "fsdp") if dims.dp > 1 and dims.grid is None else ("ddp",)
+            # EP and 2D grids synchronise DP by all-reduce (DDP), no FSDP2
+            plain = dims.grid is None and dims.ep == 1
+            engines = ("ddp", "fsdp") if dims.dp > 1 and plain else ("ddp",)
             for schedule, v in _schedules(config, dims.pp, m):
                 for checkpointing in (False, True):
                     for engine in engines:
@@ -254,19 +267,44 @@ def plan(
     return ranked[:top] if top else ranked
 
 
-def _model_config(config, dtype: Optional[str]) -> tuple[Qwen2Config, str]:
-    """The model config and the dtype to plan in: ``dtype`` when given, else the file's."""
+def _model_config(config, dtype: Optional[str]) -> tuple:
+    """The model (tp_ext's Qwen2Config, or an :class:`HFModel` for any other transformers
+    decoder) and the dtype to plan in: ``dtype`` when given, else the file's."""
     file_dtype = None
-    if isinstance(config, (str, os.PathLike)):  # a job YAML or a Hugging Face config.json
+    if isinstance(config, (str, os.PathLike)):  # a job YAML, a Hugging Face config or directory
         path = os.fspath(config)
-        config = Qwen2Config.from_file(path)
-        file_dtype = _file_dtype(*read_mapping(path))
-    if not isinstance(config, Qwen2Config):
+        if os.path.isdir(path) or not _native_file(path):
+            config = load_hf_config(path)
+        else:
+            config = Qwen2Config.from_file(path)
+            file_dtype = _file_dtype(*read_mapping(path))
+    if _is_transformers_config(config):
+        name = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+        name = str(name).removeprefix("torch.") if name is not None else None
+        file_dtype = name if name in DTYPE_BYTES else None
+        config = HFModel(config)
+    if not isinstance(config, (Qwen2Config, HFModel)):
         raise TypeError(
-            f"plan: config must be a tp_ext.models.Qwen2Config or the path of a config file "
-            f"(a job YAML, a Hugging Face config.json), got {type(config).__name__}"
+            f"plan: config must be a tp_ext.models.Qwen2Config, a transformers config or the "
+            f"path of a config file (a job YAML, a Hugging Face config.json or checkpoint "
+            f"directory), got {type(config).__name__}"
         )
     return config, dtype or file_dtype or "bfloat16"
+
+
+def _is_transformers_config(config) -> bool:
+    """A transformers PretrainedConfig (told by its interface: importing transformers to check
+    would cost every planner import seconds)."""
+    return isinstance(getattr(config, "model_type", None), str) and hasattr(
+        config, "to_json_string"
+    )
+
+
+def _native_file(path: str) -> bool:
+    """A job file, or a Hugging Face config of the Qwen2 family tp_ext implements natively."""
+    _, data = read_mapping(path)
+    model_type = data.get("model_type") if is_hf_config_dict(data) else None
+    return model_type in (None, "qwen2", "qwen")
 
 
 def _file_dtype(path: str, data: dict) -> Optional[str]:

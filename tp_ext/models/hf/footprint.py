@@ -47,7 +47,7 @@ def _stage_holdings(shards: HFModelShards, held: dict, placement: StageSplit) ->
     out: dict = {s: {} for s in range(placement.num_stages)}
     seen: dict = {s: set() for s in out}
     stage_of_layer = {i: s for s in out for i in placement.layers_of(s)}
-    for name, (numel, tensor) in held.items():
+    for name, (numel, tensor, _) in held.items():
         part = shards.part_of(name)
         if part == "layer":
             stages = [stage_of_layer[shards.layer_of(name)]]

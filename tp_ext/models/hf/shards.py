@@ -28,7 +28,14 @@ from tp_ext.parallelize.stages import find_decoder_parts
 from tp_ext.sharding import HeadLayout, shard_sizes
 from tp_ext.validation import ArgumentError
 
-__all__ = ["HFModelShards", "narrow_config", "meta_model", "model_shards"]
+__all__ = [
+    "HFModelShards",
+    "narrow_config",
+    "meta_model",
+    "model_shards",
+    "expert_count",
+    "mlp_widths",
+]
 
 # The narrow copy's widths: a head of 8 (even, so partial rotary fractions stay whole), MLPs of
 # 16, a vocabulary of 64. Counts (layers, heads, experts) stay the model's.
@@ -40,6 +47,24 @@ _INTERMEDIATE_FIELDS = (
     "ffn_dim",
     "n_inner",
 )
+
+
+def expert_count(config) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def mlp_widths(config) -> dict:
+    """The config's MLP widths (intermediate_size, moe_intermediate_size, ...) it sets."""
+    return {
+        f: getattr(config, f)
+        for f in _INTERMEDIATE_FIELDS
+        if isinstance(getattr(config, f, None), int)
+    }
 
 
 def meta_model(config, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -135,7 +160,7 @@ class HFModelShards:
     """One Hugging Face causal LM config's full size and per-rank shards (see the module doc).
 
     ``shards(tp, tp_rank, ep, ep_rank)`` maps each parameter name (a tied weight under both its
-    names) to ``(numel, tensor id)`` on that rank; :meth:`stage_of` says which pipeline stage
+    names) to ``(numel, tensor id, dim 0)`` on that rank; :meth:`stage_of` says which pipeline stage
     a name belongs to."""
 
     def __init__(self, config) -> None:
@@ -148,6 +173,7 @@ class HFModelShards:
         self.unique = frozenset(n for n, _ in full.named_parameters())
         self.heads = next((h for h in map(attention_heads, full.modules()) if h is not None), None)
         self.moe = any(n.endswith("experts") for n, _ in full.named_modules())
+        self.num_experts = expert_count(config)
         try:
             self.structure = _structure(config)
         except Exception as e:  # noqa: BLE001  (any failure of the trace is the same refusal)
@@ -156,12 +182,26 @@ class HFModelShards:
                 f"shards, and that failed: {type(e).__name__}: {e}"
             ) from e
         self._cache: dict = {}
+        self.column_groups = self._column_groups(full)
         parts = [
             round(f * linear_features(full.get_submodule(name))[1])
             for name, fractions in self.structure.part_fractions.items()
             for f in fractions
         ]
         self.widths = tuple(sorted({d for p in full.parameters() for d in p.shape} | set(parts)))
+
+    def _column_groups(self, full: nn.Module) -> tuple:
+        """``(count, in_features)`` of each group of column-parallel linears of layer 0 under
+        one parent (q / k / v, gate / up): siblings that read the same input."""
+        prefix = f"{self.structure.layers_path}.0."
+        groups: dict = {}
+        for name, style in self.structure.styles.items():
+            if name.startswith(prefix) and getattr(style, "name", style) == "colwise":
+                parent = name.rpartition(".")[0]
+                width = linear_features(full.get_submodule(name))[0]
+                count, _ = groups.get(parent, (0, width))
+                groups[parent] = (count + 1, width)
+        return tuple(groups.values())
 
     # -- where a parameter lives --------------------------------------------------------------
 
@@ -210,7 +250,10 @@ class HFModelShards:
             parallelize(model, _full_plan(self.structure, model), parallel=parallel)
         except ValueError as e:
             raise ArgumentError("tp" if ep == 1 else "ep", str(e)) from None
-        return {n: (p.numel(), id(p)) for n, p in model.named_parameters(remove_duplicate=False)}
+        return {
+            n: (p.numel(), id(p), p.shape[0] if p.dim() else 1)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        }
 
     def heads_on(self, tp: int, tp_rank: int) -> tuple[int, int, int]:
         """(query heads, KV heads, head_dim) of one attention layer on ``tp_rank``."""

@@ -1,0 +1,229 @@
+"""The planner's view of a Hugging Face decoder (any architecture ``parallelize(model, "auto")``
+converts): :class:`HFModel` answers what the cost model asks of tp_ext's own Qwen2Config (layers,
+widths, the TP sizes it takes), and :func:`hf_rank_shapes`, :func:`hf_op_counts` and
+:func:`hf_layer_activation_bytes` give its per-rank counts:
+
+- parameters: rank 0's shards of the model converted on the meta device
+  (:mod:`tp_ext.models.hf.shards`), exact;
+- what a decoder layer saves for backward: measured on the narrow copy of the architecture and
+  fitted (:mod:`tp_ext.models.hf.activations`);
+- dispatched operators: counted on the narrow copy's forward and backward (the backward's split
+  between embedding, layers and head taken as the forward's).
+
+The training step it costs is the Trainer's for a converted model: one pipeline stage per rank at
+pp = 1 too (vocabulary-parallel loss), or, with EP, the Trainer's own loop (full logits)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tp_ext.models.hf.activations import fit_layer_activations
+from tp_ext.models.hf.shards import mlp_widths, model_shards, narrow_config
+from tp_ext.planner.counts import CountOps, RankShapes
+from tp_ext.sharding import HeadLayout, shard_sizes
+from tp_ext.validation import as_torch_dtype
+
+__all__ = ["HFModel", "hf_rank_shapes", "hf_op_counts", "hf_layer_activation_bytes"]
+
+MAX_TP = 64
+
+
+class HFModel:
+    """A transformers config as the planner reads it (hashable by its JSON, so the counts of
+    one model are built once)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self._key = f"{config.model_type}:{config.to_json_string(use_diff=False)}"
+        self.shards = shards = model_shards(config)
+        self.architecture = shards.architecture
+        self.num_hidden_layers = shards.num_layers
+        self.hidden_size = getattr(config, "hidden_size", None) or config.n_embd
+        self.vocab_size = config.vocab_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.max_position_embeddings = (
+            getattr(config, "max_position_embeddings", None)
+            or getattr(config, "n_positions", None)
+            or 2**31
+        )
+        self.is_moe = shards.moe
+        self.experts_per_token = next(
+            (
+                getattr(config, n)
+                for n in ("num_experts_per_tok", "moe_topk", "top_k")
+                if isinstance(getattr(config, n, None), int)
+            ),
+            0,
+        )
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HFModel) and other._key == self._key
+
+    def valid_tp_sizes(self) -> list[int]:
+        """TP sizes whose heads split in whole heads (KV heads shared where fewer than TP)."""
+        return list(self._tp_sizes)
+
+    @functools.cached_property
+    def _tp_sizes(self) -> tuple:
+        heads = self.shards.heads
+        sizes = []
+        for tp in range(1, MAX_TP + 1):
+            try:
+                if heads is not None:
+                    HeadLayout(heads.heads, heads.kv, tp)
+            except ValueError:
+                continue
+            if tp <= self.vocab_size:
+                sizes.append(tp)
+        return tuple(sizes)
+
+    def check_tp(self, tp: int) -> None:
+        if tp not in self.valid_tp_sizes():
+            raise ValueError(
+                f"tp={tp} does not split {self.architecture}'s attention heads in whole heads; "
+                f"TP sizes it takes: {self.valid_tp_sizes()}"
+            )
+
+
+def _rows(held: dict, names) -> tuple:
+    seen, rows = set(), []
+    for n in names:
+        numel, tensor, dim0 = held[n]
+        if tensor not in seen:
+            seen.add(tensor)
+            rows.append((dim0, numel))
+    return tuple(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def hf_rank_shapes(model: HFModel, tp: int, ep: int = 1) -> RankShapes:
+    """Rank 0's shards (the largest, by the shard policy) of one decoder layer (the largest
+    layer), the embedding and the final norm and head at TP ``tp`` and EP ``ep``."""
+    shards = model.shards
+    held = shards.shards(tp, 0, ep, 0)
+    by_layer: dict = {}
+    first, last = [], []
+    for name in held:
+        part = shards.part_of(name)
+        if part == "layer":
+            by_layer.setdefault(shards.layer_of(name), []).append(name)
+        elif part == "last":
+            last.append(name)
+        else:
+            first.append(name)
+    layer_names = max(by_layer.values(), key=lambda ns: sum(held[n][0] for n in ns))
+    layer_rows, emb_rows = _rows(held, layer_names), _rows(held, first)
+    # a tied head is its own tensor on the last stage: counted there as the native model does
+    final_rows = tuple((held[n][2], held[n][0]) for n in last)
+    q, kv, head_dim = shards.heads_on(tp, 0)
+    head = [n for n in last if held[n][2] and n.endswith("weight")]
+    vocab = max((held[n][2] for n in head), default=model.vocab_size)
+    inter = [shard_sizes(width, tp)[0] for width in mlp_widths(model.config).values()]
+    return RankShapes(
+        embedding=sum(n for _, n in emb_rows),
+        layer=sum(n for _, n in layer_rows),
+        final=sum(n for _, n in final_rows),
+        layer_tensors=len(layer_rows),
+        embedding_tensors=len(emb_rows),
+        final_tensors=len(final_rows),
+        largest=max(numel for numel, _, _ in held.values()),
+        layer_rows=layer_rows,
+        embedding_rows=emb_rows,
+        final_rows=final_rows,
+        q_heads=q,
+        kv_heads=kv,
+        head_dim=head_dim,
+        intermediate=max(inter, default=0),
+        vocab=vocab,
+        layer_flop_params=_active_layer_params(model, held, layer_names, ep),
+    )
+
+
+def _active_layer_params(model: HFModel, held: dict, layer_names, ep: int) -> int:
+    """The layer parameters every token's matmuls run through: all of a dense layer; of an MoE
+    layer, the dense part and its top-k experts' share (a rank computes as many token-expert
+    pairs with EP as without: its experts' tokens from every EP rank)."""
+    expert_names = [n for n in layer_names if ".experts." in n]
+    total = sum(held[n][0] for n in layer_names)
+    if not expert_names or not model.experts_per_token:
+        return total
+    experts = sum(held[n][0] for n in expert_names)
+    local = shard_sizes(model.shards.num_experts, ep)[0]
+    return total - experts + model.experts_per_token * experts // max(local, 1) // ep
+
+
+@functools.lru_cache(maxsize=16)
+def hf_activation_fit(model: HFModel, dtype: str):
+    return fit_layer_activations(model.config, as_torch_dtype(dtype))
+
+
+def hf_layer_activation_bytes(s: RankShapes, model: HFModel, b, seq, c, tp, ep, dtype) -> int:
+    """What one converted decoder layer saves for backward on TP rank 0 (the fit, with this
+    rank's query and KV heads and MLP widths, and what tp_ext's TP and EP layers add)."""
+    fit = hf_activation_fit(model, dtype)
+    local = {"H": s.q_heads, "KV": s.kv_heads}
+    local.update({f: shard_sizes(v, tp)[0] for f, v in mlp_widths(model.config).items()})
+    saved = fit.bytes(b, seq, local)
+    if tp > 1:
+        # a column-parallel linear saves its own copy of its input (copy_to_tp's output: an
+        # op may not return an alias of its input), where siblings shared one at TP = 1
+        groups = model.shards.column_groups
+        saved += sum((count - 1) * width for count, width in groups) * b * seq * c
+    if ep > 1 and shard_sizes(model.shards.num_experts, ep)[0] > 1:
+        # ExpertParallelMoE regroups the rows it received by local expert: one more copy of the
+        # routed tokens (tokens x top-k rows, balanced routing assumed) for the experts' GEMMs
+        saved += b * seq * model.experts_per_token * model.hidden_size * c
+    return int(round(saved))
+
+
+@functools.lru_cache(maxsize=16)
+def hf_op_counts(model: HFModel) -> dict:
+    """Operators one micro-batch dispatches: per decoder layer (forward + backward, and forward
+    alone), for the embedding and for the head and loss; counted on the narrow copy."""
+    from transformers import AutoModelForCausalLM
+
+    shards = model.shards
+    with torch.device("meta"):
+        narrow = AutoModelForCausalLM.from_config(narrow_config(model.config))
+    narrow = narrow.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in narrow.parameters():
+            p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
+    layers = narrow.get_submodule(shards.structure.layers_path)
+    marks = {}
+    counter = CountOps()
+
+    def mark(key):
+        def hook(*_):  # returns None: the layer's inputs and outputs stay as they are
+            marks.setdefault(key, counter.n)
+
+        return hook
+
+    hooks = [
+        layers[0].register_forward_pre_hook(mark("start")),
+        layers[-1].register_forward_hook(mark("end")),
+    ]
+    ids = torch.randint(0, narrow.config.vocab_size, (1, 8), generator=torch.Generator())
+    try:
+        with counter:
+            logits = narrow(input_ids=ids, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+            forward = counter.n
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    n_layers = len(layers)
+    layer_forward = (marks["end"] - marks["start"]) / n_layers
+    scale = counter.n / forward  # the backward in the forward's proportions
+    return {
+        "layer": round(layer_forward * scale),
+        "layer_forward": round(layer_forward),
+        "embedding": round(marks["start"] * scale),
+        "head": round((forward - marks["end"]) * scale),
+    }
