@@ -2,7 +2,11 @@
 test-all``); without it, tests marked ``full_matrix`` are deselected (not skipped), and the
 representative subset that covers every code path runs (``make test``)."""
 
+import os
+
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):
@@ -41,3 +45,15 @@ def tp_ext_here(capsys):
         return status, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    """A token file for the training commands: byte-level tokens of real English text (this
+    repository's README)."""
+    from tp_ext.data import byte_tokens, write_token_file
+
+    path = str(tmp_path_factory.mktemp("data") / "tokens.bin")
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        write_token_file(path, byte_tokens(f.read()))
+    return path

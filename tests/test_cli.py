@@ -8,7 +8,10 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.full_matrix), 3])
+# make test-all (19 s at 3 ranks): make test runs the demo in one process (below) and other
+# commands under torchrun (test_run, test_run_3d, test_examples)
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("nproc", [2, 3])
 def test_demo_under_torchrun(nproc):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

@@ -170,7 +170,9 @@ def test_sections_and_fields_by_name(tmp_path):
 
 def test_job_sections_must_be_their_classes():
     model = Qwen2Config(**GOOD["model"])
-    with pytest.raises(ConfigError, match=r"^JobConfig.model must be a Qwen2Config, got dict$"):
+    with pytest.raises(
+        ConfigError, match=r"^JobConfig.model must be a Qwen2Config or HFModelSource, got dict$"
+    ):
         JobConfig(model=GOOD["model"])
     with pytest.raises(ConfigError, match=r"^JobConfig.parallel must be a ParallelSettings, got"):
         JobConfig(model=model, parallel={"tp": 2})

@@ -11,7 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize(
-    "script", ["parallelize_hf_model.py", "train_qwen2.py", "expert_parallel_moe.py"]
+    "script",
+    [
+        "parallelize_hf_model.py",
+        # make test-all (11 s): the Trainer on Qwen2 is test_training's and test_train_cli's
+        pytest.param("train_qwen2.py", marks=pytest.mark.full_matrix),
+        "expert_parallel_moe.py",
+    ],
 )
 def test_example_runs_and_checks_itself(script):
     env = dict(os.environ, OMP_NUM_THREADS="1")

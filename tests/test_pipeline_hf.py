@@ -137,7 +137,7 @@ SUBSET = [
     ("gpt2", (1, 2, 1), "ZBVZeroBubble", "ddp", 4, False),  # tied; both ends on rank 0
     ("gpt2", (2, 2, 2), "1F1B", "ddp", 2, False),  # 8 ranks, tied across ranks
     # pp = 1: the converted model trains as one stage (tied on one rank, FSDP2, recompute)
-    ("gpt2", (2, 1, 2), "1F1B", "fsdp", 2, True),
+    ("gpt2", (1, 1, 2), "1F1B", "fsdp", 2, True),
 ]
 FULL = [  # 1F1B needs a micro-batch per stage
     (arch, layout, "1F1B", "ddp", max(2, layout[1]), False)
@@ -151,6 +151,7 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("mixtral", (2, 2, 1), "GPipe", "ddp", 2, False),
     ("opt", (2, 2, 1), "1F1B", "ddp", 2, False),
     ("llama", (2, 1, 2), "1F1B", "ddp", 2, False),
+    ("gpt2", (2, 1, 2), "1F1B", "fsdp", 2, True),
     ("gemma2", (3, 1, 1), "1F1B", "ddp", 2, False),
     ("mixtral", (2, 1, 1), "1F1B", "ddp", 2, False),
 ]
@@ -371,3 +372,24 @@ def test_a_checkpoint_of_the_stages_resumes_at_another_layout(tmp_path):
     first = run_distributed(_steps_with_checkpoint, 4, "llama", (1, 2, 2), path, 1, True)[0]
     rest = run_distributed(_steps_with_checkpoint, 4, "llama", (2, 2, 1), path, STEPS - 1, False)
     torch.testing.assert_close(first + rest[0], straight, rtol=1e-5, atol=0)
+
+
+def _export_stages(arch, directory):
+    from tp_ext.checkpoint import save_hf_checkpoint
+
+    state = tp_ext.init_parallel(tp=1, pp=2)
+    stages = tp_ext.parallelize(_hf_model(arch), "auto", parallel=state)
+    save_hf_checkpoint(stages, directory)
+
+
+def test_stages_export_a_checkpoint_transformers_loads(tmp_path):
+    """save_hf_checkpoint of a Hugging Face model's stages (pp = 2, its names its own): one
+    merged checkpoint of the whole model, tied head included, that from_pretrained loads."""
+    run_distributed(_export_stages, 2, "opt", str(tmp_path))
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = _micro_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, _hf_model("opt")(ids).logits)

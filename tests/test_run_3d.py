@@ -82,6 +82,9 @@ def test_3d_job_on_8_local_ranks():
         assert f"    {r:>4}  {r % 2:>2} {r // 4:>2} {r // 2 % 2:>2}  " in out, out
 
 
+# make test-all (28 s): in make test, FSDP2, interleaving and recompute are test_pipeline's and
+# test_pipeline_hf's in-process cases, and the command end to end is the two-node job below
+@pytest.mark.full_matrix
 def test_fsdp_and_an_interleaved_schedule_with_recompute_on_4_ranks():
     flags = (
         "--pp 2 --dp 2 --data-parallel fsdp --schedule Interleaved1F1B --virtual-stages 2 "

@@ -23,7 +23,6 @@ import torch
 
 from tp_ext.checkpoint import save_sharded
 from tp_ext.cli import main
-from tp_ext.data import byte_tokens, write_token_file
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.training import OptimizerSettings, build_lr_scheduler
 from tp_ext.training.checkpoint_dir import (
@@ -36,15 +35,6 @@ from tp_ext.training.checkpoint_dir import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "train-tiny.yaml")
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory) -> str:
-    """Byte-level tokens of real English text: this repository's README."""
-    path = str(tmp_path_factory.mktemp("data") / "tokens.bin")
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        write_token_file(path, byte_tokens(f.read()))
-    return path
 
 
 # ---- flags and config, before torch.distributed -------------------------------------------------

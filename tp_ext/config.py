@@ -21,11 +21,13 @@ read, before anything is built.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+import os
+from typing import Any, Callable, Optional, Union
 
 from tp_ext.data import TOKEN_DTYPES
 from tp_ext.dims import MAX_DEGREE, MAX_VIRTUAL_STAGES, ParallelDims
 from tp_ext.models import Qwen2Config
+from tp_ext.models.hf.source import HFModelSource
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
 from tp_ext.pipeline.schedules import check_micro_batches
 from tp_ext.training import OptimizerSettings
@@ -313,18 +315,19 @@ _SECTIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    model: Qwen2Config
+    model: Union[Qwen2Config, HFModelSource]  # tp_ext's Qwen2, or any transformers decoder
     parallel: ParallelSettings = ParallelSettings()
     optimizer: OptimizerSettings = OptimizerSettings()
     data: DataSettings = DataSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
 
     def __post_init__(self) -> None:  # each section checked its own values when it was built
-        for name, kind in (("model", Qwen2Config), *_SECTIONS.items()):
+        for name, kind in (("model", (Qwen2Config, HFModelSource)), *_SECTIONS.items()):
             if not isinstance(getattr(self, name), kind):
+                kinds = kind if isinstance(kind, tuple) else (kind,)
+                kinds = " or ".join(k.__name__ for k in kinds)
                 raise ConfigError(
-                    f"JobConfig.{name} must be a {kind.__name__}, got "
-                    f"{type(getattr(self, name)).__name__}"
+                    f"JobConfig.{name} must be a {kinds}, got {type(getattr(self, name)).__name__}"
                 )
 
     @classmethod
@@ -334,17 +337,24 @@ class JobConfig:
         try:
             if "model_type" in data or "architectures" in data:
                 return cls(model=Qwen2Config.from_hf_dict(data))
-            return cls.from_dict(data)
+            return cls.from_dict(data, os.path.dirname(os.path.abspath(path)))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JobConfig":
+    def from_dict(cls, data: dict[str, Any], base_dir: Optional[str] = None) -> "JobConfig":
+        """``model``: tp_ext's Qwen2 fields, or the path of a transformers checkpoint directory
+        or config.json (relative to ``base_dir``, the job file's directory, when it is there)."""
         check_unknown("", data, ["model", *_SECTIONS])
         if "model" not in data:
             raise ConfigError("missing field 'model'")
         sections = {name: _section(kind, name, data) for name, kind in _SECTIONS.items()}
-        return cls(model=Qwen2Config.from_dict(data["model"]), **sections)
+        model = data["model"]
+        if isinstance(model, str):
+            near = os.path.join(base_dir, model) if base_dir else model
+            path = near if os.path.exists(near) else model
+            return cls(model=HFModelSource.from_path(path), **sections)
+        return cls(model=Qwen2Config.from_dict(model), **sections)
 
     def with_overrides(self, **flags) -> "JobConfig":
         """The config with command-line flags applied over its parallel and optimizer sections

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from tp_ext.checkpoint.atomic import reading, saving
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.layout import (
+    Piece,
+    declared_map,
     detect_checkpoint_map,
     expected_shapes,
     model_checkpoint_map,
@@ -182,6 +184,10 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
     else:  # every stage's names and sizes, so that the writer plans the whole model's files
         texts = comm.all_gather_text(json.dumps(mine), group)
         sources = [(r, json.loads(texts[r])) for r in dist.get_process_group_ranks(pipeline)]
+        if declared_map(model) is None:  # own names: other stages' tensors are theirs too
+            for _, described in sources:
+                for name, _, shape, _ in described:
+                    layout.setdefault(name, [Piece(name, 0, shape[0] if shape else 1)])
     plan = comm.everywhere(
         group, what, lambda: _plan_files(sources, layout, max_shard_bytes), CheckpointError
     )

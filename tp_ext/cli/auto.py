@@ -64,7 +64,8 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         top=None,
         grids=False,  # the commands build 1D models (parallel.tp is a degree)
     )
-    best = next((e for e in ranked if e.fits), None)
+    # the commands take no EP degree yet: layouts without EP
+    best = next((e for e in ranked if e.fits and e.candidate.dims.ep == 1), None)
     if best is None:
         closest = ranked[0].reason
         raise ValueError(f"--auto: no layout of {world} ranks fits; the closest: {closest}")

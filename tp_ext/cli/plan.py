@@ -16,6 +16,7 @@ from tp_ext.config import DATA_FIELDS, PARALLEL_FIELDS, JobConfig
 from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprint
 from tp_ext.models.hf import load_hf_config
 from tp_ext.models.hf.footprint import hf_pipeline_footprint
+from tp_ext.models.hf.source import HFModelSource
 from tp_ext.planner import calibrate, plan
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
@@ -123,9 +124,13 @@ def main(args) -> int:
         stage_order=args.stage_order,
     )
     try:
-        if args.model is not None:
+        job = JobConfig.from_file(args.config) if args.model is None else None
+        hf_config = load_hf_config(args.model) if job is None else None
+        if job is not None and isinstance(job.model, HFModelSource):  # a job naming one
+            hf_config = job.model.hf_config
+        if hf_config is not None:
             fp = hf_pipeline_footprint(
-                load_hf_config(args.model),
+                hf_config,
                 tp=args.tp or 1,
                 pp=args.pp or 1,
                 dp=args.dp or 1,
@@ -134,7 +139,6 @@ def main(args) -> int:
                 **layout,
             )
         else:
-            job = JobConfig.from_file(args.config)
             par = job.parallel
             fp = pipeline_footprint(
                 job.model,
@@ -170,7 +174,8 @@ def _auto_plan(args) -> int:
         model, dtype = args.model, args.dtype
     else:
         job = JobConfig.from_file(args.config)
-        model, dtype = job.model, args.dtype or job.parallel.dtype
+        model = getattr(job.model, "hf_config", job.model)  # a transformers model: its config
+        dtype = args.dtype or job.parallel.dtype
     ranked = plan(
         model,
         gpus=args.gpus,

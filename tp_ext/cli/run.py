@@ -48,7 +48,7 @@ from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
 from tp_ext.training import Trainer, build_optimizer
-from tp_ext.validation import as_torch_dtype, check_fields
+from tp_ext.validation import ConfigError, as_torch_dtype, check_fields
 
 __all__ = ["run", "add_arguments", "main"]
 
@@ -112,6 +112,12 @@ def run(
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from_file = JobConfig.from_file(config_path)
+    if not isinstance(from_file.model, Qwen2Config):
+        raise ConfigError(
+            f"{config_path}: the main job runs tp_ext's Qwen2; a transformers model "
+            f"({from_file.model.architecture}, {from_file.model.path}) trains with "
+            "`tp-ext train --model PATH` (tp-ext run --model is not supported yet)"
+        )
     # The rules between the pipeline fields, with each named as the user gave it (flag or field)
     fields = {f.name for f in dataclasses.fields(from_file.parallel)}
     given = {k: v for k, v in overrides.items() if k in fields and v is not None}

@@ -1,6 +1,11 @@
 """``tp-ext train CONFIG --data TOKENS.bin --steps N --checkpoint-dir DIR`` under torchrun: train
 the config's model on a token file at any TP x PP x DP layout, saving resumable checkpoints.
 
+- ``--model DIR_OR_CONFIG`` (or a job config whose ``model:`` is such a path) trains any
+  transformers decoder ``parallelize(model, "auto")`` converts instead of tp_ext's Qwen2: from a
+  checkpoint directory its weights (each rank reading its slices), from a config.json random
+  weights drawn from the seed (equal at every layout); after the last step the trained model is
+  written merged to ``DIR/export`` (config.json + safetensors: ``from_pretrained`` loads it).
 - The model is built from the config's seed; the data is :class:`tp_ext.data.TokenBatches`
   (``data:`` section: sequence length, global batch, micro-batch size, seed), the optimizer
   AdamW with the ``optimizer:`` section's schedule, the step the Trainer's (pipeline schedule,
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import tp_ext
+from tp_ext.checkpoint import save_hf_checkpoint
 from tp_ext.cli.auto import auto_overrides
 from tp_ext.cli.flags import (
     RUN_FIELDS,
@@ -44,6 +50,7 @@ from tp_ext.config import CHECKPOINT_FIELDS, JobConfig, check_pipeline_fields, f
 from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
+from tp_ext.models.hf.source import HFModelSource
 from tp_ext.training import CheckpointManager, Trainer, build_lr_scheduler, build_optimizer
 from tp_ext.training.loop import Wording
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
@@ -52,6 +59,7 @@ from tp_ext.validation import ConfigError, as_torch_dtype
 __all__ = ["train", "METRICS"]
 
 METRICS = "metrics.jsonl"
+EXPORT = "export"  # a transformers model's trained weights, merged (config.json + safetensors)
 
 
 @dataclasses.dataclass
@@ -67,9 +75,10 @@ class _Run:
 
 
 def train(
-    config_path: str,
+    config_path: Optional[str],
     overrides: dict,
     *,
+    model: Optional[str] = None,
     data: Optional[str] = None,
     steps: int,
     checkpoint_dir: Optional[str] = None,
@@ -80,10 +89,13 @@ def train(
     max_grad_norm: float = 1.0,
 ) -> int:
     """``overrides``: the parallel and optimizer fields the flags set (None: as the config has
-    them). Everything is checked before torch.distributed starts."""
+    them). ``model``: a transformers checkpoint directory or config.json to train instead of
+    the config's model (no config needed then: the other sections take their defaults).
+    Everything is checked before torch.distributed starts."""
     checkpoint = {"dir": checkpoint_dir, "save_every": save_every, "keep_last": keep_last}
     checkpoint["async_save"] = async_save
-    run = _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm)
+    job = _job(config_path, model)
+    run = _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm)
     one_process_unless_launched("train")
     state = init_parallel(run.dims)
     try:
@@ -97,10 +109,22 @@ def train(
         destroy_parallel(destroy_process_group=True)
 
 
-def _check(config_path, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _Run:
+def _job(config_path: Optional[str], model: Optional[str]) -> JobConfig:
+    """The job file's config, its model replaced by the transformers model ``model`` names."""
+    if config_path is None and model is None:
+        raise ConfigError("no model: give a job config, or --model DIR_OR_CONFIG")
+    if model is None:
+        return JobConfig.from_file(config_path)
+    source = HFModelSource.from_path(model)
+    if config_path is None:
+        return JobConfig(model=source)
+    return dataclasses.replace(JobConfig.from_file(config_path), model=source)
+
+
+def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _Run:
     """The run, from the config and the flags (``checkpoint``: the checkpoint section's flags,
     None where not given), every value and rule checked."""
-    job = JobConfig.from_file(config_path).with_overrides(**overrides)
+    job = job.with_overrides(**overrides)
     data_settings = job.data if data is None else dataclasses.replace(job.data, path=data)
     given = {k: v for k, v in checkpoint.items() if v is not None}
     job = dataclasses.replace(
@@ -151,13 +175,11 @@ def _build(state, run: _Run):
     job, p = run.job, run.job.parallel
     torch.manual_seed(p.seed)  # the same initial weights at every layout
     tp_ext.random.manual_seed(p.seed)
-    model = Qwen2ForCausalLM(
-        job.model,
-        parallel=state,
-        virtual_stages=p.virtual_stages,
-        stage_order=p.stage_order,
-        dtype=as_torch_dtype(p.dtype),
-    )
+    layout = dict(virtual_stages=p.virtual_stages, stage_order=p.stage_order)
+    if isinstance(job.model, HFModelSource):  # parallelize("auto") of the transformers model
+        model = job.model.build(state, dtype=as_torch_dtype(p.dtype), seed=p.seed, **layout)
+    else:
+        model = Qwen2ForCausalLM(job.model, parallel=state, dtype=as_torch_dtype(p.dtype), **layout)
     batches = TokenBatches(
         run.tokens,
         seq_len=job.data.seq_len,
@@ -253,6 +275,11 @@ def _train(state, run: _Run) -> int:
         metrics=[os.path.join(run.directory, METRICS), _progress(state, run.steps)],
         wording=_Flags(),
     )
+    if isinstance(run.job.model, HFModelSource):  # a checkpoint transformers loads
+        export = os.path.join(run.directory, EXPORT)
+        save_hf_checkpoint(trainer.model, export)
+        if state.rank == 0:
+            LOG.info(f"tp-ext train: the trained model written to {export} (from_pretrained)")
     return 0
 
 
@@ -292,7 +319,17 @@ _SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr", "decay_steps")
 def add_arguments(parser) -> None:
     parser.add_argument(
         "config",
-        help="tp_ext YAML/JSON job config (model, parallel, optimizer, data, checkpoint sections)",
+        nargs="?",
+        help="tp_ext YAML/JSON job config (model, parallel, optimizer, data, checkpoint "
+        "sections); optional with --model",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR_OR_CONFIG",
+        help="train this transformers model (any architecture parallelize('auto') converts): a "
+        "checkpoint directory (its weights, each rank reading its slices) or a config.json "
+        "(random weights, equal at every layout); the trained model goes to "
+        "CHECKPOINT_DIR/export",
     )
     parser.add_argument(
         "--data",
@@ -332,12 +369,14 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     overrides = {**overrides_of(args), **{f: getattr(args, f) for f in _SCHEDULE_FIELDS}}
     if args.auto:  # the planner's layout for the config's model
-        job = JobConfig.from_file(args.config)
+        job = _job(args.config, args.model)
         dtype = overrides["dtype"] or job.parallel.dtype
-        overrides = auto_overrides(job.model, job.data, overrides, dtype)
+        model = getattr(job.model, "hf_config", job.model)
+        overrides = auto_overrides(model, job.data, overrides, dtype)
     return train(
         args.config,
         overrides,
+        model=args.model,
         data=args.data,
         steps=args.steps,
         checkpoint_dir=args.checkpoint_dir,

@@ -20,6 +20,7 @@ import functools
 import torch
 
 from tp_ext.models.hf.activations import fit_layer_activations
+from tp_ext.models.hf.config import max_positions
 from tp_ext.models.hf.shards import mlp_widths, model_shards, narrow_config
 from tp_ext.planner.counts import CountOps, RankShapes
 from tp_ext.sharding import HeadLayout, shard_sizes
@@ -43,11 +44,7 @@ class HFModel:
         self.hidden_size = getattr(config, "hidden_size", None) or config.n_embd
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.max_position_embeddings = (
-            getattr(config, "max_position_embeddings", None)
-            or getattr(config, "n_positions", None)
-            or 2**31
-        )
+        self.max_position_embeddings = max_positions(config)
         self.is_moe = shards.moe
         self.experts_per_token = next(
             (

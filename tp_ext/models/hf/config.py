@@ -10,7 +10,17 @@ from typing import Any
 
 from tp_ext.validation import ConfigError
 
-__all__ = ["load_hf_config", "is_hf_config_dict", "hf_config_from_dict"]
+__all__ = ["load_hf_config", "is_hf_config_dict", "hf_config_from_dict", "max_positions"]
+
+
+def max_positions(config) -> int:
+    """The longest sequence a transformers config allows (GPT-2 calls it n_positions; a model
+    with neither field, such as an ALiBi one, has no bound of its own)."""
+    return (
+        getattr(config, "max_position_embeddings", None)
+        or getattr(config, "n_positions", None)
+        or 2**31
+    )
 
 
 def is_hf_config_dict(data: Any) -> bool:

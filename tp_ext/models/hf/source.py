@@ -1,0 +1,93 @@
+"""A Hugging Face model a job trains (``tp-ext train --model DIR_OR_CONFIG``, or a job config whose
+``model:`` is such a path): its config, and the checkpoint its weights come from, if any. Built
+on every rank by :meth:`HFModelSource.build`: the model of the config (the same random weights
+on every rank for a seed, so at every layout), converted by ``parallelize(model, "auto",
+parallel=state)`` into this rank's shards (its pipeline stages at pp > 1), then, from a
+checkpoint directory, each rank's own slices read from the safetensors files
+(:func:`tp_ext.checkpoint.load_hf_checkpoint`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from tp_ext.checkpoint import load_hf_checkpoint
+from tp_ext.models.hf.config import load_hf_config, max_positions
+from tp_ext.parallelize import parallelize
+from tp_ext.sharding import HeadLayout
+from tp_ext.validation import ConfigError
+
+__all__ = ["HFModelSource"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelSource:
+    """``path``: the directory or config.json given; ``hf_config``: its transformers config;
+    ``weights``: the directory holding its safetensors (None: random initialisation)."""
+
+    path: str
+    hf_config: Any
+    weights: Optional[str] = None
+
+    @classmethod
+    def from_path(cls, path: str) -> "HFModelSource":
+        path = os.fspath(path)
+        config = load_hf_config(path)
+        weights = None
+        if os.path.isdir(path) and glob.glob(os.path.join(path, "*.safetensors")):
+            weights = path
+        return cls(path, config, weights)
+
+    # -- what the job code reads of a model config (as of tp_ext's Qwen2Config) --------------
+
+    @property
+    def architecture(self) -> str:
+        return type(self.hf_config).__name__.removesuffix("Config")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return max_positions(self.hf_config)
+
+    def check_tp(self, tp: int) -> None:
+        """Attention heads split in whole heads over ``tp`` ranks (KV heads shared by ranks
+        where fewer), and at least one vocabulary row per rank."""
+        config = self.hf_config
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        try:
+            if isinstance(heads, int):
+                HeadLayout(heads, kv, tp)
+        except ValueError as e:
+            raise ConfigError(f"tp={tp} does not fit {self.architecture}: {e}") from None
+        if tp > self.vocab_size:
+            raise ConfigError(f"tp={tp} is more ranks than vocabulary rows ({self.vocab_size})")
+
+    # -- building it on this rank ----------------------------------------------------------------
+
+    def build(self, parallel, *, dtype: torch.dtype, seed: int, **stage_options) -> nn.Module:
+        """This rank's part of the model (``stage_options``: virtual_stages, stage_order,
+        pipeline_split), its weights the checkpoint's or, without one, drawn from ``seed`` as
+        transformers initialises them (the whole model on every rank, so equal at every
+        layout)."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(self.hf_config).to(dtype)
+        model.train()
+        model = parallelize(model, "auto", parallel=parallel, **stage_options)
+        if self.weights is not None:
+            load_hf_checkpoint(model, self.weights)
+        return model
