@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         "parallelize_hf_model.py",
         # make test-all (11 s): the Trainer on Qwen2 is test_training's and test_train_cli's
         pytest.param("train_qwen2.py", marks=pytest.mark.full_matrix),
-        "expert_parallel_moe.py",
+        # make test-all (19 s): expert parallelism is test_moe's, in make test
+        pytest.param("expert_parallel_moe.py", marks=pytest.mark.full_matrix),
     ],
 )
 def test_example_runs_and_checks_itself(script):
