@@ -26,3 +26,13 @@ def assert_close(actual, expected, what: str, rtol=1e-6, atol=1e-6):
         f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     )
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors`` (each once; an FSDP2 DTensor: this rank's shard):
+    what a rank holds of them, for the planner's memory tests."""
+    seen = {}
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())

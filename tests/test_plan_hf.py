@@ -186,12 +186,7 @@ def _measure_hf(arch, candidate):
     from tp_ext.debug.memory import PeakMemory
     from tp_ext.training import Trainer
 
-    def local_bytes(tensors):
-        seen = {}
-        for t in tensors:
-            t = getattr(t, "_local_tensor", t)  # FSDP2's DTensor: this rank's shard
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
+    from .common import local_bytes
 
     dims = candidate.dims
     state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep)

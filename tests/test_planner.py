@@ -162,16 +162,10 @@ def test_planner_has_no_function_level_imports_of_tp_ext():
 def _measure(candidate):
     import tp_ext
     from tests.comm_count import CommCount
+    from tests.common import local_bytes
     from tp_ext.debug.memory import PeakMemory
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
-
-    def local_bytes(tensors):
-        seen = {}
-        for t in tensors:
-            t = getattr(t, "_local_tensor", t)  # FSDP2's DTensor: this rank's shard
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
 
     dims = candidate.dims
     state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp)

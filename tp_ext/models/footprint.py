@@ -423,21 +423,26 @@ def _rank_rows(tp, pp, dp, placement, stages: list, element: int) -> list:
         mine = placement.stages_of(pp_rank)
         for tp_rank in range(tp):
             count = sum(stages[s]["tp_ranks"][tp_rank]["parameters"] for s in mine)
-            ranks.append(
-                {
-                    "pp_rank": pp_rank,
-                    "tp_rank": tp_rank,
-                    "stages": mine,
-                    "num_layers": sum(stages[s]["num_layers"] for s in mine),
-                    "parameters": count,
-                    "bytes": count * element,
-                    "kv_cache_bytes_per_token": sum(
-                        stages[s]["tp_ranks"][tp_rank]["kv_cache_bytes_per_token"] for s in mine
-                    ),
-                    "global_ranks": [(pp_rank * dp + d) * tp + tp_rank for d in range(dp)],
-                }
-            )
+            glob = [(pp_rank * dp + d) * tp + tp_rank for d in range(dp)]
+            ranks.append(rank_entry(stages, mine, pp_rank, tp_rank, count, element, glob))
     return ranks
+
+
+def rank_entry(stages, mine, pp_rank, tp_rank, count, element, global_ranks) -> dict:
+    """One (pp rank, tp rank) row of a footprint: its stages ``mine`` (rows of ``stages``), its
+    ``count`` of parameters and the global ranks holding it."""
+    return {
+        "pp_rank": pp_rank,
+        "tp_rank": tp_rank,
+        "stages": mine,
+        "num_layers": sum(stages[s]["num_layers"] for s in mine),
+        "parameters": count,
+        "bytes": count * element,
+        "kv_cache_bytes_per_token": sum(
+            stages[s]["tp_ranks"][tp_rank]["kv_cache_bytes_per_token"] for s in mine
+        ),
+        "global_ranks": global_ranks,
+    }
 
 
 def _spans(values: list) -> list[tuple[int, int]]:

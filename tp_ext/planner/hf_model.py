@@ -20,10 +20,10 @@ import functools
 import torch
 
 from tp_ext.models.hf.activations import fit_layer_activations
-from tp_ext.models.hf.config import max_positions
+from tp_ext.models.hf.config import max_positions, tp_problem
 from tp_ext.models.hf.shards import mlp_widths, model_shards, narrow_config
 from tp_ext.planner.counts import CountOps, RankShapes
-from tp_ext.sharding import HeadLayout, shard_sizes
+from tp_ext.sharding import shard_sizes
 from tp_ext.validation import as_torch_dtype
 
 __all__ = ["HFModel", "hf_rank_shapes", "hf_op_counts", "hf_layer_activation_bytes"]
@@ -37,8 +37,8 @@ class HFModel:
 
     def __init__(self, config) -> None:
         self.config = config
-        self._key = f"{config.model_type}:{config.to_json_string(use_diff=False)}"
         self.shards = shards = model_shards(config)
+        self._key = shards.key
         self.architecture = shards.architecture
         self.num_hidden_layers = shards.num_layers
         self.hidden_size = getattr(config, "hidden_size", None) or config.n_embd
@@ -67,17 +67,7 @@ class HFModel:
 
     @functools.cached_property
     def _tp_sizes(self) -> tuple:
-        heads = self.shards.heads
-        sizes = []
-        for tp in range(1, MAX_TP + 1):
-            try:
-                if heads is not None:
-                    HeadLayout(heads.heads, heads.kv, tp)
-            except ValueError:
-                continue
-            if tp <= self.vocab_size:
-                sizes.append(tp)
-        return tuple(sizes)
+        return tuple(t for t in range(1, MAX_TP + 1) if tp_problem(self.config, t) is None)
 
     def check_tp(self, tp: int) -> None:
         if tp not in self.valid_tp_sizes():

@@ -273,11 +273,15 @@ def _model_config(config, dtype: Optional[str]) -> tuple:
     file_dtype = None
     if isinstance(config, (str, os.PathLike)):  # a job YAML, a Hugging Face config or directory
         path = os.fspath(config)
-        if os.path.isdir(path) or not _native_file(path):
-            config = load_hf_config(path)
-        else:
+        data = None if os.path.isdir(path) else read_mapping(path)[1]
+        native = data is not None and (
+            not is_hf_config_dict(data) or data["model_type"] in ("qwen2", "qwen")
+        )  # a job file, or a config of the Qwen2 family tp_ext implements natively
+        if native:
             config = Qwen2Config.from_file(path)
-            file_dtype = _file_dtype(*read_mapping(path))
+            file_dtype = _file_dtype(path, data)
+        else:
+            config = load_hf_config(path)
     if _is_transformers_config(config):
         name = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
         name = str(name).removeprefix("torch.") if name is not None else None
@@ -298,13 +302,6 @@ def _is_transformers_config(config) -> bool:
     return isinstance(getattr(config, "model_type", None), str) and hasattr(
         config, "to_json_string"
     )
-
-
-def _native_file(path: str) -> bool:
-    """A job file, or a Hugging Face config of the Qwen2 family tp_ext implements natively."""
-    _, data = read_mapping(path)
-    model_type = data.get("model_type") if is_hf_config_dict(data) else None
-    return model_type in (None, "qwen2", "qwen")
 
 
 def _file_dtype(path: str, data: dict) -> Optional[str]:

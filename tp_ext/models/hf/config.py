@@ -6,11 +6,34 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
+from tp_ext.sharding import HeadLayout
 from tp_ext.validation import ConfigError
 
-__all__ = ["load_hf_config", "is_hf_config_dict", "hf_config_from_dict", "max_positions"]
+__all__ = [
+    "load_hf_config",
+    "is_hf_config_dict",
+    "hf_config_from_dict",
+    "max_positions",
+    "tp_problem",
+]
+
+
+def tp_problem(config, tp: int) -> Optional[str]:
+    """Why ``tp`` ranks do not fit the model of ``config`` (None when they do): its attention
+    heads split in whole heads (KV heads shared by ranks where fewer), and every rank holds at
+    least one vocabulary row."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if isinstance(heads, int):
+        try:
+            HeadLayout(heads, kv, tp)
+        except ValueError as e:
+            return str(e)
+    if tp > config.vocab_size:
+        return f"tp={tp} is more ranks than vocabulary rows ({config.vocab_size})"
+    return None
 
 
 def max_positions(config) -> int:

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import types
 
-from tp_ext.models.footprint import check_layout_arguments, layer_pattern, stage_entry
+from tp_ext.models.footprint import (
+    check_layout_arguments,
+    layer_pattern,
+    rank_entry,
+    stage_entry,
+)
 from tp_ext.models.hf.shards import HFModelShards, model_shards
 from tp_ext.sharding import StageSplit
 from tp_ext.validation import DTYPE_BYTES, ArgumentError
@@ -124,20 +129,8 @@ def _rank_rows(placement, per_rank, stages, tp, pp, dp, ep, element) -> list:
         for ep_rank in range(ep):
             for tp_rank in range(tp):
                 count = sum(sum(per_rank[tp_rank, ep_rank][s].values()) for s in mine)
-                row = {
-                    "pp_rank": pp_rank,
-                    "tp_rank": tp_rank,
-                    "stages": mine,
-                    "num_layers": sum(stages[s]["num_layers"] for s in mine),
-                    "parameters": count,
-                    "bytes": count * element,
-                    "kv_cache_bytes_per_token": sum(
-                        stages[s]["tp_ranks"][tp_rank]["kv_cache_bytes_per_token"] for s in mine
-                    ),
-                    "global_ranks": [
-                        (pp_rank * dp + d) * tp + tp_rank for d in range(dp) if d % ep == ep_rank
-                    ],
-                }
+                glob = [(pp_rank * dp + d) * tp + tp_rank for d in range(dp) if d % ep == ep_rank]
+                row = rank_entry(stages, mine, pp_rank, tp_rank, count, element, glob)
                 if ep > 1:
                     row["ep_rank"] = ep_rank
                 ranks.append(row)

@@ -274,4 +274,5 @@ def model_shards(config) -> HFModelShards:
         if len(_BUILT) >= 8:
             _BUILT.pop(next(iter(_BUILT)))
         _BUILT[key] = HFModelShards(config)
+        _BUILT[key].key = key  # what tells configs apart (the planner's HFModel hashes by it)
     return _BUILT[key]

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from tp_ext.checkpoint import load_hf_checkpoint
-from tp_ext.models.hf.config import load_hf_config, max_positions
+from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
 from tp_ext.parallelize import parallelize
-from tp_ext.sharding import HeadLayout
 from tp_ext.validation import ConfigError
 
 __all__ = ["HFModelSource"]
@@ -64,16 +63,9 @@ class HFModelSource:
     def check_tp(self, tp: int) -> None:
         """Attention heads split in whole heads over ``tp`` ranks (KV heads shared by ranks
         where fewer), and at least one vocabulary row per rank."""
-        config = self.hf_config
-        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        try:
-            if isinstance(heads, int):
-                HeadLayout(heads, kv, tp)
-        except ValueError as e:
-            raise ConfigError(f"tp={tp} does not fit {self.architecture}: {e}") from None
-        if tp > self.vocab_size:
-            raise ConfigError(f"tp={tp} is more ranks than vocabulary rows ({self.vocab_size})")
+        problem = tp_problem(self.hf_config, tp)
+        if problem is not None:
+            raise ConfigError(f"tp={tp} does not fit {self.architecture}: {problem}")
 
     # -- building it on this rank ----------------------------------------------------------------
 
