@@ -74,17 +74,19 @@ TORCH_LIBRARY(tp_ext, m) {
       "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
 
   // ---- linear layers fused with their TP communication (comm/overlapped_linear.cpp) ----
-  // column_linear: y = x W^T + b, x replicated; backward starts the input-gradient all-reduce
-  // before the weight-gradient GEMM and waits after it. all_gather_linear: y = gather(x) W^T + b
-  // with x this rank's sequence shard along dim, as a ring (each shard's GEMM while the next one
-  // travels); returns (y, gathered x). linear_reduce_scatter: reduce_scatter(x W^T) along dim, as
-  // a ring of accumulators. Autograd in C++ through the *_backward ops (no double backward).
+  // column_linear: y = x W^T + b, x replicated (saved for backward as it is: no copy); with
+  // overlap, backward starts the input-gradient all-reduce before the weight-gradient GEMM and
+  // waits after it (without: a blocking all-reduce, e.g. the shared-memory channel's).
+  // all_gather_linear: y = gather(x) W^T + b with x this rank's sequence shard along dim, as a ring
+  // (each shard's GEMM while the next one travels); returns (y, gathered x). linear_reduce_scatter:
+  // reduce_scatter(x W^T) along dim, as a ring of accumulators. Autograd in C++ through the
+  // *_backward ops (no double backward).
   m.def(
-      "column_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int group_size) -> "
-      "Tensor");
+      "column_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int group_size, "
+      "bool overlap=True) -> Tensor");
   m.def(  // (grad_x all-reduced, grad_weight, grad_bias)
       "column_linear_backward(Tensor grad, Tensor x, Tensor weight, str group_name, "
-      "int group_size) -> (Tensor, Tensor, Tensor)");
+      "int group_size, bool overlap=True) -> (Tensor, Tensor, Tensor)");
   m.def(
       "all_gather_linear(Tensor x, Tensor weight, Tensor? bias, int dim, int[]? sizes, "
       "str group_name, int group_size, int group_rank) -> (Tensor, Tensor)");

@@ -50,9 +50,11 @@ def _check_column_linear():
     with comm.track() as plain_stats:
         y_ref = F.linear(comm.copy_to_tp(x, dist.group.WORLD), w, b)
         plain = _grads(y_ref, (x, w, b), 4 + rank)
+    blocking = _grads(ops.column_linear(x, w, b, name, size, False), (x, w, b), 4 + rank)
     torch.testing.assert_close(y, y_ref, **TOL)
-    for a, e in zip(fused, plain):
+    for a, e, c in zip(fused, plain, blocking):
         torch.testing.assert_close(a, e, **TOL)
+        torch.testing.assert_close(c, e, **TOL)
     return (
         fused_stats.bytes(collective="all_reduce"),
         plain_stats.bytes(collective="all_reduce"),
@@ -65,6 +67,36 @@ def test_column_linear_matches_copy_to_tp_and_linear(world):
     for fused, plain, count in run_distributed(_check_column_linear, world):
         assert fused == plain  # the same all-reduce, overlapped
         assert count == (1 if world > 1 else 0)
+
+
+def _siblings_save_their_input_itself(overlap):
+    """Two column-parallel projections of one input (q and k) save that input for backward, not
+    a copy each (copy_to_tp + F.linear would save copy_to_tp's fresh output)."""
+    from tp_ext.layers import ColumnParallelLinear
+
+    comm.set_overlap(overlap, 0)
+    q, k = (ColumnParallelLinear(6, 8, dtype=torch.float64) for _ in range(2))
+    x = full((2, 5, 6), 1, torch.float64).requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = q(x) + k(x)
+    y.sum().backward()
+    comm.set_overlap(None, 1 << 16)
+    mine = x.untyped_storage().data_ptr()
+    shared = sum(t.untyped_storage().data_ptr() == mine for t in saved)
+    copies = sum(t.numel() == x.numel() and t.untyped_storage().data_ptr() != mine for t in saved)
+    return shared, copies
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_column_parallel_siblings_save_no_copy_of_their_input(world, overlap):
+    assert run_distributed(_siblings_save_their_input_itself, world, overlap) == [(2, 0)] * world
 
 
 def _column_linear_without_input_grad():
@@ -265,7 +297,9 @@ def test_parallel_mlp_is_the_same_with_overlap(world, sp):
     """ParallelMLP with the fused ops (min_elements=0) gives the unfused path's output and
     gradients, moves the same bytes, and the records say the fused ops ran."""
     for ops0, ops1, same_bytes in run_distributed(_mlp_both_paths, world, sp, 7):
-        assert ops0 == []
+        # without overlap the column layer still takes column_linear (it saves no copy of its
+        # input), with a blocking all-reduce
+        assert ops0 == ([] if sp or world == 1 else ["column_linear_backward"])
         assert same_bytes
         if world == 1:
             assert ops1 == []

@@ -248,11 +248,11 @@ def _features(x, n):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _column_linear(x, weight, bias, group_name, group_size):
+def _column_linear(x, weight, bias, group_name, group_size, overlap=True):
     return _features(x, weight.shape[0])
 
 
-def _column_linear_backward(grad, x, weight, group_name, group_size):
+def _column_linear_backward(grad, x, weight, group_name, group_size, overlap=True):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
 
 

@@ -4,8 +4,13 @@
 // reduce-scatter).
 //
 // column_linear: y = x W^T + b of a column-parallel layer whose input is replicated (forward: no
-//   communication). Backward (column_linear_backward): grad_x = grad W first, its all-reduce
-//   started, grad_W = grad^T x and grad_b computed while it is in flight, then it is waited for.
+//   communication). It saves x itself for backward, where copy_to_tp + linear would save
+//   copy_to_tp's fresh output: one copy of the input per column-parallel sibling (q, k, v, ...),
+//   so the layers take this op at TP > 1 with overlap on or off. Backward
+//   (column_linear_backward): grad_x = grad W first; with overlap its all-reduce is started,
+//   grad_W = grad^T x and grad_b computed while it is in flight, then it is waited for; without,
+//   it is a blocking all-reduce (on one host the shared-memory channel beats the overlapped
+//   transfers, which take the process group's sockets).
 // all_gather_linear: y = gather(x) W^T + b under sequence parallelism, x this rank's shard along
 //   `dim`. A ring of w steps: at step i the rank holds shard (rank - i) mod w; it passes it on to
 //   rank + 1 and receives the next from rank - 1 while it multiplies the one it holds. Returns
@@ -127,7 +132,7 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t dim, int64_t n_dim, 
 
 at::Tensor column_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                int64_t group_size) {
+                                int64_t group_size, bool /*overlap: backward's*/) {
   constexpr const char* op = "column_linear";
   check_linear(x, weight, bias, weight.size(-1), op);
   resolve_group(group_name, group_size, x.device(), op);  // checked, as every TP op
@@ -136,11 +141,15 @@ at::Tensor column_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_linear_backward_kernel(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
-    c10::string_view group_name, int64_t group_size) {
+    c10::string_view group_name, int64_t group_size, bool overlap) {
   constexpr const char* op = "column_linear_backward";
   check_linear(x, weight, std::nullopt, weight.size(-1), op);
   const auto g = resolve_group(group_name, group_size, x.device(), op);
   const auto g2 = rows(grad);
+  if (!overlap) {
+    auto grad_x = all_reduce(at::matmul(grad, weight), Reduce::Sum, g, op);
+    return {grad_x, at::mm(g2.t(), rows(x)), g2.sum(0)};
+  }
   // The input gradient first, its all-reduce in flight during the weight-gradient GEMM.
   auto pending = all_reduce_start(at::matmul(grad, weight), g, op);
   auto grad_w = at::mm(g2.t(), rows(x));
@@ -307,10 +316,8 @@ std::tuple<at::Tensor, at::Tensor> linear_reduce_scatter_backward_kernel(
 
 // ---- autograd (C++): the backward ops through the dispatcher, so compile traces them ----------
 
-using ColumnBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
-                                                                         const at::Tensor&,
-                                                                         const at::Tensor&,
-                                                                         c10::string_view, int64_t);
+using ColumnBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, bool);
 using GatherBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::OptionalIntArrayRef,
     c10::string_view, int64_t, int64_t);
@@ -319,7 +326,7 @@ using ScatterBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                               at::OptionalIntArrayRef,
                                                               c10::string_view, int64_t, int64_t);
 using ColumnSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                             c10::string_view, int64_t);
+                             c10::string_view, int64_t, bool);
 using GatherSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                      const std::optional<at::Tensor>&, int64_t,
                                                      at::OptionalIntArrayRef, c10::string_view,
@@ -341,14 +348,15 @@ class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            const std::string& group_name, int64_t group_size) {
+                            const std::string& group_name, int64_t group_size, bool overlap) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["has_bias"] = bias.has_value();
     ctx->saved_data["group_name"] = group_name;
     ctx->saved_data["group_size"] = group_size;
+    ctx->saved_data["overlap"] = overlap;
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = op_handle("column_linear").typed<ColumnSig>();
-    return op.call(x, weight, bias, group_name, group_size);
+    return op.call(x, weight, bias, group_name, group_size, overlap);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -359,13 +367,18 @@ class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
       // No input gradient wanted (e.g. a frozen embedding below): the weight gradients alone,
       // with no all-reduce. Every TP rank runs the same program, so all skip it alike.
       const auto g2 = rows(grads[0]);
-      return {at::Tensor(), at::mm(g2.t(), rows(saved[0])),
-              d.at("has_bias").toBool() ? g2.sum(0) : at::Tensor(), at::Tensor(), at::Tensor()};
+      return {at::Tensor(),
+              at::mm(g2.t(), rows(saved[0])),
+              d.at("has_bias").toBool() ? g2.sum(0) : at::Tensor(),
+              at::Tensor(),
+              at::Tensor(),
+              at::Tensor()};
     }
     static const auto op = op_handle("column_linear_backward").typed<ColumnBackwardSig>();
     auto [gx, gw, gb] = op.call(grads[0], saved[0], saved[1], d.at("group_name").toStringRef(),
-                                d.at("group_size").toInt());
-    return {gx, gw, d.at("has_bias").toBool() ? gb : at::Tensor(), at::Tensor(), at::Tensor()};
+                                d.at("group_size").toInt(), d.at("overlap").toBool());
+    return {gx,           gw,           d.at("has_bias").toBool() ? gb : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -442,8 +455,8 @@ class LinearReduceScatter : public torch::autograd::Function<LinearReduceScatter
 
 at::Tensor column_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias,
-                                  c10::string_view group_name, int64_t group_size) {
-  return ColumnLinear::apply(x, weight, bias, std::string(group_name), group_size);
+                                  c10::string_view group_name, int64_t group_size, bool overlap) {
+  return ColumnLinear::apply(x, weight, bias, std::string(group_name), group_size, overlap);
 }
 
 std::tuple<at::Tensor, at::Tensor> all_gather_linear_autograd(

@@ -295,15 +295,23 @@ def _autocast(*tensors):
 
 
 def column_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: GroupLike = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: GroupLike = None,
+    overlap: bool = True,
 ) -> torch.Tensor:
-    """``copy_to_tp(x)`` then ``F.linear``, in one op whose backward starts the input-gradient
-    all-reduce before the weight-gradient GEMM and waits after it (Megatron-Core's overlap)."""
+    """``copy_to_tp(x)`` then ``F.linear``, in one op that saves ``x`` itself for backward (the
+    pair would save copy_to_tp's copy of it). With ``overlap`` its backward starts the
+    input-gradient all-reduce before the weight-gradient GEMM and waits after it (Megatron-Core's
+    overlap); without, the all-reduce blocks (on one host, the shared-memory channel)."""
     g = _live(group, "column_linear")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"column_linear: overlap must be True or False, got {overlap!r}")
     if g.size == 1:
         return torch.nn.functional.linear(x, weight, bias)
     x, weight, bias = _autocast(x, weight, bias)
-    return ops.column_linear(x, weight, bias, g.name, g.size)
+    return ops.column_linear(x, weight, bias, g.name, g.size, overlap)
 
 
 def all_gather_linear(

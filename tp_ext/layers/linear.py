@@ -6,7 +6,7 @@ of the full weight (``[out_local, in]``), a row-parallel layer columns (``[out, 
 size works: uneven splits follow :func:`tp_ext.shard_sizes`, heads are split whole.
 
 Communication per forward (backward in brackets), on TP groups of more than one rank:
-    column:  copy_to_tp (all-reduce of dx)              | SP: all-gather (reduce-scatter)
+    column:  none (all-reduce of dx; column_linear)     | SP: all-gather (reduce-scatter)
     row:     all-reduce of the output (none)            | SP: reduce-scatter (all-gather)
 """
 
@@ -195,14 +195,12 @@ class ColumnParallelLinear(_ParallelLinear):
             y = comm.all_gather_linear(x, weight, added, SEQUENCE_DIM, sizes, self.tp)
         elif self.input_is_gathered:
             y = F.linear(x, weight, added)
-        elif not self.sequence_parallel and fused:
-            y = comm.column_linear(x, weight, added, self.tp)
+        elif not self.sequence_parallel:
+            # one op, not copy_to_tp + F.linear: it saves x itself, where the pair would save
+            # copy_to_tp's copy (one per sibling projection of the same input)
+            y = comm.column_linear(x, weight, added, self.tp, overlap=fused)
         else:
-            if self.sequence_parallel:
-                x = self._gather_sequence(x, seq_len)
-            else:
-                x = comm.copy_to_tp(x, self.tp)
-            y = F.linear(x, weight, added)
+            y = F.linear(self._gather_sequence(x, seq_len), weight, added)
         if self.gather_output:
             y = self.gather_features(y)
             if self.skip_bias_add and bias is not None:

@@ -156,11 +156,6 @@ def hf_layer_activation_bytes(s: RankShapes, model: HFModel, b, seq, c, tp, ep, 
     local = {"H": s.q_heads, "KV": s.kv_heads}
     local.update({f: shard_sizes(v, tp)[0] for f, v in mlp_widths(model.config).items()})
     saved = fit.bytes(b, seq, local)
-    if tp > 1:
-        # a column-parallel linear saves its own copy of its input (copy_to_tp's output: an
-        # op may not return an alias of its input), where siblings shared one at TP = 1
-        groups = model.shards.column_groups
-        saved += sum((count - 1) * width for count, width in groups) * b * seq * c
     if ep > 1 and shard_sizes(model.shards.num_experts, ep)[0] > 1:
         # ExpertParallelMoE regroups the rows it received by local expert: one more copy of the
         # routed tokens (tokens x top-k rows, balanced routing assumed) for the experts' GEMMs

@@ -182,26 +182,12 @@ class HFModelShards:
                 f"shards, and that failed: {type(e).__name__}: {e}"
             ) from e
         self._cache: dict = {}
-        self.column_groups = self._column_groups(full)
         parts = [
             round(f * linear_features(full.get_submodule(name))[1])
             for name, fractions in self.structure.part_fractions.items()
             for f in fractions
         ]
         self.widths = tuple(sorted({d for p in full.parameters() for d in p.shape} | set(parts)))
-
-    def _column_groups(self, full: nn.Module) -> tuple:
-        """``(count, in_features)`` of each group of column-parallel linears of layer 0 under
-        one parent (q / k / v, gate / up): siblings that read the same input."""
-        prefix = f"{self.structure.layers_path}.0."
-        groups: dict = {}
-        for name, style in self.structure.styles.items():
-            if name.startswith(prefix) and getattr(style, "name", style) == "colwise":
-                parent = name.rpartition(".")[0]
-                width = linear_features(full.get_submodule(name))[0]
-                count, _ = groups.get(parent, (0, width))
-                groups[parent] = (count + 1, width)
-        return tuple(groups.values())
 
     # -- where a parameter lives --------------------------------------------------------------
 
