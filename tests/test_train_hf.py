@@ -137,3 +137,67 @@ def test_every_layout_trains_the_same_model(tmp_path, tokens):
     four = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "four" / "export")
     for name, tensor in one.state_dict().items():
         torch.testing.assert_close(four.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+MOE = dict(CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _mixtral_dir(tmp_path) -> str:
+    path = str(tmp_path / "mixtral")
+    transformers.MixtralConfig(**MOE).save_pretrained(path)
+    return path
+
+
+def _same_exports(a, b) -> None:
+    one = transformers.AutoModelForCausalLM.from_pretrained(a)
+    other = transformers.AutoModelForCausalLM.from_pretrained(b)
+    for name, tensor in one.state_dict().items():
+        torch.testing.assert_close(other.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_parallel_trains_resumes_and_exports_like_one_rank(tmp_path, tokens):
+    """Mixtral from a config with --dp 2 --ep 2 (each rank two of the four experts), stopped at
+    step 2 and resumed: the losses and the export of one rank."""
+    model = _mixtral_dir(tmp_path)
+    run = ["--model", model, "--data", tokens, "--save-every", "2"]
+    _train_here(*run, "--steps", "3", "--checkpoint-dir", tmp_path / "one")
+    ep = [*run, "--checkpoint-dir", tmp_path / "ep", "--dp", "2", "--ep", "2"]
+    _torchrun(2, *ep, "--steps", "2")
+    _torchrun(2, *ep, "--steps", "3", "--resume")
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
+    assert len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a - b) < 1e-5 * abs(a)
+    _same_exports(tmp_path / "one" / "export", tmp_path / "ep" / "export")
+
+
+@pytest.mark.full_matrix
+def test_expert_parallel_with_tensor_parallel_trains_like_one_rank(tmp_path, tokens):
+    """tp=2 x dp=2 x ep=2 (experts split over TP inside each EP rank) equals one rank."""
+    model = _mixtral_dir(tmp_path)
+    run = ["--model", model, "--data", tokens, "--steps", "2"]
+    _train_here(*run, "--checkpoint-dir", tmp_path / "one")
+    _torchrun(4, *run, "--checkpoint-dir", tmp_path / "four", "--tp", "2", "--dp", "2", "--ep", "2")
+    for a, b in zip(_losses(tmp_path / "one"), _losses(tmp_path / "four")):
+        assert abs(a - b) < 1e-5 * abs(a)
+    _same_exports(tmp_path / "one" / "export", tmp_path / "four" / "export")
+
+
+@pytest.mark.parametrize(
+    "moe,world,flags,message",
+    [
+        (False, 2, ["--dp", "2", "--ep", "2"], "--ep 2: Llama has no experts to split"),
+        (True, 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "--ep 2 with --pp 2: expert paral"),
+        (True, 8, ["--dp", "8", "--ep", "8"], "--ep 8: more expert ranks than Mixtral's 4 experts"),
+    ],
+)
+def test_bad_expert_parallel_is_refused_by_name(
+    tmp_path, tokens, monkeypatch, moe, world, flags, message
+):
+    """Checked before any process group starts (WORLD_SIZE as torchrun would set it)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    model = _mixtral_dir(tmp_path) if moe else _model_dir(tmp_path, weights=False)
+    argv = ["train", "--model", model, "--data", tokens, "--steps", "1", *flags]
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main([*map(str, argv), "--checkpoint-dir", str(tmp_path / "x")]) == 2
+    assert message in err.getvalue(), err.getvalue()

@@ -4,7 +4,7 @@ tp_ext's config files (configs/*.yaml) have one section per concern, each valida
 class that owns it::
 
     model:      the architecture (tp_ext.models.Qwen2Config)
-    parallel:   {tp, pp, dp, dtype, seed,            (ParallelSettings, below)
+    parallel:   {tp, pp, dp, ep, dtype, seed,        (ParallelSettings, below)
                  schedule, virtual_stages, data_parallel,
                  micro_batches, activation_checkpointing}
     optimizer:  {lr, weight_decay, betas,           (tp_ext.training.OptimizerSettings)
@@ -48,6 +48,7 @@ __all__ = [
     "CheckpointSettings",
     "DTYPES",
     "PARALLEL_FIELDS",
+    "check_expert_parallel",
     "check_pipeline_fields",
     "default_micro_batches",
     "flag_namer",
@@ -63,6 +64,11 @@ PARALLEL_FIELDS = {
     "tp": dataclasses.replace(_DEGREE, help="tensor-parallel degree"),
     "pp": dataclasses.replace(_DEGREE, help="pipeline-parallel degree (stages)"),
     "dp": dataclasses.replace(_DEGREE, help="data-parallel degree"),
+    "ep": dataclasses.replace(
+        _DEGREE,
+        help="expert-parallel degree (MoE models: each expert on one of this many of a stage's "
+        "DP ranks; default 1)",
+    ),
     "dtype": Field("choice", choices=DTYPES, help="dtype of the parameters"),
     "seed": Field("int", 0, 2**62, help="seed of the model's initialisation and the data"),
     "schedule": Field(
@@ -173,6 +179,7 @@ class ParallelSettings:
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None
+    ep: int = 1
     dtype: str = JOB_DEFAULT_DTYPE
     seed: int = 1234
     schedule: str = "1F1B"
@@ -204,9 +211,11 @@ class ParallelSettings:
 
     @property
     def dims(self) -> ParallelDims:
-        """This section's degrees (tp, pp, dp, virtual_stages) as the one record of them; dp
+        """This section's degrees (tp, pp, dp, ep, virtual_stages) as the one record of them; dp
         None until :meth:`ParallelDims.resolve` fills it."""
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, virtual_stages=self.virtual_stages)
+        return ParallelDims(
+            tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, virtual_stages=self.virtual_stages
+        )
 
     def describe(self, dims: ParallelDims) -> str:
         """One line for a job of these settings at ``dims`` (resolved): its ranks, pipeline
@@ -216,7 +225,9 @@ class ParallelSettings:
             f", {self.stage_order} order" if dims.virtual_stages > 1 else ""
         )
         return (
-            f"layout tp={dims.tp} x pp={dims.pp} x dp={dims.dp} on {dims.world_size} "
+            f"layout tp={dims.tp} x pp={dims.pp} x dp={dims.dp}"
+            + (f" (ep={dims.ep})" if dims.ep > 1 else "")
+            + f" on {dims.world_size} "
             f"ranks; pipeline schedule {self.schedule}, {stages} stage{'s' * (stages > 1)} "
             f"({per_rank}), {self.pipeline_micro_batches} micro-batches per step; data parallel "
             + (f"{self.data_parallel} over {dims.dp} replicas" if dims.dp > 1 else "none (dp=1)")
@@ -233,6 +244,30 @@ def job_dims(parallel: ParallelSettings, overrides: dict, world_size: int) -> Pa
     return parallel.dims.replace(tp=overrides.get("tp")).resolve(
         world_size, name=flag_namer(overrides), world_name="WORLD_SIZE"
     )
+
+
+def check_expert_parallel(model, dims: ParallelDims, name: Callable[[str], str]) -> None:
+    """``dims.ep`` > 1 needs a mixture-of-experts model with at least ``ep`` experts, and (for
+    now) no pipelining; ep dividing dp is :meth:`ParallelDims.resolve`'s rule. ``name`` spells
+    a field as the user gave it (:func:`flag_namer`)."""
+    if dims.ep == 1:
+        return
+    experts = getattr(model, "num_experts", 0)  # tp_ext's Qwen2 is dense
+    if experts == 0:
+        raise ConfigError(
+            f"{name('ep')} {dims.ep}: {model.architecture} has no experts to split (expert "
+            "parallelism is for mixture-of-experts models: Mixtral, Qwen2-MoE, ...); leave it at 1"
+        )
+    if dims.ep > experts:
+        raise ConfigError(
+            f"{name('ep')} {dims.ep}: more expert ranks than {model.architecture}'s {experts} "
+            f"experts; use at most {experts}"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"{name('ep')} {dims.ep} with {name('pp')} {dims.pp}: expert parallelism inside "
+            f"pipeline stages is not supported yet; use {name('pp')} 1 (or {name('ep')} 1)"
+        )
 
 
 # A token file of ~10^12 tokens at most, sequences up to 2**20; batches up to 2**24 sequences.
@@ -358,7 +393,7 @@ class JobConfig:
 
     def with_overrides(self, **flags) -> "JobConfig":
         """The config with command-line flags applied over its parallel and optimizer sections
-        (``tp``, ``pp``, ``dp``, ``dtype``, ``seed``, ``schedule``, ``virtual_stages``,
+        (``tp``, ``pp``, ``dp``, ``ep``, ``dtype``, ``seed``, ``schedule``, ``virtual_stages``,
         ``data_parallel``, ``micro_batches``, ``activation_checkpointing``, ``lr``,
         ``weight_decay``, ``betas``); flags that are None are left as the file has them."""
         names = {  # data.seed / data.dtype are not parallel.seed / parallel.dtype

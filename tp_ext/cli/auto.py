@@ -18,6 +18,7 @@ LAYOUT_FLAGS = (
     "tp",
     "pp",
     "dp",
+    "ep",
     "schedule",
     "virtual_stages",
     "data_parallel",
@@ -64,8 +65,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         top=None,
         grids=False,  # the commands build 1D models (parallel.tp is a degree)
     )
-    # the commands take no EP degree yet: layouts without EP
-    best = next((e for e in ranked if e.fits and e.candidate.dims.ep == 1), None)
+    best = next((e for e in ranked if e.fits), None)
     if best is None:
         closest = ranked[0].reason
         raise ValueError(f"--auto: no layout of {world} ranks fits; the closest: {closest}")
@@ -77,6 +77,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         "tp": dims.tp,
         "pp": dims.pp,
         "dp": dims.dp,
+        "ep": dims.ep,
         "virtual_stages": dims.virtual_stages,
         # the candidate's run settings carry the config's (and the flags') names
         "schedule": chosen.schedule,

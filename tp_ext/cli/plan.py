@@ -6,7 +6,6 @@ memory and step time (``--calibrate`` first measures this machine as the "cpu" h
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from tp_ext.cli.flags import add_field_flag
@@ -36,9 +35,6 @@ PLANNER_FIELDS = {
     "seq_len": DATA_FIELDS["seq_len"],
     "global_batch": DATA_FIELDS["global_batch"],
     "top": Field("int", 1, help="print the best N layouts"),
-    "ep": dataclasses.replace(
-        PARALLEL_FIELDS["tp"], help="expert-parallel degree (MoE models; taken from the DP ranks)"
-    ),
 }
 
 
@@ -92,7 +88,7 @@ def add_arguments(parser) -> None:
     add_field_flag(parser, "tp", PARALLEL_FIELDS["tp"], "the config's")
     add_field_flag(parser, "pp", PARALLEL_FIELDS["pp"], "the config's")
     add_field_flag(parser, "dp", PARALLEL_FIELDS["dp"], "the config's, else 1")
-    add_field_flag(parser, "ep", PLANNER_FIELDS["ep"], "1")
+    add_field_flag(parser, "ep", PARALLEL_FIELDS["ep"], "the config's, else 1")
     add_field_flag(parser, "virtual_stages", PARALLEL_FIELDS["virtual_stages"], default=1)
     parser.add_argument(
         "--pipeline-split",
@@ -134,7 +130,7 @@ def main(args) -> int:
                 tp=args.tp or 1,
                 pp=args.pp or 1,
                 dp=args.dp or 1,
-                ep=args.ep or 1,
+                ep=args.ep or (job.parallel.ep if job is not None else 1),
                 dtype=args.dtype or "bfloat16",
                 **layout,
             )

@@ -40,7 +40,14 @@ from tp_ext.cli.flags import RUN_FIELDS, add_field_flag, add_override_flags, ove
 from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.cli.logs import REPORT
 from tp_ext.cli.workdir import check_workdir, make_workdir, share_path
-from tp_ext.config import PARALLEL_FIELDS, JobConfig, check_pipeline_fields, flag_namer, job_dims
+from tp_ext.config import (
+    PARALLEL_FIELDS,
+    JobConfig,
+    check_expert_parallel,
+    check_pipeline_fields,
+    flag_namer,
+    job_dims,
+)
 from tp_ext.debug import trace
 from tp_ext.dims import ParallelDims
 from tp_ext.distributed import ResolvedGroup, comm, destroy_parallel, init_parallel
@@ -131,6 +138,7 @@ def run(
     small = small_job.model if small_path else job.model.tiny()
     dims = job_dims(job.parallel, overrides, world)
     job.model.check_tp(dims.tp)
+    check_expert_parallel(job.model, dims, flag_namer(overrides))
     small.check_tp(dims.tp)
     if small.num_hidden_layers < dims.stages:
         if small_path:

@@ -46,7 +46,14 @@ from tp_ext.cli.flags import (
 )
 from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.cli.logs import LOG
-from tp_ext.config import CHECKPOINT_FIELDS, JobConfig, check_pipeline_fields, flag_namer, job_dims
+from tp_ext.config import (
+    CHECKPOINT_FIELDS,
+    JobConfig,
+    check_expert_parallel,
+    check_pipeline_fields,
+    flag_namer,
+    job_dims,
+)
 from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
@@ -142,6 +149,7 @@ def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _R
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = job_dims(job.parallel, overrides, world)
     job.model.check_tp(dims.tp)
+    check_expert_parallel(job.model, dims, flag_namer(overrides))
     if job.data.seq_len > job.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len {job.data.seq_len} is above the model's max_position_embeddings "

@@ -18,6 +18,7 @@ from torch import nn
 
 from tp_ext.checkpoint import load_hf_checkpoint
 from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
+from tp_ext.models.hf.shards import expert_count
 from tp_ext.parallelize import parallelize
 from tp_ext.validation import ConfigError
 
@@ -59,6 +60,11 @@ class HFModelSource:
     @property
     def max_position_embeddings(self) -> int:
         return max_positions(self.hf_config)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model)."""
+        return expert_count(self.hf_config)
 
     def check_tp(self, tp: int) -> None:
         """Attention heads split in whole heads over ``tp`` ranks (KV heads shared by ranks
