@@ -377,6 +377,20 @@ class JobConfig:
             raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
+    def for_command(cls, config_path: Optional[str], model: Optional[str]) -> "JobConfig":
+        """A command's job: the job file's (``config_path``), its model replaced by the
+        transformers model ``model`` names (``--model DIR_OR_CONFIG``; no job file needed then:
+        the other sections take their defaults)."""
+        if config_path is None and model is None:
+            raise ConfigError("no model: give a job config, or --model DIR_OR_CONFIG")
+        if model is None:
+            return cls.from_file(config_path)
+        source = HFModelSource.from_path(model)
+        if config_path is None:
+            return cls(model=source)
+        return dataclasses.replace(cls.from_file(config_path), model=source)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: Optional[str] = None) -> "JobConfig":
         """``model``: tp_ext's Qwen2 fields, or the path of a transformers checkpoint directory
         or config.json (relative to ``base_dir``, the job file's directory, when it is there)."""

@@ -397,7 +397,8 @@ class HeadLayout:
                     (q_rows + kv_rows + ks * head_dim, kn * head_dim),
                 ]
             )
-        return Partition(q_rows + 2 * kv_rows, segments)
+        parts = [(0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows)]
+        return Partition(q_rows + 2 * kv_rows, segments, parts)
 
     def kv_index_for_q(self, rank: int) -> list[int]:
         """For each local query head of ``rank``, the index of its KV head among the local ones."""

@@ -18,13 +18,20 @@ import torch.distributed as dist
 from tp_ext.checkpoint.atomic import abandon_save, commit_save, reading, saving, start_save
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import tp_size
-from tp_ext.checkpoint.layout import declared_map, model_checkpoint_map, row_reads, tied_names
+from tp_ext.checkpoint.layout import (
+    Piece,
+    declared_map,
+    model_checkpoint_map,
+    row_reads,
+    tied_names,
+)
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
 from tp_ext.distributed.dtensors import is_dtensor
 from tp_ext.distributed.groups import ResolvedGroup, device_of
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import expert_rows, tensor_specs
+from tp_ext.layers.state_dict import is_full_transposed
 from tp_ext.sharding import GridBlock
 
 __all__ = [
@@ -136,21 +143,34 @@ def checkpoint_tensors(
             if tied_copies is not None and original is not None and original is not tensor:
                 tied_copies.append((tensor, original))
             continue
-        for piece in layout[name]:
+        pieces = layout[name]
+        for piece in pieces:
             holder[piece.name] = tensor
         local, first_row, shape = _data_parallel_slice(tensor, name)
+        if is_full_transposed(owner, name.rpartition(".")[2]):
+            # the layout counts the rows of transformers' [in, out] form (Conv1D); the sharded
+            # checkpoint holds the layer's own [out, in] form, whole rows of it
+            (piece,) = pieces
+            pieces = [Piece(piece.name, 0, _full_rows(local, shape, spec))]
         if local.numel() == 0:  # FSDP2 gave this rank no rows of it (or EP no experts)
             continue
         experts = expert_rows(owner, name)
         if experts is not None:  # this EP rank's experts: rows from its first of all of them
             first_row, shape = experts[0], (experts[1], *shape[1:])
-        blocks = _blocks(layout[name], local, first_row, shape, spec, owner)
+        blocks = _blocks(pieces, local, first_row, shape, spec, owner)
         for key, block, offsets, size in blocks:
             if tuple(block.shape) == tuple(size) and not any(offsets):
                 state[prefix + key] = block  # the whole tensor: saved once, read by every rank
             else:
                 _add_chunk(state, prefix + key, block, offsets, size)
     return state
+
+
+def _full_rows(local: torch.Tensor, shape, spec) -> int:
+    """Rows (dim 0) of the unsharded tensor whose TP-local form has ``shape``."""
+    if spec is None or not local.dim():
+        return shape[0] if local.dim() else 1
+    return spec.full_shape_of(shape)[0]
 
 
 @torch.no_grad()
@@ -208,10 +228,21 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
         return
     # rows: this TP rank's rows of the unsharded tensor, as (unsharded row, length) runs
     runs = [(0, shape[0])] if spec is None else spec.segments[owner.shard_coord]
+    # one checkpoint tensor holding several split parts (a transformers model's fused q|k|v or
+    # gate|up, under its own name): as above, each part is a tensor of its own
+    by_part = spec is not None and len(pieces) == 1 and len(spec.parts) > 1
     start = 0
     for offset, length in runs:
         lo, hi = max(start, first_row), min(start + length, first_row + rows)
-        if lo < hi:
+        if lo < hi and by_part:
+            k, (part_start, part_length) = spec.part_of(offset)
+            yield (
+                f"{pieces[0].name}.part{k}",
+                local.narrow(0, lo - first_row, hi - lo),
+                (offset + lo - start - part_start,) + (0,) * (local.dim() - 1),
+                (part_length, *shape[1:]),
+            )
+        elif lo < hi:
             block = local.narrow(0, lo - first_row, hi - lo)
             taken = 0
             for piece, a, b in row_reads(pieces, offset + lo - start, hi - lo):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,18 +70,22 @@ def load_hf_checkpoint(
     strict: bool = True,
     progress: bool = True,
     lossy_dtypes: bool = False,
+    used_elsewhere: Iterable[str] = (),
 ) -> dict:
     """Load a Hugging Face checkpoint directory into a tp_ext model, each rank reading only its
     own slices. ``fmt``: one of the model's ``checkpoint_formats`` (None: the one whose tensor
     names the checkpoint has; a Qwen2 model reads "qwen2" and "qwen"). ``lossy_dtypes``: round
     between float16 and bfloat16 where values differ (see ``safetensors_io.converted``).
+    ``used_elsewhere``: checkpoint names other parts of the model use (a pipeline stage's
+    model: the other stages'), which ``strict`` does not count as unused.
     Returns a report: bytes read by this rank, its shard size, and its peak host memory."""
     group = model_group(model)
+    elsewhere = frozenset(used_elsewhere)
     with reading(path, group) as directory:
-        return _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes)
+        return _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes, elsewhere)
 
 
-def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) -> dict:
+def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes, elsewhere) -> dict:
     entries = list(tensor_specs(model))
     show = progress and group.rank == 0
 
@@ -96,7 +100,7 @@ def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes) ->
             if fmt is None
             else model_checkpoint_map(model, fmt)
         )
-        check_names_and_shapes(files, expected_shapes(entries, layout), strict)
+        check_names_and_shapes(files, expected_shapes(entries, layout), strict, elsewhere)
         for name, tensor, *_ in entries:
             if tensor.device.type == "meta":
                 raise CheckpointError(
@@ -185,9 +189,11 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
         texts = comm.all_gather_text(json.dumps(mine), group)
         sources = [(r, json.loads(texts[r])) for r in dist.get_process_group_ranks(pipeline)]
         if declared_map(model) is None:  # own names: other stages' tensors are theirs too
+            aliases = getattr(model, "checkpoint_aliases", None) or {}  # (as own_names_map)
             for _, described in sources:
                 for name, _, shape, _ in described:
-                    layout.setdefault(name, [Piece(name, 0, shape[0] if shape else 1)])
+                    piece = Piece(aliases.get(name, name), 0, shape[0] if shape else 1)
+                    layout.setdefault(name, [piece])
     plan = comm.everywhere(
         group, what, lambda: _plan_files(sources, layout, max_shard_bytes), CheckpointError
     )

@@ -80,9 +80,18 @@ def model_checkpoint_map(model, fmt=None) -> dict[str, list[Piece]]:
 def own_names_map(model) -> dict[str, list[Piece]]:
     """Every entry of ``model.state_dict()`` as one checkpoint tensor of its own name and full
     shape: the layout of a model whose names are already the checkpoint's, such as a Hugging
-    Face model that ``tp_ext.parallelize`` sharded in place (it keeps its module names)."""
+    Face model that ``tp_ext.parallelize`` sharded in place (it keeps its module names). A tied
+    tensor (one object under two names, or a copy the model lists in ``checkpoint_aliases``,
+    e.g. a pipeline's last stage's LM head) lives under its first name, as transformers saves
+    it."""
+    aliases = dict(getattr(model, "checkpoint_aliases", None) or {})
+    first: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owner = first.setdefault(id(tensor), name)
+        if owner != name:
+            aliases.setdefault(name, owner)
     return {
-        name: [Piece(name, 0, shape[0] if shape else 1)]
+        name: [Piece(aliases.get(name, name), 0, shape[0] if shape else 1)]
         for name, shape in full_shapes(model).items()
     }
 

@@ -252,7 +252,11 @@ def converted(value: torch.Tensor, dtype, name: str, where: str, lossy: bool) ->
     return out
 
 
-def check_names_and_shapes(files: SafetensorsFiles, expected: dict, strict: bool) -> None:
+def check_names_and_shapes(
+    files: SafetensorsFiles, expected: dict, strict: bool, used_elsewhere: frozenset = frozenset()
+) -> None:
+    """Every tensor ``expected`` there with its shape; with ``strict``, no tensor that neither
+    this model nor ``used_elsewhere`` (other pipeline stages' names) uses."""
     present = files.names()
     missing = sorted(set(expected) - present)
     if missing:
@@ -261,7 +265,9 @@ def check_names_and_shapes(files: SafetensorsFiles, expected: dict, strict: bool
             f"{f' (and {len(missing) - 1} more: {missing[1:4]})' if len(missing) > 1 else ''}; "
             "does the config match the checkpoint?"
         )
-    extra = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_SUFFIXES))
+    extra = sorted(
+        n for n in present - set(expected) - used_elsewhere if not n.endswith(_IGNORED_SUFFIXES)
+    )
     if strict and extra:
         raise CheckpointError(
             f"checkpoint {files.root} has tensor {extra[0]!r} (in {files.file_of[extra[0]]}) that "

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,9 @@ from tp_ext.distributed import ResolvedGroup, comm, destroy_parallel, init_paral
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.models.footprint import footprint, format_footprint
+from tp_ext.models.hf.config import max_positions
+from tp_ext.models.hf.shards import small_config
+from tp_ext.models.hf.source import HFModelSource
 from tp_ext.training import Trainer, build_optimizer
 from tp_ext.validation import ConfigError, as_torch_dtype, check_fields
 
@@ -102,7 +106,7 @@ class _Job:
 
 
 def run(
-    config_path: str,
+    config_path: Optional[str],
     overrides: dict,
     small_path: str | None = None,
     workdir: str | None = None,
@@ -110,20 +114,23 @@ def run(
     max_new_tokens: int = 16,
     max_grad_norm: float = 1.0,
     profile_dir: str | None = None,
+    model: Optional[str] = None,
 ) -> int:
     """``overrides``: the config fields the flags set (None: as the config has it), e.g.
-    ``{"tp": 2, "pp": 2, "schedule": "1F1B", "micro_batches": 4}``."""
+    ``{"tp": 2, "pp": 2, "schedule": "1F1B", "micro_batches": 4}``. ``model``: a transformers
+    checkpoint directory or config.json (``--model``), run instead of the config's model (no
+    config needed then); a job config may name one as its ``model:`` too."""
     # Everything a user gives is read and checked before torch.distributed starts.
     flags = {"steps": steps, "max-new-tokens": max_new_tokens, "max-grad-norm": max_grad_norm}
     check_fields("--", flags, RUN_FIELDS)
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from_file = JobConfig.from_file(config_path)
-    if not isinstance(from_file.model, Qwen2Config):
+    from_file = JobConfig.for_command(config_path, model)
+    transformers_model = isinstance(from_file.model, HFModelSource)
+    if transformers_model and small_path:
         raise ConfigError(
-            f"{config_path}: the main job runs tp_ext's Qwen2; a transformers model "
-            f"({from_file.model.architecture}, {from_file.model.path}) trains with "
-            "`tp-ext train --model PATH` (tp-ext run --model is not supported yet)"
+            f"--small {small_path}: a transformers model runs as a small model of its own family "
+            "that the job derives from it; drop --small"
         )
     # The rules between the pipeline fields, with each named as the user gave it (flag or field)
     fields = {f.name for f in dataclasses.fields(from_file.parallel)}
@@ -135,11 +142,14 @@ def run(
     if overrides.get("tp"):
         job.model.check_tp(overrides["tp"])
     small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
-    small = small_job.model if small_path else job.model.tiny()
     dims = job_dims(job.parallel, overrides, world)
     job.model.check_tp(dims.tp)
     check_expert_parallel(job.model, dims, flag_namer(overrides))
-    small.check_tp(dims.tp)
+    if transformers_model:  # the narrow copy's widths and counts, a layer or more per stage
+        small = small_config(job.model.hf_config, max(2, dims.stages))
+    else:
+        small = small_job.model if small_path else job.model.tiny()
+        small.check_tp(dims.tp)
     if small.num_hidden_layers < dims.stages:
         if small_path:
             name = flag_namer(overrides)
@@ -150,10 +160,11 @@ def run(
                 f"{dims.stages} layers"
             )
         small = small.replace(num_hidden_layers=dims.stages)  # the tiny model: a layer per stage
-    if _PROMPT + max_new_tokens > small.max_position_embeddings:
+    positions = max_positions(small) if transformers_model else small.max_position_embeddings
+    if _PROMPT + max_new_tokens > positions:
         raise ValueError(
             f"--max-new-tokens {max_new_tokens} plus the {_PROMPT}-token prompt exceeds the small "
-            f"model's max_position_embeddings {small.max_position_embeddings}"
+            f"model's max_position_embeddings {positions}"
         )
     if workdir is not None:
         check_workdir(workdir)
@@ -272,6 +283,69 @@ class _SelfCheck:
             "stage_order": inputs.job.parallel.stage_order,
         }
 
+    # -- what differs between model families (tp_ext.cli.run_hf overrides these) ---------------
+
+    def logits(self, model, ids: torch.Tensor) -> torch.Tensor:
+        return model(ids)
+
+    def greedy(self, model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Greedy generation with the KV cache (the job's model or the reference)."""
+        return model.generate(prompt, new_tokens)
+
+    def reference_training(self, hf_dir: str, chunks: list) -> tuple:
+        """(the single-process model from ``hf_dir``, its losses) trained on every replica's
+        micro-batches ``chunks``, one step each: what the TP x PP x DP job must equal."""
+        inputs = self.inputs
+        return _reference_training(
+            hf_dir, self.device, inputs.small_job, inputs.max_grad_norm, chunks, inputs.steps
+        )
+
+    load_note = (
+        "the load adds the shard plus at most one 16 MiB read piece, see docs/checkpoints.md"
+    )
+
+    def generation_kind(self) -> str:
+        return "with the KV cache"
+
+    def load_export(self, path: str):
+        """The merged export at ``path``, loaded whole in this process."""
+        return Qwen2ForCausalLM.from_pretrained(
+            path, tp_group=ResolvedGroup.local(), device=self.device, progress=False
+        )
+
+    export_check = "the merged Hugging Face export holds the trained model"
+
+    def check_export(self, export: str, ids, trained, scale) -> None:
+        """[5] The export's logits (rank 0 loads it) against the trained model's."""
+
+        def read_export() -> float:
+            if not self.is_main:
+                return 0.0
+            with torch.no_grad():
+                return (self.logits(self.load_export(export), ids) - trained).abs().max().item()
+
+        diff = comm.everywhere(dist.group.WORLD, f"reading the export {export}", read_export)
+        if self.is_main:
+            self.check(
+                self.export_check,
+                diff <= self.tolerance * scale,
+                f"max |diff| {diff:.2e} of its logits",
+            )
+
+    def compare_logits(self, model, reference, ids, reference_name: str) -> torch.Tensor:
+        """Check ``model``'s logits of ``ids`` against ``reference``'s (relative to their
+        scale); returns the reference's."""
+        with torch.no_grad():
+            logits, expected = self.logits(model, ids), self.logits(reference, ids)
+        scale = expected.abs().max().item()
+        diff = (logits - expected).abs().max().item()
+        self.check(
+            f"logits equal {reference_name}",
+            diff <= self.tolerance * scale,
+            f"max |diff| {diff:.2e} (logit scale {scale:.2f})",
+        )
+        return expected
+
     def check(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append((name, bool(ok)))
         REPORT.info(f"  {'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
@@ -323,7 +397,7 @@ class _SelfCheck:
         t0 = time.perf_counter()
         model = Qwen2ForCausalLM.from_pretrained(hf_dir, device=device, **self.build)
         load_s = time.perf_counter() - t0
-        report = model.load_report
+        report = self.load_report = model.load_report
         reference = Qwen2ForCausalLM.from_pretrained(
             hf_dir, tp_group=ResolvedGroup.local(), device=device, progress=False
         )
@@ -335,15 +409,7 @@ class _SelfCheck:
         if state.pp > 1:
             REPORT.info(f"    {_stages_text(model)}")
         ids = _data(small, 4, 24, seed=self.inputs.small_job.parallel.seed + 1).to(device)
-        with torch.no_grad():
-            logits, expected = model(ids), reference(ids)
-        scale = expected.abs().max().item()
-        diff = (logits - expected).abs().max().item()
-        self.check(
-            "logits equal the single-process model",
-            diff <= self.tolerance * scale,
-            f"max |diff| {diff:.2e} (logit scale {scale:.2f})",
-        )
+        expected = self.compare_logits(model, reference, ids, "the single-process model")
         with torch.no_grad():
             loss_tp = vocab_parallel_cross_entropy(
                 model(ids[:, :-1], local_logits=True), ids[:, 1:], tp_group=state.tp_group
@@ -420,11 +486,10 @@ class _SelfCheck:
         inputs, device, is_main = self.inputs, self.device, self.is_main
         micro_batches = inputs.job.parallel.pipeline_micro_batches
         all_chunks = list(batch.to(device).chunk(micro_batches * self.state.dp))
-        args = (hf_dir, device, inputs.small_job, inputs.max_grad_norm, all_chunks, inputs.steps)
         reference, expected_losses = comm.everywhere(
             dist.group.WORLD,
             "training the single-process reference",
-            lambda: _reference_training(*args) if is_main else (None, None),
+            lambda: self.reference_training(hf_dir, all_chunks) if is_main else (None, None),
         )
         if is_main:
             worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, expected_losses))
@@ -436,8 +501,8 @@ class _SelfCheck:
         # Inference reads whole parameters (gathered under FSDP2).
         with trainer.whole_parameters():
             with torch.no_grad():
-                trained = model(ids)
-                expected = reference(ids) if is_main else torch.empty_like(trained)
+                trained = self.logits(model, ids)
+                expected = self.logits(reference, ids) if is_main else torch.empty_like(trained)
             expected = comm.broadcast(expected.contiguous(), 0, group=dist.group.WORLD)
             scale = expected.abs().max().item()
             diff = comm.all_reduce(
@@ -473,22 +538,7 @@ class _SelfCheck:
         export = os.path.join(self.workdir, "export")
         saved.save_pretrained(export)  # one merged export of every stage and TP slice
 
-        def read_export() -> float:
-            if not self.is_main:
-                return 0.0
-            merged = Qwen2ForCausalLM.from_pretrained(
-                export, tp_group=ResolvedGroup.local(), device=device, progress=False
-            )
-            with torch.no_grad():
-                return (merged(ids) - trained).abs().max().item()
-
-        diff = comm.everywhere(dist.group.WORLD, f"reading the export {export}", read_export)
-        if self.is_main:
-            self.check(
-                "the merged Hugging Face export holds the trained model",
-                diff <= self.tolerance * scale,
-                f"max |diff| {diff:.2e} of its logits",
-            )
+        self.check_export(export, ids, trained, scale)
         del saved
         REPORT.info(
             f"\n[5] saved {sharded} (DCP, one file per rank)"
@@ -503,7 +553,7 @@ class _SelfCheck:
         with trainer.whole_parameters():
             prompt = ids[:, :_PROMPT]
             t0 = time.perf_counter()
-            tokens = model.generate(prompt, max_new_tokens)
+            tokens = self.greedy(model, prompt, max_new_tokens)
             gen_s = time.perf_counter() - t0
             self.check(
                 "generation produced every token",
@@ -514,7 +564,7 @@ class _SelfCheck:
             # 32 and 64.
             if self.dtype in (torch.float32, torch.float64):
                 wanted = (
-                    reference.generate(prompt, max_new_tokens)
+                    self.greedy(reference, prompt, max_new_tokens)
                     if self.is_main
                     else torch.empty_like(tokens)
                 )
@@ -529,14 +579,14 @@ class _SelfCheck:
                     agree == 1.0,
                 )
         REPORT.info(
-            f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences with the KV "
-            f"cache; first sequence: {tokens[0, _PROMPT:].tolist()}"
+            f"\n[6] generated {max_new_tokens} tokens x {prompt.size(0)} sequences "
+            f"{self.generation_kind()}; first sequence: {tokens[0, _PROMPT:].tolist()}"
         )
         return tokens.numel() - prompt.numel(), gen_s
 
     def throughput_and_memory(self, model, tokens_per_s, generated, gen_s) -> None:
         """[6] Tokens per second, and every rank's memory (a table on rank 0)."""
-        state, device, report = self.state, self.device, model.load_report
+        state, device, report = self.state, self.device, self.load_report
         memory = _memory(device)
         rows = _gather_rows(
             [
@@ -566,8 +616,7 @@ class _SelfCheck:
                 + f"  {shard:>9.3f}  {load:>10.1f}"
             )
         REPORT.info(
-            "    (peak host memory is mostly the Python and torch runtime; the load adds the "
-            "shard plus at most one 16 MiB read piece, see docs/checkpoints.md)"
+            f"    (peak host memory is mostly the Python and torch runtime; {self.load_note})"
         )
 
     def passed_everywhere(self) -> bool:
@@ -579,7 +628,12 @@ class _SelfCheck:
 
 def _job(state, inputs: _Job, workdir: str, keep: bool, world: int, t_start: float) -> int:
     """The stages in order; 0 if every check passed on every rank, else 1."""
-    job = _SelfCheck(state, inputs, workdir, keep, world)
+    if isinstance(inputs.job.model, HFModelSource):
+        from tp_ext.cli.run_hf import HFSelfCheck  # (run_hf builds on this module)
+
+        job = HFSelfCheck(state, inputs, workdir, keep, world)
+    else:
+        job = _SelfCheck(state, inputs, workdir, keep, world)
     job.show_footprint()
     hf_dir = job.write_small_checkpoint()
     model, ids = job.load_and_compare(hf_dir)
@@ -604,7 +658,20 @@ HELP = (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", help="tp_ext YAML/JSON config or a Hugging Face config.json")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="tp_ext YAML/JSON config or a Hugging Face config.json (optional with --model)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR_OR_CONFIG",
+        help="a transformers model (checkpoint directory or config.json) of any architecture "
+        "parallelize(model, 'auto') converts: the job runs a small model of its family against "
+        "transformers itself",
+    )
     parser.add_argument(
         "--small",
         default=None,
@@ -640,8 +707,11 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     overrides = overrides_of(args)
     if args.auto:  # the planner's layout for the model this job runs: --small's, else a tiny one
-        job = JobConfig.from_file(args.config)
-        model = JobConfig.from_file(args.small).model if args.small else job.model.tiny()
+        job = JobConfig.for_command(args.config, args.model)
+        if isinstance(job.model, HFModelSource):
+            model = small_config(job.model.hf_config, 2)
+        else:
+            model = JobConfig.from_file(args.small).model if args.small else job.model.tiny()
         dtype = overrides["dtype"] or job.parallel.dtype
         overrides = auto_overrides(model, job.data, overrides, dtype)
     return run(
@@ -653,4 +723,5 @@ def main(args) -> int:
         max_new_tokens=args.max_new_tokens,
         max_grad_norm=args.max_grad_norm,
         profile_dir=args.profile,
+        model=args.model,
     )

@@ -101,7 +101,7 @@ def train(
     Everything is checked before torch.distributed starts."""
     checkpoint = {"dir": checkpoint_dir, "save_every": save_every, "keep_last": keep_last}
     checkpoint["async_save"] = async_save
-    job = _job(config_path, model)
+    job = JobConfig.for_command(config_path, model)
     run = _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm)
     one_process_unless_launched("train")
     state = init_parallel(run.dims)
@@ -114,18 +114,6 @@ def train(
         return status
     finally:
         destroy_parallel(destroy_process_group=True)
-
-
-def _job(config_path: Optional[str], model: Optional[str]) -> JobConfig:
-    """The job file's config, its model replaced by the transformers model ``model`` names."""
-    if config_path is None and model is None:
-        raise ConfigError("no model: give a job config, or --model DIR_OR_CONFIG")
-    if model is None:
-        return JobConfig.from_file(config_path)
-    source = HFModelSource.from_path(model)
-    if config_path is None:
-        return JobConfig(model=source)
-    return dataclasses.replace(JobConfig.from_file(config_path), model=source)
 
 
 def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _Run:
@@ -377,7 +365,7 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     overrides = {**overrides_of(args), **{f: getattr(args, f) for f in _SCHEDULE_FIELDS}}
     if args.auto:  # the planner's layout for the config's model
-        job = _job(args.config, args.model)
+        job = JobConfig.for_command(args.config, args.model)
         dtype = overrides["dtype"] or job.parallel.dtype
         model = getattr(job.model, "hf_config", job.model)
         overrides = auto_overrides(model, job.data, overrides, dtype)

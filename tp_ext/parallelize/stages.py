@@ -223,6 +223,7 @@ class StagedCausalLM(nn.Module):
         # one stage holds both ends of a tie: the model keeps its one tensor
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.tied_across_stages = tied and self.stage_split.num_stages > 1
+        self.checkpoint_aliases: dict = {}
         self._untie_head()
         self._prune()
         for attr, child in model.named_children():  # transformers' names for the parameters
@@ -238,6 +239,11 @@ class StagedCausalLM(nn.Module):
         if not self.tied_across_stages or head is None:
             self.tied_across_stages = False
             return
+        # the checkpoint holds the tie once, under the embedding's name: the head's copy is
+        # read from it, and a merged save writes it once (tp_ext.checkpoint.layout)
+        names = {id(m): n for n, m in self.hf_model.named_modules(remove_duplicate=False)}
+        embedding = self.hf_model.get_input_embeddings()
+        self.checkpoint_aliases = {f"{names[id(head)]}.weight": f"{names[id(embedding)]}.weight"}
         if not self.has_last:
             return
         if not isinstance(head, ParallelLMHead):

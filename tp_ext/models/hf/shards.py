@@ -31,6 +31,7 @@ from tp_ext.validation import ArgumentError
 __all__ = [
     "HFModelShards",
     "narrow_config",
+    "small_config",
     "meta_model",
     "model_shards",
     "expert_count",
@@ -102,6 +103,33 @@ def narrow_config(config):
             setattr(narrow, name, None)
     narrow._attn_implementation = "eager"
     return narrow
+
+
+_DROPOUT_FIELDS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "activation_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+)
+
+
+def small_config(config, num_layers: int):
+    """A model of ``config``'s family small enough for any machine (``tp-ext run --model``): the
+    narrow copy's widths and counts, but ``num_layers`` decoder layers (per-layer lists cut to
+    them), no dropout (the job compares against a single process) and the attention ``config``
+    asks for."""
+    small = narrow_config(config)
+    small._attn_implementation = getattr(config, "_attn_implementation", None)
+    small.num_hidden_layers = num_layers
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:num_layers]
+    for name in _DROPOUT_FIELDS:
+        if isinstance(getattr(small, name, None), float):
+            setattr(small, name, 0.0)
+    return small
 
 
 @dataclasses.dataclass(frozen=True)

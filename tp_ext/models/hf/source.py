@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from tp_ext.checkpoint import load_hf_checkpoint
+from tp_ext.checkpoint.layout import own_names_map
+from tp_ext.checkpoint.safetensors_io import SafetensorsFiles
 from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
-from tp_ext.models.hf.shards import expert_count
+from tp_ext.models.hf.shards import expert_count, meta_model
 from tp_ext.parallelize import parallelize
 from tp_ext.validation import ConfigError
 
@@ -80,12 +82,53 @@ class HFModelSource:
         pipeline_split), its weights the checkpoint's or, without one, drawn from ``seed`` as
         transformers initialises them (the whole model on every rank, so equal at every
         layout)."""
+        return self.build_and_load(parallel, dtype=dtype, seed=seed, **stage_options)[0]
+
+    def build_and_load(
+        self,
+        parallel,
+        *,
+        dtype: torch.dtype,
+        seed: int,
+        weights: Optional[str] = None,
+        **stage_options,
+    ) -> tuple[nn.Module, Optional[dict]]:
+        """(:meth:`build`'s model, the load's report: None without a checkpoint). ``weights``: a
+        checkpoint directory other than the source's. Each rank reads its own slices of the
+        files when they carry the modules' names; a checkpoint transformers saved in an older
+        form it converts on load (Mixtral's experts one tensor each) is read whole by
+        transformers' ``from_pretrained`` on every rank first, then sliced."""
         from transformers import AutoModelForCausalLM
 
+        weights = self.weights if weights is None else weights
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(self.hf_config).to(dtype)
+        whole = weights is not None and not self._slices_readable(weights)
+        if whole:
+            model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(self.hf_config).to(dtype)
         model.train()
         model = parallelize(model, "auto", parallel=parallel, **stage_options)
-        if self.weights is not None:
-            load_hf_checkpoint(model, self.weights)
-        return model
+        if weights is None:
+            return model, None
+        if whole:
+            files = SafetensorsFiles(weights)
+            size = files.nbytes()
+            return model, {"read_bytes": size, "checkpoint_bytes": size, "read_whole": True}
+        return model, self.load_weights(model, weights)
+
+    def _slices_readable(self, path: str) -> bool:
+        """Whether the checkpoint at ``path`` holds every tensor under its module's name."""
+        layout = own_names_map(meta_model(self.hf_config))
+        needed = {piece.name for pieces in layout.values() for piece in pieces}
+        return needed <= SafetensorsFiles(path).names()
+
+    def load_weights(self, model: nn.Module, path: Optional[str] = None) -> dict:
+        """This rank's slices of the checkpoint at ``path`` (default: the source's) read into
+        ``model`` (built by :meth:`build`); a pipeline stage's model checks the files against
+        the whole model's tensor names. Returns load_hf_checkpoint's report."""
+        path = self.weights if path is None else path
+        whole = ()
+        if getattr(model, "pipeline_group", None) is not None:
+            whole = meta_model(self.hf_config).state_dict().keys()
+        return load_hf_checkpoint(model, path, progress=False, used_elsewhere=whole)
