@@ -151,15 +151,19 @@ def _same_exports(a, b) -> None:
         torch.testing.assert_close(other.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
 
 
-def test_expert_parallel_trains_resumes_and_exports_like_one_rank(tmp_path, tokens):
-    """Mixtral from a config with --dp 2 --ep 2 (each rank two of the four experts), stopped at
-    step 2 and resumed: the losses and the export of one rank."""
+# make test: straight through (the EP checkpoint is saved, as every run's last step); test-all:
+# stopped at step 2 and resumed too
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.full_matrix)])
+def test_expert_parallel_trains_and_exports_like_one_rank(tmp_path, tokens, resume):
+    """Mixtral from a config with --dp 2 --ep 2 (each rank two of the four experts): the losses
+    and the export of one rank."""
     model = _mixtral_dir(tmp_path)
     run = ["--model", model, "--data", tokens, "--save-every", "2"]
     _train_here(*run, "--steps", "3", "--checkpoint-dir", tmp_path / "one")
     ep = [*run, "--checkpoint-dir", tmp_path / "ep", "--dp", "2", "--ep", "2"]
-    _torchrun(2, *ep, "--steps", "2")
-    _torchrun(2, *ep, "--steps", "3", "--resume")
+    if resume:
+        _torchrun(2, *ep, "--steps", "2")
+    _torchrun(2, *ep, "--steps", "3", *(["--resume"] if resume else []))
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
     assert len(two) == 3
     for a, b in zip(one, two):
