@@ -13,7 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
     "script",
     [
-        "parallelize_hf_model.py",
+        # make test-all (20 s): parallelize("auto") on transformers' decoders is
+        # test_parallelize_models', in make test
+        pytest.param("parallelize_hf_model.py", marks=pytest.mark.full_matrix),
         # make test-all (11 s): the Trainer on Qwen2 is test_training's and test_train_cli's
         pytest.param("train_qwen2.py", marks=pytest.mark.full_matrix),
         # make test-all (19 s): expert parallelism is test_moe's, in make test

@@ -324,7 +324,7 @@ def test_attention_mlp_block_match_reference(ws):
 
 # Inductor code generation costs ~10 s per graph and rank on 2 cores, so the block runs under it
 # in `make test-all` only (at 1 and 3 ranks: 33 s and 23 s); `make test` compiles tp_ext's
-# collectives under Inductor at uneven sizes in test_modes' compile test (3 ranks).
+# collectives under Inductor in test_modes' compile test (2 ranks; 3 in `make test-all`).
 # Every configuration is traced through Dynamo and AOTAutograd (fullgraph, fake kernels, C++
 # autograd, effect ordering) with the aot_eager backend, at 1 rank and 3 (uneven) in `make test`
 # and at every world size in `make test-all`.

@@ -75,7 +75,8 @@ def test_run_model_refuses_small_and_bad_ep(tmp_path, monkeypatch):
 def _torchrun(nproc, *argv) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), "-m", "tp_ext", "run", *map(str, argv), "--steps", "3"],
+         str(nproc), "-m", "tp_ext", "run", *map(str, argv), "--steps", "3",
+         "--max-new-tokens", "6"],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]
