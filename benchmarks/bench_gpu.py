@@ -12,6 +12,11 @@
 3. The per-rank Qwen2-72B decoder layer at TP=8 (hidden 8192, 8 query heads, 1 KV head, MLP 3696)
    as rank 0 of 8, with communication stubbed by the fake process group: forward+backward time
    and TFLOP/s vs a plain bf16 matmul running at its measured rate on the layer's largest GEMM.
+4. Mixture of experts at Mixtral-8x7B shapes (hidden 4096, expert MLP 14336, top-2 of 8), bf16:
+   the permutation ops (moe_route + moe_permute + moe_unpermute, forward+backward) against the
+   eager way (stable argsort, index gather, index_copy, weighted sum), and ``ExpertParallelMoE``
+   at EP=1 (one GPU holds every expert) against the same layer built from eager pieces (the
+   torchtitan recipe with its all-to-alls at EP=1 being no-ops), same router and weights.
 """
 
 from __future__ import annotations
@@ -337,6 +342,128 @@ def bench_layer(tokens, repeats, device="cuda"):
     return rows
 
 
+# ---- 4. mixture of experts -------------------------------------------------------------------
+
+MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K = 4096, 14336, 8, 2
+
+
+def _moe_routing(tokens, device):
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(tokens, MOE_EXPERTS, generator=g), -1)
+    w, ids = torch.topk(probs, MOE_TOP_K, -1)
+    return w.to(device), ids.to(device)
+
+
+def _eager_unpermute(y, order, w):
+    back = torch.empty_like(y).index_copy(0, order, y)  # index scatter (differentiable)
+    return (back.view(w.shape[0], MOE_TOP_K, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+class _Router(torch.nn.Module):
+    def __init__(self, hidden, device, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.randn(MOE_EXPERTS, hidden, device=device, dtype=dtype) * 0.02
+        )
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        w, ids = torch.topk(torch.softmax(logits.float(), -1), MOE_TOP_K, -1)
+        return logits, w, ids
+
+
+def _eager_moe(x, router, experts):
+    """The MoE layer from eager pieces on one device (torchtitan's recipe at EP=1): argsort
+    permutation, a GEMM pair per expert on its contiguous rows, index scatter, weighted sum."""
+    _, w, ids = router(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    rows = x[order // MOE_TOP_K]
+    sizes = torch.bincount(flat, minlength=MOE_EXPERTS).tolist()
+    outs = []
+    for e, r in enumerate(rows.split(sizes)):
+        gate, up = F.linear(r, experts.gate_up_proj[e]).chunk(2, -1)
+        outs.append(F.linear(F.silu(gate) * up, experts.down_proj[e]))
+    return _eager_unpermute(torch.cat(outs), order, w)
+
+
+def bench_moe(tokens, repeats, device="cuda", hidden=MOE_HIDDEN, inter=MOE_INTER):
+    from tp_ext import ops
+    from tp_ext.layers import ExpertParallelMoE, ParallelExperts
+
+    timer = cuda_time if device == "cuda" else cpu_time
+    dt = torch.bfloat16
+    rows = []
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, dtype=dt, requires_grad=True)
+    w, ids = _moe_routing(tokens, device)
+    w.requires_grad_()
+
+    def ours_ops():
+        row_map, _ = ops.moe_route(ids, MOE_EXPERTS)
+        out = ops.moe_unpermute(ops.moe_permute(x, row_map, None, ids.numel()) * 1.5, row_map, w)
+        out.sum().backward()
+        x.grad = w.grad = None
+
+    def eager_ops():
+        order = torch.argsort(ids.flatten(), stable=True)
+        _eager_unpermute(x[order // MOE_TOP_K] * 1.5, order, w).sum().backward()
+        x.grad = w.grad = None
+
+    t_ours, t_eager = timer(ours_ops, repeats=repeats), timer(eager_ops, repeats=repeats)
+    case = f"moe permute ops T={tokens} H={hidden} top{MOE_TOP_K} of {MOE_EXPERTS} bf16"
+    print(f"{case}: tp_ext {t_ours * 1e3:.3f} ms, eager {t_eager * 1e3:.3f} ms "
+          f"({t_ours / t_eager:.2f}x)")  # fmt: skip
+    rows.append(
+        dict(benchmark=BENCH, case=case, metric="fwd+bwd time", value=t_ours * 1e3, unit="ms",
+             baseline=t_eager * 1e3, ratio=t_ours / t_eager,
+             notes="baseline: stable argsort + index gather + index_copy + weighted sum (eager)")
+    )  # fmt: skip
+
+    router = _Router(hidden, device, dt)
+    experts = ParallelExperts(MOE_EXPERTS, hidden, inter, torch.nn.SiLU(), device=device, dtype=dt)
+    layer = ExpertParallelMoE(router, experts)  # no EP group made: a group of one
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer(x), _eager_moe(x, router, experts), rtol=2e-2, atol=2e-2
+        )  # the same layer
+
+    def step(fn):
+        def run():
+            fn(x).sum().backward()
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+
+        return run
+
+    t_ours = timer(step(layer), repeats=repeats)
+    t_eager = timer(step(lambda t: _eager_moe(t, router, experts)), repeats=repeats)
+    case = (f"ExpertParallelMoE ep=1 T={tokens} H={hidden} I={inter} top{MOE_TOP_K} of "
+            f"{MOE_EXPERTS} bf16")  # fmt: skip
+    print(f"{case}: tp_ext {t_ours * 1e3:.2f} ms, eager {t_eager * 1e3:.2f} ms "
+          f"({t_ours / t_eager:.2f}x)")  # fmt: skip
+    rows.append(
+        dict(benchmark=BENCH, case=case, metric="fwd+bwd time", value=t_ours * 1e3, unit="ms",
+             baseline=t_eager * 1e3, ratio=t_ours / t_eager,
+             notes="baseline: torchtitan's recipe at EP=1 (argsort, expert GEMMs, index_copy)")
+    )  # fmt: skip
+    return rows
+
+
+def cpu_time(fn, warmup=1, repeats=3):
+    """Median seconds per call on the CPU (the smoke run of this file off a GPU)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="tokens for the kernels")
@@ -345,6 +472,7 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--skip-layer", action="store_true")
+    p.add_argument("--moe-tokens", type=int, default=8192, help="tokens for the MoE part")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -361,6 +489,7 @@ def main():
             save(bench_layer(tokens, a.repeats))
     for dtype in a.dtypes:
         save(bench_kernels(a.tokens, a.ce_tokens, a.repeats, [dtype]))
+    save(bench_moe(a.moe_tokens, a.repeats))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results.csv")
+# TP_EXT_RESULTS: another CSV (benchmarks run side by side each write their own)
+RESULTS = os.environ.get("TP_EXT_RESULTS") or os.path.join(ROOT, "benchmarks", "results.csv")
 COLUMNS = [
     "date",
     "machine",
@@ -55,7 +56,9 @@ def machine() -> str:
             gpu = f" + {torch.cuda.get_device_name()}"
     except Exception:  # noqa: BLE001
         pass
-    return f"{platform.node()} / {cpu} x{os.cpu_count()}{gpu}"
+    cores = len(os.sched_getaffinity(0))  # the cores this run may use (taskset) of the host's
+    used = f"x{cores} of {os.cpu_count()}" if cores < (os.cpu_count() or 0) else f"x{cores}"
+    return f"{platform.node()} / {cpu} {used}{gpu}"
 
 
 def git_commit() -> str:
@@ -217,7 +220,8 @@ def _rank_main(fn, rank, world_size, init, results, args):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # the cores this process may use (taskset), shared out: a core per rank when there are enough
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init}", rank=rank, world_size=world_size

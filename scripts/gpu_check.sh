@@ -2,7 +2,7 @@
 # Issue 20's scripted run on a GPU machine whose python3 already has torch with CUDA (no network):
 # build the extension with CUDA, run the CUDA tests (`pytest -m cuda`: kernels against CPU, an NCCL
 # group of one, CUDA graphs, torch.compile, the Qwen2-72B TP=8 rank shard), then the GPU benchmarks
-# and issue 22's CPU MoE benchmark on the host's cores (rows appended to benchmarks/results.csv).
+# and, beside them on other cores, the CPU benchmarks that want a core per rank (rows appended to benchmarks/results.csv).
 # Logs and the new CSV rows go to $OUT.
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            build, CUDA tests, benchmarks
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh suite N    then the whole suite with N pytest workers
@@ -38,14 +38,31 @@ if [ "${1:-}" != "suite" ]; then
   stamp "C++ errors raise, alone / after CUDA init"
   $PY -X faulthandler -m pytest -q -p no:cacheprovider $errors 2>&1 | tail -3
   $PY -X faulthandler -c "import sys, torch, pytest; torch.zeros(1, device='cuda'); sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *sys.argv[1:]]))" $errors 2>&1 | tail -3
-  stamp "GPU benchmarks"
+  stamp "GPU benchmarks on cores 0-3; beside them the CPU benchmarks that want a core per rank"
   before=$(wc -l <benchmarks/results.csv)
-  timeout "$(left)" $PY benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^ *$" | tail -60
-  # Issue 22's MoE layer on CPU/gloo at EP=4 with a core per rank (the 2-core dev VM runs four
-  # ranks on two cores): this host's CPUs, while the machine is here.
-  stamp "CPU expert-parallel benchmark on $(nproc) cores"
-  timeout "$(left)" $PY benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -6
-  { head -1 benchmarks/results.csv; tail -n +$((before + 1)) benchmarks/results.csv; } >"$OUT/gpu_rows.csv"
+  # CPU/gloo benchmarks on disjoint cores (a core per rank; the dev VM runs 4 ranks on 2 cores):
+  # issue 22's MoE layer at EP=4, the pipeline bubble at pp=4, the overlap benchmark on loopback.
+  # Each writes its own CSV (a shared append could interleave), merged below.
+  cpu_bench() {  # cores log script args...
+    local cores=$1 log=$2
+    shift 2
+    TP_EXT_RESULTS="$OUT/$log.csv" timeout "$(left)" taskset -c "$cores" $PY "$@" >"$OUT/$log.log" 2>&1
+  }
+  cpu_bench 4-7 bench_moe benchmarks/bench_moe.py --ep 4 &
+  cpu_bench 8-11 bench_3d benchmarks/bench_3d.py --parts bubble --pp 4 &
+  cpu_bench 12-13 bench_overlap benchmarks/bench_overlap.py --mbit &
+  timeout "$(left)" taskset -c 0-3 $PY benchmarks/bench_gpu.py 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^ *$" | tail -60
+  stamp "GPU benchmarks done; waiting for the CPU ones"
+  wait
+  for b in bench_moe bench_3d bench_overlap; do
+    echo "== $b ($(nproc) cores here, pinned)"
+    tail -12 "$OUT/$b.log"
+  done
+  {
+    head -1 benchmarks/results.csv
+    tail -n +$((before + 1)) benchmarks/results.csv
+    for b in bench_moe bench_3d bench_overlap; do tail -n +2 "$OUT/$b.csv" 2>/dev/null; done
+  } >"$OUT/gpu_rows.csv"
   stamp "done"
 else
   stamp "whole suite, ${2:-4} workers"
