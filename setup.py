@@ -12,6 +12,7 @@ avx2 | none). With GCC the C++ files share one precompiled header of the torch h
 import glob
 import os
 import subprocess
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -124,6 +125,10 @@ def _want_pch(compiler: str) -> bool:
         raise ValueError(f"TP_EXT_PCH must be auto, 0 or 1, got {choice!r}")
     if choice != "auto":
         return choice == "1"
+    return _is_gcc(compiler)
+
+
+def _is_gcc(compiler: str) -> bool:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     except OSError:
@@ -147,7 +152,42 @@ class BuildExtension(cpp_extension.BuildExtension):
         args = ext.extra_compile_args
         if isinstance(args, dict) and _want_pch(cxx):
             args["cxx"] = args["cxx"] + self._precompiled_header(cxx, ext, args["cxx"])
+        self._link_the_shared_cxx_runtime(ext)
         super().build_extension(ext)
+        self._check_cxx_runtime(self.get_ext_fullpath(ext.name))
+
+    def _link_the_shared_cxx_runtime(self, ext) -> None:
+        """Link libstdc++ as the shared library torch itself uses. A private, static copy (a
+        ``-static-libstdc++`` in the interpreter's link flags, or a toolchain with only
+        ``libstdc++.a`` to hand) has its own ``__cxa_throw`` and exception bookkeeping: every
+        argument check that throws then crashes the process (SIGSEGV) instead of raising a
+        Python error, as on the 2026-11-28 GPU machine."""
+        if sys.platform != "linux" or not _is_gcc(cpp_extension.get_cxx_compiler()):
+            return  # GCC on Linux only (-l: is a GNU ld spelling)
+        linker = list(self.compiler.linker_so)
+        if "-static-libstdc++" in linker:
+            print("tp_ext: dropping -static-libstdc++ from the link command", flush=True)
+            self.compiler.set_executable(
+                "linker_so", [a for a in linker if a != "-static-libstdc++"]
+            )
+        if "-l:libstdc++.so.6" not in ext.extra_link_args:
+            ext.extra_link_args = ["-l:libstdc++.so.6", *ext.extra_link_args]
+
+    @staticmethod
+    def _check_cxx_runtime(path: str) -> None:
+        """Refuse an extension that carries its own C++ runtime (see above)."""
+        import shutil
+
+        nm = shutil.which("nm")
+        if sys.platform != "linux" or nm is None or not os.path.exists(path):
+            return
+        symbols = subprocess.run([nm, "-D", "--defined-only", path], capture_output=True, text=True)
+        if any(line.endswith(" __cxa_throw") for line in symbols.stdout.splitlines()):
+            raise RuntimeError(
+                f"{path} defines __cxa_throw: libstdc++ was linked statically, so C++ errors "
+                "would crash the process instead of raising. Link the shared libstdc++.so.6 "
+                "(install the compiler's libstdc++ development package)."
+            )
 
     def _precompiled_header(self, cxx: str, ext, cxx_flags: list) -> list:
         import shlex

@@ -30,7 +30,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <chrono>
 #include <numeric>
 #include <optional>
 
@@ -42,12 +41,6 @@
 
 namespace tp_ext::comm {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
