@@ -132,7 +132,7 @@ CASES = {
     "tp1-pp2-dp2-ddp-sharded": (4, (1, 2, 2), 3, False, {}, None, SHARD_BYTES),
     "tp1-pp2-dp2-fsdp-trained": (4, (1, 2, 2), 3, True, {}, ("1F1B", "fsdp", 2), SHARD_BYTES),
     "tp1-pp4": (4, (1, 4, 1), 4, False, {}, None, None),
-    "tp1-pp2-v2-V-tied-trained": (
+    "tp1-pp2-v2-ZBVZeroBubble-tied-trained": (
         2,
         (1, 2, 1),
         4,

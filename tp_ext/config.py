@@ -29,7 +29,7 @@ from tp_ext.dims import MAX_DEGREE, MAX_VIRTUAL_STAGES, ParallelDims
 from tp_ext.models import Qwen2Config
 from tp_ext.models.hf.source import HFModelSource
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
-from tp_ext.pipeline.schedules import check_micro_batches
+from tp_ext.pipeline.schedules import check_micro_batches, check_weight_split_supported
 from tp_ext.training import OptimizerSettings
 from tp_ext.validation import (
     DTYPE_NAMES,
@@ -145,6 +145,10 @@ def check_pipeline_fields(values: dict[str, Any], name: Callable[[str], str]) ->
             f"{name('schedule')} {schedule.name!r} needs {schedule.requirement()}; got "
             f"{name('virtual_stages')} {v}, with which these schedules work: {works}"
         )
+    try:
+        check_weight_split_supported(schedule)
+    except ValueError as e:
+        raise ConfigError(f"{name('schedule')}: {e}") from None
     n = values.get("micro_batches")
     if n is None:
         return

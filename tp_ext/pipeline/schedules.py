@@ -17,7 +17,15 @@ import torch
 from tp_ext.compression import METHODS
 from tp_ext.pipeline.data_parallel import ReplicatedStages, replicate_stages
 
-__all__ = ["SCHEDULES", "Schedule", "check_schedule", "prepare_stages", "PipelineRunner"]
+__all__ = [
+    "SCHEDULES",
+    "Schedule",
+    "check_schedule",
+    "check_weight_split_supported",
+    "weight_split_supported",
+    "prepare_stages",
+    "PipelineRunner",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +86,33 @@ def check_compression(method: Optional[str], data_parallel: Optional[str], sched
         )
 
 
+# The first torch whose weight-split (zero-bubble) schedules tp_ext's tests find exact.
+WEIGHT_SPLIT_MIN_TORCH = (2, 13)
+
+
+def weight_split_supported(torch_version=None) -> bool:
+    """Whether this torch (or ``torch_version``) runs the zero-bubble schedules exactly."""
+    version = str(torch_version or torch.__version__)
+    major_minor = tuple(int(x) for x in version.split(".")[:2])  # 2.13 nightlies count as 2.13
+    return major_minor >= WEIGHT_SPLIT_MIN_TORCH
+
+
+def check_weight_split_supported(schedule: Schedule, torch_version=None) -> None:
+    """Refuse a zero-bubble schedule on a torch whose split backward is not exact: with torch
+    2.11 the input / weight split gave weight gradients 4-10% off in norm against one-process
+    training (ZBVZeroBubble tied and untied, InterleavedZeroBubble), while Interleaved1F1B on
+    the same torch was exact."""
+    version = str(torch_version or torch.__version__)
+    if schedule.weight_split and not weight_split_supported(version):
+        plain = [s.name for s in SCHEDULES.values() if not s.weight_split]
+        needed = ".".join(map(str, WEIGHT_SPLIT_MIN_TORCH))
+        raise ValueError(
+            f"schedule {schedule.name!r} splits the backward into input and weight gradients, "
+            f"which gives wrong weight gradients with torch {version} (measured with 2.11); it "
+            f"needs torch >= {needed}. Upgrade torch, or use one of {plain}"
+        )
+
+
 def check_schedule(name, layout) -> Schedule:
     """The schedule called ``name``, if it can run the stages of ``layout`` (a StageSplit);
     otherwise an error that says what would work."""
@@ -102,6 +137,7 @@ def check_schedule(name, layout) -> Schedule:
             f"has virtual_stages={v}, stage_order={order!r}, for which these schedules work: "
             f"{works}"
         )
+    check_weight_split_supported(schedule)
     return schedule
 
 
@@ -148,6 +184,23 @@ def prepare_stages(
         average_after_step=schedule.weight_split and dp > 1,
         compression=compression,
     )
+
+
+def _skip_self_warmup(stage) -> None:
+    """Drop the warm-up messages ``stage`` would send to its own rank. torch 2.11's schedules
+    open every stage's links with a dummy send and receive to each neighbour stage, also when the
+    neighbour is on the same rank (a V-shaped or interleaved schedule's two local stages), and
+    gloo cannot send to itself ("Pair is not connected"). The stages' real traffic between local
+    stages never goes through the process group; torch 2.13 replaced this warm-up."""
+    warmup = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warmup is None:
+        return
+    me = stage.group_rank
+
+    def to_other_ranks():
+        return [op for op in warmup() if getattr(op, "group_peer", None) != me]
+
+    stage._get_init_p2p_neighbors_ops = to_other_ranks
 
 
 class PipelineRunner:
@@ -236,6 +289,8 @@ class PipelineRunner:
             )
             for module, stage in zip(self.modules, self.model.stage_ids)
         ]
+        for stage in stages:
+            _skip_self_warmup(stage)
         box = {"loss_fn": loss_fn}  # the step's own loss function, swapped in per step
 
         def loss(output, target):
