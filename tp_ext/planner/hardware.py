@@ -198,22 +198,24 @@ def _pipeline_seconds_per_action(torch, rank: int, world: int) -> float:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     n = 16
-    shape = torch.ones(1, 8)  # given, as tp_ext's stages do: no shape inference at the start
+
+    def activation(requires_grad: bool):
+        return torch.empty(1, 8, device="meta", requires_grad=requires_grad)
+
+    # as tp_ext's PipelineRunner builds them (shapes given, the activations' requires_grad set,
+    # the loss function on every rank): torch 2.11 runs a rank whose schedule has no loss
+    # function as inference, and a step with it there but these left out hung or failed
     stage = PipelineStage(
-        torch.nn.Linear(8, 8), rank, world, torch.device("cpu"), input_args=shape,
-        output_args=shape,
+        torch.nn.Linear(8, 8), rank, world, torch.device("cpu"),
+        input_args=activation(rank > 0), output_args=activation(True),
     )  # fmt: skip
-    loss = (lambda out, target: out.sum()) if rank == world - 1 else None
-    schedule = Schedule1F1B(stage, n, loss_fn=loss)
+    schedule = Schedule1F1B(stage, n, loss_fn=lambda out, target: out.sum(), scale_grads=False)
     x = torch.ones(n, 8)
+    args = (x,) if rank == 0 else ()
+    target = x if rank == world - 1 else None
 
     def step():
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=x)
-        else:
-            schedule.step()
+        schedule.step(*args, target=target, return_outputs=False)
         torch.distributed.barrier()
 
     step()  # the first step also sets the stages' shapes up
@@ -272,7 +274,13 @@ def calibrate(path: Optional[str] = None) -> Hardware:
         for p in procs:
             p.join(300)
         if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError("tp-ext plan --calibrate: the 2-rank measurement failed")
+            for p in procs:  # a rank that hangs is not left behind
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError(
+                "tp-ext plan --calibrate: the 2-rank measurement failed (exit codes "
+                f"{[p.exitcode for p in procs]}; None: still running after 300 s, killed)"
+            )
         flops, copy, overhead, latency, bandwidth = out.get(timeout=10)
         action, unit, adamw, scatter = out.get(timeout=10)
     measured = dataclasses.replace(
