@@ -110,13 +110,15 @@ def test_a_job_config_naming_a_checkpoint_loads_its_weights(tmp_path, tokens):
     assert abs(first - _expected_first_loss(model, tokens)) < 1e-5
 
 
-def _torchrun(nproc, *argv) -> None:
+def _torchrun(nproc, *argv) -> str:
+    """`tp-ext train` under torchrun on ``nproc`` ranks; its stderr."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(nproc), "-m", "tp_ext", "train", *map(str, argv)],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
 
 
 @pytest.mark.full_matrix
@@ -163,7 +165,9 @@ def test_expert_parallel_trains_and_exports_like_one_rank(tmp_path, tokens, resu
     ep = [*run, "--checkpoint-dir", tmp_path / "ep", "--dp", "2", "--ep", "2"]
     if resume:
         _torchrun(2, *ep, "--steps", "2")
-    _torchrun(2, *ep, "--steps", "3", *(["--resume"] if resume else []))
+    err = _torchrun(2, *ep, "--steps", "3", *(["--resume"] if resume else []))
+    if resume:  # the message names every degree the checkpoint was saved at
+        assert "(step 2, saved at tp=1 pp=1 dp=2 ep=2)" in err, err[-3000:]
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
     assert len(two) == 3
     for a, b in zip(one, two):

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch.distributed as dist
 
+from tp_ext.dims import ParallelDims
 from tp_ext.distributed import ResolvedGroup, comm
 from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
 from tp_ext.validation import ConfigError, check_int
@@ -242,8 +243,11 @@ def resume_from(trainer, path: str, wording: Wording) -> dict:
             wording.arg("steps"),
         )
     if _rank() == 0:
-        saved = info.get("layout", {})
-        where = " ".join(f"{k}={saved.get(k)}" for k in ("tp", "pp", "dp"))
+        if info.get("dims") is not None:  # every degree (ep, a 2D grid, virtual stages)
+            where = ParallelDims.from_dict(info["dims"]).describe()
+        else:  # a checkpoint from before "dims" was written
+            saved = info.get("layout", {})
+            where = " ".join(f"{k}={saved.get(k)}" for k in ("tp", "pp", "dp"))
         log.info("resumed from %s (step %d, saved at %s)", path, trainer.steps, where)
     return info
 

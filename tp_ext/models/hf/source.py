@@ -9,6 +9,7 @@ checkpoint directory, each rank's own slices read from the safetensors files
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 from typing import Any, Optional
@@ -117,11 +118,18 @@ class HFModelSource:
             return model, {"read_bytes": size, "checkpoint_bytes": size, "read_whole": True}
         return model, self.load_weights(model, weights)
 
+    @functools.cached_property
+    def _meta_names(self) -> tuple[frozenset, frozenset]:
+        """(the checkpoint names the whole model's tensors are read from, its state_dict keys),
+        from one build on the meta device (shared by the checks of a load)."""
+        model = meta_model(self.hf_config)
+        layout = own_names_map(model)
+        pieces = frozenset(piece.name for pieces in layout.values() for piece in pieces)
+        return pieces, frozenset(model.state_dict().keys())
+
     def _slices_readable(self, path: str) -> bool:
         """Whether the checkpoint at ``path`` holds every tensor under its module's name."""
-        layout = own_names_map(meta_model(self.hf_config))
-        needed = {piece.name for pieces in layout.values() for piece in pieces}
-        return needed <= SafetensorsFiles(path).names()
+        return self._meta_names[0] <= SafetensorsFiles(path).names()
 
     def load_weights(self, model: nn.Module, path: Optional[str] = None) -> dict:
         """This rank's slices of the checkpoint at ``path`` (default: the source's) read into
@@ -130,5 +138,5 @@ class HFModelSource:
         path = self.weights if path is None else path
         whole = ()
         if getattr(model, "pipeline_group", None) is not None:
-            whole = meta_model(self.hf_config).state_dict().keys()
+            whole = self._meta_names[1]
         return load_hf_checkpoint(model, path, progress=False, used_elsewhere=whole)
