@@ -20,7 +20,7 @@ def pytest_addoption(parser):
 # Tests that run a zero-bubble schedule (tp_ext refuses them on a torch < 2.13, whose weight
 # gradients there are wrong: tp_ext.pipeline.schedules.check_weight_split_supported; the refusal
 # itself is tested on every torch). Where the schedule is not in the test id, every case runs one.
-ZERO_BUBBLE_NAMES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "zbv", "dualpipev")
+ZERO_BUBBLE_NAMES = ("ZeroBubble", "DualPipeV", "zbv", "dualpipev", "zero-bubble")
 RUN_ZERO_BUBBLE = {
     "test_3d_training_matches_transformers": "id",
     "test_3d_training_matrix": "id",
