@@ -2,8 +2,8 @@
 # Issue 20's scripted run on a GPU machine whose python3 already has torch with CUDA (no network):
 # build the extension with CUDA, run the CUDA tests (`pytest -m cuda`: kernels against CPU, an NCCL
 # group of one, CUDA graphs, torch.compile, the Qwen2-72B TP=8 rank shard), then the GPU benchmarks
-# and, beside them on other cores, the CPU benchmarks that want a core per rank (rows appended to benchmarks/results.csv).
-# Logs and the new CSV rows go to $OUT.
+# and after them the CPU benchmarks that want a core per rank (rows appended to
+# benchmarks/results.csv). Logs and the new CSV rows go to $OUT (8 files: the device tool's limit).
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            build, CUDA tests, benchmarks
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh suite N    then the whole suite with N pytest workers
 # BUDGET=seconds bounds the whole run (default 1800): each stage gets what is left, so a run cut
@@ -33,8 +33,8 @@ if [ "${1:-}" != "suite" ]; then
   readelf -d tp_ext/_C*.so | grep NEEDED | tee -a "$OUT/device.txt"
   stamp "CUDA tests"
   timeout "$(left)" $PY -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
-  # On the H200 (2026-11-26) these crashed their xdist workers (SIGSEGV as the C++ ValueError was
-  # raised); not reproduced on CPU with the same torch. Run alone, then after CUDA is initialised.
+  # On the H200 (2026-11-26 and -28) these crashed (SIGSEGV as the C++ ValueError was raised): that
+  # build had a static libstdc++ (setup.py now refuses one). Alone, then after CUDA is initialised.
   errors="tests/test_fused_kernels.py::test_errors tests/test_rotary_kernel.py::test_bad_inputs_raise_clear_errors tests/test_compression.py::test_bad_arguments_are_refused_clearly"
   stamp "C++ errors raise, alone / after CUDA init"
   $PY -X faulthandler -m pytest -q -p no:cacheprovider $errors 2>&1 | tail -3
