@@ -555,6 +555,12 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
+    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
+
+    refused = [s for s in a.schedules if SCHEDULES[s].weight_split and not weight_split_supported()]
+    if refused:  # tp_ext refuses them on this torch (wrong weight gradients there)
+        print(f"skipping {refused}: zero-bubble, refused on torch {torch.__version__} (< 2.13)")
+        a.schedules = [s for s in a.schedules if s not in refused]
     if "1F1B" in a.schedules:  # the reference of the zero-bubble gains: measured first
         a.schedules = ["1F1B"] + [s for s in a.schedules if s != "1F1B"]
     rows = []
