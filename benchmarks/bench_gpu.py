@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import append_rows, load_tp_ext  # noqa: E402
+from benchmarks.common import append_rows, bench, load_tp_ext  # noqa: E402
 
 BENCH = "gpu"
 HIDDEN, INTER, HEAD_DIM, Q_HEADS, KV_HEADS, TP = 8192, 3696, 128, 8, 1, 8
@@ -418,7 +419,7 @@ def bench_moe(tokens, repeats, device="cuda", hidden=MOE_HIDDEN, inter=MOE_INTER
     from tp_ext import ops
     from tp_ext.layers import ExpertParallelMoE, ParallelExperts
 
-    timer = cuda_time if device == "cuda" else cpu_time
+    timer = cuda_time if device == "cuda" else functools.partial(bench, warmup=1)
     dt = torch.bfloat16
     rows = []
     torch.manual_seed(0)
@@ -439,13 +440,7 @@ def bench_moe(tokens, repeats, device="cuda", hidden=MOE_HIDDEN, inter=MOE_INTER
 
     t_ours, t_eager = timer(ours_ops, repeats=repeats), timer(eager_ops, repeats=repeats)
     case = f"moe permute ops T={tokens} H={hidden} top{MOE_TOP_K} of {MOE_EXPERTS} bf16"
-    print(f"{case}: tp_ext {t_ours * 1e3:.3f} ms, eager {t_eager * 1e3:.3f} ms "
-          f"({t_ours / t_eager:.2f}x)")  # fmt: skip
-    rows.append(
-        dict(benchmark=BENCH, case=case, metric="fwd+bwd time", value=t_ours * 1e3, unit="ms",
-             baseline=t_eager * 1e3, ratio=t_ours / t_eager,
-             notes="baseline: stable argsort + index gather + index_copy + weighted sum (eager)")
-    )  # fmt: skip
+    rows.append(_versus_eager(case, t_ours, t_eager))
 
     router = _Router(hidden, device, dt)
     experts = ParallelExperts(MOE_EXPERTS, hidden, inter, torch.nn.SiLU(), device=device, dtype=dt)
@@ -467,28 +462,15 @@ def bench_moe(tokens, repeats, device="cuda", hidden=MOE_HIDDEN, inter=MOE_INTER
     t_eager = timer(step(lambda t: _eager_moe(t, router, experts)), repeats=repeats)
     case = (f"ExpertParallelMoE ep=1 T={tokens} H={hidden} I={inter} top{MOE_TOP_K} of "
             f"{MOE_EXPERTS} bf16")  # fmt: skip
-    print(f"{case}: tp_ext {t_ours * 1e3:.2f} ms, eager {t_eager * 1e3:.2f} ms "
-          f"({t_ours / t_eager:.2f}x)")  # fmt: skip
-    rows.append(
-        dict(benchmark=BENCH, case=case, metric="fwd+bwd time", value=t_ours * 1e3, unit="ms",
-             baseline=t_eager * 1e3, ratio=t_ours / t_eager,
-             notes="baseline: torchtitan's recipe at EP=1 (argsort, expert GEMMs, index_copy)")
-    )  # fmt: skip
+    rows.append(_versus_eager(case, t_ours, t_eager))
     return rows
 
 
-def cpu_time(fn, warmup=1, repeats=3):
-    """Median seconds per call on the CPU (the smoke run of this file off a GPU)."""
-    import time
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _versus_eager(case: str, ours: float, eager: float) -> dict:
+    """The printed line and the CSV row of a fwd+bwd time against its eager baseline."""
+    print(f"{case}: tp_ext {ours * 1e3:.3f} ms, eager {eager * 1e3:.3f} ms ({ours / eager:.2f}x)")
+    return dict(benchmark=BENCH, case=case, metric="fwd+bwd time", value=ours * 1e3, unit="ms",
+                baseline=eager * 1e3)  # fmt: skip
 
 
 def main():
