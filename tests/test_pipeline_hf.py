@@ -3,8 +3,9 @@ at pp > 1 keeps this rank's stages, and the Trainer trains them with torch's sch
 FSDP2: three AdamW steps with clipping give transformers' own losses, gradient norms and
 weights at (tp, pp, dp) = (1,2,1), (2,2,1), (1,2,2), (2,2,2), (1,3,1) for Llama, Qwen3, Gemma 2
 (sliding windows across stage boundaries, scaled embeddings, logit soft-capping) and GPT-2
-(Conv1D, learned positions, tied embeddings). What cannot be split is refused before anything
-runs.
+(Conv1D, learned positions, tied embeddings); Mixtral with its experts split over TP, or over
+EP=2 ranks of each stage (taken from DP, or across TP). What cannot be split is refused before
+anything runs.
 
 ``make test`` runs a subset that covers every path (each architecture, each layout, the V order
 with both ends of a tied model on one rank, FSDP2, recompute); ``make test-all`` all of it.
@@ -40,7 +41,7 @@ def _hf_config(arch: str):
         return transformers.Qwen3Config(**common, head_dim=8)
     if arch == "gemma2":  # layers alternate sliding (window 4 < SEQ) and full attention
         return transformers.Gemma2Config(**common, head_dim=8, sliding_window=4)
-    if arch == "mixtral":  # experts split over TP inside the stages (no EP, no router loss)
+    if arch == "mixtral":  # experts over TP or EP inside the stages (no router loss)
         return transformers.MixtralConfig(**common, num_local_experts=4)
     if arch == "opt":  # decoder layers one level deeper, learned positions, tied embedding
         return transformers.OPTConfig(
@@ -96,8 +97,8 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 MULTI = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 
-def _train(arch, tp, pp, dp, schedule, data_parallel, micro, recompute, compression=None):
-    state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp)
+def _train(arch, tp, pp, dp, schedule, data_parallel, micro, recompute, compression=None, ep=1):
+    state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp, ep=ep)
     stages = tp_ext.parallelize(
         _hf_model(arch),
         "auto",
@@ -127,7 +128,7 @@ def _train(arch, tp, pp, dp, schedule, data_parallel, micro, recompute, compress
     return losses, norms, weights
 
 
-# arch, (tp, pp, dp), schedule, data_parallel, micro-batches per replica, recompute
+# arch, (tp, pp, dp[, ep]), schedule, data_parallel, micro-batches per replica, recompute
 LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1)]
 ARCHS = ["llama", "qwen3", "gemma2", "gpt2"]
 SUBSET = [
@@ -136,6 +137,9 @@ SUBSET = [
     ("gemma2", (1, 3, 1), "GPipe", "ddp", 3, False),  # 2 + 1 + 1 layers: sliding by global index
     ("gpt2", (1, 2, 1), "ZBVZeroBubble", "ddp", 4, False),  # tied; both ends on rank 0
     ("gpt2", (2, 2, 2), "1F1B", "ddp", 2, False),  # 8 ranks, tied across ranks
+    # experts over EP inside the stages: from the DP ranks, then across TP ranks
+    ("mixtral", (1, 2, 2, 2), "1F1B", "ddp", 2, True),
+    ("mixtral", (2, 2, 1, 2), "Interleaved1F1B", "ddp", 4, False),
     # pp = 1: the converted model trains as one stage (tied on one rank, FSDP2, recompute)
     ("gpt2", (1, 1, 2), "1F1B", "fsdp", 2, True),
 ]
@@ -154,18 +158,23 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("gpt2", (2, 1, 2), "1F1B", "fsdp", 2, True),
     ("gemma2", (3, 1, 1), "1F1B", "ddp", 2, False),
     ("mixtral", (2, 1, 1), "1F1B", "ddp", 2, False),
+    ("mixtral", (2, 2, 2, 2), "1F1B", "ddp", 2, False),  # EP from DP, experts split over TP
+    ("mixtral", (1, 3, 2, 2), "GPipe", "ddp", 3, False),
+    ("mixtral", (1, 2, 2, 2), "ZBVZeroBubble", "ddp", 4, False),
 ]
 
 
 def _case_id(case):
-    arch, (tp, pp, dp), schedule, data_parallel, micro, recompute = case
+    arch, (tp, pp, dp, *ep), schedule, data_parallel, micro, recompute = case
+    experts = f"-ep{ep[0]}" if ep else ""
     return (
-        f"{arch}-tp{tp}-pp{pp}-dp{dp}-{schedule}-{data_parallel}{'-recompute' if recompute else ''}"
+        f"{arch}-tp{tp}-pp{pp}-dp{dp}{experts}-{schedule}-{data_parallel}"
+        f"{'-recompute' if recompute else ''}"
     )
 
 
 def _check(case):
-    arch, (tp, pp, dp), schedule, data_parallel, micro, recompute = case
+    arch, (tp, pp, dp, *ep), schedule, data_parallel, micro, recompute = case
     results = run_distributed(
         _train,
         tp * pp * dp,
@@ -177,6 +186,7 @@ def _check(case):
         data_parallel,
         micro,
         recompute,
+        ep=ep[0] if ep else 1,
         timeout=300,
     )
     assert_training_matches(results, *_reference(arch, micro * dp))
@@ -331,16 +341,9 @@ def _not_a_causal_lm():
         (_two_layer_llama, 2, 1, {"pipeline_split": [2, 1]}, "pipeline_split must list"),
         (_two_layer_llama, 2, 1, {"sequence_parallel": True}, "sequence_parallel=True inside"),
         (functools.partial(_mixtral, True), 2, 1, {}, "config.output_router_logits=True"),
-        (
-            functools.partial(_mixtral, False),
-            2,
-            2,
-            {},
-            "expert parallelism (ep=2) inside pipeline stages",
-        ),
         (_not_a_causal_lm, 2, 1, {}, "Sequential is not one: use pp=1"),
     ],
-    ids=["too-few-layers", "bad-split", "sequence-parallel", "router-loss", "ep", "not-an-lm"],
+    ids=["too-few-layers", "bad-split", "sequence-parallel", "router-loss", "not-an-lm"],
 )
 def test_what_cannot_be_split_is_refused_by_name(build, pp, ep, options, message):
     for text in run_distributed(_refusal, pp * ep, build, pp, ep, **options):
@@ -374,22 +377,24 @@ def test_a_checkpoint_of_the_stages_resumes_at_another_layout(tmp_path):
     torch.testing.assert_close(first + rest[0], straight, rtol=1e-5, atol=0)
 
 
-def _export_stages(arch, directory):
+def _export_stages(arch, directory, dp, ep):
     from tp_ext.checkpoint import save_hf_checkpoint
 
-    state = tp_ext.init_parallel(tp=1, pp=2)
+    state = tp_ext.init_parallel(tp=1, pp=2, dp=dp, ep=ep)
     stages = tp_ext.parallelize(_hf_model(arch), "auto", parallel=state)
     save_hf_checkpoint(stages, directory)
 
 
-def test_stages_export_a_checkpoint_transformers_loads(tmp_path):
+@pytest.mark.parametrize("arch, dp, ep", [("opt", 1, 1), ("mixtral", 2, 2)])
+def test_stages_export_a_checkpoint_transformers_loads(tmp_path, arch, dp, ep):
     """save_hf_checkpoint of a Hugging Face model's stages (pp = 2, its names its own): one
-    merged checkpoint of the whole model, tied head included, that from_pretrained loads."""
-    run_distributed(_export_stages, 2, "opt", str(tmp_path))
+    merged checkpoint of the whole model, tied head included (OPT), each stage's experts
+    gathered from its EP ranks (Mixtral), that from_pretrained loads."""
+    run_distributed(_export_stages, 2 * dp, arch, str(tmp_path), dp, ep)
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ids = _micro_batches(1)[0]
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, _hf_model("opt")(ids).logits)
+        torch.testing.assert_close(loaded(ids).logits, _hf_model(arch)(ids).logits)

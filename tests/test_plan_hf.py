@@ -129,6 +129,7 @@ SUBSET = [
     ("gpt2", (1, 2, 1, 1)),  # tied: the last stage's own copy
     ("gemma2", (3, 1, 1, 1)),
     ("llama", (2, 2, 1, 1)),
+    ("mixtral", (1, 2, 2, 2)),  # EP inside pipeline stages
 ]
 FULL = [  # EP's per-rank counts are also checked in make test by the planner's memory test
     ("mixtral", (1, 1, 2, 2)),
@@ -140,6 +141,7 @@ FULL = [  # EP's per-rank counts are also checked in make test by the planner's 
     ("mixtral", (2, 2, 1, 1)),
     ("llama", (4, 1, 1, 1)),
     ("llama", (1, 3, 1, 1)),
+    ("mixtral", (2, 2, 2, 2)),
 ]
 
 
@@ -233,7 +235,9 @@ def _hf_candidate(tp, pp, dp, m, ep=1, schedule="1F1B", recompute=False, engine=
 
 # make test: TP, PP, EP; test-all: the rest. Not yet within 5% (measured, open): EP with TP
 # inside (tp=2 dp=2 ep=2): 0.987x of the first EP rank's peak but 0.943x of the second's, whose
-# experts the random router sent more rows (the estimate assumes balanced routing).
+# experts the random router sent more rows (the estimate assumes balanced routing); EP inside
+# pipeline stages (pp=2 dp=2 ep=2, 4 micro-batches) likewise: 0.994x of the first stage's
+# second EP rank, 0.899x of its first.
 PLANNER_CASES = [
     ("llama", _hf_candidate(2, 1, 1, 2)),
     ("llama", _hf_candidate(1, 2, 1, 4)),
@@ -274,8 +278,8 @@ def test_planner_memory_matches_a_measured_step(arch, candidate):
 
 
 def test_cli_auto_ranks_layouts_of_a_transformers_model(tmp_path, capsys):
-    """`tp-ext plan --model DIR --auto`: the ranked layouts of a MoE model, EP among them (at
-    pp = 1, taken from the DP ranks), best first; the dtype the config trains in."""
+    """`tp-ext plan --model DIR --auto`: the ranked layouts of a MoE model, EP among them (taken
+    from the DP ranks of a stage), best first; the dtype the config trains in."""
     config = _planner_config("mixtral")
     config.dtype = "float32"
     config.save_pretrained(tmp_path)
@@ -286,7 +290,8 @@ def test_cli_auto_ranks_layouts_of_a_transformers_model(tmp_path, capsys):
     cands = [r["candidate"] for r in ranked]
     layouts = {(c["tp"], c["pp"], c["dp"], c["ep"]) for c in cands}
     assert {(1, 1, 4, 4), (1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 1), (4, 1, 1, 1)} <= layouts
-    assert all(c["pp"] == 1 and c["data_parallel"] == "ddp" for c in cands if c["ep"] > 1)
+    assert (1, 2, 2, 2) in layouts  # EP inside pipeline stages
+    assert all(c["data_parallel"] == "ddp" for c in cands if c["ep"] > 1)
     times = [r["step_time_s"] for r in ranked if r["fits"]]
     assert times == sorted(times) and ranked[0]["reason"]
     assert {c["dtype"] for c in cands} == {"float32"}  # the config's own

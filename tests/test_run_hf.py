@@ -90,6 +90,9 @@ RUN_CASES = [
     pytest.param("llama", 4, ["--tp", "2", "--pp", "2"], marks=pytest.mark.full_matrix),
     pytest.param("mixtral", 2, ["--dp", "2", "--ep", "2"], marks=pytest.mark.full_matrix),
     pytest.param("mixtral", 2, ["--tp", "2"], marks=pytest.mark.full_matrix),
+    pytest.param(
+        "mixtral", 4, ["--pp", "2", "--dp", "2", "--ep", "2"], marks=pytest.mark.full_matrix
+    ),
     pytest.param("gemma2", 3, ["--tp", "3"], marks=pytest.mark.full_matrix),
     pytest.param("gpt2", 2, ["--tp", "2"], marks=pytest.mark.full_matrix),
     pytest.param(

@@ -129,12 +129,7 @@ def test_every_layout_trains_the_same_model(tmp_path, tokens):
     run = ["--model", model, "--data", tokens, "--steps", "3"]
     _train_here(*run, "--checkpoint-dir", tmp_path / "one")
     _torchrun(4, *run, "--checkpoint-dir", tmp_path / "four", "--tp", "2", "--pp", "2")
-    for a, b in zip(_losses(tmp_path / "one"), _losses(tmp_path / "four")):
-        assert abs(a - b) < 1e-5 * abs(a)
-    one = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "export")
-    four = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "four" / "export")
-    for name, tensor in one.state_dict().items():
-        torch.testing.assert_close(four.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+    _same_run(tmp_path / "one", tmp_path / "four", 3)
 
 
 MOE = dict(CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
@@ -153,6 +148,15 @@ def _same_exports(a, b) -> None:
         torch.testing.assert_close(other.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
 
 
+def _same_run(one, other, steps: int) -> None:
+    """Two checkpoint directories' runs: the same ``steps`` losses (1e-5) and exports."""
+    losses, others = _losses(one), _losses(other)
+    assert len(losses) == len(others) == steps
+    for a, b in zip(losses, others):
+        assert abs(a - b) < 1e-5 * abs(a)
+    _same_exports(one / "export", other / "export")
+
+
 # make test: straight through (the EP checkpoint is saved, as every run's last step); test-all:
 # stopped at step 2 and resumed too
 @pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.full_matrix)])
@@ -168,11 +172,7 @@ def test_expert_parallel_trains_and_exports_like_one_rank(tmp_path, tokens, resu
     err = _torchrun(2, *ep, "--steps", "3", *(["--resume"] if resume else []))
     if resume:  # the message names every degree the checkpoint was saved at
         assert "(step 2, saved at tp=1 pp=1 dp=2 ep=2)" in err, err[-3000:]
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "ep")
-    assert len(two) == 3
-    for a, b in zip(one, two):
-        assert abs(a - b) < 1e-5 * abs(a)
-    _same_exports(tmp_path / "one" / "export", tmp_path / "ep" / "export")
+    _same_run(tmp_path / "one", tmp_path / "ep", 3)
 
 
 @pytest.mark.full_matrix
@@ -182,16 +182,28 @@ def test_expert_parallel_with_tensor_parallel_trains_like_one_rank(tmp_path, tok
     run = ["--model", model, "--data", tokens, "--steps", "2"]
     _train_here(*run, "--checkpoint-dir", tmp_path / "one")
     _torchrun(4, *run, "--checkpoint-dir", tmp_path / "four", "--tp", "2", "--dp", "2", "--ep", "2")
-    for a, b in zip(_losses(tmp_path / "one"), _losses(tmp_path / "four")):
-        assert abs(a - b) < 1e-5 * abs(a)
-    _same_exports(tmp_path / "one" / "export", tmp_path / "four" / "export")
+    _same_run(tmp_path / "one", tmp_path / "four", 2)
+
+
+@pytest.mark.full_matrix
+def test_expert_parallel_inside_pipeline_stages_trains_like_one_rank(tmp_path, tokens):
+    """pp=2 x dp=2 x ep=2 (each stage's experts over two ranks) for two steps, resumed from its
+    checkpoint at pp=1 x dp=2 x ep=2 for a third: one rank's losses and export."""
+    model = _mixtral_dir(tmp_path)
+    run = ["--model", model, "--data", tokens, "--save-every", "2"]
+    _train_here(*run, "--steps", "3", "--checkpoint-dir", tmp_path / "one")
+    staged = [*run, "--checkpoint-dir", tmp_path / "ep"]
+    _torchrun(4, *staged, "--steps", "2", "--pp", "2", "--dp", "2", "--ep", "2")
+    err = _torchrun(2, *staged, "--steps", "3", "--dp", "2", "--ep", "2", "--resume")
+    assert "(step 2, saved at tp=1 pp=2 dp=2 ep=2)" in err, err[-3000:]
+    _same_run(tmp_path / "one", tmp_path / "ep", 3)
 
 
 @pytest.mark.parametrize(
     "moe,world,flags,message",
     [
         (False, 2, ["--dp", "2", "--ep", "2"], "--ep 2: Llama has no experts to split"),
-        (True, 4, ["--pp", "2", "--dp", "2", "--ep", "2"], "--ep 2 with --pp 2: expert paral"),
+        (True, 3, ["--dp", "3", "--ep", "2"], "--ep=2 does not fit a pipeline stage of dp=3"),
         (True, 8, ["--dp", "8", "--ep", "8"], "--ep 8: more expert ranks than Mixtral's 4 experts"),
     ],
 )

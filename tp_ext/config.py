@@ -251,8 +251,8 @@ def job_dims(parallel: ParallelSettings, overrides: dict, world_size: int) -> Pa
 
 
 def check_expert_parallel(model, dims: ParallelDims, name: Callable[[str], str]) -> None:
-    """``dims.ep`` > 1 needs a mixture-of-experts model with at least ``ep`` experts, and (for
-    now) no pipelining; ep dividing dp is :meth:`ParallelDims.resolve`'s rule. ``name`` spells
+    """``dims.ep`` > 1 needs a mixture-of-experts model with at least ``ep`` experts; ep
+    dividing dp is :meth:`ParallelDims.resolve`'s rule. ``name`` spells
     a field as the user gave it (:func:`flag_namer`)."""
     if dims.ep == 1:
         return
@@ -266,11 +266,6 @@ def check_expert_parallel(model, dims: ParallelDims, name: Callable[[str], str])
         raise ConfigError(
             f"{name('ep')} {dims.ep}: more expert ranks than {model.architecture}'s {experts} "
             f"experts; use at most {experts}"
-        )
-    if dims.pp > 1:
-        raise ConfigError(
-            f"{name('ep')} {dims.ep} with {name('pp')} {dims.pp}: expert parallelism inside "
-            f"pipeline stages is not supported yet; use {name('pp')} 1 (or {name('ep')} 1)"
         )
 
 

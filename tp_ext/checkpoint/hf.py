@@ -45,7 +45,7 @@ from tp_ext.checkpoint.safetensors_io import (
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.distributed.groups import ResolvedGroup
-from tp_ext.layers import is_full_transposed, iter_full_tensors, tensor_specs
+from tp_ext.layers import full_shapes, is_full_transposed, iter_full_tensors, tensor_specs
 from tp_ext.sharding import Partition
 from tp_ext.validation import as_torch_dtype, check_int
 
@@ -248,15 +248,13 @@ def _stage_of_entries(model, entries) -> list[int]:
 def _describe_entries(model, entries, pipeline) -> list[list]:
     """``[name, order key, full shape, dtype]`` of each entry, in state_dict order."""
     keys = _stage_of_entries(model, entries) if pipeline is not None else [0] * len(entries)
-    described = []
-    for (name, tensor, spec, owner), key in zip(entries, keys):
-        shape = list(tensor.shape)  # a DTensor's is its whole (DP-unsharded) shape
-        if spec is not None:
-            shape = list(spec.full_shape_of(shape))
-        if is_full_transposed(owner, name.rpartition(".")[2]):  # written as its full form
-            shape.reverse()
-        described.append([name, key, shape, str(tensor.dtype).removeprefix("torch.")])
-    return described
+    # the written (full) form: TP and expert splits undone, a Conv1D weight transposed back (a
+    # DTensor's shape is already its whole, DP-unsharded one)
+    shapes = full_shapes(model)
+    return [
+        [name, key, list(shapes[name]), str(tensor.dtype).removeprefix("torch.")]
+        for (name, tensor, _, _), key in zip(entries, keys)
+    ]
 
 
 class _Plan:

@@ -160,9 +160,7 @@ def _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options
     pipeline_split, stage_order)."""
     config = getattr(module, "config", None)
     refusal = None
-    if getattr(parallel, "ep", 1) > 1:
-        refusal = f"expert parallelism (ep={parallel.ep}) inside pipeline stages"
-    elif sequence_parallel:
+    if sequence_parallel:
         refusal = "sequence_parallel=True inside pipeline stages"
     elif getattr(config, "output_router_logits", False):
         refusal = (

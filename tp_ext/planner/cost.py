@@ -128,8 +128,9 @@ class _Step:
         self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
         hf = isinstance(config, HFModel)
         self.s = hf_rank_shapes(config, self.tp, dims.ep) if hf else rank_shapes(config, self.tp)
-        # the Trainer's EP loop computes the loss on full logits (the pipeline: on its shard)
-        self.logits_vocab = config.vocab_size if dims.ep > 1 else self.s.vocab
+        # the Trainer's EP loop at pp = 1 computes the loss on full logits (a pipeline: on its
+        # vocabulary shard)
+        self.logits_vocab = config.vocab_size if dims.ep > 1 and self.pp == 1 else self.s.vocab
         order = "v" if candidate.schedule in V_SCHEDULES else "loop"
         self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, None, order)
         self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
@@ -230,8 +231,9 @@ class _Step:
         # a backward ran before this peak when the first rank's warm-up is shorter than m
         ran_backward = self.m > math.ceil(self.in_flight(r)) and self.shard == 1
         opt_temp = 0 if self.hardware.fused_optimizer else 2 * self.s.largest * self.e
-        # with EP the Trainer's own loop syncs DP: every gradient flattened into one buffer for
-        # one all-reduce at the step's end (no DDP buckets kept beside the gradients)
+        # with EP the Trainer syncs DP itself (its own loop, or after the pipeline's schedule):
+        # every gradient flattened into one buffer for one all-reduce at the step's end (no DDP
+        # buckets kept beside the gradients)
         flat_sync = self.candidate.dims.ep > 1 and self.dp > 1
         phases = (
             params + optimizer + (params if ran_backward else 0) + acts + transient,

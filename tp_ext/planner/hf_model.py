@@ -11,7 +11,8 @@ widths, the TP sizes it takes), and :func:`hf_rank_shapes`, :func:`hf_op_counts`
   between embedding, layers and head taken as the forward's).
 
 The training step it costs is the Trainer's for a converted model: one pipeline stage per rank at
-pp = 1 too (vocabulary-parallel loss), or, with EP, the Trainer's own loop (full logits)."""
+pp = 1 too (vocabulary-parallel loss), or, with EP at pp = 1, the Trainer's own loop (full
+logits)."""
 
 from __future__ import annotations
 

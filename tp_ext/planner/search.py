@@ -85,9 +85,9 @@ def _dims(config: Qwen2Config, gpus: int, global_batch: int, grids: bool):
 
 
 def _expert_dims(config, dims: ParallelDims):
-    """An MoE model's EP degrees on these dims: taken from the DP ranks (ep dividing dp), at
-    pp = 1 (EP inside pipeline stages is not supported yet)."""
-    if getattr(config, "is_moe", False) and dims.pp == 1:
+    """An MoE model's EP degrees on these dims: taken from the DP ranks of a stage (ep
+    dividing dp)."""
+    if getattr(config, "is_moe", False):
         for ep in divisors(dims.dp)[1:]:
             yield dims.replace(ep=ep)
 

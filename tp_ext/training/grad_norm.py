@@ -81,25 +81,44 @@ def parallel_grad_norm(
 ) -> torch.Tensor:
     """:func:`grad_norm` of a model built with ``parallel=`` (TP x PP x DP): every stage's
     gradients, TP shards counted once, a tied embedding's two copies once, DDP replicas not
-    added (only DP rank 0's count), FSDP2's DP shards each once. One all-reduce over all
-    ranks; every rank gets the same norm."""
+    added (only DP rank 0's count), FSDP2's DP shards each once, each expert once (on the
+    first rank of the ranks holding it). One all-reduce over all ranks; every rank gets the
+    same norm."""
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, parallel.tp_group)
     skip = set()
     tied = getattr(model, "tied_across_stages", False)
     if tied and model.stage_split.last_stage in model.stage_ids:
         skip = {id(model.tied_weights()[-1])}  # the tied head's copy; the embedding's counts
+    experts = {id(q) for q in expert_parameters(model)[0]}
     replicated_dp = data_parallel != "fsdp" and parallel.dp > 1
     if replicated_dp and parallel.dp_rank != 0 and p != math.inf:
         local = torch.zeros((), device=parallel.device)
     else:
-        local = _local_norm_power(model, tp, p, skip, parallel if not replicated_dp else None)
+        dp_shards = parallel if not replicated_dp else None
+        local = _local_norm_power(model, tp, p, skip | experts, dp_shards)
+    if experts:
+        local = _combine(local, _expert_norm_power(model, experts, parallel, tp, p), p)
     local = comm.all_reduce(
         local.float() if local.dtype != torch.float64 else local,
         "max" if p == math.inf else "sum",
         group=dist.group.WORLD,
     )
     return local if p == math.inf else local.pow(1.0 / p)
+
+
+def _expert_norm_power(model, expert_ids: set, parallel, tp: ResolvedGroup, p: float):
+    """This rank's share of sum(|g|^p) over the expert gradients, for a sum over every rank:
+    the ranks holding the same experts (the expert-DP group) count them on its first rank only;
+    experts split over TP count each TP slice once, whole experts all count."""
+    expert_dp = resolve_group(parallel.expert_dp_group)
+    if expert_dp.rank != 0 and p != math.inf:
+        return torch.zeros((), device=parallel.device)
+    if _experts_split_over_tp(model):
+        dense_ids = {id(q) for q in model.parameters()} - expert_ids
+        return _local_norm_power(model, tp, p, skip=dense_ids)
+    grads = [q.grad for q in model.parameters() if id(q) in expert_ids and q.grad is not None]
+    return _power_of([_norm_of(g, p) for g in grads], p, parallel.device)
 
 
 def _local_norm_power(model, tp: ResolvedGroup, p: float, skip=frozenset(), dp_shards=None):

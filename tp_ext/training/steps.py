@@ -12,7 +12,9 @@ data-parallel synchronisation and the gradient norm over its ranks:
 - :class:`GridStep`: the same loop for a 2D (SUMMA) model, DP from its ``parallel=`` state;
 - :class:`ExpertStep`: the same loop for a model with ExpertParallelMoE layers (the loss scaled
   by the global token count; dense gradients summed over DP, expert ones over expert-DP);
-- :class:`PipelineStep`: torch's pipeline schedules over the stages, DDP or FSDP2 on DP.
+- :class:`PipelineStep`: torch's pipeline schedules over the stages, DDP or FSDP2 on DP;
+- :class:`ExpertPipelineStep`: the same schedules over stages with ExpertParallelMoE layers
+  (dense gradients summed over DP and expert ones over expert-DP after the step).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tp_ext.layers import (
 )
 from tp_ext.parallelize.stages import single_stage
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner, check_schedule
+from tp_ext.pipeline.data_parallel import replicate_stages
 from tp_ext.pipeline.schedules import prepare_stages
 from tp_ext.training.grad_norm import (
     clip_grad_norm_,
@@ -50,6 +53,7 @@ __all__ = [
     "GridStep",
     "ExpertStep",
     "PipelineStep",
+    "ExpertPipelineStep",
     "build_step",
     "choose_loss",
 ]
@@ -289,17 +293,9 @@ class ExpertStep(LocalStep):
     def _synchronise(self, params, loss_sum, scale, count):
         """Gradients already scaled by the global token count: dense ones (and the loss) summed
         over the DP group, expert ones over the expert-DP group."""
-        dense = [p for p in params if id(p) not in self._expert_ids]
-        split = [p for p in params if id(p) in self._expert_ids]
-        if self.dp_group.size > 1:
-            flat = _flat_grads(dense, [loss_sum])
-            with comm.tag("train.dp_sync"):
-                flat = comm.all_reduce(flat, "sum", group=self.dp_group)
-            loss_sum = _set_grads(dense, flat)[0]
-        if self.expert_dp_group.size > 1:
-            with comm.tag("train.dp_sync"):
-                flat = comm.all_reduce(_flat_grads(split, []), "sum", group=self.expert_dp_group)
-            _set_grads(split, flat)
+        loss_sum = _sum_dense_and_expert_grads(
+            params, self._expert_ids, self.dp_group, self.expert_dp_group, [loss_sum]
+        )[0]
         return loss_sum, count
 
 
@@ -342,9 +338,7 @@ class PipelineStep(StepStrategy):
         if parallel.dp > 1:
             with comm.tag("train.loss"):
                 count = comm.all_reduce(count, "sum", group=self.dp_group)
-        # DDP and FSDP2 average over DP: each replica's loss is its sum over count / dp, so the
-        # averaged gradient is that of the mean over every token of every replica.
-        denominator = count.clamp_min(1) / parallel.dp
+        denominator = self._loss_denominator(count)
         sums: list[torch.Tensor] = []
 
         def loss_fn(logits, target):
@@ -355,6 +349,7 @@ class PipelineStep(StepStrategy):
         with comm.tag("train.compute"), precision.autocast(parallel.device):
             logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
             self.runner.step(ids, labels, len(batches), loss_fn, logits_dtype)
+        self._synchronise_after_schedule()
         self._sum_tied_gradients()
         # the global loss: the last stage's TP rank 0 of each replica holds a sum
         mine = torch.stack(sums).sum() if sums and self.tp.rank == 0 else None
@@ -362,6 +357,16 @@ class PipelineStep(StepStrategy):
         with comm.tag("train.loss"):
             total = comm.all_reduce(total, "sum", group=dist.group.WORLD)
         return total / count
+
+    def _loss_denominator(self, count: torch.Tensor) -> torch.Tensor:
+        """What each micro-batch's summed loss is divided by. DDP and FSDP2 average over DP:
+        each replica's loss is its sum over count / dp, so the averaged gradient is that of the
+        mean over every token of every replica."""
+        return count.clamp_min(1) / self.parallel.dp
+
+    def _synchronise_after_schedule(self) -> None:
+        """DP synchronisation left after the schedule's step (DDP and FSDP2 did it in the last
+        backward)."""
 
     def clip(self, max_norm: float) -> torch.Tensor:
         norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
@@ -382,6 +387,30 @@ class PipelineStep(StepStrategy):
         if group is not None and grads:
             with comm.tag("train.tied"):
                 dist.all_reduce(grads[0], group=group)
+
+
+class ExpertPipelineStep(PipelineStep):
+    """Pipeline stages holding ExpertParallelMoE layers. Their expert gradients are summed over
+    the expert-DP group, not averaged over DP, which DDP (one group for every parameter) cannot
+    do: the stages run unwrapped, each micro-batch's loss is divided by the global token count
+    (so every rank's gradients are its share of the global mean, as in :class:`ExpertStep`),
+    and after the schedule's step one all-reduce sums the dense gradients over DP and one the
+    expert gradients over expert-DP."""
+
+    def __init__(self, model, loss, parallel, runner, expert_dp_group) -> None:
+        data_parallel = "ddp" if parallel.dp > 1 else None  # replicas, as DDP keeps them
+        super().__init__(model, loss, parallel, runner, data_parallel, None)
+        self.expert_dp_group = expert_dp_group
+        self._expert_ids = {id(p) for p in expert_parameters(model)[0]}
+
+    def _loss_denominator(self, count: torch.Tensor) -> torch.Tensor:
+        return count.clamp_min(1)
+
+    def _synchronise_after_schedule(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        _sum_dense_and_expert_grads(
+            params, self._expert_ids, self.dp_group, self.expert_dp_group, []
+        )
 
 
 # ---- the factory --------------------------------------------------------------------------------
@@ -410,14 +439,17 @@ def build_step(
         tp = model_tp_group(model, tp_group)
         dp = None if dp_group is None else comm.resolve_group(dp_group)
         return LocalStep(model, choose_loss(model, tp, ignore_index), tp, dp, None)
-    if any(isinstance(m, ExpertParallelMoE) for m in model.modules()):
+    experts = any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+    if experts and parallel.pp == 1:
         return _expert_step(
             model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
         )
     _check_built_with(model, parallel, dp_group, tp_group)
     if getattr(model, "is_2d", False):
         return _grid_step(model, parallel, data_parallel, compression, ignore_index)
-    return _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore_index)
+    return _pipeline_step(
+        model, parallel, schedule, data_parallel, compression, ignore_index, experts
+    )
 
 
 def trainable_model(model: nn.Module, parallel) -> nn.Module:
@@ -490,12 +522,15 @@ def _grid_step(model, parallel, data_parallel, compression, ignore_index) -> Gri
 def _expert_step(
     model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
 ) -> ExpertStep:
-    if parallel.pp > 1:
-        raise ValueError(
-            f"expert parallelism with pp={parallel.pp}: pipeline stages of a model with "
-            "ExpertParallelMoE layers are not supported yet; use pp=1"
-        )
     _check_no_groups(dp_group, tp_group)
+    _check_expert_data_parallel(data_parallel, compression)
+    tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
+    expert_dp = comm.resolve_group(parallel.expert_dp_group)
+    loss = choose_loss(model, tp, ignore_index)
+    return ExpertStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None, expert_dp)
+
+
+def _check_expert_data_parallel(data_parallel, compression) -> None:
     if data_parallel not in (None, "ddp") or compression is not None:
         raise ValueError(
             f"data_parallel={data_parallel!r}, gradient_compression={compression!r} with "
@@ -503,13 +538,11 @@ def _expert_step(
             "(dense over DP, experts over expert-DP); use data_parallel='ddp' (or None) and "
             "no compression"
         )
-    tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
-    expert_dp = comm.resolve_group(parallel.expert_dp_group)
-    loss = choose_loss(model, tp, ignore_index)
-    return ExpertStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None, expert_dp)
 
 
-def _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore_index):
+def _pipeline_step(
+    model, parallel, schedule, data_parallel, compression, ignore_index, experts=False
+):
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     if data_parallel is not None and data_parallel not in DATA_PARALLEL:
@@ -521,15 +554,38 @@ def _pipeline_step(model, parallel, schedule, data_parallel, compression, ignore
         )
     data_parallel = data_parallel if parallel.dp > 1 else None
     checked = check_schedule(schedule, model.stage_split)
+    loss = VocabParallelLoss(comm.resolve_group(parallel.tp_group), ignore_index)
+    if experts:  # unwrapped stages; the step sums dense and expert gradients itself
+        _check_expert_data_parallel(data_parallel, compression)
+        runner = PipelineRunner(model, schedule, stages=replicate_stages(model, None))
+        expert_dp = comm.resolve_group(parallel.expert_dp_group)
+        return ExpertPipelineStep(model, loss, parallel, runner, expert_dp)
     # the data-parallel side wraps the stages and installs the compression hooks
     stages = prepare_stages(model, checked, data_parallel, compression)
     runner = PipelineRunner(model, schedule, stages=stages)
-    loss = VocabParallelLoss(comm.resolve_group(parallel.tp_group), ignore_index)
     compression = compression if parallel.dp > 1 else None
     return PipelineStep(model, loss, parallel, runner, data_parallel, compression)
 
 
 # ---- flat gradients -----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _sum_dense_and_expert_grads(params, expert_ids, dp_group, expert_dp_group, extras) -> list:
+    """Sum the gradients of ``params`` over their replicas: dense ones (with the 0-d
+    ``extras``) over ``dp_group``, those whose id is in ``expert_ids`` over ``expert_dp_group``
+    (the ranks holding the same experts). One all-reduce per group; returns the summed extras."""
+    dense = [p for p in params if id(p) not in expert_ids]
+    experts = [p for p in params if id(p) in expert_ids]
+    if dp_group.size > 1:
+        with comm.tag("train.dp_sync"):
+            flat = comm.all_reduce(_flat_grads(dense, extras), "sum", group=dp_group)
+        extras = list(_set_grads(dense, flat))
+    if expert_dp_group.size > 1:
+        with comm.tag("train.dp_sync"):
+            flat = comm.all_reduce(_flat_grads(experts, []), "sum", group=expert_dp_group)
+        _set_grads(experts, flat)
+    return extras
 
 
 def _flat_grads(params, extras) -> torch.Tensor:

@@ -30,12 +30,6 @@ def _check_ep(shards: HFModelShards, ep: int, pp: int, dp: int) -> None:
         raise ArgumentError(
             "ep", f"ep={ep} splits MoE experts, and {shards.architecture} has none: use ep=1"
         )
-    if pp > 1:
-        raise ArgumentError(
-            "ep",
-            f"ep={ep} with pp={pp}: expert parallelism inside pipeline stages is not supported "
-            "yet (parallelize refuses it); use pp=1 with ep, or ep=1",
-        )
     if dp % ep:
         raise ArgumentError(
             "ep",
