@@ -4,6 +4,9 @@ dropout, and clear errors at construction for what cannot run (never a hang)."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -14,7 +17,7 @@ from tp_ext.pipeline.schedules import (
     check_weight_split_supported,
     weight_split_supported,
 )
-from tp_ext.sharding import StageSplit
+from tp_ext.sharding import StageSplit, balanced_layer_split, shard_sizes
 from tp_ext.training import Trainer
 
 from .dist_utils import run_distributed
@@ -41,6 +44,45 @@ def test_stage_layout_orders():
             assert stage in layout.stages_of(layout.rank_of(stage))
     split = StageSplit(5, pp=2, split=[1, 4])
     assert [list(split.layers_of(s)) for s in range(2)] == [[0], [1, 2, 3, 4]]
+
+
+def test_balanced_split_with_equal_costs_is_the_shard_policy():
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            assert balanced_layer_split([7] * layers, stages) == shard_sizes(layers, stages)
+
+
+def _compositions(total: int, parts: int):
+    """Every list of ``parts`` ints >= 1 summing to ``total``."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield [b - a for a, b in zip(edges, edges[1:])]
+
+
+def test_balanced_split_makes_the_costliest_stage_cheapest():
+    """Against every split of up to 8 layers: the least bottleneck, then the least sum of
+    squared stage costs, then the most layers early."""
+    rng = random.Random(0)
+    for _ in range(300):
+        layers, stages = rng.randint(1, 8), rng.randint(1, 4)
+        if stages > layers:
+            continue
+        costs = [rng.randint(1, 9) for _ in range(layers)]
+        first, last = rng.randint(0, 9), rng.randint(0, 30)
+
+        def stage_costs(counts):
+            starts = [sum(counts[:s]) for s in range(stages)]
+            out = [sum(costs[a : a + c]) for a, c in zip(starts, counts)]
+            out[0] += first
+            out[-1] += last
+            return out
+
+        def rank(counts):
+            cost = stage_costs(counts)
+            return max(cost), sum(c * c for c in cost), [-c for c in counts]
+
+        best = min(_compositions(layers, stages), key=rank)
+        assert balanced_layer_split(costs, stages, first, last) == best, (costs, first, last)
 
 
 @pytest.mark.parametrize(

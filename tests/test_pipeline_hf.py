@@ -153,6 +153,7 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("gpt2", (1, 2, 2), "1F1B", "fsdp", 2, True),
     ("mixtral", (1, 2, 1), "1F1B", "ddp", 2, False),
     ("mixtral", (2, 2, 1), "GPipe", "ddp", 2, False),
+    ("mixtral", (1, 3, 1), "1F1B", "ddp", 3, False),
     ("opt", (2, 2, 1), "1F1B", "ddp", 2, False),
     ("llama", (2, 1, 2), "1F1B", "ddp", 2, False),
     ("gpt2", (2, 1, 2), "1F1B", "fsdp", 2, True),
@@ -348,6 +349,40 @@ def _not_a_causal_lm():
 def test_what_cannot_be_split_is_refused_by_name(build, pp, ep, options, message):
     for text in run_distributed(_refusal, pp * ep, build, pp, ep, **options):
         assert text is not None and message in text, text
+
+
+def _wide_vocabulary_llama():
+    """4 layers and an LM head worth about 8 of them (vocabulary 2048, hidden 48)."""
+    return transformers.LlamaConfig(**{**_hf_config("llama").to_dict(), "vocab_size": 2048})
+
+
+def _default_split(pp):
+    state = tp_ext.init_parallel(tp=1, pp=pp)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_wide_vocabulary_llama())
+    return tp_ext.parallelize(model, "auto", parallel=state).stage_split.layer_counts
+
+
+def test_the_default_split_weighs_the_lm_head_and_the_planner_places_layers_alike():
+    """Without pipeline_split the layers go where the costliest stage is cheapest: the last
+    stage's LM head counts, so it keeps one layer of four; ``tp-ext plan``'s footprint and the
+    planner's estimate place them the same way."""
+    from tp_ext.models.hf.footprint import hf_pipeline_footprint
+    from tp_ext.planner import estimate, load_hardware
+    from tp_ext.planner.hf_model import HFModel
+
+    from .test_plan_hf import _hf_candidate
+
+    assert run_distributed(_default_split, 2, 2) == [[3, 1], [3, 1]]
+    footprint = hf_pipeline_footprint(_wide_vocabulary_llama(), tp=1, pp=2)
+    assert [s["num_layers"] for s in footprint["stages"]] == [3, 1]
+    est = estimate(
+        HFModel(_wide_vocabulary_llama()),
+        _hf_candidate(1, 2, 1, 2),
+        seq_len=SEQ,
+        hardware=load_hardware("cpu"),
+    )
+    assert est.detail["layers_per_rank"] == 3
 
 
 def _steps_with_checkpoint(arch, layout, path, steps, save: bool):

@@ -18,6 +18,7 @@ from tp_ext.validation import check_int, deprecated_aliases
 __all__ = [
     "divisors",
     "shard_sizes",
+    "balanced_layer_split",
     "shard_offsets",
     "shard_range",
     "split_tensor",
@@ -506,6 +507,67 @@ class GridBlock(ShardSpec):
 
 
 STAGE_ORDERS = ("loop", "v")
+
+
+def balanced_layer_split(
+    layer_costs, num_stages: int, first_cost: int = 0, last_cost: int = 0
+) -> list[int]:
+    """Layers per pipeline stage (each >= 1, in order) that make the costliest stage as cheap as
+    possible: stage 0 also pays ``first_cost`` (the embedding), the last stage ``last_cost``
+    (the LM head). Among the splits with that bottleneck, the most even (least sum of squared
+    stage costs), and among those the one whose earlier stages take more layers, so that equal
+    costs and no extras give :func:`shard_sizes`' split. Costs are ints (e.g. FLOPs per
+    token), so ties are exact."""
+    costs = [int(c) for c in layer_costs]
+    check_int("num_stages", num_stages, 1)
+    n = len(costs)
+    if n < num_stages:
+        raise ValueError(
+            f"{n} decoder layers cannot fill {num_stages} pipeline stages; every stage needs at "
+            f"least one layer"
+        )
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(stage: int, start: int, end: int) -> int:
+        extra = (first_cost if stage == 0 else 0) + (last_cost if stage == num_stages - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    def cheapest(key):
+        """best[s][i]: the least key over splits of layers i.. into stages s..; key combines
+        a stage's cost with the rest's (max for the bottleneck, sum of squares for evenness)."""
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+        best[num_stages][n] = 0
+        for s in range(num_stages - 1, -1, -1):
+            left = num_stages - s  # stages s.. need a layer each
+            for i in range(n - left, s - 1, -1):
+                best[s][i] = min(
+                    key(stage_cost(s, i, j), best[s + 1][j])
+                    for j in range(i + 1, n - left + 2)
+                    if best[s + 1][j] != inf
+                )
+        return best
+
+    bottleneck = cheapest(max)[0][0]
+
+    def even(cost, rest):  # squares, over splits within the bottleneck only
+        return cost * cost + rest if cost <= bottleneck else float("inf")
+
+    best = cheapest(even)
+    counts, start = [], 0
+    for s in range(num_stages):
+        left = num_stages - s
+        # the most layers for this stage that keep the optimum (earlier stages take more)
+        end = max(
+            j
+            for j in range(start + 1, n - left + 2)
+            if even(stage_cost(s, start, j), best[s + 1][j]) == best[s][start]
+        )
+        counts.append(end - start)
+        start = end
+    return counts
 
 
 class StageSplit:

@@ -43,7 +43,11 @@ from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.modules import attention_heads, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards
-from tp_ext.parallelize.stages import StagedCausalLM, find_decoder_parts
+from tp_ext.parallelize.stages import (
+    StagedCausalLM,
+    default_pipeline_split,
+    find_decoder_parts,
+)
 from tp_ext.parallelize.styles import (
     ParallelStyle,
     Replicate,
@@ -93,8 +97,10 @@ def parallelize(
     With ``parallel.pp > 1`` (a Hugging Face causal LM) the result is this rank's pipeline
     stages, a :class:`~tp_ext.parallelize.stages.StagedCausalLM` for
     :class:`tp_ext.training.Trainer`: ``virtual_stages`` stages per rank in ``stage_order``
-    ("loop" or "v"), the decoder layers split by the one shard policy or by ``pipeline_split``
-    (layers per stage), as for the native model. The model passed in keeps only those stages.
+    ("loop" or "v"), the decoder layers split by ``pipeline_split`` (layers per stage) or, by
+    default, by cost: the split whose costliest stage (the LM head counted on the last) is
+    cheapest (:func:`~tp_ext.parallelize.stages.default_pipeline_split`), as the planner and
+    ``tp-ext plan`` place them. The model passed in keeps only those stages.
     """
     _check_not_parallelized(module)
     stages = None
@@ -174,13 +180,15 @@ def _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options
         )
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int):  # a bad split is refused before the model is touched
-        StageSplit(
+        split = StageSplit(
             layers,
             parallel.pp,
             options["virtual_stages"],
             options["pipeline_split"],
             options["stage_order"],
         )
+        if options["pipeline_split"] is None:  # by cost (the LM head's on the last stage)
+            options["pipeline_split"] = default_pipeline_split(module, split.num_stages)
     if example_inputs is None:
         example_inputs = example_token_inputs(module)
     if example_inputs is None:

@@ -28,12 +28,14 @@ from torch.utils.checkpoint import checkpoint as recompute
 from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
 from tp_ext.parallelize.dataflow import example_token_inputs
-from tp_ext.sharding import StageSplit, shard_sizes
+from tp_ext.sharding import StageSplit, balanced_layer_split, shard_sizes
 
 __all__ = [
     "StagedCausalLM",
     "DecoderParts",
     "find_decoder_parts",
+    "pipeline_costs",
+    "default_pipeline_split",
     "single_stage",
     "pipelined_forward",
     "tied_copies_group",
@@ -57,6 +59,18 @@ class DecoderParts:
 
 def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
     """The :class:`DecoderParts` of ``model``, or an error naming what is missing."""
+    base, path = _decoder_layers_path(model)
+    owner_path, _, layers_name = path.rpartition(".")
+    route = [model, base]  # down to the layers' owner
+    for attr in owner_path.split(".") if owner_path else []:
+        route.append(getattr(route[-1], attr))
+    order = _call_order(model, route, layers_name, example_inputs)
+    return DecoderParts(model, route[-1], layers_name, order)
+
+
+def _decoder_layers_path(model: nn.Module) -> tuple[nn.Module, str]:
+    """``(base model, path of its decoder-layer ModuleList under it)``, or an error naming what
+    is missing."""
     name = type(model).__name__
     config = getattr(model, "config", None)
     layers_count = getattr(config, "num_hidden_layers", None)
@@ -77,13 +91,52 @@ def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
             f"pipeline parallelism: {name} has no list of its {layers_count} decoder layers "
             "(an nn.ModuleList of config.num_hidden_layers modules) to split over stages; use pp=1"
         )
-    path = min((n for n, _ in lists), key=lambda n: n.count("."))
-    owner_path, _, layers_name = path.rpartition(".")
-    route = [model, base]  # down to the layers' owner
-    for attr in owner_path.split(".") if owner_path else []:
-        route.append(getattr(route[-1], attr))
-    order = _call_order(model, route, layers_name, example_inputs)
-    return DecoderParts(model, route[-1], layers_name, order)
+    return base, min((n for n, _ in lists), key=lambda n: n.count("."))
+
+
+def pipeline_costs(model: nn.Module) -> tuple[list[int], int, int]:
+    """``(each decoder layer's cost, the embedding's, the LM head's)`` of a Hugging Face causal
+    LM, for balancing pipeline stages: multiply-adds per token of its weight matrices (every
+    parameter of two or more dims; the routed experts of an MoE layer by the share of them a
+    token visits, ``num_experts_per_tok / experts``). Embeddings are lookups (0). The attention
+    scores' sequence-long term weighs every layer alike and is left out. Reads shapes only, so a
+    model on the meta device works."""
+    base, path = _decoder_layers_path(model)
+    config = model.config
+    experts = next(
+        (getattr(config, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+         if isinstance(getattr(config, n, None), int) and getattr(config, n) > 0),
+        None,
+    )  # fmt: skip
+    visited = next(
+        (getattr(config, n) for n in ("num_experts_per_tok", "moe_topk", "top_k")
+         if isinstance(getattr(config, n, None), int)),
+        None,
+    )  # fmt: skip
+
+    def cost(module: nn.Module) -> int:
+        total = 0
+        for name, param in module.named_parameters():
+            if param.dim() < 2:
+                continue
+            if experts and visited and "experts" in name.split("."):
+                total += param.numel() * visited // experts
+            else:
+                total += param.numel()
+        return total
+
+    layers = base.get_submodule(path)
+    head = model.get_output_embeddings()
+    return [cost(layer) for layer in layers], 0, 0 if head is None else cost(head)
+
+
+def default_pipeline_split(model: nn.Module, num_stages: int) -> list[int]:
+    """Decoder layers per stage when ``pipeline_split`` is not given: the split whose costliest
+    stage is cheapest by :func:`pipeline_costs` (:func:`~tp_ext.sharding.balanced_layer_split`;
+    the LM head weighs on the last stage). The planner and ``tp-ext plan`` place layers by the
+    same function."""
+    layer_costs, first, last = pipeline_costs(model)
+    return balanced_layer_split(layer_costs, num_stages, first, last)
 
 
 def single_stage(model: nn.Module, parallel) -> "StagedCausalLM":

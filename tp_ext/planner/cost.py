@@ -132,7 +132,10 @@ class _Step:
         # vocabulary shard)
         self.logits_vocab = config.vocab_size if dims.ep > 1 and self.pp == 1 else self.s.vocab
         order = "v" if candidate.schedule in V_SCHEDULES else "loop"
-        self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, None, order)
+        # the layers placed as the model places them (a transformers model: by cost)
+        default_split = getattr(config, "default_pipeline_split", None)
+        split = default_split(self.pp * self.v) if default_split else None
+        self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, split, order)
         self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
         self.tokens = self.b * seq_len
         # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send

@@ -62,6 +62,10 @@ class HFModel:
     def __eq__(self, other) -> bool:
         return isinstance(other, HFModel) and other._key == self._key
 
+    def default_pipeline_split(self, num_stages: int) -> list[int]:
+        """Decoder layers per stage as ``parallelize`` places them by default (by cost)."""
+        return self.shards.default_split(num_stages)
+
     def valid_tp_sizes(self) -> list[int]:
         """TP sizes whose heads split in whole heads (KV heads shared where fewer than TP)."""
         return list(self._tp_sizes)

@@ -153,6 +153,9 @@ def hf_pipeline_footprint(
     check_layout_arguments(stand_in, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
     _check_ep(shards, ep, pp, dp)
     split = list(pipeline_split) if pipeline_split is not None else None
+    stages = pp * virtual_stages
+    if split is None and shards.num_layers >= stages:  # parallelize's default split
+        split = shards.default_split(stages)
     placement = StageSplit(shards.num_layers, pp, virtual_stages, split, stage_order)
     element = DTYPE_BYTES[dtype]
     per_rank = {

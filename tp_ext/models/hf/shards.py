@@ -24,8 +24,8 @@ from tp_ext.parallelize import Colwise, parallelize
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.modules import AttentionHeads, attention_heads, linear_features
 from tp_ext.parallelize.plan import auto_plan
-from tp_ext.parallelize.stages import find_decoder_parts
-from tp_ext.sharding import HeadLayout, shard_sizes
+from tp_ext.parallelize.stages import find_decoder_parts, pipeline_costs
+from tp_ext.sharding import HeadLayout, balanced_layer_split, shard_sizes
 from tp_ext.validation import ArgumentError
 
 __all__ = [
@@ -202,6 +202,7 @@ class HFModelShards:
         self.heads = next((h for h in map(attention_heads, full.modules()) if h is not None), None)
         self.moe = any(n.endswith("experts") for n, _ in full.named_modules())
         self.num_experts = expert_count(config)
+        self._stage_costs = pipeline_costs(full)
         try:
             self.structure = _structure(config)
         except Exception as e:  # noqa: BLE001  (any failure of the trace is the same refusal)
@@ -216,6 +217,12 @@ class HFModelShards:
             for f in fractions
         ]
         self.widths = tuple(sorted({d for p in full.parameters() for d in p.shape} | set(parts)))
+
+    def default_split(self, num_stages: int) -> list[int]:
+        """Decoder layers per pipeline stage as ``parallelize`` splits them by default
+        (:func:`~tp_ext.parallelize.stages.default_pipeline_split`)."""
+        layer_costs, first, last = self._stage_costs
+        return balanced_layer_split(layer_costs, num_stages, first, last)
 
     # -- where a parameter lives --------------------------------------------------------------
 
