@@ -98,6 +98,47 @@ def _expected_first_loss(model_dir, tokens) -> float:
     return float(torch.stack(losses).mean())
 
 
+def _build_from_checkpoint(path, tp, pp):
+    """(the peak bytes of tensors alive while this rank builds and loads its part, what that
+    part holds, its logits on a few tokens)."""
+    import tp_ext
+    from tp_ext.debug.memory import PeakMemory
+    from tp_ext.models.hf.source import HFModelSource
+
+    state = tp_ext.init_parallel(tp=tp, pp=pp)
+    source = HFModelSource.from_path(path)
+    # the first build also traces a narrow copy of the architecture for the plan (a fixed few
+    # hundred KB, the size of this test's model): measured on the second
+    source.build_and_load(state, dtype=torch.float32, seed=0)
+    with PeakMemory() as memory:
+        model, report = source.build_and_load(state, dtype=torch.float32, seed=0)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.arange(12).view(2, 6) * 7 % CONFIG["vocab_size"]
+    with torch.no_grad():
+        logits = model(ids)
+    return memory.peak, held, getattr(logits, "logits", logits), report.get("read_whole", False)
+
+
+def test_a_checkpoint_build_never_holds_the_whole_model(tmp_path):
+    """From a checkpoint directory at tp=2 x pp=2 each rank builds its part on the meta device
+    and allocates only its shards, which its slices fill (one tensor read at a time): the
+    logits of transformers' model, and no rank's peak near the whole model's bytes."""
+    from .dist_utils import run_distributed
+
+    path = _model_dir(tmp_path, weights=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.arange(12).view(2, 6) * 7 % CONFIG["vocab_size"]
+    with torch.no_grad():
+        expected = model(ids).logits
+    for peak, held, logits, read_whole in run_distributed(_build_from_checkpoint, 4, path, 2, 2):
+        assert not read_whole
+        assert held <= peak <= held + largest + 4096, (held, peak, largest)
+        assert peak < 0.6 * whole, (peak, whole)
+        torch.testing.assert_close(logits, expected)
+
+
 def test_a_job_config_naming_a_checkpoint_loads_its_weights(tmp_path, tokens):
     model = _model_dir(tmp_path, weights=True)
     job = tmp_path / "job.yaml"

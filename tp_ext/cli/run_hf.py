@@ -81,7 +81,10 @@ class HFSelfCheck(_SelfCheck):
 
     # -- the family hooks of _SelfCheck ------------------------------------------------------
 
-    load_note = "each rank builds the whole small model from its config before keeping its shards"
+    load_note = (
+        "each rank builds the model on the meta device and allocates only its shards, which its "
+        "slices of the files fill (a format transformers converts on load is read whole first)"
+    )
 
     def generation_kind(self) -> str:
         if self.state.pp == 1:

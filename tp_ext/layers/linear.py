@@ -49,6 +49,10 @@ def _check_features(layer: nn.Module, x: torch.Tensor, expected: int, what: str)
 
 
 def _index_buffer(module: nn.Module, name: str, values, device) -> None:
+    # values, not weights: on the meta device they would be lost; made on the CPU instead and
+    # moved with the module when it is materialised
+    if torch.empty(0, device=device).device.type == "meta":
+        device = "cpu"
     module.register_buffer(
         name, torch.tensor(values, dtype=torch.long, device=device), persistent=False
     )

@@ -75,6 +75,7 @@ def parallelize(
     virtual_stages: int = 1,
     pipeline_split=None,
     stage_order: str = "loop",
+    decoder_parts=None,
 ):
     """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
     return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
@@ -100,7 +101,10 @@ def parallelize(
     ("loop" or "v"), the decoder layers split by ``pipeline_split`` (layers per stage) or, by
     default, by cost: the split whose costliest stage (the LM head counted on the last) is
     cheapest (:func:`~tp_ext.parallelize.stages.default_pipeline_split`), as the planner and
-    ``tp-ext plan`` place them. The model passed in keeps only those stages.
+    ``tp-ext plan`` place them. The model passed in keeps only those stages. Which modules run
+    before and after the decoder layers is seen by running the model once; ``decoder_parts``
+    (:func:`~tp_ext.parallelize.stages.decoder_parts_by_name`) gives them instead, for a model
+    on the meta device (which cannot run).
     """
     _check_not_parallelized(module)
     stages = None
@@ -108,7 +112,9 @@ def parallelize(
         options = dict(
             virtual_stages=virtual_stages, pipeline_split=pipeline_split, stage_order=stage_order
         )
-        stages = _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options)
+        stages = _pipeline_parts(
+            module, parallel, sequence_parallel, example_inputs, options, decoder_parts
+        )
     if parallel is not None and tp_group is None:
         tp_group = parallel.tp_group
     ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None
@@ -160,7 +166,9 @@ def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
         report[name] = f"{style.name}: {what}"
 
 
-def _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options: dict):
+def _pipeline_parts(
+    module, parallel, sequence_parallel, example_inputs, options: dict, decoder_parts=None
+):
     """What pipelining ``module`` needs, checked before anything is converted: its decoder
     parts (:func:`find_decoder_parts`) and the stage ``options`` (virtual_stages,
     pipeline_split, stage_order)."""
@@ -189,6 +197,8 @@ def _pipeline_parts(module, parallel, sequence_parallel, example_inputs, options
         )
         if options["pipeline_split"] is None:  # by cost (the LM head's on the last stage)
             options["pipeline_split"] = default_pipeline_split(module, split.num_stages)
+    if decoder_parts is not None:
+        return decoder_parts, options
     if example_inputs is None:
         example_inputs = example_token_inputs(module)
     if example_inputs is None:

@@ -34,6 +34,7 @@ __all__ = [
     "StagedCausalLM",
     "DecoderParts",
     "find_decoder_parts",
+    "decoder_parts_by_name",
     "pipeline_costs",
     "default_pipeline_split",
     "single_stage",
@@ -66,6 +67,21 @@ def find_decoder_parts(model: nn.Module, example_inputs) -> DecoderParts:
         route.append(getattr(route[-1], attr))
     order = _call_order(model, route, layers_name, example_inputs)
     return DecoderParts(model, route[-1], layers_name, order)
+
+
+def decoder_parts_by_name(model: nn.Module, layers: str, before, after) -> DecoderParts:
+    """The :class:`DecoderParts` of ``model`` from module names (``layers``: the decoder-layer
+    list's; ``before`` / ``after``: the modules run before / after them), as a trace of another
+    model of the same structure found them: a model on the meta device cannot run its own trace.
+    """
+
+    def parent_and_attr(name: str):
+        parent, _, attr = name.rpartition(".")
+        return model.get_submodule(parent) if parent else model, attr
+
+    owner, layers_name = parent_and_attr(layers)
+    order = ([parent_and_attr(n) for n in before], [parent_and_attr(n) for n in after])
+    return DecoderParts(model, owner, layers_name, order)
 
 
 def _decoder_layers_path(model: nn.Module) -> tuple[nn.Module, str]:

@@ -30,6 +30,7 @@ from tp_ext.validation import ArgumentError
 
 __all__ = [
     "HFModelShards",
+    "full_plan",
     "narrow_config",
     "small_config",
     "meta_model",
@@ -172,7 +173,7 @@ def _structure(config) -> _Structure:
     )
 
 
-def _full_plan(structure: _Structure, model: nn.Module) -> dict:
+def full_plan(structure: _Structure, model: nn.Module) -> dict:
     """The traced styles for the full-size model: a fused column's parts at its own widths."""
     plan = dict(structure.styles)
     for name, fractions in structure.part_fractions.items():
@@ -268,7 +269,7 @@ class HFModelShards:
             pp=1,
         )
         try:
-            parallelize(model, _full_plan(self.structure, model), parallel=parallel)
+            parallelize(model, full_plan(self.structure, model), parallel=parallel)
         except ValueError as e:
             raise ArgumentError("tp" if ep == 1 else "ep", str(e)) from None
         return {

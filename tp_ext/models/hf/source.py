@@ -21,8 +21,9 @@ from tp_ext.checkpoint import load_hf_checkpoint
 from tp_ext.checkpoint.layout import own_names_map
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles
 from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
-from tp_ext.models.hf.shards import expert_count, meta_model
+from tp_ext.models.hf.shards import expert_count, full_plan, meta_model, model_shards
 from tp_ext.parallelize import parallelize
+from tp_ext.parallelize.stages import decoder_parts_by_name
 from tp_ext.validation import ConfigError
 
 __all__ = ["HFModelSource"]
@@ -95,16 +96,20 @@ class HFModelSource:
         **stage_options,
     ) -> tuple[nn.Module, Optional[dict]]:
         """(:meth:`build`'s model, the load's report: None without a checkpoint). ``weights``: a
-        checkpoint directory other than the source's. Each rank reads its own slices of the
-        files when they carry the modules' names; a checkpoint transformers saved in an older
-        form it converts on load (Mixtral's experts one tensor each) is read whole by
-        transformers' ``from_pretrained`` on every rank first, then sliced."""
+        checkpoint directory other than the source's. When the files carry the modules' names
+        the model is built on the meta device, converted there, and only this rank's shards
+        are allocated and read from the files (no rank ever holds the whole model); a
+        checkpoint transformers saved in an older form it converts on load (Mixtral's experts
+        one tensor each) is read whole by transformers' ``from_pretrained`` on every rank
+        first, then sliced."""
         from transformers import AutoModelForCausalLM
 
         weights = self.weights if weights is None else weights
+        if weights is not None and self._slices_readable(weights):
+            model = self._build_on_meta(parallel, dtype, stage_options)
+            return model, self.load_weights(model, weights)
         torch.manual_seed(seed)
-        whole = weights is not None and not self._slices_readable(weights)
-        if whole:
+        if weights is not None:
             model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_config(self.hf_config).to(dtype)
@@ -112,11 +117,29 @@ class HFModelSource:
         model = parallelize(model, "auto", parallel=parallel, **stage_options)
         if weights is None:
             return model, None
-        if whole:
-            files = SafetensorsFiles(weights)
-            size = files.nbytes()
-            return model, {"read_bytes": size, "checkpoint_bytes": size, "read_whole": True}
-        return model, self.load_weights(model, weights)
+        size = SafetensorsFiles(weights).nbytes()
+        return model, {"read_bytes": size, "checkpoint_bytes": size, "read_whole": True}
+
+    def _build_on_meta(self, parallel, dtype: torch.dtype, stage_options: dict) -> nn.Module:
+        """This rank's shards of the model, allocated on ``parallel.device`` but not filled: the
+        model is built and converted on the meta device by the plan "auto" takes on a narrow
+        copy of the architecture (a model on the meta device cannot run its own trace;
+        ``tp-ext plan`` counts shards the same way), then materialised."""
+        from transformers import AutoModelForCausalLM
+
+        structure = model_shards(self.hf_config).structure
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype)
+        model.train()
+        parts = None
+        if parallel.pp > 1:
+            parts = decoder_parts_by_name(
+                model, structure.layers_path, structure.first, structure.last
+            )
+        plan = full_plan(structure, model)
+        model = parallelize(model, plan, parallel=parallel, decoder_parts=parts, **stage_options)
+        materialize(model, parallel.device)
+        return model
 
     @functools.cached_property
     def _meta_names(self) -> tuple[frozenset, frozenset]:
@@ -140,3 +163,37 @@ class HFModelSource:
         if getattr(model, "pipeline_group", None) is not None:
             whole = self._meta_names[1]
         return load_hf_checkpoint(model, path, progress=False, used_elsewhere=whole)
+
+
+def materialize(model: nn.Module, device) -> None:
+    """Give every tensor of ``model`` left on the meta device storage on ``device`` (contents
+    undefined until a checkpoint fills them; tied parameters stay one tensor), move the others
+    there, and recompute the non-persistent buffers a checkpoint does not hold (rotary tables)
+    by transformers' own ``_init_weights``, as its ``from_pretrained`` does after building a
+    model on the meta device."""
+    hf_model = getattr(model, "hf_model", model)
+    made: dict = {}  # id of a meta parameter -> its materialised one (ties stay tied)
+    rebuilt = []  # modules whose buffers were on the meta device
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in made:
+                data = (
+                    torch.empty_like(param, device=device)
+                    if param.is_meta
+                    else param.detach().to(device)
+                )
+                made[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            if buffer.is_meta:
+                rebuilt.append(module)
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+            else:
+                module._buffers[name] = buffer.to(device)
+    with torch.no_grad():
+        for module in dict.fromkeys(rebuilt):
+            hf_model._init_weights(module)
