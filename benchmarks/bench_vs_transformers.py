@@ -10,6 +10,7 @@ recorded as such (metric ``failed``), not skipped.
 
     python benchmarks/bench_vs_transformers.py [--tp 2 4] [--shapes small large] [--arch llama]
     python benchmarks/bench_vs_transformers.py --pp 2  # pipeline inference (Llama, Gemma 2, GPT-2)
+    python benchmarks/bench_vs_transformers.py --moe   # Mixtral with expert parallelism, 2 ranks
 """
 
 from __future__ import annotations
@@ -174,6 +175,80 @@ def _pp_rank(path: str, repeats: int) -> dict:
     return out
 
 
+# Mixtral (hidden 256, 8 experts, top 2, 2 layers, vocab 1024; 2 x 128 tokens per rank) on 2 ranks,
+# as each library lays it out: (tp_ext's init_parallel degrees, transformers' DistributedConfig,
+# whether the ranks share one batch)
+MOE_LAYOUTS = {
+    # experts over the 2 TP ranks (tp_ext: attention split over TP too; transformers: its
+    # "all_reduce" EP, each rank's experts on the shared batch, outputs summed)
+    "tp2-ep2": (dict(tp=2, ep=2), dict(tp_size=2, ep_size=2), True),
+    # experts over 2 data-parallel ranks, each its own batch, tokens exchanged all-to-all
+    # (transformers shards the dense weights with FSDP2 there: its step gathers them)
+    "dp2-ep2": (dict(tp=1, dp=2, ep=2), dict(fsdp_size=2, ep_size=2), False),
+}
+
+
+def _moe_checkpoint(directory: str) -> str:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = os.path.join(directory, "moe")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+def _moe_rank(path: str, layout: str, repeats: int) -> dict:
+    """Mixtral with expert parallelism in both libraries (``MOE_LAYOUTS``): each one's logits
+    against the unsharded model's on this rank's batch, and their forward+backward steps timed
+    in turn."""
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    import tp_ext
+
+    ours_degrees, theirs_config, shared = MOE_LAYOUTS[layout]
+    seed = 1 if shared else 1 + torch.distributed.get_rank()
+    ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(seed))
+    load = functools.partial(
+        transformers.AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32
+    )
+    with torch.no_grad():
+        expected = load()(ids).logits
+    state = tp_ext.init_parallel(**ours_degrees)
+    ours = tp_ext.parallelize(load(), "auto", parallel=state)
+    out: dict = {}
+    with torch.no_grad():
+        out["tp_ext_error"] = _rel(ours(ids).logits, expected)
+    theirs = None
+    try:
+        theirs = load(distributed_config=DistributedConfig(**theirs_config))
+        with torch.no_grad():
+            logits = theirs(ids).logits
+            if hasattr(logits, "full_tensor"):
+                logits = logits.full_tensor()
+            out["transformers_error"] = _rel(logits, expected)
+    except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
+        out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+    steps = [_step(ours, ids)] + ([] if theirs is None else [_step(theirs, ids)])
+    times = bench_interleaved(*steps, warmup=2, repeats=repeats)
+    out["tp_ext_s"] = times[0]
+    if theirs is not None:
+        out["transformers_s"] = times[1]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2])
@@ -184,9 +259,20 @@ def main() -> None:
     parser.add_argument(
         "--pp", type=int, default=0, help="instead: pipeline inference over this many ranks"
     )
+    parser.add_argument(
+        "--moe", action="store_true", help="instead: Mixtral with expert parallelism, 2 ranks"
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as directory:
+        if args.moe:
+            path = _moe_checkpoint(directory)
+            for layout in MOE_LAYOUTS:
+                result = run_ranks(_moe_rank, 2, path, layout, args.repeats)[0]
+                rows += _rows(f"mixtral-{layout}", result)
+                print(f"mixtral {layout}: {result}", flush=True)
+            append_rows(rows)
+            return
         if args.pp:
             for arch in PP_ARCHS:
                 result = run_ranks(_pp_rank, args.pp, _pp_checkpoint(arch, directory), 5)[0]
