@@ -72,15 +72,19 @@ def _step(model, ids):
     return run
 
 
-def _rank(path: str, shape: str, repeats: int, overlap: bool = False) -> dict:
+def _rank(path: str, shape: str, repeats: int, overlap: bool = False, link: bool = False) -> dict:
     """On every rank: both models from ``path``, their logits against the unsharded model's,
     then their steps timed in turn. ``overlap``: tp_ext's fused, overlapped linear ops (off by
-    default on CPU: on one host the ranks share the cores the overlap would use)."""
+    default on CPU: on one host the ranks share the cores the overlap would use). ``link``:
+    the ranks talk over a throttled network link (benchmarks/netns.py): tp_ext's shared-memory
+    channel is switched off, so its bytes cross the link as transformers' do."""
     import transformers
 
     import tp_ext
 
     tp_ext.comm.set_overlap(True if overlap else None)
+    if link:
+        tp_ext.comm.set_shared_memory(False)
 
     batch, seq = SHAPES[shape][6:]
     vocab = SHAPES[shape][5]
@@ -88,13 +92,19 @@ def _rank(path: str, shape: str, repeats: int, overlap: bool = False) -> dict:
     with torch.no_grad():
         reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         expected = reference(ids).logits
+        expected_loss = reference(ids, labels=ids).loss
         del reference
     out: dict = {}
+    state = tp_ext.init_parallel(tp=torch.distributed.get_world_size())
     ours = tp_ext.parallelize(
-        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), "auto"
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        "auto",
+        parallel=state,
     )
+    trained = _trainer_step(ours, state, ids)
     with torch.no_grad():
         out["tp_ext_error"] = _rel(ours(ids).logits, expected)
+        out["tp_ext_trainer_loss_error"] = _rel(trained(), expected_loss)
     theirs = None
     try:
         from transformers.distributed import DistributedConfig
@@ -110,13 +120,34 @@ def _rank(path: str, shape: str, repeats: int, overlap: bool = False) -> dict:
             out["transformers_error"] = _rel(logits, expected)
     except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
         out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
-    if theirs is None:
-        (out["tp_ext_s"],) = bench_interleaved(_step(ours, ids), warmup=2, repeats=repeats)
-    else:
-        out["tp_ext_s"], out["transformers_s"] = bench_interleaved(
-            _step(ours, ids), _step(theirs, ids), warmup=2, repeats=repeats
-        )
+    steps = [_step(ours, ids), trained] + ([] if theirs is None else [_step(theirs, ids)])
+    times = bench_interleaved(*steps, warmup=2, repeats=repeats)
+    out["tp_ext_s"], out["tp_ext_trainer_s"] = times[:2]
+    if theirs is not None:
+        out["transformers_s"] = times[2]
     return out
+
+
+def _trainer_step(model, state, ids):
+    """tp_ext's forward+backward as its Trainer runs a converted model: one stage whose LM head
+    leaves the logits split by vocabulary, and the vocabulary-parallel cross-entropy on them
+    (no gather of the logits); returns the loss, the mean over next-token targets as
+    transformers' ``labels=`` loss."""
+    from tp_ext.layers import vocab_parallel_cross_entropy
+    from tp_ext.parallelize.stages import single_stage
+
+    stage = single_stage(model, state)
+
+    def run():
+        local = stage.stage_forward(0, ids)
+        loss = vocab_parallel_cross_entropy(local[:, :-1], ids[:, 1:], tp_group=state.tp_group)
+        if torch.is_grad_enabled():
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        return loss
+
+    return run
 
 
 PP_ARCHS = {  # tiny 4-layer decoders for the pipeline comparison (logits and forward time)
@@ -262,6 +293,12 @@ def main() -> None:
     parser.add_argument(
         "--moe", action="store_true", help="instead: Mixtral with expert parallelism, 2 ranks"
     )
+    parser.add_argument(
+        "--mbit",
+        type=float,
+        default=0.0,
+        help="TP=2 across a link throttled to this many Mbit/s (network namespaces, root)",
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -280,14 +317,27 @@ def main() -> None:
                 print(f"{arch} pp={args.pp}: {result}", flush=True)
             append_rows(rows)
             return
+        if args.mbit:
+            from benchmarks import netns
+
+            why = netns.why_not()
+            if why:
+                raise SystemExit(f"--mbit: no throttled link here: {why}")
         for arch in args.arch:
             for shape in args.shapes:
                 path = _checkpoint(arch, shape, directory)
-                for tp in args.tp:
-                    result = run_ranks(_rank, tp, path, shape, args.repeats, args.overlap)[0]
+                for tp in [2] if args.mbit else args.tp:
                     case = f"{arch}-{shape}-tp{tp}" + ("-overlap" if args.overlap else "")
+                    if args.mbit:
+                        result = netns.run_throttled(
+                            "benchmarks.bench_vs_transformers", "_rank", args.mbit,
+                            path, shape, args.repeats, args.overlap, True,
+                        )[0]  # fmt: skip
+                        case += f"-{args.mbit:g}mbit"
+                    else:
+                        result = run_ranks(_rank, tp, path, shape, args.repeats, args.overlap)[0]
                     rows += _rows(case, result)
-                    print(f"{arch} {shape} tp={tp}: {result}", flush=True)
+                    print(f"{case}: {result}", flush=True)
     append_rows(rows)
 
 
@@ -298,15 +348,20 @@ def _rows(case: str, r: dict) -> list[dict]:
         )
 
     rows = [row("tp_ext_logits_rel_error", r["tp_ext_error"])]
+    if "tp_ext_trainer_loss_error" in r:
+        rows.append(row("tp_ext_trainer_loss_rel_error", r["tp_ext_trainer_loss_error"]))
     if "transformers_failed" in r:  # what failed, and tp_ext's time alone
         return rows + [
             row("transformers_failed", r["transformers_failed"]),
             row("tp_ext_step_s", r["tp_ext_s"], "s"),
         ]
-    return rows + [
+    rows += [
         row("transformers_logits_rel_error", r["transformers_error"]),
         row("step_s", r["tp_ext_s"], "s", r["transformers_s"]),  # ratio filled by append_rows
     ]
+    if "tp_ext_trainer_s" in r:  # tp_ext's Trainer loss path against the same step of theirs
+        rows.append(row("trainer_step_s", r["tp_ext_trainer_s"], "s", r["transformers_s"]))
+    return rows
 
 
 if __name__ == "__main__":
