@@ -6,6 +6,7 @@ gradient against the unsharded model, the bytes of the dispatch and combine agai
 each rank's expert parameters its share, and the capacity factor's drops."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -592,6 +593,86 @@ def _sequence_parallel_refusal():
 def test_sequence_parallel_with_ep_is_refused_by_name():
     for sp in run_distributed(_sequence_parallel_refusal, 4):
         assert sp is not None and "expert parallelism does not support sequence_parallel=True" in sp
+
+
+# ---- a checkpoint directory read by slices into EP ranks ---------------------------------------
+
+
+def _checkpoint(path: str, kind: str, form: str) -> None:
+    """``kind``'s model saved in ``form``: "fused", under its modules' own names (as tp_ext's
+    merged export writes it), or "per_expert", as transformers' save_pretrained writes it (one
+    tensor per expert and projection, converted on load by its conversion mapping)."""
+    from safetensors.torch import save_file
+
+    model = _model(kind)
+    model.config.output_router_logits = False  # (refused under pipelining)
+    if form == "per_expert":
+        model.save_pretrained(path)
+        return
+    model.config.save_pretrained(path)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_per_expert_checkpoint_reads_as_the_fused_tensors(tmp_path, kind):
+    """transformers' own form (Mixtral's block_sparse_moe.experts.3.w1.weight, ...) seen under the
+    model's names: any slice of a fused expert tensor equals the model's."""
+    from tp_ext.checkpoint.hf_conversions import converted_files
+    from tp_ext.checkpoint.safetensors_io import SafetensorsFiles
+    from tp_ext.models.hf.shards import meta_model
+
+    _checkpoint(str(tmp_path), kind, "per_expert")
+    files = SafetensorsFiles(str(tmp_path))
+    assert not any(n.endswith("gate_up_proj") for n in files.names())
+    view = converted_files(files, meta_model(_config(kind)))
+    state = _model(kind).state_dict()
+    assert view.names() == set(state)
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert view.shape(fused) == tuple(state[fused].shape)
+    for index in [(slice(0, EXPERTS),), (slice(2, 5), slice(40, 60)), (slice(7, 8), slice(3, 9))]:
+        torch.testing.assert_close(view.read(fused, index), state[fused][index], rtol=0, atol=0)
+    down = "model.layers.0.mlp.experts.down_proj"
+    index = (slice(1, 3), slice(None), slice(10, 20))
+    torch.testing.assert_close(view.read(down, index), state[down][index], rtol=0, atol=0)
+
+
+def _load_by_slices(path, kind, tp, pp, dp, ep):
+    from tp_ext.models.hf.source import HFModelSource
+
+    state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp, ep=ep)
+    model, report = HFModelSource.from_path(path).build_and_load(state, dtype=torch.float32, seed=0)
+    with torch.no_grad():
+        logits = model(_batch(7))
+    held = model.model.layers[0].mlp.experts.gate_up_proj.shape[0] if pp == 1 else None
+    return getattr(logits, "logits", logits), held, report
+
+
+@pytest.mark.parametrize(
+    "kind, form, layout",
+    [
+        ("mixtral", "fused", (1, 1, 2, 2)),  # four experts each
+        ("mixtral", "per_expert", (2, 1, 2, 2)),  # and each expert split over TP
+        ("qwen2_moe", "per_expert", (1, 2, 2, 2)),  # inside pipeline stages, shared expert
+        pytest.param("mixtral", "fused", (2, 1, 2, 2), marks=pytest.mark.full_matrix),
+        pytest.param("mixtral", "per_expert", (1, 1, 3, 3), marks=pytest.mark.full_matrix),
+        pytest.param("qwen2_moe", "fused", (2, 2, 1, 2), marks=pytest.mark.full_matrix),
+    ],
+)
+def test_expert_ranks_read_their_experts_from_a_checkpoint(tmp_path, kind, form, layout):
+    """Each EP rank reads only its experts' rows of the files (and its TP columns of them), from
+    the fused tensors or from transformers' one tensor per expert: the unsharded model's
+    logits, and less than the whole checkpoint read."""
+    _checkpoint(str(tmp_path), kind, form)
+    with torch.no_grad():
+        expected = _model(kind)(_batch(7)).logits
+    tp, pp, dp, ep = layout
+    results = run_distributed(_load_by_slices, tp * pp * dp, str(tmp_path), kind, *layout)
+    for logits, held, report in results:
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+        assert not report.get("read_whole") and report["read_bytes"] < report["checkpoint_bytes"]
+    if pp == 1:
+        assert sorted({h for _, h, _ in results}) == sorted(set(shard_sizes(EXPERTS, ep)))
 
 
 # ---- Trainer checkpoints: resumed at another EP degree ----------------------------------------

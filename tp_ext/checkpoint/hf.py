@@ -45,7 +45,13 @@ from tp_ext.checkpoint.safetensors_io import (
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.distributed.groups import ResolvedGroup
-from tp_ext.layers import full_shapes, is_full_transposed, iter_full_tensors, tensor_specs
+from tp_ext.layers import (
+    expert_rows,
+    full_shapes,
+    is_full_transposed,
+    iter_full_tensors,
+    tensor_specs,
+)
 from tp_ext.sharding import Partition
 from tp_ext.validation import as_torch_dtype, check_int
 
@@ -71,21 +77,28 @@ def load_hf_checkpoint(
     progress: bool = True,
     lossy_dtypes: bool = False,
     used_elsewhere: Iterable[str] = (),
+    files_view=None,
 ) -> dict:
     """Load a Hugging Face checkpoint directory into a tp_ext model, each rank reading only its
     own slices. ``fmt``: one of the model's ``checkpoint_formats`` (None: the one whose tensor
     names the checkpoint has; a Qwen2 model reads "qwen2" and "qwen"). ``lossy_dtypes``: round
     between float16 and bfloat16 where values differ (see ``safetensors_io.converted``).
     ``used_elsewhere``: checkpoint names other parts of the model use (a pipeline stage's
-    model: the other stages'), which ``strict`` does not count as unused.
-    Returns a report: bytes read by this rank, its shard size, and its peak host memory."""
+    model: the other stages'), which ``strict`` does not count as unused. ``files_view``: a
+    function from the checkpoint's files to the view read (e.g. one of
+    :func:`~tp_ext.checkpoint.hf_conversions.converted_files` for a form transformers converts
+    on load). Returns a report: bytes read by this rank, its shard size, and its peak host
+    memory."""
     group = model_group(model)
     elsewhere = frozenset(used_elsewhere)
     with reading(path, group) as directory:
-        return _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes, elsewhere)
+        options = (fmt, strict, progress, lossy_dtypes, elsewhere, files_view)
+        return _load(model, directory, path, group, *options)
 
 
-def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes, elsewhere) -> dict:
+def _load(
+    model, directory, path, group, fmt, strict, progress, lossy_dtypes, elsewhere, files_view
+) -> dict:
     entries = list(tensor_specs(model))
     show = progress and group.rank == 0
 
@@ -95,6 +108,8 @@ def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes, el
             info = read_manifest(directory)
             check_listed(directory, info, files.paths())
             check_files(directory, info, hashes=True, group=group)
+        if files_view is not None:
+            files = files_view(files)
         layout = (
             detect_checkpoint_map(model, files.names())
             if fmt is None
@@ -121,7 +136,10 @@ def _load(model, directory, path, group, fmt, strict, progress, lossy_dtypes, el
             if is_full_transposed(owner, name.rpartition(".")[2]):  # the file holds [in, out]
                 dest = tensor.t()
                 rows = None if rows is None else (1 - rows[0], rows[1])
-            read_bytes += load_local(files, layout[name], rows, rank, dest, lossy_dtypes)
+            experts = expert_rows(owner, name)  # (first, count) of the experts this rank holds
+            if experts is not None:
+                experts = (experts[0], tensor.shape[0])
+            read_bytes += load_local(files, layout[name], rows, rank, dest, lossy_dtypes, experts)
             bar.update(1)
         bar.close()
         return read_bytes

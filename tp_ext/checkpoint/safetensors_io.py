@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import torch
 
@@ -174,18 +175,33 @@ READ_CHUNK_BYTES = 16 * 2**20
 
 
 def load_local(
-    files: SafetensorsFiles, pieces, spec, rank: int, dest: torch.Tensor, lossy_dtypes=False
+    files: SafetensorsFiles,
+    pieces,
+    spec,
+    rank: int,
+    dest: torch.Tensor,
+    lossy_dtypes=False,
+    experts: Optional[tuple[int, int]] = None,
 ) -> int:
     """Copy this rank's part of one model tensor into ``dest`` by slice reads, converting dtypes
-    as :func:`converted` allows; returns the bytes read."""
+    as :func:`converted` allows; returns the bytes read. ``experts``: (first, count) of the
+    dim-0 rows this rank holds of a tensor split by expert over an EP group (its TP split, if
+    any, along a later dim)."""
     reads = []  # (checkpoint name, first row, end row, columns or None, destination block)
+    first = 0 if experts is None else experts[0]
     if spec is None:
         position = 0
-        for piece, a, b in row_reads(pieces, 0, sum(p.rows for p in pieces)):
+        rows = sum(p.rows for p in pieces) if experts is None else experts[1]
+        for piece, a, b in row_reads(pieces, first, rows):
             reads.append((piece.name, a, b, None, dest.narrow(0, position, b - a)))
             position += b - a
     else:
         dim, partition = spec
+        if dim == 0 and experts is not None:
+            raise CheckpointError(
+                f"{pieces[0].name}: split by expert and by TP along the same dim 0; tp_ext splits "
+                "an expert tensor over TP along a later dim"
+            )
         position = 0
         for offset, length in partition.segments[rank]:
             if dim == 0:
@@ -195,9 +211,9 @@ def load_local(
             else:  # one whole tensor, cut along a later dim (row-parallel weights): strided
                 (piece,) = pieces
                 columns = (slice(None),) * (dim - 1) + (slice(offset, offset + length),)
-                reads.append(
-                    (piece.name, 0, piece.rows, columns, dest.narrow(dim, position, length))
-                )
+                a = piece.start + first
+                b = a + (piece.rows if experts is None else experts[1])
+                reads.append((piece.name, a, b, columns, dest.narrow(dim, position, length)))
                 position += length
     total = 0
     for name, a, b, columns, block in reads:
@@ -269,8 +285,9 @@ def check_names_and_shapes(
         n for n in present - set(expected) - used_elsewhere if not n.endswith(_IGNORED_SUFFIXES)
     )
     if strict and extra:
+        file = os.path.basename(files.where(extra[0]))
         raise CheckpointError(
-            f"checkpoint {files.root} has tensor {extra[0]!r} (in {files.file_of[extra[0]]}) that "
+            f"checkpoint {files.root} has tensor {extra[0]!r} (in {file}) that "
             f"this model does not use{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; "
             "pass strict=False to ignore unused tensors"
         )

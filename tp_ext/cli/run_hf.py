@@ -83,7 +83,8 @@ class HFSelfCheck(_SelfCheck):
 
     load_note = (
         "each rank builds the model on the meta device and allocates only its shards, which its "
-        "slices of the files fill (a format transformers converts on load is read whole first)"
+        "slices of the files fill (experts one tensor each included; a form transformers "
+        "converts otherwise on load is read whole first)"
     )
 
     def generation_kind(self) -> str:

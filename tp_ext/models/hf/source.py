@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tp_ext.checkpoint import load_hf_checkpoint
+from tp_ext.checkpoint.hf_conversions import converted_files
 from tp_ext.checkpoint.layout import own_names_map
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles
 from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
@@ -96,11 +97,13 @@ class HFModelSource:
         **stage_options,
     ) -> tuple[nn.Module, Optional[dict]]:
         """(:meth:`build`'s model, the load's report: None without a checkpoint). ``weights``: a
-        checkpoint directory other than the source's. When the files carry the modules' names
-        the model is built on the meta device, converted there, and only this rank's shards
-        are allocated and read from the files (no rank ever holds the whole model); a
-        checkpoint transformers saved in an older form it converts on load (Mixtral's experts
-        one tensor each) is read whole by transformers' ``from_pretrained`` on every rank
+        checkpoint directory other than the source's. When the files carry the modules' names,
+        or a form transformers' conversion mapping turns into them by stacking experts
+        (Mixtral's experts one tensor each: read through
+        :func:`~tp_ext.checkpoint.hf_conversions.converted_files`), the model is built on the
+        meta device, converted there, and only this rank's shards are allocated and read from
+        the files (no rank ever holds the whole model); a checkpoint in any other form
+        transformers converts on load is read whole by its ``from_pretrained`` on every rank
         first, then sliced."""
         from transformers import AutoModelForCausalLM
 
@@ -150,19 +153,36 @@ class HFModelSource:
         pieces = frozenset(piece.name for pieces in layout.values() for piece in pieces)
         return pieces, frozenset(model.state_dict().keys())
 
+    def _files_view(self, path: str):
+        """How the checkpoint at ``path`` is read by slices: None when it holds every tensor
+        under its module's name; a :func:`~tp_ext.checkpoint.hf_conversions.converted_files`
+        view when transformers' conversion mapping (experts one tensor each) gives them; False
+        when neither does (read whole by transformers)."""
+        files = SafetensorsFiles(path)
+        if self._meta_names[0] <= files.names():
+            return None
+        view = converted_files(files, meta_model(self.hf_config))
+        if view is not None and self._meta_names[0] <= view.names():
+            return lambda files: converted_files(files, meta_model(self.hf_config))
+        return False
+
     def _slices_readable(self, path: str) -> bool:
-        """Whether the checkpoint at ``path`` holds every tensor under its module's name."""
-        return self._meta_names[0] <= SafetensorsFiles(path).names()
+        """Whether each rank can read its slices of the checkpoint at ``path``."""
+        return self._files_view(path) is not False
 
     def load_weights(self, model: nn.Module, path: Optional[str] = None) -> dict:
         """This rank's slices of the checkpoint at ``path`` (default: the source's) read into
-        ``model`` (built by :meth:`build`); a pipeline stage's model checks the files against
-        the whole model's tensor names. Returns load_hf_checkpoint's report."""
+        ``model`` (built by :meth:`build`), through transformers' conversion mapping where the
+        files hold another form; a pipeline stage's model checks the files against the whole
+        model's tensor names. Returns load_hf_checkpoint's report."""
         path = self.weights if path is None else path
         whole = ()
         if getattr(model, "pipeline_group", None) is not None:
             whole = self._meta_names[1]
-        return load_hf_checkpoint(model, path, progress=False, used_elsewhere=whole)
+        view = self._files_view(path)
+        return load_hf_checkpoint(
+            model, path, progress=False, used_elsewhere=whole, files_view=view or None
+        )
 
 
 def materialize(model: nn.Module, device) -> None:
