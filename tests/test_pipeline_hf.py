@@ -97,15 +97,20 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 MULTI = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 
-def _train(arch, tp, pp, dp, schedule, data_parallel, micro, recompute, compression=None, ep=1):
+def _train(
+    arch, tp, pp, dp, schedule, data_parallel, micro, recompute, compression=None, ep=1, sp=False
+):
     state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp, ep=ep)
     stages = tp_ext.parallelize(
         _hf_model(arch),
         "auto",
         parallel=state,
+        sequence_parallel=sp,
         virtual_stages=2 if schedule in V_SCHEDULES + MULTI else 1,
         stage_order="v" if schedule in V_SCHEDULES else "loop",
     )
+    if sp:  # the stages send their sequence shards
+        assert stages.sequence_parallel and stages.local_sequence(SEQ) < SEQ
     trainer = Trainer(
         stages,
         optimizer=_optimizer,
@@ -204,6 +209,28 @@ def test_hf_pipeline_training_matrix(case):
     _check(case)
 
 
+# sequence parallelism inside the stages: the stages send their sequence shard (9 tokens over
+# 2 TP ranks: 5 and 4)
+SP_CASES = [
+    ("llama", (2, 2, 1), "1F1B", "ddp", 2, False),
+    pytest.param(("gemma2", (2, 2, 1), "GPipe", "ddp", 2, True), marks=pytest.mark.full_matrix),
+    pytest.param(("gpt2", (2, 2, 2), "1F1B", "ddp", 2, False), marks=pytest.mark.full_matrix),
+    pytest.param(
+        ("qwen3", (2, 2, 1), "Interleaved1F1B", "ddp", 4, False), marks=pytest.mark.full_matrix
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SP_CASES, ids=_case_id)
+def test_sequence_parallel_inside_stages_matches_transformers(case):
+    arch, (tp, pp, dp), schedule, data_parallel, micro, recompute = case
+    results = run_distributed(
+        _train, tp * pp * dp, arch, tp, pp, dp, schedule, data_parallel, micro, recompute,
+        sp=True, timeout=300,
+    )  # fmt: skip
+    assert_training_matches(results, *_reference(arch, micro * dp))
+
+
 def _train_then_run(arch, tp, dp):
     state = tp_ext.init_parallel(tp=tp, dp=dp)
     model = tp_ext.parallelize(_hf_model(arch), "auto", parallel=state)
@@ -264,12 +291,13 @@ def test_gradient_compression_trains_the_stages():
     assert all(r[0] == losses for r in results), "every rank reports the same losses"
 
 
-def _logits_under_pipelining(arch, tp, pp, schedule):
+def _logits_under_pipelining(arch, tp, pp, schedule, sp=False):
     state = tp_ext.init_parallel(tp=tp, pp=pp)
     stages = tp_ext.parallelize(
         _hf_model(arch),
         "auto",
         parallel=state,
+        sequence_parallel=sp,
         virtual_stages=2 if schedule in V_SCHEDULES else 1,
         stage_order="v" if schedule in V_SCHEDULES else "loop",
     )
@@ -281,21 +309,22 @@ def _logits_under_pipelining(arch, tp, pp, schedule):
 
 
 @pytest.mark.parametrize(
-    "arch, tp, pp, schedule",
+    "arch, tp, pp, schedule, sp",
     [
-        ("gemma2", 1, 3, "1F1B"),
-        ("gpt2", 2, 2, "1F1B"),
-        ("qwen3", 1, 2, "DualPipeV"),
-        ("opt", 1, 2, "1F1B"),
+        ("gemma2", 1, 3, "1F1B", False),
+        ("gpt2", 2, 2, "1F1B", False),
+        ("qwen3", 1, 2, "DualPipeV", False),
+        ("opt", 1, 2, "1F1B", False),
+        ("llama", 2, 2, "DualPipeV", True),  # sequence shards between stages, V order
     ],
 )
-def test_forward_under_pipelining_gives_transformers_logits(arch, tp, pp, schedule):
+def test_forward_under_pipelining_gives_transformers_logits(arch, tp, pp, schedule, sp):
     """Every rank of the pipeline gets the last stage's logits (full, or its vocabulary shard)."""
     with torch.no_grad():
         expected = _hf_model(arch)(_micro_batches(1)[0]).logits
     sizes = tp_ext.shard_sizes(VOCAB, tp)
     for full, local, tp_rank in run_distributed(
-        _logits_under_pipelining, tp * pp, arch, tp, pp, schedule
+        _logits_under_pipelining, tp * pp, arch, tp, pp, schedule, sp
     ):
         torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6)
         start = sum(sizes[:tp_rank])
@@ -340,11 +369,10 @@ def _not_a_causal_lm():
     [
         (_two_layer_llama, 3, 1, {}, "2 decoder layers cannot fill 3 pipeline stages"),
         (_two_layer_llama, 2, 1, {"pipeline_split": [2, 1]}, "pipeline_split must list"),
-        (_two_layer_llama, 2, 1, {"sequence_parallel": True}, "sequence_parallel=True inside"),
         (functools.partial(_mixtral, True), 2, 1, {}, "config.output_router_logits=True"),
         (_not_a_causal_lm, 2, 1, {}, "Sequential is not one: use pp=1"),
     ],
-    ids=["too-few-layers", "bad-split", "sequence-parallel", "router-loss", "not-an-lm"],
+    ids=["too-few-layers", "bad-split", "router-loss", "not-an-lm"],
 )
 def test_what_cannot_be_split_is_refused_by_name(build, pp, ep, options, message):
     for text in run_distributed(_refusal, pp * ep, build, pp, ep, **options):

@@ -141,7 +141,9 @@ def parallelize(
         _print_report(report, tp)
     if stages is not None:
         decoder, options = stages
-        module = StagedCausalLM(decoder, parallel, **options)
+        module = StagedCausalLM(
+            decoder, parallel, sequence_shards=shards if sp else None, **options
+        )
     return (module, report) if return_report else module
 
 
@@ -174,9 +176,7 @@ def _pipeline_parts(
     pipeline_split, stage_order)."""
     config = getattr(module, "config", None)
     refusal = None
-    if sequence_parallel:
-        refusal = "sequence_parallel=True inside pipeline stages"
-    elif getattr(config, "output_router_logits", False):
+    if getattr(config, "output_router_logits", False):
         refusal = (
             "the router's load-balancing loss (config.output_router_logits=True), which spans "
             "the layers of every stage,"

@@ -28,7 +28,13 @@ from torch.utils.checkpoint import checkpoint as recompute
 from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
 from tp_ext.parallelize.dataflow import example_token_inputs
-from tp_ext.sharding import StageSplit, balanced_layer_split, shard_sizes
+from tp_ext.sharding import (
+    StageSplit,
+    balanced_layer_split,
+    shard_offsets,
+    shard_sizes,
+    uneven_sizes,
+)
 
 __all__ = [
     "StagedCausalLM",
@@ -234,6 +240,18 @@ class _AbsentEmbedding(nn.Module):
         return torch.zeros(*first.shape, self.dim, device=first.device, dtype=self.dtype)
 
 
+class _SequenceGather(nn.Module):
+    """Stands in for the final norm of a sequence-parallel stage before the last: the hidden
+    states all-gathered over the sequence (see StagedCausalLM._final_stand_in)."""
+
+    def __init__(self, shards):
+        super().__init__()
+        self.shards = shards
+
+    def forward(self, *args, **kwargs):
+        return self.shards.gather(args[0] if args else next(iter(kwargs.values())))
+
+
 class _HandOver(nn.Module):
     """The stand-in for the layer just before a stage's first: it returns the hidden states the
     previous stage sent, in place of what the model computed from its zero input."""
@@ -277,6 +295,7 @@ class StagedCausalLM(nn.Module):
         virtual_stages: int = 1,
         pipeline_split=None,
         stage_order: str = "loop",
+        sequence_shards=None,
     ) -> None:
         super().__init__()
         model = parts.model
@@ -293,6 +312,11 @@ class StagedCausalLM(nn.Module):
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.tied_across_stages = tied and self.stage_split.num_stages > 1
         self.checkpoint_aliases: dict = {}
+        # sequence parallelism: the hidden states between stages are this TP rank's sequence
+        # shard; the whole length (set by whoever runs the stages) is what the model's own
+        # positions and masks are computed for
+        self._sequence_shards = sequence_shards
+        self.sequence_length: Optional[int] = None
         self._untie_head()
         self._prune()
         for attr, child in model.named_children():  # transformers' names for the parameters
@@ -338,7 +362,15 @@ class StagedCausalLM(nn.Module):
         head = self.hf_model.get_output_embeddings()
         for parent, attr in [] if self.has_last else parts.after:
             # the head is called only by the last stage's forward; a final norm passes through
-            setattr(parent, attr, None if getattr(parent, attr) is head else _Passthrough())
+            setattr(parent, attr, None if getattr(parent, attr) is head else self._final_stand_in())
+
+    def _final_stand_in(self) -> nn.Module:
+        """What stands in for the final norm on a stage before the last: it passes the hidden
+        states on; under sequence parallelism gathered over the sequence first, since the
+        model's own code may reshape them to the whole sequence after the norm (GPT-2 does);
+        the stage then sends its shard of them (:meth:`stage_forward`)."""
+        shards = self._sequence_shards
+        return _Passthrough() if shards is None else _SequenceGather(shards)
 
     # -- what the pipeline code reads -------------------------------------------------------------
 
@@ -359,6 +391,17 @@ class StagedCausalLM(nn.Module):
     @property
     def is_pipelined(self) -> bool:
         return True
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self._sequence_shards is not None
+
+    def local_sequence(self, length: int) -> int:
+        """The sequence length of the hidden states a stage sends for ``length`` tokens: this
+        TP rank's shard under sequence parallelism, else all of them."""
+        if not self.sequence_parallel:
+            return length
+        return shard_sizes(length, self.parallel.tp)[self.parallel.tp_rank]
 
     @property
     def local_vocab_size(self) -> int:
@@ -406,16 +449,42 @@ class StagedCausalLM(nn.Module):
                 f"{self.stage_split.num_stages}"
             )
         # a later stage's zero input only carries the shape (see the module's docstring)
-        inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": torch.zeros_like(x)}
+        inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": self._zero_input(x)}
         with self._running(stage, None if stage == 0 else x):
             if stage == self.stage_split.last_stage:
                 out = self.hf_model(**inputs, use_cache=False).logits
             else:
                 base = getattr(self.hf_model, self.hf_model.base_model_prefix)
                 out = base(**inputs, use_cache=False).last_hidden_state
+                if self.sequence_parallel:  # gathered by the final norm's stand-in
+                    out = self._own_shard(out)
         # torch's stages detach their outputs in place after backward, which a view refuses
         # (GPT-2 returns its hidden states through .view)
         return out.clone() if out._is_view() else out
+
+    def _own_shard(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This TP rank's sequence shard of the whole sequence's ``hidden`` states (its gradient
+        flows back into those rows only; the gather before it sums the ranks' rows)."""
+        tp, rank = self.parallel.tp, self.parallel.tp_rank
+        length = hidden.size(-2)
+        return hidden.narrow(-2, shard_offsets(length, tp)[rank], shard_sizes(length, tp)[rank])
+
+    def _zero_input(self, received: torch.Tensor) -> torch.Tensor:
+        """A later stage's stand-in input: zeros of the whole sequence's shape (``received``
+        is this rank's sequence shard under sequence parallelism, whose sizes the norms'
+        gathers are told)."""
+        if not self.sequence_parallel:
+            return torch.zeros_like(received)
+        length = self.sequence_length
+        if length is None or self.local_sequence(length) != received.size(-2):
+            raise RuntimeError(
+                f"a sequence-parallel stage received {received.size(-2)} positions, its shard of "
+                f"sequence_length={length}: set the stages' sequence_length to the token count "
+                "(tp_ext's pipeline runner and forward do)"
+            )
+        self._sequence_shards.sizes = uneven_sizes(shard_sizes(length, self.parallel.tp))
+        shape = (*received.shape[:-2], length, received.size(-1))
+        return received.new_zeros(shape)
 
     @contextlib.contextmanager
     def _running(self, stage: int, received: Optional[torch.Tensor]):
@@ -437,7 +506,7 @@ class StagedCausalLM(nn.Module):
         if stage != split.last_stage and self.has_last:  # the V order: both ends on one rank
             for parent, attr in parts.after:
                 swapped.append((parent, attr, getattr(parent, attr)))
-                parent._modules[attr] = _Passthrough()
+                parent._modules[attr] = self._final_stand_in()
         head = self._head() if stage == split.last_stage else None
         gather = getattr(head, "gather_output", None)
         if isinstance(head, ParallelLMHead):
@@ -501,13 +570,17 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
     split, group, me = model.stage_split, model.parallel.pp_group, model.parallel.pp_rank
     batch, seq = input_ids.shape
     param = next(model.parameters())
+    local = seq
+    if hasattr(model, "local_sequence"):  # a sequence-parallel stage sends its shard
+        model.sequence_length = seq
+        local = model.local_sequence(seq)
     h = None
     for stage in range(split.num_stages):
         if split.rank_of(stage) != me:
             continue
         if stage > 0 and split.rank_of(stage - 1) != me:
             h = torch.empty(
-                batch, seq, model.config.hidden_size, device=param.device, dtype=param.dtype
+                batch, local, model.config.hidden_size, device=param.device, dtype=param.dtype
             )
             dist.recv(h, dist.get_global_rank(group, split.rank_of(stage - 1)), group=group)
         h = stage_forward(stage, input_ids if stage == 0 else h)

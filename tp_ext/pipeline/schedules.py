@@ -259,6 +259,8 @@ class PipelineRunner:
             self._built = {key: self._build(n, loss_fn, shape, logits_dtype)}
         schedule, box = self._built[key]
         box["loss_fn"] = loss_fn
+        if hasattr(self.model, "sequence_length"):  # sequence-parallel stages need the length
+            self.model.sequence_length = input_ids.size(1)
         first = 0 in self.model.stage_ids
         args = (input_ids,) if first else ()
         target = labels if self.holds_last_stage else None
@@ -321,6 +323,8 @@ class PipelineRunner:
             size, dtype = model.local_vocab_size, logits_dtype
         else:
             size = model.config.hidden_size
+            if hasattr(model, "local_sequence"):  # a sequence-parallel stage's shard
+                shape = (shape[0], model.local_sequence(shape[1]))
         return torch.empty(*shape, size, dtype=dtype, device="meta", requires_grad=True)
 
 
