@@ -72,12 +72,16 @@ def _step(model, ids):
     return run
 
 
-def _rank(path: str, shape: str, repeats: int, overlap: bool = False, link: bool = False) -> dict:
+def _rank(
+    path: str, shape: str, repeats: int, overlap: bool = False, link: bool = False, sp: bool = False
+) -> dict:
     """On every rank: both models from ``path``, their logits against the unsharded model's,
     then their steps timed in turn. ``overlap``: tp_ext's fused, overlapped linear ops (off by
     default on CPU: on one host the ranks share the cores the overlap would use). ``link``:
     the ranks talk over a throttled network link (benchmarks/netns.py): tp_ext's shared-memory
-    channel is switched off, so its bytes cross the link as transformers' do."""
+    channel is switched off, so its bytes cross the link as transformers' do. ``sp``: tp_ext with
+    sequence parallelism (with ``overlap``, its ring-decomposed all-gather + GEMM and GEMM +
+    reduce-scatter hide the forward's communication too; the same bytes as the all-reduces)."""
     import transformers
 
     import tp_ext
@@ -100,6 +104,7 @@ def _rank(path: str, shape: str, repeats: int, overlap: bool = False, link: bool
         transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
         "auto",
         parallel=state,
+        sequence_parallel=sp,
     )
     trained = _trainer_step(ours, state, ids)
     with torch.no_grad():
@@ -287,6 +292,7 @@ def main() -> None:
     parser.add_argument("--arch", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--overlap", action="store_true", help="tp_ext's overlapped linear ops")
+    parser.add_argument("--sp", action="store_true", help="tp_ext with sequence parallelism")
     parser.add_argument(
         "--pp", type=int, default=0, help="instead: pipeline inference over this many ranks"
     )
@@ -328,14 +334,17 @@ def main() -> None:
                 path = _checkpoint(arch, shape, directory)
                 for tp in [2] if args.mbit else args.tp:
                     case = f"{arch}-{shape}-tp{tp}" + ("-overlap" if args.overlap else "")
+                    case += "-sp" if args.sp else ""
                     if args.mbit:
                         result = netns.run_throttled(
                             "benchmarks.bench_vs_transformers", "_rank", args.mbit,
-                            path, shape, args.repeats, args.overlap, True,
+                            path, shape, args.repeats, args.overlap, True, args.sp,
                         )[0]  # fmt: skip
                         case += f"-{args.mbit:g}mbit"
                     else:
-                        result = run_ranks(_rank, tp, path, shape, args.repeats, args.overlap)[0]
+                        result = run_ranks(
+                            _rank, tp, path, shape, args.repeats, args.overlap, False, args.sp
+                        )[0]
                     rows += _rows(case, result)
                     print(f"{case}: {result}", flush=True)
     append_rows(rows)
