@@ -43,6 +43,15 @@ def _hf_config(arch: str):
         return transformers.Gemma2Config(**common, head_dim=8, sliding_window=4)
     if arch == "mixtral":  # experts over TP or EP inside the stages (no router loss)
         return transformers.MixtralConfig(**common, num_local_experts=4)
+    if arch == "qwen2_moe":  # dense layers first: at pp=2 the first stage holds no experts
+        return transformers.Qwen2MoeConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=32,
+            mlp_only_layers=[0, 1],
+        )
     if arch == "opt":  # decoder layers one level deeper, learned positions, tied embedding
         return transformers.OPTConfig(
             vocab_size=VOCAB,
@@ -142,8 +151,9 @@ SUBSET = [
     ("gemma2", (1, 3, 1), "GPipe", "ddp", 3, False),  # 2 + 1 + 1 layers: sliding by global index
     ("gpt2", (1, 2, 1), "ZBVZeroBubble", "ddp", 4, False),  # tied; both ends on rank 0
     ("gpt2", (2, 2, 2), "1F1B", "ddp", 2, False),  # 8 ranks, tied across ranks
-    # experts over EP inside the stages: from the DP ranks, then across TP ranks
-    ("mixtral", (1, 2, 2, 2), "1F1B", "ddp", 2, True),
+    # experts over EP inside the stages: from the DP ranks (a first stage of dense layers beside
+    # one of experts and a shared expert), then across TP ranks
+    ("qwen2_moe", (1, 2, 2, 2), "1F1B", "ddp", 2, True),
     ("mixtral", (2, 2, 1, 2), "Interleaved1F1B", "ddp", 4, False),
     # pp = 1: the converted model trains as one stage (tied on one rank, FSDP2, recompute)
     ("gpt2", (1, 1, 2), "1F1B", "fsdp", 2, True),
@@ -164,6 +174,7 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("gpt2", (2, 1, 2), "1F1B", "fsdp", 2, True),
     ("gemma2", (3, 1, 1), "1F1B", "ddp", 2, False),
     ("mixtral", (2, 1, 1), "1F1B", "ddp", 2, False),
+    ("mixtral", (1, 2, 2, 2), "1F1B", "ddp", 2, True),
     ("mixtral", (2, 2, 2, 2), "1F1B", "ddp", 2, False),  # EP from DP, experts split over TP
     ("mixtral", (1, 3, 2, 2), "GPipe", "ddp", 3, False),
     ("mixtral", (1, 2, 2, 2), "ZBVZeroBubble", "ddp", 4, False),

@@ -139,6 +139,39 @@ def test_a_checkpoint_build_never_holds_the_whole_model(tmp_path):
         torch.testing.assert_close(logits, expected)
 
 
+def _norm_grads_from_checkpoint(path):
+    """The gradients of the replicated norm weights of the model built from ``path`` at tp=2
+    (per-head q/k norms included, whose gradients parallelize sums over TP by hooks)."""
+    import tp_ext
+    from tp_ext.models.hf.source import HFModelSource
+
+    state = tp_ext.init_parallel(tp=2)
+    model, _ = HFModelSource.from_path(path).build_and_load(state, dtype=torch.float32, seed=0)
+    ids = torch.arange(12).view(2, 6) * 7 % CONFIG["vocab_size"]
+    model(ids, labels=ids).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if "norm" in n}
+
+
+def test_a_checkpoint_build_keeps_the_gradient_hooks(tmp_path):
+    """Qwen3 from a checkpoint at tp=2 (built on the meta device, then materialised): every
+    norm's gradient, q_norm and k_norm included, is the unsharded model's."""
+    from .dist_utils import run_distributed
+
+    path = str(tmp_path / "qwen3")
+    torch.manual_seed(7)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3Config(**CONFIG, head_dim=8)
+    )
+    reference.save_pretrained(path)
+    ids = torch.arange(12).view(2, 6) * 7 % CONFIG["vocab_size"]
+    reference(ids, labels=ids).loss.backward()
+    expected = {n: p.grad for n, p in reference.named_parameters() if "norm" in n}
+    for grads in run_distributed(_norm_grads_from_checkpoint, 2, path):
+        assert sorted(grads) == sorted(expected) and any("q_norm" in n for n in grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_job_config_naming_a_checkpoint_loads_its_weights(tmp_path, tokens):
     model = _model_dir(tmp_path, weights=True)
     job = tmp_path / "job.yaml"

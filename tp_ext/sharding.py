@@ -574,7 +574,8 @@ class StageSplit:
     """Which pipeline stages a rank holds and which decoder layers each stage runs.
 
     ``num_stages = pp * virtual_stages``. Layers go to stages in order, split by the one policy
-    (``shard_sizes``: earlier stages take the extra layer) or by ``split`` (layers per stage).
+    (``shard_sizes``: earlier stages take the extra layer), or by ``default`` (a model's own
+    default split, e.g. by cost) when given, or by ``split`` (layers per stage).
     Stage 0 also holds the embedding; the last stage the final norm and the LM head.
 
     Stages sit on pipeline ranks in one of two orders (the schedules need one or the other):
@@ -584,7 +585,13 @@ class StageSplit:
     """
 
     def __init__(
-        self, num_layers: int, pp: int = 1, virtual_stages: int = 1, split=None, order: str = "loop"
+        self,
+        num_layers: int,
+        pp: int = 1,
+        virtual_stages: int = 1,
+        split=None,
+        order: str = "loop",
+        default=None,
     ):
         check_int("num_layers", num_layers, 0)
         check_int("pp", pp, 1)
@@ -610,7 +617,7 @@ class StageSplit:
                     f"(pp={pp} x virtual_stages={virtual_stages}); every stage needs at least "
                     f"one layer: use pp * virtual_stages <= {num_layers}"
                 )
-            counts = shard_sizes(num_layers, self.num_stages)
+            counts = shard_sizes(num_layers, self.num_stages) if default is None else list(default)
         else:
             counts = list(split) if isinstance(split, (list, tuple)) else None
             if (
@@ -623,10 +630,17 @@ class StageSplit:
                     f"pipeline_split must list the layers of each of the {self.num_stages} "
                     f"stages (pp={pp} x virtual_stages={virtual_stages}), each >= 1, summing to "
                     f"num_layers={num_layers}; got {split!r} (the default split would be "
-                    f"{shard_sizes(num_layers, self.num_stages) if num_layers else []})"
+                    f"{self._default(default)})"
                 )
         self.layer_counts = counts
         self._starts = [sum(counts[:s]) for s in range(self.num_stages)]
+
+    def _default(self, default) -> list:
+        if default is not None:
+            return list(default)
+        if self.num_layers < self.num_stages:
+            return []
+        return shard_sizes(self.num_layers, self.num_stages)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages rank ``pp_rank`` of the pipeline group holds, in the order it runs them."""

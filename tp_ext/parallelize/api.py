@@ -188,15 +188,18 @@ def _pipeline_parts(
         )
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int):  # a bad split is refused before the model is touched
+        stages = parallel.pp * options["virtual_stages"]
+        # by cost (the LM head's on the last stage)
+        default = default_pipeline_split(module, stages) if layers >= stages else None
         split = StageSplit(
             layers,
             parallel.pp,
             options["virtual_stages"],
             options["pipeline_split"],
             options["stage_order"],
+            default=default,
         )
-        if options["pipeline_split"] is None:  # by cost (the LM head's on the last stage)
-            options["pipeline_split"] = default_pipeline_split(module, split.num_stages)
+        options["pipeline_split"] = split.layer_counts
     if decoder_parts is not None:
         return decoder_parts, options
     if example_inputs is None:

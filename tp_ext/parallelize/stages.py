@@ -555,6 +555,28 @@ def tied_copies_group(model):
     return tied_embedding_group(model.parallel)
 
 
+def _run_stages(model, input_ids, stage_forward, local: int):
+    """This rank's stages of ``model`` on ``input_ids``, in order, receiving each from and
+    sending it to the neighbour ranks (``local``: the positions a stage sends); the last
+    stage's output where this rank holds it."""
+    split, group, me = model.stage_split, model.parallel.pp_group, model.parallel.pp_rank
+    param = next(model.parameters())
+    h = None
+    for stage in range(split.num_stages):
+        if split.rank_of(stage) != me:
+            continue
+        if stage > 0 and split.rank_of(stage - 1) != me:
+            shape = (input_ids.size(0), local, model.config.hidden_size)
+            h = torch.empty(shape, device=param.device, dtype=param.dtype)
+            dist.recv(h, dist.get_global_rank(group, split.rank_of(stage - 1)), group=group)
+        h = stage_forward(stage, input_ids if stage == 0 else h)
+        if stage < split.last_stage and split.rank_of(stage + 1) != me:
+            dist.send(
+                h.contiguous(), dist.get_global_rank(group, split.rank_of(stage + 1)), group=group
+            )
+    return h
+
+
 def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gather_logits):
     """Run ``model``'s stages one after another over its pipeline group for inference (the
     hidden states sent to the next stage's rank) and return the last stage's logits on every
@@ -574,20 +596,11 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
     if hasattr(model, "local_sequence"):  # a sequence-parallel stage sends its shard
         model.sequence_length = seq
         local = model.local_sequence(seq)
-    h = None
-    for stage in range(split.num_stages):
-        if split.rank_of(stage) != me:
-            continue
-        if stage > 0 and split.rank_of(stage - 1) != me:
-            h = torch.empty(
-                batch, local, model.config.hidden_size, device=param.device, dtype=param.dtype
-            )
-            dist.recv(h, dist.get_global_rank(group, split.rank_of(stage - 1)), group=group)
-        h = stage_forward(stage, input_ids if stage == 0 else h)
-        if stage < split.last_stage and split.rank_of(stage + 1) != me:
-            dist.send(
-                h.contiguous(), dist.get_global_rank(group, split.rank_of(stage + 1)), group=group
-            )
+    try:
+        h = _run_stages(model, input_ids, stage_forward, local)
+    finally:
+        if hasattr(model, "sequence_length"):  # this forward's, not the next one's
+            model.sequence_length = None
     owner = split.rank_of(split.last_stage)
     if me == owner and not local_logits:
         h = gather_logits(h)

@@ -271,6 +271,9 @@ class PipelineRunner:
             if inner is e:
                 raise
             raise inner from inner.__cause__
+        finally:
+            if hasattr(self.model, "sequence_length"):  # this step's, not the next one's
+                self.model.sequence_length = None
         if self.average_after_step:
             self.stages.average(self.model.parameters(), self.parallel)
 

@@ -447,6 +447,9 @@ def build_step(
     _check_built_with(model, parallel, dp_group, tp_group)
     if getattr(model, "is_2d", False):
         return _grid_step(model, parallel, data_parallel, compression, ignore_index)
+    # from the layout, not this rank's stages: a stage of dense layers in an MoE model must
+    # scale and synchronise its gradients as the stages with experts do
+    experts = experts or getattr(parallel, "ep", 1) > 1
     return _pipeline_step(
         model, parallel, schedule, data_parallel, compression, ignore_index, experts
     )
@@ -581,7 +584,7 @@ def _sum_dense_and_expert_grads(params, expert_ids, dp_group, expert_dp_group, e
         with comm.tag("train.dp_sync"):
             flat = comm.all_reduce(_flat_grads(dense, extras), "sum", group=dp_group)
         extras = list(_set_grads(dense, flat))
-    if expert_dp_group.size > 1:
+    if experts and expert_dp_group.size > 1:  # (every rank of the group holds the same layers)
         with comm.tag("train.dp_sync"):
             flat = comm.all_reduce(_flat_grads(experts, []), "sum", group=expert_dp_group)
         _set_grads(experts, flat)

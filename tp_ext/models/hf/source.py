@@ -185,6 +185,20 @@ class HFModelSource:
         )
 
 
+def _materialized(param: nn.Parameter, device) -> nn.Parameter:
+    """``param`` with storage on ``device`` (a new Parameter: a meta tensor's data cannot be
+    swapped in place), keeping what ``parallelize`` put on it: its gradient hooks (the TP
+    all-reduce of per-head and sequence-parallel norms) and its attributes."""
+    data = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
+    new = nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    for hook in (param._backward_hooks or {}).values():
+        new.register_hook(hook)
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        new.register_post_accumulate_grad_hook(hook)
+    return new
+
+
 def materialize(model: nn.Module, device) -> None:
     """Give every tensor of ``model`` left on the meta device storage on ``device`` (contents
     undefined until a checkpoint fills them; tied parameters stay one tensor), move the others
@@ -199,12 +213,7 @@ def materialize(model: nn.Module, device) -> None:
             if param is None:
                 continue
             if id(param) not in made:
-                data = (
-                    torch.empty_like(param, device=device)
-                    if param.is_meta
-                    else param.detach().to(device)
-                )
-                made[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+                made[id(param)] = _materialized(param, device)
             module._parameters[name] = made[id(param)]
         for name, buffer in module._buffers.items():
             if buffer is None:
