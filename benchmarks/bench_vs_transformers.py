@@ -110,27 +110,40 @@ def _rank(
     with torch.no_grad():
         out["tp_ext_error"] = _rel(ours(ids).logits, expected)
         out["tp_ext_trainer_loss_error"] = _rel(trained(), expected_loss)
-    theirs = None
-    try:
-        from transformers.distributed import DistributedConfig
-
-        size = torch.distributed.get_world_size()
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=size)
-        )
-        with torch.no_grad():
-            logits = theirs(ids).logits
-            if hasattr(logits, "full_tensor"):
-                logits = logits.full_tensor()
-            out["transformers_error"] = _rel(logits, expected)
-    except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
-        out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+    size = torch.distributed.get_world_size()
+    theirs = _native(
+        lambda config: transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=config(tp_size=size)
+        ),
+        ids,
+        expected,
+        out,
+    )
     steps = [_step(ours, ids), trained] + ([] if theirs is None else [_step(theirs, ids)])
     times = bench_interleaved(*steps, warmup=2, repeats=repeats)
     out["tp_ext_s"], out["tp_ext_trainer_s"] = times[:2]
     if theirs is not None:
         out["transformers_s"] = times[2]
     return out
+
+
+def _native(load, ids, expected, out: dict):
+    """transformers' native distributed model, ``load(DistributedConfig)``, with its logits'
+    relative error against ``expected`` in ``out``; None when its mode fails (what failed, in
+    ``out``: where transformers' mode fails is a result)."""
+    try:
+        from transformers.distributed import DistributedConfig
+
+        theirs = load(DistributedConfig)
+        with torch.no_grad():
+            logits = theirs(ids).logits
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        out["transformers_error"] = _rel(logits, expected)
+        return theirs
+    except Exception:  # noqa: BLE001 - recorded, not raised
+        out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+        return None
 
 
 def _trainer_step(model, state, ids):
@@ -196,14 +209,14 @@ def _pp_rank(path: str, repeats: int) -> dict:
     with torch.no_grad():
         out["tp_ext_error"] = _rel(ours(ids), expected)
         steps = [lambda: ours(ids)]
-        try:
-            from transformers.distributed import DistributedConfig
-
-            theirs = load(dtype=torch.float32, distributed_config=DistributedConfig(pp_size=size))
-            out["transformers_error"] = _rel(theirs(ids).logits, expected)
+        theirs = _native(
+            lambda config: load(dtype=torch.float32, distributed_config=config(pp_size=size)),
+            ids,
+            expected,
+            out,
+        )
+        if theirs is not None:
             steps.append(lambda: theirs(ids))
-        except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
-            out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
         times = bench_interleaved(*steps, warmup=2, repeats=repeats)
     out["tp_ext_s"] = times[0]
     if len(times) > 1:
@@ -250,7 +263,6 @@ def _moe_rank(path: str, layout: str, repeats: int) -> dict:
     against the unsharded model's on this rank's batch, and their forward+backward steps timed
     in turn."""
     import transformers
-    from transformers.distributed import DistributedConfig
 
     import tp_ext
 
@@ -267,16 +279,9 @@ def _moe_rank(path: str, layout: str, repeats: int) -> dict:
     out: dict = {}
     with torch.no_grad():
         out["tp_ext_error"] = _rel(ours(ids).logits, expected)
-    theirs = None
-    try:
-        theirs = load(distributed_config=DistributedConfig(**theirs_config))
-        with torch.no_grad():
-            logits = theirs(ids).logits
-            if hasattr(logits, "full_tensor"):
-                logits = logits.full_tensor()
-            out["transformers_error"] = _rel(logits, expected)
-    except Exception:  # noqa: BLE001 - recorded: where transformers' mode fails is a result
-        out["transformers_failed"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+    theirs = _native(
+        lambda config: load(distributed_config=config(**theirs_config)), ids, expected, out
+    )
     steps = [_step(ours, ids)] + ([] if theirs is None else [_step(theirs, ids)])
     times = bench_interleaved(*steps, warmup=2, repeats=repeats)
     out["tp_ext_s"] = times[0]

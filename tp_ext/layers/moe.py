@@ -51,10 +51,27 @@ __all__ = [
     "ParallelExperts",
     "is_sparse_moe_block",
     "expert_parameters",
+    "expert_count",
+    "experts_per_token",
     "MOE_TAG",
 ]
 
 MOE_TAG = "moe"  # the comm tag of the dispatch and combine (tp_ext.comm.track())
+
+
+def expert_count(config) -> int:
+    """Routed experts per MoE layer of a transformers ``config`` (0 for a dense model)."""
+    return _first_int(config, ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def experts_per_token(config) -> int:
+    """Experts each token is routed to (top-k) in a transformers ``config`` (0: dense)."""
+    return _first_int(config, ("num_experts_per_tok", "moe_topk", "top_k"))
+
+
+def _first_int(config, fields) -> int:
+    """The first of ``fields`` that ``config`` sets to an int (architectures name it apart)."""
+    return next((v for v in (getattr(config, f, None) for f in fields) if isinstance(v, int)), 0)
 
 
 def is_sparse_moe_block(module: nn.Module) -> bool:

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
+from tp_ext.layers.moe import expert_count, experts_per_token
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.sharding import (
     StageSplit,
@@ -124,17 +125,7 @@ def pipeline_costs(model: nn.Module) -> tuple[list[int], int, int]:
     scores' sequence-long term weighs every layer alike and is left out. Reads shapes only, so a
     model on the meta device works."""
     base, path = _decoder_layers_path(model)
-    config = model.config
-    experts = next(
-        (getattr(config, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
-         if isinstance(getattr(config, n, None), int) and getattr(config, n) > 0),
-        None,
-    )  # fmt: skip
-    visited = next(
-        (getattr(config, n) for n in ("num_experts_per_tok", "moe_topk", "top_k")
-         if isinstance(getattr(config, n, None), int)),
-        None,
-    )  # fmt: skip
+    experts, visited = expert_count(model.config), experts_per_token(model.config)
 
     def cost(module: nn.Module) -> int:
         total = 0

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from tp_ext.layers.moe import experts_per_token
 from tp_ext.models.hf.activations import fit_layer_activations
 from tp_ext.models.hf.config import max_positions, tp_problem
 from tp_ext.models.hf.shards import mlp_widths, model_shards, narrow_config
@@ -47,14 +48,7 @@ class HFModel:
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.max_position_embeddings = max_positions(config)
         self.is_moe = shards.moe
-        self.experts_per_token = next(
-            (
-                getattr(config, n)
-                for n in ("num_experts_per_tok", "moe_topk", "top_k")
-                if isinstance(getattr(config, n, None), int)
-            ),
-            0,
-        )
+        self.experts_per_token = experts_per_token(config)
 
     def __hash__(self) -> int:
         return hash(self._key)

@@ -43,12 +43,7 @@ def grad_norm(model: nn.Module, tp_group=None, norm_type: float = 2.0) -> torch.
     whole_experts = None
     if experts:  # each EP rank holds other experts: their part adds up over the EP group first
         sliced = _experts_split_over_tp(model)
-        if sliced:  # slices of the experts, like any TP layer's
-            dense_ids = {id(q) for q in model.parameters()} - expert_ids
-            mine = _local_norm_power(model, tp, p, skip=dense_ids)
-        else:  # whole experts (an EP group across TP ranks, or no TP): all of them count here
-            grads = [q.grad for q in experts if q.grad is not None]
-            mine = _power_of([_norm_of(g, p) for g in grads], p, local.device)
+        mine = _held_experts_power(model, expert_ids, sliced, tp, p, local.device)
         if ep.size > 1:
             mine = comm.all_reduce(mine, reduce, group=ep)
         if tp.size > 1 and not sliced:
@@ -114,11 +109,19 @@ def _expert_norm_power(model, expert_ids: set, parallel, tp: ResolvedGroup, p: f
     expert_dp = resolve_group(parallel.expert_dp_group)
     if expert_dp.rank != 0 and p != math.inf:
         return torch.zeros((), device=parallel.device)
-    if _experts_split_over_tp(model):
+    sliced = _experts_split_over_tp(model)
+    return _held_experts_power(model, expert_ids, sliced, tp, p, parallel.device)
+
+
+def _held_experts_power(model, expert_ids: set, sliced: bool, tp, p: float, device):
+    """sum(|g|^p) (max for p = inf) over the expert gradients this rank holds: experts ``sliced``
+    over TP count each TP slice once, as any TP layer's; whole experts (an EP group across TP
+    ranks, or no TP) all count here."""
+    if sliced:
         dense_ids = {id(q) for q in model.parameters()} - expert_ids
         return _local_norm_power(model, tp, p, skip=dense_ids)
     grads = [q.grad for q in model.parameters() if id(q) in expert_ids and q.grad is not None]
-    return _power_of([_norm_of(g, p) for g in grads], p, parallel.device)
+    return _power_of([_norm_of(g, p) for g in grads], p, device)
 
 
 def _local_norm_power(model, tp: ResolvedGroup, p: float, skip=frozenset(), dp_shards=None):

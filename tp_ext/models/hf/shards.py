@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tp_ext.layers import ResolvedGroup
+from tp_ext.layers.moe import expert_count
 from tp_ext.parallelize import Colwise, parallelize
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.modules import AttentionHeads, attention_heads, linear_features
@@ -49,15 +50,6 @@ _INTERMEDIATE_FIELDS = (
     "ffn_dim",
     "n_inner",
 )
-
-
-def expert_count(config) -> int:
-    """Routed experts per MoE layer (0 for a dense model)."""
-    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def mlp_widths(config) -> dict:

@@ -108,9 +108,10 @@ class HFModelSource:
         from transformers import AutoModelForCausalLM
 
         weights = self.weights if weights is None else weights
-        if weights is not None and self._slices_readable(weights):
+        view = None if weights is None else self._files_view(weights)
+        if weights is not None and view is not False:  # each rank reads its slices
             model = self._build_on_meta(parallel, dtype, stage_options)
-            return model, self.load_weights(model, weights)
+            return model, self._load(model, weights, view)
         torch.manual_seed(seed)
         if weights is not None:
             model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype)
@@ -154,21 +155,19 @@ class HFModelSource:
         return pieces, frozenset(model.state_dict().keys())
 
     def _files_view(self, path: str):
-        """How the checkpoint at ``path`` is read by slices: None when it holds every tensor
-        under its module's name; a :func:`~tp_ext.checkpoint.hf_conversions.converted_files`
-        view when transformers' conversion mapping (experts one tensor each) gives them; False
-        when neither does (read whole by transformers)."""
+        """How the checkpoint at ``path`` is read by slices (``load_hf_checkpoint``'s
+        ``files_view``): None when it holds every tensor under its module's name; a function
+        giving the :func:`~tp_ext.checkpoint.hf_conversions.converted_files` view when
+        transformers' conversion mapping (experts one tensor each) gives them; False when
+        neither does (read whole by transformers)."""
         files = SafetensorsFiles(path)
         if self._meta_names[0] <= files.names():
             return None
-        view = converted_files(files, meta_model(self.hf_config))
+        model = meta_model(self.hf_config)
+        view = converted_files(files, model)
         if view is not None and self._meta_names[0] <= view.names():
-            return lambda files: converted_files(files, meta_model(self.hf_config))
+            return functools.partial(converted_files, model=model)
         return False
-
-    def _slices_readable(self, path: str) -> bool:
-        """Whether each rank can read its slices of the checkpoint at ``path``."""
-        return self._files_view(path) is not False
 
     def load_weights(self, model: nn.Module, path: Optional[str] = None) -> dict:
         """This rank's slices of the checkpoint at ``path`` (default: the source's) read into
@@ -176,10 +175,12 @@ class HFModelSource:
         files hold another form; a pipeline stage's model checks the files against the whole
         model's tensor names. Returns load_hf_checkpoint's report."""
         path = self.weights if path is None else path
+        return self._load(model, path, self._files_view(path))
+
+    def _load(self, model: nn.Module, path: str, view) -> dict:
         whole = ()
         if getattr(model, "pipeline_group", None) is not None:
             whole = self._meta_names[1]
-        view = self._files_view(path)
         return load_hf_checkpoint(
             model, path, progress=False, used_elsewhere=whole, files_view=view or None
         )
