@@ -15,6 +15,7 @@ from torch import nn
 import tp_ext
 from tp_ext.layers import local_shards
 from tp_ext.parallelize.plan import auto_plan
+from tp_ext.parallelize.styles import SharedInput
 
 from .dist_utils import run_distributed
 from .test_layers import assert_rel
@@ -96,8 +97,8 @@ def test_the_trace_leaves_the_model_and_random_state_as_they_were():
     assert not model._forward_hooks and not model.stack[0].alpha._forward_pre_hooks
 
 
-def _check_toy_exact():
-    reference = _toy()
+def _check_toy_exact(block=_Block):
+    reference = _toy(block)
     model, report = tp_ext.parallelize(copy.deepcopy(reference), "auto", return_report=True)
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     target = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
@@ -106,20 +107,76 @@ def _check_toy_exact():
     loss = F.cross_entropy(out.flatten(0, 1), target.flatten())
     ref_loss = F.cross_entropy(ref.flatten(0, 1), target.flatten())
     assert_rel(loss, ref_loss, "loss")
-    loss.backward()
+    with tp_ext.comm.track() as backward:
+        loss.backward()
     ref_loss.backward()
     expected = local_shards(model, {n: p.grad for n, p in reference.named_parameters()})
     for name, p in model.named_parameters():
         assert_rel(p.grad, expected[name], f"gradient of {name}")
-    return report
+    return report, sum(r.count for r in backward.records)
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 4])
 def test_a_model_with_unknown_names_is_split_exactly(ws):
-    report = run_distributed(_check_toy_exact, ws)[0]
+    report, _ = run_distributed(_check_toy_exact, ws)[0]
     if ws > 1:
         assert report["stack.1.w12"].startswith("colwise: column-parallel by parts [19, 19]")
         assert report["stack.1.omega"].startswith("rowwise"), report
+
+
+class _SharedNorm(_Block):
+    """No router: the norm's output is read only by the column-parallel alpha, beta and w12."""
+
+    def __init__(self):
+        super().__init__()
+        del self.score
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = self.omega(F.silu(self.alpha(h)) * self.beta(h))
+        gate, up = self.w12(h).chunk(2, dim=-1)
+        return x + a + self.w3(F.gelu(gate) * up)
+
+
+class _NormAlsoElsewhere(_SharedNorm):
+    """The same, with the norm's output also added into the stream, where its gradient is whole
+    on every rank: an all-reduce of the sum would count that part once per rank."""
+
+    def forward(self, x):
+        return super().forward(x) + 0.5 * self.norm(x)
+
+
+def test_a_norm_read_only_by_column_linears_hands_them_its_output_once():
+    plan = auto_plan(_toy(_SharedNorm))
+    readers = ("stack.0.alpha", "stack.0.beta", "stack.0.w12")
+    assert plan["stack.0.norm"] == SharedInput(readers), plan
+    assert "final" not in plan  # one reader (the logits' linear): nothing to share
+    for block in (_Block, _NormAlsoElsewhere):  # a replicated router reads it; the stream does
+        assert "stack.0.norm" not in auto_plan(_toy(block)), block.__name__
+    sp = auto_plan(_toy(_SharedNorm), sequence_parallel=True)  # its norms gather once already
+    assert sp["stack.0.norm"] == "sequence_parallel", sp
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 4])
+def test_linears_sharing_a_norms_output_all_reduce_their_input_gradient_once(ws):
+    """Exact at every size; the backward's collectives: one all-reduce per shared norm and the
+    logits' linear's, where each of alpha, beta and w12 had its own."""
+    shared, calls = run_distributed(_check_toy_exact, ws, _SharedNorm)[0]
+    _, separate = run_distributed(_check_toy_exact, ws, _NormAlsoElsewhere)[0]
+    if ws == 1:
+        assert calls == separate == 0
+        return
+    assert shared["stack.0.norm"].startswith("shared_input: output enters the TP region once")
+    assert calls == 2 + 1, calls  # 2 blocks
+    assert separate == 2 * 3 + 1, separate
+
+
+def test_shared_input_misuse_is_refused_clearly():
+    with pytest.raises(ValueError, match=r"SharedInput\(readers=...\) must name"):
+        SharedInput(())
+    plan = {"stack.0.norm": SharedInput(("stack.0.alpha",)), "stack.0.alpha": "replicate"}
+    with pytest.raises(ValueError, match="names 'stack.0.alpha'.*must be Colwise"):
+        tp_ext.parallelize(_toy(_SharedNorm), plan)
 
 
 class _NormInside(_Block):

@@ -188,6 +188,12 @@ def _check_architectures(sequence_parallel=False):
             assert len(splits) == 1, (arch, splits)
             reduce_scattered = [n for n, what in report.items() if "reduce-scattered" in what]
             assert len(reduce_scattered) == 4, (arch, reduce_scattered)  # 2 per layer
+        if not sequence_parallel and arch in ("llama", "mixtral"):
+            # q, k and v alone read the norm's output: their input gradients all-reduced once
+            assert report["model.layers.0.input_layernorm"].startswith("shared_input"), report
+            # gate and up too, but Mixtral's replicated router reads its second norm as well
+            shared_mlp = "model.layers.0.post_attention_layernorm" in report
+            assert shared_mlp == (arch == "llama"), (arch, report)
         with torch.no_grad():
             assert_rel(model(ids).logits, reference(ids).logits, f"{arch}: logits")
         seen[arch] = "exact"

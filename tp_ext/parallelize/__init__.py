@@ -20,6 +20,7 @@ from tp_ext.parallelize.styles import (
     Replicate,
     Rowwise,
     SequenceParallel,
+    SharedInput,
     StyleTarget,
     VocabParallel,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "VocabParallel",
     "Experts",
     "SequenceParallel",
+    "SharedInput",
     "Replicate",
     "sequence_parallel",
     "stages",

@@ -20,6 +20,9 @@ give an instance or its string alias):
     SequenceParallel() "sequence_parallel"  norms: Megatron's sequence parallelism (the norm
                                     on this rank's sequence shard, its output all-gathered)
     SequenceParallel(gather_output=False)  "sequence_parallel_local"  its output left split
+    SharedInput(readers)  (no alias)  norms read only by column-parallel linears (q, k, v):
+                                    their input gradients all-reduced once, summed ("auto"
+                                    gives it without sequence parallelism)
     Replicate()        "replicate"  left as it is (every rank computes it in full)
 
 Attention projections are split by whole heads (HeadLayout) whenever their parent module looks
@@ -49,9 +52,11 @@ from tp_ext.parallelize.stages import (
     find_decoder_parts,
 )
 from tp_ext.parallelize.styles import (
+    Colwise,
     ParallelStyle,
     Replicate,
     SequenceParallel,
+    SharedInput,
     StyleTarget,
     VocabParallel,
     as_style,
@@ -151,6 +156,7 @@ def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
     """Replace every module the plan covers by its style's layer (this rank's slice)."""
     shared = _shared_parameters(module)
     _check_ties(module, decided, shared)
+    entered = _entered_readers(decided)
     converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
     # Embeddings first, so an LM head tied to one finds it converted.
     order = sorted(decided.items(), key=lambda item: not _is_embedding(module, item[0]))
@@ -159,13 +165,32 @@ def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
         parent = module.get_submodule(parent_name) if parent_name else module
         child = getattr(parent, leaf)
         tie_to = _tied_embedding(child, shared, converted)
-        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name))
+        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name), name in entered)
         new, what = style.apply(child, target)
         if new is not child:
             for param in child.parameters(recurse=False):
                 converted[id(param)] = new
             setattr(parent, leaf, new)
         report[name] = f"{style.name}: {what}"
+
+
+def _entered_readers(decided: dict) -> set:
+    """The linears a :class:`SharedInput` norm hands their input (they skip their own gradient
+    all-reduce): each must be in the plan as a column-parallel linear whose output stays split."""
+    entered = set()
+    for norm, style in decided.items():
+        if not isinstance(style, SharedInput):
+            continue
+        for reader in style.readers:
+            got = decided.get(reader)
+            if not isinstance(got, Colwise) or got.gather_output:
+                raise ValueError(
+                    f"{norm}: SharedInput names {reader!r} as a reader of its output, but the "
+                    f"plan gives it {got!r}; every reader must be Colwise() (output left split), "
+                    "or leave the norm out of the plan"
+                )
+            entered.add(reader)
+    return entered
 
 
 def _pipeline_parts(

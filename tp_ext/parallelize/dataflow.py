@@ -79,6 +79,9 @@ class Flow:
     norms_flat: set = field(
         default_factory=set
     )  # called on [tokens, hidden], batch and sequence merged
+    norm_readers: dict = field(default_factory=dict)  # norm -> the linears reading its output
+    # norms whose output (through casts and views) also reaches an op outside the linears
+    norms_read_elsewhere: set = field(default_factory=set)
     tokens: int = 0
 
     def consumers(self, name: str) -> list:
@@ -147,6 +150,7 @@ class _Tracer(TorchDispatchMode):
         self.prov: dict[int, _Provenance] = {}
         self.outputs: dict[int, str] = {}  # id of a linear's output tensor -> the linear
         self.alive: list = []  # every tagged tensor, so no id is reused during the trace
+        self.inside_linears = 0  # > 0 while a linear's own forward runs
 
     def tag(self, tensor, prov: _Provenance) -> None:
         self.prov[id(tensor)] = prov
@@ -171,13 +175,16 @@ class _Tracer(TorchDispatchMode):
             mixed |= self._reduced(func, args, kwargs, self.get(args[0]))
         if linears and any(p.param for p in provs):
             self._note_parameters(linears, [t for t in inputs if (self.get(t) or _NONE).param])
+        normed = [t for t in inputs if (self.get(t) or _NONE).norm is not None]
+        # a norm's output keeps its name through casts and views, not through an addition
+        passes = len(provs) == 1 and bool(normed) and _same_size(out, normed[0])
+        if normed and not passes and not self.inside_linears:
+            self.flow.norms_read_elsewhere.update(self.get(t).norm for t in normed)
         if stream:
             # whatever joins the stream must be whole there (e.g. a row-parallel output)
             for name in linears:
                 self.flow.linears[name].reaches_stream = True
-            # a norm's output keeps its name through casts and views, not through an addition
-            norm = provs[0].norm if len(provs) == 1 else None
-            merged = _Provenance(stream=True, norm=norm)
+            merged = _Provenance(stream=True, norm=self.get(normed[0]).norm if passes else None)
         else:
             tokens = all(p.tokens for p in provs) and func not in _REDUCTIONS
             if linears or tokens:
@@ -222,6 +229,10 @@ class _Tracer(TorchDispatchMode):
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
         if dim % x.dim() == x.dim() - 1:
             self.flow.linears[name].parts = tuple(t.shape[-1] for t in out)
+
+
+def _same_size(out, x: torch.Tensor) -> bool:
+    return isinstance(out, torch.Tensor) and out.numel() == x.numel()
 
 
 def _trace_length(model: nn.Module) -> int:
@@ -286,15 +297,18 @@ class _FlowHooks:
         prov = self.tracer.get(inputs[0]) if inputs else None
         f = self.flow.linears[name]
         f.called = True
+        self.tracer.inside_linears += 1
         if prov is not None:
             if prov.norm is not None:
                 self.flow.norms_feeding_linears.add(prov.norm)
+                self.flow.norm_readers.setdefault(prov.norm, set()).add(name)
             f.reads_stream = f.reads_stream or prov.stream
             f.sources = f.sources | prov.linears
             f.mixed_sources = f.mixed_sources | prov.mixed
 
     def linear_after(self, module, inputs, output):
         name = self.by_module[id(module)]
+        self.tracer.inside_linears -= 1
         if isinstance(output, torch.Tensor):
             self.tracer.tag(output, _Provenance(linears=frozenset([name])))
             self.tracer.outputs[id(output)] = name

@@ -13,7 +13,7 @@ from torch import nn
 
 from tp_ext.parallelize.dataflow import trace_flow
 from tp_ext.parallelize.modules import attention_heads, is_conv1d, is_fused_experts, is_norm
-from tp_ext.parallelize.styles import ALIASES, ParallelStyle, as_style
+from tp_ext.parallelize.styles import ALIASES, ParallelStyle, SharedInput, as_style
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
@@ -57,7 +57,7 @@ def auto_plan(
     reasons: Optional[dict] = None,
     example_inputs=None,
     parts: Optional[dict] = None,
-) -> dict[str, str]:
+) -> dict[str, StyleLike]:
     """The split of every linear and embedding of ``module``, decided from one traced forward
     (:mod:`tp_ext.parallelize.dataflow`), not from names:
 
@@ -78,7 +78,10 @@ def auto_plan(
     - with ``sequence_parallel``, every norm over the model's width gets "sequence_parallel"
       (its output gathered for the linears it feeds), or "sequence_parallel_local" when the
       trace shows its output going back to the stream with no linear reading it (Gemma 2/3's
-      norms of a row-parallel output before the residual add: they run on the shard).
+      norms of a row-parallel output before the residual add: they run on the shard);
+    - without it, a norm whose output only column-parallel linears read (two or more: q, k, v;
+      gate, up) gets :class:`~tp_ext.parallelize.styles.SharedInput` naming them: one
+      all-reduce of their summed input gradient instead of one each.
 
     ``reasons``, when given, is filled with why each module got its style. ``example_inputs``:
     ``(args, kwargs)`` for the traced forward (default: 1 x T token ids)."""
@@ -122,8 +125,27 @@ def auto_plan(
             )
         elif name in linears:
             plan[name], why[name] = "replicate", _whole_reason(flow, name, blocked, linears)
+    if not sequence_parallel:
+        _share_norm_outputs(plan, flow, why)
     _refuse_large_unsplit(module, plan, flow, why)
     return _called_norms_first(plan, flow)
+
+
+def _share_norm_outputs(plan: dict, flow, why: dict) -> None:
+    """A norm whose output only column-parallel linears read (q, k and v; gate and up) gets
+    :class:`SharedInput`: its output enters the TP region once, so their input gradients are
+    summed on each rank and all-reduced once, not once per linear (Megatron's copy_to_tp before
+    its fused QKV; Hugging Face models keep separate projections)."""
+    for norm, readers in flow.norm_readers.items():
+        if len(readers) < 2 or norm in flow.norms_read_elsewhere:
+            continue
+        if all(plan.get(r) == "colwise" for r in readers):
+            plan[norm] = SharedInput(tuple(sorted(readers)))
+            leaves = ", ".join(r.rpartition(".")[2] for r in sorted(readers))
+            why[norm] = (
+                f"its output is read only by the column-parallel {leaves}: one all-reduce of "
+                "their summed input gradient"
+            )
 
 
 def _sequence_parallel_norm(module: nn.Module, name: str, norm: nn.Module, flow):

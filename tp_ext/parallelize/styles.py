@@ -1,7 +1,8 @@
 """The styles: what :func:`tp_ext.parallelize` does to one module of a plan. Each is a
 :class:`ParallelStyle` (``Colwise()``, ``Rowwise()``, ``VocabParallel()``, ``Experts()``,
-``SequenceParallel()``, ``Replicate()``, with keyword options) that applies itself to a module;
-the plan's strings ("colwise", "rowwise", ...) are aliases of default instances (:data:`ALIASES`).
+``SequenceParallel()``, ``SharedInput(readers)``, ``Replicate()``, with keyword options) that
+applies itself to a module; the plan's strings ("colwise", "rowwise", ...) are aliases of default
+instances (:data:`ALIASES`).
 
 A style that swaps the module for a tp_ext layer keeps this rank's slice of the module's weights.
 Attention projections are split by whole heads when their parent looks like Hugging Face
@@ -18,6 +19,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
+from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import (
     ColumnParallelLinear,
@@ -72,7 +74,8 @@ class StyleTarget:
     ``sequence_parallel``: the residual stream is split along the sequence (the plan has a
     gathering sequence-parallel norm and TP > 1). ``shards``: the sequence shards' hooks.
     ``tie_to``: the converted embedding an LM head shares its weight with. ``parts``: the widths
-    auto traced a column's output being cut into."""
+    auto traced a column's output being cut into. ``input_entered``: a column whose input a
+    :class:`SharedInput` norm hands it already in the TP region (no all-reduce of its own)."""
 
     name: str
     parent: nn.Module
@@ -81,6 +84,7 @@ class StyleTarget:
     shards: Optional[SequenceShards] = None
     tie_to: Optional[VocabParallelEmbedding] = None
     parts: Optional[tuple[int, ...]] = None
+    input_entered: bool = False
 
 
 class ParallelStyle(ABC):
@@ -193,7 +197,7 @@ class Colwise(_Swap):
             module.bias is not None,
             gather_output=self.gather_output,
             partition=partition,
-            input_is_gathered=target.sequence_parallel,
+            input_is_gathered=target.sequence_parallel or target.input_entered,
             **_factory(module, target),
         )
         how = "by rows" if partition is None else f"by parts {list(parts)}" if parts else "by heads"
@@ -360,6 +364,54 @@ class SequenceParallel(ParallelStyle):
                 p.register_hook(target.shards.all_reduce_grad)
         output = "output all-gathered" if self.gather_output else "output stays split"
         return module, f"runs on this rank's shard, {output}"
+
+
+@dataclass(frozen=True)
+class SharedInput(ParallelStyle):
+    """For a norm whose output only column-parallel linears read (``readers``, full module names:
+    q, k and v, or gate and up): the output enters the TP region once (``copy_to_tp``: identity
+    forward, all-reduce backward), so the readers' input gradients are summed on each rank and
+    all-reduced once instead of once per linear; the readers skip their own. Megatron gets this
+    from one fused QKV linear; Hugging Face models keep separate projections. The "auto" plan
+    gives it where its trace shows nothing else reading the norm's output (a replicated reader
+    would have its gradient counted once per rank). Not with sequence parallelism, whose norms
+    gather once for their readers already. At TP 1 the norm is left unchanged."""
+
+    readers: tuple[str, ...] = ()
+    name: ClassVar[str] = "shared_input"
+    shards_weights: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if (
+            isinstance(self.readers, (str, bytes))
+            or not isinstance(self.readers, Sequence)
+            or not self.readers
+            or not all(isinstance(r, str) and r for r in self.readers)
+        ):
+            raise ValueError(
+                "SharedInput(readers=...) must name the column-parallel linears that read the "
+                f"norm's output (full module names, e.g. ['model.layers.0.mlp.gate_proj', "
+                f"'model.layers.0.mlp.up_proj']), got {self.readers!r}"
+            )
+        object.__setattr__(self, "readers", tuple(self.readers))
+
+    def apply(self, module, target):
+        if target.sequence_parallel:
+            raise ValueError(
+                f"{target.name}: SharedInput is not for sequence parallelism (its norms gather "
+                "their output once for the linears after them already); drop it from the plan "
+                "or use sequence_parallel=False"
+            )
+        if target.tp.size == 1:
+            return module, "unchanged"
+        tp = target.tp
+
+        def enter(module, args, output):
+            return comm.copy_to_tp(output, tp)
+
+        module.register_forward_hook(enter)
+        leaves = ", ".join(r.rpartition(".")[2] for r in self.readers)
+        return module, f"output enters the TP region once for {leaves} (one gradient all-reduce)"
 
 
 @dataclass(frozen=True)
