@@ -87,6 +87,12 @@ TORCH_LIBRARY(tp_ext, m) {
   m.def(  // (grad_x all-reduced, grad_weight, grad_bias)
       "column_linear_backward(Tensor grad, Tensor x, Tensor weight, str group_name, "
       "int group_size, bool overlap=True) -> (Tensor, Tensor, Tensor)");
+  m.def(  // column_linear for several layers reading x (q, k, v): one gradient all-reduce
+      "column_linears(Tensor x, Tensor[] weights, Tensor[] biases, str group_name, "
+      "int group_size, bool overlap=True) -> Tensor[]");
+  m.def(  // (grad_x: sum over the layers, all-reduced; grad_weights; grad_biases if bias)
+      "column_linears_backward(Tensor[] grads, Tensor x, Tensor[] weights, bool bias, "
+      "str group_name, int group_size, bool overlap=True) -> (Tensor, Tensor[], Tensor[])");
   m.def(
       "all_gather_linear(Tensor x, Tensor weight, Tensor? bias, int dim, int[]? sizes, "
       "str group_name, int group_size, int group_rank) -> (Tensor, Tensor)");

@@ -34,6 +34,18 @@ def _op_samples():
     return [
         ("column_linear", (grad(full((2, 5, 3), 31)), grad(lin_w), grad(lin_b), name, size)),
         ("column_linear_backward", (full((2, 5, 4), 32), full((2, 5, 3), 31), lin_w, name, size)),
+        (  # q and k reading one input, with and without biases
+            "column_linears",
+            (grad(full((2, 5, 3), 31)), [grad(lin_w), grad(seq_full[0, :2])], [], name, size),
+        ),
+        (
+            "column_linears",
+            (grad(full((2, 5, 3), 31)), [grad(lin_w)], [grad(lin_b)], name, size),
+        ),
+        (
+            "column_linears_backward",
+            ([full((2, 5, 4), 32)], full((2, 5, 3), 31), [lin_w], True, name, size),
+        ),
         ("all_gather_linear", (grad(seq_piece), grad(lin_w), grad(lin_b), *ring)),
         ("all_gather_linear_backward", (full((2, n, 4), 33), seq_full, lin_w, *ring)),
         ("linear_reduce_scatter", (grad(seq_full), grad(lin_w), *ring)),

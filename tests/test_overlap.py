@@ -69,6 +69,105 @@ def test_column_linear_matches_copy_to_tp_and_linear(world):
         assert count == (1 if world > 1 else 0)
 
 
+def _check_column_linears(overlap, bias):
+    """q, k and v as one op: their outputs and every gradient as three column_linear calls, one
+    all-reduce of the summed input gradient where those make three; an unused output (its
+    gradient None) counts as zero."""
+    name, size, rank = _group()
+    x = full((2, 5, 6), 1, torch.float64).requires_grad_()
+    ws = [full((3 + rank + i, 6), 2 + i, torch.float64).requires_grad_() for i in range(3)]
+    bs = [full((3 + rank + i,), 5 + i, torch.float64).requires_grad_() for i in range(3)]
+    params = [x, *ws, *(bs if bias else [])]
+    with comm.track() as fused_stats:
+        ys = ops.column_linears(x, ws, bs if bias else [], name, size, overlap)
+        loss = sum((y * full(y.shape, 7 + i, torch.float64)).sum() for i, y in enumerate(ys[:2]))
+        fused = torch.autograd.grad(loss, params, allow_unused=True)
+    with comm.track() as plain_stats:
+        refs = [ops.column_linear(x, w, b if bias else None, name, size) for w, b in zip(ws, bs)]
+        loss = sum((y * full(y.shape, 7 + i, torch.float64)).sum() for i, y in enumerate(refs[:2]))
+        plain = torch.autograd.grad(loss, params, allow_unused=True)
+    for y, y_ref in zip(ys, refs):
+        torch.testing.assert_close(y, y_ref, **TOL)
+    for i, (a, e) in enumerate(zip(fused, plain)):
+        if e is None:  # v's weight and bias: its output was not used
+            e = torch.zeros_like(params[i])
+        torch.testing.assert_close(a, e, **TOL)
+    with comm.track() as frozen_stats:  # no input gradient wanted: no all-reduce
+        ys = ops.column_linears(x.detach(), ws, [], name, size, overlap)
+        gw = torch.autograd.grad(sum(y.sum() for y in ys), ws)
+    for g, w in zip(gw, ws):
+        torch.testing.assert_close(
+            g,
+            torch.ones(2 * 5, w.shape[0], dtype=w.dtype).t() @ x.detach().reshape(10, 6),
+            **TOL,
+        )
+    return (
+        fused_stats.count(collective="all_reduce"),
+        plain_stats.count(collective="all_reduce"),
+        fused_stats.bytes(collective="all_reduce"),
+        frozen_stats.count(),
+    )
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_column_linears_all_reduce_the_summed_input_gradient_once(world, overlap, bias):
+    for fused, plain, nbytes, frozen in run_distributed(
+        _check_column_linears, world, overlap, bias
+    ):
+        assert (fused, plain) == ((1, 2) if world > 1 else (0, 0))  # v's output unused: 2 not 3
+        assert nbytes == (2 * 5 * 6 * 8 if world > 1 else 0) and frozen == 0
+
+
+def _shared_column_input():
+    """Two column-parallel layers joined by SharedColumnInput: fed the offered tensor they give
+    the separate layers' outputs and gradients with one all-reduce; fed another tensor, each
+    computes alone."""
+    from tp_ext.layers import ColumnParallelLinear, SharedColumnInput
+
+    torch.manual_seed(0)
+    q, k = ColumnParallelLinear(6, 8, dtype=torch.float64), ColumnParallelLinear(6, 5, False)
+    k.double()
+    x = full((2, 5, 6), 1, torch.float64).requires_grad_()
+
+    def run(fed):
+        for p in (x, *q.parameters(), *k.parameters()):
+            p.grad = None
+        with comm.track() as stats:
+            y = (q(fed) * 2 + k(fed).sum(-1, keepdim=True)).sum()
+            y.backward()
+        grads = [x.grad] + [p.grad for p in (*q.parameters(), *k.parameters())]
+        return y.detach(), grads, {r.op: r.count for r in stats.records}
+
+    alone = run(x)
+    group = SharedColumnInput([q, k])
+    group.offer(x)
+    shared = run(x)
+    group.offer(x.detach())  # not the tensor the layers read: each computes alone
+    again = run(x)
+    for other in (shared, again):
+        torch.testing.assert_close(other[0], alone[0], **TOL)
+        for a, e in zip(other[1], alone[1]):
+            torch.testing.assert_close(a, e, **TOL)
+    errors = []
+    for bad in ([q], [q, ColumnParallelLinear(6, 4, sequence_parallel=True)]):
+        try:
+            SharedColumnInput(bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return alone[2], shared[2], again[2], errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layers_sharing_an_input_all_reduce_its_gradient_once(world):
+    for alone, shared, again, errors in run_distributed(_shared_column_input, world):
+        assert alone == again == {"column_linear_backward": 2}, (alone, again)
+        assert shared == {"column_linears_backward": 1}, shared
+        assert "takes two or more ColumnParallelLinear layers" in errors[0]
+        assert "communicates its input elsewhere" in errors[1]
+
+
 def _siblings_save_their_input_itself(overlap):
     """Two column-parallel projections of one input (q and k) save that input for backward, not
     a copy each (copy_to_tp + F.linear would save copy_to_tp's fresh output)."""
@@ -200,6 +299,13 @@ def _check_opcheck():
     w = full((3, 6), 2).requires_grad_()
     b = full((3,), 3).requires_grad_()
     torch.library.opcheck(ops.column_linear.default, (x, w, b, name, size))
+    w2 = full((4, 6), 9).requires_grad_()
+    torch.library.opcheck(ops.column_linears.default, (x, [w, w2], [b, full((4,), 3)], name, size))
+    torch.library.opcheck(
+        ops.column_linears_backward.default,
+        ([full((2, 5, 3), 6), full((2, 5, 4), 7)], x.detach(), [w.detach(), w2.detach()], True)
+        + (name, size),
+    )
     x_shard = full((2, sizes[rank], 6), 4).requires_grad_()
     torch.library.opcheck(
         ops.all_gather_linear.default, (x_shard, w, b, -2, sizes, name, size, rank)
@@ -237,6 +343,8 @@ def _errors():
         lambda: ops.column_linear(x, full((3, 5), 2), None, name, size),
         lambda: ops.all_gather_linear(x, full((3, 6), 2), None, -1, None, name, size, rank),
         lambda: ops.linear_reduce_scatter(x, full((3, 6), 2), -2, [4, 1], name, size, rank),
+        lambda: ops.column_linears(x, [full((3, 6), 2)], [full((3,), 1)] * 2, name, size),
+        lambda: ops.column_linears(x, [], [], name, size),
     ):
         try:
             call()
@@ -250,6 +358,8 @@ def test_errors_name_the_argument():
     assert "x has shape [2, 4, 6] but weight [3, 5] takes 5 input features" in errors[0]
     assert "dim=2 is the feature dimension; pass the sequence dimension" in errors[1]
     assert "sizes [4, 1] add up to 5 but x.size(1)=4" in errors[2]
+    assert "biases has 2 tensors for 1 weights; pass one bias per weight, or none" in errors[3]
+    assert "weights is empty" in errors[4]
 
 
 # ---- the layers take the fused ops: the same numbers as the unfused path ---------------------

@@ -166,7 +166,7 @@ def test_linears_sharing_a_norms_output_all_reduce_their_input_gradient_once(ws)
     if ws == 1:
         assert calls == separate == 0
         return
-    assert shared["stack.0.norm"].startswith("shared_input: output enters the TP region once")
+    assert shared["stack.0.norm"].startswith("shared_input: output read by alpha, beta, w12 as one")
     assert calls == 2 + 1, calls  # 2 blocks
     assert separate == 2 * 3 + 1, separate
 
@@ -174,7 +174,13 @@ def test_linears_sharing_a_norms_output_all_reduce_their_input_gradient_once(ws)
 def test_shared_input_misuse_is_refused_clearly():
     with pytest.raises(ValueError, match=r"SharedInput\(readers=...\) must name"):
         SharedInput(())
-    plan = {"stack.0.norm": SharedInput(("stack.0.alpha",)), "stack.0.alpha": "replicate"}
+    with pytest.raises(ValueError, match="two or more"):
+        SharedInput(("stack.0.alpha",))
+    plan = {
+        "stack.0.norm": SharedInput(("stack.0.beta", "stack.0.alpha")),
+        "stack.0.alpha": "replicate",
+        "stack.0.beta": "colwise",
+    }
     with pytest.raises(ValueError, match="names 'stack.0.alpha'.*must be Colwise"):
         tp_ext.parallelize(_toy(_SharedNorm), plan)
 

@@ -65,6 +65,8 @@ COLLECTIVE_OPS = (
     # linear layers fused with their TP communication, overlapped with the GEMMs (autograd in C++)
     "column_linear",
     "column_linear_backward",
+    "column_linears",
+    "column_linears_backward",
     "all_gather_linear",
     "all_gather_linear_backward",
     "linear_reduce_scatter",
@@ -117,6 +119,10 @@ summa_linear_backward = _lib.summa_linear_backward  # (grad, x, weight, <the sam
 # (x, weight, bias, group_name, group_size) -> x W^T + b; backward overlaps its all-reduce
 column_linear = _lib.column_linear
 column_linear_backward = _lib.column_linear_backward
+# (x, [weight_i], [bias_i] or [], group_name, group_size) -> [x W_i^T + b_i]; backward all-reduces
+# the summed input gradient once, overlapped with every weight-gradient GEMM
+column_linears = _lib.column_linears
+column_linears_backward = _lib.column_linears_backward
 # (x shard, weight, bias, dim, sizes, group_name, group_size, group_rank) -> (y, gathered x)
 all_gather_linear = _lib.all_gather_linear
 all_gather_linear_backward = _lib.all_gather_linear_backward
@@ -256,6 +262,16 @@ def _column_linear_backward(grad, x, weight, group_name, group_size, overlap=Tru
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
 
 
+def _column_linears(x, weights, biases, group_name, group_size, overlap=True):
+    return [_features(x, w.shape[0]) for w in weights]
+
+
+def _column_linears_backward(grads, x, weights, bias, group_name, group_size, overlap=True):
+    grad_w = [w.new_empty(w.shape) for w in weights]
+    grad_b = [w.new_empty(w.shape[0]) for w in weights] if bias else []
+    return x.new_empty(x.shape), grad_w, grad_b
+
+
 def _all_gather_linear(x, weight, bias, dim, sizes, group_name, group_size, group_rank):
     full = _gathered(x, dim, sizes, group_name, group_size)
     return _features(full, weight.shape[0]), full
@@ -391,6 +407,8 @@ _FAKES = {
     "summa_linear_backward": _summa_linear_backward,
     "column_linear": _column_linear,
     "column_linear_backward": _column_linear_backward,
+    "column_linears": _column_linears,
+    "column_linears_backward": _column_linears_backward,
     "all_gather_linear": _all_gather_linear,
     "all_gather_linear_backward": _all_gather_linear_backward,
     "linear_reduce_scatter": _linear_reduce_scatter,

@@ -11,6 +11,10 @@
 //   grad_W = grad^T x and grad_b computed while it is in flight, then it is waited for; without,
 //   it is a blocking all-reduce (on one host the shared-memory channel beats the overlapped
 //   transfers, which take the process group's sockets).
+// column_linears: column_linear for several column-parallel layers reading one input (q, k and v;
+//   gate and up): y_i = x W_i^T + b_i. Backward (column_linears_backward): grad_x = sum_i grad_i
+//   W_i, its one all-reduce in flight (with overlap) during every layer's weight-gradient GEMM,
+//   where separate column_linear calls would all-reduce one input gradient per layer.
 // all_gather_linear: y = gather(x) W^T + b under sequence parallelism, x this rank's shard along
 //   `dim`. A ring of w steps: at step i the rank holds shard (rank - i) mod w; it passes it on to
 //   rank + 1 and receives the next from rank - 1 while it multiplies the one it holds. Returns
@@ -147,6 +151,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_linear_backward_kernel(
   auto pending = all_reduce_start(at::matmul(grad, weight), g, op);
   auto grad_w = at::mm(g2.t(), rows(x));
   auto grad_b = g2.sum(0);
+  return {finish(pending), grad_w, grad_b};
+}
+
+// ---- column_linears: one all-reduce for the summed input gradient of several layers ------------
+
+void check_column_group(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                        const char* op) {
+  TORCH_CHECK_VALUE(!weights.empty(), "tp_ext.", op, ": weights is empty; pass one [out_i, ",
+                    "in] weight per layer.");
+  TORCH_CHECK_VALUE(biases.empty() || biases.size() == weights.size(), "tp_ext.", op,
+                    ": biases has ", biases.size(), " tensors for ", weights.size(),
+                    " weights; pass one bias per weight, or none.");
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_linear(x, weights[i], biases.empty() ? std::nullopt : std::optional(biases[i]),
+                 weights[i].size(-1), op);
+  }
+}
+
+std::vector<at::Tensor> column_linears_kernel(const at::Tensor& x, at::TensorList weights,
+                                              at::TensorList biases, c10::string_view group_name,
+                                              int64_t group_size, bool /*overlap: backward's*/) {
+  constexpr const char* op = "column_linears";
+  check_column_group(x, weights, biases, op);
+  resolve_group(group_name, group_size, x.device(), op);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < weights.size(); ++i)
+    out.push_back(at::linear(x, weights[i], biases.empty() ? at::Tensor() : biases[i]));
+  return out;
+}
+
+// The weight (and bias) gradients of every layer: run while the input gradient's all-reduce is in
+// flight.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> column_group_weight_grads(
+    at::TensorList grads, const at::Tensor& x, bool bias) {
+  std::vector<at::Tensor> grad_w, grad_b;
+  const auto x2 = rows(x);
+  for (const auto& grad : grads) {
+    const auto g2 = rows(grad);
+    grad_w.push_back(at::mm(g2.t(), x2));
+    if (bias) grad_b.push_back(g2.sum(0));
+  }
+  return {grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>
+column_linears_backward_kernel(at::TensorList grads, const at::Tensor& x, at::TensorList weights,
+                               bool bias, c10::string_view group_name, int64_t group_size,
+                               bool overlap) {
+  constexpr const char* op = "column_linears_backward";
+  check_column_group(x, weights, {}, op);
+  TORCH_CHECK_VALUE(grads.size() == weights.size(), "tp_ext.", op, ": ", grads.size(),
+                    " gradients for ", weights.size(), " weights; pass one per layer output.");
+  const auto g = resolve_group(group_name, group_size, x.device(), op);
+  auto grad_x = at::matmul(grads[0], weights[0]);
+  for (size_t i = 1; i < weights.size(); ++i) grad_x.add_(at::matmul(grads[i], weights[i]));
+  if (!overlap) {
+    grad_x = all_reduce(grad_x, Reduce::Sum, g, op);
+    auto [grad_w, grad_b] = column_group_weight_grads(grads, x, bias);
+    return {grad_x, grad_w, grad_b};
+  }
+  auto pending = all_reduce_start(grad_x, g, op);
+  auto [grad_w, grad_b] = column_group_weight_grads(grads, x, bias);
   return {finish(pending), grad_w, grad_b};
 }
 
@@ -337,6 +403,14 @@ c10::IValue sizes_value(at::OptionalIntArrayRef sizes) {
   return sizes.has_value() ? c10::IValue(sizes->vec()) : c10::IValue();
 }
 
+// What the column ops' backward needs besides tensors.
+void save_column_call(torch::autograd::AutogradContext* ctx, const std::string& group_name,
+                      int64_t group_size, bool overlap) {
+  ctx->saved_data["group_name"] = group_name;
+  ctx->saved_data["group_size"] = group_size;
+  ctx->saved_data["overlap"] = overlap;
+}
+
 class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -344,9 +418,7 @@ class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
                             const std::string& group_name, int64_t group_size, bool overlap) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["has_bias"] = bias.has_value();
-    ctx->saved_data["group_name"] = group_name;
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["overlap"] = overlap;
+    save_column_call(ctx, group_name, group_size, overlap);
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto op = op_handle("column_linear").typed<ColumnSig>();
     return op.call(x, weight, bias, group_name, group_size, overlap);
@@ -372,6 +444,55 @@ class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
                                 d.at("group_size").toInt(), d.at("overlap").toBool());
     return {gx,           gw,           d.at("has_bias").toBool() ? gb : at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+using ColumnsSig = std::vector<at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList,
+                                           c10::string_view, int64_t, bool);
+using ColumnsBackwardSig = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>(
+    at::TensorList, const at::Tensor&, at::TensorList, bool, c10::string_view, int64_t, bool);
+
+// Inputs as autograd counts them: x, then each weight, then each bias (the lists flattened), then
+// the three non-tensor arguments.
+class ColumnLinears : public torch::autograd::Function<ColumnLinears> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, at::TensorList weights,
+                                                at::TensorList biases,
+                                                const std::string& group_name, int64_t group_size,
+                                                bool overlap) {
+    std::vector<at::Tensor> saved{x};
+    saved.insert(saved.end(), weights.begin(), weights.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["bias"] = !biases.empty();
+    save_column_call(ctx, group_name, group_size, overlap);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto op = op_handle("column_linears").typed<ColumnsSig>();
+    return op.call(x, weights, biases, group_name, group_size, overlap);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    const bool bias = d.at("bias").toBool();
+    const at::Tensor& x = saved[0];
+    const std::vector<at::Tensor> weights(saved.begin() + 1, saved.end());
+    at::Tensor grad_x;
+    std::vector<at::Tensor> grad_w, grad_b;
+    if (ctx->needs_input_grad(0)) {
+      static const auto op = op_handle("column_linears_backward").typed<ColumnsBackwardSig>();
+      std::tie(grad_x, grad_w, grad_b) =
+          op.call(grads, x, weights, bias, d.at("group_name").toStringRef(),
+                  d.at("group_size").toInt(), d.at("overlap").toBool());
+    } else {  // no input gradient wanted: no all-reduce (every TP rank skips it alike)
+      std::tie(grad_w, grad_b) = column_group_weight_grads(grads, x, bias);
+    }
+    torch::autograd::variable_list out{grad_x};
+    out.insert(out.end(), grad_w.begin(), grad_w.end());
+    out.insert(out.end(), grad_b.begin(), grad_b.end());
+    out.resize(out.size() + 3);  // group_name, group_size, overlap
+    return out;
   }
 };
 
@@ -452,6 +573,12 @@ at::Tensor column_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
   return ColumnLinear::apply(x, weight, bias, std::string(group_name), group_size, overlap);
 }
 
+std::vector<at::Tensor> column_linears_autograd(const at::Tensor& x, at::TensorList weights,
+                                                at::TensorList biases, c10::string_view group_name,
+                                                int64_t group_size, bool overlap) {
+  return ColumnLinears::apply(x, weights, biases, std::string(group_name), group_size, overlap);
+}
+
 std::tuple<at::Tensor, at::Tensor> all_gather_linear_autograd(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     int64_t dim, at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
@@ -473,6 +600,8 @@ at::Tensor linear_reduce_scatter_autograd(const at::Tensor& x, const at::Tensor&
 void register_kernels(torch::Library& m) {
   m.impl("column_linear", &column_linear_kernel);
   m.impl("column_linear_backward", &column_linear_backward_kernel);
+  m.impl("column_linears", &column_linears_kernel);
+  m.impl("column_linears_backward", &column_linears_backward_kernel);
   m.impl("all_gather_linear", &all_gather_linear_kernel);
   m.impl("all_gather_linear_backward", &all_gather_linear_backward_kernel);
   m.impl("linear_reduce_scatter", &linear_reduce_scatter_kernel);
@@ -489,10 +618,11 @@ TORCH_LIBRARY_IMPL(tp_ext, CUDA, m) { tp_ext::comm::register_kernels(m); }
 
 TORCH_LIBRARY_IMPL(tp_ext, Autograd, m) {
   m.impl("column_linear", &tp_ext::comm::column_linear_autograd);
+  m.impl("column_linears", &tp_ext::comm::column_linears_autograd);
   m.impl("all_gather_linear", &tp_ext::comm::all_gather_linear_autograd);
   m.impl("linear_reduce_scatter", &tp_ext::comm::linear_reduce_scatter_autograd);
   // No double backward.
-  for (const char* name :
-       {"column_linear_backward", "all_gather_linear_backward", "linear_reduce_scatter_backward"})
+  for (const char* name : {"column_linear_backward", "column_linears_backward",
+                           "all_gather_linear_backward", "linear_reduce_scatter_backward"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
 }

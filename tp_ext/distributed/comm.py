@@ -17,7 +17,8 @@ The differentiable pairs (Megatron's mappings)::
     reduce_scatter_to_sp  reduce-scatter  / all-gather       sequence parallel: leave TP region
 
 The same pairs fused with the linear layer next to them, so the communication hides behind the
-GEMMs (:func:`column_linear`, :func:`all_gather_linear`, :func:`linear_reduce_scatter`); the
+GEMMs (:func:`column_linear`, :func:`column_linears` for several layers reading one input,
+:func:`all_gather_linear`, :func:`linear_reduce_scatter`); the
 layers take them unless :func:`set_overlap` turned them off.
 
 On a group of one the pairs are identities and return their input without calling an op.
@@ -64,6 +65,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "summa_linear",
     "column_linear",
+    "column_linears",
     "all_gather_linear",
     "linear_reduce_scatter",
     "set_overlap",
@@ -312,6 +314,38 @@ def column_linear(
         return torch.nn.functional.linear(x, weight, bias)
     x, weight, bias = _autocast(x, weight, bias)
     return ops.column_linear(x, weight, bias, g.name, g.size, overlap)
+
+
+def column_linears(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Optional[Sequence[torch.Tensor]],
+    group: GroupLike = None,
+    overlap: bool = True,
+) -> list[torch.Tensor]:
+    """:func:`column_linear` for several column-parallel layers that read the same ``x`` (q, k
+    and v; gate and up): ``[x W_i^T + b_i]``. Backward sums their input gradients and all-reduces
+    that once (with ``overlap``, in flight during every weight-gradient GEMM), where one
+    column_linear each would all-reduce one gradient per layer. ``biases``: one per weight, or
+    None for none."""
+    g = _live(group, "column_linears")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"column_linears: overlap must be True or False, got {overlap!r}")
+    weights = list(weights)
+    biases = [] if biases is None else list(biases)
+    if biases and len(biases) != len(weights):
+        raise ValueError(
+            f"column_linears: {len(biases)} biases for {len(weights)} weights; pass one bias "
+            "per weight, or None"
+        )
+    if g.size == 1:
+        return [
+            torch.nn.functional.linear(x, w, biases[i] if biases else None)
+            for i, w in enumerate(weights)
+        ]
+    x, *rest = _autocast(x, *weights, *biases)
+    weights, biases = rest[: len(weights)], rest[len(weights) :]
+    return list(ops.column_linears(x, weights, biases, g.name, g.size, overlap))
 
 
 def all_gather_linear(

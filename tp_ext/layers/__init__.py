@@ -19,6 +19,7 @@ from tp_ext.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    SharedColumnInput,
 )
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.mlp import ParallelMLP
@@ -67,6 +68,7 @@ __all__ = [
     "RowParallelLinear",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
+    "SharedColumnInput",
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "RMSNorm",

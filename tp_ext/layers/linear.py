@@ -35,6 +35,7 @@ __all__ = [
     "RowParallelLinear",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
+    "SharedColumnInput",
 ]
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -181,10 +182,16 @@ class ColumnParallelLinear(_ParallelLinear):
             t, 0, self.tp, (self._replica_local, self._replica_packed, self._replica_len)
         )
 
+    # Set by SharedColumnInput on the layers that share an input (q, k and v).
+    shared_input: Optional["SharedColumnInput"] = None
+
+    def _weight_and_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        weight = self._replica_summed(self.weight)
+        return weight, None if self.bias is None else self._replica_summed(self.bias)
+
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> Output:
         _check_features(self, x, self.in_features, "in_features")
-        weight = self._replica_summed(self.weight)
-        bias = None if self.bias is None else self._replica_summed(self.bias)
+        weight, bias = self._weight_and_bias()
         added = None if self.skip_bias_add else bias
         # the fused ops overlap the communication with the GEMMs (tp_ext.comm.set_overlap),
         # decided from sizes every rank shares
@@ -200,9 +207,12 @@ class ColumnParallelLinear(_ParallelLinear):
         elif self.input_is_gathered:
             y = F.linear(x, weight, added)
         elif not self.sequence_parallel:
-            # one op, not copy_to_tp + F.linear: it saves x itself, where the pair would save
-            # copy_to_tp's copy (one per sibling projection of the same input)
-            y = comm.column_linear(x, weight, added, self.tp, overlap=fused)
+            shared = self.shared_input
+            y = None if shared is None else shared.take(self, x, fused)
+            if y is None:
+                # one op, not copy_to_tp + F.linear: it saves x itself, where the pair would save
+                # copy_to_tp's copy (one per sibling projection of the same input)
+                y = comm.column_linear(x, weight, added, self.tp, overlap=fused)
         else:
             y = F.linear(self._gather_sequence(x, seq_len), weight, added)
         if self.gather_output:
@@ -226,6 +236,69 @@ class ColumnParallelLinear(_ParallelLinear):
             f"tp={self.tp_size}, gather_output={self.gather_output}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+class SharedColumnInput:
+    """Column-parallel layers that read one tensor (q, k and v read the attention norm's output):
+    the first of them called with it computes all their outputs in one op
+    (:func:`tp_ext.comm.column_linears`), whose backward all-reduces their summed input gradient
+    once, in flight during every layer's weight-gradient GEMM, instead of one all-reduce per layer
+    (Megatron gets this from one fused QKV weight; Hugging Face models keep three).
+
+    The module that makes the tensor hands it over with :meth:`offer` (a forward hook); a layer
+    called with any other tensor computes alone, as exactly. So does every layer under
+    torch.compile, which does not follow this bookkeeping by tensor identity."""
+
+    def __init__(self, layers: Sequence[ColumnParallelLinear]):
+        layers = list(layers)
+        if len(layers) < 2 or not all(isinstance(m, ColumnParallelLinear) for m in layers):
+            kinds = [type(m).__name__ for m in layers]
+            raise ValueError(
+                f"SharedColumnInput takes two or more ColumnParallelLinear layers, got {kinds}"
+            )
+        first = layers[0]
+        for m in layers:
+            if m.sequence_parallel or m.input_is_gathered:
+                raise ValueError(
+                    "SharedColumnInput: a layer with sequence_parallel or input_is_gathered "
+                    "communicates its input elsewhere; share only replicated-input layers"
+                )
+            if (m.tp.name, m.in_features) != (first.tp.name, first.in_features):
+                raise ValueError(
+                    f"SharedColumnInput: layers must share the TP group and in_features; got "
+                    f"{m.tp.name!r}/{m.in_features} and {first.tp.name!r}/{first.in_features}"
+                )
+        self.layers = layers
+        self._x: Optional[torch.Tensor] = None
+        self._outputs: dict[int, torch.Tensor] = {}
+        for m in layers:
+            m.shared_input = self
+
+    def offer(self, x: torch.Tensor) -> None:
+        """``x`` is the tensor the layers will read (from the next forward on)."""
+        if torch.compiler.is_compiling():
+            return
+        self._x, self._outputs = x, {}
+
+    def take(self, layer: ColumnParallelLinear, x: torch.Tensor, overlap: bool):
+        """``layer``'s output for input ``x``, or None when ``x`` is not the offered tensor (or it
+        was taken already): the layer then computes it alone."""
+        if x is not self._x or torch.compiler.is_compiling():
+            return None
+        if not self._outputs:  # the first layer to read x computes every layer's output
+            pairs = [m._weight_and_bias() for m in self.layers]
+            added = [None if m.skip_bias_add else b for m, (_, b) in zip(self.layers, pairs)]
+            every = all(b is not None for b in added)  # else the biases are added one by one
+            ys = comm.column_linears(
+                x, [w for w, _ in pairs], added if every else None, layer.tp, overlap
+            )
+            if not every:
+                ys = [y if b is None else y + b for y, b in zip(ys, added)]
+            self._outputs = {id(m): y for m, y in zip(self.layers, ys)}
+        y = self._outputs.pop(id(layer), None)
+        if not self._outputs:
+            self._x = None
+        return y
 
 
 class RowParallelLinear(_ParallelLinear):

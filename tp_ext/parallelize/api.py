@@ -156,7 +156,7 @@ def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
     """Replace every module the plan covers by its style's layer (this rank's slice)."""
     shared = _shared_parameters(module)
     _check_ties(module, decided, shared)
-    entered = _entered_readers(decided)
+    _check_shared_readers(decided)
     converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
     # Embeddings first, so an LM head tied to one finds it converted.
     order = sorted(decided.items(), key=lambda item: not _is_embedding(module, item[0]))
@@ -165,19 +165,21 @@ def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
         parent = module.get_submodule(parent_name) if parent_name else module
         child = getattr(parent, leaf)
         tie_to = _tied_embedding(child, shared, converted)
-        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name), name in entered)
+        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name))
         new, what = style.apply(child, target)
         if new is not child:
             for param in child.parameters(recurse=False):
                 converted[id(param)] = new
             setattr(parent, leaf, new)
         report[name] = f"{style.name}: {what}"
+    for name, style in decided.items():  # their readers are converted now
+        if isinstance(style, SharedInput) and tp.size > 1:
+            style.share(module.get_submodule(name), module)
 
 
-def _entered_readers(decided: dict) -> set:
-    """The linears a :class:`SharedInput` norm hands their input (they skip their own gradient
-    all-reduce): each must be in the plan as a column-parallel linear whose output stays split."""
-    entered = set()
+def _check_shared_readers(decided: dict) -> None:
+    """The readers of every :class:`SharedInput` norm are in the plan as column-parallel linears
+    whose output stays split (checked before anything is converted)."""
     for norm, style in decided.items():
         if not isinstance(style, SharedInput):
             continue
@@ -189,8 +191,6 @@ def _entered_readers(decided: dict) -> set:
                     f"plan gives it {got!r}; every reader must be Colwise() (output left split), "
                     "or leave the norm out of the plan"
                 )
-            entered.add(reader)
-    return entered
 
 
 def _pipeline_parts(

@@ -133,9 +133,8 @@ def auto_plan(
 
 def _share_norm_outputs(plan: dict, flow, why: dict) -> None:
     """A norm whose output only column-parallel linears read (q, k and v; gate and up) gets
-    :class:`SharedInput`: its output enters the TP region once, so their input gradients are
-    summed on each rank and all-reduced once, not once per linear (Megatron's copy_to_tp before
-    its fused QKV; Hugging Face models keep separate projections)."""
+    :class:`SharedInput`: their input gradients are summed and all-reduced once, not once per
+    linear (Megatron fuses QKV; Hugging Face models keep separate projections)."""
     for norm, readers in flow.norm_readers.items():
         if len(readers) < 2 or norm in flow.norms_read_elsewhere:
             continue

@@ -19,12 +19,12 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
-from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    SharedColumnInput,
     VocabParallelEmbedding,
     load_full_state_dict,
     no_init,
@@ -74,8 +74,7 @@ class StyleTarget:
     ``sequence_parallel``: the residual stream is split along the sequence (the plan has a
     gathering sequence-parallel norm and TP > 1). ``shards``: the sequence shards' hooks.
     ``tie_to``: the converted embedding an LM head shares its weight with. ``parts``: the widths
-    auto traced a column's output being cut into. ``input_entered``: a column whose input a
-    :class:`SharedInput` norm hands it already in the TP region (no all-reduce of its own)."""
+    auto traced a column's output being cut into."""
 
     name: str
     parent: nn.Module
@@ -84,7 +83,6 @@ class StyleTarget:
     shards: Optional[SequenceShards] = None
     tie_to: Optional[VocabParallelEmbedding] = None
     parts: Optional[tuple[int, ...]] = None
-    input_entered: bool = False
 
 
 class ParallelStyle(ABC):
@@ -197,7 +195,7 @@ class Colwise(_Swap):
             module.bias is not None,
             gather_output=self.gather_output,
             partition=partition,
-            input_is_gathered=target.sequence_parallel or target.input_entered,
+            input_is_gathered=target.sequence_parallel,
             **_factory(module, target),
         )
         how = "by rows" if partition is None else f"by parts {list(parts)}" if parts else "by heads"
@@ -369,9 +367,10 @@ class SequenceParallel(ParallelStyle):
 @dataclass(frozen=True)
 class SharedInput(ParallelStyle):
     """For a norm whose output only column-parallel linears read (``readers``, full module names:
-    q, k and v, or gate and up): the output enters the TP region once (``copy_to_tp``: identity
-    forward, all-reduce backward), so the readers' input gradients are summed on each rank and
-    all-reduced once instead of once per linear; the readers skip their own. Megatron gets this
+    q, k and v, or gate and up): :func:`~tp_ext.parallelize` joins them in a
+    :class:`~tp_ext.layers.SharedColumnInput` fed by the norm, so the first reader computes every
+    reader's output in one op whose backward all-reduces their summed input gradient once,
+    overlapped with all their weight-gradient GEMMs, instead of once per linear. Megatron gets this
     from one fused QKV linear; Hugging Face models keep separate projections. The "auto" plan
     gives it where its trace shows nothing else reading the norm's output (a replicated reader
     would have its gradient counted once per rank). Not with sequence parallelism, whose norms
@@ -385,12 +384,12 @@ class SharedInput(ParallelStyle):
         if (
             isinstance(self.readers, (str, bytes))
             or not isinstance(self.readers, Sequence)
-            or not self.readers
+            or len(self.readers) < 2
             or not all(isinstance(r, str) and r for r in self.readers)
         ):
             raise ValueError(
-                "SharedInput(readers=...) must name the column-parallel linears that read the "
-                f"norm's output (full module names, e.g. ['model.layers.0.mlp.gate_proj', "
+                "SharedInput(readers=...) must name the two or more column-parallel linears that "
+                "read the norm's output (full module names, e.g. ['model.layers.0.mlp.gate_proj', "
                 f"'model.layers.0.mlp.up_proj']), got {self.readers!r}"
             )
         object.__setattr__(self, "readers", tuple(self.readers))
@@ -404,14 +403,14 @@ class SharedInput(ParallelStyle):
             )
         if target.tp.size == 1:
             return module, "unchanged"
-        tp = target.tp
-
-        def enter(module, args, output):
-            return comm.copy_to_tp(output, tp)
-
-        module.register_forward_hook(enter)
         leaves = ", ".join(r.rpartition(".")[2] for r in self.readers)
-        return module, f"output enters the TP region once for {leaves} (one gradient all-reduce)"
+        return module, f"output read by {leaves} as one input (one gradient all-reduce)"
+
+    def share(self, norm: nn.Module, root: nn.Module) -> None:
+        """Once the readers are converted (``root``: the model they are named in): join them and
+        feed them ``norm``'s output."""
+        group = SharedColumnInput([root.get_submodule(r) for r in self.readers])
+        norm.register_forward_hook(lambda module, args, output: group.offer(output))
 
 
 @dataclass(frozen=True)
