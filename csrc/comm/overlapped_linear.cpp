@@ -204,8 +204,9 @@ column_linears_backward_kernel(at::TensorList grads, const at::Tensor& x, at::Te
   TORCH_CHECK_VALUE(grads.size() == weights.size(), "tp_ext.", op, ": ", grads.size(),
                     " gradients for ", weights.size(), " weights; pass one per layer output.");
   const auto g = resolve_group(group_name, group_size, x.device(), op);
-  auto grad_x = at::matmul(grads[0], weights[0]);
-  for (size_t i = 1; i < weights.size(); ++i) grad_x.add_(at::matmul(grads[i], weights[i]));
+  auto grad_x = at::matmul(grads[0], weights[0]);  // contiguous: its [tokens, in] view is too
+  auto grad_rows = grad_x.view({-1, grad_x.size(-1)});
+  for (size_t i = 1; i < weights.size(); ++i) grad_rows.addmm_(rows(grads[i]), weights[i]);
   if (!overlap) {
     grad_x = all_reduce(grad_x, Reduce::Sum, g, op);
     auto [grad_w, grad_b] = column_group_weight_grads(grads, x, bias);
