@@ -73,6 +73,17 @@ TORCH_LIBRARY(tp_ext, m) {
       "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "
       "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
 
+  // ---- attention over key blocks (ring attention: ops/attention_merge.*) ----
+  // attention_merge: two partial attention results over disjoint key blocks (out [..., S, D] and
+  // its log-sum-exp [..., S], as flash attention returns them) merged into the attention over
+  // both (online softmax); backward: attention_merge_backward.
+  m.def(
+      "attention_merge(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, "
+      "Tensor)");
+  m.def(  // (grad_out_a, grad_lse_a, grad_out_b, grad_lse_b); out, lse: the merged result
+      "attention_merge_backward(Tensor grad_out, Tensor grad_lse, Tensor out_a, Tensor lse_a, "
+      "Tensor out_b, Tensor lse_b, Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor, Tensor)");
+
   // ---- linear layers fused with their TP communication (comm/overlapped_linear.cpp) ----
   // column_linear: y = x W^T + b, x replicated (saved for backward as it is: no copy); with
   // overlap, backward starts the input-gradient all-reduce before the weight-gradient GEMM and

@@ -121,6 +121,22 @@ def _fused_op_samples():
         ("add_rms_norm", (grad(x), grad(full((2, 3, 8), 17)), grad(w), 1e-6)),
         ("rms_norm_backward", (full((2, 3, 8), 18), x, w, 1e-6)),
         ("swiglu", (grad(gu),)),
+        # ring attention's merge: [batch, heads, seq, dim] partial results, one row with no keys
+        (
+            "attention_merge",
+            (
+                grad(full((2, 3, 4, 5), 39)),
+                grad(torch.tensor([0.5, -1.0, float("-inf"), 2.0]).expand(2, 3, 4).contiguous()),
+                grad(full((2, 3, 4, 5), 40)),
+                grad(full((2, 3, 4), 41)),
+            ),
+        ),
+        (
+            "attention_merge_backward",
+            (full((2, 3, 4, 5), 42), full((2, 3, 4), 43))
+            + (full((2, 3, 4, 5), 39), full((2, 3, 4), 44), full((2, 3, 4, 5), 40))
+            + (full((2, 3, 4), 41), full((2, 3, 4, 5), 45), full((2, 3, 4), 46)),
+        ),
         ("swiglu_backward", (full((2, 3, 5), 19), gu)),
         # q [batch, heads, seq, head_dim] and k with fewer heads (GQA); cos/sin [batch, seq, dim]
         (

@@ -69,7 +69,7 @@ def test_candidate_holds_dims_and_the_run_settings():
     assert c.describe() == "tp=2 pp=2 dp=2 Interleaved1F1B v=2 fsdp 4x2 seq recompute"
     assert Candidate(ParallelDims(tp=(2, 2), dp=1), 3, 1).describe() == "tp=2x2 pp=1 dp=1 1x3 seq"
     assert c.as_dict() == {
-        "tp": 2, "pp": 2, "dp": 2, "ep": 1, "virtual_stages": 2, "micro_batch": 2,
+        "tp": 2, "pp": 2, "dp": 2, "ep": 1, "virtual_stages": 2, "cp": 1, "micro_batch": 2,
         "num_micro_batches": 4, "schedule": "Interleaved1F1B", "activation_checkpointing": True,
         "data_parallel": "fsdp", "dtype": "float32",
     }  # fmt: skip

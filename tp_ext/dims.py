@@ -58,6 +58,8 @@ class ParallelDims:
     - ``dp``: data-parallel replicas; None: the ranks TP and PP leave.
     - ``ep``: expert-parallel ranks, taken from the DP ranks of a stage (``ep`` dividing dp),
       then also from its TP ranks (dp times a divisor of tp).
+    - ``cp``: context-parallel ranks, each holding a part of every sequence's positions
+      (:mod:`tp_ext.layers.context`); next to TP in the rank order (TP innermost, then CP).
     """
 
     tp: Optional[TPDegree] = None
@@ -65,6 +67,7 @@ class ParallelDims:
     dp: Optional[int] = None
     ep: int = 1
     virtual_stages: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.tp is not None and not (isinstance(self.tp, int) and not isinstance(self.tp, bool)):
@@ -76,6 +79,7 @@ class ParallelDims:
             check_int("dp", self.dp, 1, MAX_DEGREE)
         check_int("ep", self.ep, 1, MAX_DEGREE)
         check_int("virtual_stages", self.virtual_stages, 1, MAX_VIRTUAL_STAGES)
+        check_int("cp", self.cp, 1, MAX_DEGREE)
         if self.tp_size is not None:
             check_int("tp", self.tp_size, 1, MAX_DEGREE)
 
@@ -98,7 +102,7 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         self._need_resolved("world_size")
-        return self.tp_size * self.pp * self.dp
+        return self.tp_size * self.cp * self.pp * self.dp
 
     @property
     def stages(self) -> int:
@@ -134,6 +138,8 @@ class ParallelDims:
         """``tp=2 pp=2 dp=2`` (a grid as ``tp=2x2``; ep and virtual stages when not 1)."""
         tp = "?" if self.tp is None else ("x".join(map(str, self.grid)) if self.grid else self.tp)
         parts = [f"tp={tp}", f"pp={self.pp}", f"dp={'?' if self.dp is None else self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         if self.virtual_stages > 1:
@@ -149,7 +155,8 @@ class ParallelDims:
         world_name: str = "world_size",
     ) -> "ParallelDims":
         """These degrees over ``world_size`` ranks, every degree filled: dp (None) takes the
-        ranks TP and PP leave; tp (None) the ranks PP and DP leave (dp then defaults to 1).
+        ranks TP, CP and PP leave; tp (None) the ranks CP, PP and DP leave (dp then defaults
+        to 1).
 
         An error names the first degree that does not fit, and the values of it that would;
         ``name`` spells a degree in it (``--pp`` for a flag, ``parallel.pp`` for a config
@@ -157,7 +164,9 @@ class ParallelDims:
         check_int(world_name, world_size, 1, None)
         fixed = {k: v for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp_size))
                  if v is not None}  # fmt: skip
-        free = len(fixed) < 3
+        if self.cp > 1:
+            fixed["cp"] = self.cp
+        free = self.dp is None or self.tp is None
         product = 1
         for i, (key, value) in enumerate(fixed.items()):
             product *= value
@@ -168,9 +177,9 @@ class ParallelDims:
         tp, dp = self.tp, self.dp
         if tp is None:
             dp = dp or 1
-            tp = world_size // (self.pp * dp)
+            tp = world_size // (self.pp * dp * self.cp)
         elif dp is None:
-            dp = world_size // (self.tp_size * self.pp)
+            dp = world_size // (self.tp_size * self.pp * self.cp)
         dims = self.replace(tp=tp, dp=dp)
         dims.check_ep(name)
         return dims
@@ -183,8 +192,9 @@ class ParallelDims:
         if not free:
             works = [d for d in works if d * rest == world_size]
         given = ", ".join(f"{k}={v}" for k, v in others.items())
+        product = "tp x cp x pp x dp" if "cp" in fixed else "tp x pp x dp"
         return (
-            f"{name(key)} {value} does not fit the {world_size} ranks ({world_name}): tp x pp x dp "
+            f"{name(key)} {value} does not fit the {world_size} ranks ({world_name}): {product} "
             f"must equal {world_size}{f' (with {given})' if given else ''}; "
             + (
                 f"{name(key)} values that work: {works}"

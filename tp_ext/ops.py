@@ -73,6 +73,9 @@ COLLECTIVE_OPS = (
     "linear_reduce_scatter_backward",
 )
 KERNEL_OPS = (
+    # ring attention: two partial attention results over disjoint key blocks merged
+    "attention_merge",
+    "attention_merge_backward",
     "rms_norm",
     "add_rms_norm",
     "rms_norm_backward",
@@ -142,6 +145,8 @@ dequantize_int8 = _lib.dequantize_int8  # (codes, scales, chunk_size) -> fp32 [n
 quantize_1bit_ef = _lib.quantize_1bit_ef
 dequantize_1bit = _lib.dequantize_1bit  # (bits, scales, chunk_size, numel) -> fp32 [numel]
 # (expert_ids [T, k], num_experts) -> (row_map [T, k]: row in expert order, -1 dropped; counts [E])
+# (out_a, lse_a, out_b, lse_b) -> (out, lse): the attention over both key blocks (online softmax)
+attention_merge = _lib.attention_merge
 moe_route = _lib.moe_route
 moe_permute = _lib.moe_permute  # (x [T, H], row_map, weights?, num_rows) -> [num_rows, H]
 moe_unpermute = _lib.moe_unpermute  # (y [R, H], row_map, weights?) -> [T, H], weighted sum
@@ -309,6 +314,19 @@ def _rms_norm_backward(grad, x, weight, eps):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
+def _attention_merge(out_a, lse_a, out_b, lse_b):
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
+
+
+def _attention_merge_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b, out, lse):
+    return (
+        out_a.new_empty(out_a.shape),
+        lse_a.new_empty(lse_a.shape),
+        out_a.new_empty(out_a.shape),
+        lse_a.new_empty(lse_a.shape),
+    )
+
+
 def _swiglu(gate_up):
     torch._check(
         gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0,
@@ -419,6 +437,8 @@ _FAKES = {
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
     "rms_norm_backward": _rms_norm_backward,
+    "attention_merge": _attention_merge,
+    "attention_merge_backward": _attention_merge_backward,
     "swiglu": _swiglu,
     "swiglu_backward": _swiglu_backward,
     "rotary_embedding": _rotary_embedding,

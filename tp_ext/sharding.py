@@ -18,6 +18,7 @@ from tp_ext.validation import check_int, deprecated_aliases
 __all__ = [
     "divisors",
     "shard_sizes",
+    "cp_chunks",
     "balanced_layer_split",
     "shard_offsets",
     "shard_range",
@@ -43,6 +44,19 @@ def shard_sizes(n: int, world_size: int) -> list[int]:
     check_int("world_size", world_size, 1)
     base, extra = divmod(n, world_size)
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
+def cp_chunks(seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int, int]]:
+    """Context parallelism's causal load balance: the sequence in ``2 * cp_size`` chunks (sizes by
+    :func:`shard_sizes`), rank r holding chunks r and ``2 * cp_size - 1 - r``, so every rank has
+    as many queries early in the sequence (few keys before them) as late (many). Returns rank
+    ``cp_rank``'s chunks in the order it holds them: ``(chunk index, start, length)``."""
+    check_int("seq_len", seq_len, 0)
+    check_int("cp_size", cp_size, 1)
+    check_int("cp_rank", cp_rank, 0, cp_size - 1)
+    sizes = shard_sizes(seq_len, 2 * cp_size)
+    starts = [sum(sizes[:i]) for i in range(2 * cp_size)]
+    return [(c, starts[c], sizes[c]) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
 
 
 def uneven_sizes(sizes) -> "list[int] | None":

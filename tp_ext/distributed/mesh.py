@@ -1,8 +1,9 @@
-"""Process groups for TP x PP x DP on torch's DeviceMesh.
+"""Process groups for TP x CP x PP x DP on torch's DeviceMesh.
 
-Rank layout: mesh shape ``(pp, dp, tp)`` with ``tp`` innermost, so the ranks of one TP group are
-adjacent (``0..tp-1``, ``tp..2tp-1``, ...) and sit inside one node under torchrun, where TP's
-frequent all-reduces belong; DP groups stride by ``tp``; PP is outermost. This is Megatron's order.
+Rank layout: mesh shape ``(pp, dp, cp, tp)`` with ``tp`` innermost, so the ranks of one TP group
+are adjacent (``0..tp-1``, ``tp..2tp-1``, ...) and sit inside one node under torchrun, where TP's
+frequent all-reduces belong; context parallelism (CP, its ring) comes next, DP groups stride by
+``cp * tp``, and PP is outermost. This is Megatron's order.
 
 Expert parallelism (``ep=E``) takes its groups from the ranks of one pipeline stage, as
 Megatron-Core and torchtitan do: from the DP ranks when E divides dp (E consecutive DP ranks of
@@ -60,6 +61,7 @@ class ParallelState:
     tp_grid: Optional[TPGrid] = None  # tp=(P, Q): the 2D grid of the TP ranks
     ep_group: Optional[dist.ProcessGroup] = None  # the ranks that share out the experts
     expert_dp_group: Optional[dist.ProcessGroup] = None  # the ranks holding the same experts
+    cp_group: Optional[dist.ProcessGroup] = None  # the ranks that share each sequence
 
     @property
     def tp(self) -> int:
@@ -76,6 +78,14 @@ class ParallelState:
     @property
     def ep(self) -> int:
         return self.dims.ep
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_group.rank()
 
     @property
     def tp_rank(self) -> int:
@@ -219,6 +229,7 @@ def init_parallel(
     ep: int = 1,
     backend: Optional[str] = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    cp: int = 1,
 ) -> ParallelState:
     """Set up TP/PP/DP groups (and the default process group from torchrun's env:// variables
     if it is not up yet). Backend: NCCL when every local rank can have its own GPU, else gloo
@@ -232,10 +243,12 @@ def init_parallel(
     ``tp=(P, Q)``: 2D tensor parallelism on a P x Q grid of P * Q TP ranks (``state.tp_grid``,
     :class:`tp_ext.distributed.grid.TPGrid`); ``state.tp`` is then P * Q. ``ep=E``: expert
     parallelism over E ranks of each pipeline stage (``state.ep_group``,
-    ``state.expert_dp_group``; see the module doc). Called again with the same degrees, it
-    returns the same state (making groups again would be a collective).
+    ``state.expert_dp_group``; see the module doc). ``cp=C``: context parallelism, each
+    sequence's positions split over C ranks (``state.cp_group``; :mod:`tp_ext.layers.context`).
+    Called again with the same degrees, it returns the same state (making groups again would be
+    a collective).
     """
-    dims = _dims_from(tp, pp, dp, ep)  # bad values are refused before any rank connects
+    dims = _dims_from(tp, pp, dp, ep, cp)  # bad values are refused before any rank connects
     if not dist.is_initialized():
         _init_process_group(backend, timeout)
     dims = dims.resolve(dist.get_world_size(), world_name="world size")
@@ -247,18 +260,27 @@ def init_parallel(
     return PROCESS.parallel
 
 
-def _dims_from(tp, pp, dp, ep) -> ParallelDims:
+def _dims_from(tp, pp, dp, ep, cp) -> ParallelDims:
     """The degrees init_parallel was given: a ParallelDims, or its keyword arguments."""
     if not isinstance(tp, ParallelDims):
-        return ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep)
-    defaults = {"pp": 1, "dp": None, "ep": 1}
-    also = {k: v for k, v in zip(defaults, (pp, dp, ep)) if v != defaults[k]}
-    if also:
+        dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
+    else:
+        defaults = {"pp": 1, "dp": None, "ep": 1, "cp": 1}
+        also = {k: v for k, v in zip(defaults, (pp, dp, ep, cp)) if v != defaults[k]}
+        if also:
+            raise ValueError(
+                f"init_parallel: got {tp!r} and also {also}: give the degrees either as a "
+                "ParallelDims or as tp=, pp=, dp=, ep=, cp=, not both (ParallelDims.replace "
+                "changes one)"
+            )
+        dims = tp
+    if dims.cp > 1 and (dims.ep > 1 or dims.grid is not None):
+        what = "ep > 1" if dims.ep > 1 else "a 2D grid (tp=(P, Q))"
         raise ValueError(
-            f"init_parallel: got {tp!r} and also {also}: give the degrees either as a "
-            "ParallelDims or as tp=, pp=, dp=, ep=, not both (ParallelDims.replace changes one)"
+            f"init_parallel: cp={dims.cp} with {what} is not supported yet; use cp=1 with it, or "
+            "1D tensor parallelism without expert parallelism with cp"
         )
-    return tp
+    return dims
 
 
 def _init_process_group(backend: Optional[str], timeout: datetime.timedelta) -> None:
@@ -311,7 +333,9 @@ def _make_state(dims: ParallelDims) -> ParallelState:
         if device_type == "cuda"
         else torch.device("cpu")
     )
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(
+        device_type, (dims.pp, dims.dp, dims.cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp")
+    )
     tp_grid = None
     if dims.grid is not None:
         every_tp_group = mesh.mesh.reshape(-1, tp).tolist()  # [pp * dp TP groups][tp ranks]
@@ -321,6 +345,7 @@ def _make_state(dims: ParallelDims) -> ParallelState:
         tp_group=mesh.get_group("tp"),
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"),
+        cp_group=mesh.get_group("cp"),
         dims=dims,
         rank=dist.get_rank(),
         device=device,
@@ -331,8 +356,9 @@ def _make_state(dims: ParallelDims) -> ParallelState:
 
 
 def _expert_process_groups(mesh: DeviceMesh, ep: int) -> dict:
-    """This rank's EP and expert-DP groups (every rank makes every group: a collective)."""
-    ep_groups, edp_groups = expert_groups(mesh.mesh, ep)
+    """This rank's EP and expert-DP groups (every rank makes every group: a collective). With
+    EP, cp is 1 (init_parallel refuses both): the [pp, dp, 1, tp] mesh without its cp dim."""
+    ep_groups, edp_groups = expert_groups(mesh.mesh[:, :, 0, :], ep)
     me = dist.get_rank()
     out = {}
     for key, lists in (("ep_group", ep_groups), ("expert_dp_group", edp_groups)):
@@ -352,16 +378,17 @@ def tied_embedding_group(state: ParallelState) -> Optional[dist.ProcessGroup]:
         return None
     groups = PROCESS.tied_groups.get(id(state))
     if groups is None:
-        ranks = state.mesh.mesh  # [pp, dp, tp] -> global rank
+        ranks = state.mesh.mesh  # [pp, dp, cp, tp] -> global rank
         groups = {}
         for d in range(state.dp):
-            for t in range(state.tp):
-                pair = [int(ranks[0, d, t]), int(ranks[state.pp - 1, d, t])]
-                groups[(d, t)] = dist.new_group(pair)
+            for c in range(state.cp):
+                for t in range(state.tp):
+                    pair = [int(ranks[0, d, c, t]), int(ranks[state.pp - 1, d, c, t])]
+                    groups[(d, c, t)] = dist.new_group(pair)
         PROCESS.tied_groups[id(state)] = groups
     if state.pp_rank not in (0, state.pp - 1):
         return None
-    return groups[(state.dp_rank, state.tp_rank)]
+    return groups[(state.dp_rank, state.cp_rank, state.tp_rank)]
 
 
 def destroy_parallel(destroy_process_group: bool = False) -> None:

@@ -13,6 +13,7 @@ from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers.attention import KVCache, ParallelAttention
 from tp_ext.layers.base import SEQUENCE_DIM, ParallelModule, no_init
 from tp_ext.layers.block import ParallelTransformerBlock
+from tp_ext.layers.context import cp_positions, ring_attention
 from tp_ext.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_ext.layers.linear import (
     ColumnParallelLinear,
@@ -82,6 +83,8 @@ __all__ = [
     "ParallelExperts",
     "expert_parameters",
     "ParallelTransformerBlock",
+    "ring_attention",
+    "cp_positions",
     "vocab_parallel_cross_entropy",
     "GridModule",
     "Linear2D",

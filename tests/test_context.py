@@ -1,0 +1,183 @@
+"""Context parallelism (tp_ext/layers/context.py): ring attention over a sequence split along its
+positions over 1-4 ranks, with the causal load balance (2C chunks, rank i holding chunks i and
+2C-1-i) at lengths that do not divide evenly, against the unsplit attention: outputs and the
+gradients of queries, keys and values, causal and not, with grouped-query heads. The merge op
+(ops/attention_merge.*) against its formula."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tp_ext
+from tp_ext import ops
+from tp_ext.layers import context
+from tp_ext.layers.context import cp_positions, ring_attention
+from tp_ext.sharding import cp_chunks
+
+from .common import WORLD_SIZES, full
+from .dist_utils import run_distributed
+
+
+def test_cp_chunks_balance_the_causal_work():
+    # 11 positions in 4 chunks [3, 3, 3, 2]: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert cp_chunks(11, 2, 0) == [(0, 0, 3), (3, 9, 2)]
+    assert cp_chunks(11, 2, 1) == [(1, 3, 3), (2, 6, 3)]
+    for seq, cp in ((11, 3), (8, 4), (3, 2), (0, 2)):
+        held = sorted(
+            p for r in range(cp) for _, s, n in cp_chunks(seq, cp, r) for p in range(s, s + n)
+        )
+        assert held == list(range(seq)), (seq, cp)
+    with pytest.raises(ValueError, match="cp_rank must be an int in \\[0, 1\\]"):
+        cp_chunks(8, 2, 2)
+
+
+def _merge_reference(oa, la, ob, lb):
+    lse = torch.logaddexp(la, lb)
+    return torch.exp(la - lse)[..., None] * oa + torch.exp(lb - lse)[..., None] * ob, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_attention_merge_matches_its_formula(dtype):
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    oa, ob = full((2, 3, 5, 4), 1, dtype), full((2, 3, 5, 4), 2, dtype)
+    la, lb = full((2, 3, 5), 3, lse_dtype), full((2, 3, 5), 4, lse_dtype)
+    la[0, 0, 0] = float("-inf")  # a block with no keys for that row
+    inputs = [t.clone().requires_grad_() for t in (oa, la, ob, lb)]
+    out, lse = ops.attention_merge(*inputs)
+    ref_inputs = [t.double().clone().requires_grad_() for t in (oa, la, ob, lb)]
+    ref_out, ref_lse = _merge_reference(*ref_inputs)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)
+    g_out, g_lse = full(out.shape, 5, dtype), full(lse.shape, 6, lse_dtype)
+    got = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), inputs)
+    want = torch.autograd.grad(
+        (ref_out * g_out.double()).sum() + (ref_lse * g_lse.double()).sum(), ref_inputs
+    )
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e, **tol)
+    # two blocks with no keys: no attention at all (lse -inf, out 0), not NaN
+    none = torch.full((1, 2), float("-inf"))
+    out, lse = ops.attention_merge(torch.ones(1, 2, 3), none, torch.ones(1, 2, 3), none)
+    assert torch.equal(out, torch.zeros(1, 2, 3)) and torch.isinf(lse).all()
+
+
+def test_attention_merge_errors_name_the_argument():
+    with pytest.raises(ValueError, match="lse_b has shape \\[2, 4\\] but out_b has shape"):
+        ops.attention_merge(
+            torch.ones(2, 3, 4), torch.ones(2, 3), torch.ones(2, 3, 4), torch.ones(2, 4)
+        )
+    with pytest.raises(ValueError, match="lse_a must be float32 or float64"):
+        ops.attention_merge(
+            torch.ones(2, 3, 4),
+            torch.ones(2, 3, dtype=torch.bfloat16),
+            torch.ones(2, 3, 4),
+            torch.ones(2, 3),
+        )
+
+
+@pytest.mark.parametrize("diagonal", [True, False])
+def test_the_matmul_blocks_equal_torchs_flash_attention(diagonal):
+    """The blocks off the CPU (matmuls, until a GPU pass gives them flash kernels) against the
+    flash attention the CPU path uses, given another block's output and log-sum-exp as the
+    merged ones (what the ring's backward passes)."""
+    q, k, v = full((2, 3, 5, 4), 1), full((2, 3, 5, 4), 2), full((2, 3, 5, 4), 3)
+    flash = context._block(q, k, v, diagonal, 0.7)
+    mine = context._block_by_matmuls(q, k, v, diagonal, 0.7)
+    for a, e in zip(mine, flash):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    out, lse = context._block(q, full((2, 3, 5, 4), 4), v, False, 0.7)  # "merged" ones
+    grad = full((2, 3, 5, 4), 5)
+    want = context._block_backward(grad, q, k, v, out, lse, diagonal, 0.7)
+    got = context._block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal, 0.7)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+SEQ = 11  # over 2C chunks: uneven at every C > 1
+
+
+def _check_ring(causal, heads, kv_heads, dtype):
+    g = tp_ext.comm.resolve_group(None)
+    torch.manual_seed(0)
+    q_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
+    k_full = torch.randn(2, kv_heads, SEQ, 8, dtype=dtype)
+    v_full = torch.randn(2, kv_heads, SEQ, 8, dtype=dtype)
+    grad_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
+    mine = cp_positions(SEQ)
+    q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q_full, k_full, v_full))
+    out = ring_attention(q, k, v, SEQ, causal=causal)
+    out.backward(grad_full[:, :, mine])
+    refs = [t.clone().requires_grad_() for t in (q_full, k_full, v_full)]
+    expected = F.scaled_dot_product_attention(*refs, is_causal=causal, enable_gqa=heads != kv_heads)
+    expected.backward(grad_full)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out, expected[:, :, mine].detach(), **tol)
+    for got, ref in zip((q, k, v), refs):
+        torch.testing.assert_close(got.grad, ref.grad[:, :, mine], **tol)
+    return g.size
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_equals_the_unsplit_attention(world, causal):
+    assert run_distributed(_check_ring, world, causal, 4, 2, torch.float64) == [world] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_in_fp32_with_one_kv_head(world):
+    run_distributed(_check_ring, world, True, 4, 1, torch.float32)
+
+
+def _ring_errors():
+    q = torch.ones(1, 4, 3, 8)
+    errors = []
+    for call in (
+        lambda: ring_attention(q, q[:, :2], q[:, :2], 12),
+        lambda: ring_attention(q, q[:, :3], q[:, :3], 6),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_ring_attention_refuses_bad_shapes_by_name():
+    errors = run_distributed(_ring_errors, 2)[0]
+    assert "q has shape (1, 4, 3, 8); it must be [batch, heads, 6, head_dim]" in errors[0]
+    assert "4 query heads are not a multiple of 3 key/value heads" in errors[1]
+
+
+def _state_with_cp(tp, cp):
+    import torch.distributed as dist
+
+    state = tp_ext.init_parallel(tp=tp, cp=cp)
+    g = tp_ext.comm.resolve_group(state.cp_group)
+    members = dist.get_process_group_ranks(state.cp_group)
+    mine = tp_ext.cp_positions(SEQ, parallel=state).tolist()
+    # the ring over the state's CP group (the default once init_parallel(cp=...) ran)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, SEQ, 4, dtype=torch.float64) for _ in range(3))
+    out = ring_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], SEQ)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, mine]
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    return state.dims.describe(), members, g.rank, mine
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2)])
+def test_init_parallel_makes_the_cp_group_next_to_tp(tp, cp):
+    results = run_distributed(_state_with_cp, tp * cp, tp, cp)
+    chunks = {
+        r: [p for _, s, n in cp_chunks(SEQ, cp, r) for p in range(s, s + n)] for r in range(cp)
+    }
+    for rank, (dims, members, cp_rank, mine) in enumerate(results):
+        assert dims == f"tp={tp} pp=1 dp=1 cp={cp}"
+        # TP innermost, then CP: rank = cp_rank * tp + tp_rank
+        assert members == [c * tp + rank % tp for c in range(cp)], (rank, members)
+        assert cp_rank == rank // tp and mine == chunks[cp_rank]
+
+
+def test_cp_with_expert_parallelism_is_refused_by_name():
+    with pytest.raises(ValueError, match="cp=2 with ep > 1 is not supported yet"):
+        tp_ext.init_parallel(tp=1, cp=2, ep=2)

@@ -1,0 +1,297 @@
+"""Context parallelism: attention over a sequence split along its positions over a CP group.
+
+Ring attention (as Megatron-Core's and torchtitan's rings do it): each rank keeps the queries of
+its two chunks of the sequence (:func:`tp_ext.sharding.cp_chunks`, the causal load balance: chunk
+r and chunk 2C-1-r of 2C), and the keys and values travel round the ring, one rank's block per
+step, sent on to the next rank while this rank computes with the block it holds. The partial
+results over key blocks are merged by the online softmax (:func:`tp_ext.ops.attention_merge`,
+a C++ op). Backward sends the blocks round again; each carries its key and value gradients,
+which every rank adds to as the block passes, and one last hop hands them to their owner.
+
+A block's attention is torch's flash attention on CPU; its backward, given the merged output and
+log-sum-exp, is exactly that block's share of the gradients. Elsewhere it is computed with plain
+matmuls in fp32 (fp64 for fp64), until a GPU pass gives it flash kernels there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_ext import ops
+from tp_ext.distributed.groups import GroupLike, resolve_group
+from tp_ext.distributed.state import PROCESS
+from tp_ext.sharding import cp_chunks
+from tp_ext.validation import check_int
+
+__all__ = ["cp_group", "cp_positions", "ring_attention"]
+
+
+def cp_group(group: GroupLike = None, parallel=None):
+    """The CP group to use, resolved: ``parallel.cp_group`` when ``parallel`` is given, else
+    ``group``, else the CP group of :func:`tp_ext.init_parallel` (the world group when it was not
+    called)."""
+    if parallel is not None:
+        group = parallel.cp_group
+    elif group is None:
+        state = PROCESS.parallel
+        group = None if state is None else state.cp_group
+        if group is None:
+            group = dist.group.WORLD if dist.is_initialized() else None
+    return resolve_group(group)
+
+
+def cp_positions(seq_len: int, parallel=None, group: GroupLike = None) -> torch.Tensor:
+    """The sequence positions this rank of the CP group holds (``parallel.cp_group``, or
+    ``group``; see :func:`cp_group`), in the order it holds them (a LongTensor): its two chunks
+    of :func:`~tp_ext.sharding.cp_chunks`."""
+    g = cp_group(group, parallel)
+    chunks = cp_chunks(seq_len, g.size, g.rank)
+    return torch.cat([torch.arange(start, start + n) for _, start, n in chunks])
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int,
+    group: GroupLike = None,
+    causal: bool = True,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the keys of the whole sequence, whose positions are
+    split over the CP ``group`` as :func:`cp_positions` says (``seq_len``: the whole length).
+
+    ``q`` [batch, heads, local, head_dim] and ``k``, ``v`` [batch, kv_heads, local, head_dim] hold
+    this rank's positions (GQA: heads a multiple of kv_heads; keys and values travel with their
+    own heads). Returns [batch, heads, local, head_dim], equal to the unsplit attention's rows
+    at those positions; ``causal``: each query sees the keys at or before its position.
+    ``group``: the CP group (default: :func:`cp_group`'s)."""
+    g = cp_group(group)
+    _check(q, k, v, seq_len, g)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.size(-1))
+    return _RingAttention.apply(q, k, v, seq_len, g, bool(causal), float(scale))
+
+
+def _check(q, k, v, seq_len, g) -> None:
+    check_int("seq_len", seq_len, 0)
+    local = sum(n for _, _, n in cp_chunks(seq_len, g.size, g.rank))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.size(2) != local:
+            raise ValueError(
+                f"ring_attention: {name} has shape {tuple(t.shape)}; it must be [batch, heads, "
+                f"{local}, head_dim]: this rank's {local} positions of seq_len={seq_len} over "
+                f"{g.size} CP ranks (tp_ext.cp_positions)"
+            )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
+            "share batch and head_dim, and k and v their shape"
+        )
+    if q.size(1) % k.size(1):
+        raise ValueError(
+            f"ring_attention: {q.size(1)} query heads are not a multiple of {k.size(1)} key/value "
+            "heads (grouped-query attention needs whole groups)"
+        )
+
+
+def _pairs(seq_len: int, size: int, rank: int, held: int, causal: bool) -> list:
+    """Which of this rank's query chunks attend to which chunks of rank ``held``'s block:
+    ``(q offset, q length, k offset, k length, diagonal)`` in local rows; a chunk sees the
+    chunks before it whole and its own causally (the chunks after it not at all)."""
+    found, q_off = [], 0
+    theirs = cp_chunks(seq_len, size, held)
+    for qc, _, qn in cp_chunks(seq_len, size, rank):
+        k_off = 0
+        for kc, _, kn in theirs:
+            if qn and kn and (not causal or kc <= qc):
+                found.append((q_off, qn, k_off, kn, causal and kc == qc))
+            k_off += kn
+        q_off += qn
+    return found
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """A gradient over repeated key/value heads summed back onto each head."""
+    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
+
+
+def _block(q, k, v, diagonal: bool, scale: float):
+    """(out, lse) of q over one key block: flash attention on CPU, matmuls elsewhere."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, diagonal, scale=scale
+        )
+        return out, lse
+    return _block_by_matmuls(q, k, v, diagonal, scale)
+
+
+def _block_by_matmuls(q, k, v, diagonal: bool, scale: float):
+    scores = _scores(q, k, diagonal, scale)
+    lse = torch.logsumexp(scores, -1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(scores.dtype)
+    return out.to(q.dtype), lse
+
+
+def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
+    acc = _acc(q.dtype)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    if diagonal:
+        n = scores.size(-1)
+        scores = scores.masked_fill(
+            torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+        )
+    return scores
+
+
+def _block_backward(grad, q, k, v, out, lse, diagonal: bool, scale: float):
+    """(dq, dk, dv): one key block's share of the gradients, given the attention's merged output
+    and log-sum-exp over every block."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, diagonal, scale=scale
+        )
+    return _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal, scale)
+
+
+def _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal: bool, scale: float):
+    acc = _acc(q.dtype)
+    probs = torch.exp(_scores(q, k, diagonal, scale) - lse.to(acc).unsqueeze(-1))
+    grad, out, v_acc = grad.to(acc), out.to(acc), v.to(acc)
+    dv = probs.transpose(-1, -2) @ grad
+    ds = probs * (grad @ v_acc.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+    dq = (ds @ k.to(acc)) * scale
+    dk = (ds.transpose(-1, -2) @ q.to(acc)) * scale
+    return dq, dk, dv
+
+
+class _Shift:
+    """Tensors sent to the next rank of the ring while the previous rank's arrive (one packed
+    buffer each way, started now, taken by :meth:`finish`)."""
+
+    def __init__(self, tensors, incoming_shapes, g) -> None:
+        self.shapes = incoming_shapes
+        send = torch.cat([t.reshape(-1) for t in tensors])
+        self.recv = send.new_empty(sum(math.prod(s) for s in incoming_shapes))
+        group = g.group
+        nxt = dist.get_global_rank(group, (g.rank + 1) % g.size)
+        prev = dist.get_global_rank(group, (g.rank - 1) % g.size)
+        self.send = send  # alive until the transfer is done
+        self.work = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, nxt, group),
+                dist.P2POp(dist.irecv, self.recv, prev, group),
+            ]
+        )
+
+    def finish(self) -> list[torch.Tensor]:
+        for w in self.work:
+            w.wait()
+        out, at = [], 0
+        for s in self.shapes:
+            n = math.prod(s)
+            out.append(self.recv[at : at + n].view(s))
+            at += n
+        return out
+
+
+def _block_shape(t: torch.Tensor, seq_len: int, size: int, held: int) -> tuple:
+    rows = sum(n for _, _, n in cp_chunks(seq_len, size, held))
+    return (t.size(0), t.size(1), rows, t.size(3))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seq_len, g, causal, scale):
+        size, rank = g.size, g.rank
+        groups = q.size(1) // k.size(1)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
+        kv = (k.detach(), v.detach())
+        for step in range(size):
+            held = (rank - step) % size
+            shift = None
+            if step + 1 < size:  # the next block travels while this one is computed
+                shape = _block_shape(k, seq_len, size, (held - 1) % size)
+                shift = _Shift(kv, [shape, shape], g)
+            kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
+            for q_off, qn, k_off, kn, diagonal in _pairs(seq_len, size, rank, held, causal):
+                rows = slice(q_off, q_off + qn)
+                o_b, l_b = _block(
+                    q[:, :, rows].contiguous(),
+                    kr[:, :, k_off : k_off + kn].contiguous(),
+                    vr[:, :, k_off : k_off + kn].contiguous(),
+                    diagonal,
+                    scale,
+                )
+                out[:, :, rows], lse[..., rows] = ops.attention_merge(
+                    out[:, :, rows], lse[..., rows], o_b, l_b.to(lse.dtype)
+                )
+            if shift is not None:
+                kv = tuple(shift.finish())
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.seq_len, ctx.g, ctx.causal, ctx.scale = seq_len, g, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        seq_len, g, causal, scale = ctx.seq_len, ctx.g, ctx.causal, ctx.scale
+        size, rank = g.size, g.rank
+        groups = q.size(1) // k.size(1)
+        acc = _acc(q.dtype)
+        grad = grad.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = (k, v)
+        travelling = None  # the key/value gradients of the block held next, on their way here
+        for step in range(size):
+            held = (rank - step) % size
+            shift = None
+            if step + 1 < size:
+                shape = _block_shape(k, seq_len, size, (held - 1) % size)
+                shift = _Shift(kv, [shape, shape], g)
+            kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
+            dk = torch.zeros(kr.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(vr.shape, dtype=acc, device=q.device)
+            for q_off, qn, k_off, kn, diagonal in _pairs(seq_len, size, rank, held, causal):
+                rows, keys = slice(q_off, q_off + qn), slice(k_off, k_off + kn)
+                gq, gk, gv = _block_backward(
+                    grad[:, :, rows].contiguous(),
+                    q[:, :, rows].contiguous(),
+                    kr[:, :, keys].contiguous(),
+                    vr[:, :, keys].contiguous(),
+                    out[:, :, rows].contiguous(),
+                    lse[..., rows].contiguous(),
+                    diagonal,
+                    scale,
+                )
+                dq[:, :, rows] += gq
+                dk[:, :, keys] += gk
+                dv[:, :, keys] += gv
+            dk, dv = _fold(dk, groups), _fold(dv, groups)
+            if travelling is not None:  # what the ranks before added to this block
+                got_k, got_v = travelling.finish()
+                dk, dv = dk + got_k, dv + got_v
+            if shift is not None:
+                kv = tuple(shift.finish())
+            # on to the rank that holds this block next (after the last step: its owner); in
+            # comes the block held next here (after the last step: this rank's own)
+            if size > 1:
+                incoming = (held - 1) % size if step + 1 < size else rank
+                shape = _block_shape(k, seq_len, size, incoming)
+                travelling = _Shift((dk, dv), [shape, shape], g)
+        if size > 1:
+            dk, dv = travelling.finish()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
