@@ -16,6 +16,7 @@ from tp_ext.sharding import cp_chunks
 
 from .common import WORLD_SIZES, full
 from .dist_utils import run_distributed
+from .test_models import _TINY as MODEL_TINY
 
 
 def test_cp_chunks_balance_the_causal_work():
@@ -181,3 +182,123 @@ def test_init_parallel_makes_the_cp_group_next_to_tp(tp, cp):
 def test_cp_with_expert_parallelism_is_refused_by_name():
     with pytest.raises(ValueError, match="cp=2 with ep > 1 is not supported yet"):
         tp_ext.init_parallel(tp=1, cp=2, ep=2)
+
+
+# the model tests' tiny Qwen2, with 2 layers
+_TINY = {**MODEL_TINY, "num_hidden_layers": 2}
+
+
+def _qwen2_under_cp(tp, cp, recompute):
+    """The native Qwen2 at (tp, cp): this rank's logits at its positions and, with the loss
+    summed over every CP rank's positions and the gradients summed over CP, every gradient
+    equal to the one-process model's."""
+    import torch.distributed as dist
+
+    from tp_ext.distributed import ResolvedGroup
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config.from_dict(_TINY)
+    state = tp_ext.init_parallel(tp=tp, cp=cp)
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64)
+    model.activation_checkpointing = recompute
+    torch.manual_seed(3)
+    reference = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local(), dtype=torch.float64)
+    ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mine = tp_ext.cp_positions(SEQ, parallel=state)
+    logits = model(ids)
+    expected = reference(ids)
+    torch.testing.assert_close(logits, expected[:, mine].detach(), rtol=1e-9, atol=1e-9)
+    # next-token loss, summed: each CP rank over its positions (the last position has no target)
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets[:, mine].flatten(), reduction="sum")
+    loss.backward()
+    F.cross_entropy(expected.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    want = tp_ext.layers.local_shards(model, full)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=state.cp_group)  # the CP ranks' shares of the gradient
+        # the fused RMSNorm computes fp64 in fp32: its weight gradient, a sum over positions
+        # grouped by CP rank here, rounds at 1e-7
+        err = (grad - want[name]).abs().max().item() / want[name].abs().max().item()
+        assert err < 1e-6, (name, err)
+    return mine.tolist()
+
+
+@pytest.mark.parametrize(
+    "tp, cp, recompute",
+    [(1, 2, False), (1, 3, True), (1, 4, False), (2, 2, False)],
+    ids=["cp2", "cp3-recompute", "cp4", "tp2-cp2"],
+)
+def test_native_qwen2_under_context_parallelism_equals_one_process(tp, cp, recompute):
+    held = run_distributed(_qwen2_under_cp, tp * cp, tp, cp, recompute)
+    assert sorted(p for positions in held[::tp] for p in positions) == list(range(SEQ))
+
+
+def _cp_refusals():
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+    state = tp_ext.init_parallel(tp=1, cp=2)
+    config = Qwen2Config.from_dict(_TINY)
+    errors = []
+    for call in (
+        lambda: Qwen2ForCausalLM(config, parallel=state, cp_mode="all_to_all"),
+        lambda: Qwen2ForCausalLM(config, parallel=state, cp_mode="ulysses"),
+        lambda: Qwen2ForCausalLM(config, parallel=state).generate(torch.ones(1, 4).long(), 2),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_what_context_parallelism_does_not_do_yet_is_refused_by_name():
+    errors = run_distributed(_cp_refusals, 2)[0]
+    assert "all-to-all (Ulysses) attention is not built yet; use cp_mode='ring'" in errors[0]
+    assert "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'" in errors[1]
+    assert "generate: context parallelism (cp=2) does not decode yet" in errors[2]
+
+
+def _train_under_cp(tp, cp, dp):
+    """Three AdamW steps of the native Qwen2 at (tp, cp, dp), each DP replica its own
+    micro-batches (full sequences on every CP rank), against one process training on all of
+    them: the same losses each step and the same weights after."""
+    from tp_ext.distributed import ResolvedGroup
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    config = Qwen2Config.from_dict(_TINY)
+    state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp)
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64)
+    torch.manual_seed(3)
+    reference = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local(), dtype=torch.float64)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    trainer = Trainer(model, optimizer=adamw, parallel=state, max_grad_norm=1.0)
+    ref_trainer = Trainer(reference, optimizer=adamw, max_grad_norm=1.0)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(3):
+        batches = [
+            torch.randint(0, config.vocab_size, (2, SEQ), generator=gen) for _ in range(dp * 2)
+        ]
+        mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
+        losses.append((trainer.step(mine), ref_trainer.step(batches)))
+    full = model.full_state_dict()
+    for name, tensor in reference.state_dict().items():
+        err = (full[name] - tensor).abs().max().item() / tensor.abs().max().item()
+        assert err < 1e-6, (name, err)
+    return losses
+
+
+@pytest.mark.parametrize("tp, cp, dp", [(1, 2, 1), (1, 3, 1), (1, 2, 2), (2, 2, 1)])
+def test_trainer_under_context_parallelism_trains_like_one_process(tp, cp, dp):
+    for losses in run_distributed(_train_under_cp, tp * cp * dp, tp, cp, dp, timeout=300):
+        for got, want in losses:
+            # the Trainer sums the loss in fp32 (the one-process run) or fp64 (the all-reduce)
+            assert abs(got - want) <= 1e-6 * abs(want), (got, want)

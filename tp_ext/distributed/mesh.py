@@ -62,6 +62,9 @@ class ParallelState:
     ep_group: Optional[dist.ProcessGroup] = None  # the ranks that share out the experts
     expert_dp_group: Optional[dist.ProcessGroup] = None  # the ranks holding the same experts
     cp_group: Optional[dist.ProcessGroup] = None  # the ranks that share each sequence
+    # cp > 1: the DP and CP ranks of this TP position and stage, which hold the same parameters
+    # (their gradients are summed over CP and averaged over DP in one all-reduce)
+    dp_cp_group: Optional[dist.ProcessGroup] = None
 
     @property
     def tp(self) -> int:
@@ -351,8 +354,23 @@ def _make_state(dims: ParallelDims) -> ParallelState:
         device=device,
         backend=backend,
         tp_grid=tp_grid,
+        dp_cp_group=_dp_cp_group(mesh) if dims.cp > 1 else None,
         **_expert_process_groups(mesh, dims.ep),
     )
+
+
+def _dp_cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """This rank's group of the DP x CP ranks at its stage and TP position (every rank makes
+    every group: a collective)."""
+    ranks = mesh.mesh  # [pp, dp, cp, tp]
+    me, mine = dist.get_rank(), None
+    for p in range(ranks.shape[0]):
+        for t in range(ranks.shape[3]):
+            members = sorted(int(r) for r in ranks[p, :, :, t].flatten())
+            group = dist.new_group(members)
+            if me in members:
+                mine = group
+    return mine
 
 
 def _expert_process_groups(mesh: DeviceMesh, ep: int) -> dict:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tp_ext.distributed.rng import tp_rng
 from tp_ext.layers.base import ParallelModule, check_int
+from tp_ext.layers.context import ring_attention
 from tp_ext.layers.linear import QKVParallelLinear, RowParallelLinear
 from tp_ext.layers.rotary import RotaryEmbedding
 
@@ -118,6 +119,8 @@ class ParallelAttention(ParallelModule):
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
         # Local query heads served by each local KV head (the layout keeps them contiguous).
         self.kv_groups_local = self.num_heads_local // self.num_kv_heads_local
+        # Context parallelism (set by the model): the CP group its ring attention runs over
+        self.cp = None
 
     def new_kv_cache(self, batch: int, max_length: int) -> KVCache:
         return KVCache(
@@ -140,7 +143,10 @@ class ParallelAttention(ParallelModule):
             raise ValueError(
                 f"ParallelAttention: input must be [batch, seq, hidden], got shape {tuple(x.shape)}"
             )
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x, seq_len))
+        # under context parallelism seq_len is the whole sequence's length (the ring's), and x
+        # holds this CP rank's positions (sequence parallelism is not combined with it)
+        sp_len = None if self.cp is not None else seq_len
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, sp_len))
         batch, seq = q.shape[0], q.shape[1]  # full sequence, also under sequence parallelism
         q = q.view(batch, seq, self.num_heads_local, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads_local, self.head_dim).transpose(1, 2)
@@ -154,14 +160,33 @@ class ParallelAttention(ParallelModule):
                 f"sequence), got shape {tuple(position_ids.shape)}"
             )
         q, k = self.rotary.rotate(q, k, position_ids)  # q and k in one fused op
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        if self.kv_groups_local > 1:
-            k = k.repeat_interleave(self.kv_groups_local, dim=1)
-            v = v.repeat_interleave(self.kv_groups_local, dim=1)
-        out = self._attend(q, k, v, past)
+        if self.cp is not None:
+            out = self._ring(q, k, v, kv_cache, position_ids, seq_len)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)
+            if self.kv_groups_local > 1:
+                k = k.repeat_interleave(self.kv_groups_local, dim=1)
+                v = v.repeat_interleave(self.kv_groups_local, dim=1)
+            out = self._attend(q, k, v, past)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads_local * self.head_dim)
-        return self.o_proj(out, seq_len)
+        return self.o_proj(out, sp_len)
+
+    def _ring(self, q, k, v, kv_cache, position_ids, seq_len) -> torch.Tensor:
+        """Context parallelism: this CP rank's queries over every rank's keys (ring attention;
+        the key/value heads travel unrepeated)."""
+        if kv_cache is not None or position_ids is None or seq_len is None:
+            raise ValueError(
+                "ParallelAttention under context parallelism needs position_ids (this CP rank's "
+                "positions, tp_ext.cp_positions) and seq_len (the whole sequence's length), and "
+                "does not decode with a KV cache yet (generate with cp=1)"
+            )
+        if self.training and self.dropout > 0:
+            raise ValueError(
+                "ParallelAttention: attention dropout under context parallelism is not supported "
+                "yet; set attention_dropout=0"
+            )
+        return ring_attention(q, k, v, seq_len, self.cp)
 
     def _attend(self, q, k, v, past: int) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0

@@ -35,6 +35,7 @@ from tp_ext.layers import (
     expert_parameters,
     vocab_parallel_cross_entropy,
 )
+from tp_ext.layers.context import cp_positions
 from tp_ext.parallelize.stages import single_stage
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner, check_schedule
 from tp_ext.pipeline.data_parallel import replicate_stages
@@ -170,6 +171,28 @@ class FullLogitsLoss:
         return loss
 
 
+class ContextParallelLoss(VocabParallelLoss):
+    """Under context parallelism: the model gives the logits of this CP rank's positions
+    (:func:`tp_ext.cp_positions` order), each scored against the next token of the whole
+    sequence (the last position has none)."""
+
+    def __init__(self, tp_group, cp_group, ignore_index: int) -> None:
+        super().__init__(tp_group, ignore_index)
+        self.cp = cp_group
+
+    def __call__(self, model, ids, labels) -> torch.Tensor:
+        order = cp_positions(ids.size(1), group=self.cp).to(ids.device)
+        none = labels.new_full((labels.size(0), 1), self.ignore_index)
+        targets = torch.cat([labels[:, 1:], none], 1)[:, order]
+        return vocab_parallel_cross_entropy(
+            model(ids, local_logits=True),
+            targets,
+            tp_group=self.tp,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+
+
 def choose_loss(model: nn.Module, tp_group, ignore_index: int, is_2d: bool = False):
     """The micro-batch loss for ``model`` (a callable ``loss(model, ids, labels)``, the summed
     token loss)."""
@@ -245,13 +268,17 @@ class LocalStep(StepStrategy):
     def _global_count(self, count: torch.Tensor) -> torch.Tensor:
         return count
 
+    def _counted(self, count: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the token count summed over the synchronising group."""
+        return count
+
     @torch.no_grad()
     def _synchronise(self, params, loss_sum, scale, count):
         """One all-reduce of every gradient, the loss sum and the token count: gradients become
         the gradient of the mean over all DP ranks' tokens (weighted by each rank's count)."""
         if self.dp_group is None or self.dp_group.size == 1:
             return loss_sum, count
-        flat = _flat_grads(params, [loss_sum, count])
+        flat = _flat_grads(params, [loss_sum, self._counted(count)])
         flat[:-2] *= scale.to(flat.dtype)  # back to the gradient of this rank's summed loss
         with comm.tag("train.dp_sync"):
             flat = comm.all_reduce(flat, "sum", group=self.dp_group)
@@ -413,6 +440,22 @@ class ExpertPipelineStep(PipelineStep):
         )
 
 
+class ContextStep(LocalStep):
+    """Context parallelism: every CP rank runs the whole micro-batches on its positions (ring
+    attention inside the model); its summed loss is its positions' share. One all-reduce over
+    the DP x CP ranks then sums the gradients over CP and averages them over DP by the token
+    count (every CP rank of a replica knows the whole count: only the first adds it)."""
+
+    form = "context"
+
+    def __init__(self, model, loss, tp, dp_cp_group, cp_rank: int) -> None:
+        super().__init__(model, loss, tp, dp_cp_group, "ddp")
+        self.cp_rank = cp_rank
+
+    def _counted(self, count: torch.Tensor) -> torch.Tensor:
+        return count if self.cp_rank == 0 else torch.zeros_like(count)
+
+
 # ---- the factory --------------------------------------------------------------------------------
 
 
@@ -439,6 +482,10 @@ def build_step(
         tp = model_tp_group(model, tp_group)
         dp = None if dp_group is None else comm.resolve_group(dp_group)
         return LocalStep(model, choose_loss(model, tp, ignore_index), tp, dp, None)
+    if getattr(parallel, "cp", 1) > 1:
+        return _context_step(
+            model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
+        )
     experts = any(isinstance(m, ExpertParallelMoE) for m in model.modules())
     if experts and parallel.pp == 1:
         return _expert_step(
@@ -531,6 +578,27 @@ def _expert_step(
     expert_dp = comm.resolve_group(parallel.expert_dp_group)
     loss = choose_loss(model, tp, ignore_index)
     return ExpertStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None, expert_dp)
+
+
+def _context_step(
+    model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
+) -> ContextStep:
+    _check_built_with(model, parallel, dp_group, tp_group)
+    if getattr(model, "cp_group", None) is None:
+        raise ValueError(
+            f"Trainer(parallel=...) with cp={parallel.cp}: {type(model).__name__} does not run "
+            "context parallelism; build tp_ext's Qwen2ForCausalLM(config, parallel=state)"
+        )
+    if data_parallel not in (None, "ddp") or compression is not None:
+        raise ValueError(
+            f"data_parallel={data_parallel!r}, gradient_compression={compression!r} with "
+            f"cp={parallel.cp}: its gradients are summed over CP and DP by one all-reduce; "
+            "use data_parallel='ddp' (or None) and no compression"
+        )
+    tp = comm.resolve_group(parallel.tp_group)
+    cp = comm.resolve_group(parallel.cp_group)
+    loss = ContextParallelLoss(tp, cp, ignore_index)
+    return ContextStep(model, loss, tp, comm.resolve_group(parallel.dp_cp_group), cp.rank)
 
 
 def _check_expert_data_parallel(data_parallel, compression) -> None:

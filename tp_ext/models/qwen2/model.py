@@ -22,6 +22,7 @@ from tp_ext.checkpoint.hf import model_group
 from tp_ext.checkpoint.layout import detect_checkpoint_map, expected_shapes
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
 from tp_ext.distributed import comm
+from tp_ext.distributed.groups import resolve_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers import (
     ParallelLMHead,
@@ -32,6 +33,7 @@ from tp_ext.layers import (
     no_init,
     tensor_specs,
 )
+from tp_ext.layers.context import cp_positions
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
@@ -141,9 +143,12 @@ class Qwen2ForCausalLM(ParallelModule):
         virtual_stages: int = 1,
         pipeline_split=None,
         stage_order: str = "loop",
+        cp_mode: str = "ring",
     ):
         super().__init__()
         dtype = as_torch_dtype(dtype)
+        if cp_mode not in ("ring", "all_to_all"):
+            raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
         if parallel is not None:
             if tp_group is not None:
                 raise ValueError(
@@ -187,6 +192,30 @@ class Qwen2ForCausalLM(ParallelModule):
         if seed is not None:  # a tied head's own copy draws the embedding's tensor
             init_weights(self, config, seed)
         self.activation_checkpointing = False
+        self.cp_group = None  # context parallelism: the ranks that share each sequence
+        if parallel is not None and getattr(parallel, "cp", 1) > 1:
+            self._use_context_parallel(parallel, cp_mode)
+
+    def _use_context_parallel(self, parallel, cp_mode: str) -> None:
+        """Every attention runs as a ring over the CP group (tp_ext.layers.context)."""
+        if cp_mode != "ring":
+            raise ValueError(
+                f"cp_mode={cp_mode!r}: all-to-all (Ulysses) attention is not built yet; use "
+                "cp_mode='ring'"
+            )
+        if self.is_pipelined:
+            raise ValueError(
+                f"Qwen2ForCausalLM: cp={parallel.cp} with pp={parallel.pp} is not supported yet; "
+                "use pp=1 with context parallelism"
+            )
+        if self.config.attention_dropout > 0:
+            raise ValueError(
+                "Qwen2ForCausalLM: attention dropout under context parallelism is not supported "
+                "yet; set attention_dropout=0 in the config"
+            )
+        self.cp_group = resolve_group(parallel.cp_group)
+        for i in self.model.layers.indices():
+            self.model.layers[i].self_attn.cp = self.cp_group
 
     @property
     def is_pipelined(self) -> bool:
@@ -318,7 +347,9 @@ class Qwen2ForCausalLM(ParallelModule):
         """Logits of ``input_ids`` ``[batch, seq]``. Under pipelining every rank of one pipeline
         passes the same ids; the stages run one after another (activations sent to the next
         stage's rank) and every rank returns the last stage's logits. That path is for
-        inference (no autograd across ranks): train with :class:`tp_ext.training.Trainer`."""
+        inference (no autograd across ranks): train with :class:`tp_ext.training.Trainer`.
+        Under context parallelism every CP rank passes the same whole sequence and gets the
+        logits of its own positions, in the order of :func:`tp_ext.cp_positions`."""
         if self.is_pipelined:
             return self._pipelined_forward(input_ids, local_logits, kv_caches)
         h = self.stage_forward(0, input_ids, kv_caches)
@@ -334,6 +365,11 @@ class Qwen2ForCausalLM(ParallelModule):
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
                 f"{layout.num_stages}"
             )
+        positions, seq_len = None, None
+        if self.cp_group is not None:  # this CP rank's positions of the whole sequence
+            seq_len = x.size(1)
+            order = cp_positions(seq_len, group=self.cp_group).to(x.device)
+            x, positions = x[:, order], order.unsqueeze(0)
         if stage == 0:
             x = self.model.embed_tokens(x)
         for i in layout.layers_of(stage):
@@ -341,9 +377,9 @@ class Qwen2ForCausalLM(ParallelModule):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # recomputed in backward; the TP random stream is derived from torch's, which
                 # checkpoint restores, so dropout masks repeat exactly
-                x = recompute(layer, x, None, cache, use_reentrant=False)
+                x = recompute(layer, x, positions, cache, seq_len, use_reentrant=False)
             else:
-                x = layer(x, None, cache)
+                x = layer(x, positions, cache, seq_len)
         if stage == layout.last_stage:
             x = self.lm_head(self.model.norm(x))
         return x
@@ -372,6 +408,11 @@ class Qwen2ForCausalLM(ParallelModule):
         """Greedy decoding: the prompt once, then one token at a time through the KV caches
         (under pipelining each stage keeps the caches of its own layers)."""
         check_int("max_new_tokens", max_new_tokens, 0)
+        if self.cp_group is not None:
+            raise ValueError(
+                f"generate: context parallelism (cp={self.cp_group.size}) does not decode yet; "
+                "build the model with cp=1 for generation"
+            )
         batch, prompt = input_ids.shape
         caches = [None] * self.config.num_hidden_layers
         for i in self.model.layers.indices():
