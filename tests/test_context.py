@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import tp_ext
 from tp_ext import ops
 from tp_ext.layers import context
-from tp_ext.layers.context import cp_positions, ring_attention
+from tp_ext.layers.context import all_to_all_attention, cp_positions, ring_attention
 from tp_ext.sharding import cp_chunks
 
 from .common import WORLD_SIZES, full
@@ -98,7 +98,7 @@ def test_the_matmul_blocks_equal_torchs_flash_attention(diagonal):
 SEQ = 11  # over 2C chunks: uneven at every C > 1
 
 
-def _check_ring(causal, heads, kv_heads, dtype):
+def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention):
     g = tp_ext.comm.resolve_group(None)
     torch.manual_seed(0)
     q_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
@@ -107,7 +107,7 @@ def _check_ring(causal, heads, kv_heads, dtype):
     grad_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
     mine = cp_positions(SEQ)
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q_full, k_full, v_full))
-    out = ring_attention(q, k, v, SEQ, causal=causal)
+    out = attend(q, k, v, SEQ, causal=causal)
     out.backward(grad_full[:, :, mine])
     refs = [t.clone().requires_grad_() for t in (q_full, k_full, v_full)]
     expected = F.scaled_dot_product_attention(*refs, is_causal=causal, enable_gqa=heads != kv_heads)
@@ -123,6 +123,16 @@ def _check_ring(causal, heads, kv_heads, dtype):
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_equals_the_unsplit_attention(world, causal):
     assert run_distributed(_check_ring, world, causal, 4, 2, torch.float64) == [world] * world
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 3), (3, 1)])
+def test_all_to_all_attention_equals_the_unsplit_attention(world, heads, kv_heads):
+    """Ulysses: heads split whole (uneven at 3 ranks; fewer KV heads than ranks repeated)."""
+    for causal in (True, False):
+        run_distributed(
+            _check_ring, world, causal, heads, kv_heads, torch.float64, all_to_all_attention
+        )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -188,7 +198,7 @@ def test_cp_with_expert_parallelism_is_refused_by_name():
 _TINY = {**MODEL_TINY, "num_hidden_layers": 2}
 
 
-def _qwen2_under_cp(tp, cp, recompute):
+def _qwen2_under_cp(tp, cp, recompute, mode):
     """The native Qwen2 at (tp, cp): this rank's logits at its positions and, with the loss
     summed over every CP rank's positions and the gradients summed over CP, every gradient
     equal to the one-process model's."""
@@ -200,7 +210,7 @@ def _qwen2_under_cp(tp, cp, recompute):
     config = Qwen2Config.from_dict(_TINY)
     state = tp_ext.init_parallel(tp=tp, cp=cp)
     torch.manual_seed(3)
-    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64)
+    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64, cp_mode=mode)
     model.activation_checkpointing = recompute
     torch.manual_seed(3)
     reference = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local(), dtype=torch.float64)
@@ -227,12 +237,19 @@ def _qwen2_under_cp(tp, cp, recompute):
 
 
 @pytest.mark.parametrize(
-    "tp, cp, recompute",
-    [(1, 2, False), (1, 3, True), (1, 4, False), (2, 2, False)],
-    ids=["cp2", "cp3-recompute", "cp4", "tp2-cp2"],
+    "tp, cp, recompute, mode",
+    [
+        (1, 2, False, "ring"),
+        (1, 3, True, "ring"),
+        (1, 4, False, "ring"),
+        (2, 2, False, "ring"),
+        (1, 3, False, "all_to_all"),
+        (2, 2, True, "all_to_all"),
+    ],
+    ids=["cp2", "cp3-recompute", "cp4", "tp2-cp2", "cp3-a2a", "tp2-cp2-a2a-recompute"],
 )
-def test_native_qwen2_under_context_parallelism_equals_one_process(tp, cp, recompute):
-    held = run_distributed(_qwen2_under_cp, tp * cp, tp, cp, recompute)
+def test_native_qwen2_under_context_parallelism_equals_one_process(tp, cp, recompute, mode):
+    held = run_distributed(_qwen2_under_cp, tp * cp, tp, cp, recompute, mode)
     assert sorted(p for positions in held[::tp] for p in positions) == list(range(SEQ))
 
 
@@ -243,7 +260,6 @@ def _cp_refusals():
     config = Qwen2Config.from_dict(_TINY)
     errors = []
     for call in (
-        lambda: Qwen2ForCausalLM(config, parallel=state, cp_mode="all_to_all"),
         lambda: Qwen2ForCausalLM(config, parallel=state, cp_mode="ulysses"),
         lambda: Qwen2ForCausalLM(config, parallel=state).generate(torch.ones(1, 4).long(), 2),
     ):
@@ -256,9 +272,8 @@ def _cp_refusals():
 
 def test_what_context_parallelism_does_not_do_yet_is_refused_by_name():
     errors = run_distributed(_cp_refusals, 2)[0]
-    assert "all-to-all (Ulysses) attention is not built yet; use cp_mode='ring'" in errors[0]
-    assert "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'" in errors[1]
-    assert "generate: context parallelism (cp=2) does not decode yet" in errors[2]
+    assert "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'" in errors[0]
+    assert "generate: context parallelism (cp=2) does not decode yet" in errors[1]
 
 
 def _train_under_cp(tp, cp, dp):

@@ -13,7 +13,7 @@ from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers.attention import KVCache, ParallelAttention
 from tp_ext.layers.base import SEQUENCE_DIM, ParallelModule, no_init
 from tp_ext.layers.block import ParallelTransformerBlock
-from tp_ext.layers.context import cp_positions, ring_attention
+from tp_ext.layers.context import all_to_all_attention, cp_positions, ring_attention
 from tp_ext.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tp_ext.layers.linear import (
     ColumnParallelLinear,
@@ -84,6 +84,7 @@ __all__ = [
     "expert_parameters",
     "ParallelTransformerBlock",
     "ring_attention",
+    "all_to_all_attention",
     "cp_positions",
     "vocab_parallel_cross_entropy",
     "GridModule",

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tp_ext.distributed.rng import tp_rng
 from tp_ext.layers.base import ParallelModule, check_int
-from tp_ext.layers.context import ring_attention
+from tp_ext.layers.context import context_attention
 from tp_ext.layers.linear import QKVParallelLinear, RowParallelLinear
 from tp_ext.layers.rotary import RotaryEmbedding
 
@@ -119,8 +119,9 @@ class ParallelAttention(ParallelModule):
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
         # Local query heads served by each local KV head (the layout keeps them contiguous).
         self.kv_groups_local = self.num_heads_local // self.num_kv_heads_local
-        # Context parallelism (set by the model): the CP group its ring attention runs over
-        self.cp = None
+        # Context parallelism (set by the model): the CP group its attention runs over, and how
+        # (tp_ext.layers.context.CP_MODES)
+        self.cp, self.cp_mode = None, "ring"
 
     def new_kv_cache(self, batch: int, max_length: int) -> KVCache:
         return KVCache(
@@ -161,7 +162,7 @@ class ParallelAttention(ParallelModule):
             )
         q, k = self.rotary.rotate(q, k, position_ids)  # q and k in one fused op
         if self.cp is not None:
-            out = self._ring(q, k, v, kv_cache, position_ids, seq_len)
+            out = self._context(q, k, v, kv_cache, position_ids, seq_len)
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)
@@ -172,9 +173,9 @@ class ParallelAttention(ParallelModule):
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads_local * self.head_dim)
         return self.o_proj(out, sp_len)
 
-    def _ring(self, q, k, v, kv_cache, position_ids, seq_len) -> torch.Tensor:
-        """Context parallelism: this CP rank's queries over every rank's keys (ring attention;
-        the key/value heads travel unrepeated)."""
+    def _context(self, q, k, v, kv_cache, position_ids, seq_len) -> torch.Tensor:
+        """Context parallelism: this CP rank's queries over every rank's keys (ring or
+        all-to-all attention; the key/value heads travel unrepeated where they can)."""
         if kv_cache is not None or position_ids is None or seq_len is None:
             raise ValueError(
                 "ParallelAttention under context parallelism needs position_ids (this CP rank's "
@@ -186,7 +187,7 @@ class ParallelAttention(ParallelModule):
                 "ParallelAttention: attention dropout under context parallelism is not supported "
                 "yet; set attention_dropout=0"
             )
-        return ring_attention(q, k, v, seq_len, self.cp)
+        return context_attention(self.cp_mode, q, k, v, seq_len, self.cp)
 
     def _attend(self, q, k, v, past: int) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0

@@ -20,14 +20,20 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from tp_ext import ops
+from tp_ext.distributed import comm
 from tp_ext.distributed.groups import GroupLike, resolve_group
 from tp_ext.distributed.state import PROCESS
-from tp_ext.sharding import cp_chunks
+from tp_ext.sharding import cp_chunks, shard_sizes
 from tp_ext.validation import check_int
 
-__all__ = ["cp_group", "cp_positions", "ring_attention"]
+__all__ = ["cp_group", "cp_positions", "ring_attention", "all_to_all_attention", "CP_MODES"]
+
+# How attention runs over the CP group: "ring" (keys and values travel round the ring) or
+# "all_to_all" (Ulysses: each rank gets every position of a share of the heads)
+CP_MODES = ("ring", "all_to_all")
 
 
 def cp_group(group: GroupLike = None, parallel=None):
@@ -49,7 +55,11 @@ def cp_positions(seq_len: int, parallel=None, group: GroupLike = None) -> torch.
     ``group``; see :func:`cp_group`), in the order it holds them (a LongTensor): its two chunks
     of :func:`~tp_ext.sharding.cp_chunks`."""
     g = cp_group(group, parallel)
-    chunks = cp_chunks(seq_len, g.size, g.rank)
+    return _positions(seq_len, g.size, g.rank)
+
+
+def _positions(seq_len: int, size: int, rank: int) -> torch.Tensor:
+    chunks = cp_chunks(seq_len, size, rank)
     return torch.cat([torch.arange(start, start + n) for _, start, n in chunks])
 
 
@@ -77,24 +87,104 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, seq_len, g, bool(causal), float(scale))
 
 
-def _check(q, k, v, seq_len, g) -> None:
+def all_to_all_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int,
+    group: GroupLike = None,
+    causal: bool = True,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """:func:`ring_attention`'s result by all-to-all (DeepSpeed's Ulysses): each rank sends every
+    other rank that rank's share of the heads at its own positions, attends over the whole
+    sequence for its share of the heads, and sends the outputs back (one all-to-all each way,
+    differentiable). Heads are split whole, unevenly where they do not divide; with grouped-
+    query heads, whole KV groups per rank when the KV heads divide by the CP size, else the keys
+    and values are repeated to every query head first (fewer KV heads than ranks)."""
+    g = cp_group(group)
+    _check(q, k, v, seq_len, g, "all_to_all_attention")
+    groups = q.size(1) // k.size(1)
+    if k.size(1) % g.size:  # KV heads do not split whole: give every query head its own
+        k, v, groups = _repeat(k, groups), _repeat(v, groups), 1
+    kv_heads = shard_sizes(k.size(1), g.size)
+    q_heads = [h * groups for h in kv_heads]
+    lengths = [sum(n for _, _, n in cp_chunks(seq_len, g.size, r)) for r in range(g.size)]
+    held = torch.cat(  # every rank's positions, in rank order: where each arriving row sits
+        [_positions(seq_len, g.size, r) for r in range(g.size)]
+    ).to(q.device)
+    natural = torch.argsort(held)
+    qh = _heads_of_every_position(q, q_heads, lengths, g, natural)
+    kh = _heads_of_every_position(k, kv_heads, lengths, g, natural)
+    vh = _heads_of_every_position(v, kv_heads, lengths, g, natural)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=groups > 1
+    )
+    return _positions_of_every_head(out, q_heads, lengths, g, held)
+
+
+def _heads_of_every_position(t, heads, lengths, g, natural) -> torch.Tensor:
+    """[batch, heads, my positions, dim] -> [batch, my heads, every position, dim]."""
+    batch, dim, me = t.size(0), t.size(3), g.rank
+    starts = [sum(heads[:j]) for j in range(g.size)]
+    send = torch.cat([t[:, starts[j] : starts[j] + heads[j]].reshape(-1) for j in range(g.size)])
+    per_head_row = batch * dim
+    got = comm.all_to_all_single(
+        send,
+        [heads[j] * per_head_row * t.size(2) for j in range(g.size)],
+        [heads[me] * per_head_row * n for n in lengths],
+        g,
+    )
+    pieces = got.split([heads[me] * per_head_row * n for n in lengths])
+    rows = torch.cat([p.view(batch, heads[me], n, dim) for p, n in zip(pieces, lengths)], dim=2)
+    return rows.index_select(2, natural)
+
+
+def _positions_of_every_head(out, heads, lengths, g, held) -> torch.Tensor:
+    """The inverse: [batch, my heads, every position, dim] -> [batch, heads, my positions, dim]."""
+    batch, dim, me = out.size(0), out.size(3), g.rank
+    ordered = out.index_select(2, held)  # rank 0's positions, then rank 1's, ...
+    send = torch.cat([p.reshape(-1) for p in ordered.split(lengths, dim=2)])
+    per_head_row = batch * dim
+    got = comm.all_to_all_single(
+        send,
+        [heads[me] * per_head_row * n for n in lengths],
+        [heads[j] * per_head_row * lengths[me] for j in range(g.size)],
+        g,
+    )
+    pieces = got.split([heads[j] * per_head_row * lengths[me] for j in range(g.size)])
+    return torch.cat(
+        [p.view(batch, heads[j], lengths[me], dim) for j, p in enumerate(pieces)], dim=1
+    )
+
+
+def context_attention(mode: str, q, k, v, seq_len: int, group=None) -> torch.Tensor:
+    """Causal attention over the CP group by ``mode`` (one of :data:`CP_MODES`)."""
+    if mode == "ring":
+        return ring_attention(q, k, v, seq_len, group)
+    if mode == "all_to_all":
+        return all_to_all_attention(q, k, v, seq_len, group)
+    raise ValueError(f"cp_mode must be one of {list(CP_MODES)}, got {mode!r}")
+
+
+def _check(q, k, v, seq_len, g, fn: str = "ring_attention") -> None:
     check_int("seq_len", seq_len, 0)
     local = sum(n for _, _, n in cp_chunks(seq_len, g.size, g.rank))
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4 or t.size(2) != local:
             raise ValueError(
-                f"ring_attention: {name} has shape {tuple(t.shape)}; it must be [batch, heads, "
+                f"{fn}: {name} has shape {tuple(t.shape)}; it must be [batch, heads, "
                 f"{local}, head_dim]: this rank's {local} positions of seq_len={seq_len} over "
                 f"{g.size} CP ranks (tp_ext.cp_positions)"
             )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
+            f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must "
             "share batch and head_dim, and k and v their shape"
         )
     if q.size(1) % k.size(1):
         raise ValueError(
-            f"ring_attention: {q.size(1)} query heads are not a multiple of {k.size(1)} key/value "
+            f"{fn}: {q.size(1)} query heads are not a multiple of {k.size(1)} key/value "
             "heads (grouped-query attention needs whole groups)"
         )
 

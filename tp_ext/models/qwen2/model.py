@@ -197,12 +197,8 @@ class Qwen2ForCausalLM(ParallelModule):
             self._use_context_parallel(parallel, cp_mode)
 
     def _use_context_parallel(self, parallel, cp_mode: str) -> None:
-        """Every attention runs as a ring over the CP group (tp_ext.layers.context)."""
-        if cp_mode != "ring":
-            raise ValueError(
-                f"cp_mode={cp_mode!r}: all-to-all (Ulysses) attention is not built yet; use "
-                "cp_mode='ring'"
-            )
+        """Every attention runs over the CP group, as a ring or by all-to-all
+        (tp_ext.layers.context)."""
         if self.is_pipelined:
             raise ValueError(
                 f"Qwen2ForCausalLM: cp={parallel.cp} with pp={parallel.pp} is not supported yet; "
@@ -215,7 +211,8 @@ class Qwen2ForCausalLM(ParallelModule):
             )
         self.cp_group = resolve_group(parallel.cp_group)
         for i in self.model.layers.indices():
-            self.model.layers[i].self_attn.cp = self.cp_group
+            attn = self.model.layers[i].self_attn
+            attn.cp, attn.cp_mode = self.cp_group, cp_mode
 
     @property
     def is_pipelined(self) -> bool:
