@@ -1,0 +1,113 @@
+"""Context parallelism (issue 36): what splitting a long sequence over CP ranks saves. A tiny Qwen2
+(2 layers, hidden 64, fp32) runs forward+backward on one sequence of ``--seq`` tokens (16k by
+default) at cp = 1, 2, 4, each rank holding its positions (tp_ext's causal load balance):
+
+- activation memory per rank: the peak bytes of live tensors during the step
+  (:class:`tp_ext.debug.memory.PeakMemory`) less the parameters and their gradients, against cp=1
+  (issue 36's goal: cp=4 at most 0.3x of cp=1);
+- the step time of ring attention against all-to-all (Ulysses) attention at the same cp.
+
+    python benchmarks/bench_context.py [--seq 16384] [--cp 1 2 4] [--repeats 3]
+
+torch's own ``context_parallel`` (torch.distributed.tensor.experimental) is not run beside it: it
+replaces scaled_dot_product_attention's flash and memory-efficient CUDA kernels and has no CPU
+path in torch 2.13.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import append_rows, bench, run_ranks  # noqa: E402
+
+BENCH = "context_parallel"
+CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1 << 17,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+)
+
+
+def _rank(seq: int, mode: str, repeats: int) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import tp_ext
+    from tp_ext.debug.memory import PeakMemory
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+    state = tp_ext.init_parallel(tp=1, cp=dist.get_world_size())
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(CONFIG), parallel=state, cp_mode=mode)
+    ids = torch.randint(
+        0, CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1)
+    )
+    mine = tp_ext.cp_positions(seq, parallel=state)
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)[:, mine]
+
+    def step():
+        logits = model(ids, local_logits=True)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+        for p in model.parameters():
+            p.grad = None
+
+    step()  # warm-up
+    with PeakMemory(model.parameters()) as mem:
+        step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    seconds = bench(step, warmup=0, repeats=repeats)
+    # peak of live tensors less the parameters and their gradients (which exist at its peak)
+    return {"peak": mem.peak, "activations": mem.peak - 2 * params, "step_s": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    results = {}
+    for cp in args.cp:
+        for mode in ["ring", "all_to_all"] if cp > 1 else ["ring"]:
+            r = run_ranks(_rank, cp, args.seq, mode, args.repeats)
+            # the busiest rank's memory and the slowest rank's time
+            results[cp, mode] = {
+                "activations": max(x["activations"] for x in r),
+                "peak": max(x["peak"] for x in r),
+                "step_s": max(x["step_s"] for x in r),
+            }
+            print(f"cp={cp} {mode}: {results[cp, mode]}", flush=True)
+    base = results.get((1, "ring"))
+    rows = []
+    for (cp, mode), r in results.items():
+        case = f"qwen2-tiny-seq{args.seq}-cp{cp}-{mode}"
+
+        def row(metric, value, unit, baseline=""):
+            return dict(
+                benchmark=BENCH, case=case, metric=metric, value=value, unit=unit,
+                baseline=baseline,
+            )  # fmt: skip
+
+        rows.append(row("activation_bytes_per_rank", r["activations"], "B",
+                        base["activations"] if base else ""))  # fmt: skip
+        rows.append(row("peak_bytes_per_rank", r["peak"], "B", base["peak"] if base else ""))
+        ring = results.get((cp, "ring"))
+        rows.append(row("step_s", r["step_s"], "s", ring["step_s"] if mode != "ring" else ""))
+    append_rows(rows)
+
+
+if __name__ == "__main__":
+    main()
