@@ -73,12 +73,62 @@ def _rank(seq: int, mode: str, repeats: int) -> dict:
     return {"peak": mem.peak, "activations": mem.peak - 2 * params, "step_s": seconds}
 
 
+def _ring_rank(seq: int, heads: int, head_dim: int, repeats: int) -> dict:
+    """On the 2 ranks of a throttled link (benchmarks/netns.py): ring attention alone, forward
+    and backward, with and without overlap, called in turn; and the bytes this rank sends per
+    call (c10d's send ops, seen by a dispatch mode) against the analytic count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tp_ext
+    from tp_ext.layers.context import ring_attention
+
+    g = tp_ext.comm.resolve_group(None)
+    mine = tp_ext.cp_positions(seq)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, head_dim)[:, :, mine].contiguous() for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def call(overlap):
+        def run():
+            out = ring_attention(q, k, v, seq, overlap=overlap)
+            out.sum().backward()
+
+        return run
+
+    class Sent(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and func.name().startswith("c10d::send"):
+                Sent.bytes += sum(t.numel() * t.element_size() for t in args[0])
+            return func(*args, **(kwargs or {}))
+
+    with Sent():
+        call(True)()
+    block = 2 * k.numel() * k.element_size()  # this rank's keys and values
+    # forward: C - 1 hops of K/V; backward: C - 1 hops of K/V and C of their fp32 gradients
+    analytic = (g.size - 1) * block * 2 + g.size * block
+    from benchmarks.common import bench_interleaved
+
+    with_overlap, without = bench_interleaved(call(True), call(False), warmup=1, repeats=repeats)
+    return {"sent": Sent.bytes, "analytic": analytic, "overlap_s": with_overlap, "plain_s": without}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--mbit",
+        type=float,
+        help="instead: ring attention alone at cp=2 across a link throttled to this many "
+        "Mbit/s (network namespaces, root), with and without overlap, and its bytes",
+    )
     args = parser.parse_args()
+    if args.mbit:
+        _throttled(args)
+        return
     results = {}
     for cp in args.cp:
         for mode in ["ring", "all_to_all"] if cp > 1 else ["ring"]:
@@ -106,6 +156,28 @@ def main() -> None:
         rows.append(row("peak_bytes_per_rank", r["peak"], "B", base["peak"] if base else ""))
         ring = results.get((cp, "ring"))
         rows.append(row("step_s", r["step_s"], "s", ring["step_s"] if mode != "ring" else ""))
+    append_rows(rows)
+
+
+def _throttled(args) -> None:
+    from benchmarks import netns
+
+    why = netns.why_not()
+    if why:
+        raise SystemExit(f"--mbit: no throttled link here: {why}")
+    seq, heads, head_dim = args.seq, 8, 64
+    r = netns.run_throttled(
+        "benchmarks.bench_context", "_ring_rank", args.mbit, seq, heads, head_dim, args.repeats
+    )
+    print(f"ring at cp=2 over {args.mbit:g} Mbit/s: {r}", flush=True)
+    case = f"ring-seq{seq}-h{heads}x{head_dim}-cp2-{args.mbit:g}mbit"
+    slow = max(r, key=lambda x: x["overlap_s"])
+    rows = [
+        dict(benchmark=BENCH, case=case, metric="step_s_overlap_vs_not", unit="s",
+             value=slow["overlap_s"], baseline=slow["plain_s"]),
+        dict(benchmark=BENCH, case=case, metric="bytes_sent_vs_analytic", unit="B",
+             value=r[0]["sent"], baseline=r[0]["analytic"]),
+    ]  # fmt: skip
     append_rows(rows)
 
 

@@ -98,6 +98,10 @@ def test_the_matmul_blocks_equal_torchs_flash_attention(diagonal):
 SEQ = 11  # over 2C chunks: uneven at every C > 1
 
 
+def _ring_without_overlap(*args, **kwargs):
+    return ring_attention(*args, overlap=False, **kwargs)
+
+
 def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention):
     g = tp_ext.comm.resolve_group(None)
     torch.manual_seed(0)
@@ -133,6 +137,11 @@ def test_all_to_all_attention_equals_the_unsplit_attention(world, heads, kv_head
         run_distributed(
             _check_ring, world, causal, heads, kv_heads, torch.float64, all_to_all_attention
         )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_without_overlap_is_the_same(world):
+    run_distributed(_check_ring, world, True, 4, 2, torch.float64, _ring_without_overlap)
 
 
 @pytest.mark.parametrize("world", [2, 3])

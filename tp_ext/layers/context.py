@@ -71,6 +71,7 @@ def ring_attention(
     group: GroupLike = None,
     causal: bool = True,
     scale: Optional[float] = None,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of the whole sequence, whose positions are
     split over the CP ``group`` as :func:`cp_positions` says (``seq_len``: the whole length).
@@ -79,12 +80,13 @@ def ring_attention(
     this rank's positions (GQA: heads a multiple of kv_heads; keys and values travel with their
     own heads). Returns [batch, heads, local, head_dim], equal to the unsplit attention's rows
     at those positions; ``causal``: each query sees the keys at or before its position.
-    ``group``: the CP group (default: :func:`cp_group`'s)."""
+    ``group``: the CP group (default: :func:`cp_group`'s). ``overlap=False`` waits for each
+    block to arrive before computing with the one it holds (the benchmark's baseline)."""
     g = cp_group(group)
     _check(q, k, v, seq_len, g)
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
-    return _RingAttention.apply(q, k, v, seq_len, g, bool(causal), float(scale))
+    return _RingAttention.apply(q, k, v, seq_len, g, bool(causal), float(scale), bool(overlap))
 
 
 def all_to_all_attention(
@@ -269,9 +271,9 @@ def _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal: bool, scale: f
 
 class _Shift:
     """Tensors sent to the next rank of the ring while the previous rank's arrive (one packed
-    buffer each way, started now, taken by :meth:`finish`)."""
+    buffer each way, started now, taken by :meth:`finish`; ``wait``: done before returning)."""
 
-    def __init__(self, tensors, incoming_shapes, g) -> None:
+    def __init__(self, tensors, incoming_shapes, g, wait: bool = False) -> None:
         self.shapes = incoming_shapes
         send = torch.cat([t.reshape(-1) for t in tensors])
         self.recv = send.new_empty(sum(math.prod(s) for s in incoming_shapes))
@@ -285,10 +287,16 @@ class _Shift:
                 dist.P2POp(dist.irecv, self.recv, prev, group),
             ]
         )
+        if wait:
+            self._wait()
 
-    def finish(self) -> list[torch.Tensor]:
+    def _wait(self) -> None:
         for w in self.work:
             w.wait()
+        self.work = []
+
+    def finish(self) -> list[torch.Tensor]:
+        self._wait()
         out, at = [], 0
         for s in self.shapes:
             n = math.prod(s)
@@ -304,7 +312,7 @@ def _block_shape(t: torch.Tensor, seq_len: int, size: int, held: int) -> tuple:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_len, g, causal, scale):
+    def forward(ctx, q, k, v, seq_len, g, causal, scale, overlap):
         size, rank = g.size, g.rank
         groups = q.size(1) // k.size(1)
         out = torch.zeros_like(q)
@@ -315,7 +323,7 @@ class _RingAttention(torch.autograd.Function):
             shift = None
             if step + 1 < size:  # the next block travels while this one is computed
                 shape = _block_shape(k, seq_len, size, (held - 1) % size)
-                shift = _Shift(kv, [shape, shape], g)
+                shift = _Shift(kv, [shape, shape], g, wait=not overlap)
             kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
             for q_off, qn, k_off, kn, diagonal in _pairs(seq_len, size, rank, held, causal):
                 rows = slice(q_off, q_off + qn)
@@ -333,12 +341,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = tuple(shift.finish())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.seq_len, ctx.g, ctx.causal, ctx.scale = seq_len, g, causal, scale
+        ctx.overlap = overlap
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        seq_len, g, causal, scale = ctx.seq_len, ctx.g, ctx.causal, ctx.scale
+        seq_len, g, causal, scale, wait = ctx.seq_len, ctx.g, ctx.causal, ctx.scale, not ctx.overlap
         size, rank = g.size, g.rank
         groups = q.size(1) // k.size(1)
         acc = _acc(q.dtype)
@@ -351,7 +360,7 @@ class _RingAttention(torch.autograd.Function):
             shift = None
             if step + 1 < size:
                 shape = _block_shape(k, seq_len, size, (held - 1) % size)
-                shift = _Shift(kv, [shape, shape], g)
+                shift = _Shift(kv, [shape, shape], g, wait=wait)
             kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
             dk = torch.zeros(kr.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vr.shape, dtype=acc, device=q.device)
@@ -381,7 +390,7 @@ class _RingAttention(torch.autograd.Function):
             if size > 1:
                 incoming = (held - 1) % size if step + 1 < size else rank
                 shape = _block_shape(k, seq_len, size, incoming)
-                travelling = _Shift((dk, dv), [shape, shape], g)
+                travelling = _Shift((dk, dv), [shape, shape], g, wait=wait)
         if size > 1:
             dk, dv = travelling.finish()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
