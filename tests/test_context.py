@@ -305,6 +305,7 @@ def _train_under_cp(tp, cp, dp):
 
     trainer = Trainer(model, optimizer=adamw, parallel=state, max_grad_norm=1.0)
     ref_trainer = Trainer(reference, optimizer=adamw, max_grad_norm=1.0)
+    assert trainer.dp_group.size == dp  # the data's replicas; the CP ranks of one share batches
     gen = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(3):
@@ -326,3 +327,44 @@ def test_trainer_under_context_parallelism_trains_like_one_process(tp, cp, dp):
         for got, want in losses:
             # the Trainer sums the loss in fp32 (the one-process run) or fp64 (the all-reduce)
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+
+def _checkpoint_across_cp(path, save_cp):
+    """Trained 2 steps at (cp=save_cp), saved; loaded at cp = world / save_cp's other layout
+    (cp=2 <-> dp=2): the same weights, and the next step's loss equal to the saver's."""
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    config = Qwen2Config.from_dict(_TINY)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, config.vocab_size, (2, SEQ), generator=gen) for _ in range(6)]
+
+    def trainer_at(cp):
+        state = tp_ext.init_parallel(tp=1, cp=cp, dp=2 // cp)
+        torch.manual_seed(3)
+        model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64)
+        opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+        return Trainer(model, optimizer=opt, parallel=state), state
+
+    def mine(state, step):  # this DP replica's micro-batches of the step's global batch
+        both = batches[2 * step : 2 * step + 2]
+        return both if state.dp == 1 else [both[state.dp_rank]]
+
+    saver, state = trainer_at(save_cp)
+    for step in range(2):
+        saver.step(mine(state, step))
+    saver.save_checkpoint(path)
+    weights = saver.model.full_state_dict()
+    next_loss = saver.step(mine(state, 2))
+    tp_ext.distributed.destroy_parallel()
+    loader, state = trainer_at(2 if save_cp == 1 else 1)
+    loader.load_checkpoint(path)
+    for name, tensor in loader.model.full_state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    return next_loss, loader.step(mine(state, 2))
+
+
+@pytest.mark.parametrize("save_cp", [2, 1])
+def test_checkpoints_reshard_across_cp_degrees(save_cp, tmp_path):
+    for saved, loaded in run_distributed(_checkpoint_across_cp, 2, str(tmp_path / "ck"), save_cp):
+        assert abs(saved - loaded) <= 1e-6 * abs(saved), (saved, loaded)

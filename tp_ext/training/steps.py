@@ -272,16 +272,22 @@ class LocalStep(StepStrategy):
         """This rank's term of the token count summed over the synchronising group."""
         return count
 
+    @property
+    def _sync_group(self):
+        """The ranks whose gradients one all-reduce combines (the DP group)."""
+        return self.dp_group
+
     @torch.no_grad()
     def _synchronise(self, params, loss_sum, scale, count):
         """One all-reduce of every gradient, the loss sum and the token count: gradients become
         the gradient of the mean over all DP ranks' tokens (weighted by each rank's count)."""
-        if self.dp_group is None or self.dp_group.size == 1:
+        group = self._sync_group
+        if group is None or group.size == 1:
             return loss_sum, count
         flat = _flat_grads(params, [loss_sum, self._counted(count)])
         flat[:-2] *= scale.to(flat.dtype)  # back to the gradient of this rank's summed loss
         with comm.tag("train.dp_sync"):
-            flat = comm.all_reduce(flat, "sum", group=self.dp_group)
+            flat = comm.all_reduce(flat, "sum", group=group)
         total = flat[-1]
         flat[:-2] /= total.clamp_min(1)
         _set_grads(params, flat)
@@ -448,12 +454,17 @@ class ContextStep(LocalStep):
 
     form = "context"
 
-    def __init__(self, model, loss, tp, dp_cp_group, cp_rank: int) -> None:
-        super().__init__(model, loss, tp, dp_cp_group, "ddp")
-        self.cp_rank = cp_rank
+    def __init__(self, model, loss, tp, dp_group, dp_cp_group, cp_rank: int) -> None:
+        # dp_group: the data's replicas (each its own batches; the CP ranks of one share them)
+        super().__init__(model, loss, tp, dp_group, "ddp" if dp_group.size > 1 else None)
+        self.dp_cp_group, self.cp_rank = dp_cp_group, cp_rank
 
     def _counted(self, count: torch.Tensor) -> torch.Tensor:
         return count if self.cp_rank == 0 else torch.zeros_like(count)
+
+    @property
+    def _sync_group(self):
+        return self.dp_cp_group
 
 
 # ---- the factory --------------------------------------------------------------------------------
@@ -598,7 +609,8 @@ def _context_step(
     tp = comm.resolve_group(parallel.tp_group)
     cp = comm.resolve_group(parallel.cp_group)
     loss = ContextParallelLoss(tp, cp, ignore_index)
-    return ContextStep(model, loss, tp, comm.resolve_group(parallel.dp_cp_group), cp.rank)
+    dp, dp_cp = comm.resolve_group(parallel.dp_group), comm.resolve_group(parallel.dp_cp_group)
+    return ContextStep(model, loss, tp, dp, dp_cp, cp.rank)
 
 
 def _check_expert_data_parallel(data_parallel, compression) -> None:
