@@ -466,3 +466,43 @@ def test_a_killed_worker_is_restarted_and_the_run_is_bitwise_the_same(
     straight, elastic = straight_run(layout), _metrics(directory)
     assert sorted(elastic) == list(range(1, STEPS + 1))
     assert [elastic[s]["loss"] for s in elastic] == [straight[s]["loss"] for s in elastic]
+
+
+def test_context_parallel_training_matches_one_rank(tmp_path, tokens, capsys):
+    """`tp-ext train --cp 2` (each sequence's 30 positions over 2 ranks, ring attention) trains
+    as one rank does: the same losses, step by step."""
+    flags = ["--data", tokens, "--seq-len", "30"]
+    one = tmp_path / "one"
+    assert _train_here(capsys, *flags, "--steps", "3", "--checkpoint-dir", str(one))[0] == 0
+    _train(2, tokens, tmp_path / "cp", 3, "--seq-len", "30", "--tp", "1", "--cp", "2")
+    single, split = _metrics(one), _metrics(tmp_path / "cp")
+    for step in (1, 2, 3):
+        assert split[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0)
+
+
+# `make test-all` only: a 4-rank run of 32,768-token sequences, about 90 s on 2 cores
+@pytest.mark.full_matrix
+def test_long_sequences_train_over_four_context_parallel_ranks(tmp_path, tokens):
+    """The issue's long-sequence run: configs/train-tiny-long.yaml at cp=4, one 32,768-token
+    sequence per step, starting at a uniform guess's loss."""
+    long = tmp_path / "long.bin"
+    from tp_ext.data import byte_tokens, write_token_file
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        write_token_file(str(long), byte_tokens(f.read() * 4))  # over 32,768 tokens
+    flags = ["--data", str(long), "--checkpoint-dir", str(tmp_path / "c"), "--steps", "1"]
+    flags += ["--tp", "1", "--cp", "4", "--seq-len", "32768"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    config = os.path.join(ROOT, "configs", "train-tiny-long.yaml")
+    proc = subprocess.Popen(
+        [*command, "4", "-m", "tp_ext", "train", config, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    _finish(proc, timeout=600)
+    assert abs(_metrics(tmp_path / "c")[1]["loss"] - math.log(300)) < 0.1

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 from tp_ext.data import TOKEN_DTYPES
 from tp_ext.dims import MAX_DEGREE, MAX_VIRTUAL_STAGES, ParallelDims
+from tp_ext.layers.context import CP_MODES
 from tp_ext.models import Qwen2Config
 from tp_ext.models.hf.source import HFModelSource
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
@@ -68,6 +69,16 @@ PARALLEL_FIELDS = {
         _DEGREE,
         help="expert-parallel degree (MoE models: each expert on one of this many of a stage's "
         "DP ranks; default 1)",
+    ),
+    "cp": dataclasses.replace(
+        _DEGREE,
+        help="context-parallel degree (each sequence's positions split over this many ranks; "
+        "default 1)",
+    ),
+    "cp_mode": Field(
+        "choice",
+        choices=CP_MODES,
+        help="attention over the CP ranks: ring (default) or all_to_all (Ulysses)",
     ),
     "dtype": Field("choice", choices=DTYPES, help="dtype of the parameters"),
     "seed": Field("int", 0, 2**62, help="seed of the model's initialisation and the data"),
@@ -184,6 +195,8 @@ class ParallelSettings:
     pp: int = 1
     dp: Optional[int] = None
     ep: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
     dtype: str = JOB_DEFAULT_DTYPE
     seed: int = 1234
     schedule: str = "1F1B"
@@ -215,10 +228,15 @@ class ParallelSettings:
 
     @property
     def dims(self) -> ParallelDims:
-        """This section's degrees (tp, pp, dp, ep, virtual_stages) as the one record of them; dp
-        None until :meth:`ParallelDims.resolve` fills it."""
+        """This section's degrees (tp, pp, dp, ep, cp, virtual_stages) as the one record of them;
+        dp None until :meth:`ParallelDims.resolve` fills it."""
         return ParallelDims(
-            tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, virtual_stages=self.virtual_stages
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            ep=self.ep,
+            virtual_stages=self.virtual_stages,
+            cp=self.cp,
         )
 
     def describe(self, dims: ParallelDims) -> str:
@@ -231,6 +249,7 @@ class ParallelSettings:
         return (
             f"layout tp={dims.tp} x pp={dims.pp} x dp={dims.dp}"
             + (f" (ep={dims.ep})" if dims.ep > 1 else "")
+            + (f" (cp={dims.cp}, {self.cp_mode} attention)" if dims.cp > 1 else "")
             + f" on {dims.world_size} "
             f"ranks; pipeline schedule {self.schedule}, {stages} stage{'s' * (stages > 1)} "
             f"({per_rank}), {self.pipeline_micro_batches} micro-batches per step; data parallel "

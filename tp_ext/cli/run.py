@@ -143,6 +143,11 @@ def run(
         job.model.check_tp(overrides["tp"])
     small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
     dims = job_dims(job.parallel, overrides, world)
+    if dims.cp > 1:
+        raise ValueError(
+            f"{flag_namer(overrides)('cp')} {dims.cp}: tp-ext run does not check context "
+            "parallelism yet; train with it (tp-ext train --cp), or use cp=1 here"
+        )
     job.model.check_tp(dims.tp)
     check_expert_parallel(job.model, dims, flag_namer(overrides))
     if transformers_model:  # the narrow copy's widths and counts, a layer or more per stage

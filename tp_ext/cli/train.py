@@ -48,6 +48,7 @@ from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.cli.logs import LOG
 from tp_ext.config import (
     CHECKPOINT_FIELDS,
+    DATA_FIELDS,
     JobConfig,
     check_expert_parallel,
     check_pipeline_fields,
@@ -87,6 +88,7 @@ def train(
     *,
     model: Optional[str] = None,
     data: Optional[str] = None,
+    seq_len: Optional[int] = None,
     steps: int,
     checkpoint_dir: Optional[str] = None,
     save_every: Optional[int] = None,
@@ -102,6 +104,8 @@ def train(
     checkpoint = {"dir": checkpoint_dir, "save_every": save_every, "keep_last": keep_last}
     checkpoint["async_save"] = async_save
     job = JobConfig.for_command(config_path, model)
+    if seq_len is not None:  # --seq-len: the data section's, as the flag says
+        job = dataclasses.replace(job, data=dataclasses.replace(job.data, seq_len=seq_len))
     run = _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm)
     one_process_unless_launched("train")
     state = init_parallel(run.dims)
@@ -138,6 +142,11 @@ def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _R
     dims = job_dims(job.parallel, overrides, world)
     job.model.check_tp(dims.tp)
     check_expert_parallel(job.model, dims, flag_namer(overrides))
+    if dims.cp > 1 and isinstance(job.model, HFModelSource):
+        raise ConfigError(
+            f"{flag_namer(overrides)('cp')} {dims.cp}: context parallelism runs tp_ext's Qwen2 "
+            "for now, not a transformers model (--model); use cp=1 with it"
+        )
     if job.data.seq_len > job.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len {job.data.seq_len} is above the model's max_position_embeddings "
@@ -175,7 +184,10 @@ def _build(state, run: _Run):
     if isinstance(job.model, HFModelSource):  # parallelize("auto") of the transformers model
         model = job.model.build(state, dtype=as_torch_dtype(p.dtype), seed=p.seed, **layout)
     else:
-        model = Qwen2ForCausalLM(job.model, parallel=state, dtype=as_torch_dtype(p.dtype), **layout)
+        dtype = as_torch_dtype(p.dtype)
+        model = Qwen2ForCausalLM(
+            job.model, parallel=state, dtype=dtype, cp_mode=p.cp_mode, **layout
+        )
     batches = TokenBatches(
         run.tokens,
         seq_len=job.data.seq_len,
@@ -333,6 +345,7 @@ def add_arguments(parser) -> None:
         help="token file (flat uint16/uint32 ids; default: the config's data.path)",
     )
     add_field_flag(parser, "steps", TRAIN_FIELDS["steps"], required=True)
+    add_field_flag(parser, "seq_len", DATA_FIELDS["seq_len"], "the config's data.seq_len")
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -374,6 +387,7 @@ def main(args) -> int:
         overrides,
         model=args.model,
         data=args.data,
+        seq_len=args.seq_len,
         steps=args.steps,
         checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every,
