@@ -368,3 +368,15 @@ def _checkpoint_across_cp(path, save_cp):
 def test_checkpoints_reshard_across_cp_degrees(save_cp, tmp_path):
     for saved, loaded in run_distributed(_checkpoint_across_cp, 2, str(tmp_path / "ck"), save_cp):
         assert abs(saved - loaded) <= 1e-6 * abs(saved), (saved, loaded)
+
+
+def test_attention_under_cp_needs_its_positions():
+    from tp_ext.layers import ParallelAttention
+
+    attn = ParallelAttention(16, 4, 2, dtype=torch.float64)
+    attn.cp = tp_ext.comm.resolve_group(None)  # a group of one suffices for the check
+    x = torch.ones(1, 3, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs position_ids .* and seq_len"):
+        attn(x)  # without positions it would rotate at 0..2, not this rank's positions
+    with pytest.raises(ValueError, match="needs position_ids"):
+        attn(x, torch.arange(3).unsqueeze(0))  # no seq_len

@@ -146,6 +146,7 @@ def _shared_column_input():
     shared = run(x)
     group.offer(x.detach())  # not the tensor the layers read: each computes alone
     again = run(x)
+    assert group._x is None and not group._outputs  # nothing kept after a miss
     for other in (shared, again):
         torch.testing.assert_close(other[0], alone[0], **TOL)
         for a, e in zip(other[1], alone[1]):

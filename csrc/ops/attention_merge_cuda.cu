@@ -4,6 +4,7 @@
 // once, on the current stream.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
@@ -91,6 +92,7 @@ std::tuple<at::Tensor, at::Tensor> attention_merge_cuda(const at::Tensor& out_a,
                                                         const at::Tensor& lse_a,
                                                         const at::Tensor& out_b,
                                                         const at::Tensor& lse_b) {
+  const c10::cuda::CUDAGuard guard(out_a.device());
   auto a = attention_merge_args(out_a, lse_a, out_b, lse_b, "attention_merge");
   const int64_t n = a.lse.numel(), d = a.out.size(1);
   if (n > 0) {
@@ -113,6 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_merge_backw
     const at::Tensor& grad_out, const at::Tensor& grad_lse, const at::Tensor& out_a,
     const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b,
     const at::Tensor& out, const at::Tensor& lse) {
+  const c10::cuda::CUDAGuard guard(out_a.device());
   auto b = attention_merge_backward_args(grad_out, grad_lse, out_a, lse_a, out_b, lse_b, out, lse);
   const auto& m = b.merge;
   const int64_t n = m.lse.numel(), d = m.out.size(1);

@@ -49,6 +49,11 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         raise ValueError(
             f"--auto chooses the layout itself; drop {', '.join(given)} (or drop --auto)"
         )
+    if (overrides.get("cp") or 1) > 1:  # the planner has no CP degree yet
+        raise ValueError(
+            f"--auto with --cp {overrides['cp']}: the planner does not place context "
+            "parallelism yet; give the layout by hand (--tp, --pp, --dp with --cp)"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     hardware, memory = _this_machine(local)

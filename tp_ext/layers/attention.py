@@ -153,6 +153,8 @@ class ParallelAttention(ParallelModule):
         k = k.view(batch, seq, self.num_kv_heads_local, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads_local, self.head_dim).transpose(1, 2)
         past = 0 if kv_cache is None else kv_cache.length
+        if self.cp is not None:  # this CP rank's positions are not 0..seq: they must be given
+            self._check_context(kv_cache, position_ids, seq_len)
         if position_ids is None:
             position_ids = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
         elif tuple(position_ids.shape) not in ((batch, seq), (1, seq)):
@@ -162,7 +164,7 @@ class ParallelAttention(ParallelModule):
             )
         q, k = self.rotary.rotate(q, k, position_ids)  # q and k in one fused op
         if self.cp is not None:
-            out = self._context(q, k, v, kv_cache, position_ids, seq_len)
+            out = context_attention(self.cp_mode, q, k, v, seq_len, self.cp)
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)
@@ -173,9 +175,8 @@ class ParallelAttention(ParallelModule):
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads_local * self.head_dim)
         return self.o_proj(out, sp_len)
 
-    def _context(self, q, k, v, kv_cache, position_ids, seq_len) -> torch.Tensor:
-        """Context parallelism: this CP rank's queries over every rank's keys (ring or
-        all-to-all attention; the key/value heads travel unrepeated where they can)."""
+    def _check_context(self, kv_cache, position_ids, seq_len) -> None:
+        """What attention over the CP group needs (tp_ext.layers.context)."""
         if kv_cache is not None or position_ids is None or seq_len is None:
             raise ValueError(
                 "ParallelAttention under context parallelism needs position_ids (this CP rank's "
@@ -187,7 +188,6 @@ class ParallelAttention(ParallelModule):
                 "ParallelAttention: attention dropout under context parallelism is not supported "
                 "yet; set attention_dropout=0"
             )
-        return context_attention(self.cp_mode, q, k, v, seq_len, self.cp)
 
     def _attend(self, q, k, v, past: int) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0

@@ -231,6 +231,11 @@ def _block(q, k, v, diagonal: bool, scale: float):
 
 
 def _block_by_matmuls(q, k, v, diagonal: bool, scale: float):
+    with torch.autocast(q.device.type, enabled=False):  # fp32 scores, as backward recomputes
+        return _block_by_matmuls_fp32(q, k, v, diagonal, scale)
+
+
+def _block_by_matmuls_fp32(q, k, v, diagonal: bool, scale: float):
     scores = _scores(q, k, diagonal, scale)
     lse = torch.logsumexp(scores, -1)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(scores.dtype)
@@ -259,6 +264,11 @@ def _block_backward(grad, q, k, v, out, lse, diagonal: bool, scale: float):
 
 
 def _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal: bool, scale: float):
+    with torch.autocast(q.device.type, enabled=False):  # the forward's fp32 scores again
+        return _block_backward_fp32(grad, q, k, v, out, lse, diagonal, scale)
+
+
+def _block_backward_fp32(grad, q, k, v, out, lse, diagonal: bool, scale: float):
     acc = _acc(q.dtype)
     probs = torch.exp(_scores(q, k, diagonal, scale) - lse.to(acc).unsqueeze(-1))
     grad, out, v_acc = grad.to(acc), out.to(acc), v.to(acc)

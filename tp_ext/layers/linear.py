@@ -283,7 +283,10 @@ class SharedColumnInput:
     def take(self, layer: ColumnParallelLinear, x: torch.Tensor, overlap: bool):
         """``layer``'s output for input ``x``, or None when ``x`` is not the offered tensor (or it
         was taken already): the layer then computes it alone."""
-        if x is not self._x or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return None
+        if x is not self._x:  # read through something else: nothing kept for it any more
+            self._x, self._outputs = None, {}
             return None
         if not self._outputs:  # the first layer to read x computes every layer's output
             pairs = [m._weight_and_bias() for m in self.layers]
