@@ -227,15 +227,11 @@ def _block(q, k, v, diagonal: bool, scale: float):
             q, k, v, 0.0, diagonal, scale=scale
         )
         return out, lse
-    return _block_by_matmuls(q, k, v, diagonal, scale)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 scores, as backward recomputes
+        return _block_by_matmuls(q, k, v, diagonal, scale)
 
 
 def _block_by_matmuls(q, k, v, diagonal: bool, scale: float):
-    with torch.autocast(q.device.type, enabled=False):  # fp32 scores, as backward recomputes
-        return _block_by_matmuls_fp32(q, k, v, diagonal, scale)
-
-
-def _block_by_matmuls_fp32(q, k, v, diagonal: bool, scale: float):
     scores = _scores(q, k, diagonal, scale)
     lse = torch.logsumexp(scores, -1)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(scores.dtype)
@@ -260,15 +256,11 @@ def _block_backward(grad, q, k, v, out, lse, diagonal: bool, scale: float):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, diagonal, scale=scale
         )
-    return _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal, scale)
+    with torch.autocast(q.device.type, enabled=False):  # the forward's fp32 scores again
+        return _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal, scale)
 
 
 def _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal: bool, scale: float):
-    with torch.autocast(q.device.type, enabled=False):  # the forward's fp32 scores again
-        return _block_backward_fp32(grad, q, k, v, out, lse, diagonal, scale)
-
-
-def _block_backward_fp32(grad, q, k, v, out, lse, diagonal: bool, scale: float):
     acc = _acc(q.dtype)
     probs = torch.exp(_scores(q, k, diagonal, scale) - lse.to(acc).unsqueeze(-1))
     grad, out, v_acc = grad.to(acc), out.to(acc), v.to(acc)
