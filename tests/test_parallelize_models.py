@@ -192,8 +192,15 @@ def _check_architectures(sequence_parallel=False):
             # q, k and v alone read the norm's output: their input gradients all-reduced once
             assert report["model.layers.0.input_layernorm"].startswith("shared_input"), report
             # gate and up too, but Mixtral's replicated router reads its second norm as well
-            shared_mlp = "model.layers.0.post_attention_layernorm" in report
+            shared_mlp = report.get("model.layers.0.post_attention_layernorm", "")
+            shared_mlp = shared_mlp.startswith("shared_input")
             assert shared_mlp == (arch == "llama"), (arch, report)
+        # Llama's RMSNorm formula runs through the fused op; Gemma's (1 + weight) does not
+        fused = [n for n, what in report.items() if what.endswith("fused rms_norm op")]
+        if arch in ("llama", "mixtral", "qwen3"):
+            assert "model.norm" in fused, (arch, report)
+        if arch.startswith("gemma"):
+            assert not fused, (arch, fused)
         with torch.no_grad():
             assert_rel(model(ids).logits, reference(ids).logits, f"{arch}: logits")
         seen[arch] = "exact"
@@ -288,6 +295,11 @@ def _check_misuse():
     )
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
         tp_ext.parallelize(heads, "auto")
+    llama = _build(lambda: _cfg("LlamaConfig"), "LlamaForCausalLM")
+    with pytest.raises(TypeError, match="fused_norms must be True or False, got 'yes'"):
+        tp_ext.parallelize(llama, "auto", fused_norms="yes")
+    tp_ext.parallelize(llama, "auto", fused_norms=False)  # the norms stay Hugging Face's
+    assert type(llama.model.norm).__name__ == "LlamaRMSNorm"
 
 
 def test_misuse_is_refused_clearly():
@@ -408,3 +420,50 @@ def _check_gpt2_export_round_trip(directory):
 @pytest.mark.parametrize("ws", [1, 2, 3])
 def test_a_converted_gpt2_exports_transformers_layout(ws, tmp_path):
     run_distributed(_check_gpt2_export_round_trip, ws, str(tmp_path))
+
+
+def test_fused_norms_compute_what_hugging_face_norms_compute():
+    """The norms parallelize runs through the fused op: Llama's formula only (Gemma's 1 + weight
+    left alone), the same Parameter under the same name, forward equal (bitwise in bf16) and
+    gradients equal up to the last bit of the reference's extra bf16 roundings."""
+    from tp_ext.layers import FusedRMSNorm
+    from tp_ext.parallelize.modules import fuse_rms_norms
+
+    torch.manual_seed(0)
+    # float64 too: both compute in float32 (Hugging Face's norm casts to it)
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
+        reference = _build(lambda: _cfg("LlamaConfig"), "LlamaForCausalLM").to(dtype)
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.data.normal_(1.0, 0.3)
+        fused = copy.deepcopy(reference)
+        weights = {n: p for n, p in fused.named_parameters()}
+        names = fuse_rms_norms(fused, keep=["model.layers.1.input_layernorm"])
+        assert names == [
+            "model.layers.0.input_layernorm",
+            "model.layers.0.post_attention_layernorm",
+            "model.layers.1.post_attention_layernorm",
+            "model.norm",
+        ], names
+        assert isinstance(fused.model.norm, FusedRMSNorm)
+        assert type(fused.model.layers[1].input_layernorm).__name__ == "LlamaRMSNorm"
+        assert {n: p for n, p in fused.named_parameters()} == weights  # same objects, same names
+        x = torch.randn(2, 5, 48, dtype=dtype)
+        norm_ref, norm_fused = reference.model.norm, fused.model.norm
+        x_ref, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out_fused = norm_ref(x_ref), norm_fused(x_fused)
+        if dtype == torch.bfloat16:
+            assert torch.equal(out_ref, out_fused)
+        grad = torch.randn_like(out_ref)
+        out_ref.backward(grad)
+        out_fused.backward(grad)
+        for got, want in ((out_fused, out_ref), (x_fused.grad, x_ref.grad)):
+            assert_rel(got.float(), want.float(), f"{dtype}", rtol=tol)
+        assert_rel(
+            norm_fused.weight.grad.float(), norm_ref.weight.grad.float(), f"{dtype}", rtol=tol
+        )
+    for arch in ("GemmaConfig", "Gemma2Config"):
+        gemma = _build(lambda: _cfg(arch, head_dim=8), arch.replace("Config", "ForCausalLM"))
+        assert fuse_rms_norms(gemma) == [], arch
+    with pytest.raises(ValueError, match="must be > 0, got 0"):
+        FusedRMSNorm(torch.nn.Parameter(torch.ones(4)), 0)

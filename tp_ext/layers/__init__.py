@@ -25,7 +25,7 @@ from tp_ext.layers.linear import (
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.mlp import ParallelMLP
 from tp_ext.layers.moe import ExpertParallelMoE, ParallelExperts, expert_parameters
-from tp_ext.layers.norm import RMSNorm
+from tp_ext.layers.norm import FusedRMSNorm, RMSNorm
 from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
 from tp_ext.layers.state_dict import (
     expert_rows,
@@ -72,6 +72,7 @@ __all__ = [
     "SharedColumnInput",
     "VocabParallelEmbedding",
     "ParallelLMHead",
+    "FusedRMSNorm",
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary",

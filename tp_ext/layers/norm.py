@@ -9,7 +9,7 @@ from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.layers.base import ParallelModule, check_int
 
-__all__ = ["RMSNorm"]
+__all__ = ["FusedRMSNorm", "RMSNorm"]
 
 
 class RMSNorm(ParallelModule):
@@ -66,3 +66,30 @@ class RMSNorm(ParallelModule):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class FusedRMSNorm(nn.Module):
+    """A Hugging Face RMSNorm (Llama's, Qwen2's, Mistral's: ``weight * normed.to(x.dtype)`` with
+    ``normed`` computed in float32) run by the fused ``rms_norm`` op: one pass forward and one
+    backward instead of six elementwise kernels each way, the same roundings. ``parallelize``
+    swaps it in for norms that compute exactly this (checked on a probe), keeping the norm's own
+    ``weight`` Parameter, so names, state dicts and ties stay as they were. Not a
+    :class:`~tp_ext.layers.ParallelModule`: it holds nothing sharded."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            raise ValueError(
+                f"FusedRMSNorm(weight=...) must be the norm's 1-D weight Parameter, got "
+                f"{type(weight).__name__} of shape {tuple(getattr(weight, 'shape', ()))}"
+            )
+        if not eps > 0:
+            raise ValueError(f"FusedRMSNorm(eps=...) must be > 0, got {eps!r}")
+        self.weight = weight
+        self.variance_epsilon = float(eps)  # Hugging Face's attribute name
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

@@ -9,16 +9,19 @@ import copy
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import nn
 
+from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup
-from tp_ext.layers import ParallelModule
+from tp_ext.layers import FusedRMSNorm, ParallelModule
 from tp_ext.sharding import HeadLayout, Partition
 
 __all__ = [
     "AttentionHeads",
     "attention_heads",
+    "fuse_rms_norms",
     "head_partition",
     "is_conv1d",
     "is_fused_experts",
@@ -118,6 +121,60 @@ def full_state(module: nn.Module) -> dict:
 
 def is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def fuse_rms_norms(model: nn.Module, keep=()) -> list[str]:
+    """Swap every RMSNorm that computes what the fused ``rms_norm`` op computes for a
+    :class:`~tp_ext.layers.FusedRMSNorm` holding the same weight; returns their names. A norm
+    qualifies when its only state is a 1-D ``weight`` (plus ``variance_epsilon`` or ``eps``) and
+    its own forward gives the op's result on a probe in float32 and bfloat16 with a random weight;
+    anything else (Gemma's ``1 + weight``, a norm with a bias) is left as it is, and so are the
+    norms named in ``keep``."""
+    swapped = []
+    for name, norm in list(model.named_modules()):
+        if name and name not in keep and _computes_rms_norm(norm):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, FusedRMSNorm(norm.weight, _norm_eps(norm)))
+            swapped.append(name)
+    return swapped
+
+
+def _norm_eps(norm: nn.Module):
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return eps if isinstance(eps, float) and eps > 0 else None
+
+
+def _computes_rms_norm(norm: nn.Module) -> bool:
+    params = dict(norm.named_parameters())
+    weight = params.get("weight")
+    if (
+        not type(norm).__name__.endswith("RMSNorm")
+        or list(params) != ["weight"]
+        or weight.dim() != 1
+        or list(norm.buffers())
+        or list(norm.children())
+        or _norm_eps(norm) is None
+    ):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    width = weight.shape[0]
+    probe_weight = torch.randn(width, generator=gen) + 1.0
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the cast between math and weight
+        x = torch.randn(3, width, generator=gen).to(dtype)
+        w = probe_weight.to(dtype)
+        with torch.no_grad():
+            try:
+                theirs = torch.func.functional_call(norm, {"weight": w}, (x,))
+            except Exception:  # a forward that needs more than a tensor is not this norm
+                return False
+            ours = ops.rms_norm(x, w, _norm_eps(norm))
+        if not isinstance(theirs, torch.Tensor) or theirs.dtype != ours.dtype:
+            return False
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding apart at most
+        if not torch.allclose(theirs.float(), ours.float(), rtol=tol, atol=tol):
+            return False
+    return True
 
 
 def is_fused_experts(module: nn.Module) -> bool:
