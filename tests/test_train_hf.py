@@ -291,3 +291,28 @@ def test_bad_expert_parallel_is_refused_by_name(
     with contextlib.redirect_stderr(io.StringIO()) as err:
         assert main([*map(str, argv), "--checkpoint-dir", str(tmp_path / "x")]) == 2
     assert message in err.getvalue(), err.getvalue()
+
+
+def test_context_parallel_trains_a_transformers_model_like_one_rank(tmp_path, tokens):
+    """`tp-ext train --model DIR --cp 2` (a Llama checkpoint, each 30-token sequence over 2 ranks
+    by all-to-all): the losses and the export of one rank."""
+    model = _model_dir(tmp_path, weights=True)
+    run = ["--model", model, "--data", tokens, "--steps", "2", "--seq-len", "30"]
+    _train_here(*run, "--checkpoint-dir", tmp_path / "one")
+    flags = ["--tp", "1", "--cp", "2", "--cp-mode", "all_to_all"]
+    _torchrun(2, *run, "--checkpoint-dir", tmp_path / "cp", *flags)
+    _same_run(tmp_path / "one", tmp_path / "cp", 2)
+
+
+def test_context_parallel_refuses_other_architectures_by_name(tmp_path, tokens, monkeypatch):
+    """Checked before any process group starts (WORLD_SIZE as torchrun would set it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = str(tmp_path / "gemma")
+    transformers.GemmaConfig(**CONFIG, head_dim=8).save_pretrained(path)
+    argv = ["train", "--model", path, "--data", tokens, "--steps", "1", "--cp", "2"]
+    argv += ["--tp", "1", "--checkpoint-dir", str(tmp_path / "out")]
+    with contextlib.redirect_stderr(io.StringIO()) as out:
+        assert main(argv) == 2
+    err = out.getvalue()
+    assert "--cp 2: context parallelism runs transformers' qwen2, llama, mistral, qwen3" in err
+    assert "this model is 'gemma'" in err, err

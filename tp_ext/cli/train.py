@@ -59,6 +59,7 @@ from tp_ext.data import TokenBatches, TokenFile
 from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_store
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.models.hf.source import HFModelSource
+from tp_ext.parallelize.context import CP_ARCHITECTURES
 from tp_ext.training import CheckpointManager, Trainer, build_lr_scheduler, build_optimizer
 from tp_ext.training.loop import Wording
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
@@ -142,10 +143,12 @@ def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _R
     dims = job_dims(job.parallel, overrides, world)
     job.model.check_tp(dims.tp)
     check_expert_parallel(job.model, dims, flag_namer(overrides))
-    if dims.cp > 1 and isinstance(job.model, HFModelSource):
+    kind = getattr(getattr(job.model, "hf_config", None), "model_type", None)
+    if dims.cp > 1 and isinstance(job.model, HFModelSource) and kind not in CP_ARCHITECTURES:
         raise ConfigError(
-            f"{flag_namer(overrides)('cp')} {dims.cp}: context parallelism runs tp_ext's Qwen2 "
-            "for now, not a transformers model (--model); use cp=1 with it"
+            f"{flag_namer(overrides)('cp')} {dims.cp}: context parallelism runs transformers' "
+            f"{', '.join(CP_ARCHITECTURES)} decoders (and tp_ext's Qwen2); this model is "
+            f"{kind!r}: use cp=1 with it"
         )
     if job.data.seq_len > job.model.max_position_embeddings:
         raise ConfigError(
@@ -182,6 +185,7 @@ def _build(state, run: _Run):
     tp_ext.random.manual_seed(p.seed)
     layout = dict(virtual_stages=p.virtual_stages, stage_order=p.stage_order)
     if isinstance(job.model, HFModelSource):  # parallelize("auto") of the transformers model
+        layout["cp_mode"] = p.cp_mode
         model = job.model.build(state, dtype=as_torch_dtype(p.dtype), seed=p.seed, **layout)
     else:
         dtype = as_torch_dtype(p.dtype)

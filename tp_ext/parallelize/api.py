@@ -42,6 +42,7 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule
 from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
+from tp_ext.parallelize.context import check_context_parallel, use_context_parallel
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.modules import attention_heads, fuse_rms_norms, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
@@ -84,11 +85,13 @@ def parallelize(
     stage_order: str = "loop",
     decoder_parts=None,
     fused_norms: bool = True,
+    cp_mode: str = "ring",
 ):
     """Tensor-parallelise ``module`` in place (every rank holds the same full model on entry) and
     return it; with ``return_report=True``, ``(module, report)`` where ``report`` maps each
     module name to what was done to it (style and this rank's shard). Nothing is stored on the
-    user's modules beyond the replaced children and the sequence-parallel hooks.
+    user's modules beyond the replaced children, the hooks of sequence and shared-input
+    parallelism and, under context parallelism, what it says below.
 
     ``plan``: "auto" (:func:`auto_plan`) or ``{name pattern: style}``, each style a
     :class:`~tp_ext.parallelize.styles.ParallelStyle` (``Colwise()``, ``Rowwise()``, ... with
@@ -114,11 +117,20 @@ def parallelize(
     (:func:`~tp_ext.parallelize.stages.decoder_parts_by_name`) gives them instead, for a model
     on the meta device (which cannot run).
 
+    With ``parallel.cp > 1`` (a Hugging Face Qwen2, Llama, Mistral or Qwen3) every CP rank is
+    called with the whole sequence and computes its positions (:func:`tp_ext.cp_positions`),
+    each attention over the CP group by ``cp_mode`` ("ring" or "all_to_all"); the model returns
+    the logits of this rank's positions, in that order (:mod:`tp_ext.parallelize.context`), and
+    gets ``cp_group``, as the native model has, for :class:`tp_ext.training.Trainer`.
+
     ``fused_norms`` (default True): RMSNorms that compute Llama's formula run through the fused
     ``rms_norm`` op (:func:`~tp_ext.parallelize.modules.fuse_rms_norms`; same weights, names
     and roundings, about 6x faster on CPU); False leaves them as they are.
     """
     _check_not_parallelized(module)
+    context = parallel is not None and getattr(parallel, "cp", 1) > 1
+    if context:  # refused before anything changes
+        check_context_parallel(module, parallel, cp_mode, sequence_parallel)
     stages = None
     if parallel is not None and parallel.pp > 1:  # checked and traced before anything changes
         options = dict(
@@ -150,6 +162,9 @@ def parallelize(
         _split_sequence_from(module, sp_norms[0], shards, report)
     _apply_styles(module, decided, tp, sp, shards, parts, report)
     _run_attention_on_local_heads(module, tp, report)
+    if context:
+        attentions = [m for m in module.modules() if attention_heads(m) is not None]
+        report[""] = use_context_parallel(module, parallel, cp_mode, attentions)
     for name in fused:
         report[name] = (
             f"{report[name]}; fused rms_norm op" if name in report else "fused rms_norm op"

@@ -384,6 +384,11 @@ class StagedCausalLM(nn.Module):
         return True
 
     @property
+    def cp_group(self):
+        """The model's CP group when ``parallelize`` gave it context parallelism, else None."""
+        return getattr(self.hf_model, "cp_group", None)
+
+    @property
     def sequence_parallel(self) -> bool:
         return self._sequence_shards is not None
 

@@ -36,7 +36,7 @@ from tp_ext.layers import (
     vocab_parallel_cross_entropy,
 )
 from tp_ext.layers.context import cp_positions
-from tp_ext.parallelize.stages import single_stage
+from tp_ext.parallelize.stages import StagedCausalLM, single_stage
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, PipelineRunner, check_schedule
 from tp_ext.pipeline.data_parallel import replicate_stages
 from tp_ext.pipeline.schedules import prepare_stages
@@ -158,8 +158,9 @@ class FullLogitsLoss:
     def __call__(self, model, ids, labels) -> torch.Tensor:
         out = model(ids)
         targets = labels[:, 1:]
+        logits = out.logits[:, :-1].flatten(0, 1)
         loss = torch.nn.functional.cross_entropy(
-            out.logits[:, :-1].flatten(0, 1).float(),
+            logits.to(torch.promote_types(logits.dtype, torch.float32)),  # fp64 stays fp64
             targets.flatten(),
             ignore_index=self.ignore_index,
             reduction="sum",
@@ -174,18 +175,20 @@ class FullLogitsLoss:
 class ContextParallelLoss(VocabParallelLoss):
     """Under context parallelism: the model gives the logits of this CP rank's positions
     (:func:`tp_ext.cp_positions` order), each scored against the next token of the whole
-    sequence (the last position has none)."""
+    sequence (the last position has none). ``logits``: how to get them split by vocabulary
+    (``model, ids -> logits``): the native model's ``local_logits``, or the one stage of a
+    converted Hugging Face model."""
 
-    def __init__(self, tp_group, cp_group, ignore_index: int) -> None:
+    def __init__(self, tp_group, cp_group, ignore_index: int, logits) -> None:
         super().__init__(tp_group, ignore_index)
-        self.cp = cp_group
+        self.cp, self.logits = cp_group, logits
 
     def __call__(self, model, ids, labels) -> torch.Tensor:
         order = cp_positions(ids.size(1), group=self.cp).to(ids.device)
         none = labels.new_full((labels.size(0), 1), self.ignore_index)
         targets = torch.cat([labels[:, 1:], none], 1)[:, order]
         return vocab_parallel_cross_entropy(
-            model(ids, local_logits=True),
+            self.logits(model, ids),
             targets,
             tp_group=self.tp,
             ignore_index=self.ignore_index,
@@ -598,7 +601,8 @@ def _context_step(
     if getattr(model, "cp_group", None) is None:
         raise ValueError(
             f"Trainer(parallel=...) with cp={parallel.cp}: {type(model).__name__} does not run "
-            "context parallelism; build tp_ext's Qwen2ForCausalLM(config, parallel=state)"
+            "context parallelism; build tp_ext's Qwen2ForCausalLM(config, parallel=state), or "
+            "convert a Hugging Face model with tp_ext.parallelize(model, 'auto', parallel=state)"
         )
     if data_parallel not in (None, "ddp") or compression is not None:
         raise ValueError(
@@ -608,9 +612,21 @@ def _context_step(
         )
     tp = comm.resolve_group(parallel.tp_group)
     cp = comm.resolve_group(parallel.cp_group)
-    loss = ContextParallelLoss(tp, cp, ignore_index)
+    if isinstance(model, StagedCausalLM):  # a Hugging Face model's one stage (trainable_model)
+        logits = _stage_logits
+    else:
+        logits = _local_logits
+    loss = ContextParallelLoss(tp, cp, ignore_index, logits)
     dp, dp_cp = comm.resolve_group(parallel.dp_group), comm.resolve_group(parallel.dp_cp_group)
     return ContextStep(model, loss, tp, dp, dp_cp, cp.rank)
+
+
+def _stage_logits(model, ids):
+    return model.stage_forward(0, ids)
+
+
+def _local_logits(model, ids):
+    return model(ids, local_logits=True)
 
 
 def _check_expert_data_parallel(data_parallel, compression) -> None:

@@ -1,0 +1,177 @@
+"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3).
+
+Every CP rank is called with the whole sequence's token ids, as the native Qwen2 is. A forward
+pre-hook on the model keeps this rank's positions (:func:`tp_ext.cp_positions`: chunks r and
+2C-1-r of 2C, the causal load balance) with their true position ids, so rotary embeddings are
+right for each chunk; every attention then runs over the CP group through transformers' own
+attention interface (``config._attn_implementation``), as a ring or by all-to-all
+(:mod:`tp_ext.layers.context`). The model returns the logits of this rank's positions, in
+``cp_positions`` order; :class:`tp_ext.training.Trainer` scores them against the next tokens of the
+whole sequence and sums the gradients over CP with DP.
+
+Only these four architectures: their attention is plain causal softmax attention over
+rotary-embedded heads (a sliding window only where it covers the whole sequence), which is what
+the ring and the all-to-all compute. Others are refused by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from tp_ext.distributed.groups import resolve_group
+from tp_ext.layers.context import CP_MODES, all_to_all_attention, cp_positions, ring_attention
+
+__all__ = ["CP_ARCHITECTURES", "use_context_parallel"]
+
+CP_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3")  # config.model_type
+ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
+_SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
+
+
+def check_context_parallel(model: nn.Module, parallel, cp_mode: str, sequence_parallel) -> None:
+    """Refuses, before anything is converted, what context parallelism cannot run here."""
+    cp = parallel.cp
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in CP_ARCHITECTURES:
+        raise ValueError(
+            f"parallelize: cp={cp} (context parallelism) supports Hugging Face "
+            f"{', '.join(CP_ARCHITECTURES)} decoders; {type(model).__name__} "
+            f"(model_type {kind!r}) is not one of them: use cp=1 for it"
+        )
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
+    if parallel.pp > 1:
+        raise ValueError(
+            f"parallelize: cp={cp} with pp={parallel.pp} is not supported yet for Hugging Face "
+            "models; use pp=1 with context parallelism"
+        )
+    if sequence_parallel:
+        raise ValueError(
+            f"parallelize: cp={cp} with sequence_parallel=True is not supported yet; context "
+            "parallelism splits the sequence already: use sequence_parallel=False"
+        )
+    if getattr(model.config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"parallelize: attention dropout ({model.config.attention_dropout}) under context "
+            "parallelism is not supported yet; set config.attention_dropout=0"
+        )
+
+
+def use_context_parallel(model: nn.Module, parallel, cp_mode: str, attentions) -> str:
+    """Make ``model`` (checked by :func:`check_context_parallel`) run on this CP rank's
+    positions, each of ``attentions`` (its Hugging Face attention modules) over the CP group by
+    ``cp_mode``. Returns the report line."""
+    group = resolve_group(parallel.cp_group)
+    _register()
+    for attention in attentions:
+        attention.cp_attention = (group, cp_mode)
+    model.config._attn_implementation = ATTENTION
+    model.register_forward_pre_hook(_PositionsOfThisRank(model, group), with_kwargs=True)
+    model.cp_group = group  # what the Trainer looks for, as on the native Qwen2
+    return (
+        f"context parallel over {group.size} ranks ({cp_mode}): this rank's positions "
+        f"{group.rank} and {2 * group.size - 1 - group.rank} of {2 * group.size} chunks"
+    )
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _context_attention)
+
+
+def _context_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """transformers' attention interface: ``query`` [batch, heads, local, dim], ``key`` and
+    ``value`` [batch, kv heads, local, dim] at this rank's positions; returns [batch, local,
+    heads, dim] and no weights."""
+    seq_len = kwargs.get(_SEQ_LEN)
+    setting = getattr(module, "cp_attention", None)
+    if setting is None or seq_len is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: attention {ATTENTION!r} runs inside a model converted by "
+            "tp_ext.parallelize with cp > 1, called through that model's forward"
+        )
+    if attention_mask is not None:  # no mask is built for a custom attention: a user's own
+        raise ValueError(
+            "context parallelism: a custom attention mask is not supported; the attention is "
+            "causal over the whole sequence"
+        )
+    if dropout:
+        raise ValueError("context parallelism: attention dropout is not supported yet")
+    window = kwargs.get("sliding_window")
+    if window is not None and seq_len > window:
+        raise ValueError(
+            f"context parallelism: a sliding window of {window} positions shorter than the "
+            f"sequence ({seq_len}) is not supported yet; use sequences of at most {window} "
+            "tokens, or config.sliding_window=None"
+        )
+    group, mode = setting
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    out = attend(query, key, value, seq_len, group, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _PositionsOfThisRank:
+    """The model's forward pre-hook: the whole sequence in, this rank's positions on."""
+
+    def __init__(self, model: nn.Module, group) -> None:
+        self.group = group
+        self.signature = inspect.signature(model.forward)
+
+    def __call__(self, model, args, kwargs):
+        bound = self.signature.bind_partial(*args, **kwargs)
+        call = dict(bound.arguments)
+        for name, p in self.signature.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(call.pop(name, {}))
+        self._refuse(call)
+        tokens = call.get("input_ids")
+        if tokens is None:
+            tokens = call.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("context parallelism: pass input_ids (or inputs_embeds)")
+        seq_len = tokens.size(1)
+        mine = cp_positions(seq_len, group=self.group).to(tokens.device)
+        for name in ("input_ids", "inputs_embeds"):
+            if call.get(name) is not None:
+                call[name] = call[name][:, mine]
+        given = call.get("position_ids")
+        call["position_ids"] = (
+            mine.unsqueeze(0).expand(tokens.size(0), -1) if given is None else given[..., mine]
+        )
+        call.pop("attention_mask", None)  # all ones (checked): the attention is causal
+        call["use_cache"] = False
+        call[_SEQ_LEN] = seq_len
+        return (), call
+
+    def _refuse(self, call: dict) -> None:
+        for name, why in (
+            ("labels", "the loss spans the CP ranks: score the returned logits (this rank's "
+             "positions, tp_ext.cp_positions order) or train with tp_ext.training.Trainer"),
+            ("past_key_values", "generation under context parallelism is not supported yet"),
+            ("cache_position", "generation under context parallelism is not supported yet"),
+        ):  # fmt: skip
+            if call.get(name) is not None:
+                raise ValueError(f"context parallelism: {name}= is not supported: {why}")
+        if call.get("use_cache"):
+            raise ValueError(
+                "context parallelism: use_cache=True is not supported (generation under "
+                "context parallelism is not supported yet)"
+            )
+        mask = call.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not (mask.dim() == 2 and bool(mask.all())):
+            raise ValueError(
+                "context parallelism: attention_mask with padding (zeros) or of shape "
+                f"{tuple(mask.shape)} is not supported yet; pass unpadded sequences"
+            )
+        keep = call.get("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            raise ValueError(
+                f"context parallelism: logits_to_keep={keep!r} is not supported; every rank "
+                "returns the logits of its own positions"
+            )
