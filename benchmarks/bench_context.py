@@ -76,9 +76,7 @@ def _rank(seq: int, mode: str, repeats: int) -> dict:
 def _ring_rank(seq: int, heads: int, head_dim: int, repeats: int) -> dict:
     """On the 2 ranks of a throttled link (benchmarks/netns.py): ring attention alone, forward
     and backward, with and without overlap, called in turn; and the bytes this rank sends per
-    call (c10d's send ops, seen by a dispatch mode) against the analytic count."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    call (tp_ext.comm.track(), tag "cp") against the analytic count."""
     import tp_ext
     from tp_ext.layers.context import ring_attention
 
@@ -95,23 +93,16 @@ def _ring_rank(seq: int, heads: int, head_dim: int, repeats: int) -> dict:
 
         return run
 
-    class Sent(TorchDispatchMode):
-        bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d" and func.name().startswith("c10d::send"):
-                Sent.bytes += sum(t.numel() * t.element_size() for t in args[0])
-            return func(*args, **(kwargs or {}))
-
-    with Sent():
+    with tp_ext.comm.track() as stats:
         call(True)()
+    sent = stats.bytes(tag="cp", collective="send_recv")
     block = 2 * k.numel() * k.element_size()  # this rank's keys and values
     # forward: C - 1 hops of K/V; backward: C - 1 hops of K/V and C of their fp32 gradients
     analytic = (g.size - 1) * block * 2 + g.size * block
     from benchmarks.common import bench_interleaved
 
     with_overlap, without = bench_interleaved(call(True), call(False), warmup=1, repeats=repeats)
-    return {"sent": Sent.bytes, "analytic": analytic, "overlap_s": with_overlap, "plain_s": without}
+    return {"sent": sent, "analytic": analytic, "overlap_s": with_overlap, "plain_s": without}
 
 
 def main() -> None:

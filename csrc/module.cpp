@@ -23,6 +23,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_stats", &tp_ext::comm::stats_snapshot);
   m.def("_set_tag", &tp_ext::comm::set_tag);
   m.def("_get_tag", &tp_ext::comm::get_tag);
+  // transfers made from Python (ring attention's point-to-point hops): one call, under the tag
+  m.def("_record",
+        [](const std::string& op, const std::string& collective, int64_t bytes, double seconds) {
+    tp_ext::comm::record(op.c_str(), collective.c_str(), bytes, seconds);
+  });
   m.def("_set_timeout_ms", &tp_ext::comm::set_timeout_ms);
   m.def("_timeout_ms", &tp_ext::comm::timeout_ms);
   // None: follow the environment variable again (TP_EXT_CHECK_COLLECTIVES, TP_EXT_SHM).

@@ -12,7 +12,7 @@ import tp_ext
 from tp_ext import ops
 from tp_ext.layers import context
 from tp_ext.layers.context import all_to_all_attention, cp_positions, ring_attention
-from tp_ext.sharding import cp_chunks
+from tp_ext.sharding import cp_chunks, shard_sizes
 
 from .common import WORLD_SIZES, full
 from .dist_utils import run_distributed
@@ -147,6 +147,53 @@ def test_ring_attention_without_overlap_is_the_same(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_attention_in_fp32_with_one_kv_head(world):
     run_distributed(_check_ring, world, True, 4, 1, torch.float32)
+
+
+def _bytes_under_track(mode, heads, kv_heads):
+    """What tp_ext.comm.track() files under "cp" for one forward + backward of ``mode``,
+    against the count from the chunk sizes (fp64: 8 bytes; batch 2, head_dim 8)."""
+    g = tp_ext.comm.resolve_group(None)
+    size, me = g.size, g.rank
+    local = [sum(n for _, _, n in cp_chunks(SEQ, size, r)) for r in range(size)]
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, local[me], 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, local[me], 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    with tp_ext.comm.tag("outside"), tp_ext.comm.track() as stats:
+        attend(q, k, v, SEQ).sum().backward()
+    row = 2 * 8 * 8  # batch x head_dim x 8 bytes: one head at one position
+    if mode == "ring":  # the block held at step s came from rank me - s
+        held = [local[(me - s) % size] for s in range(size)]
+        kv_hops = sum(2 * kv_heads * n * row for n in held[:-1])
+        forward, backward = kv_hops, kv_hops + sum(2 * kv_heads * n * row for n in held)
+        ops = {"ring_attention": forward, "ring_attention_backward": backward}
+        collective = "send_recv"
+    else:  # heads split whole by KV group; each all-to-all sends others their share
+        q_heads = [h * (heads // kv_heads) for h in shard_sizes(kv_heads, size)]
+        kv_split = shard_sizes(kv_heads, size)
+        others = [r for r in range(size) if r != me]
+        scatter = sum((q_heads[j] + 2 * kv_split[j]) * local[me] * row for j in others)
+        gather = sum(q_heads[me] * local[j] * row for j in others)  # the outputs go home
+        # backward: the output's gradient travels as q did, q/k/v's gradients as the output
+        back = sum(q_heads[j] * local[me] * row for j in others)
+        back += sum((q_heads[me] + 2 * kv_split[me]) * local[j] * row for j in others)
+        ops = {"all_to_all_single": scatter + gather + back}
+        collective = "all_to_all_v"
+    got = {r.op: r.bytes for r in stats.records if r.tag == "cp"}
+    assert got == {op: n for op, n in ops.items() if n}, (got, ops)
+    assert all(r.collective == collective for r in stats.records if r.tag == "cp")
+    assert not [r for r in stats.records if r.tag != "cp"], stats.table()  # all of it is CP's
+    return sum(ops.values())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_track_counts_each_modes_bytes_under_the_cp_tag(world, mode):
+    """Forward and backward, at 2 and 3 ranks (uneven chunks); GQA with 4 / 2 heads at 2
+    ranks, 6 / 3 at 3 (whole KV groups per rank)."""
+    heads, kv_heads = (4, 2) if world == 2 else (6, 3)
+    assert all(n > 0 for n in run_distributed(_bytes_under_track, world, mode, heads, kv_heads))
 
 
 def _ring_errors():

@@ -20,6 +20,7 @@ __all__ = [
     "CommStats",
     "track",
     "tag",
+    "record_transfer",
     "set_timeout",
     "set_consistency_checks",
     "set_shared_memory",
@@ -43,8 +44,9 @@ class CommStats:
 
     Bytes per call: all_reduce, broadcast and reduce (summa_linear's panels) count the tensor,
     all_gather its gathered output, reduce_scatter its full input, all_to_all its input,
-    all_to_all_v (all_to_all_single: uneven, expert parallelism) the bytes it sends to other ranks;
-    :meth:`bus_bytes` converts them to the traffic each rank actually sends. Seconds are the
+    all_to_all_v (all_to_all_single: uneven, expert parallelism and all-to-all attention) the
+    bytes it sends to other ranks, send_recv (ring attention's hops to the next rank) the bytes it
+    sends; :meth:`bus_bytes` converts them to the traffic each rank actually sends. Seconds are the
     host's wall time inside the op: on CPU (gloo, shared memory) that includes the transfer; on
     CUDA (NCCL) the op returns once the collective is enqueued on the stream, so it is enqueue
     time, not transfer time (use torch.profiler for device time). For the asynchronous
@@ -76,8 +78,8 @@ class CommStats:
         tensor, broadcast and all-to-all (w-1)/w. So an all-gather plus a reduce-scatter of a
         tensor moves exactly what one all-reduce of it does (sequence parallelism's claim)."""
         share = (world_size - 1) / world_size
-        # all_to_all_v (uneven, expert parallelism) records the bytes it sends already
-        factor = {"all_reduce": 2.0 * share, "all_to_all_v": 1.0}
+        # all_to_all_v (uneven) and send_recv (point to point) record the bytes they send
+        factor = {"all_reduce": 2.0 * share, "all_to_all_v": 1.0, "send_recv": 1.0}
         return sum(
             r.bytes * factor.get(r.collective, share) for r in self._filter(tag, op, collective)
         )
@@ -132,6 +134,13 @@ def tag(name: str) -> Iterator[None]:
             yield
     finally:
         _C._set_tag(previous)
+
+
+def record_transfer(op: str, collective: str, nbytes: int, seconds: float) -> None:
+    """Count one transfer tp_ext made outside its C++ collectives (ring attention's
+    ``batch_isend_irecv`` hops, collective "send_recv": ``nbytes`` sent) in :func:`track`'s
+    records, under the current :func:`tag`."""
+    _C._record(op, collective, int(nbytes), float(seconds))
 
 
 def set_timeout(seconds: float) -> None:

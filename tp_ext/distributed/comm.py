@@ -38,6 +38,7 @@ from tp_ext import ops
 from tp_ext.distributed import peers
 from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the public face)
     CommStats,
+    record_transfer,
     set_consistency_checks,
     set_shared_memory,
     set_timeout,

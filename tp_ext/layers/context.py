@@ -16,6 +16,7 @@ matmuls in fp32 (fp64 for fp64), until a GPU pass gives it flash kernels there.
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import torch
@@ -34,6 +35,7 @@ __all__ = ["cp_group", "cp_positions", "ring_attention", "all_to_all_attention",
 # How attention runs over the CP group: "ring" (keys and values travel round the ring) or
 # "all_to_all" (Ulysses: each rank gets every position of a share of the heads)
 CP_MODES = ("ring", "all_to_all")
+CP_TAG = "cp"  # what tp_ext.comm.track() files both modes' transfers under, forward and backward
 
 
 def cp_group(group: GroupLike = None, parallel=None):
@@ -86,7 +88,8 @@ def ring_attention(
     _check(q, k, v, seq_len, g)
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
-    return _RingAttention.apply(q, k, v, seq_len, g, bool(causal), float(scale), bool(overlap))
+    with comm.tag(CP_TAG):
+        return _RingAttention.apply(q, k, v, seq_len, g, bool(causal), float(scale), bool(overlap))
 
 
 def all_to_all_attention(
@@ -106,6 +109,14 @@ def all_to_all_attention(
     and values are repeated to every query head first (fewer KV heads than ranks)."""
     g = cp_group(group)
     _check(q, k, v, seq_len, g, "all_to_all_attention")
+    region = _TaggedBackward()  # its all-to-alls' backward filed under "cp" too
+    q, k, v = _TagBoundary.apply(region, False, q, k, v)
+    with comm.tag(CP_TAG):
+        out = _all_to_all_attention(q, k, v, seq_len, g, causal, scale)
+    return _TagBoundary.apply(region, True, out)[0]
+
+
+def _all_to_all_attention(q, k, v, seq_len, g, causal, scale) -> torch.Tensor:
     groups = q.size(1) // k.size(1)
     if k.size(1) % g.size:  # KV heads do not split whole: give every query head its own
         k, v, groups = _repeat(k, groups), _repeat(v, groups), 1
@@ -123,6 +134,40 @@ def all_to_all_attention(
         qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=groups > 1
     )
     return _positions_of_every_head(out, q_heads, lengths, g, held)
+
+
+class _TaggedBackward:
+    """One differentiable region whose backward runs under the "cp" tag: entered by the
+    boundary after it (its output's gradient arrives first), left by the boundary before it."""
+
+    def __init__(self) -> None:
+        self.tag = None
+
+    def enter(self) -> None:
+        self.tag = comm.tag(CP_TAG)
+        self.tag.__enter__()
+
+    def leave(self) -> None:
+        if self.tag is not None:
+            self.tag.__exit__(None, None, None)
+            self.tag = None
+
+
+class _TagBoundary(torch.autograd.Function):
+    """Identity on ``tensors``; its backward enters (``entering``) or leaves ``region``'s tag."""
+
+    @staticmethod
+    def forward(ctx, region, entering, *tensors):
+        ctx.region, ctx.entering = region, entering
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.entering:
+            ctx.region.enter()
+        else:
+            ctx.region.leave()
+        return (None, None, *grads)
 
 
 def _heads_of_every_position(t, heads, lengths, g, natural) -> torch.Tensor:
@@ -273,10 +318,12 @@ def _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal: bool, scale: f
 
 class _Shift:
     """Tensors sent to the next rank of the ring while the previous rank's arrive (one packed
-    buffer each way, started now, taken by :meth:`finish`; ``wait``: done before returning)."""
+    buffer each way, started now, taken by :meth:`finish`; ``wait``: done before returning).
+    ``tp_ext.comm.track()`` counts the bytes sent (collective "send_recv", op ``op``), and the
+    time from the start to the end of the wait."""
 
-    def __init__(self, tensors, incoming_shapes, g, wait: bool = False) -> None:
-        self.shapes = incoming_shapes
+    def __init__(self, tensors, incoming_shapes, g, op: str, wait: bool = False) -> None:
+        self.shapes, self.op, self.started = incoming_shapes, op, time.perf_counter()
         send = torch.cat([t.reshape(-1) for t in tensors])
         self.recv = send.new_empty(sum(math.prod(s) for s in incoming_shapes))
         group = g.group
@@ -293,9 +340,13 @@ class _Shift:
             self._wait()
 
     def _wait(self) -> None:
+        if not self.work:
+            return
         for w in self.work:
             w.wait()
         self.work = []
+        sent = self.send.numel() * self.send.element_size()
+        comm.record_transfer(self.op, "send_recv", sent, time.perf_counter() - self.started)
 
     def finish(self) -> list[torch.Tensor]:
         self._wait()
@@ -325,7 +376,7 @@ class _RingAttention(torch.autograd.Function):
             shift = None
             if step + 1 < size:  # the next block travels while this one is computed
                 shape = _block_shape(k, seq_len, size, (held - 1) % size)
-                shift = _Shift(kv, [shape, shape], g, wait=not overlap)
+                shift = _Shift(kv, [shape, shape], g, "ring_attention", wait=not overlap)
             kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
             for q_off, qn, k_off, kn, diagonal in _pairs(seq_len, size, rank, held, causal):
                 rows = slice(q_off, q_off + qn)
@@ -348,6 +399,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with comm.tag(CP_TAG):
+            return _RingAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         seq_len, g, causal, scale, wait = ctx.seq_len, ctx.g, ctx.causal, ctx.scale, not ctx.overlap
         size, rank = g.size, g.rank
@@ -362,7 +418,7 @@ class _RingAttention(torch.autograd.Function):
             shift = None
             if step + 1 < size:
                 shape = _block_shape(k, seq_len, size, (held - 1) % size)
-                shift = _Shift(kv, [shape, shape], g, wait=wait)
+                shift = _Shift(kv, [shape, shape], g, "ring_attention_backward", wait=wait)
             kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
             dk = torch.zeros(kr.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vr.shape, dtype=acc, device=q.device)
@@ -392,7 +448,7 @@ class _RingAttention(torch.autograd.Function):
             if size > 1:
                 incoming = (held - 1) % size if step + 1 < size else rank
                 shape = _block_shape(k, seq_len, size, incoming)
-                travelling = _Shift((dk, dv), [shape, shape], g, wait=wait)
+                travelling = _Shift((dk, dv), [shape, shape], g, "ring_attention_backward", wait)
         if size > 1:
             dk, dv = travelling.finish()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
