@@ -295,3 +295,49 @@ def test_cli_auto_ranks_layouts_of_a_transformers_model(tmp_path, capsys):
     times = [r["step_time_s"] for r in ranked if r["fits"]]
     assert times == sorted(times) and ranked[0]["reason"]
     assert {c["dtype"] for c in cands} == {"float32"}  # the config's own
+
+
+def test_plan_with_cp_shows_what_fits_at_long_sequences(tmp_path, capsys):
+    """`tp-ext plan --model DIR --tp 8 --cp 4 --seq-len 131072`: the step's memory per rank at
+    cp = 4 beside cp = 1, each without and with activation checkpointing; activations per rank
+    fall to a quarter; the table says which fit."""
+    long = dict(LLAMA_3_70B, max_position_embeddings=131072)
+    (tmp_path / "config.json").write_text(json.dumps(long))
+    argv = ["--model", tmp_path, "--tp", 8, "--cp", 4, "--seq-len", 131072]
+    rows = _plan_json(capsys, *argv)
+    layouts = [(r["candidate"]["cp"], r["candidate"]["activation_checkpointing"]) for r in rows]
+    assert layouts == [(1, False), (1, True), (4, False), (4, True)]
+    acts = [r["memory_bytes"]["activations"] for r in rows]
+    assert 0.24 <= acts[2] / acts[0] <= 0.3 and 0.24 <= acts[3] / acts[1] <= 0.3, acts
+    assert rows[2]["comm_bytes"]["cp"] > 0 == rows[0]["comm_bytes"]["cp"]
+    # the parameters, gradients and optimizer state do not shrink with cp: 70B at tp=8 does not
+    # fit 80 GiB either way; a smaller model at cp=4 with recompute does where cp=1 does not
+    assert not any(r["fits"] for r in rows)
+    small = dict(long, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    assert main(["plan", *map(str, argv), "--gpu-memory", "40GiB"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "(device: 40 GiB" in table[0], table[0]
+    fits = {line.split("  ")[0].strip(): line.split()[-2] for line in table[2:]}
+    assert fits == {
+        "tp=8 pp=1 dp=1 1x1 seq": "no",
+        "tp=8 pp=1 dp=1 1x1 seq recompute": "no",
+        "tp=8 pp=1 dp=1 cp=4 ring 1x1 seq": "no",
+        "tp=8 pp=1 dp=1 cp=4 ring 1x1 seq recompute": "yes",
+    }, table
+
+
+def test_plan_auto_with_cp_and_its_refusals(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    ranked = _plan_json(capsys, "--model", tmp_path, "--auto", "--gpus", 32, "--cp", 2,
+                        "--seq-len", 8192, "--global-batch", 8, "--top", 100)  # fmt: skip
+    assert ranked and all(r["candidate"]["cp"] == 2 for r in ranked)
+    assert all(r["candidate"]["pp"] == 1 for r in ranked)
+    for argv, message in (
+        (["--auto", "--gpus", 8, "--cp", 3], "cp=3 does not divide gpus=8"),
+        (["--cp", 2, "--pp", 2], "cp=2 is planned with pp=1 and ep=1"),
+        (["--cp", 2, "--seq-len", 131072], "seq_len=131072 is above the model's"),
+    ):
+        assert main(["plan", "--model", str(tmp_path), *map(str, argv)]) == 2
+        assert message in capsys.readouterr().err, argv

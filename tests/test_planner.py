@@ -71,8 +71,10 @@ def test_candidate_holds_dims_and_the_run_settings():
     assert c.as_dict() == {
         "tp": 2, "pp": 2, "dp": 2, "ep": 1, "virtual_stages": 2, "cp": 1, "micro_batch": 2,
         "num_micro_batches": 4, "schedule": "Interleaved1F1B", "activation_checkpointing": True,
-        "data_parallel": "fsdp", "dtype": "float32",
+        "data_parallel": "fsdp", "dtype": "float32", "cp_mode": "ring",
     }  # fmt: skip
+    with_cp = Candidate(ParallelDims(tp=2, cp=2, dp=1), 1, 2, cp_mode="all_to_all")
+    assert with_cp.describe() == "tp=2 pp=1 dp=1 cp=2 all_to_all 2x1 seq"
     bad = [
         (dict(dims=ParallelDims(tp=2)), "Candidate.dims must be a resolved tp_ext.ParallelDims"),
         (dict(dims=(2, 1, 1)), "Candidate.dims must be a resolved"),
@@ -82,6 +84,7 @@ def test_candidate_holds_dims_and_the_run_settings():
         (dict(activation_checkpointing="yes"), "activation_checkpointing must be True or False"),
         (dict(data_parallel="zero"), "data_parallel must be 'ddp' or 'fsdp', got 'zero'"),
         (dict(dtype="int8"), r"dtype must be one of \['bfloat16', .*\], got 'int8'"),
+        (dict(cp_mode="ulysses"), "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'"),
     ]
     good = dict(dims=ParallelDims(tp=1, dp=1), micro_batch=1, num_micro_batches=1)
     for change, message in bad:
@@ -168,11 +171,15 @@ def _measure(candidate):
     from tp_ext.training import Trainer
 
     dims = candidate.dims
-    state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp)
+    state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp)
     torch.manual_seed(0)
     order = "v" if candidate.schedule in ("ZBVZeroBubble", "DualPipeV") else "loop"
     model = Qwen2ForCausalLM(
-        _config(), parallel=state, virtual_stages=dims.virtual_stages, stage_order=order
+        _config(),
+        parallel=state,
+        virtual_stages=dims.virtual_stages,
+        stage_order=order,
+        **({"cp_mode": candidate.cp_mode} if dims.cp > 1 else {}),
     )
     trainer = Trainer(
         model,
@@ -194,7 +201,7 @@ def _measure(candidate):
     ]
     trainer.step(batches)  # the optimizer state exists from the first step on
     # torch's own communication (pipelining's sends, DDP's and FSDP2's collectives) by group
-    groups = {"pp": state.pp_group, "dp": state.dp_group}
+    groups = {"pp": state.pp_group, "dp": state.dp_group, "cp": state.cp_group}
     with tp_ext.comm.track() as stats, CommCount(groups) as torch_comm:
         with PeakMemory(model.parameters(), trainer.optimizer) as memory:
             trainer.step(batches)
@@ -212,19 +219,22 @@ def _measure(candidate):
         "grads": step_grads,
         "optimizer": local_bytes(states),
         "tp": stats.bytes(tag="train.compute"),
-        "dp_sync": stats.bytes(tag="train.dp_sync"),  # the 2D model's DP all-reduce (tp_ext's)
+        "dp_sync": stats.bytes(tag="train.dp_sync"),  # the 2D and CP steps' own all-reduce
+        "cp": stats.bytes(tag="cp"),
         "pp": torch_comm.bytes["pp"],
         "dp": torch_comm.bytes["dp"],
         "other": [call for call in torch_comm.calls if call[0] == "other"],
     }
 
 
-def _candidate(tp, pp, dp, m, schedule="1F1B", v=1, recompute=False, engine="ddp", mb=2):
+def _candidate(
+    tp, pp, dp, m, schedule="1F1B", v=1, recompute=False, engine="ddp", mb=2, cp=1, mode="ring"
+):
     from tp_ext import ParallelDims
     from tp_ext.planner import Candidate
 
-    dims = ParallelDims(tp=tp, pp=pp, dp=dp, virtual_stages=v)
-    return Candidate(dims, mb, m, schedule, recompute, engine, "float32")
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, virtual_stages=v, cp=cp)
+    return Candidate(dims, mb, m, schedule, recompute, engine, "float32", mode)
 
 
 # every path in make test; the whole list (8 ranks, the zero-bubble schedules) in make test-all
@@ -263,6 +273,14 @@ CANDIDATES = [
         _candidate((2, 2), 1, 1, 2, recompute=True), marks=pytest.mark.full_matrix, id="grid2x2-rc"
     ),
     pytest.param(_candidate((2, 2), 1, 2, 1), marks=pytest.mark.full_matrix, id="grid2x2-dp2"),
+    # context parallelism: the Trainer's own loop, gradients all-reduced over DP x CP
+    pytest.param(_candidate(1, 1, 1, 2, cp=2), id="cp2-ring"),
+    pytest.param(_candidate(2, 1, 1, 1, cp=2, mode="all_to_all", recompute=True), id="tp2-cp2-a2a"),
+    pytest.param(_candidate(1, 1, 1, 1, cp=3), marks=pytest.mark.full_matrix, id="cp3-uneven"),
+    pytest.param(_candidate(1, 1, 2, 2, cp=2), marks=pytest.mark.full_matrix, id="cp2-dp2"),
+    pytest.param(
+        _candidate(1, 1, 1, 2, cp=2, mode="all_to_all"), marks=pytest.mark.full_matrix, id="cp2-a2a"
+    ),
 ]
 
 
@@ -275,14 +293,14 @@ def test_estimates_match_a_measured_training_step(candidate):
     mem = est.memory_bytes
     # the breakdown is the busiest pipeline rank's (global ranks: (pp, dp, tp) row-major)
     pp_rank = est.detail["busiest_pp_rank"]
-    group = candidate.dims.dp * candidate.dims.tp_size
+    group = candidate.dims.dp * candidate.dims.cp * candidate.dims.tp_size
     same = measured[pp_rank * group : (pp_rank + 1) * group]
     for key in ("params", "grads", "optimizer"):
         assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
-    grid = candidate.dims.grid is not None
-    for kind in ("tp", "pp", "dp"):
-        # a 2D model's DP all-reduce is tp_ext's own (track()'s "train.dp_sync"), not torch's
-        counted = [m["dp_sync" if grid and kind == "dp" else kind] for m in measured]
+    own_sync = candidate.dims.grid is not None or candidate.dims.cp > 1
+    for kind in ("tp", "cp", "pp", "dp"):
+        # a 2D or CP model's DP all-reduce is tp_ext's own (track()'s "train.dp_sync"), not torch's
+        counted = [m["dp_sync" if own_sync and kind == "dp" else kind] for m in measured]
         assert est.comm_bytes[kind] == max(counted), (kind, est.comm_bytes[kind], counted)
     # every torch collective of the step ran on the pipeline or the data-parallel group
     assert not any(m["other"] for m in measured), [m["other"] for m in measured]
@@ -472,7 +490,7 @@ def test_cli_plan_auto(tp_ext_here):
     assert set(first["memory_bytes"]) >= {
         "params", "grads", "optimizer", "activations", "kv_cache", "total"
     }  # fmt: skip
-    assert set(first["comm_bytes"]) == {"tp", "pp", "dp"}
+    assert set(first["comm_bytes"]) == {"tp", "cp", "pp", "dp"}
     for key in ("tp", "pp", "dp", "micro_batch", "num_micro_batches", "schedule",
                 "activation_checkpointing", "data_parallel"):  # fmt: skip
         assert key in first["candidate"]

@@ -43,16 +43,12 @@ def _this_machine(local_ranks: int) -> tuple[str, int]:
 def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
     """``overrides`` with the planner's layout for ``model_config`` trained on ``data``'s
     batches (seq_len, global_batch, micro_batch_size). Refuses layout flags given beside
-    --auto, and says what was chosen and why (logged)."""
+    --auto, and says what was chosen and why (logged). A ``--cp`` given is the CP degree every
+    candidate takes."""
     given = [f"--{k.replace('_', '-')}" for k in LAYOUT_FLAGS if overrides.get(k) is not None]
     if given:
         raise ValueError(
             f"--auto chooses the layout itself; drop {', '.join(given)} (or drop --auto)"
-        )
-    if (overrides.get("cp") or 1) > 1:  # the planner has no CP degree yet
-        raise ValueError(
-            f"--auto with --cp {overrides['cp']}: the planner does not place context "
-            "parallelism yet; give the layout by hand (--tp, --pp, --dp with --cp)"
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -69,6 +65,8 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         dtype=dtype,
         top=None,
         grids=False,  # the commands build 1D models (parallel.tp is a degree)
+        cp=overrides.get("cp") or 1,  # a --cp given is kept: the planner places the rest
+        cp_mode=overrides.get("cp_mode") or "ring",
     )
     best = next((e for e in ranked if e.fits), None)
     if best is None:
@@ -83,6 +81,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         "pp": dims.pp,
         "dp": dims.dp,
         "ep": dims.ep,
+        "cp": dims.cp,
         "virtual_stages": dims.virtual_stages,
         # the candidate's run settings carry the config's (and the flags') names
         "schedule": chosen.schedule,

@@ -12,11 +12,13 @@ from tp_ext.cli.flags import add_field_flag
 from tp_ext.cli.launch import refuse
 from tp_ext.cli.logs import LOG
 from tp_ext.config import DATA_FIELDS, PARALLEL_FIELDS, JobConfig
+from tp_ext.dims import ParallelDims
 from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprint
 from tp_ext.models.hf import load_hf_config
 from tp_ext.models.hf.footprint import hf_pipeline_footprint
 from tp_ext.models.hf.source import HFModelSource
-from tp_ext.planner import calibrate, plan
+from tp_ext.planner import calibrate, plan, plan_layout
+from tp_ext.planner.candidate import usable_memory
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
 from tp_ext.validation import ArgumentError, Field
@@ -89,6 +91,14 @@ def add_arguments(parser) -> None:
     add_field_flag(parser, "pp", PARALLEL_FIELDS["pp"], "the config's")
     add_field_flag(parser, "dp", PARALLEL_FIELDS["dp"], "the config's, else 1")
     add_field_flag(parser, "ep", PARALLEL_FIELDS["ep"], "the config's, else 1")
+    add_field_flag(
+        parser,
+        "cp",
+        PARALLEL_FIELDS["cp"],
+        "1; without --auto, a cp > 1 prints the memory of a training step at --seq-len beside "
+        "cp=1's, and whether it fits",
+    )
+    add_field_flag(parser, "cp_mode", PARALLEL_FIELDS["cp_mode"], "ring", default="ring")
     add_field_flag(parser, "virtual_stages", PARALLEL_FIELDS["virtual_stages"], default=1)
     parser.add_argument(
         "--pipeline-split",
@@ -114,6 +124,8 @@ def main(args) -> int:
         return _auto_plan(args)
     if (args.config is None) == (args.model is None):
         return refuse("plan", "argument config: give a config file or --model DIR_OR_CONFIG")
+    if (args.cp or 1) > 1:
+        return _context_plan(args)
     layout = dict(
         virtual_stages=args.virtual_stages,
         pipeline_split=args.pipeline_split,
@@ -174,6 +186,8 @@ def _auto_plan(args) -> int:
         dtype = args.dtype or job.parallel.dtype
     ranked = plan(
         model,
+        cp=args.cp or 1,
+        cp_mode=args.cp_mode,
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
         gpu_memory=args.gpu_memory,
@@ -192,5 +206,57 @@ def _auto_plan(args) -> int:
         print(
             f"{i:>2} {est.candidate.describe():<48} {'yes' if est.fits else 'no':>4} "
             f"{est.memory_bytes['total'] / gib:>8.1f} {est.step_time_s:>8.3g}  {est.reason}"
+        )
+    return 0
+
+
+def _context_plan(args) -> int:
+    """``--cp C`` without ``--auto``: what a training step of one ``--seq-len`` sequence per DP
+    rank needs per rank at the layout given (tp, dp; pp = 1) with cp = C and with cp = 1, with
+    and without activation checkpointing, against the device's memory."""
+    if (args.pp or 1) > 1 or (args.ep or 1) > 1:
+        return refuse(
+            "plan", f"argument --cp: cp={args.cp} is planned with pp=1 and ep=1 (what it runs)"
+        )
+    if args.model is not None:
+        model, dtype = args.model, args.dtype
+        tp = args.tp or 1
+    else:
+        job = JobConfig.from_file(args.config)
+        model = getattr(job.model, "hf_config", job.model)
+        dtype = args.dtype or job.parallel.dtype
+        tp = args.tp if args.tp is not None else job.parallel.tp
+    dp = args.dp or 1
+    rows = []
+    try:
+        for cp in (1, args.cp):
+            dims = ParallelDims(tp=tp, cp=cp, dp=dp)
+            rows += plan_layout(
+                model,
+                dims,
+                args.seq_len,
+                hardware=args.hardware,
+                gpu_memory=args.gpu_memory,
+                dtype=dtype,
+                cp_mode=args.cp_mode,
+            )
+    except ValueError as e:
+        return refuse("plan", str(e))
+    if args.json:
+        print(json.dumps([est.as_dict() for est in rows], indent=2))
+        return 0
+    gib = 1024**3
+    limit = rows[0].memory_limit
+    print(
+        f"one {args.seq_len}-token sequence per DP rank, a training step's peak per rank "
+        f"(device: {limit / gib:.0f} GiB, {usable_memory(limit) / gib:.1f} usable)"
+    )
+    print(f"{'layout':<40} {'activations':>12} {'total':>9} {'fits':>5} {'step s':>8}")
+    for est in rows:
+        mem = est.memory_bytes
+        print(
+            f"{est.candidate.describe():<40} {mem['activations'] / gib:>10.1f}Gi "
+            f"{mem['total'] / gib:>7.1f}Gi {'yes' if est.fits else 'no':>5} "
+            f"{est.step_time_s:>8.3g}"
         )
     return 0

@@ -13,10 +13,11 @@ from the counts of :mod:`.counts`) on a hardware table or this machine measured
 from tp_ext.planner.candidate import Candidate, Estimate, Layout
 from tp_ext.planner.cost import bubble_fraction, estimate
 from tp_ext.planner.hardware import HARDWARE, Hardware, calibrate, load_hardware
-from tp_ext.planner.search import parse_bytes, plan
+from tp_ext.planner.search import parse_bytes, plan, plan_layout
 
 __all__ = [
     "plan",
+    "plan_layout",
     "estimate",
     "Candidate",
     "Layout",

@@ -41,6 +41,7 @@ class Candidate:
     activation_checkpointing: bool = False
     data_parallel: str = "ddp"
     dtype: str = "bfloat16"
+    cp_mode: str = "ring"  # with dims.cp > 1: "ring" or "all_to_all"
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ParallelDims) or not self.dims.resolved:
@@ -60,6 +61,8 @@ class Candidate:
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {self.data_parallel!r}")
         check_dtype_name(self.dtype)
+        if self.cp_mode not in ("ring", "all_to_all"):
+            raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {self.cp_mode!r}")
 
     def describe(self) -> str:
         """``tp=2 pp=2 dp=2 1F1B ddp 4x2 seq`` (virtual stages beside the schedule)."""
@@ -70,6 +73,8 @@ class Candidate:
             parts.append(f"{self.schedule}{v}")
         if dims.dp > 1:
             parts.append(self.data_parallel)
+        if dims.cp > 1:
+            parts.append(self.cp_mode)
         parts.append(f"{self.num_micro_batches}x{self.micro_batch} seq")
         if self.activation_checkpointing:
             parts.append("recompute")
@@ -128,9 +133,10 @@ class Estimate:
 
     candidate: Candidate
     memory_bytes: dict  # params, grads, optimizer, activations, kv_cache, total (busiest rank)
-    # tp, pp, dp: payload bytes per step of the busiest rank, counted as tp_ext.comm.track() does:
-    # an all-reduce's tensor, an all-gather's gathered output, a reduce-scatter's full input, and
-    # each pipeline send or receive's tensor on the rank that sends or receives it
+    # tp, cp, pp, dp: payload bytes per step of the busiest rank, counted as tp_ext.comm.track()
+    # does: an all-reduce's tensor, an all-gather's gathered output, a reduce-scatter's full
+    # input, each pipeline send or receive's tensor on the rank that sends or receives it, and
+    # what CP's ring or all-to-all sends
     comm_bytes: dict
     bubble: float
     step_time_s: float

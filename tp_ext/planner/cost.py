@@ -1,6 +1,6 @@
 """What one training candidate (:class:`~tp_ext.planner.candidate.Candidate`) of tp_ext's Qwen2
 costs per rank: memory (parameters, gradients, optimizer state, activations), bytes
-communicated per step over TP, PP and DP, the pipeline bubble and the step time on a
+communicated per step over TP, CP, PP and DP, the pipeline bubble and the step time on a
 :class:`~tp_ext.planner.hardware.Hardware`.
 
 The counts follow tp_ext's own code, not a textbook formula: parameters per rank are those of
@@ -35,7 +35,7 @@ from tp_ext.planner.hf_model import (
     hf_op_counts,
     hf_rank_shapes,
 )
-from tp_ext.sharding import StageSplit
+from tp_ext.sharding import StageSplit, cp_chunks, shard_sizes
 from tp_ext.validation import DTYPE_BYTES, as_torch_dtype, dtype_bytes
 
 __all__ = [
@@ -107,10 +107,26 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     dims = candidate.dims
     if dims.grid is None:
         config.check_tp(dims.tp)
+    if dims.cp > 1:
+        _check_context_parallel(candidate)
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
             f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "
             f"than the model's {config.num_hidden_layers} decoder layers"
+        )
+
+
+def _check_context_parallel(candidate: Candidate) -> None:
+    """What the Trainer runs with cp > 1 (and so what the planner costs)."""
+    dims, why = candidate.dims, None
+    if dims.grid is not None or dims.pp > 1 or dims.ep > 1:
+        why = "a 2D grid, pipelining or expert parallelism"
+    elif candidate.data_parallel != "ddp":
+        why = f"data_parallel={candidate.data_parallel!r} (its gradients are all-reduced)"
+    if why is not None:
+        raise ValueError(
+            f"estimate: cp={dims.cp} with {why} is not supported; context parallelism runs "
+            "with 1D TP, pp=1 and DDP-style data parallelism"
         )
 
 
@@ -123,6 +139,12 @@ class _Step:
         self.config, self.candidate, self.hardware = config, candidate, hardware
         self.seq_len, self.gpus_per_node = seq_len, gpus_per_node
         self.tp, self.pp, self.dp, self.v = dims.tp, dims.pp, dims.dp, dims.virtual_stages
+        # context parallelism: each rank holds two of 2 cp chunks of every sequence; the
+        # busiest holds the most positions (tp_ext.sharding.cp_chunks)
+        self.cp = dims.cp
+        self.local_seq = max(
+            sum(n for _, _, n in cp_chunks(seq_len, self.cp, r)) for r in range(self.cp)
+        )
         self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
         self.recompute = candidate.activation_checkpointing
         self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
@@ -137,15 +159,18 @@ class _Step:
         split = default_split(self.pp * self.v) if default_split else None
         self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, split, order)
         self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
-        self.tokens = self.b * seq_len
+        self.tokens = self.b * self.local_seq
+        # the tokens the loss scores on this rank (each CP rank its positions: the last
+        # position's target is ignored, on the rank holding it)
+        self.loss_tokens = self.b * (seq_len - 1) if self.cp == 1 else self.tokens
         # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send
         self.hidden_bytes = self.tokens * config.hidden_size * self.e
         if hf:  # measured on the architecture itself
             self.act_layer = hf_layer_activation_bytes(
-                self.s, config, self.b, seq_len, self.e, self.tp, dims.ep, candidate.dtype
+                self.s, config, self.b, self.local_seq, self.e, self.tp, dims.ep, candidate.dtype
             )
         else:
-            self.act_layer = _layer_activation_bytes(self.s, config, self.b, seq_len, self.e)
+            self.act_layer = _layer_activation_bytes(self.s, config, self.b, self.local_seq, self.e)
 
     # ---- what rank r holds ---------------------------------------------------------------
 
@@ -179,7 +204,7 @@ class _Step:
         acts = in_flight * held + self.ids_on(r)
         if self.stages.last_stage in mine:
             head = 2 * self.hidden_bytes + self.tokens * self.logits_vocab * c
-            acts += in_flight * (head + 8 * self.b * (self.seq_len - 1) + 4 * self.tp)
+            acts += in_flight * (head + 8 * self.loss_tokens + 4 * self.tp)
             transient = self.tokens * self.logits_vocab + s.vocab * config.hidden_size
             return acts, (transient + self.hidden_bytes // c) * c
         transient = s.embedding * self.e + self.hidden_bytes if 0 in mine else 0
@@ -188,7 +213,10 @@ class _Step:
         return acts, transient
 
     def ids_on(self, r: int) -> int:
-        return self.tokens * 8 if 0 in self.stages.stages_of(r) else 0
+        """The input ids (every CP rank gets whole sequences, and keeps its positions)."""
+        if 0 not in self.stages.stages_of(r):
+            return 0
+        return self.b * self.seq_len * 8 + (self.tokens * 8 if self.cp > 1 else 0)
 
     def fsdp_buffers(self, numel: int) -> int:
         if self.shard == 1:
@@ -238,13 +266,16 @@ class _Step:
         # every gradient flattened into one buffer for one all-reduce at the step's end (no DDP
         # buckets kept beside the gradients)
         flat_sync = self.candidate.dims.ep > 1 and self.dp > 1
+        # context parallelism's step too, over DP x CP: the flat copy, and the all-reduce's
+        # result beside it (tp_ext's all_reduce is out of place)
+        flat_copies = 2 if self.cp > 1 else (1 if flat_sync else 0)
         phases = (
             params + optimizer + (params if ran_backward else 0) + acts + transient,
             2 * params + optimizer + layer_backward + self.ids_on(r),
             2 * params + optimizer + opt_temp,
-            3 * params + optimizer if flat_sync else 0,
+            (2 + flat_copies) * params + optimizer if flat_copies else 0,
         )
-        ddp = self.candidate.data_parallel == "ddp" and self.dp > 1 and not flat_sync
+        ddp = self.candidate.data_parallel == "ddp" and self.dp > 1 and not flat_copies
         fsdp = self.fsdp_buffers(numel)
         peak = max(phases) + (params if ddp else 0) + fsdp
         memory = memory_breakdown(
@@ -266,9 +297,44 @@ class _Step:
         last = self.stages.last_stage in mine
         fwd = (3 if self.recompute else 2) * layers + (0 in mine)
         bwd = 2 * layers + last
-        n = self.b * (self.seq_len - 1)  # the loss's tokens
+        n = self.loss_tokens
         loss = (n + self.tp) * 4 + 3 * n * 4 if last else 0
         return self.m * ((fwd + bwd) * self.hidden_bytes + loss)
+
+    def cp_bytes_on(self, r: int) -> int:
+        """What the busiest CP rank sends per step, as ``track()`` files it under "cp"; per
+        layer and micro-batch (a recomputed layer runs its forward twice), for each rank's
+        positions (``local``, uneven where 2 cp does not divide the sequence):
+        ring: the key/value blocks it holds in turn, passed on (cp - 1 hops) forward and again
+        backward, and their gradients in fp32 (fp64 for fp64) on every hop (cp);
+        all-to-all: its positions of other ranks' heads (q, k, v) and its heads' outputs at other
+        ranks' positions, forward; their gradients the other way, backward."""
+        if self.cp == 1:
+            return 0
+        cp, s = self.cp, self.s
+        local = [sum(n for _, _, n in cp_chunks(self.seq_len, cp, c)) for c in range(cp)]
+        row = self.b * s.head_dim * self.e  # one head at one position
+        forwards = 2 if self.recompute else 1
+        busiest = 0
+        for me in range(cp):
+            if self.candidate.cp_mode == "ring":
+                held = [local[(me - step) % cp] for step in range(cp)]
+                kv = 2 * s.kv_heads * row
+                gradients = kv * (8 if self.e == 8 else 4) // self.e
+                sent = (forwards + 1) * sum(held[:-1]) * kv + sum(held) * gradients
+            else:
+                kv_heads = s.kv_heads if s.kv_heads % cp == 0 else s.q_heads  # else repeated
+                kvh = shard_sizes(kv_heads, cp)
+                qh = [h * (s.q_heads // kv_heads) for h in kvh]
+                others = [j for j in range(cp) if j != me]
+                mine_out = sum((qh[j] + 2 * kvh[j]) * local[me] for j in others)
+                back_in = sum(qh[me] * local[j] for j in others)
+                forward = mine_out + back_in
+                backward = sum(qh[j] * local[me] for j in others)
+                backward += sum((qh[me] + 2 * kvh[me]) * local[j] for j in others)
+                sent = (forwards * forward + backward) * row
+            busiest = max(busiest, sent)
+        return self.m * self.layers_on(r) * busiest
 
     def pp_bytes_on(self, r: int) -> int:
         """torch's pipelining sends each micro-batch's [micro_batch, seq, hidden] activation
@@ -309,7 +375,7 @@ class _Step:
     def dp_bytes(self, numel: int) -> tuple[int, int, int]:
         """(DP bytes, FSDP2's gathered bytes, its scattered bytes) of the busiest rank."""
         weight_split = self.candidate.schedule in ("InterleavedZeroBubble", *V_SCHEDULES)
-        if self.dp == 1:
+        if self.dp * self.cp == 1:
             return 0, 0, 0
         if self.shard == 1 and weight_split:
             # these schedules write weight gradients outside DDP's hooks: tp_ext all-reduces
@@ -317,18 +383,26 @@ class _Step:
             return numel * (8 if self.e == 8 else 4), 0, 0
         if self.shard == 1:
             # one all-reduce of every gradient, in the last micro-batch's backward (no_sync
-            # before): DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2)
-            return numel * self.e, 0, 0
+            # before): DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2); with
+            # cp, one flat all-reduce over DP x CP after the step, the loss and token count with it
+            extra = 2 * (8 if self.e == 8 else 4) if self.cp > 1 else 0
+            return numel * self.e + extra, 0, 0
         gathered, scattered = max((self.fsdp_bytes_on(r) for r in range(self.pp)), key=sum)
         return gathered + scattered, gathered, scattered
 
     # ---- time ------------------------------------------------------------------------------
 
     def crosses_nodes(self) -> tuple[bool, bool, bool]:
-        """Whether the TP, PP and DP groups span nodes (ranks (pp, dp, tp) row-major)."""
+        """Whether the TP, PP and DP groups span nodes (ranks (pp, dp, cp, tp) row-major; the
+        DP group here is the one gradients are summed over: DP x CP)."""
         tp, pp, dp = self.tp, self.pp, self.dp
-        span = self.gpus_per_node or tp * pp * dp
-        return tp > span, pp > 1 and tp * dp * pp > span, dp > 1 and tp * dp > span
+        inner = tp * self.cp
+        span = self.gpus_per_node or inner * pp * dp
+        sync = dp * self.cp > 1
+        return tp > span, pp > 1 and inner * dp * pp > span, sync and tp * dp * self.cp > span
+
+    def cp_crosses_nodes(self) -> bool:
+        return self.cp > 1 and self.tp * self.cp > (self.gpus_per_node or self.tp * self.cp)
 
     def compute_on(self, r: int) -> float:
         """Seconds of one micro-batch's forward + backward on pipeline rank r: its FLOPs at the
@@ -336,14 +410,31 @@ class _Step:
         shapes)."""
         mine, layers, hw = self.stages.stages_of(r), self.layers_on(r), self.hardware
         ops, recompute = _op_counts(self.config), 1 if self.recompute else 0
+        # each CP rank: its share of the positions and (balanced chunks) of attention's pairs
         flops = layers * layer_flops(self.s, self.b, self.seq_len) * (4 / 3 if recompute else 1)
+        flops /= self.cp
         n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"])
         if self.stages.last_stage in mine:
-            flops += head_flops(self.s, self.config, self.b, self.seq_len)
+            flops += head_flops(self.s, self.config, self.b, self.seq_len) / self.cp
             n_ops += ops["head"]
         if 0 in mine:
             n_ops += ops["embedding"]
         return flops / hw.flops + n_ops * hw.op_overhead
+
+    def cp_seconds(self, comm: dict, layers_max: int, compute: float) -> float:
+        """CP seconds of one micro-batch not hidden: the bytes at the link's rate and a latency
+        per hop (the ring: cp - 1 forward, 2 cp - 1 backward; the all-to-all: 4 each way per
+        layer); the ring's hops travel while blocks are computed where collectives run beside
+        compute (a GPU), so only what outlasts the compute shows."""
+        if self.cp == 1:
+            return 0.0
+        hw, cp = self.hardware, self.cp
+        hops = (3 * cp - 2) if self.candidate.cp_mode == "ring" else 8
+        seconds = (comm["cp"] / self.m) / hw.link(self.cp_crosses_nodes())
+        seconds += layers_max * hops * hw.latency
+        if self.candidate.cp_mode == "ring" and hw.overlap:
+            return max(0.0, seconds - compute)
+        return seconds
 
     def micro_batch_seconds(self, comm: dict, layers_max: int) -> tuple:
         """(TP seconds, PP seconds) of one micro-batch: a ring's bus bytes at the link's rate
@@ -364,12 +455,16 @@ class _Step:
     def dp_seconds(self, dp_traffic: tuple, numel: int, tensors: int, compute: float) -> tuple:
         """(DP seconds, the part not hidden behind compute). Where collectives cannot run
         beside compute (CPU ranks over gloo share their cores), nothing is hidden."""
-        hw, dp, m, e = self.hardware, self.dp, self.m, self.e
+        hw, m, e = self.hardware, self.m, self.e
+        dp = self.dp * self.cp  # the ranks whose gradients are summed
         dp_bytes, gathered, scattered = dp_traffic
         link = hw.link(self.crosses_nodes()[2])
         hide = 1.0 if hw.overlap else 0.0
         if dp == 1:
             return 0.0, 0.0
+        if self.cp > 1:  # one flat all-reduce after the step's backward: nothing to hide behind
+            dp_time = 2 * (dp - 1) / dp * dp_bytes / link + hw.latency
+            return dp_time, dp_time
         if self.shard == 1:
             # a ring all-reduce, overlapped only with the last micro-batch's backward; one call
             # per 25 MB bucket (DDP's default), per parameter above 2 ranks (the reproducible
@@ -432,6 +527,7 @@ def estimate(
     dp_traffic = step.dp_bytes(numel)
     comm = {
         "tp": max(step.tp_bytes_on(r) for r in range(step.pp)),
+        "cp": max(step.cp_bytes_on(r) for r in range(step.pp)),
         "pp": max(step.pp_bytes_on(r) for r in range(step.pp)) if step.pp > 1 else 0,
         "dp": dp_traffic[0],
     }
@@ -455,8 +551,9 @@ def _timing(step: _Step, comm: dict, dp_traffic: tuple, memory: dict, numel: int
     compute = max(step.compute_on(r) for r in range(pp))
     layers_max = max(step.layers_on(r) for r in range(pp))
     tp_time, pp_time = step.micro_batch_seconds(comm, layers_max)
+    cp_time = step.cp_seconds(comm, layers_max, compute)
     bubble = bubble_fraction(step.candidate.schedule, pp, m, step.v)
-    pipeline = m * (compute + tp_time + pp_time) / (1 - bubble)
+    pipeline = m * (compute + tp_time + cp_time + pp_time) / (1 - bubble)
     tensors = max(step.params_on(r)[1] for r in range(pp))
     dp_time, dp_exposed = step.dp_seconds(dp_traffic, numel, tensors, compute)
     pp_runtime, optimizer_time = step.runtime_seconds(memory)
@@ -467,6 +564,7 @@ def _timing(step: _Step, comm: dict, dp_traffic: tuple, memory: dict, numel: int
         "in_flight_micro_batches": step.in_flight(0),
         "compute_s": m * compute,
         "tp_s": m * tp_time,
+        "cp_s": m * cp_time,
         "pp_s": m * pp_time,
         "dp_s": dp_time,
         "dp_exposed_s": dp_exposed,

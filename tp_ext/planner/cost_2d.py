@@ -266,7 +266,7 @@ def estimate_2d(
         raise ValueError(problem)
     step = _GridStep(config, candidate, seq_len, hardware, gpus_per_node)
     memory = step.memory()
-    comm = {"tp": step.tp_bytes(), "pp": 0, "dp": step.flat_gradients()}
+    comm = {"tp": step.tp_bytes(), "cp": 0, "pp": 0, "dp": step.flat_gradients()}
     detail = step.timing(comm, memory)
     numel = step.g.numel
     detail.update(parameters_per_rank=numel, parameters_by_pp_rank=[numel], busiest_pp_rank=0)

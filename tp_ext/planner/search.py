@@ -27,7 +27,7 @@ from tp_ext.validation import (
     read_mapping,
 )
 
-__all__ = ["plan", "parse_bytes"]
+__all__ = ["plan", "plan_layout", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1024,
           "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}  # fmt: skip
@@ -106,15 +106,19 @@ def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
 
 
 def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch,
-                grids: bool):  # fmt: skip
-    for dims in _dims(config, gpus, global_batch, grids):
+                grids: bool, cp: int = 1, cp_mode: str = "ring"):  # fmt: skip
+    for dims in _dims(config, gpus // cp, global_batch, grids and cp == 1):
+        if cp > 1:  # context parallelism runs with 1D TP, pp = 1 and DDP (no EP)
+            if dims.pp > 1 or dims.ep > 1 or dims.grid is not None:
+                continue
+            dims = dims.replace(cp=cp)
         per_replica = global_batch // dims.dp
         for mb in (1, 2, 4, 8) if micro_batch is None else (micro_batch,):
             m = per_replica // mb
             if per_replica % mb or (dims.pp > 1 and m < dims.pp):
                 continue  # torch's schedules need at least pp micro-batches
-            # EP and 2D grids synchronise DP by all-reduce (DDP), no FSDP2
-            plain = dims.grid is None and dims.ep == 1
+            # EP, CP and 2D grids synchronise DP by all-reduce (DDP), no FSDP2
+            plain = dims.grid is None and dims.ep == 1 and dims.cp == 1
             engines = ("ddp", "fsdp") if dims.dp > 1 and plain else ("ddp",)
             for schedule, v in _schedules(config, dims.pp, m):
                 for checkpointing in (False, True):
@@ -127,6 +131,7 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, m
                             activation_checkpointing=checkpointing,
                             data_parallel=engine,
                             dtype=dtype,
+                            cp_mode=cp_mode,
                         )
 
 
@@ -225,6 +230,8 @@ def plan(
     top: Optional[int] = 10,
     micro_batch: Optional[int] = None,
     grids: bool = True,
+    cp: int = 1,
+    cp_mode: str = "ring",
 ) -> list[Estimate]:
     """The candidates for training ``config`` (a Qwen2Config, or a config file's path) on
     ``gpus`` devices (``gpus_per_node`` per node, ``gpu_memory`` each: bytes or "80GiB"; default
@@ -232,12 +239,18 @@ def plan(
     candidates that fit ranked by estimated step time, then those that do not by how much they
     miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
     2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
-    (pp = 1, DDP). ``dtype``: the parameters' (None: a job file's ``parallel.dtype``, float32
-    when it names none, as the job trains; a Hugging Face config's ``torch_dtype``; else
-    bfloat16)."""
+    (pp = 1, DDP). ``cp``: the context-parallel degree every candidate takes (``gpus`` split
+    into tp x cp x dp; pp = 1, no grids), its attention by ``cp_mode``. ``dtype``: the
+    parameters' (None: a job file's ``parallel.dtype``, float32 when it names none, as the job
+    trains; a Hugging Face config's ``torch_dtype``; else bfloat16)."""
     config, dtype = _model_config(config, dtype)
     for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
         check_int(name, value)
+    check_int("cp", cp)
+    if gpus % cp:
+        raise ValueError(f"cp={cp} does not divide gpus={gpus}: use a divisor of {gpus}")
+    if cp_mode not in ("ring", "all_to_all"):
+        raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     gpus_per_node = _check_nodes(gpus, gpus_per_node)
     if micro_batch is not None:
@@ -258,7 +271,9 @@ def plan(
             gpu_memory=memory,
             gpus_per_node=gpus_per_node,
         )
-        for candidate in _candidates(config, gpus, global_batch, dtype, micro_batch, grids)
+        for candidate in _candidates(
+            config, gpus, global_batch, dtype, micro_batch, grids, cp, cp_mode
+        )
     ]
     if not estimates:
         raise ValueError(
@@ -268,6 +283,48 @@ def plan(
         )
     ranked = _ranked(estimates, gpus_per_node)
     return ranked[:top] if top else ranked
+
+
+def plan_layout(
+    config: Union[Qwen2Config, str, os.PathLike],
+    dims: ParallelDims,
+    seq_len: int,
+    hardware: Union[str, Hardware] = "h100",
+    gpu_memory: Union[str, int, None] = None,
+    dtype: Optional[str] = None,
+    cp_mode: str = "ring",
+    micro_batch: int = 1,
+) -> list[Estimate]:
+    """What one given layout costs (``dims`` resolved: tp, cp, pp, dp), for a step of one
+    micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per DP rank: its estimates
+    without and with activation checkpointing (``fits`` against ``gpu_memory``, default the
+    hardware's). What ``tp-ext plan --cp C --seq-len N`` prints, beside the same at cp = 1."""
+    config, dtype = _model_config(config, dtype)
+    check_int("seq_len", seq_len)
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={seq_len} is above the model's max_position_embeddings="
+            f"{config.max_position_embeddings}"
+        )
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    memory = parse_bytes(gpu_memory) if gpu_memory is not None else hw.memory
+    return [
+        estimate(
+            config,
+            Candidate(
+                dims,
+                micro_batch,
+                1,
+                activation_checkpointing=checkpointing,
+                dtype=dtype,
+                cp_mode=cp_mode,
+            ),
+            seq_len=seq_len,
+            hardware=hw,
+            gpu_memory=memory,
+        )
+        for checkpointing in (False, True)
+    ]
 
 
 def _model_config(config, dtype: Optional[str]) -> tuple:
