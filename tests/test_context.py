@@ -309,6 +309,31 @@ def test_native_qwen2_under_context_parallelism_equals_one_process(tp, cp, recom
     assert sorted(p for positions in held[::tp] for p in positions) == list(range(SEQ))
 
 
+def _pipelined_logits_under_cp(pp, cp, mode):
+    """The native Qwen2 at (pp, cp): model(ids) (inference through the stages) gives every rank
+    of a pipeline the logits of its CP positions, equal to the one-process model's there."""
+    from tp_ext.distributed import ResolvedGroup
+    from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config.from_dict({**_TINY, "num_hidden_layers": 4})
+    state = tp_ext.init_parallel(tp=1, cp=cp, pp=pp)
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64, cp_mode=mode)
+    torch.manual_seed(3)
+    reference = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local(), dtype=torch.float64)
+    ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mine = tp_ext.cp_positions(SEQ, parallel=state)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids)[:, mine], rtol=1e-9, atol=1e-9)
+    return mine.tolist()
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_pipelined_inference_under_context_parallelism_equals_one_process(mode):
+    held = run_distributed(_pipelined_logits_under_cp, 4, 2, 2, mode)
+    assert sorted(held[0] + held[1]) == list(range(SEQ))  # ranks (pp, cp) = (0, 0), (0, 1)
+
+
 def _cp_refusals():
     from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -332,7 +357,7 @@ def test_what_context_parallelism_does_not_do_yet_is_refused_by_name():
     assert "generate: context parallelism (cp=2) does not decode yet" in errors[1]
 
 
-def _train_under_cp(tp, cp, dp):
+def _train_under_cp(tp, cp, dp, pp=1, schedule="1F1B"):
     """Three AdamW steps of the native Qwen2 at (tp, cp, dp), each DP replica its own
     micro-batches (full sequences on every CP rank), against one process training on all of
     them: the same losses each step and the same weights after."""
@@ -340,17 +365,18 @@ def _train_under_cp(tp, cp, dp):
     from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
     from tp_ext.training import Trainer
 
-    config = Qwen2Config.from_dict(_TINY)
-    state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp)
+    config = Qwen2Config.from_dict({**_TINY, "num_hidden_layers": 4 if pp > 1 else 2})
+    state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp, pp=pp)
     torch.manual_seed(3)
-    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64)
+    virtual = 2 if schedule == "Interleaved1F1B" else 1
+    model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64, virtual_stages=virtual)
     torch.manual_seed(3)
     reference = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local(), dtype=torch.float64)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
-    trainer = Trainer(model, optimizer=adamw, parallel=state, max_grad_norm=1.0)
+    trainer = Trainer(model, optimizer=adamw, parallel=state, max_grad_norm=1.0, schedule=schedule)
     ref_trainer = Trainer(reference, optimizer=adamw, max_grad_norm=1.0)
     assert trainer.dp_group.size == dp  # the data's replicas; the CP ranks of one share batches
     gen = torch.Generator().manual_seed(5)
@@ -361,16 +387,32 @@ def _train_under_cp(tp, cp, dp):
         ]
         mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
         losses.append((trainer.step(mine), ref_trainer.step(batches)))
-    full = model.full_state_dict()
-    for name, tensor in reference.state_dict().items():
-        err = (full[name] - tensor).abs().max().item() / tensor.abs().max().item()
+    full = model.full_state_dict()  # under pipelining: this rank's stages'
+    assert full and set(full) <= set(reference.state_dict())
+    for name, tensor in full.items():
+        want = reference.state_dict()[name]
+        err = (tensor - want).abs().max().item() / want.abs().max().item()
         assert err < 1e-6, (name, err)
     return losses
 
 
-@pytest.mark.parametrize("tp, cp, dp", [(1, 2, 1), (1, 3, 1), (1, 2, 2), (2, 2, 1)])
-def test_trainer_under_context_parallelism_trains_like_one_process(tp, cp, dp):
-    for losses in run_distributed(_train_under_cp, tp * cp * dp, tp, cp, dp, timeout=300):
+@pytest.mark.parametrize(
+    "tp, cp, dp, pp, schedule",
+    [
+        (1, 2, 1, 1, "1F1B"),
+        (1, 3, 1, 1, "1F1B"),
+        (1, 2, 2, 1, "1F1B"),
+        (2, 2, 1, 1, "1F1B"),
+        (1, 2, 1, 2, "1F1B"),  # context parallelism inside pipeline stages
+        pytest.param(1, 2, 1, 2, "GPipe", marks=pytest.mark.full_matrix),
+        pytest.param(2, 2, 1, 2, "1F1B", marks=pytest.mark.full_matrix),
+        pytest.param(1, 2, 2, 2, "Interleaved1F1B", marks=pytest.mark.full_matrix),
+    ],
+)
+def test_trainer_under_context_parallelism_trains_like_one_process(tp, cp, dp, pp, schedule):
+    world = tp * cp * dp * pp
+    runs = run_distributed(_train_under_cp, world, tp, cp, dp, pp, schedule, timeout=300)
+    for losses in runs:
         for got, want in losses:
             # the Trainer sums the loss in fp32 (the one-process run) or fp64 (the all-reduce)
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)

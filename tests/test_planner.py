@@ -277,6 +277,7 @@ CANDIDATES = [
     pytest.param(_candidate(1, 1, 1, 2, cp=2), id="cp2-ring"),
     pytest.param(_candidate(2, 1, 1, 1, cp=2, mode="all_to_all", recompute=True), id="tp2-cp2-a2a"),
     pytest.param(_candidate(1, 1, 1, 1, cp=3), marks=pytest.mark.full_matrix, id="cp3-uneven"),
+    pytest.param(_candidate(1, 2, 1, 4, cp=2), id="pp2-cp2"),
     pytest.param(_candidate(1, 1, 2, 2, cp=2), marks=pytest.mark.full_matrix, id="cp2-dp2"),
     pytest.param(
         _candidate(1, 1, 1, 2, cp=2, mode="all_to_all"), marks=pytest.mark.full_matrix, id="cp2-a2a"

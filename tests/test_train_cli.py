@@ -484,6 +484,20 @@ def test_context_parallel_training_matches_one_rank(tmp_path, tokens, capsys):
         assert split[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0)
 
 
+@pytest.mark.full_matrix
+def test_context_parallel_inside_pipeline_stages_matches_one_rank(tmp_path, tokens, capsys):
+    """`tp-ext train --pp 2 --cp 2` (4 ranks): each stage's layers on its CP rank's positions;
+    the losses of one rank."""
+    flags = ["--data", tokens, "--seq-len", "30"]
+    one = tmp_path / "one"
+    assert _train_here(capsys, *flags, "--steps", "2", "--checkpoint-dir", str(one))[0] == 0
+    _train(4, tokens, tmp_path / "ppcp", 2, "--seq-len", "30", "--tp", "1", "--pp", "2",
+           "--cp", "2")  # fmt: skip
+    single, split = _metrics(one), _metrics(tmp_path / "ppcp")
+    for step in (1, 2):
+        assert split[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0)
+
+
 # `make test-all` only: a 4-rank run of 32,768-token sequences, about 90 s on 2 cores
 @pytest.mark.full_matrix
 def test_long_sequences_train_over_four_context_parallel_ranks(tmp_path, tokens):

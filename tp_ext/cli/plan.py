@@ -212,12 +212,8 @@ def _auto_plan(args) -> int:
 
 def _context_plan(args) -> int:
     """``--cp C`` without ``--auto``: what a training step of one ``--seq-len`` sequence per DP
-    rank needs per rank at the layout given (tp, dp; pp = 1) with cp = C and with cp = 1, with
-    and without activation checkpointing, against the device's memory."""
-    if (args.pp or 1) > 1 or (args.ep or 1) > 1:
-        return refuse(
-            "plan", f"argument --cp: cp={args.cp} is planned with pp=1 and ep=1 (what it runs)"
-        )
+    rank needs per rank at the layout given (tp, pp, dp) with cp = C and with cp = 1, with and
+    without activation checkpointing, against the device's memory."""
     if args.model is not None:
         model, dtype = args.model, args.dtype
         tp = args.tp or 1
@@ -230,7 +226,7 @@ def _context_plan(args) -> int:
     rows = []
     try:
         for cp in (1, args.cp):
-            dims = ParallelDims(tp=tp, cp=cp, dp=dp)
+            dims = ParallelDims(tp=tp, cp=cp, dp=dp, pp=args.pp or 1, ep=args.ep or 1)
             rows += plan_layout(
                 model,
                 dims,

@@ -589,7 +589,7 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
     batch, seq = input_ids.shape
     param = next(model.parameters())
     local = seq
-    if hasattr(model, "local_sequence"):  # a sequence-parallel stage sends its shard
+    if hasattr(model, "local_sequence"):  # a sequence- or context-parallel stage: its rows
         model.sequence_length = seq
         local = model.local_sequence(seq)
     try:
@@ -601,8 +601,9 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
     if me == owner and not local_logits:
         h = gather_logits(h)
     vocab = model.config.vocab_size if not local_logits else model.local_vocab_size
-    if me != owner:
-        h = torch.empty(batch, seq, vocab, device=input_ids.device, dtype=param.dtype)
+    if me != owner:  # context parallelism: the logits of this rank's positions
+        rows = local if getattr(model, "cp_group", None) is not None else seq
+        h = torch.empty(batch, rows, vocab, device=input_ids.device, dtype=param.dtype)
     h = h.contiguous()
     dist.broadcast(h, dist.get_global_rank(group, owner), group=group)
     return h

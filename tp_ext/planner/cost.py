@@ -108,7 +108,7 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     if dims.grid is None:
         config.check_tp(dims.tp)
     if dims.cp > 1:
-        _check_context_parallel(candidate)
+        _check_context_parallel(config, candidate)
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
             f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "
@@ -116,17 +116,20 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
         )
 
 
-def _check_context_parallel(candidate: Candidate) -> None:
-    """What the Trainer runs with cp > 1 (and so what the planner costs)."""
+def _check_context_parallel(config, candidate: Candidate) -> None:
+    """What the Trainer runs with cp > 1 (and so what the planner costs): pipelining only for
+    tp_ext's own Qwen2."""
     dims, why = candidate.dims, None
-    if dims.grid is not None or dims.pp > 1 or dims.ep > 1:
-        why = "a 2D grid, pipelining or expert parallelism"
+    if dims.grid is not None or dims.ep > 1:
+        why = "a 2D grid or expert parallelism"
+    elif dims.pp > 1 and isinstance(config, HFModel):
+        why = "pipelining of a Hugging Face model"
     elif candidate.data_parallel != "ddp":
         why = f"data_parallel={candidate.data_parallel!r} (its gradients are all-reduced)"
     if why is not None:
         raise ValueError(
             f"estimate: cp={dims.cp} with {why} is not supported; context parallelism runs "
-            "with 1D TP, pp=1 and DDP-style data parallelism"
+            "with 1D TP and DDP-style data parallelism (pipelining: tp_ext's Qwen2)"
         )
 
 
@@ -384,8 +387,9 @@ class _Step:
         if self.shard == 1:
             # one all-reduce of every gradient, in the last micro-batch's backward (no_sync
             # before): DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2); with
-            # cp, one flat all-reduce over DP x CP after the step, the loss and token count with it
-            extra = 2 * (8 if self.e == 8 else 4) if self.cp > 1 else 0
+            # cp, one flat all-reduce over DP x CP after the step (at pp = 1 the loss and the
+            # token count with it)
+            extra = 2 * (8 if self.e == 8 else 4) if self.cp > 1 and self.pp == 1 else 0
             return numel * self.e + extra, 0, 0
         gathered, scattered = max((self.fsdp_bytes_on(r) for r in range(self.pp)), key=sum)
         return gathered + scattered, gathered, scattered

@@ -74,11 +74,11 @@ def _combine(a: torch.Tensor, b: torch.Tensor, p: float) -> torch.Tensor:
 def parallel_grad_norm(
     model: nn.Module, parallel, data_parallel: Optional[str], norm_type: float = 2.0
 ) -> torch.Tensor:
-    """:func:`grad_norm` of a model built with ``parallel=`` (TP x PP x DP): every stage's
+    """:func:`grad_norm` of a model built with ``parallel=`` (TP x CP x PP x DP): every stage's
     gradients, TP shards counted once, a tied embedding's two copies once, DDP replicas not
-    added (only DP rank 0's count), FSDP2's DP shards each once, each expert once (on the
-    first rank of the ranks holding it). One all-reduce over all ranks; every rank gets the
-    same norm."""
+    added (only DP rank 0's count; CP ranks likewise), FSDP2's DP shards each once, each expert
+    once (on the first rank of the ranks holding it). One all-reduce over all ranks; every rank
+    gets the same norm."""
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, parallel.tp_group)
     skip = set()
@@ -87,8 +87,12 @@ def parallel_grad_norm(
         skip = {id(model.tied_weights()[-1])}  # the tied head's copy; the embedding's counts
     experts = {id(q) for q in expert_parameters(model)[0]}
     replicated_dp = data_parallel != "fsdp" and parallel.dp > 1
-    if replicated_dp and parallel.dp_rank != 0 and p != math.inf:
-        local = torch.zeros((), device=parallel.device)
+    # context parallelism's ranks hold the same gradients after the step's sum: CP rank 0 counts
+    cp_copy = getattr(parallel, "cp", 1) > 1 and parallel.cp_rank != 0
+    if ((replicated_dp and parallel.dp_rank != 0) or cp_copy) and p != math.inf:
+        # in the dtype the counting ranks sum in (fp64 for fp64 gradients), for one all-reduce
+        wide = any(q.dtype == torch.float64 for q in model.parameters())
+        local = torch.zeros((), device=parallel.device, dtype=torch.float64 if wide else None)
     else:
         dp_shards = parallel if not replicated_dp else None
         local = _local_norm_power(model, tp, p, skip | experts, dp_shards)

@@ -184,15 +184,16 @@ class ContextParallelLoss(VocabParallelLoss):
         self.cp, self.logits = cp_group, logits
 
     def __call__(self, model, ids, labels) -> torch.Tensor:
-        order = cp_positions(ids.size(1), group=self.cp).to(ids.device)
+        return self.summed(self.logits(model, ids), labels)
+
+    def summed(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of this rank's token losses (also the pipeline's last stage's loss):
+        ``local_logits`` at this rank's positions, ``labels`` of the whole sequence."""
+        order = cp_positions(labels.size(1), group=self.cp).to(labels.device)
         none = labels.new_full((labels.size(0), 1), self.ignore_index)
         targets = torch.cat([labels[:, 1:], none], 1)[:, order]
         return vocab_parallel_cross_entropy(
-            self.logits(model, ids),
-            targets,
-            tp_group=self.tp,
-            ignore_index=self.ignore_index,
-            reduction="sum",
+            local_logits, targets, tp_group=self.tp, ignore_index=self.ignore_index, reduction="sum"
         )
 
 
@@ -449,6 +450,29 @@ class ExpertPipelineStep(PipelineStep):
         )
 
 
+class ContextPipelineStep(PipelineStep):
+    """Context parallelism inside pipeline stages: each CP rank's last stage scores its
+    positions; the stages run unwrapped, each micro-batch's loss divided by the global token
+    count, and after the schedule one all-reduce over DP x CP sums the gradients (the CP ranks'
+    shares and the replicas')."""
+
+    form = "context_pipeline"
+
+    def __init__(self, model, loss, parallel, runner) -> None:
+        super().__init__(model, loss, parallel, runner, None, None)
+        self.dp_cp_group = comm.resolve_group(parallel.dp_cp_group)
+
+    def _loss_denominator(self, count: torch.Tensor) -> torch.Tensor:
+        return count.clamp_min(1)
+
+    @torch.no_grad()
+    def _synchronise_after_schedule(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with comm.tag("train.dp_sync"):
+            flat = comm.all_reduce(_flat_grads(params, []), "sum", group=self.dp_cp_group)
+        _set_grads(params, flat)
+
+
 class ContextStep(LocalStep):
     """Context parallelism: every CP rank runs the whole micro-batches on its positions (ring
     attention inside the model); its summed loss is its positions' share. One all-reduce over
@@ -498,7 +522,7 @@ def build_step(
         return LocalStep(model, choose_loss(model, tp, ignore_index), tp, dp, None)
     if getattr(parallel, "cp", 1) > 1:
         return _context_step(
-            model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
+            model, parallel, schedule, data_parallel, dp_group, tp_group, compression, ignore_index
         )
     experts = any(isinstance(m, ExpertParallelMoE) for m in model.modules())
     if experts and parallel.pp == 1:
@@ -595,8 +619,8 @@ def _expert_step(
 
 
 def _context_step(
-    model, parallel, data_parallel, dp_group, tp_group, compression, ignore_index
-) -> ContextStep:
+    model, parallel, schedule, data_parallel, dp_group, tp_group, compression, ignore_index
+) -> StepStrategy:
     _check_built_with(model, parallel, dp_group, tp_group)
     if getattr(model, "cp_group", None) is None:
         raise ValueError(
@@ -612,6 +636,10 @@ def _context_step(
         )
     tp = comm.resolve_group(parallel.tp_group)
     cp = comm.resolve_group(parallel.cp_group)
+    if parallel.pp > 1:
+        loss = ContextParallelLoss(tp, cp, ignore_index, None)  # on the last stage's logits
+        runner = PipelineRunner(model, schedule, stages=replicate_stages(model, None))
+        return ContextPipelineStep(model, loss, parallel, runner)
     if isinstance(model, StagedCausalLM):  # a Hugging Face model's one stage (trainable_model)
         logits = _stage_logits
     else:

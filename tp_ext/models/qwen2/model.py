@@ -199,17 +199,15 @@ class Qwen2ForCausalLM(ParallelModule):
     def _use_context_parallel(self, parallel, cp_mode: str) -> None:
         """Every attention runs over the CP group, as a ring or by all-to-all
         (tp_ext.layers.context)."""
-        if self.is_pipelined:
-            raise ValueError(
-                f"Qwen2ForCausalLM: cp={parallel.cp} with pp={parallel.pp} is not supported yet; "
-                "use pp=1 with context parallelism"
-            )
         if self.config.attention_dropout > 0:
             raise ValueError(
                 "Qwen2ForCausalLM: attention dropout under context parallelism is not supported "
                 "yet; set attention_dropout=0 in the config"
             )
         self.cp_group = resolve_group(parallel.cp_group)
+        # the whole sequence's length, which a stage after the first (its input this rank's
+        # positions' hidden states) cannot see: set by whoever runs the stages
+        self.sequence_length = None
         for i in self.model.layers.indices():
             attn = self.model.layers[i].self_attn
             attn.cp, attn.cp_mode = self.cp_group, cp_mode
@@ -217,6 +215,13 @@ class Qwen2ForCausalLM(ParallelModule):
     @property
     def is_pipelined(self) -> bool:
         return self.stage_split.pp > 1
+
+    def local_sequence(self, length: int) -> int:
+        """The positions of a ``length``-token sequence this rank's stages compute and send on:
+        its CP positions (all of them without context parallelism)."""
+        if self.cp_group is None:
+            return length
+        return len(cp_positions(length, group=self.cp_group))
 
     def tied_weights(self) -> list[torch.Tensor]:
         """The copies of a tied embedding this rank holds under pipelining: the embedding's on
@@ -364,9 +369,16 @@ class Qwen2ForCausalLM(ParallelModule):
             )
         positions, seq_len = None, None
         if self.cp_group is not None:  # this CP rank's positions of the whole sequence
-            seq_len = x.size(1)
+            seq_len = x.size(1) if stage == 0 else self.sequence_length
+            if seq_len is None:
+                raise RuntimeError(
+                    f"stage {stage} under context parallelism needs the whole sequence's "
+                    "length: set model.sequence_length (tp_ext's pipeline runner does)"
+                )
             order = cp_positions(seq_len, group=self.cp_group).to(x.device)
-            x, positions = x[:, order], order.unsqueeze(0)
+            positions = order.unsqueeze(0)
+            if stage == 0:  # token ids of the whole sequence in; later stages get our rows
+                x = x[:, order]
         if stage == 0:
             x = self.model.embed_tokens(x)
         for i in layout.layers_of(stage):
