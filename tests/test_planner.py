@@ -525,3 +525,18 @@ def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
         status, _, err = tp_ext_here(*command, "--auto", "--tp", 2)
         assert status == 2, err
         assert "--auto chooses the layout itself; drop --tp" in err
+
+
+def test_estimate_refuses_what_context_parallelism_does_not_run():
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate, estimate, load_hardware
+
+    hw = load_hardware("h100")
+    for dims, engine, message in (
+        (ParallelDims(tp=(2, 2), cp=2, dp=1), "ddp", "cp=2 with a 2D grid or expert parallelism"),
+        (ParallelDims(tp=1, cp=2, dp=2), "fsdp", "cp=2 with data_parallel='fsdp'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            estimate(
+                _config(), Candidate(dims, 1, 1, data_parallel=engine), seq_len=SEQ, hardware=hw
+            )

@@ -304,6 +304,17 @@ def test_context_parallel_trains_a_transformers_model_like_one_rank(tmp_path, to
     _same_run(tmp_path / "one", tmp_path / "cp", 2)
 
 
+@pytest.mark.full_matrix
+def test_context_parallel_inside_pipeline_stages_trains_like_one_rank(tmp_path, tokens):
+    """`tp-ext train --model DIR --pp 2 --cp 2` (4 ranks, ring): the losses and export of one."""
+    model = _model_dir(tmp_path, weights=False)
+    run = ["--model", model, "--data", tokens, "--steps", "2", "--seq-len", "30"]
+    _train_here(*run, "--checkpoint-dir", tmp_path / "one")
+    flags = ["--tp", "1", "--pp", "2", "--cp", "2"]
+    _torchrun(4, *run, "--checkpoint-dir", tmp_path / "ppcp", *flags)
+    _same_run(tmp_path / "one", tmp_path / "ppcp", 2)
+
+
 def test_context_parallel_refuses_other_architectures_by_name(tmp_path, tokens, monkeypatch):
     """Checked before any process group starts (WORLD_SIZE as torchrun would set it)."""
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -43,11 +43,6 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str, sequence_pa
         )
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
-    if parallel.pp > 1:
-        raise ValueError(
-            f"parallelize: cp={cp} with pp={parallel.pp} is not supported yet for Hugging Face "
-            "models; use pp=1 with context parallelism"
-        )
     if sequence_parallel:
         raise ValueError(
             f"parallelize: cp={cp} with sequence_parallel=True is not supported yet; context "
@@ -69,8 +64,13 @@ def use_context_parallel(model: nn.Module, parallel, cp_mode: str, attentions) -
     for attention in attentions:
         attention.cp_attention = (group, cp_mode)
     model.config._attn_implementation = ATTENTION
-    model.register_forward_pre_hook(_PositionsOfThisRank(model, group), with_kwargs=True)
+    # on the decoder itself (pipeline stages before the last call it, not the causal LM)
+    base = getattr(model, model.base_model_prefix)
+    positions = _PositionsOfThisRank(base, group)
+    base.register_forward_pre_hook(positions, with_kwargs=True)
+    model.register_forward_pre_hook(_refuse_causal_lm_arguments, with_kwargs=True)
     model.cp_group = group  # what the Trainer looks for, as on the native Qwen2
+    model.cp_positions_hook = positions  # pipeline stages after the first tell it the length
     return (
         f"context parallel over {group.size} ranks ({cp_mode}): this rank's positions "
         f"{group.rank} and {2 * group.size - 1 - group.rank} of {2 * group.size} chunks"
@@ -116,29 +116,59 @@ def _context_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _call_arguments(signature: inspect.Signature, args, kwargs) -> dict:
+    """A forward call's arguments by name (its ``**kwargs`` merged in)."""
+    call = dict(signature.bind_partial(*args, **kwargs).arguments)
+    for name, p in signature.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(call.pop(name, {}))
+    return call
+
+
+def _refuse_causal_lm_arguments(model, args, kwargs):
+    """The causal LM's forward pre-hook: what its own forward would do wrong under CP."""
+    call = _call_arguments(inspect.signature(model.forward), args, kwargs)
+    if call.get("past_key_values") is not None or call.get("use_cache"):
+        raise ValueError(
+            "context parallelism: past_key_values= / use_cache=True are not supported: "
+            "generation under context parallelism is not supported yet"
+        )
+    if call.get("labels") is not None:
+        raise ValueError(
+            "context parallelism: labels= is not supported: the loss spans the CP ranks: score "
+            "the returned logits (this rank's positions, tp_ext.cp_positions order) or train "
+            "with tp_ext.training.Trainer"
+        )
+    keep = call.get("logits_to_keep", 0)
+    if not (isinstance(keep, int) and keep == 0):
+        raise ValueError(
+            f"context parallelism: logits_to_keep={keep!r} is not supported; every rank "
+            "returns the logits of its own positions"
+        )
+
+
 class _PositionsOfThisRank:
-    """The model's forward pre-hook: the whole sequence in, this rank's positions on."""
+    """The decoder's forward pre-hook: the whole sequence in, this rank's positions on.
+    ``whole_length``: set while a pipeline stage after the first runs (its input already holds
+    this rank's positions; the stages runner knows the whole sequence's length)."""
 
-    def __init__(self, model: nn.Module, group) -> None:
+    def __init__(self, base: nn.Module, group) -> None:
         self.group = group
-        self.signature = inspect.signature(model.forward)
+        self.signature = inspect.signature(base.forward)
+        self.whole_length = None
 
-    def __call__(self, model, args, kwargs):
-        bound = self.signature.bind_partial(*args, **kwargs)
-        call = dict(bound.arguments)
-        for name, p in self.signature.parameters.items():
-            if p.kind is inspect.Parameter.VAR_KEYWORD:
-                call.update(call.pop(name, {}))
+    def __call__(self, base, args, kwargs):
+        call = _call_arguments(self.signature, args, kwargs)
         self._refuse(call)
         tokens = call.get("input_ids")
         if tokens is None:
             tokens = call.get("inputs_embeds")
         if tokens is None:
             raise ValueError("context parallelism: pass input_ids (or inputs_embeds)")
-        seq_len = tokens.size(1)
+        seq_len = tokens.size(1) if self.whole_length is None else self.whole_length
         mine = cp_positions(seq_len, group=self.group).to(tokens.device)
         for name in ("input_ids", "inputs_embeds"):
-            if call.get(name) is not None:
+            if call.get(name) is not None and self.whole_length is None:
                 call[name] = call[name][:, mine]
         given = call.get("position_ids")
         call["position_ids"] = (
@@ -151,8 +181,6 @@ class _PositionsOfThisRank:
 
     def _refuse(self, call: dict) -> None:
         for name, why in (
-            ("labels", "the loss spans the CP ranks: score the returned logits (this rank's "
-             "positions, tp_ext.cp_positions order) or train with tp_ext.training.Trainer"),
             ("past_key_values", "generation under context parallelism is not supported yet"),
             ("cache_position", "generation under context parallelism is not supported yet"),
         ):  # fmt: skip
@@ -168,10 +196,4 @@ class _PositionsOfThisRank:
             raise ValueError(
                 "context parallelism: attention_mask with padding (zeros) or of shape "
                 f"{tuple(mask.shape)} is not supported yet; pass unpadded sequences"
-            )
-        keep = call.get("logits_to_keep", 0)
-        if not (isinstance(keep, int) and keep == 0):
-            raise ValueError(
-                f"context parallelism: logits_to_keep={keep!r} is not supported; every rank "
-                "returns the logits of its own positions"
             )

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
+from tp_ext.layers.context import cp_positions
 from tp_ext.layers.moe import expert_count, experts_per_token
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.sharding import (
@@ -394,7 +395,10 @@ class StagedCausalLM(nn.Module):
 
     def local_sequence(self, length: int) -> int:
         """The sequence length of the hidden states a stage sends for ``length`` tokens: this
-        TP rank's shard under sequence parallelism, else all of them."""
+        TP rank's shard under sequence parallelism, this CP rank's positions under context
+        parallelism, else all of them."""
+        if self.cp_group is not None:
+            return len(cp_positions(length, group=self.cp_group))
         if not self.sequence_parallel:
             return length
         return shard_sizes(length, self.parallel.tp)[self.parallel.tp_rank]
@@ -446,7 +450,7 @@ class StagedCausalLM(nn.Module):
             )
         # a later stage's zero input only carries the shape (see the module's docstring)
         inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": self._zero_input(x)}
-        with self._running(stage, None if stage == 0 else x):
+        with self._running(stage, None if stage == 0 else x), self._context_positions(stage):
             if stage == self.stage_split.last_stage:
                 out = self.hf_model(**inputs, use_cache=False).logits
             else:
@@ -481,6 +485,25 @@ class StagedCausalLM(nn.Module):
         self._sequence_shards.sizes = uneven_sizes(shard_sizes(length, self.parallel.tp))
         shape = (*received.shape[:-2], length, received.size(-1))
         return received.new_zeros(shape)
+
+    @contextlib.contextmanager
+    def _context_positions(self, stage: int):
+        """Under context parallelism a stage after the first receives this rank's positions
+        already: the decoder's hook is told the whole sequence's length instead of cutting."""
+        hook = getattr(self.hf_model, "cp_positions_hook", None)
+        if hook is None or stage == 0:
+            yield
+            return
+        if self.sequence_length is None:
+            raise RuntimeError(
+                f"stage {stage} under context parallelism needs the whole sequence's length: set "
+                "the stages' sequence_length (tp_ext's pipeline runner and forward do)"
+            )
+        hook.whole_length = self.sequence_length
+        try:
+            yield
+        finally:
+            hook.whole_length = None
 
     @contextlib.contextmanager
     def _running(self, stage: int, received: Optional[torch.Tensor]):

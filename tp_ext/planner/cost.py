@@ -108,7 +108,7 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     if dims.grid is None:
         config.check_tp(dims.tp)
     if dims.cp > 1:
-        _check_context_parallel(config, candidate)
+        _check_context_parallel(candidate)
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
             f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "
@@ -116,20 +116,17 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
         )
 
 
-def _check_context_parallel(config, candidate: Candidate) -> None:
-    """What the Trainer runs with cp > 1 (and so what the planner costs): pipelining only for
-    tp_ext's own Qwen2."""
+def _check_context_parallel(candidate: Candidate) -> None:
+    """What the Trainer runs with cp > 1 (and so what the planner costs)."""
     dims, why = candidate.dims, None
     if dims.grid is not None or dims.ep > 1:
         why = "a 2D grid or expert parallelism"
-    elif dims.pp > 1 and isinstance(config, HFModel):
-        why = "pipelining of a Hugging Face model"
     elif candidate.data_parallel != "ddp":
         why = f"data_parallel={candidate.data_parallel!r} (its gradients are all-reduced)"
     if why is not None:
         raise ValueError(
             f"estimate: cp={dims.cp} with {why} is not supported; context parallelism runs "
-            "with 1D TP and DDP-style data parallelism (pipelining: tp_ext's Qwen2)"
+            "with 1D TP, pipelining and DDP-style data parallelism"
         )
 
 

@@ -108,12 +108,8 @@ def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
 def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch,
                 grids: bool, cp: int = 1, cp_mode: str = "ring"):  # fmt: skip
     for dims in _dims(config, gpus // cp, global_batch, grids and cp == 1):
-        if cp > 1:  # context parallelism runs with 1D TP and DDP (no EP; pipelining: native)
-            if (
-                dims.ep > 1
-                or dims.grid is not None
-                or (dims.pp > 1 and isinstance(config, HFModel))
-            ):
+        if cp > 1:  # context parallelism runs with 1D TP, pipelining and DDP (no EP)
+            if dims.ep > 1 or dims.grid is not None:
                 continue
             dims = dims.replace(cp=cp)
         per_replica = global_batch // dims.dp
@@ -244,8 +240,7 @@ def plan(
     miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
     2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
     (pp = 1, DDP). ``cp``: the context-parallel degree every candidate takes (``gpus`` split
-    into tp x cp x pp x dp; no grids, pp = 1 for a Hugging Face model), its attention by
-    ``cp_mode``. ``dtype``: the
+    into tp x cp x pp x dp; no grids), its attention by ``cp_mode``. ``dtype``: the
     parameters' (None: a job file's ``parallel.dtype``, float32 when it names none, as the job
     trains; a Hugging Face config's ``torch_dtype``; else bfloat16)."""
     config, dtype = _model_config(config, dtype)
