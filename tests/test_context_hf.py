@@ -55,13 +55,18 @@ def _ids(batch=2, seed=1):
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _check_exact(arch, tp, cp, mode):
+def _check_exact(arch, tp, cp, mode, sp=False):
     import torch.distributed as dist
 
     reference = _reference(arch)
     state = tp_ext.init_parallel(tp=tp, cp=cp)
     model, report = tp_ext.parallelize(
-        copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode, return_report=True
+        copy.deepcopy(reference),
+        "auto",
+        parallel=state,
+        cp_mode=mode,
+        sequence_parallel=sp,
+        return_report=True,
     )
     assert report[""].startswith(f"context parallel over {cp} ranks ({mode})"), report[""]
     assert model.cp_group.size == cp
@@ -111,14 +116,23 @@ def test_hugging_face_decoders_under_context_parallelism_are_exact(arch, tp, cp,
     assert sorted(p for positions in held[::tp] for p in positions) == list(range(SEQ))
 
 
-def _train(arch, tp, cp, dp, mode, pp=1):
+@pytest.mark.parametrize("arch, mode", [("llama", "ring"), ("qwen3", "all_to_all")])
+def test_sequence_parallelism_composes_with_context_parallelism(arch, mode):
+    """tp2 x cp2 with sequence parallelism: each TP rank's share of its CP positions between
+    the norms, the same logits and gradients."""
+    run_distributed(_check_exact, 4, arch, 2, 2, mode, True, timeout=300)
+
+
+def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
     """Three SGD steps at (tp, cp, dp), each DP replica its own micro-batches (whole sequences
     on every CP rank), against one process training the unsharded model on all of them."""
     from tp_ext.training import Trainer
 
     reference = _reference(arch)
     state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp, pp=pp)
-    model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode)
+    model = tp_ext.parallelize(
+        copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode, sequence_parallel=sp
+    )
 
     # SGD, not Adam: the norms compute fp64 in fp32 (as Hugging Face's do), so a gradient entry
     # near zero can differ in its fp32 rounding, which Adam's division by sqrt(v) would blow up
@@ -143,17 +157,19 @@ def _train(arch, tp, cp, dp, mode, pp=1):
 
 
 @pytest.mark.parametrize(
-    "arch, tp, cp, dp, mode, pp",
+    "arch, tp, cp, dp, mode, pp, sp",
     [
-        ("llama", 1, 2, 1, "ring", 1),
-        ("qwen3", 1, 3, 1, "all_to_all", 1),
-        ("qwen2", 1, 2, 2, "ring", 1),
-        ("mistral", 2, 2, 1, "all_to_all", 1),
-        ("llama", 1, 2, 1, "ring", 2),  # inside pipeline stages
-        pytest.param("llama", 2, 2, 2, "ring", 1, marks=pytest.mark.full_matrix),
-        pytest.param("qwen3", 2, 2, 2, "all_to_all", 1, marks=pytest.mark.full_matrix),
-        pytest.param("qwen3", 1, 2, 1, "all_to_all", 2, marks=pytest.mark.full_matrix),
-        pytest.param("mistral", 2, 2, 1, "ring", 2, marks=pytest.mark.full_matrix),
+        ("llama", 1, 2, 1, "ring", 1, False),
+        ("qwen3", 1, 3, 1, "all_to_all", 1, False),
+        ("qwen2", 1, 2, 2, "ring", 1, False),
+        ("mistral", 2, 2, 1, "all_to_all", 1, False),
+        ("llama", 1, 2, 1, "ring", 2, False),  # inside pipeline stages
+        ("qwen2", 2, 2, 1, "ring", 1, True),  # with sequence parallelism
+        pytest.param("llama", 2, 2, 2, "ring", 1, False, marks=pytest.mark.full_matrix),
+        pytest.param("qwen3", 2, 2, 2, "all_to_all", 1, False, marks=pytest.mark.full_matrix),
+        pytest.param("qwen3", 1, 2, 1, "all_to_all", 2, False, marks=pytest.mark.full_matrix),
+        pytest.param("mistral", 2, 2, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
+        pytest.param("llama", 2, 2, 1, "all_to_all", 2, True, marks=pytest.mark.full_matrix),
     ],
     ids=[
         "llama-cp2",
@@ -161,17 +177,19 @@ def _train(arch, tp, cp, dp, mode, pp=1):
         "qwen2-cp2-dp2",
         "mistral-tp2-cp2-a2a",
         "llama-pp2-cp2",
+        "qwen2-tp2-cp2-sp",
         "llama-222",
         "qwen3-222-a2a",
         "qwen3-pp2-cp2-a2a",
         "mistral-tp2-pp2-cp2",
+        "llama-tp2-pp2-cp2-sp-a2a",
     ],  # fmt: skip
 )
 def test_the_trainer_trains_hugging_face_decoders_under_cp_like_one_process(
-    arch, tp, cp, dp, mode, pp
+    arch, tp, cp, dp, mode, pp, sp
 ):
     world = tp * cp * dp * pp
-    for losses in run_distributed(_train, world, arch, tp, cp, dp, mode, pp, timeout=600):
+    for losses in run_distributed(_train, world, arch, tp, cp, dp, mode, pp, sp, timeout=600):
         for got, want in losses:
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
@@ -194,9 +212,6 @@ def _refusals():
     refused(lambda: tp_ext.parallelize(gemma, "auto", parallel=state))
     assert not any(isinstance(m, tp_ext.layers.ParallelModule) for m in gemma.modules())
     refused(lambda: tp_ext.parallelize(_model("llama"), "auto", parallel=state, cp_mode="ulysses"))
-    refused(
-        lambda: tp_ext.parallelize(_model("llama"), "auto", parallel=state, sequence_parallel=True)
-    )
     refused(
         lambda: tp_ext.parallelize(_model("llama", attention_dropout=0.1), "auto", parallel=state)
     )
@@ -221,7 +236,6 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "cp=2 (context parallelism) supports Hugging Face qwen2, llama, mistral, qwen3 decoders; "
         "GemmaForCausalLM (model_type 'gemma') is not one of them",
         "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'",
-        "cp=2 with sequence_parallel=True is not supported yet",
         "attention dropout (0.1) under context parallelism is not supported yet",
         "labels= is not supported: the loss spans the CP ranks",
         "attention_mask with padding (zeros) or of shape (2, 11) is not supported yet",

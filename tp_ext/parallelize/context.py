@@ -43,11 +43,6 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str, sequence_pa
         )
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
-    if sequence_parallel:
-        raise ValueError(
-            f"parallelize: cp={cp} with sequence_parallel=True is not supported yet; context "
-            "parallelism splits the sequence already: use sequence_parallel=False"
-        )
     if getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(
             f"parallelize: attention dropout ({model.config.attention_dropout}) under context "

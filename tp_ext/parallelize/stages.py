@@ -397,11 +397,16 @@ class StagedCausalLM(nn.Module):
         """The sequence length of the hidden states a stage sends for ``length`` tokens: this
         TP rank's shard under sequence parallelism, this CP rank's positions under context
         parallelism, else all of them."""
-        if self.cp_group is not None:
-            return len(cp_positions(length, group=self.cp_group))
+        length = self._context_length(length)
         if not self.sequence_parallel:
             return length
         return shard_sizes(length, self.parallel.tp)[self.parallel.tp_rank]
+
+    def _context_length(self, length: int) -> int:
+        """The positions of a ``length``-token sequence this CP rank holds (all without CP)."""
+        if self.cp_group is None:
+            return length
+        return len(cp_positions(length, group=self.cp_group))
 
     @property
     def local_vocab_size(self) -> int:
@@ -470,16 +475,17 @@ class StagedCausalLM(nn.Module):
         return hidden.narrow(-2, shard_offsets(length, tp)[rank], shard_sizes(length, tp)[rank])
 
     def _zero_input(self, received: torch.Tensor) -> torch.Tensor:
-        """A later stage's stand-in input: zeros of the whole sequence's shape (``received``
-        is this rank's sequence shard under sequence parallelism, whose sizes the norms'
-        gathers are told)."""
+        """A later stage's stand-in input: zeros of the whole sequence's shape (under context
+        parallelism: this CP rank's positions; ``received`` is this rank's sequence shard of
+        them under sequence parallelism, whose sizes the norms' gathers are told)."""
         if not self.sequence_parallel:
             return torch.zeros_like(received)
-        length = self.sequence_length
-        if length is None or self.local_sequence(length) != received.size(-2):
+        whole = self.sequence_length
+        length = None if whole is None else self._context_length(whole)  # this CP rank's
+        if length is None or self.local_sequence(whole) != received.size(-2):
             raise RuntimeError(
                 f"a sequence-parallel stage received {received.size(-2)} positions, its shard of "
-                f"sequence_length={length}: set the stages' sequence_length to the token count "
+                f"sequence_length={whole}: set the stages' sequence_length to the token count "
                 "(tp_ext's pipeline runner and forward do)"
             )
         self._sequence_shards.sizes = uneven_sizes(shard_sizes(length, self.parallel.tp))
@@ -625,7 +631,8 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
         h = gather_logits(h)
     vocab = model.config.vocab_size if not local_logits else model.local_vocab_size
     if me != owner:  # context parallelism: the logits of this rank's positions
-        rows = local if getattr(model, "cp_group", None) is not None else seq
+        cp = getattr(model, "cp_group", None)
+        rows = seq if cp is None else len(cp_positions(seq, group=cp))
         h = torch.empty(batch, rows, vocab, device=input_ids.device, dtype=param.dtype)
     h = h.contiguous()
     dist.broadcast(h, dist.get_global_rank(group, owner), group=group)
