@@ -105,6 +105,61 @@ def _ring_rank(seq: int, heads: int, head_dim: int, repeats: int) -> dict:
     return {"sent": sent, "analytic": analytic, "overlap_s": with_overlap, "plain_s": without}
 
 
+def _bytes_rank(seq: int, mode: str, heads: int, kv_heads: int, head_dim: int) -> int:
+    """One attention's forward and backward over the CP group (all ranks of this run), fp32,
+    batch 1: the bytes this rank sent, as tp_ext.comm.track() files them under "cp"."""
+    import tp_ext
+    from tp_ext.layers.context import all_to_all_attention, ring_attention
+
+    local = len(tp_ext.cp_positions(seq))
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, local, head_dim, requires_grad=True)
+    k = torch.randn(1, kv_heads, local, head_dim, requires_grad=True)
+    v = torch.randn(1, kv_heads, local, head_dim, requires_grad=True)
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    with tp_ext.comm.track() as stats:
+        attend(q, k, v, seq).sum().backward()
+    return stats.bytes(tag="cp")
+
+
+def analytic_cp_bytes(seq: int, cp: int, mode: str, heads: int, kv_heads: int, dim: int) -> int:
+    """Bytes all CP ranks send for one attention's forward and backward (fp32, batch 1): the
+    ring forwards every key/value block cp - 1 times each way and its fp32 gradients cp times;
+    the all-to-all moves, each way, every position's heads that another rank attends for and
+    every output back to the position's rank."""
+    from tp_ext.sharding import cp_chunks, shard_sizes
+
+    local = [sum(n for _, _, n in cp_chunks(seq, cp, r)) for r in range(cp)]
+    row = dim * 4
+    if mode == "ring":
+        return (2 * (cp - 1) + cp) * seq * 2 * kv_heads * row
+    kvh = shard_sizes(kv_heads, cp) if kv_heads % cp == 0 else shard_sizes(heads, cp)
+    group = heads // kv_heads if kv_heads % cp == 0 else 1
+    qh = [h * group for h in kvh]
+    every = sum(qh) + 2 * sum(kvh)  # q, k and v heads in all
+    scatter = sum(n * (every - qh[r] - 2 * kvh[r]) for r, n in enumerate(local))
+    gather = sum(qh[r] * (seq - n) for r, n in enumerate(local))
+    return 2 * (scatter + gather) * row
+
+
+def _bytes(args) -> None:
+    """``--bytes``: each mode's transfers for one attention (the tiny model's heads) at every
+    cp given, summed over the ranks, against :func:`analytic_cp_bytes`."""
+    heads, kv_heads, dim = 4, 2, 16
+    rows = []
+    for cp in [c for c in args.cp if c > 1]:
+        for mode in ("ring", "all_to_all"):
+            sent = sum(run_ranks(_bytes_rank, cp, args.seq, mode, heads, kv_heads, dim))
+            want = analytic_cp_bytes(args.seq, cp, mode, heads, kv_heads, dim)
+            print(f"cp={cp} {mode}: sent {sent:,} B, analytic {want:,} B", flush=True)
+            case = f"attention-seq{args.seq}-h{heads}/{kv_heads}x{dim}-cp{cp}-{mode}"
+            rows.append(dict(
+                benchmark=BENCH, case=case, metric="cp_bytes_all_ranks_vs_analytic", value=sent,
+                unit="B", baseline=want,
+            ))  # fmt: skip
+    append_rows(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=16384)
@@ -116,7 +171,16 @@ def main() -> None:
         help="instead: ring attention alone at cp=2 across a link throttled to this many "
         "Mbit/s (network namespaces, root), with and without overlap, and its bytes",
     )
+    parser.add_argument(
+        "--bytes",
+        action="store_true",
+        help="instead: each mode's bytes for one attention (tracked under 'cp', all ranks) at "
+        "every --cp against the analytic count",
+    )
     args = parser.parse_args()
+    if args.bytes:
+        _bytes(args)
+        return
     if args.mbit:
         _throttled(args)
         return

@@ -245,9 +245,25 @@ def test_init_parallel_makes_the_cp_group_next_to_tp(tp, cp):
         assert cp_rank == rank // tp and mine == chunks[cp_rank]
 
 
-def test_cp_with_expert_parallelism_is_refused_by_name():
-    with pytest.raises(ValueError, match="cp=2 with ep > 1 is not supported yet"):
-        tp_ext.init_parallel(tp=1, cp=2, ep=2)
+def _expert_groups_with_cp():
+    import torch.distributed as dist
+
+    state = tp_ext.init_parallel(tp=1, cp=2, dp=2, ep=2)
+    ranks = dist.get_process_group_ranks
+    return ranks(state.ep_group), ranks(state.expert_dp_group)
+
+
+def test_expert_groups_form_at_each_cp_position_and_expert_dp_spans_them():
+    """Mesh (dp, cp) = (2, 2), rank = 2 dp + cp: the EP group of a CP position is its DP ranks
+    (their tokens are that position's); the ranks holding the same experts are both CP
+    positions' (their expert gradients are summed over both)."""
+    got = run_distributed(_expert_groups_with_cp, 4)
+    assert got == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])], got
+
+
+def test_cp_with_a_2d_grid_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"cp=2 with a 2D grid \(tp=\(P, Q\)\) is not supported"):
+        tp_ext.init_parallel(tp=(2, 1), cp=2)
 
 
 # the model tests' tiny Qwen2, with 2 layers

@@ -2,8 +2,9 @@
 Mistral and Qwen3 converted by ``parallelize(model, "auto", parallel=state, cp_mode=...)`` give
 the logits of this rank's positions and, summed over CP, every gradient of the unsharded
 transformers model, at cp 2, 3, 4 and (tp, cp) = (2, 2), ring and all-to-all, at a length (11)
-that no 2C divides; the Trainer trains them as one process does; what is not supported is refused
-by name."""
+that no 2C divides, with sequence parallelism and inside pipeline stages; the Trainer trains
+them (and Mixtral with expert parallelism) as one process does; what is not supported is
+refused by name."""
 
 import copy
 
@@ -194,6 +195,52 @@ def test_the_trainer_trains_hugging_face_decoders_under_cp_like_one_process(
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
+def _train_moe(tp, cp, dp, ep, mode):
+    """Mixtral (4 experts, top 2; fp32, which its grouped GEMMs need) with expert and context
+    parallelism: three SGD steps against one process on every micro-batch."""
+    from tp_ext.training import Trainer
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=44, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.MixtralForCausalLM(config).float()
+    fuse_rms_norms(reference)
+    state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp, ep=ep)
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+    trainer = Trainer(model, optimizer=sgd, parallel=state, max_grad_norm=None)
+    ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=None)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(3):
+        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(dp * 2)]
+        mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
+        losses.append((trainer.step(mine), ref_trainer.step(batches)))
+    full = tp_ext.layers.full_state_dict(model)
+    assert set(full) == set(reference.state_dict())
+    for name, want in reference.state_dict().items():
+        err = (full[name] - want).abs().max().item() / want.abs().max().item()
+        assert err < 1e-5, (name, err)
+    return losses
+
+
+@pytest.mark.parametrize(
+    "tp, cp, dp, ep, mode",
+    [(1, 2, 2, 2, "ring"), (2, 2, 1, 2, "all_to_all")],
+    ids=["cp2-dp2-ep2", "tp2-cp2-ep2-a2a"],  # EP over DP ranks; over TP ranks
+)
+def test_expert_parallelism_composes_with_context_parallelism(tp, cp, dp, ep, mode):
+    for losses in run_distributed(_train_moe, tp * cp * dp, tp, cp, dp, ep, mode, timeout=600):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
 def _refusals():
     state = tp_ext.init_parallel(tp=1, cp=2)
     errors = []
@@ -227,13 +274,22 @@ def _refusals():
     model(ids, attention_mask=torch.ones_like(ids))  # no padding: fine
     mistral = tp_ext.parallelize(_model("mistral", sliding_window=8), "auto", parallel=state)
     refused(lambda: mistral(ids))
+    router = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+            output_router_logits=True,
+        )
+    )  # fmt: skip
+    refused(lambda: tp_ext.parallelize(router, "auto", parallel=state))
     return errors
 
 
 def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
     errors = run_distributed(_refusals, 2)[0]
     expected = [
-        "cp=2 (context parallelism) supports Hugging Face qwen2, llama, mistral, qwen3 decoders; "
+        "cp=2 (context parallelism) supports Hugging Face qwen2, llama, mistral, qwen3, "
+        "mixtral, qwen2_moe, qwen3_moe decoders; "
         "GemmaForCausalLM (model_type 'gemma') is not one of them",
         "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'",
         "attention dropout (0.1) under context parallelism is not supported yet",
@@ -243,6 +299,8 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "generation under context parallelism is not supported yet",
         "logits_to_keep=1 is not supported",
         "a sliding window of 8 positions shorter than the sequence (11) is not supported yet",
+        "cp=2 with the router's load-balancing loss (config.output_router_logits=True) is not "
+        "supported yet",
     ]
     assert len(errors) == len(expected), errors
     for got, want in zip(errors, expected):

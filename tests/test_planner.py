@@ -533,7 +533,7 @@ def test_estimate_refuses_what_context_parallelism_does_not_run():
 
     hw = load_hardware("h100")
     for dims, engine, message in (
-        (ParallelDims(tp=(2, 2), cp=2, dp=1), "ddp", "cp=2 with a 2D grid or expert parallelism"),
+        (ParallelDims(tp=(2, 2), cp=2, dp=1), "ddp", "cp=2 with a 2D grid is not supported"),
         (ParallelDims(tp=1, cp=2, dp=2), "fsdp", "cp=2 with data_parallel='fsdp'"),
     ):
         with pytest.raises(ValueError, match=message):

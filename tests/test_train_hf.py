@@ -315,6 +315,17 @@ def test_context_parallel_inside_pipeline_stages_trains_like_one_rank(tmp_path, 
     _same_run(tmp_path / "one", tmp_path / "ppcp", 2)
 
 
+@pytest.mark.full_matrix
+def test_expert_and_context_parallel_train_like_one_rank(tmp_path, tokens):
+    """Mixtral from a config with --cp 2 --dp 2 --ep 2: the losses and the export of one rank."""
+    model = _mixtral_dir(tmp_path)
+    run = ["--model", model, "--data", tokens, "--steps", "2", "--seq-len", "30"]
+    _train_here(*run, "--checkpoint-dir", tmp_path / "one")
+    flags = ["--tp", "1", "--cp", "2", "--dp", "2", "--ep", "2"]
+    _torchrun(4, *run, "--checkpoint-dir", tmp_path / "cpep", *flags)
+    _same_run(tmp_path / "one", tmp_path / "cpep", 2)
+
+
 def test_context_parallel_refuses_other_architectures_by_name(tmp_path, tokens, monkeypatch):
     """Checked before any process group starts (WORLD_SIZE as torchrun would set it)."""
     monkeypatch.setenv("WORLD_SIZE", "2")

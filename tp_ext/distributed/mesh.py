@@ -9,7 +9,8 @@ Expert parallelism (``ep=E``) takes its groups from the ranks of one pipeline st
 Megatron-Core and torchtitan do: from the DP ranks when E divides dp (E consecutive DP ranks of
 one TP position), else from all DP ranks and E / dp consecutive TP ranks (E / dp dividing tp).
 The expert-DP group of a rank is the ranks of its stage at the same place in their EP groups:
-they hold the same experts, and expert gradients are averaged over them.
+they hold the same experts, and expert gradients are averaged over them. With context
+parallelism, EP groups form at each CP position and the expert-DP groups span the CP positions.
 """
 
 from __future__ import annotations
@@ -277,11 +278,10 @@ def _dims_from(tp, pp, dp, ep, cp) -> ParallelDims:
                 "changes one)"
             )
         dims = tp
-    if dims.cp > 1 and (dims.ep > 1 or dims.grid is not None):
-        what = "ep > 1" if dims.ep > 1 else "a 2D grid (tp=(P, Q))"
+    if dims.cp > 1 and dims.grid is not None:
         raise ValueError(
-            f"init_parallel: cp={dims.cp} with {what} is not supported yet; use cp=1 with it, or "
-            "1D tensor parallelism without expert parallelism with cp"
+            f"init_parallel: cp={dims.cp} with a 2D grid (tp=(P, Q)) is not supported yet; use "
+            "cp=1 with it, or 1D tensor parallelism with cp"
         )
     return dims
 
@@ -375,8 +375,16 @@ def _dp_cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 def _expert_process_groups(mesh: DeviceMesh, ep: int) -> dict:
     """This rank's EP and expert-DP groups (every rank makes every group: a collective). With
-    EP, cp is 1 (init_parallel refuses both): the [pp, dp, 1, tp] mesh without its cp dim."""
-    ep_groups, edp_groups = expert_groups(mesh.mesh[:, :, 0, :], ep)
+    context parallelism each CP position has its own EP groups (its tokens are its positions),
+    and the expert-DP group spans the CP positions: they hold the same experts."""
+    ep_groups, edp_groups = [], []
+    by_place: dict = {}
+    for c in range(mesh.mesh.size(2)):
+        eps, edps = expert_groups(mesh.mesh[:, :, c, :], ep)
+        ep_groups += eps
+        for i, ranks in enumerate(edps):  # the i-th expert-DP group at every CP position
+            by_place.setdefault(i, []).extend(ranks)
+    edp_groups = [sorted(ranks) for ranks in by_place.values()]
     me = dist.get_rank()
     out = {}
     for key, lists in (("ep_group", ep_groups), ("expert_dp_group", edp_groups)):

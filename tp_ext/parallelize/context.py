@@ -1,4 +1,5 @@
-"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3).
+"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, and the MoE
+Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Every CP rank is called with the whole sequence's token ids, as the native Qwen2 is. A forward
 pre-hook on the model keeps this rank's positions (:func:`tp_ext.cp_positions`: chunks r and
@@ -9,7 +10,7 @@ attention interface (``config._attn_implementation``), as a ring or by all-to-al
 ``cp_positions`` order; :class:`tp_ext.training.Trainer` scores them against the next tokens of the
 whole sequence and sums the gradients over CP with DP.
 
-Only these four architectures: their attention is plain causal softmax attention over
+Only these architectures: their attention is plain causal softmax attention over
 rotary-embedded heads (a sliding window only where it covers the whole sequence), which is what
 the ring and the all-to-all compute. Others are refused by name.
 """
@@ -26,7 +27,9 @@ from tp_ext.layers.context import CP_MODES, all_to_all_attention, cp_positions, 
 
 __all__ = ["CP_ARCHITECTURES", "use_context_parallel"]
 
-CP_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3")  # config.model_type
+# config.model_type; the MoE ones (with expert parallelism too) share their dense cousins'
+# attention
+CP_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
 
@@ -43,6 +46,12 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str, sequence_pa
         )
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            f"parallelize: cp={cp} with the router's load-balancing loss "
+            "(config.output_router_logits=True) is not supported yet: each CP rank sees its "
+            "positions' routing only; set output_router_logits=False"
+        )
     if getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(
             f"parallelize: attention dropout ({model.config.attention_dropout}) under context "

@@ -175,13 +175,14 @@ class FullLogitsLoss:
 class ContextParallelLoss(VocabParallelLoss):
     """Under context parallelism: the model gives the logits of this CP rank's positions
     (:func:`tp_ext.cp_positions` order), each scored against the next token of the whole
-    sequence (the last position has none). ``logits``: how to get them split by vocabulary
-    (``model, ids -> logits``): the native model's ``local_logits``, or the one stage of a
-    converted Hugging Face model."""
+    sequence (the last position has none). ``logits``: how to get them (``model, ids ->
+    logits``): split by vocabulary (the native model's ``local_logits``, or the one stage of a
+    converted Hugging Face model), or over the whole vocabulary with ``whole_vocab`` (a
+    converted Hugging Face model with expert parallelism, which runs as it is)."""
 
-    def __init__(self, tp_group, cp_group, ignore_index: int, logits) -> None:
+    def __init__(self, tp_group, cp_group, ignore_index: int, logits, whole_vocab=False) -> None:
         super().__init__(tp_group, ignore_index)
-        self.cp, self.logits = cp_group, logits
+        self.cp, self.logits, self.whole_vocab = cp_group, logits, whole_vocab
 
     def __call__(self, model, ids, labels) -> torch.Tensor:
         return self.summed(self.logits(model, ids), labels)
@@ -192,6 +193,14 @@ class ContextParallelLoss(VocabParallelLoss):
         order = cp_positions(labels.size(1), group=self.cp).to(labels.device)
         none = labels.new_full((labels.size(0), 1), self.ignore_index)
         targets = torch.cat([labels[:, 1:], none], 1)[:, order]
+        if self.whole_vocab:  # a Hugging Face model's own head gathered the vocabulary
+            logits = local_logits.flatten(0, 1)
+            return torch.nn.functional.cross_entropy(
+                logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                targets.flatten(),
+                ignore_index=self.ignore_index,
+                reduction="sum",
+            )
         return vocab_parallel_cross_entropy(
             local_logits, targets, tp_group=self.tp, ignore_index=self.ignore_index, reduction="sum"
         )
@@ -473,6 +482,26 @@ class ContextPipelineStep(PipelineStep):
         _set_grads(params, flat)
 
 
+class ContextExpertStep(ExpertStep):
+    """Context parallelism with ExpertParallelMoE layers: each CP position has its own EP
+    groups (its tokens are its positions); the loss is scaled by the global token count, dense
+    gradients are summed over DP x CP and expert gradients over the expert-DP group, which spans
+    the CP positions."""
+
+    form = "context_expert"
+
+    def __init__(self, model, loss, tp, dp_group, expert_dp_group, dp_cp_group) -> None:
+        super().__init__(model, loss, tp, dp_group, None, expert_dp_group)
+        self.dp_cp_group = dp_cp_group
+
+    @torch.no_grad()
+    def _synchronise(self, params, loss_sum, scale, count):
+        loss_sum = _sum_dense_and_expert_grads(
+            params, self._expert_ids, self.dp_cp_group, self.expert_dp_group, [loss_sum]
+        )[0]
+        return loss_sum, count
+
+
 class ContextStep(LocalStep):
     """Context parallelism: every CP rank runs the whole micro-batches on its positions (ring
     attention inside the model); its summed loss is its positions' share. One all-reduce over
@@ -621,7 +650,11 @@ def _expert_step(
 def _context_step(
     model, parallel, schedule, data_parallel, dp_group, tp_group, compression, ignore_index
 ) -> StepStrategy:
-    _check_built_with(model, parallel, dp_group, tp_group)
+    experts = any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+    if experts:  # a converted Hugging Face model, trained as it is (as without cp)
+        _check_no_groups(dp_group, tp_group)
+    else:
+        _check_built_with(model, parallel, dp_group, tp_group)
     if getattr(model, "cp_group", None) is None:
         raise ValueError(
             f"Trainer(parallel=...) with cp={parallel.cp}: {type(model).__name__} does not run "
@@ -636,6 +669,16 @@ def _context_step(
         )
     tp = comm.resolve_group(parallel.tp_group)
     cp = comm.resolve_group(parallel.cp_group)
+    dp, dp_cp = comm.resolve_group(parallel.dp_group), comm.resolve_group(parallel.dp_cp_group)
+    if experts:
+        if parallel.pp > 1:
+            raise ValueError(
+                f"Trainer(parallel=...): cp={parallel.cp} with expert parallelism and "
+                f"pp={parallel.pp} is not supported yet; use pp=1 with both"
+            )
+        loss = ContextParallelLoss(tp, cp, ignore_index, _whole_logits, whole_vocab=True)
+        expert_dp = comm.resolve_group(parallel.expert_dp_group)
+        return ContextExpertStep(model, loss, tp, dp, expert_dp, dp_cp)
     if parallel.pp > 1:
         loss = ContextParallelLoss(tp, cp, ignore_index, None)  # on the last stage's logits
         runner = PipelineRunner(model, schedule, stages=replicate_stages(model, None))
@@ -645,7 +688,6 @@ def _context_step(
     else:
         logits = _local_logits
     loss = ContextParallelLoss(tp, cp, ignore_index, logits)
-    dp, dp_cp = comm.resolve_group(parallel.dp_group), comm.resolve_group(parallel.dp_cp_group)
     return ContextStep(model, loss, tp, dp, dp_cp, cp.rank)
 
 
@@ -655,6 +697,10 @@ def _stage_logits(model, ids):
 
 def _local_logits(model, ids):
     return model(ids, local_logits=True)
+
+
+def _whole_logits(model, ids):
+    return model(ids).logits
 
 
 def _check_expert_data_parallel(data_parallel, compression) -> None:
