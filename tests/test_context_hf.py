@@ -124,6 +124,18 @@ def test_sequence_parallelism_composes_with_context_parallelism(arch, mode):
     run_distributed(_check_exact, 4, arch, 2, 2, mode, True, timeout=300)
 
 
+def _three_steps(trainer, ref_trainer, state) -> list:
+    """Three steps: each DP replica its two micro-batches of the step's global batch, the
+    reference all of them; their losses, step by step."""
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(3):
+        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(state.dp * 2)]
+        mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
+        losses.append((trainer.step(mine), ref_trainer.step(batches)))
+    return losses
+
+
 def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
     """Three SGD steps at (tp, cp, dp), each DP replica its own micro-batches (whole sequences
     on every CP rank), against one process training the unsharded model on all of them."""
@@ -142,12 +154,7 @@ def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
 
     trainer = Trainer(model, optimizer=sgd, parallel=state, max_grad_norm=1.0)
     ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=1.0)
-    gen = torch.Generator().manual_seed(5)
-    losses = []
-    for _ in range(3):
-        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(dp * 2)]
-        mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
-        losses.append((trainer.step(mine), ref_trainer.step(batches)))
+    losses = _three_steps(trainer, ref_trainer, state)
     full = tp_ext.layers.full_state_dict(model)  # this rank's stages' under pipelining
     assert full and set(full) <= set(reference.state_dict())
     for name, tensor in full.items():
@@ -216,12 +223,7 @@ def _train_moe(tp, cp, dp, ep, mode):
 
     trainer = Trainer(model, optimizer=sgd, parallel=state, max_grad_norm=None)
     ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=None)
-    gen = torch.Generator().manual_seed(5)
-    losses = []
-    for _ in range(3):
-        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(dp * 2)]
-        mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
-        losses.append((trainer.step(mine), ref_trainer.step(batches)))
+    losses = _three_steps(trainer, ref_trainer, state)
     full = tp_ext.layers.full_state_dict(model)
     assert set(full) == set(reference.state_dict())
     for name, want in reference.state_dict().items():
