@@ -424,14 +424,14 @@ def test_a_converted_gpt2_exports_transformers_layout(ws, tmp_path):
 
 def test_fused_norms_compute_what_hugging_face_norms_compute():
     """The norms parallelize runs through the fused op: Llama's formula only (Gemma's 1 + weight
-    left alone), the same Parameter under the same name, forward equal (bitwise in bf16) and
-    gradients equal up to the last bit of the reference's extra bf16 roundings."""
+    and OLMo 2's single rounding left alone, and fp64 weights, which Hugging Face multiplies in
+    fp64), the same Parameter under the same name, forward equal (bitwise in bf16) and gradients
+    equal up to the last bit of the reference's extra bf16 roundings."""
     from tp_ext.layers import FusedRMSNorm
     from tp_ext.parallelize.modules import fuse_rms_norms
 
     torch.manual_seed(0)
-    # float64 too: both compute in float32 (Hugging Face's norm casts to it)
-    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
         reference = _build(lambda: _cfg("LlamaConfig"), "LlamaForCausalLM").to(dtype)
         for name, param in reference.named_parameters():
             if "norm" in name:
@@ -462,8 +462,11 @@ def test_fused_norms_compute_what_hugging_face_norms_compute():
         assert_rel(
             norm_fused.weight.grad.float(), norm_ref.weight.grad.float(), f"{dtype}", rtol=tol
         )
+    assert fuse_rms_norms(_build(lambda: _cfg("LlamaConfig"), "LlamaForCausalLM").double()) == []
     for arch in ("GemmaConfig", "Gemma2Config"):
         gemma = _build(lambda: _cfg(arch, head_dim=8), arch.replace("Config", "ForCausalLM"))
         assert fuse_rms_norms(gemma) == [], arch
+    olmo = _build(lambda: _cfg("Olmo2Config"), "Olmo2ForCausalLM")
+    assert fuse_rms_norms(olmo) == []
     with pytest.raises(ValueError, match="must be > 0, got 0"):
         FusedRMSNorm(torch.nn.Parameter(torch.ones(4)), 0)

@@ -540,3 +540,18 @@ def test_estimate_refuses_what_context_parallelism_does_not_run():
             estimate(
                 _config(), Candidate(dims, 1, 1, data_parallel=engine), seq_len=SEQ, hardware=hw
             )
+
+
+def test_cp_gradient_sync_is_counted_in_fp32_whatever_the_parameters_dtype():
+    """The Trainer flattens gradients into fp32 for its DP x CP all-reduce (ContextStep): a bf16
+    model moves as many bytes as an fp32 one, and holds fp32 flat buffers."""
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate, estimate, load_hardware
+
+    hw, dims = load_hardware("h100"), ParallelDims(tp=1, cp=2, dp=1)
+    est = {
+        dtype: estimate(_config(), Candidate(dims, 1, 1, dtype=dtype), seq_len=SEQ, hardware=hw)
+        for dtype in ("float32", "bfloat16")
+    }
+    numel = est["float32"].detail["parameters_per_rank"]
+    assert est["bfloat16"].comm_bytes["dp"] == est["float32"].comm_bytes["dp"] == numel * 4 + 8

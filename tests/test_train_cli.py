@@ -524,3 +524,21 @@ def test_long_sequences_train_over_four_context_parallel_ranks(tmp_path, tokens)
     )
     _finish(proc, timeout=600)
     assert abs(_metrics(tmp_path / "c")[1]["loss"] - math.log(300)) < 0.1
+
+
+def test_auto_keeps_the_configs_cp(monkeypatch):
+    """--auto with a job whose parallel section says cp: 2 (no --cp flag): the planner places
+    the rest around that cp, and the mode comes along."""
+    import types
+
+    from tp_ext.cli.auto import auto_overrides
+    from tp_ext.config import JobConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    job = JobConfig.from_file(TINY)
+    parallel = types.SimpleNamespace(cp=2, cp_mode="all_to_all")
+    chosen = auto_overrides(job.model, job.data, {}, "float32", parallel)
+    assert (chosen["cp"], chosen["cp_mode"]) == (2, "all_to_all"), chosen
+    assert chosen["tp"] * chosen["pp"] * chosen["dp"] * chosen["cp"] == 4
+    flag = auto_overrides(job.model, job.data, {"cp": 4}, "float32", parallel)
+    assert flag["cp"] == 4 and flag["tp"] == flag["pp"] == flag["dp"] == 1  # the flag wins

@@ -40,16 +40,18 @@ def _this_machine(local_ranks: int) -> tuple[str, int]:
     return "cpu", host // max(local_ranks, 1)
 
 
-def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
+def auto_overrides(model_config, data, overrides: dict, dtype: str, parallel=None) -> dict:
     """``overrides`` with the planner's layout for ``model_config`` trained on ``data``'s
     batches (seq_len, global_batch, micro_batch_size). Refuses layout flags given beside
-    --auto, and says what was chosen and why (logged). A ``--cp`` given is the CP degree every
-    candidate takes."""
+    --auto, and says what was chosen and why (logged). The CP degree (``--cp``, else the job's
+    ``parallel.cp``: ``parallel``, its parallel section) is kept: every candidate takes it."""
     given = [f"--{k.replace('_', '-')}" for k in LAYOUT_FLAGS if overrides.get(k) is not None]
     if given:
         raise ValueError(
             f"--auto chooses the layout itself; drop {', '.join(given)} (or drop --auto)"
         )
+    cp = overrides.get("cp") or getattr(parallel, "cp", None) or 1
+    cp_mode = overrides.get("cp_mode") or getattr(parallel, "cp_mode", None) or "ring"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     hardware, memory = _this_machine(local)
@@ -65,8 +67,8 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         dtype=dtype,
         top=None,
         grids=False,  # the commands build 1D models (parallel.tp is a degree)
-        cp=overrides.get("cp") or 1,  # a --cp given is kept: the planner places the rest
-        cp_mode=overrides.get("cp_mode") or "ring",
+        cp=cp,  # kept: the planner places the rest around it
+        cp_mode=cp_mode,
     )
     best = next((e for e in ranked if e.fits), None)
     if best is None:
@@ -82,6 +84,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str) -> dict:
         "dp": dims.dp,
         "ep": dims.ep,
         "cp": dims.cp,
+        "cp_mode": cp_mode,
         "virtual_stages": dims.virtual_stages,
         # the candidate's run settings carry the config's (and the flags') names
         "schedule": chosen.schedule,

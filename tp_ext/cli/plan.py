@@ -211,22 +211,23 @@ def _auto_plan(args) -> int:
 
 
 def _context_plan(args) -> int:
-    """``--cp C`` without ``--auto``: what a training step of one ``--seq-len`` sequence per DP
-    rank needs per rank at the layout given (tp, pp, dp) with cp = C and with cp = 1, with and
-    without activation checkpointing, against the device's memory."""
+    """``--cp C`` without ``--auto``: what a training step of ``--seq-len`` sequences (one per
+    micro-batch; as many micro-batches as pipeline stages need, at least one) per DP rank needs
+    per rank at the layout given (flags, else the config's tp, pp, dp and ep) with cp = C and
+    with cp = 1, with and without activation checkpointing, against the device's memory."""
+    layout = {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
     if args.model is not None:
         model, dtype = args.model, args.dtype
-        tp = args.tp or 1
     else:
         job = JobConfig.from_file(args.config)
         model = getattr(job.model, "hf_config", job.model)
         dtype = args.dtype or job.parallel.dtype
-        tp = args.tp if args.tp is not None else job.parallel.tp
-    dp = args.dp or 1
+        layout.update({k: getattr(job.parallel, k) or 1 for k in layout})
+    layout.update({k: getattr(args, k) for k in layout if getattr(args, k) is not None})
     rows = []
     try:
         for cp in (1, args.cp):
-            dims = ParallelDims(tp=tp, cp=cp, dp=dp, pp=args.pp or 1, ep=args.ep or 1)
+            dims = ParallelDims(cp=cp, **layout)
             rows += plan_layout(
                 model,
                 dims,
@@ -235,6 +236,7 @@ def _context_plan(args) -> int:
                 gpu_memory=args.gpu_memory,
                 dtype=dtype,
                 cp_mode=args.cp_mode,
+                micro_batches=layout["pp"],  # torch's schedules need one per stage at least
             )
     except ValueError as e:
         return refuse("plan", str(e))
@@ -243,15 +245,16 @@ def _context_plan(args) -> int:
         return 0
     gib = 1024**3
     limit = rows[0].memory_limit
+    sequences = "one" if layout["pp"] == 1 else str(layout["pp"])
     print(
-        f"one {args.seq_len}-token sequence per DP rank, a training step's peak per rank "
-        f"(device: {limit / gib:.0f} GiB, {usable_memory(limit) / gib:.1f} usable)"
+        f"{sequences} {args.seq_len}-token sequence(s) per DP rank, a training step's peak per "
+        f"rank (device: {limit / gib:.0f} GiB, {usable_memory(limit) / gib:.1f} usable)"
     )
-    print(f"{'layout':<40} {'activations':>12} {'total':>9} {'fits':>5} {'step s':>8}")
+    print(f"{'layout':<48} {'activations':>12} {'total':>9} {'fits':>5} {'step s':>8}")
     for est in rows:
         mem = est.memory_bytes
         print(
-            f"{est.candidate.describe():<40} {mem['activations'] / gib:>10.1f}Gi "
+            f"{est.candidate.describe():<48} {mem['activations'] / gib:>10.1f}Gi "
             f"{mem['total'] / gib:>7.1f}Gi {'yes' if est.fits else 'no':>5} "
             f"{est.step_time_s:>8.3g}"
         )

@@ -718,7 +718,7 @@ def main(args) -> int:
         else:
             model = JobConfig.from_file(args.small).model if args.small else job.model.tiny()
         dtype = overrides["dtype"] or job.parallel.dtype
-        overrides = auto_overrides(model, job.data, overrides, dtype)
+        overrides = auto_overrides(model, job.data, overrides, dtype, job.parallel)
     return run(
         args.config,
         overrides,

@@ -385,7 +385,7 @@ def main(args) -> int:
         job = JobConfig.for_command(args.config, args.model)
         dtype = overrides["dtype"] or job.parallel.dtype
         model = getattr(job.model, "hf_config", job.model)
-        overrides = auto_overrides(model, job.data, overrides, dtype)
+        overrides = auto_overrides(model, job.data, overrides, dtype, job.parallel)
     return train(
         args.config,
         overrides,

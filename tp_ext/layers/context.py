@@ -109,11 +109,8 @@ def all_to_all_attention(
     and values are repeated to every query head first (fewer KV heads than ranks)."""
     g = cp_group(group)
     _check(q, k, v, seq_len, g, "all_to_all_attention")
-    region = _TaggedBackward()  # its all-to-alls' backward filed under "cp" too
-    q, k, v = _TagBoundary.apply(region, False, q, k, v)
     with comm.tag(CP_TAG):
-        out = _all_to_all_attention(q, k, v, seq_len, g, causal, scale)
-    return _TagBoundary.apply(region, True, out)[0]
+        return _all_to_all_attention(q, k, v, seq_len, g, causal, scale)
 
 
 def _all_to_all_attention(q, k, v, seq_len, g, causal, scale) -> torch.Tensor:
@@ -136,38 +133,24 @@ def _all_to_all_attention(q, k, v, seq_len, g, causal, scale) -> torch.Tensor:
     return _positions_of_every_head(out, q_heads, lengths, g, held)
 
 
-class _TaggedBackward:
-    """One differentiable region whose backward runs under the "cp" tag: entered by the
-    boundary after it (its output's gradient arrives first), left by the boundary before it."""
-
-    def __init__(self) -> None:
-        self.tag = None
-
-    def enter(self) -> None:
-        self.tag = comm.tag(CP_TAG)
-        self.tag.__enter__()
-
-    def leave(self) -> None:
-        if self.tag is not None:
-            self.tag.__exit__(None, None, None)
-            self.tag = None
-
-
-class _TagBoundary(torch.autograd.Function):
-    """Identity on ``tensors``; its backward enters (``entering``) or leaves ``region``'s tag."""
+class _AllToAll(torch.autograd.Function):
+    """``comm.all_to_all_single`` whose backward (the gradients sent back the same way) is filed
+    under the "cp" tag too, whatever the tag is when autograd runs it."""
 
     @staticmethod
-    def forward(ctx, region, entering, *tensors):
-        ctx.region, ctx.entering = region, entering
-        return tuple(t.view_as(t) for t in tensors)
+    def forward(ctx, x, send, recv, g):
+        ctx.send, ctx.recv, ctx.g = send, recv, g
+        return comm.all_to_all_single(x, send, recv, g)
 
     @staticmethod
-    def backward(ctx, *grads):
-        if ctx.entering:
-            ctx.region.enter()
-        else:
-            ctx.region.leave()
-        return (None, None, *grads)
+    def backward(ctx, grad):
+        with comm.tag(CP_TAG):
+            return (
+                comm.all_to_all_single(grad.contiguous(), ctx.recv, ctx.send, ctx.g),
+                None,
+                None,
+                None,
+            )
 
 
 def _heads_of_every_position(t, heads, lengths, g, natural) -> torch.Tensor:
@@ -176,7 +159,7 @@ def _heads_of_every_position(t, heads, lengths, g, natural) -> torch.Tensor:
     starts = [sum(heads[:j]) for j in range(g.size)]
     send = torch.cat([t[:, starts[j] : starts[j] + heads[j]].reshape(-1) for j in range(g.size)])
     per_head_row = batch * dim
-    got = comm.all_to_all_single(
+    got = _AllToAll.apply(
         send,
         [heads[j] * per_head_row * t.size(2) for j in range(g.size)],
         [heads[me] * per_head_row * n for n in lengths],
@@ -193,7 +176,7 @@ def _positions_of_every_head(out, heads, lengths, g, held) -> torch.Tensor:
     ordered = out.index_select(2, held)  # rank 0's positions, then rank 1's, ...
     send = torch.cat([p.reshape(-1) for p in ordered.split(lengths, dim=2)])
     per_head_row = batch * dim
-    got = comm.all_to_all_single(
+    got = _AllToAll.apply(
         send,
         [heads[me] * per_head_row * n for n in lengths],
         [heads[j] * per_head_row * lengths[me] for j in range(g.size)],

@@ -45,7 +45,7 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str, sequence_pa
             f"(model_type {kind!r}) is not one of them: use cp=1 for it"
         )
     if cp_mode not in CP_MODES:
-        raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
+        raise ValueError(f"parallelize: cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
     if getattr(model.config, "output_router_logits", False):
         raise ValueError(
             f"parallelize: cp={cp} with the router's load-balancing loss "

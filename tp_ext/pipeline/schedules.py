@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from tp_ext.compression import METHODS
+from tp_ext.layers.context import cp_positions
 from tp_ext.pipeline.data_parallel import ReplicatedStages, replicate_stages
 
 __all__ = [
@@ -324,6 +325,9 @@ class PipelineRunner:
             return torch.empty(shape, dtype=torch.long, device="meta")
         if stage == self.layout.num_stages:
             size, dtype = model.local_vocab_size, logits_dtype
+            cp = getattr(model, "cp_group", None)
+            if cp is not None:  # context parallelism: the logits of this rank's positions
+                shape = (shape[0], len(cp_positions(shape[1], group=cp)))
         else:
             size = model.config.hidden_size
             if hasattr(model, "local_sequence"):  # a sequence-parallel stage's shard

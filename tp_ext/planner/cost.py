@@ -150,6 +150,8 @@ class _Step:
         self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
         self.recompute = candidate.activation_checkpointing
         self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
+        # what the Trainer's own flat gradient buffers take per element (EP, CP)
+        self.flat_bytes = 8 if self.e == 8 else 4
         hf = isinstance(config, HFModel)
         self.s = hf_rank_shapes(config, self.tp, dims.ep) if hf else rank_shapes(config, self.tp)
         # the Trainer's EP loop at pp = 1 computes the loss on full logits (a pipeline: on its
@@ -271,11 +273,12 @@ class _Step:
         # context parallelism's step too, over DP x CP: the flat copy, and the all-reduce's
         # result beside it (tp_ext's all_reduce is out of place)
         flat_copies = 2 if self.cp > 1 else (1 if flat_sync else 0)
+        flat = numel * self.flat_bytes  # those buffers are fp32 (fp64 for fp64 parameters)
         phases = (
             params + optimizer + (params if ran_backward else 0) + acts + transient,
             2 * params + optimizer + layer_backward + self.ids_on(r),
             2 * params + optimizer + opt_temp,
-            (2 + flat_copies) * params + optimizer if flat_copies else 0,
+            2 * params + flat_copies * flat + optimizer if flat_copies else 0,
         )
         ddp = self.candidate.data_parallel == "ddp" and self.dp > 1 and not flat_copies
         fsdp = self.fsdp_buffers(numel)
@@ -388,8 +391,10 @@ class _Step:
             # before): DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2); with
             # cp, one flat all-reduce over DP x CP after the step (at pp = 1 the loss and the
             # token count with it)
-            extra = 2 * (8 if self.e == 8 else 4) if self.cp > 1 and self.pp == 1 else 0
-            return numel * self.e + extra, 0, 0
+            if self.cp > 1 or self.candidate.dims.ep > 1:  # tp_ext's flat fp32 buffer
+                extra = 2 * self.flat_bytes if self.cp > 1 and self.pp == 1 else 0
+                return numel * self.flat_bytes + extra, 0, 0
+            return numel * self.e, 0, 0
         gathered, scattered = max((self.fsdp_bytes_on(r) for r in range(self.pp)), key=sum)
         return gathered + scattered, gathered, scattered
 

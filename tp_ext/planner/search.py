@@ -294,13 +294,21 @@ def plan_layout(
     dtype: Optional[str] = None,
     cp_mode: str = "ring",
     micro_batch: int = 1,
+    micro_batches: int = 1,
 ) -> list[Estimate]:
-    """What one given layout costs (``dims`` resolved: tp, cp, pp, dp), for a step of one
-    micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens per DP rank: its estimates
+    """What one given layout costs (``dims`` resolved: tp, cp, pp, dp), for a step of
+    ``micro_batches`` micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens per DP
+    rank (under pipelining at least ``pp``, as torch's schedules need): its estimates
     without and with activation checkpointing (``fits`` against ``gpu_memory``, default the
     hardware's). What ``tp-ext plan --cp C --seq-len N`` prints, beside the same at cp = 1."""
     config, dtype = _model_config(config, dtype)
     check_int("seq_len", seq_len)
+    check_int("micro_batches", micro_batches)
+    if dims.pp > micro_batches:
+        raise ValueError(
+            f"plan_layout: micro_batches={micro_batches} with pp={dims.pp}: torch's schedules "
+            f"need at least {dims.pp} micro-batches"
+        )
     if seq_len > config.max_position_embeddings:
         raise ValueError(
             f"seq_len={seq_len} is above the model's max_position_embeddings="
@@ -314,7 +322,7 @@ def plan_layout(
             Candidate(
                 dims,
                 micro_batch,
-                1,
+                micro_batches,
                 activation_checkpointing=checkpointing,
                 dtype=dtype,
                 cp_mode=cp_mode,

@@ -650,7 +650,8 @@ def _expert_step(
 def _context_step(
     model, parallel, schedule, data_parallel, dp_group, tp_group, compression, ignore_index
 ) -> StepStrategy:
-    experts = any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+    # from the layout, not this rank's modules (a stage may hold only dense layers)
+    experts = parallel.ep > 1 or any(isinstance(m, ExpertParallelMoE) for m in model.modules())
     if experts:  # a converted Hugging Face model, trained as it is (as without cp)
         _check_no_groups(dp_group, tp_group)
     else:
