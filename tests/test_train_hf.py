@@ -304,6 +304,22 @@ def test_context_parallel_trains_a_transformers_model_like_one_rank(tmp_path, to
     _same_run(tmp_path / "one", tmp_path / "cp", 2)
 
 
+@pytest.mark.full_matrix  # make test: the native model's checkpoints across CP (test_context)
+def test_a_context_parallel_checkpoint_resumes_at_another_layout(tmp_path, tokens):
+    """`tp-ext train --model DIR --cp 2` stopped after 2 steps (its checkpoint saved) and
+    resumed with --dp 2 instead: the 3rd step's loss and the export equal one rank's straight
+    run (the CP ranks hold the same parameters; the checkpoint reshards like any other)."""
+    model = _model_dir(tmp_path, weights=False)
+    run = ["--model", model, "--data", tokens, "--save-every", "2", "--seq-len", "30"]
+    _train_here(*run, "--steps", "3", "--checkpoint-dir", tmp_path / "one")
+    stopped = tmp_path / "stopped"
+    _torchrun(2, *run, "--steps", "2", "--checkpoint-dir", stopped, "--tp", "1", "--cp", "2")
+    err = _torchrun(2, *run, "--steps", "3", "--checkpoint-dir", stopped, "--resume",
+                    "--tp", "1", "--dp", "2")  # fmt: skip
+    assert "resumed from" in err
+    _same_run(tmp_path / "one", stopped, 3)
+
+
 @pytest.mark.full_matrix
 def test_context_parallel_inside_pipeline_stages_trains_like_one_rank(tmp_path, tokens):
     """`tp-ext train --model DIR --pp 2 --cp 2` (4 ranks, ring): the losses and export of one."""
