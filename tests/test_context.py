@@ -403,13 +403,18 @@ def _train_under_cp(tp, cp, dp, pp=1, schedule="1F1B"):
         ]
         mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
         losses.append((trainer.step(mine), ref_trainer.step(batches)))
-    full = model.full_state_dict()  # under pipelining: this rank's stages'
-    assert full and set(full) <= set(reference.state_dict())
-    for name, tensor in full.items():
-        want = reference.state_dict()[name]
-        err = (tensor - want).abs().max().item() / want.abs().max().item()
-        assert err < 1e-6, (name, err)
+    assert_same_weights(model.full_state_dict(), reference.state_dict())
     return losses
+
+
+def assert_same_weights(full: dict, expected: dict, tol: float = 1e-6) -> None:
+    """``full`` (a rank's unsharded weights: under pipelining its stages') equal to the
+    reference's under the same names, within ``tol`` of each tensor's largest entry."""
+    assert full and set(full) <= set(expected), sorted(set(full) - set(expected))
+    for name, tensor in full.items():
+        want = expected[name]
+        err = (tensor - want).abs().max().item() / want.abs().max().item()
+        assert err < tol, (name, err)
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,10 @@ import tp_ext
 from tp_ext.parallelize.modules import fuse_rms_norms
 
 from .dist_utils import run_distributed
+from .test_context import assert_same_weights
+from .test_parallelize_models import COMMON, VOCAB
 
 SEQ = 11
-VOCAB = 101
 ARCHS = {  # architecture: (config class, model class, extra config)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -30,26 +31,9 @@ ARCHS = {  # architecture: (config class, model class, extra config)
 
 def _model(arch: str, dtype=torch.float64, **extra):
     config_class, model_class, arch_extra = ARCHS[arch]
-    config = getattr(transformers, config_class)(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=44,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **{**arch_extra, **extra},
-    )
+    config = getattr(transformers, config_class)(**{**COMMON, **arch_extra, **extra})
     torch.manual_seed(0)  # the same full weights on every rank
     return getattr(transformers, model_class)(config).to(dtype)
-
-
-def _reference(arch: str):
-    """The unsharded model with its norms on tp_ext's fused op, as parallelize runs them (their
-    equality with Hugging Face's is tested in test_parallelize_models): what differs is CP."""
-    model = _model(arch)
-    fuse_rms_norms(model)
-    return model
 
 
 def _ids(batch=2, seed=1):
@@ -59,7 +43,7 @@ def _ids(batch=2, seed=1):
 def _check_exact(arch, tp, cp, mode, sp=False):
     import torch.distributed as dist
 
-    reference = _reference(arch)
+    reference = _model(arch)
     state = tp_ext.init_parallel(tp=tp, cp=cp)
     model, report = tp_ext.parallelize(
         copy.deepcopy(reference),
@@ -141,7 +125,7 @@ def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
     on every CP rank), against one process training the unsharded model on all of them."""
     from tp_ext.training import Trainer
 
-    reference = _reference(arch)
+    reference = _model(arch)
     state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp, pp=pp)
     model = tp_ext.parallelize(
         copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode, sequence_parallel=sp
@@ -155,12 +139,7 @@ def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
     trainer = Trainer(model, optimizer=sgd, parallel=state, max_grad_norm=1.0)
     ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=1.0)
     losses = _three_steps(trainer, ref_trainer, state)
-    full = tp_ext.layers.full_state_dict(model)  # this rank's stages' under pipelining
-    assert full and set(full) <= set(reference.state_dict())
-    for name, tensor in full.items():
-        want = reference.state_dict()[name]
-        err = (tensor - want).abs().max().item() / want.abs().max().item()
-        assert err < 1e-6, (name, err)
+    assert_same_weights(tp_ext.layers.full_state_dict(model), reference.state_dict())
     return losses
 
 
@@ -207,13 +186,11 @@ def _train_moe(tp, cp, dp, ep, mode):
     parallelism: three SGD steps against one process on every micro-batch."""
     from tp_ext.training import Trainer
 
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=44, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
+    config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     reference = transformers.MixtralForCausalLM(config).float()
+    # its norms on the fused op, as parallelize runs them in fp32 (their equality with Hugging
+    # Face's is tested in test_parallelize_models): what differs is EP and CP
     fuse_rms_norms(reference)
     state = tp_ext.init_parallel(tp=tp, cp=cp, dp=dp, ep=ep)
     model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode)
@@ -225,10 +202,8 @@ def _train_moe(tp, cp, dp, ep, mode):
     ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=None)
     losses = _three_steps(trainer, ref_trainer, state)
     full = tp_ext.layers.full_state_dict(model)
-    assert set(full) == set(reference.state_dict())
-    for name, want in reference.state_dict().items():
-        err = (full[name] - want).abs().max().item() / want.abs().max().item()
-        assert err < 1e-5, (name, err)
+    assert set(full) == set(reference.state_dict())  # pp = 1: every tensor, experts included
+    assert_same_weights(full, reference.state_dict(), tol=1e-5)
     return losses
 
 
@@ -312,7 +287,7 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
 def _pipelined_logits(arch, mode):
     """(pp, cp) = (2, 2): model(ids) runs the stages for inference; every rank of a pipeline
     gets the logits of its CP positions, equal to the unsharded model's there."""
-    reference = _reference(arch)
+    reference = _model(arch)
     state = tp_ext.init_parallel(tp=1, cp=2, pp=2)
     model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode)
     ids = _ids()

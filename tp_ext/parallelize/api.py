@@ -130,7 +130,7 @@ def parallelize(
     _check_not_parallelized(module)
     context = parallel is not None and getattr(parallel, "cp", 1) > 1
     if context:  # refused before anything changes
-        check_context_parallel(module, parallel, cp_mode, sequence_parallel)
+        check_context_parallel(module, parallel, cp_mode)
     stages = None
     if parallel is not None and parallel.pp > 1:  # checked and traced before anything changes
         options = dict(

@@ -34,7 +34,7 @@ ATTENTION = "tp_ext_context"  # the name it is registered under in transformers'
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
 
 
-def check_context_parallel(model: nn.Module, parallel, cp_mode: str, sequence_parallel) -> None:
+def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
     """Refuses, before anything is converted, what context parallelism cannot run here."""
     cp = parallel.cp
     kind = getattr(getattr(model, "config", None), "model_type", None)
