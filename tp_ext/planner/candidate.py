@@ -10,6 +10,7 @@ import warnings
 from typing import Optional, Union
 
 from tp_ext.dims import ParallelDims
+from tp_ext.layers.context import CP_MODES
 from tp_ext.pipeline.schedules import SCHEDULES
 from tp_ext.validation import check_dtype_name, check_int
 
@@ -61,7 +62,7 @@ class Candidate:
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {self.data_parallel!r}")
         check_dtype_name(self.dtype)
-        if self.cp_mode not in ("ring", "all_to_all"):
+        if self.cp_mode not in CP_MODES:
             raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {self.cp_mode!r}")
 
     def describe(self) -> str:

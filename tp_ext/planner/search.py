@@ -10,6 +10,7 @@ import os
 from typing import Optional, Union
 
 from tp_ext.dims import ParallelDims
+from tp_ext.layers.context import CP_MODES
 from tp_ext.models.hf import is_hf_config_dict, load_hf_config
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.pipeline.schedules import weight_split_supported
@@ -249,7 +250,7 @@ def plan(
     check_int("cp", cp)
     if gpus % cp:
         raise ValueError(f"cp={cp} does not divide gpus={gpus}: use a divisor of {gpus}")
-    if cp_mode not in ("ring", "all_to_all"):
+    if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     gpus_per_node = _check_nodes(gpus, gpus_per_node)

@@ -33,7 +33,7 @@ from tp_ext.layers import (
     no_init,
     tensor_specs,
 )
-from tp_ext.layers.context import cp_positions
+from tp_ext.layers.context import CP_MODES, cp_positions
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
@@ -147,7 +147,7 @@ class Qwen2ForCausalLM(ParallelModule):
     ):
         super().__init__()
         dtype = as_torch_dtype(dtype)
-        if cp_mode not in ("ring", "all_to_all"):
+        if cp_mode not in CP_MODES:
             raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
         if parallel is not None:
             if tp_group is not None:
