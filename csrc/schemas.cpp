@@ -73,6 +73,29 @@ TORCH_LIBRARY(tp_ext, m) {
       "vocab_ce_local_grad(Tensor grad_loss, Tensor logits, Tensor target, Tensor max_sizes, "
       "Tensor lse, int ignore_index, float label_smoothing, int group_rank) -> Tensor");
 
+  // ---- sampling (ops/sampling.{h,cpp}, ops/sampling_cuda.cu) ----
+  // Temperature / top-k / top-p sampling from logits split by vocabulary over the group, without
+  // gathering them: the local pieces (the caller communicates). Every op scales the logits shard
+  // [B, V_local] as s = logits.to(acc) / temperature (acc: fp64 for fp64 logits, else fp32; a true
+  // division, so s is bitwise the same everywhere); a token is kept when s >= threshold and
+  // s > -inf. No derivatives (inference only).
+  m.def(  // (values [B, count] acc: the count largest s per row, descending, ties in index order;
+          // indices [B, count] int64, local columns), padded with (-inf, -1) past V_local
+      "sampling_candidates(Tensor logits, float temperature, int count) -> (Tensor, Tensor)");
+  m.def(  // (threshold [B] acc, resolved [B] bool) from every rank's candidates [B, N]: top-k's
+          // k-th largest, then top-p's first sorted value whose cumulative probability
+          // exp(v - row_max) / total_mass reaches top_p; resolved: final (within the exact_count
+          // leading candidates that are the true global order), else retry with more candidates
+      "sampling_threshold(Tensor candidates, int top_k, float top_p, Tensor total_mass, "
+      "Tensor row_max, int exact_count) -> (Tensor, Tensor)");
+  m.def(  // [B] acc: sum of exp(s - row_max) over this shard's kept tokens
+      "sampling_kept_mass(Tensor logits, float temperature, Tensor threshold, Tensor row_max) -> "
+      "Tensor");
+  m.def(  // [B] int64: the first kept token (in order) whose running sum of exp(s - row_max)
+          // exceeds target; the last kept token if none does; -1 if none is kept
+      "sampling_pick(Tensor logits, float temperature, Tensor threshold, Tensor row_max, "
+      "Tensor target) -> Tensor");
+
   // ---- attention over key blocks (ring attention: ops/attention_merge.*) ----
   // attention_merge: two partial attention results over disjoint key blocks (out [..., S, D] and
   // its log-sum-exp [..., S], as flash attention returns them) merged into the attention over

@@ -116,6 +116,13 @@ def _fused_op_samples():
     gu = full((2, 3, 10), 16)
     moe_ids = torch.tensor([[0, 3], [2, 0], [1, -1], [3, 2], [0, 1]])
     row_map, _ = ops.moe_route(moe_ids, 4)
+    samp_logits = full((3, 5), 47, torch.bfloat16)
+    samp_logits[1, 2] = float("-inf")
+    samp_cands = torch.cat(
+        [ops.sampling_candidates(x, 0.7, 4)[0] for x in (samp_logits, full((3, 3), 49))], dim=1
+    )
+    samp_max = samp_cands.amax(1)
+    samp_total = (samp_cands - samp_max.unsqueeze(1)).exp().sum(1)
     return [
         ("rms_norm", (grad(x), grad(w), 1e-6)),
         ("add_rms_norm", (grad(x), grad(full((2, 3, 8), 17)), grad(w), 1e-6)),
@@ -159,6 +166,18 @@ def _fused_op_samples():
         ("moe_permute", (full((5, 6), 36), row_map, None, 12)),
         ("moe_unpermute", (grad(full((10, 6), 38)), row_map, grad(full((5, 2), 37)))),
         ("moe_weight_grad", (full((5, 6), 36), full((10, 6), 38), row_map)),
+        # vocab-parallel sampling's local pieces (no derivatives: inputs without grad), on a
+        # shard of 5 and on one of 3 (padded candidates), a -inf logit, all three gathered
+        ("sampling_candidates", (samp_logits, 0.7, 4)),
+        ("sampling_candidates", (full((3, 3), 48, torch.float64), 1.0, 4)),
+        ("sampling_candidates", (torch.empty(3, 0, dtype=torch.bfloat16), 1.0, 2)),
+        ("sampling_threshold", (samp_cands, 2, 0.9, samp_total, samp_max, 4)),
+        ("sampling_threshold", (samp_cands, 0, 1.0, samp_total, samp_max, 4)),
+        ("sampling_kept_mass", (samp_logits, 0.7, samp_cands[:, 3].contiguous(), samp_max)),
+        (
+            "sampling_pick",
+            (samp_logits, 0.7, samp_cands[:, 3].contiguous(), samp_max, samp_total * 0.25),
+        ),
     ]
 
 

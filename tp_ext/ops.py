@@ -95,6 +95,11 @@ KERNEL_OPS = (
     "moe_permute",
     "moe_unpermute",
     "moe_weight_grad",
+    # vocab-parallel sampling (temperature, top-k, top-p): the local pieces, no derivatives
+    "sampling_candidates",
+    "sampling_threshold",
+    "sampling_kept_mass",
+    "sampling_pick",
 )
 ALL_OPS = COLLECTIVE_OPS + KERNEL_OPS
 
@@ -151,6 +156,19 @@ moe_route = _lib.moe_route
 moe_permute = _lib.moe_permute  # (x [T, H], row_map, weights?, num_rows) -> [num_rows, H]
 moe_unpermute = _lib.moe_unpermute  # (y [R, H], row_map, weights?) -> [T, H], weighted sum
 moe_weight_grad = _lib.moe_weight_grad  # (tokens [T, H], rows [R, H], row_map) -> [T, k]
+# Vocab-parallel sampling, logits [B, V_local] scaled as s = logits.to(acc) / temperature (acc:
+# fp64 for fp64 logits, else fp32); kept: s >= threshold and s > -inf (docs/ops.md, "Sampling").
+# (logits, temperature, count) -> (values [B, count] acc, indices [B, count] int64): the count
+# largest s per row, descending (ties: smaller index first), padded with (-inf, -1)
+sampling_candidates = _lib.sampling_candidates
+# (candidates [B, N] acc, top_k, top_p, total_mass [B], row_max [B], exact_count)
+#   -> (threshold [B] acc, resolved [B] bool)
+sampling_threshold = _lib.sampling_threshold
+# (logits, temperature, threshold [B], row_max [B]) -> [B] acc: sum of exp(s - row_max) kept
+sampling_kept_mass = _lib.sampling_kept_mass
+# (logits, temperature, threshold [B], row_max [B], target [B]) -> [B] int64: the first kept
+# token whose running sum of exp(s - row_max) exceeds target (else the last kept; -1: none kept)
+sampling_pick = _lib.sampling_pick
 
 
 # ---- fake kernels: collectives -------------------------------------------------------------------
@@ -401,6 +419,35 @@ def _moe_weight_grad(tokens, rows, row_map):
     return tokens.new_empty(row_map.shape, dtype=dtype)
 
 
+def _sampling_acc(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _sampling_candidates(logits, temperature, count):
+    torch._check(
+        count >= 1,
+        lambda: f"tp_ext.sampling_candidates: count={count} must be >= 1.",
+    )
+    rows = logits.shape[0]
+    return (
+        logits.new_empty((rows, count), dtype=_sampling_acc(logits)),
+        logits.new_empty((rows, count), dtype=torch.int64),
+    )
+
+
+def _sampling_threshold(candidates, top_k, top_p, total_mass, row_max, exact_count):
+    rows = candidates.shape[0]
+    return candidates.new_empty((rows,)), candidates.new_empty((rows,), dtype=torch.bool)
+
+
+def _sampling_kept_mass(logits, temperature, threshold, row_max):
+    return logits.new_empty((logits.shape[0],), dtype=_sampling_acc(logits))
+
+
+def _sampling_pick(logits, temperature, threshold, row_max, target):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
 def _strided_like(x):
     # As the kernel: x's strides when head_dim has unit stride, else contiguous.
     out = torch.empty_like(x)
@@ -450,6 +497,10 @@ _FAKES = {
     "moe_permute": _moe_permute,
     "moe_unpermute": _moe_unpermute,
     "moe_weight_grad": _moe_weight_grad,
+    "sampling_candidates": _sampling_candidates,
+    "sampling_threshold": _sampling_threshold,
+    "sampling_kept_mass": _sampling_kept_mass,
+    "sampling_pick": _sampling_pick,
 }
 assert set(_FAKES) == set(ALL_OPS), "every op in the list has exactly one fake kernel"
 

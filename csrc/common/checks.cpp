@@ -29,4 +29,18 @@ std::string shape_str(at::IntArrayRef s) {
   return os.str();
 }
 
+void check_logits(const at::Tensor& logits, const char* op) {
+  TORCH_CHECK_VALUE(logits.defined(), "tp_ext.", op, ": logits is an undefined tensor.");
+  TORCH_CHECK_VALUE(logits.layout() == at::kStrided, "tp_ext.", op,
+                    ": logits must be a dense (strided) tensor, got layout ", logits.layout(),
+                    "; call .to_dense() first.");
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK_VALUE(
+      dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf, "tp_ext.",
+      op, ": logits must be floating point (float32, float64, bfloat16 or float16), got ", dt, ".");
+  TORCH_CHECK_VALUE(logits.dim() >= 1, "tp_ext.", op,
+                    ": logits must have a vocabulary dimension (shape [..., V_local]), got a 0-d "
+                    "tensor.");
+}
+
 }  // namespace tp_ext

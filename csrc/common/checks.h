@@ -14,6 +14,10 @@ void check_tensor(const at::Tensor& x, const char* arg, const char* op);
 // `dim` (argument `arg`) wrapped into [0, ndim); ndim must be >= 1.
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op);
 
+// logits defined, dense, floating point (fp32, fp64, bf16, fp16), with a vocabulary dim [..., V].
+// Works on symbolic shapes too (an op that communicates runs it while torch.compile traces).
+void check_logits(const at::Tensor& logits, const char* op);
+
 // "[a, b, c]", for error messages.
 std::string shape_str(at::IntArrayRef s);
 

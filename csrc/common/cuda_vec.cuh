@@ -65,6 +65,21 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 // Threads per block of tp_ext's one-dimensional kernels (8 warps).
 constexpr int kThreads = 256;
 
+// Reduces one value per thread over a block of exactly kThreads threads by `op`; every thread
+// gets the result. `shared` holds kThreads / 32 values; the leading __syncthreads lets callers
+// reuse it back to back.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op, T* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = shared[0];
+  for (int w = 1; w < kThreads / 32; ++w) v = op(v, shared[w]);
+  return v;
+}
+
 // Threads for a block that covers `n` elements, a row or a chunk: whole warps (the block
 // reductions and ballots need them), a power of two, at most kThreads.
 inline int threads_for(int64_t n) {

@@ -15,7 +15,6 @@ inline at::ScalarType stats_dtype(at::ScalarType logits) {
 // Checks that name the argument, its value and what would work: logits floating point with a
 // vocabulary dim, target int64 of shape logits.shape[:-1] on the same device. Works on symbolic
 // shapes too (the communicating op runs it while torch.compile traces).
-void check_logits(const at::Tensor& logits, const char* op);
 void check_logits_target(const at::Tensor& logits, const at::Tensor& target, const char* op);
 void check_label_smoothing(double label_smoothing, const char* op);
 

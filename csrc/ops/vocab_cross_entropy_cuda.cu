@@ -37,20 +37,6 @@ struct SumOp {
   }
 };
 
-// Reduces one value per thread over the block; every thread gets the result. `shared` holds
-// kWarps values; the leading __syncthreads lets callers reuse it back to back.
-template <typename T, typename Op>
-__device__ T block_reduce(T v, Op op, T* shared) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = shared[0];
-  for (int w = 1; w < kWarps; ++w) v = op(v, shared[w]);
-  return v;
-}
-
 // A row this block can read in 128-bit packs: whole packs, 16-byte aligned.
 template <typename T>
 __device__ __forceinline__ bool whole_packs(const T* row, int64_t v) {
@@ -81,7 +67,7 @@ __global__ void local_stats_kernel(const scalar_t* __restrict__ logits, acc_t* _
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
       m = MaxOp()(m, static_cast<acc_t>(row[j]));
   }
-  m = block_reduce(m, MaxOp(), shared);
+  m = cuda::block_reduce(m, MaxOp(), shared);
   acc_t sum_exp = 0, sum_logits = 0;
   if (packed) {
     for (int64_t c = threadIdx.x; c < v / V; c += blockDim.x) {
@@ -100,8 +86,8 @@ __global__ void local_stats_kernel(const scalar_t* __restrict__ logits, acc_t* _
       sum_logits += x;
     }
   }
-  sum_exp = block_reduce(sum_exp, SumOp(), shared);
-  sum_logits = block_reduce(sum_logits, SumOp(), shared);
+  sum_exp = cuda::block_reduce(sum_exp, SumOp(), shared);
+  sum_logits = cuda::block_reduce(sum_logits, SumOp(), shared);
   if (threadIdx.x == 0) {
     max_out[i] = m;
     sums[2 * i] = sum_exp;
