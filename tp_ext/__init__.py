@@ -20,6 +20,7 @@ from tp_ext import (
 from tp_ext.dims import ParallelDims
 from tp_ext.distributed import ParallelState, comm, init_parallel, parallel_state
 from tp_ext.distributed import rng as random
+from tp_ext.generation import generate
 from tp_ext.layers.context import cp_positions
 from tp_ext.parallelize import (
     Colwise,
@@ -67,4 +68,5 @@ __all__ = [
     "shard_range",
     "split_tensor",
     "cp_positions",
+    "generate",
 ]

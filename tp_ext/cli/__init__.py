@@ -1,11 +1,14 @@
 """``tp-ext`` (also ``python -m tp_ext``): the command-line applications on top of the library.
 Each command is a module with ``add_arguments(parser)`` and ``main(args) -> int`` (``plan``,
-``run``, ``train``, ``demo``, ``doctor``); this one builds the parser from them and dispatches.
+``run``, ``train``, ``generate``, ``demo``, ``doctor``); this one builds the parser from them
+and dispatches.
 
     torchrun --standalone --nproc-per-node 8 -m tp_ext run configs/qwen2-72b.yaml
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m tp_ext train \
         configs/train-tiny.yaml --data tokens.bin --steps 100 --checkpoint-dir ckpt
     tp-ext plan configs/qwen2-72b.yaml --tp 8 --pp 4
+    torchrun --standalone --nproc-per-node 4 -m tp_ext generate --model DIR --tp 2 --pp 2 \
+        --prompt-file prompts.txt --max-new-tokens 64
     torchrun --standalone --nproc-per-node 4 -m tp_ext demo
 """
 
@@ -14,15 +17,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tp_ext.cli import demo, doctor, plan, run, train
+from tp_ext.cli import demo, doctor, generate, plan, run, train
 from tp_ext.cli.launch import refuse, run_command
 from tp_ext.cli.logs import add_log_level, configure
 
 __all__ = ["main", "COMMANDS"]
 
 # name -> module, in the order --help lists them
-COMMANDS = {"demo": demo, "plan": plan, "run": run, "doctor": doctor, "train": train}
-_STARTS_PROCESS_GROUPS = ("demo", "run", "train")
+COMMANDS = {
+    "demo": demo,
+    "plan": plan,
+    "run": run,
+    "doctor": doctor,
+    "train": train,
+    "generate": generate,
+}
+_STARTS_PROCESS_GROUPS = ("demo", "run", "train", "generate")
 
 
 def _check_variables(command: str) -> int:

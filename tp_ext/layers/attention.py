@@ -139,7 +139,11 @@ class ParallelAttention(ParallelModule):
         position_ids: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         seq_len: Optional[int] = None,
+        key_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """``key_mask`` ([batch, past + seq], bool): which keys are real tokens (False: the left
+        padding of a batch of prompts); a query never attends to padding, and a padding query
+        attends to itself alone (no row of the scores is empty)."""
         if x.dim() != 3:
             raise ValueError(
                 f"ParallelAttention: input must be [batch, seq, hidden], got shape {tuple(x.shape)}"
@@ -171,7 +175,7 @@ class ParallelAttention(ParallelModule):
             if self.kv_groups_local > 1:
                 k = k.repeat_interleave(self.kv_groups_local, dim=1)
                 v = v.repeat_interleave(self.kv_groups_local, dim=1)
-            out = self._attend(q, k, v, past)
+            out = self._attend(q, k, v, past, key_mask)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads_local * self.head_dim)
         return self.o_proj(out, sp_len)
 
@@ -189,13 +193,23 @@ class ParallelAttention(ParallelModule):
                 "yet; set attention_dropout=0"
             )
 
-    def _attend(self, q, k, v, past: int) -> torch.Tensor:
+    def _attend(self, q, k, v, past: int, key_mask: Optional[torch.Tensor] = None):
         dropout = self.dropout if self.training else 0.0
-        if past == 0:
+        if past == 0 and key_mask is None:
             mask, causal = None, True
         else:  # query i sits at position past + i and sees keys 0..past + i
             rows = torch.arange(q.size(2), device=q.device).unsqueeze(1) + past
-            mask, causal = torch.arange(k.size(2), device=q.device) <= rows, False
+            keys = torch.arange(k.size(2), device=q.device)
+            mask, causal = keys <= rows, False
+            if key_mask is not None:
+                if tuple(key_mask.shape) != (q.size(0), k.size(2)):
+                    raise ValueError(
+                        f"key_mask must be [batch, past + seq] = [{q.size(0)}, {k.size(2)}], "
+                        f"got shape {tuple(key_mask.shape)}"
+                    )
+                # padding keys hidden; each query keeps its own key, so a padding row is not
+                # empty (an empty row's softmax is NaN, which its values would carry onwards)
+                mask = (mask & key_mask.bool()[:, None, None, :]) | (keys == rows)
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         with tp_rng():

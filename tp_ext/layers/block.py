@@ -78,8 +78,9 @@ class ParallelTransformerBlock(ParallelModule):
         position_ids: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         seq_len: Optional[int] = None,
+        key_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), position_ids, kv_cache, seq_len)
+        attn = self.self_attn(self.input_layernorm(x), position_ids, kv_cache, seq_len, key_mask)
         norm = self.post_attention_layernorm
         if isinstance(norm, RMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks):
             normed, h = norm.forward_add(attn, x)  # h = x + attn and its norm in one pass

@@ -18,6 +18,7 @@ after them (final norm, LM head) to the last; which is which is seen by running 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Optional
 
 import torch
@@ -445,9 +446,12 @@ class StagedCausalLM(nn.Module):
 
     # -- running a stage --------------------------------------------------------------------------
 
-    def stage_forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+    def stage_forward(self, stage: int, x: torch.Tensor, **decode) -> torch.Tensor:
         """Stage ``stage``: token ids (first stage) or the previous stage's hidden states in;
-        hidden states, or this rank's vocabulary shard of the logits (last stage), out."""
+        hidden states, or this rank's vocabulary shard of the logits (last stage), out.
+        ``decode``: what :func:`tp_ext.generate` passes the model's own forward for one step of
+        decoding (``attention_mask``, ``position_ids``, ``cache_position``, ``past_key_values``);
+        the last stage then gives the logits of the last position only."""
         if stage not in self.stage_ids:
             raise ValueError(
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
@@ -455,12 +459,16 @@ class StagedCausalLM(nn.Module):
             )
         # a later stage's zero input only carries the shape (see the module's docstring)
         inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": self._zero_input(x)}
+        inputs.update(decode, use_cache=bool(decode))
         with self._running(stage, None if stage == 0 else x), self._context_positions(stage):
             if stage == self.stage_split.last_stage:
-                out = self.hf_model(**inputs, use_cache=False).logits
+                if decode and _takes(self.hf_model, "logits_to_keep"):
+                    inputs["logits_to_keep"] = 1
+                out = self.hf_model(**inputs).logits
+                out = out[:, -1:] if decode else out
             else:
                 base = getattr(self.hf_model, self.hf_model.base_model_prefix)
-                out = base(**inputs, use_cache=False).last_hidden_state
+                out = base(**inputs).last_hidden_state
                 if self.sequence_parallel:  # gathered by the final norm's stand-in
                     out = self._own_shard(out)
         # torch's stages detach their outputs in place after backward, which a view refuses
@@ -569,6 +577,11 @@ class _Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._model.stage_forward(self.stage, x)
+
+
+def _takes(module: nn.Module, argument: str) -> bool:
+    """Whether ``module``'s forward has a parameter named ``argument``."""
+    return argument in inspect.signature(module.forward).parameters
 
 
 def tied_copies_group(model):

@@ -357,17 +357,31 @@ class Qwen2ForCausalLM(ParallelModule):
         h = self.stage_forward(0, input_ids, kv_caches)
         return h if local_logits else self.lm_head.gather_features(h)
 
-    def stage_forward(self, stage: int, x: torch.Tensor, kv_caches=None) -> torch.Tensor:
+    def stage_forward(
+        self,
+        stage: int,
+        x: torch.Tensor,
+        kv_caches=None,
+        *,
+        position_ids: Optional[torch.Tensor] = None,
+        key_mask: Optional[torch.Tensor] = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """What pipeline stage ``stage`` computes: ids -> embedding on the first stage, its
         decoder layers, then norm and this rank's vocabulary shard of the logits on the last.
-        ``kv_caches``: one per decoder layer of the full model, by global index."""
+        ``kv_caches``: one per decoder layer of the full model, by global index. For decoding a
+        batch of left-padded prompts (:func:`tp_ext.generate`): ``position_ids`` [batch, seq],
+        ``key_mask`` [batch, cached + seq] (False at padding), and ``last_only`` (the logits of
+        the last position only)."""
         layout = self.stage_split
         if stage not in self.stage_ids:
             raise ValueError(
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
                 f"{layout.num_stages}"
             )
-        positions, seq_len = None, None
+        positions, seq_len = position_ids, None
+        if self.cp_group is not None and position_ids is not None:
+            raise ValueError("stage_forward: position_ids are given by context parallelism")
         if self.cp_group is not None:  # this CP rank's positions of the whole sequence
             seq_len = x.size(1) if stage == 0 else self.sequence_length
             if seq_len is None:
@@ -386,11 +400,11 @@ class Qwen2ForCausalLM(ParallelModule):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # recomputed in backward; the TP random stream is derived from torch's, which
                 # checkpoint restores, so dropout masks repeat exactly
-                x = recompute(layer, x, positions, cache, seq_len, use_reentrant=False)
+                x = recompute(layer, x, positions, cache, seq_len, key_mask, use_reentrant=False)
             else:
-                x = layer(x, positions, cache, seq_len)
+                x = layer(x, positions, cache, seq_len, key_mask)
         if stage == layout.last_stage:
-            x = self.lm_head(self.model.norm(x))
+            x = self.lm_head(self.model.norm(x[:, -1:] if last_only else x))
         return x
 
     def _pipelined_forward(self, input_ids, local_logits, kv_caches) -> torch.Tensor:

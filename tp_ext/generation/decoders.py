@@ -1,0 +1,203 @@
+"""What :func:`tp_ext.generate` needs of a model, one adapter per kind: tp_ext's native Qwen2
+(:class:`NativeDecoder`, its own KV caches) and a Hugging Face causal LM converted by
+``parallelize`` (:class:`HFDecoder`, a transformers ``StaticCache`` and the model's own forward,
+which keeps what each architecture does around its layers: masks, rotary tables, sliding
+windows, soft-capping). Both run one pipeline stage at a time; the last stage gives this TP
+rank's vocabulary shard of the last position's logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tp_ext.distributed.mesh import parallel_state
+from tp_ext.parallelize.stages import StagedCausalLM, single_stage
+from tp_ext.sharding import StageSplit
+
+__all__ = ["Decoder", "as_decoder"]
+
+
+class Decoder:
+    """One model's stages as the generation loop runs them."""
+
+    def __init__(self, model: nn.Module, parallel, stage_split: StageSplit, stage_ids, config):
+        self.model, self.parallel, self.config = model, parallel, config
+        self.stage_split, self.stage_ids = stage_split, list(stage_ids)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+
+    @property
+    def tp_group(self):
+        return self.parallel.tp_group if self.parallel is not None else self.model.tp
+
+    @property
+    def pp_group(self):
+        return self.parallel.pp_group if self.stage_split.pp > 1 else None
+
+    @property
+    def pp_rank(self) -> int:
+        return self.parallel.pp_rank if self.stage_split.pp > 1 else 0
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def new_cache(self, batch: int, length: int):
+        raise NotImplementedError
+
+    def cache_bytes(self, cache) -> int:
+        raise NotImplementedError
+
+    def run(self, stage: int, x, cache, key_mask, position_ids, cache_position) -> torch.Tensor:
+        """Stage ``stage`` on ``x`` (ids or hidden states, ``[batch, new]``): hidden states, or on
+        the last stage this rank's vocabulary shard of the last position's logits
+        ``[batch, V_r]``. ``key_mask`` ``[batch, cached + new]`` (1 at real tokens),
+        ``position_ids`` ``[batch, new]``, ``cache_position`` ``[new]`` (their cache slots)."""
+        raise NotImplementedError
+
+
+class NativeDecoder(Decoder):
+    """tp_ext's Qwen2 (TP, PP): a :class:`~tp_ext.layers.KVCache` per decoder layer this rank
+    holds, allocated once for the batch, split by KV heads."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, model.parallel, model.stage_split, model.stage_ids, model.config)
+
+    def new_cache(self, batch: int, length: int):
+        caches = [None] * self.config.num_hidden_layers
+        for i in self.model.model.layers.indices():
+            caches[i] = self.model.model.layers[i].self_attn.new_kv_cache(batch, length)
+        return caches
+
+    def cache_bytes(self, cache) -> int:
+        return sum(c.nbytes() for c in cache if c is not None)
+
+    def run(self, stage, x, cache, key_mask, position_ids, cache_position):
+        out = self.model.stage_forward(
+            stage,
+            x,
+            cache,
+            position_ids=position_ids,
+            key_mask=key_mask.bool(),
+            last_only=True,
+        )
+        return out[:, -1] if stage == self.stage_split.last_stage else out
+
+
+class HFDecoder(Decoder):
+    """A Hugging Face causal LM converted by ``parallelize`` (its stages, or at pp = 1 the model
+    as one stage): the model's own forward with a transformers ``StaticCache``, whose layers
+    take this rank's KV heads from the first keys they store (lazily, once)."""
+
+    def __init__(self, staged: StagedCausalLM):
+        super().__init__(
+            staged, staged.parallel, staged.stage_split, staged.stage_ids, staged.config
+        )
+
+    def new_cache(self, batch: int, length: int):
+        return _stage_cache_class()(config=self.config, max_cache_len=length)
+
+    def cache_bytes(self, cache) -> int:
+        total = 0
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def run(self, stage, x, cache, key_mask, position_ids, cache_position):
+        out = self.model.stage_forward(
+            stage,
+            x,
+            attention_mask=key_mask,
+            position_ids=position_ids,
+            cache_position=cache_position,
+            past_key_values=cache,
+        )
+        return out[:, -1] if stage == self.stage_split.last_stage else out
+
+
+_STAGE_CACHE: list = []
+
+
+def _stage_cache_class():
+    """transformers' StaticCache for one pipeline stage. The model's forward sizes its masks by
+    the cache length of its first layer (of each attention kind), which a later stage does not
+    hold (its cache layer never fills): such a query is answered by a layer of the same kind
+    that this stage holds (every held layer has seen the same tokens)."""
+    if _STAGE_CACHE:
+        return _STAGE_CACHE[0]
+    from transformers import StaticCache
+
+    class StageStaticCache(StaticCache):
+        def _held(self, layer_idx: int) -> int:
+            if layer_idx >= len(self.layers) or self.layers[layer_idx].is_initialized:
+                return layer_idx
+            kind = type(self.layers[layer_idx])
+            for i, layer in enumerate(self.layers):
+                if layer.is_initialized and type(layer) is kind:
+                    return i
+            return layer_idx
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return super().get_seq_length(self._held(layer_idx))
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int):
+            return super().get_mask_sizes(query_length, self._held(layer_idx))
+
+    _STAGE_CACHE.append(StageStaticCache)
+    return StageStaticCache
+
+
+def as_decoder(model: nn.Module, parallel=None) -> Decoder:
+    """The adapter for ``model``, or an error naming what it is and what works."""
+    from tp_ext.models.qwen2 import Qwen2ForCausalLM
+
+    if isinstance(model, Qwen2ForCausalLM):
+        if model.cp_group is not None:
+            raise ValueError(
+                f"generate: context parallelism (cp={model.cp_group.size}) does not decode; "
+                "build the model with cp=1 for generation"
+            )
+        return NativeDecoder(model)
+    if getattr(model, "tp_grid", None) is not None or type(model).__name__.endswith("2D"):
+        raise ValueError(
+            f"generate: {type(model).__name__} (a 2D tensor-parallel grid) has no KV-cache "
+            "decoding; build the model with a 1D tp for generation"
+        )
+    staged = model if isinstance(model, StagedCausalLM) else None
+    if staged is None:
+        if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
+            raise TypeError(
+                f"generate: model must be tp_ext's Qwen2ForCausalLM or a Hugging Face causal LM "
+                f"(converted by tp_ext.parallelize), got {type(model).__name__}"
+            )
+        staged = getattr(model, "_tp_ext_generation_stage", None)
+        if staged is None:
+            parallel = parallel if parallel is not None else parallel_state()
+            if parallel.pp > 1:
+                raise ValueError(
+                    "generate: this process's layout has pp > 1, but the model is not split into "
+                    "stages: convert it with tp_ext.parallelize(model, 'auto', parallel=state), "
+                    "which returns this rank's stages"
+                )
+            staged = single_stage(model, parallel)
+            object.__setattr__(model, "_tp_ext_generation_stage", staged)
+    if staged.sequence_parallel:
+        raise ValueError(
+            "generate: a model converted with sequence_parallel=True splits the sequence over "
+            "the TP ranks, which one decoded token cannot be; convert it without sequence "
+            "parallelism for generation"
+        )
+    if staged.cp_group is not None:
+        raise ValueError(
+            f"generate: context parallelism (cp={staged.cp_group.size}) does not decode; "
+            "convert the model with cp=1 for generation"
+        )
+    return HFDecoder(staged)
