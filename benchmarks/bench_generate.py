@@ -49,10 +49,10 @@ def _checkpoint(directory: str) -> str:
     return path
 
 
-def _prompts(batch: int):
-    """Left-padded prompts of lengths 16 to 64 (ids, mask)."""
+def _prompts(batch: int, longest: int = 64):
+    """Left-padded prompts of lengths longest / 4 to longest (ids, mask)."""
     generator = torch.Generator().manual_seed(1)
-    lengths = torch.linspace(16, 64, batch).long().tolist()
+    lengths = torch.linspace(longest // 4, longest, batch).long().tolist()
     width = max(lengths)
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -149,13 +149,13 @@ def _single_rank(path: str, batch: int, new: int, repeats: int) -> dict:
     }
 
 
-def _pp_rank(path: str, batch: int, new: int, repeats: int, micro_batches) -> dict:
+def _pp_rank(path: str, batch: int, new: int, repeats: int, micro_batches, longest) -> dict:
     """Pipeline inference over every rank: tokens per second with m micro-batches in flight."""
     import transformers
 
     import tp_ext
 
-    ids, mask = _prompts(batch)
+    ids, mask = _prompts(batch, longest)
     load = transformers.AutoModelForCausalLM.from_pretrained
     with torch.no_grad():
         expected = _hf_generate(load(path, dtype=torch.float32).eval(), ids, mask, new)
@@ -201,24 +201,22 @@ def main():
     p.add_argument("--single", action="store_true", help="also the unsharded model, 1 process")
     p.add_argument("--pp", type=int, default=None, help="instead: pipeline inference")
     p.add_argument("--micro-batches", type=int, nargs="+", default=None)
+    p.add_argument("--prompt-len", type=int, default=64, help="the longest prompt (--pp)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         path = _checkpoint(d)
         if a.pp:
             ms = a.micro_batches or [1, a.pp]
-            r = run_ranks(_pp_rank, a.pp, path, a.batch, a.new, a.repeats, ms)[0]
+            r = run_ranks(_pp_rank, a.pp, path, a.batch, a.new, a.repeats, ms, a.prompt_len)[0]
             print(f"pp{a.pp}: {r}")
-            rows = [
-                dict(
-                    benchmark=BENCH, case=f"pp{a.pp}", metric="tokens_equal", value=int(r["equal"])
-                )
-            ]
+            case = f"pp{a.pp}-prompt{a.prompt_len}-new{a.new}"
+            rows = [dict(benchmark=BENCH, case=case, metric="tokens_equal", value=int(r["equal"]))]
             base = r["seconds"][ms[0]]
             for m in ms[1:]:
                 rows.append(
                     dict(
                         benchmark=BENCH,
-                        case=f"pp{a.pp}-m{m}-vs-m{ms[0]}",
+                        case=f"{case}-m{m}-vs-m{ms[0]}",
                         metric="tokens_per_s",
                         value=a.batch * a.new / r["seconds"][m],
                         unit="tokens/s",

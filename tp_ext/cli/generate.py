@@ -31,6 +31,8 @@ HELP = (
     "the text or token ids, tokens per second, time to first token and memory per rank"
 )
 
+# a directory holding one of these has a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,6 +70,8 @@ def add_arguments(parser) -> None:
 
 def _tokenizer(path: str):
     """The checkpoint's tokenizer (left padding), or None when the directory has none."""
+    if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
     try:
         from transformers import AutoTokenizer
 

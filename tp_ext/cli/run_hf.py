@@ -12,8 +12,9 @@ whose ``model:`` names one), under torchrun. The steps of :mod:`tp_ext.cli.run` 
    equals transformers' model trained by a plain loop on every replica's data.
 5. A sharded (DCP) save of the training state, reloaded bitwise into a fresh model, and a
    merged export that transformers' ``from_pretrained`` loads with the trained logits.
-6. Greedy generation (transformers' ``generate`` with its KV cache at pp = 1; at pp > 1 the
-   stages' forward per token), its tokens against the single-process model's.
+6. Greedy generation (transformers' ``generate`` with its KV cache at pp = 1; at pp > 1
+   ``tp_ext.generate``, KV caches on each stage), its tokens against the single-process
+   model's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tp_ext.checkpoint import current_rss_bytes, peak_rss_bytes, save_hf_checkpo
 from tp_ext.cli.logs import REPORT
 from tp_ext.cli.run import _data, _SelfCheck, _whole_state_dict
 from tp_ext.distributed import comm
+from tp_ext.generation import generate
 from tp_ext.models.footprint import format_pipeline_footprint
 from tp_ext.models.hf.footprint import hf_pipeline_footprint
 from tp_ext.models.hf.source import HFModelSource
@@ -90,7 +92,7 @@ class HFSelfCheck(_SelfCheck):
     def generation_kind(self) -> str:
         if self.state.pp == 1:
             return "with transformers' generate and its KV cache"
-        return "through the pipeline stages, the whole sequence per token (no KV cache there yet)"
+        return "with tp_ext.generate: KV caches on each stage, micro-batches in flight"
 
     export_check = "transformers loads the merged export with the trained logits"
 
@@ -104,12 +106,13 @@ class HFSelfCheck(_SelfCheck):
     def greedy(self, model, prompt, new_tokens):
         if not hasattr(model, "stage_ids"):  # transformers' model, or converted at pp = 1
             return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
-        # pipeline stages have no KV cache yet: the whole sequence through the stages per token
-        tokens = prompt
-        for _ in range(new_tokens):
-            nxt = _hf_logits(model, tokens)[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens
+        # stop where transformers' generate does: at the config's EOS ids inside the vocabulary
+        # (a narrow copy keeps the family's EOS id, which its small vocabulary may not reach)
+        eos = getattr(model.config, "eos_token_id", None)
+        eos = [
+            e for e in ([eos] if isinstance(eos, int) else eos or []) if e < model.config.vocab_size
+        ]
+        return generate(model, prompt, max_new_tokens=new_tokens, eos_token_id=eos or None)
 
     def reference_training(self, hf_dir, chunks):
         """transformers' model trained by a plain loop: per step the mean next-token loss over

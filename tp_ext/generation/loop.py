@@ -187,7 +187,7 @@ class _Runner:
         self.eos, self.pad, self.early_stop = eos, pad, early_stop
         self.split = decoder.stage_split
         self.me = decoder.pp_rank
-        self.pending: list = []  # sends in flight
+        self.pending: list = []  # sends in flight: (work, the tensor it sends, kept alive)
         self.token_tag = self.split.num_stages + 1
 
     def _peer(self, stage: int) -> int:
@@ -198,8 +198,9 @@ class _Runner:
         return self.split.rank_of(stage) == self.me
 
     def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
-        work = dist.isend(tensor.contiguous(), self._peer(stage), self.decoder.pp_group, tag)
-        self.pending.append(work)
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, self._peer(stage), self.decoder.pp_group, tag)
+        self.pending.append((work, tensor))
 
     def _recv(self, shape, dtype, stage: int, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.decoder.device)
@@ -216,8 +217,8 @@ class _Runner:
             if t == 0:
                 first = time.perf_counter() - start
             t += 1
-            self.pending = [w for w in self.pending if not w.is_completed()]
-        for work in self.pending:
+            self.pending = [(w, x) for w, x in self.pending if not w.is_completed()]
+        for work, _ in self.pending:
             work.wait()
         return first
 

@@ -27,6 +27,7 @@ from tp_ext.layers.mlp import ParallelMLP
 from tp_ext.layers.moe import ExpertParallelMoE, ParallelExperts, expert_parameters
 from tp_ext.layers.norm import FusedRMSNorm, RMSNorm
 from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
+from tp_ext.layers.sampling import vocab_parallel_argmax, vocab_parallel_sample
 from tp_ext.layers.state_dict import (
     expert_rows,
     full_shapes,
@@ -88,6 +89,8 @@ __all__ = [
     "all_to_all_attention",
     "cp_positions",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_argmax",
+    "vocab_parallel_sample",
     "GridModule",
     "Linear2D",
     "split_2d",
