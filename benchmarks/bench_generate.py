@@ -84,6 +84,7 @@ def _tp_rank(path: str, batch: int, new: int, repeats: int) -> dict:
     size = torch.distributed.get_world_size()
     state = tp_ext.init_parallel(tp=size)
     ours = tp_ext.parallelize(load(path, dtype=torch.float32).eval(), "auto", parallel=state)
+    ours.generation_config.eos_token_id = None  # as _hf_generate's: every row runs to the end
     out: dict = {}
 
     def tp_ext_call(n):
@@ -127,6 +128,7 @@ def _single_rank(path: str, batch: int, new: int, repeats: int) -> dict:
     state = tp_ext.init_parallel(tp=1)
     import copy
 
+    reference.generation_config.eos_token_id = None  # no row ends early, in either library
     ours = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state)
     with torch.no_grad():
         expected = _hf_generate(reference, ids, mask, new)
@@ -162,6 +164,7 @@ def _pp_rank(path: str, batch: int, new: int, repeats: int, micro_batches, longe
     size = torch.distributed.get_world_size()
     state = tp_ext.init_parallel(tp=1, pp=size)
     ours = tp_ext.parallelize(load(path, dtype=torch.float32).eval(), "auto", parallel=state)
+    ours.hf_model.generation_config.eos_token_id = None  # as _hf_generate's
     calls = [
         (lambda m: lambda: tp_ext.generate(ours, ids, mask, new, micro_batches=m))(m)
         for m in micro_batches

@@ -122,6 +122,30 @@ def test_mixtral_greedy_equals_transformers(tp, pp, ep, dp):
     run_distributed(_greedy_case, tp * pp * dp, tp, pp, ep, dp, ["mixtral"])
 
 
+def _virtual_stages_case(order, micro_batches):
+    """Two stages on each of 2 ranks ("loop": 0, 2 and 1, 3; "v": 0, 3 and 1, 2): each stage's
+    own KV cache, messages in both directions between the two ranks."""
+    state = tp_ext.init_parallel(tp=1, pp=2)
+    ids, mask = _prompts()
+    for arch in ("llama", "mixtral"):
+        reference = _reference(arch)
+        want = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0)
+        model = tp_ext.parallelize(
+            copy.deepcopy(reference),
+            "auto",
+            parallel=state,
+            virtual_stages=2,
+            stage_order=order,
+        )
+        got = tp_ext.generate(model, ids, mask, NEW, micro_batches=micro_batches)
+        assert torch.equal(got, want), (arch, order, got, want)
+
+
+@pytest.mark.parametrize("order,micro_batches", [("loop", 2), ("v", 2), ("loop", 1)])
+def test_virtual_stages_equal_transformers(order, micro_batches):
+    run_distributed(_virtual_stages_case, 2, order, micro_batches)
+
+
 def _eos_case(tp, pp, micro_batches):
     """Rows that end at different steps (an EOS each row reaches at its own time)."""
     state = tp_ext.init_parallel(tp=tp, pp=pp)
@@ -188,7 +212,7 @@ def reference_choice(logits, uniform, temperature, top_k, top_p):
     of each row and the set it was drawn from (a bool mask)."""
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     s = logits.to(acc) / temperature
-    keep = torch.ones_like(s, dtype=torch.bool)
+    keep = s > float("-inf")
     if top_k is not None:
         kth = s.topk(min(top_k, s.size(-1)), dim=-1).values[:, -1:]
         keep &= s >= kth
@@ -304,6 +328,16 @@ def _errors_case():
         seen.append(str(error.value))
     with pytest.raises(ValueError, match="input_ids must lie in"):
         tp_ext.generate(model, ids + VOCAB, max_new_tokens=1)
+    rank = torch.distributed.get_rank()
+    rows = [1, 0, 2, 3, 4] if rank else [0, 1, 2, 3, 4]  # one rank's prompts in another order
+    with pytest.raises(ValueError, match="different prompts"):
+        tp_ext.generate(model, ids[rows], mask[rows], NEW)
+    with pytest.raises(ValueError, match="different generation settings"):
+        tp_ext.generate(model, ids, mask, NEW + rank)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        tp_ext.generate(model, ids, mask, NEW, pad_token_id=VOCAB)
+    with pytest.raises(ValueError, match="temperature"):
+        tp_ext.generate(model, ids, mask, NEW, do_sample=True, temperature=1e-30)
     return seen
 
 

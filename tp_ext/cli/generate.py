@@ -56,7 +56,8 @@ def add_arguments(parser) -> None:
         "--eos-token-id",
         type=int,
         action="append",
-        help="a token that ends a sequence (repeatable; default: the checkpoint's EOS)",
+        help="a token that ends a sequence (repeatable; default: the checkpoint's generation "
+        "config's EOS ids)",
     )
     decode.add_argument(
         "--micro-batches", type=int, default=None, help="in flight through the stages"
@@ -129,9 +130,7 @@ def main(args) -> int:
     source = HFModelSource.from_path(args.model)
     tokenizer = _tokenizer(args.model)
     ids, mask, lines = _prompts(args, tokenizer)
-    eos = args.eos_token_id
-    if eos is None:
-        eos = getattr(source.hf_config, "eos_token_id", None)
+    eos = args.eos_token_id  # None: the checkpoint's generation config's, as transformers'
     pad = None if tokenizer is None else tokenizer.pad_token_id
     one_process_unless_launched("generate")
     state = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
@@ -173,7 +172,7 @@ def _checkpoint_dtype(source) -> torch.dtype:
 def _memory_per_rank(state) -> list[dict]:
     """Every rank's peak memory (host RSS, and CUDA's peak allocation on a GPU)."""
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    mine = torch.tensor([peak_rss_bytes(), cuda], dtype=torch.float64)
+    mine = torch.tensor([peak_rss_bytes(), cuda], dtype=torch.float64, device=state.device)
     everyone = comm.all_gather(mine.unsqueeze(0), dim=0, group=dist.group.WORLD)
     return [
         {"rank": r, "peak_rss_bytes": int(a), "cuda_peak_bytes": int(c)}

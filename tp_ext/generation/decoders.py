@@ -47,11 +47,19 @@ class Decoder:
     def max_positions(self) -> Optional[int]:
         return getattr(self.config, "max_position_embeddings", None)
 
-    def new_cache(self, batch: int, length: int):
+    def new_cache(self, batch: int, length: int, stage: int):
+        """A KV cache of ``length`` positions for ``batch`` rows and stage ``stage``'s layers
+        (one per stage: a rank holding two stages keeps their caches apart)."""
         raise NotImplementedError
 
     def cache_bytes(self, cache) -> int:
         raise NotImplementedError
+
+    def generation_defaults(self) -> tuple:
+        """``(eos ids or None, pad id or None)`` the model's own generation settings give, as
+        transformers' generate reads them when its arguments are None."""
+        settings = getattr(self.model, "generation_config", None) or self.config
+        return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
 
     def run(self, stage: int, x, cache, key_mask, position_ids, cache_position) -> torch.Tensor:
         """Stage ``stage`` on ``x`` (ids or hidden states, ``[batch, new]``): hidden states, or on
@@ -68,9 +76,9 @@ class NativeDecoder(Decoder):
     def __init__(self, model: nn.Module):
         super().__init__(model, model.parallel, model.stage_split, model.stage_ids, model.config)
 
-    def new_cache(self, batch: int, length: int):
+    def new_cache(self, batch: int, length: int, stage: int):
         caches = [None] * self.config.num_hidden_layers
-        for i in self.model.model.layers.indices():
+        for i in self.stage_split.layers_of(stage):
             caches[i] = self.model.model.layers[i].self_attn.new_kv_cache(batch, length)
         return caches
 
@@ -99,8 +107,12 @@ class HFDecoder(Decoder):
             staged, staged.parallel, staged.stage_split, staged.stage_ids, staged.config
         )
 
-    def new_cache(self, batch: int, length: int):
+    def new_cache(self, batch: int, length: int, stage: int):
         return _stage_cache_class()(config=self.config, max_cache_len=length)
+
+    def generation_defaults(self) -> tuple:
+        settings = getattr(self.model.hf_model, "generation_config", None) or self.config
+        return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
 
     def cache_bytes(self, cache) -> int:
         total = 0
@@ -127,10 +139,11 @@ _STAGE_CACHE: list = []
 
 
 def _stage_cache_class():
-    """transformers' StaticCache for one pipeline stage. The model's forward sizes its masks by
-    the cache length of its first layer (of each attention kind), which a later stage does not
-    hold (its cache layer never fills): such a query is answered by a layer of the same kind
-    that this stage holds (every held layer has seen the same tokens)."""
+    """transformers' StaticCache for one pipeline stage (each stage its own, also two stages on
+    one rank). The model's forward sizes its masks by the cache length of its first layer (of
+    each attention kind), which a later stage does not hold (its cache layer never fills): such
+    a query is answered by a layer of the same kind of this stage, all of whose layers have
+    seen the same tokens."""
     if _STAGE_CACHE:
         return _STAGE_CACHE[0]
     from transformers import StaticCache

@@ -9,9 +9,10 @@ sending its output on without waiting. With as many micro-batches as stages, eve
 while the others do; with one, each waits for the rest (a pipeline bubble per token). Any rank
 order of tasks that is a topological order of their dependencies cannot deadlock, and
 (step, micro-batch, stage) is one; each kind of message has its own tag, so messages between
-two ranks pair up in order. torch.distributed.pipelining's schedules are for training (a fixed
-set of micro-batches through forward and backward); they have no KV caches, no loop fed back
-from the last stage and no early stop, hence this loop.
+two ranks pair up by tag (gloo). NCCL ignores tags and pairs messages by order alone: there one
+micro-batch at a time keeps a single chain of messages per step. torch.distributed.pipelining's
+schedules are for training (a fixed set of micro-batches through forward and backward); they
+have no KV caches, no loop fed back from the last stage and no early stop, hence this loop.
 
 A micro-batch stops when each of its sequences has produced an EOS (or at ``max_new_tokens``):
 the first stage, which sees the tokens, sends a stop down the stages in place of the next
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
+import zlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -48,7 +50,7 @@ class _MicroBatch:
         ones = torch.ones(batch, new, dtype=mask.dtype, device=mask.device)
         self.mask = torch.cat([mask, ones], dim=1)  # every step appends a real token
         self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as transformers'
-        self.cache = decoder.new_cache(batch, length)
+        self.cache = {s: decoder.new_cache(batch, length, s) for s in stages}  # per stage
         self.live = {s: True for s in stages}  # per stage of this rank: still running
         self.finished = torch.zeros(batch, dtype=torch.bool, device=prompt.device)
         self.tokens: list[torch.Tensor] = []  # each step's chosen tokens (first / last stage)
@@ -95,8 +97,9 @@ def generate(
     return_report: bool = False,
 ):
     """The prompts ``input_ids`` ``[batch, prompt_len]`` followed by up to ``max_new_tokens``
-    new tokens each, ``[batch, prompt_len + new]``, the same tensor on every rank of the model
-    (every rank passes the same arguments).
+    new tokens each, ``[batch, prompt_len + new]``, the same tensor on every rank of the model.
+    Every rank of the job calls it with the same arguments (data replicas may pass prompts of
+    their own); a bad or mismatched argument is an error on every rank.
 
     ``model``: tp_ext's Qwen2 (``parallel=state``: TP x PP) or a Hugging Face causal LM converted
     by ``tp_ext.parallelize(..., parallel=state)`` (at pp > 1 this rank's stages; any (tp, pp,
@@ -105,11 +108,13 @@ def generate(
     ``temperature``, ``top_k`` and ``top_p`` (:mod:`tp_ext.layers.sampling`: the logits are never
     gathered); step t draws ``torch.rand(batch, dtype=float64)`` from a generator seeded with
     ``seed`` (None: a seed from global rank 0), one number per row. A sequence ends at any of
-    ``eos_token_id``; after it its row holds ``pad_token_id`` (default: the first EOS), and
+    ``eos_token_id`` (None: the model's generation config's, as transformers' generate reads
+    it); after it its row holds ``pad_token_id`` (None: the model's, else the first EOS), and
     generation stops when every row has ended.
 
-    ``micro_batches``: how many groups of rows are in flight through the pipeline (default: the
-    number of stages, at most the batch). ``max_cache_len``: the KV cache's positions (default
+    ``micro_batches``: how many groups of rows are in flight through the pipeline (default: pp,
+    at most the batch; 1 under NCCL, which cannot match several in flight, and when experts are
+    spread over data replicas). ``max_cache_len``: the KV cache's positions (default
     prompt_len + max_new_tokens). ``parallel``: the layout (default: the model's, else
     :func:`tp_ext.parallel_state`). ``return_report=True`` returns ``(tokens, report)``: this
     rank's KV-cache bytes, seconds, seconds to the first token and tokens per second.
@@ -121,8 +126,10 @@ def generate(
     check = functools.partial(_checked, decoder, **arguments)
     args = comm.everywhere(world, "generate", check, ValueError)
     ids, mask, eos, pad, groups, length = args
+    _check_agreement(decoder, world, ids, mask, arguments)
     if do_sample and seed is None:  # one seed for every rank
-        seed = int(comm.broadcast(torch.randint(0, 2**62, (1,)), 0, group=world).item())
+        drawn = torch.randint(0, 2**62, (1,)).to(decoder.device)  # NCCL has no CPU tensors
+        seed = int(comm.broadcast(drawn, 0, group=world).item())
     generator = torch.Generator().manual_seed(seed) if do_sample else None
     batch, width = ids.shape
     stages = decoder.stage_ids
@@ -162,7 +169,7 @@ def generate(
         first_token_s = float(comm.all_reduce(first, "max", group=decoder.pp_group).item())
     new = (out.size(1) - width) * batch
     report = {
-        "kv_cache_bytes": sum(decoder.cache_bytes(mb.cache) for mb in mbs),
+        "kv_cache_bytes": sum(decoder.cache_bytes(c) for mb in mbs for c in mb.cache.values()),
         "seconds": seconds,
         "first_token_s": first_token_s,
         "new_tokens": new,
@@ -264,7 +271,7 @@ class _Runner:
         if stage == self.decoder.stage_ids[0]:
             mb.steps += 1
         key_mask, positions, cache_position = mb.inputs(t)
-        out = self.decoder.run(stage, x, mb.cache, key_mask, positions, cache_position)
+        out = self.decoder.run(stage, x, mb.cache[stage], key_mask, positions, cache_position)
         if stage < last:
             self._forward_to(mb, stage + 1, out)
             return
@@ -324,7 +331,7 @@ def _checked(
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(f"input_ids must be a [batch, prompt_len] tensor of token ids, got {got}")
     if input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be int64 token ids, got {input_ids.dtype}")
+        raise ValueError(f"input_ids must be int64 (or int32) token ids, got {input_ids.dtype}")
     vocab = decoder.vocab_size
     ids = input_ids.to(decoder.device, torch.long)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
@@ -383,23 +390,80 @@ def _checked(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be an int >= 0 (or None), got {seed!r}")
     eos = _token_list("eos_token_id", eos_token_id, vocab)
+    default_eos, default_pad = decoder.generation_defaults()
+    if eos is None and default_eos is not None:  # the model's own, as transformers reads it
+        # (a narrow copy may keep its family's EOS id past its small vocabulary: never emitted)
+        ids_in_vocab = [e for e in _as_list(default_eos) if 0 <= e < vocab]
+        eos = ids_in_vocab or None
     if pad_token_id is not None and (
-        isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0
+        isinstance(pad_token_id, bool)
+        or not isinstance(pad_token_id, int)
+        or not 0 <= pad_token_id < vocab
     ):
-        raise ValueError(f"pad_token_id must be an int >= 0 (or None), got {pad_token_id!r}")
-    pad = pad_token_id if pad_token_id is not None or eos is None else int(eos[0])
-    stages = decoder.stage_split.num_stages
+        raise ValueError(
+            f"pad_token_id must be an int in [0, {vocab}) (the vocabulary; None: the model's, "
+            f"else the first EOS), got {pad_token_id!r}"
+        )
+    pad = pad_token_id
+    if pad is None and default_pad is not None and 0 <= default_pad < vocab:
+        pad = int(default_pad)
+    if pad is None and eos is not None:
+        pad = int(eos[0])
+    pipelined = decoder.stage_split.num_stages > 1
+    # NCCL pairs point-to-point messages by their order alone (it ignores tags): one
+    # micro-batch at a time keeps a single chain of messages per step, in the same order on
+    # both sides; several in flight need gloo's tagged messages
+    ordered_only = pipelined and dist.get_backend(decoder.pp_group) == "nccl"
     if micro_batches is None:
-        groups = min(batch, decoder.stage_split.pp) if _early_stop(decoder) else 1
+        in_flight = _early_stop(decoder) and not ordered_only
+        groups = min(batch, decoder.stage_split.pp) if in_flight else 1
     else:
         groups = micro_batches
     if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= batch:
         raise ValueError(
             f"micro_batches must be an int in [1, batch={batch}], got {micro_batches!r} "
-            f"(default: the {stages} stages' count, at most the batch)"
+            f"(default: pp={decoder.stage_split.pp}, at most the batch; 1 with NCCL or with "
+            "experts spread over data replicas)"
+        )
+    if groups > 1 and ordered_only:
+        raise ValueError(
+            f"micro_batches={groups}: several micro-batches in flight through pipeline stages "
+            "need tagged point-to-point messages, which NCCL does not match by tag; use "
+            "micro_batches=1 (the default under NCCL)"
         )
     eos_tensor = None if eos is None else torch.tensor(eos, device=decoder.device)
     return ids, mask, eos_tensor, pad, groups, length
+
+
+def _as_list(value) -> list:
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _check_agreement(decoder: Decoder, world, ids, mask, arguments: dict) -> None:
+    """Every rank of one model replica (its TP and PP groups) passes the same prompts and
+    arguments, and every rank the same settings (the loop's forwards and collectives must pair
+    up): else a clear error on every rank, not a hang."""
+    settings = {
+        k: arguments[k]
+        for k in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed")
+    }
+    settings.update(micro_batches=arguments["micro_batches"], cache=arguments["max_cache_len"])
+    prompts = zlib.crc32(ids.cpu().numpy().tobytes() + mask.cpu().numpy().tobytes())
+    replica = zlib.crc32(repr((tuple(ids.shape), prompts, arguments["eos_token_id"])).encode())
+    replica = zlib.crc32(repr((replica, arguments["pad_token_id"])).encode())
+    everywhere = zlib.crc32(repr(sorted(settings.items())).encode())
+    checks = [("generation settings", everywhere, world)]
+    checks += [("prompts, EOS and pad ids", replica, decoder.tp_group)]
+    if decoder.pp_group is not None:
+        checks.append(("prompts, EOS and pad ids", replica, decoder.pp_group))
+    for what, digest, group in checks:
+        mine = torch.tensor([[digest]], dtype=torch.long, device=decoder.device)
+        seen = comm.all_gather(mine, dim=0, group=group)
+        if bool((seen != mine).any()):
+            raise ValueError(
+                f"generate: ranks passed different {what} (every rank of a model passes the same "
+                "prompts and arguments; data replicas may pass their own prompts)"
+            )
 
 
 def _token_list(name: str, value, vocab: int) -> Optional[list[int]]:

@@ -1,12 +1,15 @@
 """Choosing the next token from vocabulary-parallel logits (a ``ParallelLMHead`` left sharded)
 without gathering them: greedy (:func:`vocab_parallel_argmax`) or sampled with temperature, top-k
-and top-p (:func:`vocab_parallel_sample`). Every rank of the TP group gets the same token, and
-the same logits and draw give the same token at any TP size.
+and top-p (:func:`vocab_parallel_sample`). Every rank of the TP group gets the same token. The
+token is a function of the full logits and the draw alone, so the same logits and draw give the
+same token at any TP size, except where the draw falls within rounding of the boundary between
+two tokens (the sums are split differently across ranks).
 
 The sampling rule (what a single-process reference applies to the full logits ``l``):
 
 1. ``s = l.to(acc) / temperature`` (``acc``: float64 for float64 logits, else float32);
-2. top-k keeps ``s >= tau_k``, the k-th largest ``s`` (ties at it kept);
+2. top-k keeps ``s >= tau_k``, the k-th largest ``s`` (ties at it kept); a token whose ``s``
+   is -inf is never kept;
 3. top-p keeps, of those, the largest ``s`` down to the first whose cumulative probability
    (``exp(s - max) / sum``, descending order) reaches ``top_p``, and every ``s`` equal to it;
 4. with ``u`` uniform in [0, 1), the token is the first kept index ``i`` (vocabulary order)
@@ -41,8 +44,11 @@ def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[flo
     """A clear error for a bad sampling argument (the same on every rank)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be > 0 and finite, got {temperature!r}")
+    if not 1e-5 <= temperature <= 1e5:  # beyond, fp32 logits over it overflow or vanish
+        raise ValueError(
+            f"temperature must be in [1e-5, 1e5] (1.0 leaves the logits as they are; for greedy "
+            f"decoding do not sample), got {temperature!r}"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be an int >= 1 (or None: no top-k), got {top_k!r}")
     if top_p is not None and (
