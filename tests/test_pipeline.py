@@ -131,15 +131,22 @@ SUBSET = [
     ((1, 2, 1), "ZBVZeroBubble", "ddp", 4, True, 4, None),  # tied, both copies on rank 0
     ((1, 2, 2), "ZBVZeroBubble", "ddp", 4, False, 4, None),  # DP averaged after the step
     ((1, 2, 1), "DualPipeV", "ddp", 4, False, 4, None),
+    # the distributed optimizer (ZeRO): each DP rank steps its rows of every parameter
+    ((1, 1, 2), "1F1B", "zero2", 4, False, 2, None),
+    ((1, 1, 3), "1F1B", "zero2", 4, False, 2, None),  # DP 3: uneven rows
+    ((1, 1, 4), "GPipe", "zero1", 4, False, 2, None),
+    ((2, 1, 2), "1F1B", "zero2", 4, False, 2, None),  # TP inside
+    ((1, 2, 2), "1F1B", "zero1", 4, True, 2, None),  # PP, tied across ranks
+    ((1, 2, 2), "ZBVZeroBubble", "zero2", 4, True, 4, None),  # weight split, both ties on rank 0
 ]
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (3, 1, 1), (1, 4, 1)]
 FULL = [
     (layout, schedule, data_parallel, 8, tie, 8, None)
     for layout, schedule, data_parallel, tie in itertools.product(
-        LAYOUTS, SCHEDULES, ("ddp", "fsdp"), (False, True)
+        LAYOUTS, SCHEDULES, ("ddp", "fsdp", "zero1", "zero2"), (False, True)
     )
     if (layout, schedule, data_parallel, 8, tie, 8, None) not in SUBSET
-    and (layout[2] > 1 or data_parallel == "ddp")  # without DP the two kinds are one case
+    and (layout[2] > 1 or data_parallel == "ddp")  # without DP the kinds are one case
     and not (layout[2] > 1 and data_parallel == "fsdp" and schedule in ZERO_BUBBLE)  # refused
 ]
 

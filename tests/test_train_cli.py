@@ -241,6 +241,7 @@ LAYOUTS = {  # name: (ranks, flags); 0 ranks: one rank in this process
     "single": (1, []),
     "tp2": (2, ["--tp", "2"]),
     "pp2-dp2": (4, ["--tp", "1", "--pp", "2", "--dp", "2"]),
+    "dp2": (2, ["--tp", "1", "--dp", "2"]),
 }
 
 
@@ -292,6 +293,25 @@ def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_
     assert abs(straight[1]["loss"] - math.log(300)) < 0.1, straight[1]["loss"]
     assert straight[8]["loss"] < straight[1]["loss"] - 0.5, "it learns"
     assert [s for s, _ in published(str(tmp_path / "stopped"))] == [4, 6, 8], "keep_last 3"
+
+
+def test_zero_and_a_bfloat16_gradient_sum_train_as_ddp(tmp_path, tokens, straight_run):
+    """--data-parallel zero2 gives DDP's losses; zero1 with --grad-reduce-dtype bfloat16 stays
+    within 0.5% of them."""
+    ddp = straight_run("dp2")
+    nproc, flags = LAYOUTS["dp2"]
+    runs = {
+        "zero2": ["--data-parallel", "zero2"],
+        "zero1-bf16": ["--data-parallel", "zero1", "--grad-reduce-dtype", "bfloat16"],
+    }
+    for name, extra in runs.items():
+        _train(nproc, tokens, tmp_path / name, STEPS, *flags, *extra, *SCHEDULE)
+        got, tolerance = _metrics(tmp_path / name), 1e-5 if name == "zero2" else 5e-3
+        for step in ddp:
+            assert abs(got[step]["loss"] - ddp[step]["loss"]) <= tolerance * ddp[step]["loss"], (
+                name,
+                step,
+            )
 
 
 # in `make test-all` (a 4-rank torchrun, 23 s on 2 cores): `make test` resumes the CLI's runs at

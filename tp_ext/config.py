@@ -32,6 +32,7 @@ from tp_ext.models.hf.source import HFModelSource
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
 from tp_ext.pipeline.schedules import check_micro_batches, check_weight_split_supported
 from tp_ext.training import OptimizerSettings
+from tp_ext.training.zero import ZERO_STAGES
 from tp_ext.validation import (
     DTYPE_NAMES,
     JOB_DEFAULT_DTYPE,
@@ -96,8 +97,15 @@ PARALLEL_FIELDS = {
     ),
     "data_parallel": Field(
         "choice",
-        choices=DATA_PARALLEL,
-        help="how DP replicas synchronise: ddp (default) or fsdp (FSDP2, parameters sharded)",
+        choices=DATA_PARALLEL + tuple(ZERO_STAGES),
+        help="how DP replicas synchronise: ddp (default), fsdp (FSDP2, parameters sharded), "
+        "zero1 / zero2 (optimizer state sharded; zero2 also the gradients)",
+    ),
+    "grad_reduce_dtype": Field(
+        "choice",
+        choices=("bfloat16", "float16", "float32"),
+        help="dtype of the DP gradient sum on the wire (ddp, zero1, zero2; default: the "
+        "gradients' own)",
     ),
     "micro_batches": Field(
         "int",
@@ -188,7 +196,8 @@ class ParallelSettings:
 
     ``schedule`` (one of :data:`tp_ext.pipeline.SCHEDULES`) with ``virtual_stages`` stages per
     rank runs ``micro_batches`` micro-batches per step (None: :func:`default_micro_batches`);
-    ``data_parallel`` ("ddp" or "fsdp") synchronises the DP replicas; ``activation_checkpointing``
+    ``data_parallel`` ("ddp", "fsdp", "zero1" or "zero2") synchronises the DP replicas
+    (``grad_reduce_dtype``: the gradient sum's dtype on the wire); ``activation_checkpointing``
     recomputes each decoder layer in backward."""
 
     tp: int = 1
@@ -202,12 +211,14 @@ class ParallelSettings:
     schedule: str = "1F1B"
     virtual_stages: int = 1
     data_parallel: str = "ddp"
+    grad_reduce_dtype: Optional[str] = None
     micro_batches: Optional[int] = None
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         values = dataclasses.asdict(self)
-        for optional in ("dp", "micro_batches"):  # None: all ranks TP and PP leave; the default
+        # None: all ranks TP and PP leave; the default; the gradients' own dtype
+        for optional in ("dp", "micro_batches", "grad_reduce_dtype"):
             if values[optional] is None:
                 del values[optional]
         check_fields("parallel.", values, PARALLEL_FIELDS)

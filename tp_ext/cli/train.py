@@ -210,6 +210,7 @@ def _build(state, run: _Run):
         schedule=p.schedule,
         max_grad_norm=run.max_grad_norm,
         data_parallel=p.data_parallel,
+        grad_reduce_dtype=as_torch_dtype(p.grad_reduce_dtype),
         activation_checkpointing=p.activation_checkpointing,
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, job.optimizer, run.steps),
         data=batches,

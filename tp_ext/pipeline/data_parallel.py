@@ -31,7 +31,11 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 
 def wrap_data_parallel(
-    module: nn.Module, kind: str, parallel, compression: Optional[tuple] = None
+    module: nn.Module,
+    kind: str,
+    parallel,
+    compression: Optional[tuple] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """``module`` under DDP (``"ddp"``) or FSDP2 (``"fsdp"``, each decoder layer and then the
     stage as one unit, parameters sharded along dim 0 over the DP ranks), on ``parallel``'s DP
@@ -60,6 +64,8 @@ def wrap_data_parallel(
         if compression is not None:
             method, named = compression
             ddp.compression_state = register(ddp, method, parallel.dp_group, named)
+        elif reduce_dtype is not None:
+            ddp.register_comm_hook(parallel.dp_group, _all_reduce_in(reduce_dtype))
         elif parallel.dp > 2:
             ddp.register_comm_hook(parallel.dp_group, _reproducible_all_reduce)
         return ddp
@@ -70,6 +76,23 @@ def wrap_data_parallel(
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
+
+
+def _all_reduce_in(dtype: torch.dtype):
+    """A DDP comm hook averaging each bucket with the sum on the wire in ``dtype`` (bf16: half the
+    bytes of fp32), through tp_ext's all-reduce (its bytes tracked under "train.dp_sync"); the
+    result goes back into the gradients' own dtype."""
+
+    def hook(group, bucket):  # -> Future[Tensor]
+        buffer = bucket.buffer()
+        with comm.tag("train.dp_sync"):
+            summed = comm.all_reduce(buffer.to(dtype), "sum", group=group)
+        buffer.copy_(summed).div_(group.size())
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    return hook
 
 
 def _reproducible_all_reduce(group, bucket):  # -> Future[Tensor] (DDP checks no string)
@@ -88,7 +111,12 @@ def _reproducible_all_reduce(group, bucket):  # -> Future[Tensor] (DDP checks no
 
 
 @torch.no_grad()
-def average_gradients(params, parallel, compression: Optional[CompressionState] = None) -> None:
+def average_gradients(
+    params,
+    parallel,
+    compression: Optional[CompressionState] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> None:
     """Average the gradients of ``params`` over the DP group in one flat all-reduce (sent
     compressed by ``compression``'s method, with its error feedback, when given).
 
@@ -102,8 +130,8 @@ def average_gradients(params, parallel, compression: Optional[CompressionState] 
             p.grad = avg.to(p.dtype)
         return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    flat = torch.cat([g.flatten().to(dtype) for g in grads])
-    flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
+    flat = torch.cat([g.flatten().to(reduce_dtype or dtype) for g in grads])
+    flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).to(dtype).div_(parallel.dp)
     offset = 0
     for p in params:
         n = p.numel()
@@ -125,11 +153,12 @@ class ReplicatedStages:
     modules: list
     average_after_step: bool = False
     compression_states: list = dataclasses.field(default_factory=list)
+    reduce_dtype: Optional[torch.dtype] = None  # the DP sum's dtype on the wire (None: own)
 
     def average(self, params, parallel) -> None:
         """The DP average after the step (only with ``average_after_step``)."""
         state = self.compression_states[0] if self.compression_states else None
-        average_gradients(params, parallel, state)
+        average_gradients(params, parallel, state, self.reduce_dtype)
 
 
 def replicate_stages(
@@ -138,6 +167,7 @@ def replicate_stages(
     *,
     average_after_step: bool = False,
     compression: Optional[str] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> ReplicatedStages:
     """``model.stage_modules()`` set up for data parallelism over ``model.parallel``'s DP group:
     wrapped by :func:`wrap_data_parallel` (``data_parallel`` "ddp" / "fsdp"; None: as they are),
@@ -152,7 +182,9 @@ def replicate_stages(
     modules = model.stage_modules()
     if data_parallel is not None and not average_after_step:
         hook = (compression, named) if compression else None
-        modules = [wrap_data_parallel(m, data_parallel, parallel, hook) for m in modules]
+        modules = [
+            wrap_data_parallel(m, data_parallel, parallel, hook, reduce_dtype) for m in modules
+        ]
     states = [
         m.compression_state
         for m in modules
@@ -169,4 +201,4 @@ def replicate_stages(
         for param in owner.parameters():
             if param.requires_grad:
                 state.residual_of(param)
-    return ReplicatedStages(modules, average_after_step, states)
+    return ReplicatedStages(modules, average_after_step, states, reduce_dtype)

@@ -162,7 +162,11 @@ def check_micro_batches(schedule: Schedule, layout, n: int) -> None:
 
 
 def prepare_stages(
-    model, schedule: Schedule, data_parallel: Optional[str], compression: Optional[str] = None
+    model,
+    schedule: Schedule,
+    data_parallel: Optional[str],
+    compression: Optional[str] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> ReplicatedStages:
     """``model``'s stages set up for data parallelism under ``schedule`` (checked first: FSDP2
     and the compression method against the schedule). The data-parallel side
@@ -184,6 +188,7 @@ def prepare_stages(
         data_parallel,
         average_after_step=schedule.weight_split and dp > 1,
         compression=compression,
+        reduce_dtype=reduce_dtype,
     )
 
 

@@ -86,7 +86,8 @@ def parallel_grad_norm(
     if tied and model.stage_split.last_stage in model.stage_ids:
         skip = {id(model.tied_weights()[-1])}  # the tied head's copy; the embedding's counts
     experts = {id(q) for q in expert_parameters(model)[0]}
-    replicated_dp = data_parallel != "fsdp" and parallel.dp > 1
+    # FSDP2 and ZeRO-2 leave each DP rank its rows of the gradients; DDP and ZeRO-1 whole ones
+    replicated_dp = data_parallel not in ("fsdp", "zero2") and parallel.dp > 1
     # context parallelism's ranks hold the same gradients after the step's sum: CP rank 0 counts
     cp_copy = getattr(parallel, "cp", 1) > 1 and parallel.cp_rank != 0
     if ((replicated_dp and parallel.dp_rank != 0) or cp_copy) and p != math.inf:

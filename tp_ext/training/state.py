@@ -182,6 +182,12 @@ def materialise_optimizer_state(optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def _type_name(optimizer) -> str:
+    """The optimizer whose state a checkpoint holds (ZeRO's: the one it shards, so its
+    checkpoints load into DDP and FSDP2 runs and back)."""
+    return getattr(optimizer, "saved_type_name", type(optimizer).__name__)
+
+
 def _hyperparameters(optimizer) -> list[dict]:
     """Each parameter group's settings (lr, betas, ...), JSON-able."""
     groups = []
@@ -338,7 +344,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
         "dims": dims_of(trainer).as_dict(),
         "layout": _layout_record(trainer),  # for the readers of older checkpoints
         "optimizer": {
-            "type": type(optimizer).__name__,
+            "type": _type_name(optimizer),
             "param_groups": _hyperparameters(optimizer),
             "state_keys": _state_keys(optimizer),
         },
@@ -365,10 +371,10 @@ def load_training_state(trainer, path: str) -> dict:
     def state_of(info, directory):
         check_config(directory, info, model)
         saved = info.get("optimizer", {})
-        if saved.get("type") != type(optimizer).__name__:
+        if saved.get("type") != _type_name(optimizer):
             raise CheckpointError(
                 f"{directory} holds the state of a {saved.get('type')} optimizer; this Trainer's "
-                f"is a {type(optimizer).__name__}"
+                f"is a {_type_name(optimizer)}"
             )
         if saved.get("state_keys") != _state_keys(optimizer):
             raise CheckpointError(
@@ -401,6 +407,8 @@ def load_training_state(trainer, path: str) -> dict:
     prefix = f"compression.rank{rank}."
     trainer.load_compression_residuals({k[len(prefix) :]: state[k] for k in residuals})
     copy_tied(copies)
+    if hasattr(optimizer, "refresh_masters"):  # ZeRO's master rows, from the loaded weights
+        optimizer.refresh_masters()
     _restore_hyperparameters(optimizer, info["optimizer"]["param_groups"])
     _restore_rng(state, rng_source["rank"])
     if trainer.lr_scheduler is not None:

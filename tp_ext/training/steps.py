@@ -46,6 +46,7 @@ from tp_ext.training.grad_norm import (
     parallel_grad_norm,
     scale_grads_,
 )
+from tp_ext.training.zero import ZERO_STAGES
 
 __all__ = [
     "Precision",
@@ -410,9 +411,14 @@ class PipelineStep(StepStrategy):
         mean over every token of every replica."""
         return count.clamp_min(1) / self.parallel.dp
 
+    # ZeRO-2: the sharded optimizer's reduce-scatter of the gradients (set by the Trainer)
+    gradient_reducer = None
+
     def _synchronise_after_schedule(self) -> None:
         """DP synchronisation left after the schedule's step (DDP and FSDP2 did it in the last
-        backward)."""
+        backward; ZeRO-2 reduce-scatters here, averaging over DP as they do)."""
+        if self.gradient_reducer is not None and self.parallel.dp > 1:
+            self.gradient_reducer(divide_by=float(self.parallel.dp))
 
     def clip(self, max_norm: float) -> torch.Tensor:
         norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
@@ -536,10 +542,26 @@ def build_step(
     tp_group=None,
     compression: Optional[str] = None,
     ignore_index: int = -100,
+    grad_reduce_dtype: Optional[torch.dtype] = None,
 ) -> StepStrategy:
     """The step strategy for ``model``: chosen once, from ``parallel`` (None: the local loop)
     and what the model is (2D, or with ExpertParallelMoE layers). Refuses, naming the argument,
     a combination the form cannot run."""
+    experts = parallel is not None and (
+        getattr(parallel, "ep", 1) > 1
+        or any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+    )
+    if grad_reduce_dtype is not None and (
+        parallel is None
+        or getattr(parallel, "cp", 1) > 1
+        or experts
+        or getattr(model, "is_2d", False)
+    ):
+        raise ValueError(
+            f"grad_reduce_dtype={grad_reduce_dtype} applies to the DP gradient sum of DDP, ZeRO-1 "
+            "and ZeRO-2 over a dense model's stages (Trainer(parallel=...)); not yet with "
+            "expert or context parallelism, a 2D grid, or without parallel="
+        )
     if parallel is None:
         if compression is not None:
             raise ValueError(
@@ -565,8 +587,9 @@ def build_step(
     # scale and synchronise its gradients as the stages with experts do
     experts = experts or getattr(parallel, "ep", 1) > 1
     return _pipeline_step(
-        model, parallel, schedule, data_parallel, compression, ignore_index, experts
-    )
+        model, parallel, schedule, data_parallel, compression, ignore_index, experts,
+        grad_reduce_dtype,
+    )  # fmt: skip
 
 
 def trainable_model(model: nn.Module, parallel) -> nn.Module:
@@ -715,12 +738,22 @@ def _check_expert_data_parallel(data_parallel, compression) -> None:
 
 
 def _pipeline_step(
-    model, parallel, schedule, data_parallel, compression, ignore_index, experts=False
+    model,
+    parallel,
+    schedule,
+    data_parallel,
+    compression,
+    ignore_index,
+    experts=False,
+    grad_reduce_dtype=None,
 ):
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    if data_parallel is not None and data_parallel not in DATA_PARALLEL:
-        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if data_parallel is not None and data_parallel not in DATA_PARALLEL + tuple(ZERO_STAGES):
+        raise ValueError(
+            f"data_parallel must be one of {DATA_PARALLEL + tuple(ZERO_STAGES)}, got "
+            f"{data_parallel!r}"
+        )
     if data_parallel is None and parallel.dp > 1:
         raise ValueError(
             f"data_parallel=None with dp={parallel.dp}: the replicas would drift apart; "
@@ -729,13 +762,22 @@ def _pipeline_step(
     data_parallel = data_parallel if parallel.dp > 1 else None
     checked = check_schedule(schedule, model.stage_split)
     loss = VocabParallelLoss(comm.resolve_group(parallel.tp_group), ignore_index)
+    zero = ZERO_STAGES.get(data_parallel)
+    if zero is not None and (experts or compression is not None):
+        raise ValueError(
+            f"data_parallel={data_parallel!r} with "
+            f"{'expert parallelism' if experts else f'gradient_compression={compression!r}'} "
+            "is not supported yet: use data_parallel='ddp'"
+        )
     if experts:  # unwrapped stages; the step sums dense and expert gradients itself
         _check_expert_data_parallel(data_parallel, compression)
         runner = PipelineRunner(model, schedule, stages=replicate_stages(model, None))
         expert_dp = comm.resolve_group(parallel.expert_dp_group)
         return ExpertPipelineStep(model, loss, parallel, runner, expert_dp)
-    # the data-parallel side wraps the stages and installs the compression hooks
-    stages = prepare_stages(model, checked, data_parallel, compression)
+    # the data-parallel side wraps the stages and installs the compression hooks; ZeRO-1's
+    # gradients are all-reduced as DDP's, ZeRO-2's reduce-scattered after the schedule
+    engine = {1: "ddp", 2: None}.get(zero, data_parallel)
+    stages = prepare_stages(model, checked, engine, compression, grad_reduce_dtype)
     runner = PipelineRunner(model, schedule, stages=stages)
     compression = compression if parallel.dp > 1 else None
     return PipelineStep(model, loss, parallel, runner, data_parallel, compression)

@@ -37,6 +37,7 @@ from tp_ext.training import loop
 from tp_ext.training.optimizer import build_optimizer
 from tp_ext.training.state import load_training_state, save_training_state
 from tp_ext.training.steps import Precision, build_step, trainable_model
+from tp_ext.training.zero import ZERO_STAGES, sharded_optimizer_for
 from tp_ext.validation import is_number
 
 __all__ = ["Trainer"]
@@ -65,6 +66,11 @@ class Trainer:
       ``schedule`` (one of :data:`tp_ext.pipeline.SCHEDULES`) runs the pipeline,
       ``data_parallel`` ("ddp" or "fsdp") synchronises DP once per step, and
       ``activation_checkpointing`` recomputes each decoder layer in backward.
+      ``data_parallel="zero1"`` / ``"zero2"``: the optimizer's state and fp32 master weights
+      sharded over DP (:mod:`tp_ext.training.zero`; ``trainer.optimizer.inner`` holds this
+      rank's rows), gradients all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2).
+      ``grad_reduce_dtype`` (e.g. torch.bfloat16): the DP gradient sum travels in that dtype
+      (DDP, ZeRO-1, ZeRO-2), accumulated back into the gradients' own.
 
     - A Hugging Face MoE model parallelized with ``parallel=state`` at ``ep > 1``
       (:class:`tp_ext.layers.ExpertParallelMoE` layers) trains in this Trainer's own loop with
@@ -109,6 +115,7 @@ class Trainer:
         lr_scheduler=None,
         data=None,
         gradient_compression: Optional[str] = None,
+        grad_reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
             raise ValueError(
@@ -124,6 +131,9 @@ class Trainer:
             raise TypeError(
                 f"activation_checkpointing must be True or False, got {activation_checkpointing!r}"
             )
+        _check_zero(
+            data_parallel, parallel, autocast_dtype, grad_reduce_dtype, gradient_compression
+        )
         model = trainable_model(model, parallel)  # a pp=1 Hugging Face model: its one stage
         self.model = model
         self.parallel = parallel
@@ -137,6 +147,7 @@ class Trainer:
             tp_group=tp_group,
             compression=gradient_compression,
             ignore_index=ignore_index,
+            grad_reduce_dtype=grad_reduce_dtype,
         )
         if hasattr(model, "activation_checkpointing"):
             model.activation_checkpointing = activation_checkpointing
@@ -146,6 +157,12 @@ class Trainer:
                 "switch (tp_ext's models do)"
             )
         self.optimizer = _optimizer(optimizer, model)
+        if data_parallel in ZERO_STAGES and parallel.dp > 1:  # its state sharded over DP
+            self.optimizer = sharded_optimizer_for(
+                self.optimizer, parallel, data_parallel, grad_reduce_dtype
+            )
+            if ZERO_STAGES[data_parallel] == 2:
+                self.strategy.gradient_reducer = self.optimizer.reduce_gradients
         self._pair_onebit_adam(self.optimizer, autocast_dtype)
         self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
         self.data = _stateful_data(data)
@@ -406,6 +423,46 @@ def _optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
         optimizer = built
     _check_float16_parameters(optimizer)
     return optimizer
+
+
+def _check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, compression) -> None:
+    """What the distributed optimizer and the reduced-precision gradient sum need."""
+    if grad_reduce_dtype is not None and compression is not None:
+        raise ValueError(
+            f"grad_reduce_dtype and gradient_compression={compression!r}: the compression sends "
+            "its own encoding; use one of them"
+        )
+    if grad_reduce_dtype is not None and grad_reduce_dtype not in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    ):
+        raise ValueError(
+            f"grad_reduce_dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: "
+            f"the gradients' own), got {grad_reduce_dtype!r}"
+        )
+    if data_parallel == "fsdp" and grad_reduce_dtype is not None:
+        raise ValueError(
+            "grad_reduce_dtype with data_parallel='fsdp': FSDP2 sets its own reduce dtype "
+            "(MixedPrecisionPolicy); use 'ddp', 'zero1' or 'zero2'"
+        )
+    if data_parallel not in ZERO_STAGES:
+        return
+    if parallel is None:
+        raise ValueError(
+            f"data_parallel={data_parallel!r} shards the optimizer over the DP mesh dimension: "
+            "pass parallel=tp_ext.init_parallel(...)"
+        )
+    if getattr(parallel, "tp_grid", None) is not None or getattr(parallel, "cp", 1) > 1:
+        raise ValueError(
+            f"data_parallel={data_parallel!r} with a 2D grid or context parallelism is not "
+            "supported yet: use data_parallel='ddp'"
+        )
+    if autocast_dtype == torch.float16:
+        raise ValueError(
+            f"data_parallel={data_parallel!r} with autocast_dtype=torch.float16 (a loss scale) "
+            "is not supported yet: use bfloat16 autocast, or data_parallel='ddp'"
+        )
 
 
 def _stateful_data(data):

@@ -1,0 +1,163 @@
+"""The distributed optimizer (tp_ext/training/zero.py) beyond the exact-training matrix of
+tests/test_pipeline.py (``zero1`` / ``zero2`` cases there: losses, norms and weights after 5 AdamW
+steps equal one process's): each DP rank's optimizer state is its rows alone (the ranks' rows
+together are DDP's state, exactly); checkpoints saved under ZeRO load at another DP degree and
+into DDP and FSDP2 runs, and DDP's into ZeRO; the DP gradient sum in bfloat16 sends half the
+bytes and trains as fp32 does; what is not supported is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tp_ext
+from tp_ext import comm
+from tp_ext.training import Trainer
+from tp_ext.training.zero import ShardedOptimizer
+
+from .dist_utils import run_distributed
+from .test_pipeline import _build, _config, _micro_batches, _optimizer
+
+LAYERS = 2
+GLOBAL = 12  # micro-batches per step over all replicas (each of 2 rows; 2, 3 and 4 divide it)
+
+
+def _trainer(dp, data_parallel, tp=1, pp=1, **options):
+    config = _config(LAYERS, False)
+    state, model = _build(config, tp, pp, dp, "1F1B")
+    trainer = Trainer(
+        model,
+        optimizer=_optimizer,
+        parallel=state,
+        max_grad_norm=0.5,
+        data_parallel=data_parallel,
+        **options,
+    )
+    return state, model, trainer
+
+
+def _mine(state, step: int):
+    """This replica's micro-batches of the step's global batch (the same at every DP degree)."""
+    batches = _micro_batches(_config(LAYERS, False), GLOBAL, seed=100 + step)
+    per = GLOBAL // state.dp
+    return batches[state.dp_rank * per : (state.dp_rank + 1) * per]
+
+
+def _state_case(dp):
+    state, model, trainer = _trainer(dp, "zero2")
+    trainer.step(_mine(state, 0))
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, ShardedOptimizer)
+    mine = {"exp_avg": 0, "exp_avg_sq": 0}
+    whole = 0
+    for param in model.parameters():
+        state_of = optimizer.inner.state[optimizer._master[param]]
+        rows = -(-param.shape[0] // dp)  # torch.chunk's split, as FSDP2's
+        start = min(param.shape[0], state.dp_rank * rows)
+        held = (min(param.shape[0], start + rows) - start) * param[0].numel()
+        for key in mine:
+            assert state_of[key].numel() == held, (key, tuple(param.shape))
+            mine[key] += state_of[key].numel()
+        whole += param.numel()
+        # the checkpoint's view: this rank's rows of a tensor shaped like the parameter
+        view = optimizer.state[param]["exp_avg"]
+        assert tuple(view.shape) == tuple(param.shape) and view.to_local().numel() == held
+    counts = torch.tensor([mine["exp_avg"], mine["exp_avg_sq"]], dtype=torch.float64)
+    summed = comm.all_reduce(counts, "sum", group=state.dp_group)
+    # the DP ranks' rows together: every element of DDP's state once
+    assert summed.tolist() == [whole, whole], (summed, whole)
+    return mine["exp_avg"], whole
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_optimizer_state_is_each_ranks_rows(dp):
+    results = run_distributed(_state_case, dp, dp)
+    per_rank = [r[0] for r in results]
+    whole = results[0][1]
+    assert sum(per_rank) == whole and max(per_rank) - min(per_rank) < whole / dp / 10
+
+
+def _save_case(directory, dp, data_parallel):
+    """Two steps, a checkpoint, two more: the last two losses."""
+    state, _, trainer = _trainer(dp, data_parallel)
+    for step in range(2):
+        trainer.step(_mine(state, step))
+    trainer.save_checkpoint(directory)
+    return [trainer.step(_mine(state, step)) for step in (2, 3)]
+
+
+def _load_case(directory, dp, data_parallel):
+    state, _, trainer = _trainer(dp, data_parallel)
+    trainer.load_checkpoint(directory)
+    assert trainer.steps == 2
+    return [trainer.step(_mine(state, step)) for step in (2, 3)]
+
+
+@pytest.mark.parametrize(
+    "saved,loaded",
+    [
+        ((2, "zero2"), (4, "zero1")),  # another DP degree and stage
+        ((2, "zero2"), (2, "ddp")),  # into DDP
+        ((2, "zero1"), (2, "fsdp")),  # into FSDP2
+        ((2, "ddp"), (3, "zero2")),  # DDP's into ZeRO, at DP 3 (uneven rows)
+    ],
+    ids=lambda c: f"{c[1]}-dp{c[0]}",
+)
+def test_checkpoints_move_between_zero_ddp_and_fsdp(tmp_path, saved, loaded):
+    directory = str(tmp_path / "ckpt")
+    expected = run_distributed(_save_case, saved[0], directory, *saved)[0]
+    got = run_distributed(_load_case, loaded[0], directory, *loaded)[0]
+    # the weights (the first loss) and the optimizer state (the second) carried over
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+def _reduce_dtype_case(data_parallel):
+    sent, losses = {}, {}
+    for dtype in (None, torch.bfloat16):
+        state, model, trainer = _trainer(2, data_parallel, grad_reduce_dtype=dtype)
+        losses[dtype] = []
+        for step in range(4):
+            with comm.track() as stats:
+                losses[dtype].append(trainer.step(_mine(state, step)))
+        sent[dtype] = stats.bytes(tag="train.dp_sync")
+    numel = sum(p.numel() for p in model.parameters())
+    return sent, losses, numel
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero1", "zero2"])
+def test_gradient_sum_in_bfloat16_sends_half_the_bytes(data_parallel):
+    sent, losses, numel = run_distributed(_reduce_dtype_case, 2, data_parallel)[0]
+    # one step's gradient sum: every gradient element once, 2 bytes each in bfloat16
+    assert sent[torch.bfloat16] == 2 * numel, (sent, numel)
+    if data_parallel == "zero2":  # its fp32 reduce-scatter is tp_ext's too: twice the bytes
+        assert sent[None] == 4 * numel, (sent, numel)
+    torch.testing.assert_close(losses[torch.bfloat16], losses[None], rtol=5e-3, atol=0)
+
+
+def _refusals():
+    state = tp_ext.init_parallel(tp=1, dp=2)
+    config = _config(LAYERS, False)
+    _, model = _build(config, 1, 1, 2, "1F1B")
+    cases = [
+        (dict(data_parallel="zero2", autocast_dtype=torch.float16), "float16"),
+        (dict(data_parallel="fsdp", grad_reduce_dtype=torch.bfloat16), "MixedPrecisionPolicy"),
+        (dict(data_parallel="zero1", grad_reduce_dtype=torch.int8), "grad_reduce_dtype"),
+        (dict(data_parallel="ddp", gradient_compression="int8", grad_reduce_dtype=torch.bfloat16),
+         "gradient_compression"),
+        (dict(data_parallel="zero3"), "data_parallel must be one of"),
+    ]  # fmt: skip
+    for options, words in cases:
+        with pytest.raises(ValueError, match=words):
+            Trainer(model, optimizer=_optimizer, parallel=state, **options)
+    with pytest.raises(ValueError, match="pass parallel="):
+        Trainer(model, optimizer=_optimizer, data_parallel="zero1")
+    stepped = _optimizer(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    stepped.step()
+    with pytest.raises(ValueError, match="stepped already"):
+        Trainer(model, optimizer=stepped, parallel=state, data_parallel="zero1")
+
+
+def test_unsupported_combinations_are_refused():
+    run_distributed(_refusals, 2)

@@ -1,0 +1,310 @@
+"""A distributed optimizer over the data-parallel ranks (ZeRO, Megatron's distributed optimizer):
+each DP rank keeps fp32 master weights and optimizer state for its rows of every parameter only,
+updates them, and the updated rows are all-gathered into every replica's parameters.
+
+- ``data_parallel="zero1"``: gradients are all-reduced over DP (as DDP does), each rank steps its
+  rows, the rows are all-gathered.
+- ``data_parallel="zero2"``: gradients are reduce-scattered (each rank receives the sum of its
+  rows only), then the same step and all-gather.
+
+The rows are the ones FSDP2 gives a DP rank (dim 0 of each parameter's TP-local tensor, split as
+``torch.chunk`` splits it), and the state is exposed per model parameter as DTensors placed
+``Shard(0)`` on the DP mesh, so tp_ext's checkpoints save each rank's rows under the parameter's
+name and a checkpoint moves between ZeRO, DDP and FSDP2 runs at any DP degree. Under ZeRO-2 the
+gradients left on the parameters are those rows too (DTensors, as FSDP2's), which the gradient
+norm and clipping count once each.
+
+torch's ``ZeroRedundancyOptimizer`` assigns whole parameters to ranks (the state per rank is
+uneven, and its checkpoints hold per-rank parameter lists that do not load at another DP degree
+or into DDP); hence this one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from tp_ext.distributed import comm
+from tp_ext.distributed.dtensors import is_dtensor
+
+__all__ = ["ZERO_STAGES", "ShardedOptimizer"]
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2}
+
+
+def _rows(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """``(first row, row count)`` of ``rows`` that DP rank ``rank`` of ``size`` holds: torch.chunk's
+    split, as FSDP2 and DTensor's Shard(0) make it."""
+    chunk = -(-rows // size) if rows else 0
+    start = min(rows, rank * chunk)
+    return start, min(rows, start + chunk) - start
+
+
+class _StateView(dict):
+    """``optimizer.state`` of a :class:`ShardedOptimizer`: for each model parameter its state with
+    every per-element tensor as a DTensor (this rank's rows, Shard(0) on the DP mesh) sharing
+    storage with the inner optimizer's (a checkpoint load writes into it)."""
+
+    def __init__(self, owner: "ShardedOptimizer"):
+        super().__init__()
+        self.owner = owner
+
+    def _view(self, param):
+        owner = self.owner
+        inner = owner.inner.state.get(owner._master[param])
+        if not inner:
+            return None
+        return {key: owner._as_param_state(param, value) for key, value in inner.items()}
+
+    def __getitem__(self, param):
+        view = self._view(param)
+        if view is None:
+            raise KeyError(param)
+        return view
+
+    def get(self, param, default=None):
+        view = self._view(param) if param in self.owner._master else None
+        return default if view is None else view
+
+    def __contains__(self, param):
+        return param in self.owner._master and self._view(param) is not None
+
+    def keys(self):
+        return [p for p in self.owner._master if p in self]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self):
+        return len(self.keys())
+
+    def values(self):
+        return [self[p] for p in self.keys()]
+
+    def items(self):
+        return [(p, self[p]) for p in self.keys()]
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``template``'s optimizer (its class, parameter groups and settings; it has not stepped)
+    run on this DP rank's rows of each parameter, with fp32 master rows (fp64 parameters keep
+    fp64). ``param_groups`` are the template's (the LR schedule changes them; each step copies
+    their settings to the inner optimizer). ``inner`` is the optimizer over the master rows:
+    its state holds this rank's rows only. ``stage``: 1 (gradients all-reduced before
+    :meth:`step`) or 2 (:meth:`reduce_gradients` reduce-scatters them)."""
+
+    def __init__(
+        self,
+        template: torch.optim.Optimizer,
+        dp_mesh,
+        stage: int,
+        grad_reduce_dtype: Optional[torch.dtype] = None,
+    ):
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2 (ZeRO-1 or ZeRO-2), got {stage!r}")
+        self.stage, self.dp_mesh = stage, dp_mesh
+        self.grad_reduce_dtype = grad_reduce_dtype
+        group = dp_mesh.get_group()
+        self.dp = comm.resolve_group(group)
+        groups = [dict(g) for g in template.param_groups]
+        super().__init__(groups, template.defaults)
+        self.inner_type = type(template)
+        self._master: dict = {}  # model parameter -> its master rows (a leaf tensor)
+        self._rows: dict = {}  # model parameter -> (first row, row count)
+        inner_groups = []
+        for group in self.param_groups:
+            masters = []
+            for param in group["params"]:
+                if is_dtensor(param):
+                    raise ValueError(
+                        "ShardedOptimizer: a DTensor parameter (FSDP2 already shards it); use "
+                        "data_parallel='zero1' or 'zero2' without FSDP2"
+                    )
+                start, count = _rows(_dim0(param), self.dp.size, self.dp.rank)
+                self._rows[param] = (start, count)
+                master = _as_rows(param.detach())[start : start + count].to(_master_dtype(param))
+                master = master.clone().requires_grad_(param.requires_grad)
+                self._master[param] = master
+                masters.append(master)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            inner_groups.append({**settings, "params": masters})
+        # every group carries every setting; the constructor takes the ones it names (AdamW's
+        # defaults hold keys its __init__ does not take)
+        accepted = inspect.signature(self.inner_type.__init__).parameters
+        defaults = {k: v for k, v in template.defaults.items() if k in accepted}
+        self.inner = self.inner_type(inner_groups, **defaults)
+        self.state = _StateView(self)
+        self._gradient_rows: dict = {}  # ZeRO-2: parameter -> its summed gradient rows
+
+    # -- what tp_ext's checkpoints and the Trainer read ----------------------------------------
+
+    @property
+    def saved_type_name(self) -> str:
+        """The optimizer a checkpoint says it holds the state of: the inner one's class (the
+        state is the same numbers as that optimizer's in a DDP or FSDP2 run)."""
+        return self.inner_type.__name__
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state and master rows."""
+        total = sum(m.numel() * m.element_size() for m in self._master.values())
+        for state in self.inner.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    total += value.numel() * value.element_size()
+        return total
+
+    def _as_param_state(self, param, value):
+        """A per-element state tensor of ``param`` as its DTensor (rows on the DP mesh); a scalar
+        (Adam's step) as it is."""
+        if not torch.is_tensor(value) or value.dim() == 0:
+            return value
+        from torch.distributed.tensor import DTensor, Shard
+
+        local = value.view(self._local_shape(param))
+        return DTensor.from_local(
+            local,
+            self.dp_mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+    def _local_shape(self, param) -> tuple:
+        count = self._rows[param][1]
+        return (count, *param.shape[1:]) if param.dim() else (count,)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reduce_gradients(self, divide_by: float = 1.0) -> None:
+        """ZeRO-2: each parameter's gradient summed over DP and divided by ``divide_by``, of which
+        this rank keeps its rows, left on the parameter as a DTensor (Shard(0) on the DP mesh).
+        One reduce-scatter per dtype over every parameter's rows (in ``grad_reduce_dtype`` on
+        the wire when set)."""
+        params = [p for p in self._master if p.grad is not None and not is_dtensor(p.grad)]
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for dtype, members in by_dtype.items():
+            wire = self.grad_reduce_dtype or dtype
+            # rank r's piece: the rows it keeps of every parameter, in order
+            pieces, sizes = [], []
+            for r in range(self.dp.size):
+                for p in members:
+                    start, count = _rows(_dim0(p), self.dp.size, r)
+                    pieces.append(_as_rows(p.grad)[start : start + count].reshape(-1))
+                sizes.append(
+                    sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members)
+                )
+            flat = torch.cat(pieces).to(wire)
+            with comm.tag("train.dp_sync"):
+                mine = comm.reduce_scatter(flat, 0, sizes, "sum", group=self.dp)
+            mine = mine.to(dtype)
+            if divide_by != 1.0:
+                mine.div_(divide_by)
+            offset = 0
+            for p in members:
+                numel = self._rows[p][1] * _row_numel(p)
+                rows = mine[offset : offset + numel].view(self._local_shape(p))
+                offset += numel
+                p.grad = self._as_param_state(p, rows) if p.dim() else rows.view(())
+                self._gradient_rows[p] = rows
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step takes no closure")
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            for key, value in outer.items():  # the LR schedule's changes
+                if key != "params":
+                    inner[key] = value
+            for param in outer["params"]:
+                master = self._master[param]
+                grad = param.grad
+                if grad is None:
+                    master.grad = None
+                    continue
+                if is_dtensor(grad):  # ZeRO-2 (or clipped): this rank's rows already
+                    rows = grad.to_local()
+                else:
+                    start, count = self._rows[param]
+                    rows = _as_rows(grad)[start : start + count]
+                master.grad = rows.reshape(master.shape).to(master.dtype)
+        self.inner.step()
+        self._gather_parameters()
+
+    @torch.no_grad()
+    def _gather_parameters(self) -> None:
+        """Every replica's parameters from every rank's updated master rows: one all-gather per
+        parameter dtype."""
+        by_dtype: dict = {}
+        for param in self._master:
+            by_dtype.setdefault(param.dtype, []).append(param)
+        for dtype, members in by_dtype.items():
+            mine = torch.cat([self._master[p].reshape(-1).to(dtype) for p in members])
+            sizes = [
+                sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members)
+                for r in range(self.dp.size)
+            ]
+            with comm.tag("train.zero_gather"):
+                everyone = comm.all_gather(mine, 0, sizes, group=self.dp)
+            offset = 0
+            for r in range(self.dp.size):
+                for p in members:
+                    start, count = _rows(_dim0(p), self.dp.size, r)
+                    numel = count * _row_numel(p)
+                    piece = everyone[offset : offset + numel]
+                    offset += numel
+                    if numel:
+                        _as_rows(p.data)[start : start + count].copy_(
+                            piece.view(count, *_as_rows(p).shape[1:])
+                        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.inner.zero_grad(set_to_none=True)
+        self._gradient_rows.clear()
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Master rows from the parameters (after a checkpoint load wrote the parameters)."""
+        for param, master in self._master.items():
+            start, count = self._rows[param]
+            master.copy_(_as_rows(param.detach())[start : start + count].reshape(master.shape))
+
+
+def _dim0(param) -> int:
+    return param.shape[0] if param.dim() else 1
+
+
+def _row_numel(param) -> int:
+    return param[0].numel() if param.dim() else 1
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a dim 0 (a 0-d tensor as one row)."""
+    return t.view(1) if t.dim() == 0 else t
+
+
+def _master_dtype(param) -> torch.dtype:
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def sharded_optimizer_for(optimizer, parallel, data_parallel: str, grad_reduce_dtype=None):
+    """The :class:`ShardedOptimizer` of ``optimizer`` (built over the model's parameters, not
+    stepped) for ``data_parallel`` ("zero1" / "zero2") over ``parallel``'s DP mesh dimension."""
+    if any(optimizer.state.values()):
+        raise ValueError(
+            f"data_parallel={data_parallel!r}: the optimizer has stepped already (its state is "
+            "whole); pass it before its first step (or a callable that builds it)"
+        )
+    return ShardedOptimizer(
+        optimizer, parallel.mesh["dp"], ZERO_STAGES[data_parallel], grad_reduce_dtype
+    )
+
+
+def is_sharded(optimizer) -> bool:
+    return isinstance(optimizer, ShardedOptimizer)
