@@ -45,7 +45,7 @@ def _text_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def _train(method, steps):
+def _train(method, steps, grad_reduce_dtype=None, data_parallel="ddp"):
     import torch.distributed as dist
 
     import tp_ext
@@ -77,6 +77,8 @@ def _train(method, steps):
         lr_scheduler=lambda opt: build_lr_scheduler(opt, settings, steps),
         parallel=state,
         gradient_compression=method,
+        data_parallel=data_parallel,
+        grad_reduce_dtype=grad_reduce_dtype,
     )
     text = _text_bytes()
     g = torch.Generator().manual_seed(100 + state.dp_rank)  # each DP rank its own sequences

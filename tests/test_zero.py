@@ -119,7 +119,7 @@ def _reduce_dtype_case(data_parallel):
         for step in range(4):
             with comm.track() as stats:
                 losses[dtype].append(trainer.step(_mine(state, step)))
-        sent[dtype] = stats.bytes(tag="train.dp_sync")
+        sent[dtype] = stats.bus_bytes(2, tag="train.dp_sync")  # what each rank sends
     numel = sum(p.numel() for p in model.parameters())
     return sent, losses, numel
 
@@ -127,10 +127,12 @@ def _reduce_dtype_case(data_parallel):
 @pytest.mark.parametrize("data_parallel", ["ddp", "zero1", "zero2"])
 def test_gradient_sum_in_bfloat16_sends_half_the_bytes(data_parallel):
     sent, losses, numel = run_distributed(_reduce_dtype_case, 2, data_parallel)[0]
-    # one step's gradient sum: every gradient element once, 2 bytes each in bfloat16
-    assert sent[torch.bfloat16] == 2 * numel, (sent, numel)
-    if data_parallel == "zero2":  # its fp32 reduce-scatter is tp_ext's too: twice the bytes
-        assert sent[None] == 4 * numel, (sent, numel)
+    # one step's fp32 gradient sum at 2 ranks: an all-reduce sends 2 (w-1)/w x 4 bytes per
+    # element (DDP's own, not tracked), a reduce-scatter (w-1)/w x 4 (ZeRO-2's, tracked)
+    fp32 = 4 * numel if data_parallel != "zero2" else 2 * numel
+    if data_parallel == "zero2":
+        assert sent[None] == fp32, (sent, numel)
+    assert sent[torch.bfloat16] * 2 == fp32, (sent, numel)  # half of it in bfloat16
     torch.testing.assert_close(losses[torch.bfloat16], losses[None], rtol=5e-3, atol=0)
 
 
@@ -161,3 +163,25 @@ def _refusals():
 
 def test_unsupported_combinations_are_refused():
     run_distributed(_refusals, 2)
+
+
+def _bf16_masters_case():
+    """bf16 parameters: fp32 master rows, the parameters their rounding; ZeRO-1 and ZeRO-2 agree."""
+    results = {}
+    for data_parallel in ("zero1", "zero2"):
+        state, model, trainer = _trainer(2, data_parallel)
+        model.to(torch.bfloat16)
+        trainer = Trainer(model, optimizer=_optimizer, parallel=state, data_parallel=data_parallel)
+        losses = [trainer.step(_mine(state, step)) for step in range(3)]
+        optimizer = trainer.optimizer
+        for param, master in optimizer._master.items():
+            assert master.dtype == torch.float32 and param.dtype == torch.bfloat16
+            start, count = optimizer._rows[param]
+            rows = param.detach().view(-1, *param.shape[1:])[start : start + count]
+            assert torch.equal(rows, master.view_as(rows).to(torch.bfloat16))
+        results[data_parallel] = losses
+    assert results["zero1"] == results["zero2"], results
+
+
+def test_bfloat16_parameters_keep_fp32_master_rows():
+    run_distributed(_bf16_masters_case, 2)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tp_ext.compression import CompressionState, PowerSGDCompression, averages, register
 from tp_ext.distributed import comm
+from tp_ext.sharding import shard_sizes
 
 __all__ = [
     "DATA_PARALLEL",
@@ -25,6 +26,7 @@ __all__ = [
     "average_gradients",
     "ReplicatedStages",
     "replicate_stages",
+    "reduce_scatter_in",
 ]
 
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -78,16 +80,34 @@ def wrap_data_parallel(
     return module
 
 
+def reduce_scatter_in(flat: torch.Tensor, sizes: list, dtype: torch.dtype, group) -> torch.Tensor:
+    """This rank's piece (``sizes[rank]`` elements of ``flat``, split by ``sizes``) of the sum of
+    every rank's ``flat``, with the pieces sent in ``dtype`` (bf16: half fp32's bytes) and added
+    in ``flat``'s own dtype: one all-to-all, then a local sum in which this rank's own term is
+    not rounded. (A reduce-scatter in bf16 would add the terms in bf16 as well.)"""
+    g = comm.resolve_group(group)
+    if g.size == 1:
+        return flat.clone()
+    pieces = comm.all_to_all(flat.to(dtype), 0, 0, sizes, group=g)
+    pieces = pieces.view(g.size, sizes[g.rank]).to(flat.dtype)
+    start = sum(sizes[: g.rank])
+    pieces[g.rank] = flat[start : start + sizes[g.rank]]
+    return pieces.sum(dim=0)
+
+
 def _all_reduce_in(dtype: torch.dtype):
-    """A DDP comm hook averaging each bucket with the sum on the wire in ``dtype`` (bf16: half the
-    bytes of fp32), through tp_ext's all-reduce (its bytes tracked under "train.dp_sync"); the
-    result goes back into the gradients' own dtype."""
+    """A DDP comm hook averaging each bucket with its pieces on the wire in ``dtype`` (bf16: half
+    the bytes of fp32) and added in fp32 (:func:`reduce_scatter_in`), the averaged pieces then
+    all-gathered in ``dtype``, so every replica gets the same gradients; through tp_ext's
+    collectives (their bytes tracked under "train.dp_sync")."""
 
     def hook(group, bucket):  # -> Future[Tensor]
         buffer = bucket.buffer()
+        sizes = shard_sizes(buffer.numel(), group.size())
         with comm.tag("train.dp_sync"):
-            summed = comm.all_reduce(buffer.to(dtype), "sum", group=group)
-        buffer.copy_(summed).div_(group.size())
+            mine = reduce_scatter_in(buffer, sizes, dtype, group).div_(group.size())
+            everyone = comm.all_gather(mine.to(dtype), 0, sizes, group=group)
+        buffer.copy_(everyone)
         done = torch.futures.Future()
         done.set_result(buffer)
         return done
@@ -130,8 +150,14 @@ def average_gradients(
             p.grad = avg.to(p.dtype)
         return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    flat = torch.cat([g.flatten().to(reduce_dtype or dtype) for g in grads])
-    flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).to(dtype).div_(parallel.dp)
+    flat = torch.cat([g.flatten().to(dtype) for g in grads])
+    if reduce_dtype is None:
+        flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
+    else:  # as the DDP hook: pieces in reduce_dtype, added in fp32, the average gathered
+        sizes = shard_sizes(flat.numel(), parallel.dp)
+        mine = reduce_scatter_in(flat, sizes, reduce_dtype, parallel.dp_group).div_(parallel.dp)
+        flat = comm.all_gather(mine.to(reduce_dtype), 0, sizes, group=parallel.dp_group)
+        flat = flat.to(dtype)
     offset = 0
     for p in params:
         n = p.numel()

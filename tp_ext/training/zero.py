@@ -28,6 +28,7 @@ import torch
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import is_dtensor
+from tp_ext.pipeline.data_parallel import reduce_scatter_in
 
 __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
 
@@ -89,8 +90,8 @@ class _StateView(dict):
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """``template``'s optimizer (its class, parameter groups and settings; it has not stepped)
-    run on this DP rank's rows of each parameter, with fp32 master rows (fp64 parameters keep
-    fp64). ``param_groups`` are the template's (the LR schedule changes them; each step copies
+    run on this DP rank's rows of each parameter, with fp32 master rows (an fp32 parameter's
+    rows are its own, updated in place; fp64 parameters keep fp64). ``param_groups`` are the template's (the LR schedule changes them; each step copies
     their settings to the inner optimizer). ``inner`` is the optimizer over the master rows:
     its state holds this rank's rows only. ``stage``: 1 (gradients all-reduced before
     :meth:`step`) or 2 (:meth:`reduce_gradients` reduce-scatters them)."""
@@ -124,8 +125,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     )
                 start, count = _rows(_dim0(param), self.dp.size, self.dp.rank)
                 self._rows[param] = (start, count)
-                master = _as_rows(param.detach())[start : start + count].to(_master_dtype(param))
-                master = master.clone().requires_grad_(param.requires_grad)
+                rows = _as_rows(param.detach())[start : start + count]
+                if param.dtype == _master_dtype(param):  # fp32 already: its own rows, in place
+                    master = rows.requires_grad_(param.requires_grad)
+                else:  # bf16 / fp16 parameters: fp32 master rows beside them
+                    master = rows.to(_master_dtype(param)).requires_grad_(param.requires_grad)
                 self._master[param] = master
                 masters.append(master)
             settings = {k: v for k, v in group.items() if k != "params"}
@@ -147,8 +151,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.inner_type.__name__
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state and master rows."""
-        total = sum(m.numel() * m.element_size() for m in self._master.values())
+        """Bytes of this rank's optimizer state and master rows (those of fp32 parameters are
+        the parameters' own rows, not counted)."""
+        total = sum(
+            m.numel() * m.element_size() for p, m in self._master.items() if m.dtype != p.dtype
+        )
         for state in self.inner.state.values():
             for value in state.values():
                 if torch.is_tensor(value):
@@ -199,10 +206,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 sizes.append(
                     sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members)
                 )
-            flat = torch.cat(pieces).to(wire)
+            flat = torch.cat(pieces)
             with comm.tag("train.dp_sync"):
-                mine = comm.reduce_scatter(flat, 0, sizes, "sum", group=self.dp)
-            mine = mine.to(dtype)
+                if wire == dtype:
+                    mine = comm.reduce_scatter(flat, 0, sizes, "sum", group=self.dp)
+                else:  # sent in the wire's dtype, added in the gradients' own
+                    mine = reduce_scatter_in(flat, sizes, wire, self.dp)
             if divide_by != 1.0:
                 mine.div_(divide_by)
             offset = 0
