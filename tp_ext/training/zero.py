@@ -91,10 +91,11 @@ class _StateView(dict):
 class ShardedOptimizer(torch.optim.Optimizer):
     """``template``'s optimizer (its class, parameter groups and settings; it has not stepped)
     run on this DP rank's rows of each parameter, with fp32 master rows (an fp32 parameter's
-    rows are its own, updated in place; fp64 parameters keep fp64). ``param_groups`` are the template's (the LR schedule changes them; each step copies
-    their settings to the inner optimizer). ``inner`` is the optimizer over the master rows:
-    its state holds this rank's rows only. ``stage``: 1 (gradients all-reduced before
-    :meth:`step`) or 2 (:meth:`reduce_gradients` reduce-scatters them)."""
+    rows are its own, updated in place; fp64 parameters keep fp64). ``param_groups`` are the
+    template's (the LR schedule changes them; each step copies their settings to the inner
+    optimizer). ``inner`` is the optimizer over the master rows: its state holds this rank's
+    rows only. ``stage``: 1 (gradients all-reduced before :meth:`step`) or 2
+    (:meth:`reduce_gradients` reduce-scatters them)."""
 
     def __init__(
         self,
