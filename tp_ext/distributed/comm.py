@@ -24,18 +24,23 @@ layers take them unless :func:`set_overlap` turned them off.
 On a group of one the pairs are identities and return their input without calling an op.
 Splits follow :func:`tp_ext.shard_sizes`; gathers take ``sizes`` (every rank's size along
 ``dim``) when pieces differ.
+
+The plain collectives take ``async_op=True``: they then start the transfer and return a
+:class:`Pending` handle whose ``wait()`` returns the same result, so this rank can compute in
+between, eagerly or under ``torch.compile(fullgraph=True)``. They are not differentiable and are
+built on torch's functional collectives; see :mod:`tp_ext.distributed.pending`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from tp_ext import ops
-from tp_ext.distributed import peers
+from tp_ext.distributed import peers, pending
 from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the public face)
     CommStats,
     record_transfer,
@@ -47,6 +52,7 @@ from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the p
     track,
 )
 from tp_ext.distributed.groups import GroupLike, ResolvedGroup, device_of, resolve_group
+from tp_ext.distributed.pending import Pending
 from tp_ext.sharding import shard_sizes, uneven_sizes
 from tp_ext.validation import check_int, deprecated_aliases
 
@@ -57,6 +63,7 @@ __all__ = [
     "broadcast",
     "all_to_all",
     "all_to_all_single",
+    "Pending",
     "copy_to_tp",
     "reduce_from_tp",
     "scatter_to_tp",
@@ -111,21 +118,34 @@ def _piece_sizes(sizes) -> Optional[list[int]]:
 # ---- plain collectives --------------------------------------------------------------------------
 
 
-def all_reduce(x: torch.Tensor, reduce: str = "sum", group: GroupLike = None) -> torch.Tensor:
+def all_reduce(
+    x: torch.Tensor, reduce: str = "sum", group: GroupLike = None, *, async_op: bool = False
+) -> Union[torch.Tensor, Pending]:
     """Reduce ``x`` over the group (``sum``, ``avg``, ``max``, ``min``, ``product``); x is
-    unchanged."""
+    unchanged. ``async_op=True``: start it and return a :class:`Pending` whose ``wait()`` returns
+    the result (not differentiable; :mod:`tp_ext.distributed.pending`)."""
     g = _live(group, "all_reduce")
+    if async_op:
+        return pending.all_reduce(x, reduce, g)
     if g.group is None:
         return x.clone()
     return ops.all_reduce(x, reduce, g.name, g.size)
 
 
 def all_gather(
-    x: torch.Tensor, dim: int = 0, sizes: Optional[Sequence[int]] = None, group: GroupLike = None
-) -> torch.Tensor:
+    x: torch.Tensor,
+    dim: int = 0,
+    sizes: Optional[Sequence[int]] = None,
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+) -> Union[torch.Tensor, Pending]:
     """Concatenate every rank's ``x`` along ``dim``; ``sizes[r]`` is rank r's size there if
-    uneven."""
+    uneven. ``async_op=True``: a :class:`Pending` whose ``wait()`` returns the result (short
+    pieces travel padded to the widest and are cut after the wait)."""
     g = _live(group, "all_gather")
+    if async_op:
+        return pending.all_gather(x, dim, sizes, g)
     if g.group is None:
         return x.clone()
     return ops.all_gather(x, dim, None if sizes is None else list(sizes), g.name, g.size)
@@ -137,9 +157,15 @@ def reduce_scatter(
     sizes: Optional[Sequence[int]] = None,
     reduce: str = "sum",
     group: GroupLike = None,
-) -> torch.Tensor:
-    """Reduce ``x`` over the group and keep this rank's piece along ``dim`` (shard_sizes policy)."""
+    *,
+    async_op: bool = False,
+) -> Union[torch.Tensor, Pending]:
+    """Reduce ``x`` over the group and keep this rank's piece along ``dim`` (shard_sizes policy).
+    ``async_op=True``: a :class:`Pending` whose ``wait()`` returns the piece (uneven pieces travel
+    padded to the widest)."""
     g = _live(group, "reduce_scatter")
+    if async_op:
+        return pending.reduce_scatter(x, dim, _split_sizes(x, dim, g, sizes), reduce, g)
     if g.group is None:
         return x.clone()
     return ops.reduce_scatter(
@@ -147,9 +173,14 @@ def reduce_scatter(
     )
 
 
-def broadcast(x: torch.Tensor, src: int = 0, group: GroupLike = None) -> torch.Tensor:
-    """Rank ``src``'s ``x`` (``src`` is a rank of the group), on every rank."""
+def broadcast(
+    x: torch.Tensor, src: int = 0, group: GroupLike = None, *, async_op: bool = False
+) -> Union[torch.Tensor, Pending]:
+    """Rank ``src``'s ``x`` (``src`` is a rank of the group), on every rank. ``async_op=True``: a
+    :class:`Pending` whose ``wait()`` returns it."""
     g = _live(group, "broadcast")
+    if async_op:
+        return pending.broadcast(x, src, g)
     if g.group is None:
         return x.clone()
     return ops.broadcast(x, src, g.name, g.size)
@@ -161,10 +192,18 @@ def all_to_all(
     gather_dim: int,
     sizes: Optional[Sequence[int]] = None,
     group: GroupLike = None,
-) -> torch.Tensor:
+    *,
+    async_op: bool = False,
+) -> Union[torch.Tensor, Pending]:
     """Send piece r of ``x`` (split along ``scatter_dim``) to rank r; concatenate what arrives along
-    ``gather_dim``. All ranks pass tensors of the same shape."""
+    ``gather_dim``. All ranks pass tensors of the same shape. ``async_op=True``: a
+    :class:`Pending` whose ``wait()`` returns the result (one uneven all_to_all_single, the pieces
+    rearranged after the wait)."""
     g = _live(group, "all_to_all")
+    if async_op:
+        return pending.all_to_all(
+            x, scatter_dim, gather_dim, _split_sizes(x, scatter_dim, g, sizes), g
+        )
     if g.group is None:
         return x.clone()
     return ops.all_to_all(
@@ -177,14 +216,20 @@ def all_to_all_single(
     send_sizes: Sequence[int],
     recv_sizes: Sequence[int],
     group: GroupLike = None,
-) -> torch.Tensor:
+    *,
+    async_op: bool = False,
+) -> Union[torch.Tensor, Pending]:
     """Uneven all-to-all along dim 0, differentiable: rows ``[sum(send_sizes[:r]),
     +send_sizes[r])`` go to rank r, and ``recv_sizes[r]`` rows arrive from rank r, in rank order
     (my ``send_sizes[r]`` is rank r's ``recv_sizes[me]``: exchange the counts first). The backward
     sends the gradients back the same way. ``track()`` records the bytes sent to other ranks
-    (collective ``all_to_all_v``). Expert parallelism's token dispatch and combine."""
+    (collective ``all_to_all_v``). Expert parallelism's token dispatch and combine.
+    ``async_op=True``: a :class:`Pending` whose ``wait()`` returns the rows (not differentiable,
+    unlike the synchronous call)."""
     g = _live(group, "all_to_all_single")
     send, recv = [int(s) for s in send_sizes], [int(r) for r in recv_sizes]
+    if async_op:
+        return pending.all_to_all_single(x, send, recv, g)
     if g.group is None:
         if send != recv or len(send) != 1 or send[0] != x.size(0):
             raise ValueError(
