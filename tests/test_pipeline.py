@@ -138,6 +138,7 @@ SUBSET = [
     ((2, 1, 2), "1F1B", "zero2", 4, False, 2, None),  # TP inside
     ((1, 2, 2), "1F1B", "zero1", 4, True, 2, None),  # PP, tied across ranks
     ((1, 2, 2), "ZBVZeroBubble", "zero2", 4, True, 4, None),  # weight split, both ties on rank 0
+    ((1, 2, 3), "ZBVZeroBubble", "zero2", 4, False, 4, None),  # weight split at DP 3: one sum
 ]
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (3, 1, 1), (1, 4, 1)]
 FULL = [

@@ -151,6 +151,13 @@ def _refusals():
     for options, words in cases:
         with pytest.raises(ValueError, match=words):
             Trainer(model, optimizer=_optimizer, parallel=state, **options)
+    with pytest.raises(ValueError, match="element-wise optimizers"):
+        Trainer(
+            model,
+            optimizer=lambda params: torch.optim.LBFGS(params),
+            parallel=state,
+            data_parallel="zero2",
+        )
     with pytest.raises(ValueError, match="pass parallel="):
         Trainer(model, optimizer=_optimizer, data_parallel="zero1")
     stepped = _optimizer(model.parameters())

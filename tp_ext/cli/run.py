@@ -711,6 +711,12 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     overrides = overrides_of(args)
+    if overrides.get("grad_reduce_dtype") is not None:
+        raise ValueError(
+            "--grad-reduce-dtype: tp-ext run checks its training steps against one process "
+            "exactly, which a reduced-precision gradient sum is not; train with it under "
+            "tp-ext train"
+        )
     if args.auto:  # the planner's layout for the model this job runs: --small's, else a tiny one
         job = JobConfig.for_command(args.config, args.model)
         if isinstance(job.model, HFModelSource):

@@ -14,6 +14,8 @@ schedule still places each wait right after its start; with
 recommended list) it issues the collective before independent compute and waits at the first
 use (tests/test_async_collectives.py checks the generated code). Consequences:
 
+* Do not modify ``x`` until ``wait()``: the transfer may read it (a contiguous ``x`` is sent
+  as it is).
 * Not differentiable, like the synchronous plain collectives (use the Megatron pairs for
   training); an input that requires grad under grad mode is refused.
 * They go through the process group itself (gloo or NCCL), never tp_ext's shared-memory channel,

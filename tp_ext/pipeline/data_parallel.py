@@ -83,16 +83,14 @@ def wrap_data_parallel(
 def reduce_scatter_in(flat: torch.Tensor, sizes: list, dtype: torch.dtype, group) -> torch.Tensor:
     """This rank's piece (``sizes[rank]`` elements of ``flat``, split by ``sizes``) of the sum of
     every rank's ``flat``, with the pieces sent in ``dtype`` (bf16: half fp32's bytes) and added
-    in ``flat``'s own dtype: one all-to-all, then a local sum in which this rank's own term is
-    not rounded. (A reduce-scatter in bf16 would add the terms in bf16 as well.)"""
+    in ``flat``'s own dtype: one all-to-all, then a local sum of the rounded terms in rank order
+    (this rank's own rounded too, so an element's sum does not depend on which rank adds it: a
+    resumed run whose buckets differ rounds alike). A reduce-scatter in bf16 would add in bf16."""
     g = comm.resolve_group(group)
     if g.size == 1:
-        return flat.clone()
+        return flat.to(dtype).to(flat.dtype)
     pieces = comm.all_to_all(flat.to(dtype), 0, 0, sizes, group=g)
-    pieces = pieces.view(g.size, sizes[g.rank]).to(flat.dtype)
-    start = sum(sizes[: g.rank])
-    pieces[g.rank] = flat[start : start + sizes[g.rank]]
-    return pieces.sum(dim=0)
+    return pieces.view(g.size, sizes[g.rank]).to(flat.dtype).sum(dim=0)
 
 
 def _all_reduce_in(dtype: torch.dtype):

@@ -186,7 +186,8 @@ def prepare_stages(
     return replicate_stages(
         model,
         data_parallel,
-        average_after_step=schedule.weight_split and dp > 1,
+        # (no data-parallel engine with dp > 1: ZeRO-2, which reduce-scatters after the step)
+        average_after_step=schedule.weight_split and dp > 1 and data_parallel is not None,
         compression=compression,
         reduce_dtype=reduce_dtype,
     )

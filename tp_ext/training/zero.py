@@ -10,7 +10,10 @@ updates them, and the updated rows are all-gathered into every replica's paramet
 The rows are the ones FSDP2 gives a DP rank (dim 0 of each parameter's TP-local tensor, split as
 ``torch.chunk`` splits it), and the state is exposed per model parameter as DTensors placed
 ``Shard(0)`` on the DP mesh, so tp_ext's checkpoints save each rank's rows under the parameter's
-name and a checkpoint moves between ZeRO, DDP and FSDP2 runs at any DP degree. Under ZeRO-2 the
+name and a checkpoint moves between ZeRO, DDP and FSDP2 runs at any DP degree. (The fp32 master
+rows of bf16 parameters are not saved: a resumed run's start from the saved bf16 weights; and
+weights written into a bf16 model after the Trainer is built are overwritten from the masters
+at the next step, unless loaded by ``Trainer.load_checkpoint``.) Under ZeRO-2 the
 gradients left on the parameters are those rows too (DTensors, as FSDP2's), which the gradient
 norm and clipping count once each.
 
@@ -33,6 +36,11 @@ from tp_ext.pipeline.data_parallel import reduce_scatter_in
 __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2}
+# optimizers whose update of an element reads that element's gradient and state alone, so
+# stepping a parameter's rows apart gives the whole parameter's update
+ELEMENTWISE = frozenset(
+    ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "RMSprop", "OneBitAdam")
+)
 
 
 def _rows(rows: int, size: int, rank: int) -> tuple[int, int]:
@@ -106,6 +114,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-1 or ZeRO-2), got {stage!r}")
+        if type(template).__name__ not in ELEMENTWISE:
+            raise ValueError(
+                f"data_parallel='zero{stage}' steps each rank's rows of a parameter on their own, "
+                f"which gives the whole parameter's update only for element-wise optimizers "
+                f"({', '.join(sorted(ELEMENTWISE))}); {type(template).__name__} is not one of "
+                "them: use data_parallel='ddp' or 'fsdp'"
+            )
         self.stage, self.dp_mesh = stage, dp_mesh
         self.grad_reduce_dtype = grad_reduce_dtype
         group = dp_mesh.get_group()
@@ -113,6 +128,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups = [dict(g) for g in template.param_groups]
         super().__init__(groups, template.defaults)
         self.inner_type = type(template)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for param in params:
+            if param.dim() == 0:
+                raise ValueError(
+                    f"data_parallel='zero{stage}': a 0-d parameter has no rows to share out; "
+                    "give it shape [1], or use data_parallel='ddp'"
+                )
+        if stage == 2:  # no DDP to start the replicas equal: rank 0's weights, once
+            self._broadcast(params)
         self._master: dict = {}  # model parameter -> its master rows (a leaf tensor)
         self._rows: dict = {}  # model parameter -> (first row, row count)
         inner_groups = []
@@ -141,7 +165,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         defaults = {k: v for k, v in template.defaults.items() if k in accepted}
         self.inner = self.inner_type(inner_groups, **defaults)
         self.state = _StateView(self)
-        self._gradient_rows: dict = {}  # ZeRO-2: parameter -> its summed gradient rows
+
+    @torch.no_grad()
+    def _broadcast(self, params) -> None:
+        """Every replica's parameters from DP rank 0's (one broadcast per dtype)."""
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for members in by_dtype.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in members])
+            flat = comm.broadcast(flat, 0, group=self.dp)
+            offset = 0
+            for p in members:
+                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     # -- what tp_ext's checkpoints and the Trainer read ----------------------------------------
 
@@ -220,8 +257,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 numel = self._rows[p][1] * _row_numel(p)
                 rows = mine[offset : offset + numel].view(self._local_shape(p))
                 offset += numel
-                p.grad = self._as_param_state(p, rows) if p.dim() else rows.view(())
-                self._gradient_rows[p] = rows
+                p.grad = self._as_param_state(p, rows)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -274,9 +310,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:  # ZeRO-2's row gradients: a backward cannot add to them
+            for p in group["params"]:
+                if is_dtensor(p.grad):
+                    p.grad = None
         super().zero_grad(set_to_none=set_to_none)
         self.inner.zero_grad(set_to_none=True)
-        self._gradient_rows.clear()
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
