@@ -22,6 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.bench_vs_transformers import write_checkpoint  # noqa: E402
 from benchmarks.common import append_rows, bench_interleaved, run_ranks  # noqa: E402
 
 BENCH = "generate"
@@ -30,23 +31,8 @@ SHAPE = (1024, 16, 4, 2816, 4, 32000)
 
 
 def _checkpoint(directory: str) -> str:
-    import transformers
-
-    hidden, heads, kv, inter, layers, vocab = SHAPE
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
     path = os.path.join(directory, "llama")
-    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
-    return path
+    return write_checkpoint("llama", path, SHAPE, max_positions=1024)
 
 
 def _prompts(batch: int, longest: int = 64):

@@ -36,10 +36,12 @@ SHAPES = {  # name: hidden, heads, kv_heads, intermediate, layers, vocab, batch,
 CONFIGS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig"}
 
 
-def _checkpoint(arch: str, shape: str, directory: str) -> str:
+def write_checkpoint(arch: str, path: str, sizes: tuple, max_positions: int = 2048) -> str:
+    """A random fp32 ``arch`` ("qwen2" / "llama") checkpoint of ``sizes`` (hidden, heads,
+    kv heads, intermediate, layers, vocab), untied, seeded: the same weights in every run."""
     import transformers
 
-    hidden, heads, kv, inter, layers, vocab, _, _ = SHAPES[shape]
+    hidden, heads, kv, inter, layers, vocab = sizes
     config = getattr(transformers, CONFIGS[arch])(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -47,14 +49,17 @@ def _checkpoint(arch: str, shape: str, directory: str) -> str:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    path = os.path.join(directory, f"{arch}-{shape}")
-    model.save_pretrained(path)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
     return path
+
+
+def _checkpoint(arch: str, shape: str, directory: str) -> str:
+    path = os.path.join(directory, f"{arch}-{shape}")
+    return write_checkpoint(arch, path, SHAPES[shape][:6])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

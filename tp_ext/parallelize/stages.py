@@ -18,6 +18,7 @@ after them (final norm, LM head) to the last; which is which is seen by running 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Optional
 
@@ -580,8 +581,14 @@ class _Stage(nn.Module):
 
 
 def _takes(module: nn.Module, argument: str) -> bool:
-    """Whether ``module``'s forward has a parameter named ``argument``."""
-    return argument in inspect.signature(module.forward).parameters
+    """Whether ``module``'s forward has a parameter named ``argument`` (read once per class:
+    decoding asks at every step)."""
+    return argument in _forward_parameters(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(cls) -> frozenset:
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def tied_copies_group(model):
