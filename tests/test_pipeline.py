@@ -99,16 +99,34 @@ def _train(tp, pp, dp, schedule, data_parallel, layers, tie, micro, split=None):
         max_grad_norm=MAX_NORM,
         data_parallel=data_parallel,
     )
+    zero2 = data_parallel == "zero2" and dp > 1
+    if zero2:  # buckets of a few parameters: several reduce-scatters during the backward
+        trainer.optimizer.bucket_bytes = ZERO2_BUCKET_BYTES
     batches = _micro_batches(config, micro * dp)
     mine = batches[state.dp_rank * micro : (state.dp_rank + 1) * micro]
     losses, norms = [], []
     for _ in range(STEPS):
         losses.append(trainer.step(mine))
         norms.append(trainer.last_grad_norm)
+        if zero2:
+            _check_zero2_overlap(trainer.optimizer, schedule)
     weights = model.full_state_dict()  # every stage's, gathered over TP (and FSDP's DP shards)
     if state.tp_rank or state.dp_rank:
         weights = {}
     return losses, norms, {k: v for k, v in weights.items() if not _is_tied_copy(model, k)}
+
+
+ZERO2_BUCKET_BYTES = 8192
+
+
+def _check_zero2_overlap(optimizer, schedule: str) -> None:
+    """Every ZeRO-2 bucket's reduce-scatter went during the backward, except under the split
+    weight backward (ZERO_BUBBLE), which writes weight gradients outside autograd's accumulation:
+    there they all go after the schedule."""
+    buckets = optimizer.bucket_count
+    assert buckets > 2, buckets
+    sent = optimizer.buckets_sent_in_backward
+    assert sent == (0 if schedule in ZERO_BUBBLE else buckets), (schedule, sent, buckets)
 
 
 def _is_tied_copy(model, name: str) -> bool:

@@ -80,17 +80,39 @@ def wrap_data_parallel(
     return module
 
 
-def reduce_scatter_in(flat: torch.Tensor, sizes: list, dtype: torch.dtype, group) -> torch.Tensor:
+def reduce_scatter_in(
+    flat: torch.Tensor, sizes: list, dtype: torch.dtype, group, *, async_op: bool = False
+):
     """This rank's piece (``sizes[rank]`` elements of ``flat``, split by ``sizes``) of the sum of
     every rank's ``flat``, with the pieces sent in ``dtype`` (bf16: half fp32's bytes) and added
     in ``flat``'s own dtype: one all-to-all, then a local sum of the rounded terms in rank order
     (this rank's own rounded too, so an element's sum does not depend on which rank adds it: a
-    resumed run whose buckets differ rounds alike). A reduce-scatter in bf16 would add in bf16."""
+    resumed run whose buckets differ rounds alike). A reduce-scatter in bf16 would add in bf16.
+    ``async_op=True``: a handle whose ``wait()`` returns the piece."""
     g = comm.resolve_group(group)
     if g.size == 1:
-        return flat.to(dtype).to(flat.dtype)
+        piece = flat.to(dtype).to(flat.dtype)
+        return _Summed(None, piece, 1, 0) if async_op else piece
+    if async_op:
+        pending = comm.all_to_all(flat.to(dtype), 0, 0, sizes, group=g, async_op=True)
+        return _Summed(pending, flat.dtype, g.size, sizes[g.rank])
     pieces = comm.all_to_all(flat.to(dtype), 0, 0, sizes, group=g)
     return pieces.view(g.size, sizes[g.rank]).to(flat.dtype).sum(dim=0)
+
+
+class _Summed:
+    """:func:`reduce_scatter_in` in flight: ``wait()`` sums the arrived pieces in rank order."""
+
+    def __init__(self, pending, dtype_or_result, ranks: int, mine: int):
+        self._pending, self._ranks, self._mine = pending, ranks, mine
+        self._result = None if pending is not None else dtype_or_result
+        self._dtype = dtype_or_result
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            pieces = self._pending.wait()
+            self._result = pieces.view(self._ranks, self._mine).to(self._dtype).sum(dim=0)
+        return self._result
 
 
 def _all_reduce_in(dtype: torch.dtype):

@@ -393,6 +393,9 @@ class PipelineStep(StepStrategy):
             sums.append(loss.detach().float())
             return precision.scaled(loss / denominator)
 
+        if self.gradient_reducer is not None and parallel.dp > 1:
+            # ZeRO-2 sends each bucket as the last micro-batch's backward finishes it
+            self.gradient_reducer.expect_backward(len(batches), divide_by=float(parallel.dp))
         with comm.tag("train.compute"), precision.autocast(parallel.device):
             logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
             self.runner.step(ids, labels, len(batches), loss_fn, logits_dtype)
@@ -411,14 +414,15 @@ class PipelineStep(StepStrategy):
         mean over every token of every replica."""
         return count.clamp_min(1) / self.parallel.dp
 
-    # ZeRO-2: the sharded optimizer's reduce-scatter of the gradients (set by the Trainer)
+    # ZeRO-2: the sharded optimizer, which reduce-scatters the gradients (set by the Trainer)
     gradient_reducer = None
 
     def _synchronise_after_schedule(self) -> None:
         """DP synchronisation left after the schedule's step (DDP and FSDP2 did it in the last
-        backward; ZeRO-2 reduce-scatters here, averaging over DP as they do)."""
+        backward; ZeRO-2 receives its buckets' reduce-scatters here, averaging over DP as they
+        do)."""
         if self.gradient_reducer is not None and self.parallel.dp > 1:
-            self.gradient_reducer(divide_by=float(self.parallel.dp))
+            self.gradient_reducer.reduce_gradients(divide_by=float(self.parallel.dp))
 
     def clip(self, max_norm: float) -> torch.Tensor:
         norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)

@@ -162,7 +162,7 @@ class Trainer:
                 self.optimizer, parallel, data_parallel, grad_reduce_dtype
             )
             if ZERO_STAGES[data_parallel] == 2:
-                self.strategy.gradient_reducer = self.optimizer.reduce_gradients
+                self.strategy.gradient_reducer = self.optimizer
         self._pair_onebit_adam(self.optimizer, autocast_dtype)
         self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
         self.data = _stateful_data(data)

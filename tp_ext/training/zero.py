@@ -5,7 +5,11 @@ updates them, and the updated rows are all-gathered into every replica's paramet
 - ``data_parallel="zero1"``: gradients are all-reduced over DP (as DDP does), each rank steps its
   rows, the rows are all-gathered.
 - ``data_parallel="zero2"``: gradients are reduce-scattered (each rank receives the sum of its
-  rows only), then the same step and all-gather.
+  rows only), then the same step and all-gather. The reduce-scatters run in buckets during the
+  backward: a bucket's is issued once the last micro-batch's backward has written every gradient
+  in it, and the whole gradients are freed as they are sent (at most two buckets in flight).
+  Schedules with a split weight backward (zero bubble) write weight gradients outside autograd's
+  accumulation, where no hook sees them: there every bucket goes after the schedule.
 
 The rows are the ones FSDP2 gives a DP rank (dim 0 of each parameter's TP-local tensor, split as
 ``torch.chunk`` splits it), and the state is exposed per model parameter as DTensors placed
@@ -36,6 +40,11 @@ from tp_ext.pipeline.data_parallel import reduce_scatter_in
 __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2}
+# ZeRO-2's gradient buckets (DDP's default cap); the first step builds them from the attribute
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# buckets whose reduce-scatter may be in flight at once: the backward waits for the oldest
+# beyond it, so at most this many buckets' whole gradients are held in send buffers
+BUCKETS_IN_FLIGHT = 2
 # optimizers whose update of an element reads that element's gradient and state alone, so
 # stepping a parameter's rows apart gives the whole parameter's update
 ELEMENTWISE = frozenset(
@@ -103,7 +112,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     template's (the LR schedule changes them; each step copies their settings to the inner
     optimizer). ``inner`` is the optimizer over the master rows: its state holds this rank's
     rows only. ``stage``: 1 (gradients all-reduced before :meth:`step`) or 2
-    (:meth:`reduce_gradients` reduce-scatters them)."""
+    (reduce-scattered in buckets of about ``bucket_bytes`` during the backward that
+    :meth:`expect_backward` announces, finished by :meth:`reduce_gradients`)."""
 
     def __init__(
         self,
@@ -111,6 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dp_mesh,
         stage: int,
         grad_reduce_dtype: Optional[torch.dtype] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-1 or ZeRO-2), got {stage!r}")
@@ -121,8 +132,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"({', '.join(sorted(ELEMENTWISE))}); {type(template).__name__} is not one of "
                 "them: use data_parallel='ddp' or 'fsdp'"
             )
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.stage, self.dp_mesh = stage, dp_mesh
         self.grad_reduce_dtype = grad_reduce_dtype
+        self.bucket_bytes = bucket_bytes  # read when the first step builds the buckets
+        self._buckets: Optional[list] = None
+        self._backward: Optional[_Backward] = None  # the backward announced, until reduced
+        self.buckets_sent_in_backward = 0  # of the last step: the reduce-scatters overlapped
         group = dp_mesh.get_group()
         self.dp = comm.resolve_group(group)
         groups = [dict(g) for g in template.param_groups]
@@ -223,41 +240,149 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------------------
 
+    # -- ZeRO-2: the gradients' reduce-scatter, in buckets during the backward ---------------
+
+    def expect_backward(self, micro_batches: int, divide_by: float = 1.0) -> None:
+        """Announce a backward over ``micro_batches`` micro-batches (each parameter's gradient
+        accumulated that many times): a bucket's reduce-scatter is issued as soon as the last
+        accumulation into each of its gradients is done. The sums are divided by ``divide_by``.
+        :meth:`reduce_gradients` finishes what the backward did not send."""
+        if self.stage != 2:
+            return
+        if self._buckets is None:
+            self._buckets = self._make_buckets()
+            for index, bucket in enumerate(self._buckets):
+                for p in bucket.params:
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(self._accumulated)
+                    self._bucket_of[p] = index
+        if self._backward is not None and self._backward.in_flight:  # a step that raised
+            for _, handle in self._backward.in_flight_buckets:
+                if handle is not None:
+                    handle.wait()  # its sends paired with the other ranks': drop the sums
+        self._backward = _Backward(micro_batches, divide_by, len(self._buckets))
+        self.buckets_sent_in_backward = 0
+
+    @property
+    def bucket_count(self) -> int:
+        """ZeRO-2's gradient buckets (0 before the first step builds them)."""
+        return len(self._buckets or ())
+
+    def _make_buckets(self) -> list:
+        """The parameters in the order the backward writes their gradients (the reverse of the
+        model's), one dtype per bucket, each bucket up to ``bucket_bytes`` of gradients (one
+        parameter at least). Every DP replica has the same buckets and sends them in index
+        order, so their collectives pair up."""
+        self._bucket_of: dict = {}
+        buckets, open_by_dtype = [], {}
+        for p in reversed(list(self._master)):
+            bucket = open_by_dtype.get(p.dtype)
+            nbytes = p.numel() * p.element_size()
+            if bucket is None or (bucket.nbytes and bucket.nbytes + nbytes > self.bucket_bytes):
+                bucket = _Bucket(p.dtype)
+                buckets.append(bucket)
+                open_by_dtype[p.dtype] = bucket
+            bucket.params.append(p)
+            bucket.nbytes += nbytes
+        return buckets
+
+    def _accumulated(self, param) -> None:
+        """A post-accumulate-grad hook: the bucket's reduce-scatter goes once every gradient in
+        it has had its last accumulation (and the buckets before it have gone)."""
+        backward = self._backward
+        if backward is None or not backward.in_flight:
+            return  # a backward the Trainer did not announce (no ZeRO-2 step)
+        count = backward.count[param] = backward.count.get(param, 0) + 1
+        if count != backward.micro_batches:
+            if count > backward.micro_batches:
+                backward.overflow.append(param)
+            return
+        index = self._bucket_of[param]
+        backward.ready[index] += 1
+        while backward.next_to_send < len(self._buckets) and backward.ready[
+            backward.next_to_send
+        ] == len(self._buckets[backward.next_to_send].params):
+            self._send(backward.next_to_send)
+            self.buckets_sent_in_backward += 1
+
+    @torch.no_grad()
+    def _send(self, index: int) -> None:
+        """Issue bucket ``index``'s reduce-scatter (its gradients' rows, each rank's piece in
+        rank order), free the whole gradients, and receive the oldest bucket beyond
+        ``BUCKETS_IN_FLIGHT``."""
+        backward, bucket = self._backward, self._buckets[index]
+        members = [p for p in bucket.params if p.grad is not None and not is_dtensor(p.grad)]
+        pieces, sizes = [], []
+        for r in range(self.dp.size):
+            for p in members:
+                start, count = _rows(_dim0(p), self.dp.size, r)
+                pieces.append(_as_rows(p.grad)[start : start + count].reshape(-1))
+            sizes.append(sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members))
+        handle = None
+        if members:
+            flat = torch.cat(pieces)
+            wire = self.grad_reduce_dtype or flat.dtype
+            with comm.tag("train.dp_sync"):
+                if wire == flat.dtype:
+                    handle = comm.reduce_scatter(
+                        flat, 0, sizes, "sum", group=self.dp, async_op=True
+                    )
+                else:  # sent in the wire's dtype, added in the gradients' own
+                    handle = reduce_scatter_in(flat, sizes, wire, self.dp, async_op=True)
+            for p in members:
+                p.grad = None  # sent: the rows come back at the receive
+        backward.in_flight_buckets.append((members, handle))
+        backward.next_to_send = index + 1
+        while len(backward.in_flight_buckets) > BUCKETS_IN_FLIGHT:
+            self._receive_oldest()
+
+    @torch.no_grad()
+    def _receive_oldest(self) -> None:
+        """Wait for the oldest bucket in flight; its rows become its parameters' gradients
+        (DTensors, Shard(0) on the DP mesh)."""
+        backward = self._backward
+        members, handle = backward.in_flight_buckets.pop(0)
+        if handle is None:
+            return
+        with comm.tag("train.dp_sync"):
+            mine = handle.wait()
+        if backward.divide_by != 1.0:
+            mine.div_(backward.divide_by)
+        offset = 0
+        for p in members:
+            numel = self._rows[p][1] * _row_numel(p)
+            rows = mine[offset : offset + numel].view(self._local_shape(p))
+            offset += numel
+            p.grad = self._as_param_state(p, rows)
+
     @torch.no_grad()
     def reduce_gradients(self, divide_by: float = 1.0) -> None:
-        """ZeRO-2: each parameter's gradient summed over DP and divided by ``divide_by``, of which
-        this rank keeps its rows, left on the parameter as a DTensor (Shard(0) on the DP mesh).
-        One reduce-scatter per dtype over every parameter's rows (in ``grad_reduce_dtype`` on
-        the wire when set)."""
-        params = [p for p in self._master if p.grad is not None and not is_dtensor(p.grad)]
-        by_dtype: dict = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for dtype, members in by_dtype.items():
-            wire = self.grad_reduce_dtype or dtype
-            # rank r's piece: the rows it keeps of every parameter, in order
-            pieces, sizes = [], []
-            for r in range(self.dp.size):
-                for p in members:
-                    start, count = _rows(_dim0(p), self.dp.size, r)
-                    pieces.append(_as_rows(p.grad)[start : start + count].reshape(-1))
-                sizes.append(
-                    sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members)
-                )
-            flat = torch.cat(pieces)
-            with comm.tag("train.dp_sync"):
-                if wire == dtype:
-                    mine = comm.reduce_scatter(flat, 0, sizes, "sum", group=self.dp)
-                else:  # sent in the wire's dtype, added in the gradients' own
-                    mine = reduce_scatter_in(flat, sizes, wire, self.dp)
-            if divide_by != 1.0:
-                mine.div_(divide_by)
-            offset = 0
-            for p in members:
-                numel = self._rows[p][1] * _row_numel(p)
-                rows = mine[offset : offset + numel].view(self._local_shape(p))
-                offset += numel
-                p.grad = self._as_param_state(p, rows)
+        """ZeRO-2, after the backward: each parameter's gradient summed over DP and divided by
+        ``divide_by`` (that of :meth:`expect_backward` when announced), of which this rank keeps
+        its rows, left on the parameter as a DTensor (Shard(0) on the DP mesh). Sends the buckets
+        the backward did not (a gradient written outside autograd's accumulation, as a split
+        weight backward may, or an unannounced backward), in index order, and receives them
+        all. The wire carries ``grad_reduce_dtype`` when set."""
+        if self._buckets is None:
+            self.expect_backward(0, divide_by)
+        backward = self._backward
+        if backward is None or not backward.in_flight:
+            backward = self._backward = _Backward(0, divide_by, len(self._buckets))
+        if backward.overflow:
+            names = sorted({tuple(p.shape) for p in backward.overflow})
+            backward.in_flight = False
+            raise RuntimeError(
+                f"ZeRO-2: parameters of shapes {names} received more gradient accumulations "
+                f"than the {backward.micro_batches} micro-batches announced, after their "
+                "reduce-scatter was sent; run backward only inside Trainer.step"
+            )
+        try:
+            while backward.next_to_send < len(self._buckets):
+                self._send(backward.next_to_send)
+            while backward.in_flight_buckets:
+                self._receive_oldest()
+        finally:
+            backward.in_flight = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -323,6 +448,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for param, master in self._master.items():
             start, count = self._rows[param]
             master.copy_(_as_rows(param.detach())[start : start + count].reshape(master.shape))
+
+
+class _Bucket:
+    """Parameters (one dtype) whose gradients travel in one reduce-scatter."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.params, self.nbytes = dtype, [], 0
+
+
+class _Backward:
+    """One announced backward's progress: accumulations per parameter, gradients final per
+    bucket, the next bucket to send, the sends not yet received."""
+
+    def __init__(self, micro_batches: int, divide_by: float, buckets: int):
+        self.micro_batches, self.divide_by = micro_batches, divide_by
+        self.count: dict = {}
+        self.ready = [0] * buckets
+        self.next_to_send = 0
+        self.in_flight_buckets: list = []
+        self.overflow: list = []
+        self.in_flight = True
 
 
 def _dim0(param) -> int:
