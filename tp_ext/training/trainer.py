@@ -458,11 +458,6 @@ def _check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, comp
             f"data_parallel={data_parallel!r} with a 2D grid or context parallelism is not "
             "supported yet: use data_parallel='ddp'"
         )
-    if autocast_dtype == torch.float16:
-        raise ValueError(
-            f"data_parallel={data_parallel!r} with autocast_dtype=torch.float16 (a loss scale) "
-            "is not supported yet: use bfloat16 autocast, or data_parallel='ddp'"
-        )
 
 
 def _stateful_data(data):
