@@ -226,3 +226,47 @@ def test_float16_autocast_with_zero_steps_as_ddp():
             torch.testing.assert_close(other_losses, losses, rtol=1e-4, atol=0)
             for name, tensor in weights.items():  # Adam moves a near-zero gradient's by ~lr
                 torch.testing.assert_close(other_weights[name], tensor, rtol=1e-3, atol=LR)
+
+
+def _bf16_trainer(dp, data_parallel):
+    state, model, _ = _trainer(dp, data_parallel)
+    model.to(torch.bfloat16)
+    trainer = Trainer(model, optimizer=_optimizer, parallel=state, data_parallel=data_parallel)
+    return state, model, trainer
+
+
+def _masters(model, trainer) -> dict:
+    """Every bf16 parameter's whole fp32 master (gathered over DP), by name."""
+    return {
+        name: trainer.optimizer.master_weights(p).full_tensor()
+        for name, p in model.named_parameters()
+    }
+
+
+def _bf16_save_case(directory, dp, data_parallel):
+    state, model, trainer = _bf16_trainer(dp, data_parallel)
+    for step in range(2):
+        trainer.step(_mine(state, step))
+    trainer.save_checkpoint(directory)
+    masters = _masters(model, trainer)
+    return masters, [trainer.step(_mine(state, step)) for step in (2, 3)]
+
+
+def _bf16_load_case(directory, dp, data_parallel):
+    state, model, trainer = _bf16_trainer(dp, data_parallel)
+    trainer.load_checkpoint(directory)
+    return _masters(model, trainer), [trainer.step(_mine(state, step)) for step in (2, 3)]
+
+
+@pytest.mark.parametrize("loaded", [(2, "zero2"), (3, "zero1")], ids=lambda c: f"{c[1]}-dp{c[0]}")
+def test_bfloat16_master_rows_are_saved_and_resume(tmp_path, loaded):
+    directory = str(tmp_path / "ckpt")
+    masters, losses = run_distributed(_bf16_save_case, 2, directory, 2, "zero2")[0]
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values())
+    got_masters, got_losses = run_distributed(_bf16_load_case, loaded[0], directory, *loaded)[0]
+    for name, master in masters.items():  # the fp32 rows themselves, not the bf16 weights'
+        assert torch.equal(got_masters[name], master), name
+    if loaded == (2, "zero2"):  # the same run, resumed: bitwise the uninterrupted one
+        assert got_losses == losses, (got_losses, losses)
+    else:
+        torch.testing.assert_close(got_losses, losses, rtol=1e-2, atol=0)

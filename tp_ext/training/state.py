@@ -8,6 +8,9 @@ with a JSON manifest) holds:
 - the optimizer's per-parameter state under ``optimizer.<key>.<name>``, sharded exactly like its
   parameter (TP rows, FSDP2's data-parallel slices, pipeline stages), so it reshards like the
   model: a checkpoint saved at one (tp, pp, dp) loads at any other;
+- under ZeRO with bf16 / fp16 parameters, the fp32 master weights under ``master.<name>``,
+  sharded like the parameter (a run without master weights reads the parameters alone; one
+  with them, resumed from a checkpoint without, starts them from the parameters);
 - each rank's random-number states under ``rng.rank<r>.cpu`` / ``rng.rank<r>.cuda<d>`` (the TP
   streams are derived from these: :mod:`tp_ext.distributed.rng`);
 - with gradient compression, each rank's error-feedback residuals under
@@ -56,6 +59,7 @@ __all__ = [
 ]
 
 OPTIMIZER_PREFIX = "optimizer."
+MASTER_PREFIX = "master."
 
 
 def _rank() -> int:
@@ -153,6 +157,16 @@ def _optimizer_tensors(model, optimizer, tied_copies=None) -> dict[str, torch.Te
             )
         )
     return state
+
+
+def _master_tensors(model, optimizer, tied_copies=None) -> dict[str, torch.Tensor]:
+    """ZeRO's fp32 master rows of bf16 / fp16 parameters, keyed ``master.<checkpoint name>`` and
+    sharded like their parameters (none for other optimizers, or when every parameter is fp32)."""
+    if not getattr(optimizer, "has_separate_masters", False):
+        return {}
+    return checkpoint_tensors(
+        model, prefix=MASTER_PREFIX, tensor_of=optimizer.master_weights, tied_copies=tied_copies
+    )
 
 
 @torch.no_grad()
@@ -335,6 +349,8 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
     model, optimizer = trainer.model, trainer.optimizer
     state = checkpoint_tensors(model)
     state.update(_optimizer_tensors(model, optimizer))
+    masters = _master_tensors(model, optimizer)
+    state.update(masters)
     state.update(_rng_tensors(_rank()))
     state.update(_compression_tensors(trainer, _rank()))
     info = {
@@ -356,6 +372,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
         "gradient_compression": trainer.gradient_compression,
         # 2: int8 / 1-bit server residuals and PowerSGD's errors are saved too (1: neither)
         "compression_state": COMPRESSION_STATE,
+        "master_weights": bool(masters),  # ZeRO's fp32 rows of bf16 / fp16 parameters
     }
     return write_checkpoint(state, path, info, async_save=async_save)
 
@@ -394,6 +411,9 @@ def load_training_state(trainer, path: str) -> dict:
         copies.clear()
         state = checkpoint_tensors(model, tied_copies=copies)
         state.update(_optimizer_tensors(model, optimizer, tied_copies=copies))
+        masters_loaded[0] = bool(info.get("master_weights"))
+        if masters_loaded[0]:  # (a run without master rows reads the weights alone)
+            state.update(_master_tensors(model, optimizer, tied_copies=copies))
         state.update(_rng_targets(rng_source["rank"], info.get("cuda_rng_devices", 0)))
         residuals.clear()
         if _compression_carries_over(trainer, info, same_layout, directory):
@@ -403,11 +423,13 @@ def load_training_state(trainer, path: str) -> dict:
         return state
 
     residuals: dict = {}
+    masters_loaded = [False]
     info, state = read_checkpoint(path, state_of, formats=(TRAINING_FORMAT,))
     prefix = f"compression.rank{rank}."
     trainer.load_compression_residuals({k[len(prefix) :]: state[k] for k in residuals})
     copy_tied(copies)
-    if hasattr(optimizer, "refresh_masters"):  # ZeRO's master rows, from the loaded weights
+    has_masters = getattr(optimizer, "has_separate_masters", False)
+    if has_masters and not masters_loaded[0]:  # ZeRO's master rows, from the loaded weights
         optimizer.refresh_masters()
     _restore_hyperparameters(optimizer, info["optimizer"]["param_groups"])
     _restore_rng(state, rng_source["rank"])

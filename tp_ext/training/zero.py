@@ -14,10 +14,12 @@ updates them, and the updated rows are all-gathered into every replica's paramet
 The rows are the ones FSDP2 gives a DP rank (dim 0 of each parameter's TP-local tensor, split as
 ``torch.chunk`` splits it), and the state is exposed per model parameter as DTensors placed
 ``Shard(0)`` on the DP mesh, so tp_ext's checkpoints save each rank's rows under the parameter's
-name and a checkpoint moves between ZeRO, DDP and FSDP2 runs at any DP degree. (The fp32 master
-rows of bf16 parameters are not saved: a resumed run's start from the saved bf16 weights; and
-weights written into a bf16 model after the Trainer is built are overwritten from the masters
-at the next step, unless loaded by ``Trainer.load_checkpoint``.) Under ZeRO-2 the
+name and a checkpoint moves between ZeRO, DDP and FSDP2 runs at any DP degree. The fp32 master
+rows of bf16 parameters are saved too (``master.<name>``), so a resumed ZeRO run continues from
+them; a run without masters ignores them, and one resumed from a checkpoint without them starts
+its masters from the saved weights. (Weights written into a bf16 model after the Trainer is
+built are overwritten from the masters at the next step, unless loaded by
+``Trainer.load_checkpoint``.) Under ZeRO-2 the
 gradients left on the parameters are those rows too (DTensors, as FSDP2's), which the gradient
 norm and clipping count once each.
 
@@ -442,9 +444,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self.inner.zero_grad(set_to_none=True)
 
+    def master_weights(self, param) -> Optional[torch.Tensor]:
+        """``param``'s fp32 master rows as a DTensor shaped like it (Shard(0) on the DP mesh,
+        sharing their storage: a checkpoint load writes into them), or None for a parameter
+        that is its own master (fp32, fp64)."""
+        master = self._master.get(param)
+        if master is None or master.dtype == param.dtype:
+            return None
+        return self._as_param_state(param, master.detach())
+
+    @property
+    def has_separate_masters(self) -> bool:
+        """Whether any parameter (bf16, fp16) keeps fp32 master rows beside it."""
+        return any(m.dtype != p.dtype for p, m in self._master.items())
+
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """Master rows from the parameters (after a checkpoint load wrote the parameters)."""
+        """Master rows from the parameters (after a checkpoint load wrote the parameters and
+        held no master rows)."""
         for param, master in self._master.items():
             start, count = self._rows[param]
             master.copy_(_as_rows(param.detach())[start : start + count].reshape(master.shape))
