@@ -292,6 +292,7 @@ def test_cli_auto_ranks_layouts_of_a_transformers_model(tmp_path, capsys):
     assert {(1, 1, 4, 4), (1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 1), (4, 1, 1, 1)} <= layouts
     assert (1, 2, 2, 2) in layouts  # EP inside pipeline stages
     assert all(c["data_parallel"] == "ddp" for c in cands if c["ep"] > 1)
+    assert not any(c["data_parallel"] in ("zero1", "zero2") for c in cands)  # dense models only
     times = [r["step_time_s"] for r in ranked if r["fits"]]
     assert times == sorted(times) and ranked[0]["reason"]
     assert {c["dtype"] for c in cands} == {"float32"}  # the config's own

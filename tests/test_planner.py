@@ -1,8 +1,9 @@
 """tp_ext.planner against what tp_ext does: parameters per rank equal to the real layers', the
 estimated peak memory per rank within 5% of the measured peak of a Trainer step (CPU, every
-schedule, recompute, DDP and FSDP2, 1 to 8 ranks), parameter / gradient / optimizer bytes exact,
-TP bytes equal to tp_ext.comm.track()'s and PP / DP bytes to torch's own sends and collectives
-(tests/comm_count.py), the Qwen2-72B recommendations, the CLI and bad input."""
+schedule, recompute, DDP, FSDP2 and ZeRO-1/2, 1 to 8 ranks), parameter / gradient / optimizer
+bytes exact, TP bytes equal to tp_ext.comm.track()'s and PP / DP bytes to torch's own sends and
+collectives (tests/comm_count.py; ZeRO's tp_ext collectives by track()), the Qwen2-72B
+recommendations, the CLI and bad input."""
 
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ def test_candidate_holds_dims_and_the_run_settings():
         "num_micro_batches": 4, "schedule": "Interleaved1F1B", "activation_checkpointing": True,
         "data_parallel": "fsdp", "dtype": "float32", "cp_mode": "ring",
     }  # fmt: skip
+    zero = Candidate(ParallelDims(tp=2, dp=2), 1, 2, data_parallel="zero2")
+    assert zero.describe() == "tp=2 pp=1 dp=2 zero2 2x1 seq"
+    assert zero.as_dict()["data_parallel"] == "zero2"
     with_cp = Candidate(ParallelDims(tp=2, cp=2, dp=1), 1, 2, cp_mode="all_to_all")
     assert with_cp.describe() == "tp=2 pp=1 dp=1 cp=2 all_to_all 2x1 seq"
     bad = [
@@ -82,7 +86,11 @@ def test_candidate_holds_dims_and_the_run_settings():
         (dict(num_micro_batches=True), "num_micro_batches must be an int >= 1, got True"),
         (dict(schedule="1f1b"), "schedule must be one of .*'1F1B'.*, got '1f1b'"),
         (dict(activation_checkpointing="yes"), "activation_checkpointing must be True or False"),
-        (dict(data_parallel="zero"), "data_parallel must be 'ddp' or 'fsdp', got 'zero'"),
+        (
+            dict(data_parallel="zero"),
+            r"Candidate.data_parallel must be one of \['ddp', 'fsdp', 'zero1', 'zero2'\], "
+            "got 'zero'",
+        ),
         (dict(dtype="int8"), r"dtype must be one of \['bfloat16', .*\], got 'int8'"),
         (dict(cp_mode="ulysses"), "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'"),
     ]
@@ -206,9 +214,9 @@ def _measure(candidate):
         with PeakMemory(model.parameters(), trainer.optimizer) as memory:
             trainer.step(batches)
     step_grads = grads[-1]
-    if dims.dp > 1 and candidate.data_parallel == "ddp":
-        # DDP rebuilds its buckets once, in its second step (a broadcast of their layout): its
-        # bytes per step are those of the next one
+    if dims.dp > 1 and candidate.data_parallel in ("ddp", "zero1"):
+        # DDP (ZeRO-1's stages too) rebuilds its buckets once, in its second step (a broadcast
+        # of their layout): its bytes per step are those of the next one
         with CommCount(groups) as torch_comm:
             trainer.step(batches)
 
@@ -219,7 +227,9 @@ def _measure(candidate):
         "grads": step_grads,
         "optimizer": local_bytes(states),
         "tp": stats.bytes(tag="train.compute"),
-        "dp_sync": stats.bytes(tag="train.dp_sync"),  # the 2D and CP steps' own all-reduce
+        # the 2D and CP steps' own all-reduce; ZeRO-2's reduce-scatter
+        "dp_sync": stats.bytes(tag="train.dp_sync"),
+        "zero_gather": stats.bytes(tag="train.zero_gather"),  # ZeRO's all-gather of the rows
         "cp": stats.bytes(tag="cp"),
         "pp": torch_comm.bytes["pp"],
         "dp": torch_comm.bytes["dp"],
@@ -248,6 +258,8 @@ CANDIDATES = [
     pytest.param(_candidate(1, 2, 1, 4, "Interleaved1F1B", 2), id="pp2-interleaved"),
     pytest.param(_candidate(1, 1, 2, 2), id="dp2-ddp"),
     pytest.param(_candidate(1, 1, 2, 2, engine="fsdp"), id="dp2-fsdp"),
+    pytest.param(_candidate(1, 1, 2, 2, engine="zero1"), id="dp2-zero1"),
+    pytest.param(_candidate(1, 1, 2, 2, engine="zero2"), id="dp2-zero2"),
     pytest.param(_candidate(1, 2, 1, 4), marks=pytest.mark.full_matrix, id="pp2-1f1b"),
     pytest.param(_candidate(4, 1, 1, 2), marks=pytest.mark.full_matrix, id="tp4"),
     pytest.param(
@@ -265,6 +277,16 @@ CANDIDATES = [
         _candidate(1, 2, 1, 4, recompute=True), marks=pytest.mark.full_matrix, id="pp2-recompute"
     ),
     pytest.param(_candidate(2, 2, 2, 4), marks=pytest.mark.full_matrix, id="tp2-pp2-dp2-8ranks"),
+    # ZeRO: the rows split as torch.chunk splits dim 0 (dp = 3: the last rank's fewer)
+    pytest.param(
+        _candidate(1, 1, 3, 2, engine="zero2"), marks=pytest.mark.full_matrix, id="dp3-zero2-uneven"
+    ),
+    pytest.param(
+        _candidate(2, 1, 2, 2, engine="zero2"), marks=pytest.mark.full_matrix, id="tp2-dp2-zero2"
+    ),
+    pytest.param(
+        _candidate(1, 2, 2, 4, engine="zero1"), marks=pytest.mark.full_matrix, id="pp2-dp2-zero1"
+    ),
     # 2D TP (SUMMA) grids: the Trainer's own loop, DP by tp_ext's all-reduce
     pytest.param(_candidate((2, 2), 1, 1, 2), id="grid2x2"),
     pytest.param(_candidate((2, 1), 1, 2, 2, mb=3), id="grid2x1-dp2-uneven"),
@@ -302,6 +324,11 @@ def test_estimates_match_a_measured_training_step(candidate):
     for kind in ("tp", "cp", "pp", "dp"):
         # a 2D or CP model's DP all-reduce is tp_ext's own (track()'s "train.dp_sync"), not torch's
         counted = [m["dp_sync" if own_sync and kind == "dp" else kind] for m in measured]
+        if kind == "dp" and candidate.data_parallel in ("zero1", "zero2"):
+            # ZeRO-1: DDP's all-reduce (torch's); ZeRO-2: tp_ext's reduce-scatter; both then
+            # tp_ext's all-gather of the updated rows
+            counted = [m["dp"] + m["dp_sync"] + m["zero_gather"] for m in measured]
+            assert all(m["zero_gather"] > 0 for m in measured)
         assert est.comm_bytes[kind] == max(counted), (kind, est.comm_bytes[kind], counted)
     # every torch collective of the step ran on the pipeline or the data-parallel group
     assert not any(m["other"] for m in measured), [m["other"] for m in measured]
@@ -525,6 +552,54 @@ def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
         status, _, err = tp_ext_here(*command, "--auto", "--tp", 2)
         assert status == 2, err
         assert "--auto chooses the layout itself; drop --tp" in err
+
+
+def test_search_offers_zero_where_it_offers_fsdp():
+    """ZeRO-1 and ZeRO-2 are DP engines beside DDP and FSDP2 at dp > 1 on 1D layouts; 2D grids
+    and context parallelism keep DDP only, and estimate() refuses ZeRO there by name."""
+    from tp_ext import ParallelDims
+    from tp_ext.planner import Candidate, estimate, load_hardware, plan
+
+    ranked = plan(_config(), gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
+    engines = {}
+    for e in ranked:
+        dims = e.candidate.dims
+        kind = "grid" if dims.grid is not None else "dp1" if dims.dp == 1 else "1d"
+        engines.setdefault(kind, set()).add(e.candidate.data_parallel)
+    assert engines == {"1d": {"ddp", "fsdp", "zero1", "zero2"}, "grid": {"ddp"}, "dp1": {"ddp"}}
+    with_cp = plan(_config(), gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None, cp=2)
+    assert {e.candidate.data_parallel for e in with_cp} == {"ddp"}
+    hw = load_hardware("cpu")
+    for dims, engine, message in (
+        (
+            ParallelDims(tp=(2, 1), dp=2),
+            "zero1",
+            "data_parallel='zero1': the planner costs a 2D model's DP",
+        ),
+        (ParallelDims(tp=1, cp=2, dp=2), "zero2", "cp=2 with data_parallel='zero2'"),
+        (ParallelDims(tp=1, dp=2, ep=2), "zero2", r"data_parallel='zero2' with an expert \(MoE\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            estimate(
+                _config(), Candidate(dims, 1, 1, data_parallel=engine), seq_len=SEQ, hardware=hw
+            )
+
+
+def test_zero_rows_split_as_torch_chunk_splits_them():
+    """The planner's rows per DP rank (ZeRO's and FSDP2's shards) are torch.chunk's, uneven
+    splits and ranks left without rows included; its ZeRO constants are the Trainer's."""
+    from tp_ext.planner import cost
+    from tp_ext.planner.counts import fsdp_numel, shard_numel
+    from tp_ext.training import zero
+
+    shapes = [(4, 12), (128, 128 * 3), (7, 7), (1, 5)]
+    for dp in (1, 2, 3, 5, 8):
+        chunks = [[c.numel() for c in torch.empty(d0, n // d0).chunk(dp)] for d0, n in shapes]
+        by_rank = [sum(c[r] if r < len(c) else 0 for c in chunks) for r in range(dp)]
+        assert [shard_numel(shapes, dp, r) for r in range(dp)] == by_rank, dp
+        assert fsdp_numel(shapes, dp) == dp * by_rank[0]
+    assert cost.ZERO_STAGES == zero.ZERO_STAGES
+    assert cost.ZERO2_BUCKET_BYTES == zero.DEFAULT_BUCKET_BYTES
 
 
 def test_estimate_refuses_what_context_parallelism_does_not_run():

@@ -16,7 +16,8 @@ from tp_ext.validation import check_dtype_name, check_int
 
 __all__ = ["Candidate", "Estimate", "Layout", "memory_breakdown", "usable_memory"]
 
-DATA_PARALLEL = ("ddp", "fsdp")
+# how DP replicas synchronise: DDP, FSDP2, or ZeRO-1 / ZeRO-2 (tp_ext.training.zero)
+DATA_PARALLEL = ("ddp", "fsdp", "zero1", "zero2")
 # Of a device's memory, what tensors may take: 5% goes to the caching allocator's fragmentation
 # and kernels' workspaces, and 1 GiB to the CUDA context and NCCL's buffers.
 USABLE_FRACTION, RESERVED_BYTES = 0.95, 1024**3
@@ -31,9 +32,9 @@ class Candidate:
     """One way to run training that the planner costs: ``dims`` (resolved: tp, pp, dp and
     virtual stages; ``dims.tp`` a ``(P, Q)`` grid is 2D TP), ``num_micro_batches`` of
     ``micro_batch`` sequences per DP rank and step under ``schedule``, DP replicas synchronised
-    by ``data_parallel`` ("ddp" or "fsdp"), ``activation_checkpointing`` per decoder layer (the
-    config's and the CLI's name), and ``dtype``: the parameters' dtype (gradients and AdamW
-    state take it too)."""
+    by ``data_parallel`` ("ddp", "fsdp", "zero1" or "zero2"), ``activation_checkpointing`` per
+    decoder layer (the config's and the CLI's name), and ``dtype``: the parameters' dtype
+    (gradients and AdamW state take it too; ZeRO keeps fp32 master rows and state)."""
 
     dims: ParallelDims
     micro_batch: int
@@ -60,7 +61,10 @@ class Candidate:
                 f"{self.activation_checkpointing!r}"
             )
         if self.data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {self.data_parallel!r}")
+            raise ValueError(
+                f"Candidate.data_parallel must be one of {list(DATA_PARALLEL)}, got "
+                f"{self.data_parallel!r}"
+            )
         check_dtype_name(self.dtype)
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {self.cp_mode!r}")
@@ -164,12 +168,12 @@ class Estimate:
         return out
 
 
-def memory_breakdown(params, optimizer, activations, total, fsdp_buffers=0) -> dict:
-    """An estimate's ``memory_bytes``: gradients as large as the parameters (their dtype);
-    training keeps no KV cache."""
+def memory_breakdown(params, optimizer, activations, total, fsdp_buffers=0, grads=None) -> dict:
+    """An estimate's ``memory_bytes``: gradients as large as the parameters (their dtype) unless
+    given (ZeRO-2 keeps this rank's rows); training keeps no KV cache."""
     return {
         "params": int(params),
-        "grads": int(params),
+        "grads": int(params if grads is None else grads),
         "optimizer": int(optimizer),
         "activations": int(activations),
         "kv_cache": 0,

@@ -27,6 +27,7 @@ from tp_ext.planner.counts import (
     layer_flops,
     op_counts,
     rank_shapes,
+    shard_numel,
 )
 from tp_ext.planner.hardware import Hardware
 from tp_ext.planner.hf_model import (
@@ -49,6 +50,10 @@ __all__ = [
 ]
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
+# tp_ext.training.zero's stages (the planner may not import the trainer: one floor) and its
+# ZeRO-2 gradient bucket cap (DEFAULT_BUCKET_BYTES there)
+ZERO_STAGES = {"zero1": 1, "zero2": 2}
+ZERO2_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -107,8 +112,14 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     dims = candidate.dims
     if dims.grid is None:
         config.check_tp(dims.tp)
+    experts = dims.ep > 1 or getattr(config, "is_moe", False)
     if dims.cp > 1:
         _check_context_parallel(candidate)
+    elif candidate.data_parallel in ZERO_STAGES and experts:
+        raise ValueError(
+            f"estimate: data_parallel={candidate.data_parallel!r} with an expert (MoE) model is "
+            "not supported: the Trainer sums expert gradients by all-reduce; use 'ddp'"
+        )
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
             f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "
@@ -163,6 +174,11 @@ class _Step:
         split = default_split(self.pp * self.v) if default_split else None
         self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, split, order)
         self.shard = self.dp if candidate.data_parallel == "fsdp" else 1
+        # ZeRO (dp > 1; at dp = 1 the Trainer steps a plain optimizer): 1 or 2, else 0; its
+        # master rows and AdamW state are fp32 (fp64 for fp64 parameters)
+        self.zero = ZERO_STAGES.get(candidate.data_parallel, 0) if self.dp > 1 else 0
+        self.master_bytes = 8 if self.e == 8 else 4
+        self._zero_rows: dict = {}
         self.tokens = self.b * self.local_seq
         # the tokens the loss scores on this rank (each CP rank its positions: the last
         # position's target is ignored, on the rank holding it)
@@ -191,6 +207,36 @@ class _Step:
         if self.stages.last_stage in mine:
             n, t = n + s.final, t + s.final_tensors
         return n, t
+
+    def row_shapes_on(self, r: int) -> list[tuple[tuple, int]]:
+        """Rank r's TP-rank-0 parameter tensors, the ones :meth:`params_on` counts, as (their
+        (dim 0, numel) pairs, how many times they occur): a layer's per decoder layer, the
+        embedding's (tied at pp = 1: one tensor, the head's) and the final norm and head's."""
+        mine, s = self.stages.stages_of(r), self.s
+        parts = [(s.layer_rows, self.layers_on(r))]
+        if 0 in mine and not (self.config.tie_word_embeddings and self.pp == 1):
+            parts.append((s.embedding_rows, 1))
+        if self.stages.last_stage in mine:
+            parts.append((s.final_rows, 1))
+        return [(shapes, times) for shapes, times in parts if times]
+
+    def zero_rows_on(self, r: int, dp_rank: int = 0) -> int:
+        """Elements of DP rank ``dp_rank``'s rows of rank r's parameters: what ZeRO steps there
+        (DP rank 0 holds the most)."""
+        key = (r, dp_rank)  # asked by several costs; the search builds thousands of steps
+        if key not in self._zero_rows:
+            parts = self.row_shapes_on(r)
+            rows = sum(times * shard_numel(shapes, self.dp, dp_rank) for shapes, times in parts)
+            self._zero_rows[key] = rows
+        return self._zero_rows[key]
+
+    def padded_rows(self, r: int) -> int:
+        """Elements the asynchronous reduce-scatter of rank r's whole gradients adds when DP ranks'
+        rows differ in size (tp_ext.comm pads each piece to rank 0's): every rank's slot in one
+        flat, the short ranks' pieces copied out to that width, and the last one's zeros."""
+        sizes = [self.zero_rows_on(r, q) for q in range(self.dp)]
+        short = sum(n < sizes[0] for n in sizes)
+        return 0 if not short else (self.dp + short + 1) * sizes[0] - sizes[-1]
 
     def in_flight(self, r: int) -> float:
         return _in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
@@ -245,12 +291,21 @@ class _Step:
         D: the optimizer step (fused AdamW on GPUs: no temporaries; torch's per-tensor loop on
            CPU: two of the largest tensor).
         AdamW keeps two moments plus a per-tensor fp32 step count; DDP a copy of the gradients
-        in its buckets."""
+        in its buckets. ZeRO (:meth:`zero_phases`) keeps optimizer state for this DP rank's rows
+        only; ZeRO-1's stages are DDP-wrapped (the bucket copy), ZeRO-2's are not, and its
+        gradients at the step are this rank's rows."""
         numel, tensors = self.params_on(r)
         if self.config.tie_word_embeddings and self.pp == 1:  # one tensor
             numel, tensors = numel - self.s.embedding, tensors - self.s.embedding_tensors
         params = math.ceil(numel / self.shard) * self.e
-        optimizer = 2 * params + 4 * tensors
+        optimizer, grads = 2 * params + 4 * tensors, params
+        if self.zero:
+            rows = self.zero_rows_on(r)
+            # the two moments of its rows, in the masters' dtype, and fp32 master rows where
+            # the parameters are not fp32 (fp32 ones step their own rows in place)
+            masters = rows * self.master_bytes if self.master_bytes != self.e else 0
+            optimizer = 2 * rows * self.master_bytes + 4 * tensors + masters
+            grads = rows * self.e if self.zero == 2 else params
         acts, transient = self.activations_on(r)
         rebuilt = self.layers_on(r) * self.hidden_bytes if self.recompute else 0
         layer_backward = rebuilt + self.act_layer + self.hidden_bytes
@@ -274,19 +329,59 @@ class _Step:
         # result beside it (tp_ext's all_reduce is out of place)
         flat_copies = 2 if self.cp > 1 else (1 if flat_sync else 0)
         flat = numel * self.flat_bytes  # those buffers are fp32 (fp64 for fp64 parameters)
-        phases = (
+        phases = [
             params + optimizer + (params if ran_backward else 0) + acts + transient,
             2 * params + optimizer + layer_backward + self.ids_on(r),
             2 * params + optimizer + opt_temp,
             2 * params + flat_copies * flat + optimizer if flat_copies else 0,
-        )
-        ddp = self.candidate.data_parallel == "ddp" and self.dp > 1 and not flat_copies
+        ]
+        if self.zero:
+            phases[2:] = self.zero_phases(r, params, grads, optimizer, max(phases[:2]))
+        # ZeRO-1's stages are DDP-wrapped as DDP's; neither is under the weight-split schedules
+        # (tp_ext averages after the step: no buckets)
+        ddp_like = self.candidate.data_parallel in ("ddp", "zero1")
+        weight_split = SCHEDULES[self.candidate.schedule].weight_split
+        ddp = ddp_like and self.dp > 1 and not flat_copies and not weight_split
         fsdp = self.fsdp_buffers(numel)
         peak = max(phases) + (params if ddp else 0) + fsdp
         memory = memory_breakdown(
-            params, optimizer, max(acts + transient, layer_backward), peak, fsdp
+            params, optimizer, max(acts + transient, layer_backward), peak, fsdp, grads
         )
         return memory, numel
+
+    def zero_phases(self, r: int, params: int, grads: int, optimizer: int, backward: int):
+        """ZeRO's phases of rank r after (or at the end of) its backward, beside the parameters
+        and its optimizer state (``grads``: the gradients at the step, ``backward``: the
+        backward's peak with whole gradients):
+        the step: the fp32 copies of the gradients' rows (none for fp32 parameters: views) and,
+           on CPU, two of the largest rows tensor (torch's per-tensor AdamW);
+        the all-gather: this rank's rows flattened and every rank's gathered, both in the
+           parameters' dtype;
+        ZeRO-2's reduce-scatter: each bucket of whole gradients flattened, with this rank's rows
+           of the sum. A rank with one bucket (at most 25 MiB of gradients) sends it when the
+           last gradient is final, at the end of the last micro-batch's backward (on the first
+           stage the embedding's gradient still held, and the input ids); with more, the first
+           buckets go during the backward, beside its activations."""
+        e, master = self.e, self.master_bytes
+        rows, parts = self.zero_rows_on(r), self.row_shapes_on(r)
+        largest = max(shard_numel((t,), self.dp) for shapes, _ in parts for t in shapes)
+        numel = params // e
+        master_grads = rows * master if master != e else 0
+        opt_temp = 0 if self.hardware.fused_optimizer else 2 * largest * master
+        held = params + grads + optimizer + master_grads
+        phases = [held + opt_temp, held + (rows + numel) * e]
+        if self.zero == 2:
+            if params <= ZERO2_BUCKET_BYTES:
+                first = 0 in self.stages.stages_of(r)
+                last = self.s.embedding * e + self.ids_on(r) if first else self.hidden_bytes
+                sent = (numel + rows + self.padded_rows(r)) * e
+                phases.append(2 * params + optimizer + sent + last)
+            else:
+                # a bucket holds one parameter at least
+                largest_tensor = max(n for shapes, _ in parts for _, n in shapes) * e
+                bucket = max(ZERO2_BUCKET_BYTES, largest_tensor)
+                phases.append(backward + bucket + math.ceil(bucket / self.dp))
+        return phases
 
     # ---- bytes per step (payloads, as track() counts them) --------------------------------
 
@@ -378,14 +473,20 @@ class _Step:
         return gathered * self.e, scattered * self.e
 
     def dp_bytes(self, numel: int) -> tuple[int, int, int]:
-        """(DP bytes, FSDP2's gathered bytes, its scattered bytes) of the busiest rank."""
+        """(DP bytes, FSDP2's or ZeRO's gathered bytes, their scattered bytes) of the busiest
+        rank. ZeRO all-gathers every rank's updated rows after the step (every parameter, once);
+        ZeRO-2 reduce-scatters the gradients (all of them, once, in buckets), ZeRO-1 sums them
+        as DDP does."""
         weight_split = self.candidate.schedule in ("InterleavedZeroBubble", *V_SCHEDULES)
         if self.dp * self.cp == 1:
             return 0, 0, 0
+        gathered = numel * self.e if self.zero else 0
+        if self.zero == 2:
+            return 2 * numel * self.e, gathered, numel * self.e
         if self.shard == 1 and weight_split:
             # these schedules write weight gradients outside DDP's hooks: tp_ext all-reduces
             # them once after the step, flattened in float32 (float64 for float64 parameters)
-            return numel * (8 if self.e == 8 else 4), 0, 0
+            return numel * (8 if self.e == 8 else 4) + gathered, gathered, 0
         if self.shard == 1:
             # one all-reduce of every gradient, in the last micro-batch's backward (no_sync
             # before): DDP's buckets, or one per parameter with tp_ext's comm hook (dp > 2); with
@@ -394,7 +495,7 @@ class _Step:
             if self.cp > 1 or self.candidate.dims.ep > 1:  # tp_ext's flat fp32 buffer
                 extra = 2 * self.flat_bytes if self.cp > 1 and self.pp == 1 else 0
                 return numel * self.flat_bytes + extra, 0, 0
-            return numel * self.e, 0, 0
+            return numel * self.e + gathered, gathered, 0
         gathered, scattered = max((self.fsdp_bytes_on(r) for r in range(self.pp)), key=sum)
         return gathered + scattered, gathered, scattered
 
@@ -473,13 +574,23 @@ class _Step:
         if self.cp > 1:  # one flat all-reduce after the step's backward: nothing to hide behind
             dp_time = 2 * (dp - 1) / dp * dp_bytes / link + hw.latency
             return dp_time, dp_time
+        if self.zero:
+            # the gradients' sum goes in the last micro-batch's backward (ZeRO-1: DDP's
+            # all-reduce; ZeRO-2: a reduce-scatter per 25 MiB bucket), after the schedule under
+            # the weight-split ones; the rows' all-gather after the optimizer step: neither of
+            # those has compute to hide behind
+            after_step = SCHEDULES[self.candidate.schedule].weight_split
+            gather = (dp - 1) / dp * gathered / link + hw.latency
+            if self.zero == 1:
+                reduce, _ = self.all_reduce_seconds(dp_bytes - gathered, numel, tensors, 0.0)
+            else:
+                buckets = math.ceil(numel * e / ZERO2_BUCKET_BYTES)
+                rate = hw.reduce_scatter or link
+                reduce = (dp - 1) / dp * scattered / rate + buckets * hw.latency
+            hidden = 0.0 if after_step else min(reduce, hide * compute * 2 / 3)
+            return reduce + gather, reduce + gather - hidden
         if self.shard == 1:
-            # a ring all-reduce, overlapped only with the last micro-batch's backward; one call
-            # per 25 MB bucket (DDP's default), per parameter above 2 ranks (the reproducible
-            # hook)
-            calls = tensors if dp > 2 else math.ceil(numel * e / (25 * 2**20))
-            dp_time = 2 * (dp - 1) / dp * dp_bytes / link + calls * hw.latency
-            return dp_time, max(0.0, dp_time - hide * compute * 2 / 3)
+            return self.all_reduce_seconds(dp_bytes, numel, tensors, hide * compute)
         # all-gathers and the reduce-scatter move (dp-1)/dp of their payload (the reduce-scatter
         # at its own rate where measured: gloo's is slower than its gathers); the gathers come
         # in every micro-batch, prefetching hides each behind its micro-batch's compute, up to
@@ -490,6 +601,17 @@ class _Step:
         overhead = m * units * hw.fsdp_unit_overhead
         return dp_time, max(0.0, dp_time - hide * m * compute) + overhead
 
+    def all_reduce_seconds(self, nbytes: int, numel: int, tensors: int, hide: float) -> tuple:
+        """(seconds, the part not hidden) of DDP's gradient all-reduce: a ring, overlapped only
+        with the last micro-batch's backward (``hide``: its compute, where collectives run beside
+        it); one call per 25 MB bucket (DDP's default), per parameter above 2 ranks (the
+        reproducible hook)."""
+        hw, dp = self.hardware, self.dp * self.cp
+        link = hw.link(self.crosses_nodes()[2])
+        calls = tensors if dp > 2 else math.ceil(numel * self.e / (25 * 2**20))
+        dp_time = 2 * (dp - 1) / dp * nbytes / link + calls * hw.latency
+        return dp_time, max(0.0, dp_time - hide * 2 / 3)
+
     def runtime_seconds(self, memory: dict) -> tuple[float, float]:
         """(torch's pipelining runtime, the optimizer step): per schedule action (a stage's
         forward or backward of a micro-batch; the zero-bubble schedules split the backward in
@@ -499,7 +621,10 @@ class _Step:
         split_backward = SCHEDULES[self.candidate.schedule].weight_split
         actions = self.m * self.v * (3 if split_backward else 2)
         if hw.optimizer_seconds_per_param is not None:
-            optimizer = memory["params"] / self.e * hw.optimizer_seconds_per_param
+            stepped = memory["params"] / self.e
+            if self.zero:  # ZeRO steps this DP rank's rows only
+                stepped = max(self.zero_rows_on(r) for r in range(self.pp))
+            optimizer = stepped * hw.optimizer_seconds_per_param
         else:
             moved = memory["params"] + memory["grads"] + memory["optimizer"]
             optimizer = 4 * moved / hw.memory_bandwidth

@@ -38,8 +38,9 @@ def grid_problem(config: Qwen2Config, candidate: Candidate) -> str:
         return f"pp={dims.pp}: 2D tensor parallelism runs without pipelining; use pp=1"
     if candidate.data_parallel != "ddp":
         return (
-            f"data_parallel={candidate.data_parallel!r}: a 2D model's DP replicas synchronise "
-            "by one all-reduce of the gradients per step; use 'ddp'"
+            f"data_parallel={candidate.data_parallel!r}: the planner costs a 2D model's DP "
+            "replicas under DDP only (the Trainer also runs ZeRO-1/2 on grids, not yet "
+            "costed here); use 'ddp'"
         )
     if config.tie_word_embeddings:
         return "tie_word_embeddings=True: the 2D model does not support tied embeddings"

@@ -23,6 +23,7 @@ __all__ = [
     "head_flops",
     "forward_backward_work",
     "fsdp_numel",
+    "shard_numel",
 ]
 
 
@@ -91,10 +92,21 @@ def rank_shapes(config: Qwen2Config, tp: int) -> RankShapes:
     )
 
 
+def shard_numel(rows, dp: int, rank: int = 0) -> int:
+    """Elements of DP rank ``rank``'s rows of these tensors ((dim 0, numel) each): dim 0 split as
+    torch.chunk splits it (FSDP2's and ZeRO's shards), ceil(dim0 / dp) rows to each rank until
+    they run out, so rank 0 holds the most and the last ranks may get fewer, or none."""
+    total = 0
+    for d0, n in rows:
+        chunk = -(-d0 // dp)
+        total += max(0, min(d0, (rank + 1) * chunk) - rank * chunk) * (n // d0)
+    return total
+
+
 def fsdp_numel(rows, dp: int) -> int:
     """Elements of FSDP2's unsharded buffers for these tensors: each tensor's dim 0 padded to a
-    multiple of ``dp`` (every rank's shard has ceil(dim0 / dp) rows)."""
-    return sum(-(-d0 // dp) * dp * (n // d0) for d0, n in rows)
+    multiple of ``dp`` (every rank's shard padded to rank 0's)."""
+    return dp * shard_numel(rows, dp)
 
 
 class CountOps(TorchDispatchMode):

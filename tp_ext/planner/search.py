@@ -1,8 +1,8 @@
 """The candidates worth running, best first: every (tp, pp, dp) that multiplies to the GPU count
 and that the model accepts (tp a TP degree, or a 2D grid (P, Q) at pp = 1), with each
-micro-batch size, schedule, activation checkpointing setting and DP engine, costed by
-:func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time, then the ones that
-do not by how far over they are; each with a sentence saying why."""
+micro-batch size, schedule, activation checkpointing setting and DP engine (DDP, FSDP2, ZeRO-1,
+ZeRO-2), costed by :func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time,
+then the ones that do not by how far over they are; each with a sentence saying why."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tp_ext.dims import ParallelDims
 from tp_ext.layers.context import CP_MODES
 from tp_ext.models.hf import is_hf_config_dict, load_hf_config
 from tp_ext.models.qwen2 import Qwen2Config
-from tp_ext.pipeline.schedules import weight_split_supported
+from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
 from tp_ext.planner.candidate import Candidate, Estimate, usable_memory
 from tp_ext.planner.cost import estimate
 from tp_ext.planner.cost_2d import grid_problem
@@ -118,12 +118,18 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, m
             m = per_replica // mb
             if per_replica % mb or (dims.pp > 1 and m < dims.pp):
                 continue  # torch's schedules need at least pp micro-batches
-            # EP, CP and 2D grids synchronise DP by all-reduce (DDP), no FSDP2
+            # EP, CP and 2D grids synchronise DP by all-reduce (DDP): no FSDP2, and no ZeRO
+            # (nor for an MoE model at all: the Trainer runs ZeRO on dense models only)
             plain = dims.grid is None and dims.ep == 1 and dims.cp == 1
             engines = ("ddp", "fsdp") if dims.dp > 1 and plain else ("ddp",)
+            if dims.dp > 1 and plain and not getattr(config, "is_moe", False):
+                engines += ("zero1", "zero2")
             for schedule, v in _schedules(config, dims.pp, m):
                 for checkpointing in (False, True):
                     for engine in engines:
+                        if engine == "fsdp" and SCHEDULES[schedule].weight_split:
+                            continue  # the Trainer refuses: torch writes their weight
+                            # gradients outside autograd, where FSDP2 never sees them
                         yield Candidate(
                             dims.replace(virtual_stages=v),
                             micro_batch=mb,
