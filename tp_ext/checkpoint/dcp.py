@@ -264,7 +264,9 @@ def _grid_checkpoint_tensors(
     replicated over a grid axis are equal chunks, which DCP writes once). The keys are those
     of a 1D model's checkpoint, so the two load each other's: a scalar (an optimizer's step
     count) goes under the first piece of the tensor the model's declared layout fuses it into
-    (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it."""
+    (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it. A DTensor
+    (ZeRO's optimizer state, Shard(0) on the DP mesh) holds rows of this rank's block: they go
+    in at the block's offsets moved down by the first of them."""
     first_piece = {}
     if declared_map(model) is not None:
         for pieces in model_checkpoint_map(model).values():
@@ -276,7 +278,9 @@ def _grid_checkpoint_tensors(
             tensor = tensor_of(tensor)
             if tensor is None:
                 continue
-        local = tensor.detach()
+        # rows [first_row, first_row + n) of this rank's block (of `shape`): all of it but
+        # for ZeRO's state
+        local, first_row, shape = _data_parallel_slice(tensor, name)
         if local.dim() == 0:
             key = prefix + first_piece.get(name, name)
             if key not in state:
@@ -285,14 +289,14 @@ def _grid_checkpoint_tensors(
                 tied_copies.append((tensor, state[key]))
             continue
         if block is None:  # whole on every rank
-            state[prefix + name] = local
-            continue
-        (box,) = block.boxes(owner.shard_coord, local.shape)  # a grid block is one box
-        offsets = tuple(offset for offset, _ in box)
+            offsets, full_shape = (0,) * local.dim(), shape
+        else:
+            (box,) = block.boxes(owner.shard_coord, shape)  # a grid block is one box
+            offsets, full_shape = tuple(offset for offset, _ in box), block.full_shape_of(shape)
         if local.numel() == 0:
-            continue  # an empty block (more grid rows or columns than entries)
-        full_shape = block.full_shape_of(local.shape)
-        if tuple(local.shape) == full_shape:
+            continue  # an empty block (more grid rows or columns than entries), or no DP rows
+        offsets = (offsets[0] + first_row, *offsets[1:])
+        if tuple(local.shape) == tuple(full_shape):
             state[prefix + name] = local
         else:
             _add_chunk(state, prefix + name, local, offsets, full_shape)

@@ -310,9 +310,53 @@ class LocalStep(StepStrategy):
 
 class GridStep(LocalStep):
     """A 2D (SUMMA) model: the local loop, its loss from the logits blocks, DP gradients
-    all-reduced once per step over the DP group, the norm over the grid."""
+    all-reduced once per step over the DP group (DDP, ZeRO-1), the norm over the grid. Under
+    ZeRO-2 the sharded optimizer (``gradient_reducer``, set by the Trainer) reduce-scatters them
+    instead, each rank left with its rows of every grid block, and the norm is taken over every
+    rank (each DP rank's rows counted once)."""
 
     form = "2d"
+    gradient_reducer = None  # ZeRO-2's ShardedOptimizer
+
+    def __init__(self, model, loss, tp, dp_group, data_parallel, parallel) -> None:
+        super().__init__(model, loss, tp, dp_group, data_parallel)
+        self.parallel = parallel
+
+    @property
+    def _reduce_scattered(self) -> bool:
+        return self.gradient_reducer is not None and self.parallel.dp > 1
+
+    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
+        if not self._reduce_scattered:
+            return super().forward_backward(batches, precision)
+        # PipelineStep's averaging: the global token count first (no gradient all-reduce
+        # carries it here), each replica's loss over count / dp, the sums divided by dp
+        dp, group = self.parallel.dp, self.dp_group
+        ignore = self.loss.ignore_index
+        count = torch.stack([(labels[:, 1:] != ignore).sum() for _, labels in batches]).sum()
+        with comm.tag("train.dp_sync"):
+            count = comm.all_reduce(count.float(), "sum", group=group)
+        denominator = count.clamp_min(1) / dp
+        # each bucket's reduce-scatter goes as the last micro-batch's backward finishes it
+        self.gradient_reducer.expect_backward(len(batches), divide_by=float(dp))
+        loss_sum = torch.zeros((), device=batches[0][0].device)
+        with comm.tag("train.compute"):
+            for ids, labels in batches:
+                with precision.autocast(ids.device):
+                    loss = self.loss(self.model, ids, labels)
+                precision.scaled(loss / denominator).backward()
+                loss_sum += loss.detach().float()
+        self.gradient_reducer.reduce_gradients(divide_by=float(dp))
+        with comm.tag("train.loss"):
+            loss_sum = comm.all_reduce(loss_sum, "sum", group=group)
+        return loss_sum / count  # nan when no target counts, as torch's mean
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        if not self._reduce_scattered:  # whole gradients, equal on every replica
+            return super().clip(max_norm)
+        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
+        scale_grads_(self.model, max_norm, norm)
+        return norm
 
 
 class ExpertStep(LocalStep):
@@ -652,15 +696,20 @@ def _grid_step(model, parallel, data_parallel, compression, ignore_index) -> Gri
             f"gradient_compression={compression!r} with a 2D model: its DP all-reduce is "
             "tp_ext's own, not a DDP hook's; use 1D tensor parallelism to compress"
         )
-    if data_parallel not in (None, "ddp"):
+    supported = (None, "ddp", *ZERO_STAGES)
+    if data_parallel not in supported:
         raise ValueError(
-            f"data_parallel={data_parallel!r} with a 2D model: its DP replicas synchronise "
-            "by one all-reduce of the gradients per step; use data_parallel='ddp' (or None "
-            "at dp=1)"
+            f"data_parallel={data_parallel!r} with a 2D model: its DP replicas synchronise by "
+            "tp_ext's own gradient all-reduce (ddp, zero1) or ZeRO-2's reduce-scatter (FSDP2 "
+            f"does not shard 2D blocks yet); use one of {list(supported[1:])} (or None at dp=1)"
         )
     tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
     loss = choose_loss(model, tp, ignore_index, is_2d=True)
-    return GridStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None)
+    if parallel.dp == 1:
+        data_parallel = None
+    elif data_parallel is None:
+        data_parallel = "ddp"  # replicas kept equal by the all-reduce, as DDP keeps them
+    return GridStep(model, loss, tp, dp, data_parallel, parallel)
 
 
 def _expert_step(

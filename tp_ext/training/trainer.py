@@ -453,10 +453,10 @@ def _check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, comp
             f"data_parallel={data_parallel!r} shards the optimizer over the DP mesh dimension: "
             "pass parallel=tp_ext.init_parallel(...)"
         )
-    if getattr(parallel, "tp_grid", None) is not None or getattr(parallel, "cp", 1) > 1:
+    if getattr(parallel, "cp", 1) > 1:
         raise ValueError(
-            f"data_parallel={data_parallel!r} with a 2D grid or context parallelism is not "
-            "supported yet: use data_parallel='ddp'"
+            f"data_parallel={data_parallel!r} with context parallelism (cp={parallel.cp}) is "
+            "not supported yet: use data_parallel='ddp', or ZeRO at cp=1"
         )
 
 
