@@ -488,7 +488,7 @@ def _reference_step(ref, opt, batches, with_aux):
     return loss.item(), norm.item()
 
 
-def _train(kind, tp, dp, ep, with_aux):
+def _train(kind, tp, dp, ep, with_aux, data_parallel="ddp"):
     state = tp_ext.init_parallel(tp=tp, dp=dp, ep=ep)
     model = _model(kind)
     model.config.output_router_logits = with_aux
@@ -500,7 +500,10 @@ def _train(kind, tp, dp, ep, with_aux):
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
         parallel=state,
         max_grad_norm=0.5,
+        data_parallel=data_parallel,
     )
+    if data_parallel == "zero2":  # buckets of a few parameters, sent during the backward
+        trainer.optimizer.bucket_bytes = 8192
     dp_rank = state.mesh.get_local_rank("dp")
     for step in range(3):
         loss = trainer.step(_micro_batches(dp_rank, step))
@@ -514,6 +517,24 @@ def _train(kind, tp, dp, ep, with_aux):
         torch.testing.assert_close(
             p.detach(), want[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}"
         )
+    if data_parallel in ("zero1", "zero2"):
+        _check_zero_rows(trainer, state, ep)
+
+
+def _check_zero_rows(trainer, state, ep):
+    """Each rank steps its rows: dense parameters' over DP, experts' over the ranks holding the
+    same experts (dp / ep of them when EP runs across DP); ZeRO-2 sent buckets in the backward."""
+    from tp_ext.layers.moe import expert_parameters
+
+    optimizer = trainer.optimizer
+    experts = {id(p) for p in expert_parameters(trainer.model)[0]}
+    replicas = comm.resolve_group(state.expert_dp_group).size
+    for p in trainer.model.parameters():
+        start, count = optimizer._rows[p]
+        over = replicas if id(p) in experts else state.dp
+        assert count == len(range(p.shape[0])[start:][: -(-p.shape[0] // over)]), p.shape
+    if optimizer.stage == 2:
+        assert optimizer.buckets_sent_in_backward > 0, optimizer.bucket_count
 
 
 TRAIN_CASES = [("qwen2_moe", (1, 2, 2), False), ("mixtral", (2, 2, 2), False),
@@ -525,6 +546,26 @@ TRAIN_CASES = [("qwen2_moe", (1, 2, 2), False), ("mixtral", (2, 2, 2), False),
 def test_trainer_steps_equal_single_process_training_on_the_global_batch(kind, layout, with_aux):
     tp, dp, ep = layout
     run_distributed(_train, tp * dp, kind, tp, dp, ep, with_aux, timeout=300)
+
+
+# the distributed optimizer with experts: dense rows over DP, expert rows over expert-DP (the
+# ranks holding the same experts; none at dp = ep)
+ZERO_CASES = [
+    pytest.param("qwen2_moe", (1, 4, 2), False, "zero2", id="dp4-ep2-zero2"),
+    pytest.param("mixtral", (2, 2, 2), True, "zero1", id="tp2-dp2-ep2-zero1"),
+    pytest.param("qwen2_moe", (1, 2, 2), True, "zero2", id="dp2-ep2-zero2",
+                 marks=pytest.mark.full_matrix),
+    pytest.param("mixtral", (1, 3, 3), False, "zero2", id="dp3-ep3-zero2",
+                 marks=pytest.mark.full_matrix),
+    pytest.param("mixtral", (2, 2, 4), False, "zero2", id="tp2-dp2-ep4-zero2",
+                 marks=pytest.mark.full_matrix),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,layout,with_aux,data_parallel", ZERO_CASES)
+def test_zero_with_experts_equals_single_process_training(kind, layout, with_aux, data_parallel):
+    tp, dp, ep = layout
+    run_distributed(_train, tp * dp, kind, tp, dp, ep, with_aux, data_parallel, timeout=300)
 
 
 # ---- checkpoints: the Hugging Face layout, loaded at another EP degree ---------------------------
@@ -678,7 +719,7 @@ def test_expert_ranks_read_their_experts_from_a_checkpoint(tmp_path, kind, form,
 # ---- Trainer checkpoints: resumed at another EP degree ----------------------------------------
 
 
-def _resume_at_other_layouts(path):
+def _resume_at_other_layouts(path, saved=(1, 4, 4, "ddp"), loads=None):
     """One step of SGD with momentum at (tp, dp, ep) = (1, 4, 4), saved with
     Trainer.save_checkpoint; loaded at (1, 4, 2), (2, 2, 2) and (2, 2, 4) (EP across TP ranks),
     the next step equals single-process training on the global batch (the experts and their
@@ -689,7 +730,7 @@ def _resume_at_other_layouts(path):
         model.config.output_router_logits = False  # no aux loss: the reference step has none
         return model
 
-    def build(tp, dp, ep):
+    def build(tp, dp, ep, data_parallel):
         state = tp_ext.init_parallel(tp=tp, dp=dp, ep=ep)
         model = tp_ext.parallelize(unsharded(), "auto", parallel=state)
         trainer = Trainer(
@@ -697,6 +738,7 @@ def _resume_at_other_layouts(path):
             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
             parallel=state,
             max_grad_norm=0.5,
+            data_parallel=data_parallel,
         )
         return state, model, trainer
 
@@ -705,12 +747,16 @@ def _resume_at_other_layouts(path):
 
     ref = unsharded()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    state, model, trainer = build(1, 4, 4)
+    state, model, trainer = build(*saved)
     trainer.step(_micro_batches(state.mesh.get_local_rank("dp"), 0))
     _reference_step(ref, ref_opt, every(4, 0), False)
     trainer.save_checkpoint(path)
-    for tp, dp, ep in ((1, 4, 2), (2, 2, 2), (2, 2, 4)):
-        state, model, trainer = build(tp, dp, ep)
+    for tp, dp, ep, data_parallel in loads or (
+        (1, 4, 2, "ddp"),
+        (2, 2, 2, "ddp"),
+        (2, 2, 4, "ddp"),
+    ):
+        state, model, trainer = build(tp, dp, ep, data_parallel)
         manifest = trainer.load_checkpoint(path)
         assert manifest["step"] == 1
         want = local_shards(model, dict(ref.named_parameters()))
@@ -735,3 +781,11 @@ def _resume_at_other_layouts(path):
 
 def test_trainer_checkpoint_saved_at_ep4_resumes_at_ep2_and_with_tp(tmp_path):
     run_distributed(_resume_at_other_layouts, 4, str(tmp_path / "ckpt"), timeout=300)
+
+
+def test_zero_checkpoint_with_experts_resumes_under_ddp_and_zero_at_other_layouts(tmp_path):
+    """Saved under ZeRO-2 with each expert's momentum in rows over 2 ranks (dp 4, ep 2); loaded
+    by DDP at (2, 2, 2) and by ZeRO-1 at (1, 4, 4) and ZeRO-2 at (2, 2, 2)."""
+    loads = ((2, 2, 2, "ddp"), (1, 4, 4, "zero1"), (2, 2, 2, "zero2"))
+    path = str(tmp_path / "ckpt")
+    run_distributed(_resume_at_other_layouts, 4, path, (1, 4, 2, "zero2"), loads, timeout=300)

@@ -157,6 +157,8 @@ SUBSET = [
     ("mixtral", (2, 2, 1, 2), "Interleaved1F1B", "ddp", 4, False),
     # pp = 1: the converted model trains as one stage (tied on one rank, FSDP2, recompute)
     ("gpt2", (1, 1, 2), "1F1B", "fsdp", 2, True),
+    # ZeRO-2 with experts in the stages: dense rows over DP, expert gradients summed
+    ("mixtral", (1, 2, 2, 2), "1F1B", "zero2", 2, False),
 ]
 FULL = [  # 1F1B needs a micro-batch per stage
     (arch, layout, "1F1B", "ddp", max(2, layout[1]), False)
@@ -178,6 +180,10 @@ FULL = [  # 1F1B needs a micro-batch per stage
     ("mixtral", (2, 2, 2, 2), "1F1B", "ddp", 2, False),  # EP from DP, experts split over TP
     ("mixtral", (1, 3, 2, 2), "GPipe", "ddp", 3, False),
     ("mixtral", (1, 2, 2, 2), "ZBVZeroBubble", "ddp", 4, False),
+    # ZeRO with experts: expert rows over the 2 ranks holding the same experts (dp 4, ep 2)
+    ("mixtral", (1, 2, 4, 2), "1F1B", "zero1", 2, False),
+    ("mixtral", (1, 2, 4, 2), "GPipe", "zero2", 2, False),
+    ("qwen2_moe", (1, 2, 2, 2), "ZBVZeroBubble", "zero2", 4, True),
 ]
 
 

@@ -156,7 +156,8 @@ def checkpoint_tensors(
             continue
         experts = expert_rows(owner, name)
         if experts is not None:  # this EP rank's experts: rows from its first of all of them
-            first_row, shape = experts[0], (experts[1], *shape[1:])
+            # (ZeRO's state: this rank's rows of them, from first_row on)
+            first_row, shape = experts[0] + first_row, (experts[1], *shape[1:])
         blocks = _blocks(pieces, local, first_row, shape, spec, owner)
         for key, block, offsets, size in blocks:
             if tuple(block.shape) == tuple(size) and not any(offsets):

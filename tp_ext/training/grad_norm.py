@@ -95,10 +95,11 @@ def parallel_grad_norm(
         wide = any(q.dtype == torch.float64 for q in model.parameters())
         local = torch.zeros((), device=parallel.device, dtype=torch.float64 if wide else None)
     else:
-        dp_shards = parallel if not replicated_dp else None
+        dp_shards = (parallel.dp, parallel.dp_rank) if not replicated_dp else None
         local = _local_norm_power(model, tp, p, skip | experts, dp_shards)
     if experts:
-        local = _combine(local, _expert_norm_power(model, experts, parallel, tp, p), p)
+        rows = data_parallel == "zero2"  # each expert-DP rank holds its rows of the gradients
+        local = _combine(local, _expert_norm_power(model, experts, parallel, tp, p, rows), p)
     local = comm.all_reduce(
         local.float() if local.dtype != torch.float64 else local,
         "max" if p == math.inf else "sum",
@@ -107,31 +108,41 @@ def parallel_grad_norm(
     return local if p == math.inf else local.pow(1.0 / p)
 
 
-def _expert_norm_power(model, expert_ids: set, parallel, tp: ResolvedGroup, p: float):
+def _expert_norm_power(
+    model, expert_ids: set, parallel, tp: ResolvedGroup, p: float, rows: bool = False
+):
     """This rank's share of sum(|g|^p) over the expert gradients, for a sum over every rank:
-    the ranks holding the same experts (the expert-DP group) count them on its first rank only;
-    experts split over TP count each TP slice once, whole experts all count."""
+    the ranks holding the same experts (the expert-DP group) count them on its first rank only,
+    or each its own rows of them (``rows``: ZeRO-2's); experts split over TP count each TP slice
+    once, whole experts all count."""
     expert_dp = resolve_group(parallel.expert_dp_group)
-    if expert_dp.rank != 0 and p != math.inf:
+    if expert_dp.rank != 0 and p != math.inf and not rows:
         return torch.zeros((), device=parallel.device)
     sliced = _experts_split_over_tp(model)
-    return _held_experts_power(model, expert_ids, sliced, tp, p, parallel.device)
+    shards = (expert_dp.size, expert_dp.rank) if rows else None
+    return _held_experts_power(model, expert_ids, sliced, tp, p, parallel.device, shards)
 
 
-def _held_experts_power(model, expert_ids: set, sliced: bool, tp, p: float, device):
+def _held_experts_power(model, expert_ids: set, sliced: bool, tp, p: float, device, shards=None):
     """sum(|g|^p) (max for p = inf) over the expert gradients this rank holds: experts ``sliced``
     over TP count each TP slice once, as any TP layer's; whole experts (an EP group across TP
-    ranks, or no TP) all count here."""
+    ranks, or no TP) all count here. ``shards``: (size, rank) of the ranks splitting their
+    rows, as for :func:`_local_norm_power`."""
     if sliced:
         dense_ids = {id(q) for q in model.parameters()} - expert_ids
-        return _local_norm_power(model, tp, p, skip=dense_ids)
-    grads = [q.grad for q in model.parameters() if id(q) in expert_ids and q.grad is not None]
+        return _local_norm_power(model, tp, p, skip=dense_ids, dp_shards=shards)
+    grads = [
+        local_tensor(q.grad)
+        for q in model.parameters()
+        if id(q) in expert_ids and q.grad is not None
+    ]
     return _power_of([_norm_of(g, p) for g in grads], p, device)
 
 
 def _local_norm_power(model, tp: ResolvedGroup, p: float, skip=frozenset(), dp_shards=None):
     """This rank's share of sum(|g|^p) (or max |g| for p = inf) over the unsharded gradients.
-    ``dp_shards``: the ParallelState when gradients are FSDP2 shards along dim 0 over DP."""
+    ``dp_shards``: (size, rank) of the DP ranks when gradients are their rows along dim 0
+    (FSDP2's shards, ZeRO-2's rows: DTensors)."""
     terms = []
     for param, spec, where in _grads_with_specs(model, tp, skip):
         g = param.grad
@@ -177,10 +188,12 @@ def _power_of(norms: list, p: float, device) -> torch.Tensor:
     return stacked.max() if p == math.inf else stacked.pow(p).sum()
 
 
-def _dp_rows(rows: int, parallel) -> tuple[int, int]:
-    """Rows [start, end) of dim 0 that FSDP2 gives this DP rank (torch.chunk's split)."""
-    chunk = -(-rows // parallel.dp)
-    start = min(rows, parallel.dp_rank * chunk)
+def _dp_rows(rows: int, shards: tuple[int, int]) -> tuple[int, int]:
+    """Rows [start, end) of dim 0 that FSDP2 (or ZeRO-2) gives DP rank ``shards[1]`` of
+    ``shards[0]`` (torch.chunk's split)."""
+    size, rank = shards
+    chunk = -(-rows // size)
+    start = min(rows, rank * chunk)
     return start, min(rows, start + chunk)
 
 

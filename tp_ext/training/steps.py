@@ -367,11 +367,27 @@ class ExpertStep(LocalStep):
     EP group's tokens)."""
 
     form = "expert"
+    gradient_reducer = None  # ZeRO-2's ShardedOptimizer (set by the Trainer)
 
-    def __init__(self, model, loss, tp, dp_group, data_parallel, expert_dp_group) -> None:
+    def __init__(
+        self, model, loss, tp, dp_group, data_parallel, expert_dp_group, parallel=None
+    ) -> None:
         super().__init__(model, loss, tp, dp_group, data_parallel)
-        self.expert_dp_group = expert_dp_group
+        self.expert_dp_group, self.parallel = expert_dp_group, parallel
         self._expert_ids = {id(p) for p in expert_parameters(model)[0]}
+
+    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
+        if self.gradient_reducer is not None:  # ZeRO-2: buckets sent during the backward
+            self.gradient_reducer.expect_backward(len(batches), divide_by=1.0)
+        return super().forward_backward(batches, precision)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        if self.gradient_reducer is None:  # whole gradients, equal on every replica
+            return super().clip(max_norm)
+        # ZeRO-2's rows: each DP (expert-DP) rank counts its own, summed over every rank
+        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
+        scale_grads_(self.model, max_norm, norm)
+        return norm
 
     def _global_count(self, count: torch.Tensor) -> torch.Tensor:
         if self.dp_group.size == 1:
@@ -383,7 +399,12 @@ class ExpertStep(LocalStep):
     @torch.no_grad()
     def _synchronise(self, params, loss_sum, scale, count):
         """Gradients already scaled by the global token count: dense ones (and the loss) summed
-        over the DP group, expert ones over the expert-DP group."""
+        over the DP group, expert ones over the expert-DP group (ZeRO-2: reduce-scattered, each
+        rank keeping its rows)."""
+        if self.gradient_reducer is not None:
+            self.gradient_reducer.reduce_gradients(divide_by=1.0)  # sums: shares of the mean
+            with comm.tag("train.loss"):
+                return comm.all_reduce(loss_sum, "sum", group=self.dp_group), count
         loss_sum = _sum_dense_and_expert_grads(
             params, self._expert_ids, self.dp_group, self.expert_dp_group, [loss_sum]
         )[0]
@@ -439,7 +460,7 @@ class PipelineStep(StepStrategy):
 
         if self.gradient_reducer is not None and parallel.dp > 1:
             # ZeRO-2 sends each bucket as the last micro-batch's backward finishes it
-            self.gradient_reducer.expect_backward(len(batches), divide_by=float(parallel.dp))
+            self.gradient_reducer.expect_backward(len(batches), divide_by=self._zero_divisor())
         with comm.tag("train.compute"), precision.autocast(parallel.device):
             logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
             self.runner.step(ids, labels, len(batches), loss_fn, logits_dtype)
@@ -466,7 +487,11 @@ class PipelineStep(StepStrategy):
         backward; ZeRO-2 receives its buckets' reduce-scatters here, averaging over DP as they
         do)."""
         if self.gradient_reducer is not None and self.parallel.dp > 1:
-            self.gradient_reducer.reduce_gradients(divide_by=float(self.parallel.dp))
+            self.gradient_reducer.reduce_gradients(divide_by=self._zero_divisor())
+
+    def _zero_divisor(self) -> float:
+        """What ZeRO-2's summed gradients are divided by: DP's average, as DDP's."""
+        return float(self.parallel.dp)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
@@ -497,8 +522,9 @@ class ExpertPipelineStep(PipelineStep):
     and after the schedule's step one all-reduce sums the dense gradients over DP and one the
     expert gradients over expert-DP."""
 
-    def __init__(self, model, loss, parallel, runner, expert_dp_group) -> None:
-        data_parallel = "ddp" if parallel.dp > 1 else None  # replicas, as DDP keeps them
+    def __init__(self, model, loss, parallel, runner, expert_dp_group, data_parallel) -> None:
+        if data_parallel is None and parallel.dp > 1:
+            data_parallel = "ddp"  # replicas, as DDP keeps them
         super().__init__(model, loss, parallel, runner, data_parallel, None)
         self.expert_dp_group = expert_dp_group
         self._expert_ids = {id(p) for p in expert_parameters(model)[0]}
@@ -506,7 +532,13 @@ class ExpertPipelineStep(PipelineStep):
     def _loss_denominator(self, count: torch.Tensor) -> torch.Tensor:
         return count.clamp_min(1)
 
+    def _zero_divisor(self) -> float:
+        return 1.0  # every rank's gradients are its share of the global mean: sums
+
     def _synchronise_after_schedule(self) -> None:
+        if self.gradient_reducer is not None and self.parallel.dp > 1:  # ZeRO-2
+            self.gradient_reducer.reduce_gradients(divide_by=1.0)
+            return
         params = [p for p in self.model.parameters() if p.requires_grad]
         _sum_dense_and_expert_grads(
             params, self._expert_ids, self.dp_group, self.expert_dp_group, []
@@ -720,7 +752,11 @@ def _expert_step(
     tp, dp = comm.resolve_group(parallel.tp_group), comm.resolve_group(parallel.dp_group)
     expert_dp = comm.resolve_group(parallel.expert_dp_group)
     loss = choose_loss(model, tp, ignore_index)
-    return ExpertStep(model, loss, tp, dp, "ddp" if parallel.dp > 1 else None, expert_dp)
+    if parallel.dp == 1:
+        data_parallel = None
+    elif data_parallel is None:
+        data_parallel = "ddp"  # replicas kept equal by the all-reduce, as DDP keeps them
+    return ExpertStep(model, loss, tp, dp, data_parallel, expert_dp, parallel)
 
 
 def _context_step(
@@ -781,12 +817,13 @@ def _whole_logits(model, ids):
 
 
 def _check_expert_data_parallel(data_parallel, compression) -> None:
-    if data_parallel not in (None, "ddp") or compression is not None:
+    supported = (None, "ddp", *ZERO_STAGES)
+    if data_parallel not in supported or compression is not None:
         raise ValueError(
             f"data_parallel={data_parallel!r}, gradient_compression={compression!r} with "
-            "expert parallelism: its gradients are summed by one all-reduce per group "
-            "(dense over DP, experts over expert-DP); use data_parallel='ddp' (or None) and "
-            "no compression"
+            "expert parallelism: its gradients are summed per group (dense over DP, experts "
+            "over expert-DP) by tp_ext's all-reduce or ZeRO-2's reduce-scatter; use "
+            f"data_parallel in {list(supported[1:])} (or None) and no compression"
         )
 
 
@@ -816,17 +853,16 @@ def _pipeline_step(
     checked = check_schedule(schedule, model.stage_split)
     loss = VocabParallelLoss(comm.resolve_group(parallel.tp_group), ignore_index)
     zero = ZERO_STAGES.get(data_parallel)
-    if zero is not None and (experts or compression is not None):
+    if zero is not None and compression is not None:
         raise ValueError(
-            f"data_parallel={data_parallel!r} with "
-            f"{'expert parallelism' if experts else f'gradient_compression={compression!r}'} "
-            "is not supported yet: use data_parallel='ddp'"
+            f"data_parallel={data_parallel!r} with gradient_compression={compression!r} is "
+            "not supported yet: use data_parallel='ddp'"
         )
     if experts:  # unwrapped stages; the step sums dense and expert gradients itself
         _check_expert_data_parallel(data_parallel, compression)
         runner = PipelineRunner(model, schedule, stages=replicate_stages(model, None))
         expert_dp = comm.resolve_group(parallel.expert_dp_group)
-        return ExpertPipelineStep(model, loss, parallel, runner, expert_dp)
+        return ExpertPipelineStep(model, loss, parallel, runner, expert_dp, data_parallel)
     # the data-parallel side wraps the stages and installs the compression hooks; ZeRO-1's
     # gradients are all-reduced as DDP's, ZeRO-2's reduce-scattered after the schedule
     engine = {1: "ddp", 2: None}.get(zero, data_parallel)

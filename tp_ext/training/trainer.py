@@ -32,6 +32,7 @@ from torch import nn
 
 from tp_ext.compression import OneBitAdam
 from tp_ext.distributed import comm
+from tp_ext.layers.moe import expert_parameters
 from tp_ext.pipeline import PipelineRunner
 from tp_ext.training import loop
 from tp_ext.training.optimizer import build_optimizer
@@ -159,7 +160,11 @@ class Trainer:
         self.optimizer = _optimizer(optimizer, model)
         if data_parallel in ZERO_STAGES and parallel.dp > 1:  # its state sharded over DP
             self.optimizer = sharded_optimizer_for(
-                self.optimizer, parallel, data_parallel, grad_reduce_dtype
+                self.optimizer,
+                parallel,
+                data_parallel,
+                grad_reduce_dtype,
+                experts=expert_parameters(model)[0],  # sharded over their own replicas
             )
             if ZERO_STAGES[data_parallel] == 2:
                 self.strategy.gradient_reducer = self.optimizer

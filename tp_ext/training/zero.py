@@ -37,6 +37,7 @@ import torch
 
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import is_dtensor
+from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.pipeline.data_parallel import reduce_scatter_in
 
 __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
@@ -115,7 +116,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     optimizer). ``inner`` is the optimizer over the master rows: its state holds this rank's
     rows only. ``stage``: 1 (gradients all-reduced before :meth:`step`) or 2
     (reduce-scattered in buckets of about ``bucket_bytes`` during the backward that
-    :meth:`expect_backward` announces, finished by :meth:`reduce_gradients`)."""
+    :meth:`expect_backward` announces, finished by :meth:`reduce_gradients`). ``meshes``: the
+    1-d mesh (or None: held whole, no replicas) of parameters replicated over other ranks than
+    ``dp_mesh``'s (experts: over the ranks holding the same experts)."""
 
     def __init__(
         self,
@@ -124,6 +127,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage: int,
         grad_reduce_dtype: Optional[torch.dtype] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        meshes: Optional[dict] = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-1 or ZeRO-2), got {stage!r}")
@@ -142,8 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buckets: Optional[list] = None
         self._backward: Optional[_Backward] = None  # the backward announced, until reduced
         self.buckets_sent_in_backward = 0  # of the last step: the reduce-scatters overlapped
-        group = dp_mesh.get_group()
-        self.dp = comm.resolve_group(group)
+        self.dp = comm.resolve_group(dp_mesh.get_group())
         groups = [dict(g) for g in template.param_groups]
         super().__init__(groups, template.defaults)
         self.inner_type = type(template)
@@ -154,6 +157,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"data_parallel='zero{stage}': a 0-d parameter has no rows to share out; "
                     "give it shape [1], or use data_parallel='ddp'"
                 )
+        # model parameter -> (its replicas' group, their mesh (None: no replicas))
+        self._replicas = {p: (self.dp, dp_mesh) for p in params}
+        for param, mesh in (meshes or {}).items():
+            if param in self._replicas:
+                group = comm.resolve_group(mesh.get_group()) if mesh is not None else None
+                self._replicas[param] = (group, mesh)
         if stage == 2:  # no DDP to start the replicas equal: rank 0's weights, once
             self._broadcast(params)
         self._master: dict = {}  # model parameter -> its master rows (a leaf tensor)
@@ -167,7 +176,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "ShardedOptimizer: a DTensor parameter (FSDP2 already shards it); use "
                         "data_parallel='zero1' or 'zero2' without FSDP2"
                     )
-                start, count = _rows(_dim0(param), self.dp.size, self.dp.rank)
+                g = self._group(param)
+                start, count = _rows(_dim0(param), g.size, g.rank)
                 self._rows[param] = (start, count)
                 rows = _as_rows(param.detach())[start : start + count]
                 if param.dtype == _master_dtype(param):  # fp32 already: its own rows, in place
@@ -185,15 +195,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner = self.inner_type(inner_groups, **defaults)
         self.state = _StateView(self)
 
+    def _group(self, param):
+        """The group ``param``'s replicas are on (a group of one where it has none)."""
+        group = self._replicas[param][0]
+        return group if group is not None else ResolvedGroup.local()
+
+    def _by_group_and_dtype(self, params) -> list:
+        """``params`` as lists of one replica group and dtype, in a fixed order (every rank of a
+        group issues their collectives alike)."""
+        lists: dict = {}
+        for p in params:
+            g = self._group(p)
+            lists.setdefault((g.name, g.size > 1, p.dtype), (g, []))[1].append(p)
+        return list(lists.values())
+
     @torch.no_grad()
     def _broadcast(self, params) -> None:
-        """Every replica's parameters from DP rank 0's (one broadcast per dtype)."""
-        by_dtype: dict = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for members in by_dtype.values():
+        """Every replica's parameters from its group's first rank's (one broadcast per group
+        and dtype)."""
+        for g, members in self._by_group_and_dtype(params):
+            if g.size == 1:
+                continue
             flat = torch.cat([p.detach().reshape(-1) for p in members])
-            flat = comm.broadcast(flat, 0, group=self.dp)
+            flat = comm.broadcast(flat, 0, group=g)
             offset = 0
             for p in members:
                 p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -220,16 +244,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total
 
     def _as_param_state(self, param, value):
-        """A per-element state tensor of ``param`` as its DTensor (rows on the DP mesh); a scalar
-        (Adam's step) as it is."""
+        """A per-element state tensor of ``param`` as its DTensor (rows on the mesh of its
+        replicas; a parameter without replicas: the tensor itself); a scalar (Adam's step) as
+        it is."""
         if not torch.is_tensor(value) or value.dim() == 0:
             return value
         from torch.distributed.tensor import DTensor, Shard
 
         local = value.view(self._local_shape(param))
+        mesh = self._replicas[param][1]
+        if mesh is None:
+            return local
         return DTensor.from_local(
             local,
-            self.dp_mesh,
+            mesh,
             [Shard(0)],
             run_check=False,
             shape=param.shape,
@@ -272,18 +300,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _make_buckets(self) -> list:
         """The parameters in the order the backward writes their gradients (the reverse of the
-        model's), one dtype per bucket, each bucket up to ``bucket_bytes`` of gradients (one
-        parameter at least). Every DP replica has the same buckets and sends them in index
-        order, so their collectives pair up."""
+        model's), one replica group and dtype per bucket, each bucket up to ``bucket_bytes``
+        of gradients (one parameter at least). Every replica has the same buckets and sends
+        them in index order, so their collectives pair up."""
         self._bucket_of: dict = {}
-        buckets, open_by_dtype = [], {}
+        buckets, open_by_kind = [], {}
         for p in reversed(list(self._master)):
-            bucket = open_by_dtype.get(p.dtype)
+            g = self._group(p)
+            kind = (g.name, g.size > 1, p.dtype)
+            bucket = open_by_kind.get(kind)
             nbytes = p.numel() * p.element_size()
             if bucket is None or (bucket.nbytes and bucket.nbytes + nbytes > self.bucket_bytes):
-                bucket = _Bucket(p.dtype)
+                bucket = _Bucket(p.dtype, g)
                 buckets.append(bucket)
-                open_by_dtype[p.dtype] = bucket
+                open_by_kind[kind] = bucket
             bucket.params.append(p)
             bucket.nbytes += nbytes
         return buckets
@@ -313,24 +343,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rank order), free the whole gradients, and receive the oldest bucket beyond
         ``BUCKETS_IN_FLIGHT``."""
         backward, bucket = self._backward, self._buckets[index]
+        g = bucket.group
         members = [p for p in bucket.params if p.grad is not None and not is_dtensor(p.grad)]
         pieces, sizes = [], []
-        for r in range(self.dp.size):
+        for r in range(g.size):
             for p in members:
-                start, count = _rows(_dim0(p), self.dp.size, r)
+                start, count = _rows(_dim0(p), g.size, r)
                 pieces.append(_as_rows(p.grad)[start : start + count].reshape(-1))
-            sizes.append(sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members))
+            sizes.append(sum(_rows(_dim0(p), g.size, r)[1] * _row_numel(p) for p in members))
         handle = None
         if members:
             flat = torch.cat(pieces)
             wire = self.grad_reduce_dtype or flat.dtype
             with comm.tag("train.dp_sync"):
                 if wire == flat.dtype:
-                    handle = comm.reduce_scatter(
-                        flat, 0, sizes, "sum", group=self.dp, async_op=True
-                    )
+                    handle = comm.reduce_scatter(flat, 0, sizes, "sum", group=g, async_op=True)
                 else:  # sent in the wire's dtype, added in the gradients' own
-                    handle = reduce_scatter_in(flat, sizes, wire, self.dp, async_op=True)
+                    handle = reduce_scatter_in(flat, sizes, wire, g, async_op=True)
             for p in members:
                 p.grad = None  # sent: the rows come back at the receive
         backward.in_flight_buckets.append((members, handle))
@@ -412,22 +441,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _gather_parameters(self) -> None:
         """Every replica's parameters from every rank's updated master rows: one all-gather per
-        parameter dtype."""
-        by_dtype: dict = {}
-        for param in self._master:
-            by_dtype.setdefault(param.dtype, []).append(param)
-        for dtype, members in by_dtype.items():
+        replica group and parameter dtype."""
+        for g, members in self._by_group_and_dtype(self._master):
+            dtype = members[0].dtype
             mine = torch.cat([self._master[p].reshape(-1).to(dtype) for p in members])
             sizes = [
-                sum(_rows(_dim0(p), self.dp.size, r)[1] * _row_numel(p) for p in members)
-                for r in range(self.dp.size)
+                sum(_rows(_dim0(p), g.size, r)[1] * _row_numel(p) for p in members)
+                for r in range(g.size)
             ]
             with comm.tag("train.zero_gather"):
-                everyone = comm.all_gather(mine, 0, sizes, group=self.dp)
+                everyone = comm.all_gather(mine, 0, sizes, group=g)
             offset = 0
-            for r in range(self.dp.size):
+            for r in range(g.size):
                 for p in members:
-                    start, count = _rows(_dim0(p), self.dp.size, r)
+                    start, count = _rows(_dim0(p), g.size, r)
                     numel = count * _row_numel(p)
                     piece = everyone[offset : offset + numel]
                     offset += numel
@@ -468,10 +495,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 class _Bucket:
-    """Parameters (one dtype) whose gradients travel in one reduce-scatter."""
+    """Parameters (one replica group, one dtype) whose gradients travel in one reduce-scatter."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype, self.params, self.nbytes = dtype, [], 0
+    def __init__(self, dtype: torch.dtype, group):
+        self.dtype, self.group, self.params, self.nbytes = dtype, group, [], 0
 
 
 class _Backward:
@@ -505,17 +532,39 @@ def _master_dtype(param) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def sharded_optimizer_for(optimizer, parallel, data_parallel: str, grad_reduce_dtype=None):
+def sharded_optimizer_for(
+    optimizer, parallel, data_parallel: str, grad_reduce_dtype=None, experts=()
+):
     """The :class:`ShardedOptimizer` of ``optimizer`` (built over the model's parameters, not
-    stepped) for ``data_parallel`` ("zero1" / "zero2") over ``parallel``'s DP mesh dimension."""
+    stepped) for ``data_parallel`` ("zero1" / "zero2") over ``parallel``'s DP mesh dimension;
+    ``experts`` (expert-parallel parameters) over the ranks holding the same experts."""
     if any(optimizer.state.values()):
         raise ValueError(
             f"data_parallel={data_parallel!r}: the optimizer has stepped already (its state is "
             "whole); pass it before its first step (or a callable that builds it)"
         )
+    meshes = {}
+    if experts:
+        mesh = _expert_dp_mesh(parallel)
+        meshes = {p: mesh for p in experts}
     return ShardedOptimizer(
-        optimizer, parallel.mesh["dp"], ZERO_STAGES[data_parallel], grad_reduce_dtype
+        optimizer,
+        parallel.mesh["dp"],
+        ZERO_STAGES[data_parallel],
+        grad_reduce_dtype,
+        meshes=meshes,
     )
+
+
+def _expert_dp_mesh(parallel):
+    """A 1-d mesh over the ranks holding the same experts as this one (None: no other rank
+    does), for the expert state's DTensors."""
+    group = getattr(parallel, "expert_dp_group", None)
+    if group is None or comm.resolve_group(group).size == 1:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, parallel.device.type)
 
 
 def is_sharded(optimizer) -> bool:
