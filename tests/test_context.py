@@ -373,7 +373,7 @@ def test_what_context_parallelism_does_not_do_yet_is_refused_by_name():
     assert "generate: context parallelism (cp=2) does not decode yet" in errors[1]
 
 
-def _train_under_cp(tp, cp, dp, pp=1, schedule="1F1B"):
+def _train_under_cp(tp, cp, dp, pp=1, schedule="1F1B", data_parallel="ddp"):
     """Three AdamW steps of the native Qwen2 at (tp, cp, dp), each DP replica its own
     micro-batches (full sequences on every CP rank), against one process training on all of
     them: the same losses each step and the same weights after."""
@@ -392,7 +392,16 @@ def _train_under_cp(tp, cp, dp, pp=1, schedule="1F1B"):
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
-    trainer = Trainer(model, optimizer=adamw, parallel=state, max_grad_norm=1.0, schedule=schedule)
+    trainer = Trainer(
+        model,
+        optimizer=adamw,
+        parallel=state,
+        max_grad_norm=1.0,
+        schedule=schedule,
+        data_parallel=data_parallel,
+    )
+    if data_parallel == "zero2":  # several buckets, sent during the backward
+        trainer.optimizer.bucket_bytes = 16384
     ref_trainer = Trainer(reference, optimizer=adamw, max_grad_norm=1.0)
     assert trainer.dp_group.size == dp  # the data's replicas; the CP ranks of one share batches
     gen = torch.Generator().manual_seed(5)
@@ -404,6 +413,13 @@ def _train_under_cp(tp, cp, dp, pp=1, schedule="1F1B"):
         mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
         losses.append((trainer.step(mine), ref_trainer.step(batches)))
     assert_same_weights(model.full_state_dict(), reference.state_dict())
+    if data_parallel in ("zero1", "zero2"):  # the state in rows over the DP x CP ranks
+        optimizer = trainer.optimizer
+        assert optimizer.dp.size == dp * cp
+        rows = sum(optimizer._rows[p][1] * p[0].numel() for p in model.parameters())
+        assert rows < sum(p.numel() for p in model.parameters())
+        if data_parallel == "zero2" and pp == 1:
+            assert optimizer.buckets_sent_in_backward == optimizer.bucket_count > 1
     return losses
 
 
@@ -439,7 +455,27 @@ def test_trainer_under_context_parallelism_trains_like_one_process(tp, cp, dp, p
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
-def _checkpoint_across_cp(path, save_cp):
+@pytest.mark.parametrize(
+    "tp, cp, dp, pp, data_parallel",
+    [
+        (1, 2, 1, 1, "zero2"),  # the optimizer state over the CP ranks alone
+        (1, 2, 2, 1, "zero1"),
+        pytest.param(1, 2, 1, 2, "zero2", marks=pytest.mark.full_matrix),  # inside stages
+        pytest.param(2, 2, 1, 1, "zero2", marks=pytest.mark.full_matrix),
+        pytest.param(1, 3, 1, 1, "zero1", marks=pytest.mark.full_matrix),  # uneven rows
+    ],
+)
+def test_zero_under_context_parallelism_trains_like_one_process(tp, cp, dp, pp, data_parallel):
+    world = tp * cp * dp * pp
+    runs = run_distributed(
+        _train_under_cp, world, tp, cp, dp, pp, "1F1B", data_parallel, timeout=300
+    )
+    for losses in runs:
+        for got, want in losses:
+            assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+
+def _checkpoint_across_cp(path, save_cp, data_parallel="ddp"):
     """Trained 2 steps at (cp=save_cp), saved; loaded at cp = world / save_cp's other layout
     (cp=2 <-> dp=2): the same weights, and the next step's loss equal to the saver's."""
     from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
@@ -449,18 +485,19 @@ def _checkpoint_across_cp(path, save_cp):
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, config.vocab_size, (2, SEQ), generator=gen) for _ in range(6)]
 
-    def trainer_at(cp):
+    def trainer_at(cp, data_parallel="ddp"):
         state = tp_ext.init_parallel(tp=1, cp=cp, dp=2 // cp)
         torch.manual_seed(3)
         model = Qwen2ForCausalLM(config, parallel=state, dtype=torch.float64)
         opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
-        return Trainer(model, optimizer=opt, parallel=state), state
+        trainer = Trainer(model, optimizer=opt, parallel=state, data_parallel=data_parallel)
+        return trainer, state
 
     def mine(state, step):  # this DP replica's micro-batches of the step's global batch
         both = batches[2 * step : 2 * step + 2]
         return both if state.dp == 1 else [both[state.dp_rank]]
 
-    saver, state = trainer_at(save_cp)
+    saver, state = trainer_at(save_cp, data_parallel)
     for step in range(2):
         saver.step(mine(state, step))
     saver.save_checkpoint(path)
@@ -474,9 +511,10 @@ def _checkpoint_across_cp(path, save_cp):
     return next_loss, loader.step(mine(state, 2))
 
 
-@pytest.mark.parametrize("save_cp", [2, 1])
-def test_checkpoints_reshard_across_cp_degrees(save_cp, tmp_path):
-    for saved, loaded in run_distributed(_checkpoint_across_cp, 2, str(tmp_path / "ck"), save_cp):
+@pytest.mark.parametrize("save_cp, data_parallel", [(2, "ddp"), (1, "ddp"), (2, "zero2")])
+def test_checkpoints_reshard_across_cp_degrees(save_cp, data_parallel, tmp_path):
+    path = str(tmp_path / "ck")
+    for saved, loaded in run_distributed(_checkpoint_across_cp, 2, path, save_cp, data_parallel):
         assert abs(saved - loaded) <= 1e-6 * abs(saved), (saved, loaded)
 
 

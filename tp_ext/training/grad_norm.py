@@ -89,13 +89,18 @@ def parallel_grad_norm(
     # FSDP2 and ZeRO-2 leave each DP rank its rows of the gradients; DDP and ZeRO-1 whole ones
     replicated_dp = data_parallel not in ("fsdp", "zero2") and parallel.dp > 1
     # context parallelism's ranks hold the same gradients after the step's sum: CP rank 0 counts
-    cp_copy = getattr(parallel, "cp", 1) > 1 and parallel.cp_rank != 0
+    # (ZeRO-2: each DP x CP rank its own rows)
+    cp = getattr(parallel, "cp", 1)
+    cp_copy = cp > 1 and parallel.cp_rank != 0 and data_parallel != "zero2"
     if ((replicated_dp and parallel.dp_rank != 0) or cp_copy) and p != math.inf:
         # in the dtype the counting ranks sum in (fp64 for fp64 gradients), for one all-reduce
         wide = any(q.dtype == torch.float64 for q in model.parameters())
         local = torch.zeros((), device=parallel.device, dtype=torch.float64 if wide else None)
     else:
         dp_shards = (parallel.dp, parallel.dp_rank) if not replicated_dp else None
+        if data_parallel == "zero2" and cp > 1:  # rows over the DP x CP ranks
+            dp_cp = resolve_group(parallel.dp_cp_group)
+            dp_shards = (dp_cp.size, dp_cp.rank)
         local = _local_norm_power(model, tp, p, skip | experts, dp_shards)
     if experts:
         rows = data_parallel == "zero2"  # each expert-DP rank holds its rows of the gradients

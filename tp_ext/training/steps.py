@@ -458,7 +458,7 @@ class PipelineStep(StepStrategy):
             sums.append(loss.detach().float())
             return precision.scaled(loss / denominator)
 
-        if self.gradient_reducer is not None and parallel.dp > 1:
+        if self.gradient_reducer is not None:  # (set only when there are replicas)
             # ZeRO-2 sends each bucket as the last micro-batch's backward finishes it
             self.gradient_reducer.expect_backward(len(batches), divide_by=self._zero_divisor())
         with comm.tag("train.compute"), precision.autocast(parallel.device):
@@ -486,7 +486,7 @@ class PipelineStep(StepStrategy):
         """DP synchronisation left after the schedule's step (DDP and FSDP2 did it in the last
         backward; ZeRO-2 receives its buckets' reduce-scatters here, averaging over DP as they
         do)."""
-        if self.gradient_reducer is not None and self.parallel.dp > 1:
+        if self.gradient_reducer is not None:
             self.gradient_reducer.reduce_gradients(divide_by=self._zero_divisor())
 
     def _zero_divisor(self) -> float:
@@ -536,7 +536,7 @@ class ExpertPipelineStep(PipelineStep):
         return 1.0  # every rank's gradients are its share of the global mean: sums
 
     def _synchronise_after_schedule(self) -> None:
-        if self.gradient_reducer is not None and self.parallel.dp > 1:  # ZeRO-2
+        if self.gradient_reducer is not None:  # ZeRO-2
             self.gradient_reducer.reduce_gradients(divide_by=1.0)
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -553,15 +553,21 @@ class ContextPipelineStep(PipelineStep):
 
     form = "context_pipeline"
 
-    def __init__(self, model, loss, parallel, runner) -> None:
-        super().__init__(model, loss, parallel, runner, None, None)
+    def __init__(self, model, loss, parallel, runner, data_parallel=None) -> None:
+        super().__init__(model, loss, parallel, runner, data_parallel, None)
         self.dp_cp_group = comm.resolve_group(parallel.dp_cp_group)
 
     def _loss_denominator(self, count: torch.Tensor) -> torch.Tensor:
         return count.clamp_min(1)
 
+    def _zero_divisor(self) -> float:
+        return 1.0  # each rank's gradients are its share of the global mean: sums
+
     @torch.no_grad()
     def _synchronise_after_schedule(self) -> None:
+        if self.gradient_reducer is not None:  # ZeRO-2: rows over DP x CP
+            self.gradient_reducer.reduce_gradients(divide_by=1.0)
+            return
         params = [p for p in self.model.parameters() if p.requires_grad]
         with comm.tag("train.dp_sync"):
             flat = comm.all_reduce(_flat_grads(params, []), "sum", group=self.dp_cp_group)
@@ -595,11 +601,36 @@ class ContextStep(LocalStep):
     count (every CP rank of a replica knows the whole count: only the first adds it)."""
 
     form = "context"
+    gradient_reducer = None  # ZeRO-2's ShardedOptimizer, rows over DP x CP (set by the Trainer)
 
-    def __init__(self, model, loss, tp, dp_group, dp_cp_group, cp_rank: int) -> None:
+    def __init__(
+        self,
+        model,
+        loss,
+        tp,
+        dp_group,
+        dp_cp_group,
+        cp_rank: int,
+        data_parallel=None,
+        parallel=None,
+    ) -> None:
         # dp_group: the data's replicas (each its own batches; the CP ranks of one share them)
-        super().__init__(model, loss, tp, dp_group, "ddp" if dp_group.size > 1 else None)
-        self.dp_cp_group, self.cp_rank = dp_cp_group, cp_rank
+        if data_parallel is None and dp_group.size > 1:
+            data_parallel = "ddp"
+        super().__init__(model, loss, tp, dp_group, data_parallel)
+        self.dp_cp_group, self.cp_rank, self.parallel = dp_cp_group, cp_rank, parallel
+
+    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
+        if self.gradient_reducer is not None:  # ZeRO-2: buckets sent during the backward
+            self.gradient_reducer.expect_backward(len(batches), divide_by=1.0)
+        return super().forward_backward(batches, precision)
+
+    def _global_count(self, count: torch.Tensor) -> torch.Tensor:
+        if self.gradient_reducer is None:
+            return count
+        # ZeRO-2 reduce-scatters sums: every loss is scaled by the global count first
+        with comm.tag("train.dp_sync"):
+            return comm.all_reduce(self._counted(count.float()), "sum", group=self.dp_cp_group)
 
     def _counted(self, count: torch.Tensor) -> torch.Tensor:
         return count if self.cp_rank == 0 else torch.zeros_like(count)
@@ -607,6 +638,21 @@ class ContextStep(LocalStep):
     @property
     def _sync_group(self):
         return self.dp_cp_group
+
+    @torch.no_grad()
+    def _synchronise(self, params, loss_sum, scale, count):
+        if self.gradient_reducer is None:
+            return super()._synchronise(params, loss_sum, scale, count)
+        self.gradient_reducer.reduce_gradients(divide_by=1.0)  # each rank keeps its rows
+        with comm.tag("train.loss"):
+            return comm.all_reduce(loss_sum, "sum", group=self.dp_cp_group), count
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        if self.gradient_reducer is None:
+            return super().clip(max_norm)
+        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
+        scale_grads_(self.model, max_norm, norm)
+        return norm
 
 
 # ---- the factory --------------------------------------------------------------------------------
@@ -774,11 +820,18 @@ def _context_step(
             "context parallelism; build tp_ext's Qwen2ForCausalLM(config, parallel=state), or "
             "convert a Hugging Face model with tp_ext.parallelize(model, 'auto', parallel=state)"
         )
-    if data_parallel not in (None, "ddp") or compression is not None:
+    supported = (None, "ddp", *ZERO_STAGES)
+    if data_parallel not in supported or compression is not None:
         raise ValueError(
             f"data_parallel={data_parallel!r}, gradient_compression={compression!r} with "
-            f"cp={parallel.cp}: its gradients are summed over CP and DP by one all-reduce; "
-            "use data_parallel='ddp' (or None) and no compression"
+            f"cp={parallel.cp}: its gradients are summed over CP and DP by one all-reduce (or "
+            f"ZeRO-2's reduce-scatter); use data_parallel in {list(supported[1:])} (or None) "
+            "and no compression"
+        )
+    if experts and data_parallel in ZERO_STAGES:
+        raise ValueError(
+            f"data_parallel={data_parallel!r} with cp={parallel.cp} and expert parallelism is "
+            "not supported yet: use data_parallel='ddp' (ZeRO runs with either alone)"
         )
     tp = comm.resolve_group(parallel.tp_group)
     cp = comm.resolve_group(parallel.cp_group)
@@ -795,13 +848,14 @@ def _context_step(
     if parallel.pp > 1:
         loss = ContextParallelLoss(tp, cp, ignore_index, None)  # on the last stage's logits
         runner = PipelineRunner(model, schedule, stages=replicate_stages(model, None))
-        return ContextPipelineStep(model, loss, parallel, runner)
+        zero = data_parallel if data_parallel in ZERO_STAGES else None
+        return ContextPipelineStep(model, loss, parallel, runner, zero)
     if isinstance(model, StagedCausalLM):  # a Hugging Face model's one stage (trainable_model)
         logits = _stage_logits
     else:
         logits = _local_logits
     loss = ContextParallelLoss(tp, cp, ignore_index, logits)
-    return ContextStep(model, loss, tp, dp, dp_cp, cp.rank)
+    return ContextStep(model, loss, tp, dp, dp_cp, cp.rank, data_parallel, parallel)
 
 
 def _stage_logits(model, ids):

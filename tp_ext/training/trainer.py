@@ -158,7 +158,8 @@ class Trainer:
                 "switch (tp_ext's models do)"
             )
         self.optimizer = _optimizer(optimizer, model)
-        if data_parallel in ZERO_STAGES and parallel.dp > 1:  # its state sharded over DP
+        replicas = parallel.dp * getattr(parallel, "cp", 1) if parallel is not None else 1
+        if data_parallel in ZERO_STAGES and replicas > 1:  # its state sharded over DP (x CP)
             self.optimizer = sharded_optimizer_for(
                 self.optimizer,
                 parallel,
@@ -457,11 +458,6 @@ def _check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, comp
         raise ValueError(
             f"data_parallel={data_parallel!r} shards the optimizer over the DP mesh dimension: "
             "pass parallel=tp_ext.init_parallel(...)"
-        )
-    if getattr(parallel, "cp", 1) > 1:
-        raise ValueError(
-            f"data_parallel={data_parallel!r} with context parallelism (cp={parallel.cp}) is "
-            "not supported yet: use data_parallel='ddp', or ZeRO at cp=1"
         )
 
 

@@ -536,7 +536,8 @@ def sharded_optimizer_for(
     optimizer, parallel, data_parallel: str, grad_reduce_dtype=None, experts=()
 ):
     """The :class:`ShardedOptimizer` of ``optimizer`` (built over the model's parameters, not
-    stepped) for ``data_parallel`` ("zero1" / "zero2") over ``parallel``'s DP mesh dimension;
+    stepped) for ``data_parallel`` ("zero1" / "zero2") over ``parallel``'s DP mesh dimension
+    (with context parallelism: over the DP x CP ranks, which hold the same weights);
     ``experts`` (expert-parallel parameters) over the ranks holding the same experts."""
     if any(optimizer.state.values()):
         raise ValueError(
@@ -547,9 +548,14 @@ def sharded_optimizer_for(
     if experts:
         mesh = _expert_dp_mesh(parallel)
         meshes = {p: mesh for p in experts}
+    dp_mesh = parallel.mesh["dp"]
+    if getattr(parallel, "cp", 1) > 1:  # the CP ranks hold the same weights: rows over DP x CP
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dp_mesh = DeviceMesh.from_group(parallel.dp_cp_group, parallel.device.type)
     return ShardedOptimizer(
         optimizer,
-        parallel.mesh["dp"],
+        dp_mesh,
         ZERO_STAGES[data_parallel],
         grad_reduce_dtype,
         meshes=meshes,
