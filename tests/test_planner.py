@@ -295,6 +295,20 @@ CANDIDATES = [
         _candidate((2, 2), 1, 1, 2, recompute=True), marks=pytest.mark.full_matrix, id="grid2x2-rc"
     ),
     pytest.param(_candidate((2, 2), 1, 2, 1), marks=pytest.mark.full_matrix, id="grid2x2-dp2"),
+    # ZeRO on grids: DP rank 0's rows of grid rank (0, 0)'s blocks; ZeRO-1 keeps the flat
+    # all-reduce, ZeRO-2 reduce-scatters (at dp = 3 uneven rows, its reduce-scatter the peak)
+    pytest.param(_candidate((2, 1), 1, 2, 2, engine="zero1"), id="grid2x1-dp2-zero1"),
+    pytest.param(_candidate((2, 1), 1, 2, 2, engine="zero2"), id="grid2x1-dp2-zero2"),
+    pytest.param(
+        _candidate((2, 2), 1, 2, 2, engine="zero2"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x2-dp2-zero2",
+    ),
+    pytest.param(
+        _candidate((2, 1), 1, 3, 2, engine="zero2"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-dp3-zero2-uneven",
+    ),
     # context parallelism: the Trainer's own loop, gradients all-reduced over DP x CP
     pytest.param(_candidate(1, 1, 1, 2, cp=2), id="cp2-ring"),
     pytest.param(_candidate(2, 1, 1, 1, cp=2, mode="all_to_all", recompute=True), id="tp2-cp2-a2a"),
@@ -555,26 +569,30 @@ def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
 
 
 def test_search_offers_zero_where_it_offers_fsdp():
-    """ZeRO-1 and ZeRO-2 are DP engines beside DDP and FSDP2 at dp > 1 on 1D layouts; 2D grids
-    and context parallelism keep DDP only, and estimate() refuses ZeRO there by name."""
+    """ZeRO-1 and ZeRO-2 are DP engines beside DDP at dp > 1 on 1D layouts (with FSDP2) and on
+    2D grids (without: FSDP2 does not shard grid blocks); context parallelism keeps DDP only,
+    and estimate() refuses what is not run by name."""
     from tp_ext import ParallelDims
     from tp_ext.planner import Candidate, estimate, load_hardware, plan
 
-    ranked = plan(_config(), gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
+    ranked = plan(_config(), gpus=8, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
     engines = {}
     for e in ranked:
         dims = e.candidate.dims
-        kind = "grid" if dims.grid is not None else "dp1" if dims.dp == 1 else "1d"
+        kind = "dp1" if dims.dp == 1 else "grid" if dims.grid is not None else "1d"
         engines.setdefault(kind, set()).add(e.candidate.data_parallel)
-    assert engines == {"1d": {"ddp", "fsdp", "zero1", "zero2"}, "grid": {"ddp"}, "dp1": {"ddp"}}
+    assert engines == {
+        "1d": {"ddp", "fsdp", "zero1", "zero2"}, "grid": {"ddp", "zero1", "zero2"}, "dp1": {"ddp"}
+    }  # fmt: skip
     with_cp = plan(_config(), gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None, cp=2)
     assert {e.candidate.data_parallel for e in with_cp} == {"ddp"}
     hw = load_hardware("cpu")
     for dims, engine, message in (
         (
             ParallelDims(tp=(2, 1), dp=2),
-            "zero1",
-            "data_parallel='zero1': the planner costs a 2D model's DP",
+            "fsdp",
+            "data_parallel='fsdp': a 2D model's DP replicas run under DDP, ZeRO-1 or ZeRO-2 "
+            r"\(FSDP2 does not shard 2D blocks\); use 'ddp', 'zero1' or 'zero2'",
         ),
         (ParallelDims(tp=1, cp=2, dp=2), "zero2", "cp=2 with data_parallel='zero2'"),
         (ParallelDims(tp=1, dp=2, ep=2), "zero2", r"data_parallel='zero2' with an expert \(MoE\)"),

@@ -22,12 +22,16 @@ from tp_ext.pipeline.schedules import SCHEDULES
 from tp_ext.planner.candidate import Candidate, Estimate, Layout, memory_breakdown, usable_memory
 from tp_ext.planner.cost_2d import estimate_2d
 from tp_ext.planner.counts import (
+    ZERO2_BUCKET_BYTES,
+    ZERO_STAGES,
     fsdp_numel,
     head_flops,
     layer_flops,
     op_counts,
+    padded_pieces,
     rank_shapes,
     shard_numel,
+    zero_step_phases,
 )
 from tp_ext.planner.hardware import Hardware
 from tp_ext.planner.hf_model import (
@@ -50,10 +54,6 @@ __all__ = [
 ]
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
-# tp_ext.training.zero's stages (the planner may not import the trainer: one floor) and its
-# ZeRO-2 gradient bucket cap (DEFAULT_BUCKET_BYTES there)
-ZERO_STAGES = {"zero1": 1, "zero2": 2}
-ZERO2_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -118,7 +118,7 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     elif candidate.data_parallel in ZERO_STAGES and experts:
         raise ValueError(
             f"estimate: data_parallel={candidate.data_parallel!r} with an expert (MoE) model is "
-            "not supported: the Trainer sums expert gradients by all-reduce; use 'ddp'"
+            "not supported: the Trainer runs it, the planner does not cost it yet; use 'ddp'"
         )
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
@@ -135,7 +135,8 @@ def _check_context_parallel(candidate: Candidate) -> None:
     elif dims.ep > 1:  # the Trainer runs it (ContextExpertStep); its cost is not modelled yet
         why = "expert parallelism (not costed by the planner yet)"
     elif candidate.data_parallel != "ddp":
-        why = f"data_parallel={candidate.data_parallel!r} (its gradients are all-reduced)"
+        # the Trainer runs ZeRO over DP x CP; its cost is not modelled yet
+        why = f"data_parallel={candidate.data_parallel!r} (not costed by the planner yet)"
     if why is not None:
         raise ValueError(
             f"estimate: cp={dims.cp} with {why} is not supported; context parallelism runs "
@@ -232,11 +233,8 @@ class _Step:
 
     def padded_rows(self, r: int) -> int:
         """Elements the asynchronous reduce-scatter of rank r's whole gradients adds when DP ranks'
-        rows differ in size (tp_ext.comm pads each piece to rank 0's): every rank's slot in one
-        flat, the short ranks' pieces copied out to that width, and the last one's zeros."""
-        sizes = [self.zero_rows_on(r, q) for q in range(self.dp)]
-        short = sum(n < sizes[0] for n in sizes)
-        return 0 if not short else (self.dp + short + 1) * sizes[0] - sizes[-1]
+        rows differ in size (:func:`~tp_ext.planner.counts.padded_pieces`)."""
+        return padded_pieces([self.zero_rows_on(r, q) for q in range(self.dp)])
 
     def in_flight(self, r: int) -> float:
         return _in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
@@ -366,10 +364,9 @@ class _Step:
         rows, parts = self.zero_rows_on(r), self.row_shapes_on(r)
         largest = max(shard_numel((t,), self.dp) for shapes, _ in parts for t in shapes)
         numel = params // e
-        master_grads = rows * master if master != e else 0
-        opt_temp = 0 if self.hardware.fused_optimizer else 2 * largest * master
-        held = params + grads + optimizer + master_grads
-        phases = [held + opt_temp, held + (rows + numel) * e]
+        held = params + grads + optimizer
+        fused = self.hardware.fused_optimizer
+        phases = zero_step_phases(held, rows, numel, e, master, largest, fused)
         if self.zero == 2:
             if params <= ZERO2_BUCKET_BYTES:
                 first = 0 in self.stages.stages_of(r)

@@ -1,6 +1,8 @@
 """What one training candidate on a P x Q grid of 2D tensor parallelism (SUMMA) costs per rank:
 tp_ext's 2D Qwen2 (:mod:`tp_ext.models.qwen2.model_2d`) run by the Trainer's own loop (no
-pipeline: pp = 1) with its DP gradients all-reduced once per step.
+pipeline: pp = 1) with its DP gradients all-reduced once per step (DDP, ZeRO-1) or
+reduce-scattered in buckets during the backward (ZeRO-2); under ZeRO each DP rank steps its
+rows of every grid block and all-gathers the updated rows.
 
 As for 1D (:mod:`tp_ext.planner.cost`), the counts follow tp_ext's code: parameters are grid
 rank (0, 0)'s blocks of the model built on the meta device (the shard policy gives the first
@@ -12,13 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from tp_ext.distributed import ResolvedGroup
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
 from tp_ext.planner.candidate import Candidate, Estimate, memory_breakdown, usable_memory
-from tp_ext.planner.counts import op_counts
+from tp_ext.planner.counts import (
+    ZERO2_BUCKET_BYTES,
+    ZERO_STAGES,
+    op_counts,
+    padded_pieces,
+    shard_numel,
+    zero_step_phases,
+)
 from tp_ext.planner.hardware import Hardware
 from tp_ext.sharding import shard_sizes
 from tp_ext.validation import dtype_bytes
@@ -36,11 +46,10 @@ def grid_problem(config: Qwen2Config, candidate: Candidate) -> str:
     rows, cols = dims.grid
     if dims.pp != 1:
         return f"pp={dims.pp}: 2D tensor parallelism runs without pipelining; use pp=1"
-    if candidate.data_parallel != "ddp":
+    if candidate.data_parallel == "fsdp":
         return (
-            f"data_parallel={candidate.data_parallel!r}: the planner costs a 2D model's DP "
-            "replicas under DDP only (the Trainer also runs ZeRO-1/2 on grids, not yet "
-            "costed here); use 'ddp'"
+            "data_parallel='fsdp': a 2D model's DP replicas run under DDP, ZeRO-1 or ZeRO-2 "
+            "(FSDP2 does not shard 2D blocks); use 'ddp', 'zero1' or 'zero2'"
         )
     if config.tie_word_embeddings:
         return "tie_word_embeddings=True: the 2D model does not support tied embeddings"
@@ -66,6 +75,8 @@ class _GridShapes:
     intermediate: int
     vocab: int  # vocabulary entries of the LM head's column 0
     qkv_bias: int  # q, k and v biases of one layer (its column's pieces)
+    # (dim 0, numel) of each parameter block in the model's order: ZeRO's rows are dim 0's
+    rows: tuple
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,7 +99,16 @@ def _grid_shapes(config: Qwen2Config, rows: int, cols: int) -> _GridShapes:
         intermediate=layer.mlp.gate_proj.local_out_features,
         vocab=model.lm_head.local_out_features,
         qkv_bias=sum(p.numel() for p in (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)),
+        rows=tuple((p.shape[0], p.numel()) for p in params),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_rows(config: Qwen2Config, rows: int, cols: int, dp: int) -> tuple:
+    """Elements of each DP rank's rows (torch.chunk's split of dim 0) of grid rank (0, 0)'s
+    blocks: what ZeRO steps there (DP rank 0 holds the most)."""
+    shapes = _grid_shapes(config, rows, cols).rows
+    return tuple(shard_numel(shapes, dp, rank) for rank in range(dp))
 
 
 def _layer_activation_bytes(
@@ -130,6 +150,11 @@ class _GridStep:
         self.tokens = self.b * seq_len
         self.block = self.tokens * self.g.hidden * self.e  # a [b, seq, h_j] residual block
         self.act_layer = _layer_activation_bytes(self.g, config, self.rows, self.b, seq_len, self.e)
+        # ZeRO (dp > 1; at dp = 1 the Trainer steps a plain optimizer): 1 or 2, else 0; its
+        # master rows and AdamW state are fp32 (fp64 for fp64 parameters)
+        self.zero = ZERO_STAGES.get(candidate.data_parallel, 0) if self.dp > 1 else 0
+        self.master_bytes = 8 if self.e == 8 else 4
+        self.zero_rows = _zero_rows(config, self.rows, self.cols, self.dp)[0] if self.zero else 0
 
     def flat_gradients(self) -> int:
         """Bytes of the DP all-reduce's gradients, flattened in fp32 (fp64 for fp64
@@ -138,11 +163,18 @@ class _GridStep:
 
     def memory(self) -> dict:
         """As the 1D model at pp = 1 (phases A, C, D), and E: the DP all-reduce of the flat
-        gradients beside its result."""
+        gradients beside its result (DDP, ZeRO-1). ZeRO keeps AdamW state (and fp32 master rows
+        for non-fp32 parameters) for DP rank 0's rows only, and ZeRO-2 gradients of those rows
+        at the step; its phases after the backward are :meth:`zero_phases`."""
         g, c, e, config = self.g, self.e, self.e, self.config
         layers = config.num_hidden_layers
         params = g.numel * e
-        optimizer = 2 * params + 4 * g.tensors
+        optimizer, grads = 2 * params + 4 * g.tensors, params
+        if self.zero:
+            rows = self.zero_rows
+            masters = rows * self.master_bytes if self.master_bytes != e else 0
+            optimizer = 2 * rows * self.master_bytes + 4 * g.tensors + masters
+            grads = rows * e if self.zero == 2 else params
         held = layers * (self.block if self.recompute else self.act_layer)
         ids = self.candidate.micro_batch * self.seq_len * 8  # whole on every rank
         head = 2 * self.block + self.tokens * g.vocab * c + 8 * self.b * (self.seq_len - 1)
@@ -150,21 +182,65 @@ class _GridStep:
         transient = (
             self.tokens * g.vocab + g.vocab * config.hidden_size // self.rows + self.block // c
         ) * c
+        # whole gradients from the first backward on (ZeRO-2's too: its buckets go in the last)
         grads_before = params if self.m > 1 else 0
         rebuilt = layers * self.block if self.recompute else 0
-        opt_temp = 0 if self.hardware.fused_optimizer else 2 * g.largest * e
-        phases = (
+        backward = (
             params + optimizer + grads_before + acts + transient,
             2 * params + optimizer + rebuilt + self.act_layer + self.block + ids,
-            2 * params + optimizer + opt_temp,
-            2 * params + optimizer + 2 * self.flat_gradients(),
         )
+        if self.zero:
+            after = self.zero_phases(params, grads, optimizer, max(backward), ids)
+        else:
+            opt_temp = 0 if self.hardware.fused_optimizer else 2 * g.largest * e
+            after = [2 * params + optimizer + opt_temp]
+        if self.zero != 2 and self.dp > 1:  # the flat all-reduce (DDP, ZeRO-1)
+            after.append(2 * params + optimizer + 2 * self.flat_gradients())
         return memory_breakdown(
             params,
             optimizer,
             max(acts + transient, rebuilt + self.act_layer + self.block),
-            max(phases),
+            max(*backward, *after),
+            grads=grads,
         )
+
+    def zero_phases(self, params: int, grads: int, optimizer: int, backward: int, ids: int):
+        """ZeRO's phases after (or at the end of) the backward, beside the parameters and the
+        optimizer state (``grads``: the gradients at the step, ``backward``: the backward's peak
+        with whole gradients): the step (fp32 copies of the gradients' rows for non-fp32
+        parameters; on CPU torch's per-tensor AdamW, two of the largest rows tensor); the
+        all-gather (this rank's rows flattened and every rank's gathered, in the parameters'
+        dtype); ZeRO-2's reduce-scatter: each bucket of whole gradients flattened beside this
+        rank's rows of the sum. With one bucket (at most 25 MiB of gradients) it goes when the
+        embedding's gradient, the last, is final (measured: no temporary of the embedding's
+        backward left then, unlike 1D's; the ids still held); with more, the first ones go
+        during the backward, beside its activations."""
+        e, master, rows = self.e, self.master_bytes, self.zero_rows
+        numel = self.g.numel
+        largest = max(shard_numel((t,), self.dp) for t in self.g.rows)
+        held = params + grads + optimizer
+        fused = self.hardware.fused_optimizer
+        phases = zero_step_phases(held, rows, numel, e, master, largest, fused)
+        if self.zero == 2:
+            if params <= ZERO2_BUCKET_BYTES:
+                padding = padded_pieces(_zero_rows(self.config, self.rows, self.cols, self.dp))
+                sent = (numel + rows + padding) * e
+                phases.append(2 * params + optimizer + sent + ids)
+            else:  # a bucket holds one parameter at least
+                bucket = max(ZERO2_BUCKET_BYTES, max(n for _, n in self.g.rows) * e)
+                phases.append(backward + bucket + math.ceil(bucket / self.dp))
+        return phases
+
+    def dp_bytes(self) -> int:
+        """DP bytes per step as track() counts them: DDP's and ZeRO-1's flat all-reduce; ZeRO-2's
+        reduce-scatter of every gradient (in buckets) and the global token count's all-reduce
+        (fp32) before it; under ZeRO the updated rows' all-gather."""
+        if self.dp == 1:
+            return 0
+        gathered = self.g.numel * self.e if self.zero else 0
+        if self.zero == 2:
+            return self.g.numel * self.e + 4 + gathered
+        return self.flat_gradients() + gathered
 
     def summa(self, k: int, n: int) -> int:
         """summa_linear forward + backward: per panel of K, x's panel broadcast along the
@@ -202,6 +278,27 @@ class _GridStep:
         per_micro_batch = layers * per_layer + embedding + self.norm() + self.summa(h, g.vocab)
         return self.m * (per_micro_batch + loss)
 
+    def dp_seconds(self, dp_bytes: int, crosses: bool, compute: float) -> tuple[float, float]:
+        """(DP seconds, the part not hidden): the flat all-reduce (DDP, ZeRO-1) hidden behind the
+        last backward where collectives overlap compute, as DDP's; ZeRO-2's reduce-scatter of
+        one call per 25 MiB bucket the same; ZeRO's all-gather of the updated rows after the
+        optimizer step, with nothing to hide behind."""
+        hw, dp = self.hardware, self.dp
+        if dp == 1:
+            return 0.0, 0.0
+        link = hw.link(crosses)
+        hide = (1.0 if hw.overlap else 0.0) * compute * 2 / 3
+        gathered = self.g.numel * self.e if self.zero else 0
+        gather = (dp - 1) / dp * gathered / link + hw.latency if self.zero else 0.0
+        if self.zero == 2:
+            buckets = math.ceil(self.g.numel * self.e / ZERO2_BUCKET_BYTES)
+            scattered = dp_bytes - gathered
+            reduce = (dp - 1) / dp * scattered / (hw.reduce_scatter or link)
+            reduce += (buckets + 1) * hw.latency  # and the token count's all-reduce
+        else:
+            reduce = 2 * (dp - 1) / dp * (dp_bytes - gathered) / link + hw.latency
+        return reduce + gather, max(0.0, reduce - hide) + gather
+
     def compute(self) -> float:
         """Seconds of one micro-batch's forward + backward: FLOPs of this rank's blocks (each
         linear multiplies its [T, K] panels by the column's [N, K] weight rows), operators as
@@ -221,8 +318,7 @@ class _GridStep:
     def timing(self, comm: dict, memory: dict) -> dict:
         """The estimate's ``detail`` on time and ``step_s``: each SUMMA product runs about
         P + Q - 1 panels, two broadcasts each forward and four collectives backward; the norms'
-        and the loss's all-reduces on top; the DP all-reduce hidden behind the last backward
-        where collectives overlap compute."""
+        and the loss's all-reduces on top; DP as :meth:`dp_seconds`."""
         hw, tp, dp, m = self.hardware, self.tp, self.dp, self.m
         span = self.gpus_per_node or tp * dp
         tp_cross, dp_cross = tp > span, dp > 1 and tp * dp > span
@@ -231,14 +327,12 @@ class _GridStep:
         layers = self.config.num_hidden_layers
         collectives = (layers * (4 * 6 * panels + 6) + 6 * panels + 6) if tp > 1 else 0
         tp_time = (comm["tp"] / m) / hw.link(tp_cross) + collectives * hw.latency
-        dp_time = dp_exposed = 0.0
-        if dp > 1:
-            dp_time = 2 * (dp - 1) / dp * comm["dp"] / hw.link(dp_cross) + hw.latency
-            dp_exposed = max(0.0, dp_time - (1.0 if hw.overlap else 0.0) * compute * 2 / 3)
+        dp_time, dp_exposed = self.dp_seconds(comm["dp"], dp_cross, compute)
+        stepped = self.zero_rows if self.zero else self.g.numel  # ZeRO: this DP rank's rows
         if hw.optimizer_seconds_per_param is not None:
-            optimizer_time = self.g.numel * hw.optimizer_seconds_per_param
+            optimizer_time = stepped * hw.optimizer_seconds_per_param
         else:  # a fused AdamW reads and writes parameters, gradients and moments about twice
-            moved = 3 * memory["params"] + memory["optimizer"]
+            moved = 3 * stepped * self.e + memory["optimizer"]
             optimizer_time = 4 * moved / hw.memory_bandwidth
         return {
             "step_s": m * (compute + tp_time) + dp_exposed + optimizer_time,
@@ -267,7 +361,7 @@ def estimate_2d(
         raise ValueError(problem)
     step = _GridStep(config, candidate, seq_len, hardware, gpus_per_node)
     memory = step.memory()
-    comm = {"tp": step.tp_bytes(), "cp": 0, "pp": 0, "dp": step.flat_gradients()}
+    comm = {"tp": step.tp_bytes(), "cp": 0, "pp": 0, "dp": step.dp_bytes()}
     detail = step.timing(comm, memory)
     numel = step.g.numel
     detail.update(parameters_per_rank=numel, parameters_by_pp_rank=[numel], busiest_pp_rank=0)

@@ -16,6 +16,7 @@ from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 __all__ = [
+    "zero_step_phases",
     "RankShapes",
     "rank_shapes",
     "op_counts",
@@ -24,7 +25,15 @@ __all__ = [
     "forward_backward_work",
     "fsdp_numel",
     "shard_numel",
+    "padded_pieces",
+    "ZERO_STAGES",
+    "ZERO2_BUCKET_BYTES",
 ]
+
+# tp_ext.training.zero's stages (the planner may not import the trainer: one floor) and its
+# ZeRO-2 gradient bucket cap (DEFAULT_BUCKET_BYTES there); the 1D and 2D cost models share them
+ZERO_STAGES = {"zero1": 1, "zero2": 2}
+ZERO2_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +110,27 @@ def shard_numel(rows, dp: int, rank: int = 0) -> int:
         chunk = -(-d0 // dp)
         total += max(0, min(d0, (rank + 1) * chunk) - rank * chunk) * (n // d0)
     return total
+
+
+def padded_pieces(sizes) -> int:
+    """Elements the asynchronous reduce-scatter of a flat of DP ranks' pieces (``sizes``, rank 0's
+    the largest) adds when they differ (tp_ext.comm pads each piece to rank 0's): every rank's
+    slot in one flat, the short ranks' pieces copied out to that width, and the last one's
+    zeros."""
+    short = sum(n < sizes[0] for n in sizes)
+    return 0 if not short else (len(sizes) + short + 1) * sizes[0] - sizes[-1]
+
+
+def zero_step_phases(held: int, rows: int, numel: int, e: int, master: int, largest: int,
+                     fused: bool) -> list:  # fmt: skip
+    """ZeRO's step and all-gather phases beside ``held`` bytes (parameters, gradients, state),
+    with the step's fp32 copies of the gradients' ``rows`` (for non-fp32 parameters, ``e``
+    bytes an element against the masters' ``master``): the step (on CPU torch's per-tensor
+    AdamW: two of the ``largest`` rows tensor in ``master``'s bytes); the all-gather (this
+    rank's rows flattened and every rank's ``numel`` gathered, ``e`` bytes each)."""
+    held += rows * master if master != e else 0
+    opt_temp = 0 if fused else 2 * largest * master
+    return [held + opt_temp, held + (rows + numel) * e]
 
 
 def fsdp_numel(rows, dp: int) -> int:

@@ -118,11 +118,13 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, m
             m = per_replica // mb
             if per_replica % mb or (dims.pp > 1 and m < dims.pp):
                 continue  # torch's schedules need at least pp micro-batches
-            # EP, CP and 2D grids synchronise DP by all-reduce (DDP): no FSDP2, and no ZeRO
-            # (nor for an MoE model at all: the Trainer runs ZeRO on dense models only)
+            # EP and CP synchronise DP by all-reduce (DDP): no FSDP2, and no ZeRO; 2D grids run
+            # ZeRO-1/2 but not FSDP2 (nor does an MoE model ZeRO: the Trainer runs it on dense
+            # models only)
             plain = dims.grid is None and dims.ep == 1 and dims.cp == 1
             engines = ("ddp", "fsdp") if dims.dp > 1 and plain else ("ddp",)
-            if dims.dp > 1 and plain and not getattr(config, "is_moe", False):
+            zero = plain or dims.grid is not None
+            if dims.dp > 1 and zero and not getattr(config, "is_moe", False):
                 engines += ("zero1", "zero2")
             for schedule, v in _schedules(config, dims.pp, m):
                 for checkpointing in (False, True):
@@ -246,10 +248,10 @@ def plan(
     candidates that fit ranked by estimated step time, then those that do not by how much they
     miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
     2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
-    (pp = 1, DDP). ``cp``: the context-parallel degree every candidate takes (``gpus`` split
-    into tp x cp x pp x dp; no grids), its attention by ``cp_mode``. ``dtype``: the
-    parameters' (None: a job file's ``parallel.dtype``, float32 when it names none, as the job
-    trains; a Hugging Face config's ``torch_dtype``; else bfloat16)."""
+    (pp = 1; DDP, ZeRO-1 or ZeRO-2). ``cp``: the context-parallel degree every candidate
+    takes (``gpus`` split into tp x cp x pp x dp; no grids), its attention by ``cp_mode``.
+    ``dtype``: the parameters' (None: a job file's ``parallel.dtype``, float32 when it names
+    none, as the job trains; a Hugging Face config's ``torch_dtype``; else bfloat16)."""
     config, dtype = _model_config(config, dtype)
     for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
         check_int(name, value)
