@@ -146,6 +146,7 @@ def _refusals():
         (dict(data_parallel="ddp", gradient_compression="int8", grad_reduce_dtype=torch.bfloat16),
          "gradient_compression"),
         (dict(data_parallel="zero3"), "data_parallel must be one of"),
+        (dict(data_parallel="ddp", overlap_param_gather=True), "only the distributed optimizer"),
     ]  # fmt: skip
     for options, words in cases:
         with pytest.raises(ValueError, match=words):
@@ -270,3 +271,36 @@ def test_bfloat16_master_rows_are_saved_and_resume(tmp_path, loaded):
         assert got_losses == losses, (got_losses, losses)
     else:
         torch.testing.assert_close(got_losses, losses, rtol=1e-2, atol=0)
+
+
+def _overlap_case(data_parallel, pp, directory):
+    """The same run with each bucket's parameter all-gather left in flight after the step (and
+    waited for by the next forward), and without."""
+    results = {}
+    for overlap in (False, True):
+        state, model, trainer = _trainer(2, data_parallel, pp=pp, overlap_param_gather=overlap)
+        trainer.optimizer.bucket_bytes = 8192  # several buckets
+        losses, in_flight = [], []
+        for step in range(4):
+            losses.append(trainer.step(_mine(state, step)))
+            in_flight.append(trainer.optimizer.gathers_in_flight)
+            if step == 1:  # a checkpoint between steps waits for the gathers
+                trainer.save_checkpoint(f"{directory}/{int(overlap)}")
+                in_flight.append(trainer.optimizer.gathers_in_flight)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}  # waits too
+        results[overlap] = (losses, in_flight, weights, trainer.optimizer.gathers_in_flight)
+    return results
+
+
+@pytest.mark.parametrize("data_parallel, pp", [("zero1", 1), ("zero2", 1), ("zero2", 2)])
+def test_parameter_gather_overlapped_with_the_next_forward(tmp_path, data_parallel, pp):
+    results_of_ranks = run_distributed(_overlap_case, 2 * pp, data_parallel, pp, str(tmp_path))
+    for results in results_of_ranks:
+        losses, in_flight, weights, left = results[False]
+        assert in_flight == [0] * 5 and left == 0
+        got_losses, got_in_flight, got_weights, got_left = results[True]
+        assert got_losses == losses  # the same numbers, only waited for later
+        assert all(n > 1 for i, n in enumerate(got_in_flight) if i != 2), got_in_flight
+        assert got_in_flight[2] == 0 and got_left == 0  # the checkpoint and state_dict waited
+        for name, tensor in weights.items():
+            assert torch.equal(got_weights[name], tensor), name

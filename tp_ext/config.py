@@ -107,6 +107,11 @@ PARALLEL_FIELDS = {
         help="dtype of the DP gradient sum on the wire (ddp, zero1, zero2; default: the "
         "gradients' own)",
     ),
+    "overlap_param_gather": Field(
+        "bool",
+        help="ZeRO: each bucket's all-gather of the updated parameters waited for by the next "
+        "forward, not at the end of the step (default off)",
+    ),
     "micro_batches": Field(
         "int",
         1,
@@ -212,6 +217,7 @@ class ParallelSettings:
     virtual_stages: int = 1
     data_parallel: str = "ddp"
     grad_reduce_dtype: Optional[str] = None
+    overlap_param_gather: bool = False
     micro_batches: Optional[int] = None
     activation_checkpointing: bool = False
 

@@ -446,6 +446,7 @@ class _SelfCheck:
             parallel=state,
             schedule=settings.schedule,
             data_parallel=settings.data_parallel,
+            overlap_param_gather=settings.overlap_param_gather,
             activation_checkpointing=settings.activation_checkpointing,
             autocast_dtype=self.autocast,
         )

@@ -236,6 +236,7 @@ class HFSelfCheck(_SelfCheck):
             parallel=self.state,
             schedule=settings.schedule,
             data_parallel=settings.data_parallel,
+            overlap_param_gather=settings.overlap_param_gather,
             activation_checkpointing=settings.activation_checkpointing,
         )
         info = fresh_trainer.load_checkpoint(sharded)

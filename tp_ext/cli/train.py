@@ -211,6 +211,7 @@ def _build(state, run: _Run):
         max_grad_norm=run.max_grad_norm,
         data_parallel=p.data_parallel,
         grad_reduce_dtype=as_torch_dtype(p.grad_reduce_dtype),
+        overlap_param_gather=p.overlap_param_gather,
         activation_checkpointing=p.activation_checkpointing,
         lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, job.optimizer, run.steps),
         data=batches,

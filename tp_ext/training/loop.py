@@ -219,6 +219,8 @@ def _run(trainer, source, steps: int, manager, sinks) -> list[float]:
                 manager.save(trainer)
         if manager is not None:
             manager.finish(trainer)
+        if hasattr(trainer.optimizer, "finish_gather"):  # the caller reads whole parameters
+            trainer.optimizer.finish_gather()
     finally:
         for f in files:
             f.close()

@@ -159,6 +159,12 @@ def _optimizer_tensors(model, optimizer, tied_copies=None) -> dict[str, torch.Te
     return state
 
 
+def _finish_gather(optimizer) -> None:
+    """ZeRO's all-gathers of the updated parameters still in flight, waited for."""
+    if hasattr(optimizer, "finish_gather"):
+        optimizer.finish_gather()
+
+
 def _master_tensors(model, optimizer, tied_copies=None) -> dict[str, torch.Tensor]:
     """ZeRO's fp32 master rows of bf16 / fp16 parameters, keyed ``master.<checkpoint name>`` and
     sharded like their parameters (none for other optimizers, or when every parameter is fp32)."""
@@ -347,6 +353,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
     """Write ``trainer``'s whole state to checkpoint ``path`` (a collective over every rank).
     With ``async_save`` returns the :class:`PendingSave` still being written."""
     model, optimizer = trainer.model, trainer.optimizer
+    _finish_gather(optimizer)
     state = checkpoint_tensors(model)
     state.update(_optimizer_tensors(model, optimizer))
     masters = _master_tensors(model, optimizer)
@@ -380,6 +387,7 @@ def save_training_state(trainer, path: str, async_save: bool = False) -> Optiona
 def load_training_state(trainer, path: str) -> dict:
     """Restore ``trainer`` from checkpoint ``path``, saved at any layout (a collective)."""
     model, optimizer = trainer.model, trainer.optimizer
+    _finish_gather(optimizer)  # (a gather in flight would write over the loaded weights)
     materialise_optimizer_state(optimizer)
     rank = _rank()
     rng_source = {"rank": rank}  # whose random streams this rank continues

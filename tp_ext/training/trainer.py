@@ -72,6 +72,10 @@ class Trainer:
       rank's rows), gradients all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2).
       ``grad_reduce_dtype`` (e.g. torch.bfloat16): the DP gradient sum travels in that dtype
       (DDP, ZeRO-1, ZeRO-2), accumulated back into the gradients' own.
+      ``overlap_param_gather`` (ZeRO): each bucket's all-gather of the updated parameters is
+      waited for by the next forward of its first layer (or a ``state_dict()``), not at the
+      end of :meth:`step`: read parameters otherwise after
+      ``trainer.optimizer.finish_gather()``.
 
     - A Hugging Face MoE model parallelized with ``parallel=state`` at ``ep > 1``
       (:class:`tp_ext.layers.ExpertParallelMoE` layers) trains in this Trainer's own loop with
@@ -117,6 +121,7 @@ class Trainer:
         data=None,
         gradient_compression: Optional[str] = None,
         grad_reduce_dtype: Optional[torch.dtype] = None,
+        overlap_param_gather: bool = False,
     ) -> None:
         if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
             raise ValueError(
@@ -135,6 +140,16 @@ class Trainer:
         _check_zero(
             data_parallel, parallel, autocast_dtype, grad_reduce_dtype, gradient_compression
         )
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(
+                f"overlap_param_gather must be True or False, got {overlap_param_gather!r}"
+            )
+        if overlap_param_gather and data_parallel not in ZERO_STAGES:
+            raise ValueError(
+                f"overlap_param_gather=True with data_parallel={data_parallel!r}: only the "
+                "distributed optimizer gathers parameters after its step; use data_parallel="
+                "'zero1' or 'zero2' (FSDP2 prefetches its own)"
+            )
         model = trainable_model(model, parallel)  # a pp=1 Hugging Face model: its one stage
         self.model = model
         self.parallel = parallel
@@ -169,6 +184,8 @@ class Trainer:
             )
             if ZERO_STAGES[data_parallel] == 2:
                 self.strategy.gradient_reducer = self.optimizer
+            if overlap_param_gather:
+                self.optimizer.overlap_gather_with_forward(model)
         self._pair_onebit_adam(self.optimizer, autocast_dtype)
         self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
         self.data = _stateful_data(data)
@@ -352,6 +369,9 @@ class Trainer:
         model's own forward, ``generate`` and ``save_pretrained`` read whole ones: inside this
         block they are gathered (every FSDP2 unit of every stage; an all-gather over DP, so
         every rank enters it) and sharded again after it. Otherwise it changes nothing."""
+        finish_gather = getattr(self.optimizer, "finish_gather", None)
+        if finish_gather is not None:  # ZeRO's parameters still being gathered
+            finish_gather()
         from torch.distributed.fsdp import FSDPModule
 
         modules = self.strategy.stage_modules

@@ -146,6 +146,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buckets: Optional[list] = None
         self._backward: Optional[_Backward] = None  # the backward announced, until reduced
         self.buckets_sent_in_backward = 0  # of the last step: the reduce-scatters overlapped
+        self._gathering: list = []  # [bucket's parameters, all-gather handle or None]
+        self._gather_of: dict = {}  # parameter -> its entry in _gathering, until written
+        self._gather_hooks: list = []  # with overlap_gather_with_forward
         self.dp = comm.resolve_group(dp_mesh.get_group())
         groups = [dict(g) for g in template.param_groups]
         super().__init__(groups, template.defaults)
@@ -304,19 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         of gradients (one parameter at least). Every replica has the same buckets and sends
         them in index order, so their collectives pair up."""
         self._bucket_of: dict = {}
-        buckets, open_by_kind = [], {}
-        for p in reversed(list(self._master)):
-            g = self._group(p)
-            kind = (g.name, g.size > 1, p.dtype)
-            bucket = open_by_kind.get(kind)
-            nbytes = p.numel() * p.element_size()
-            if bucket is None or (bucket.nbytes and bucket.nbytes + nbytes > self.bucket_bytes):
-                bucket = _Bucket(p.dtype, g)
-                buckets.append(bucket)
-                open_by_kind[kind] = bucket
-            bucket.params.append(p)
-            bucket.nbytes += nbytes
-        return buckets
+        return self._bucketed(reversed(list(self._master)), self.bucket_bytes)
 
     def _accumulated(self, param) -> None:
         """A post-accumulate-grad hook: the bucket's reduce-scatter goes once every gradient in
@@ -441,8 +432,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _gather_parameters(self) -> None:
         """Every replica's parameters from every rank's updated master rows: one all-gather per
-        replica group and parameter dtype."""
-        for g, members in self._by_group_and_dtype(self._master):
+        replica group and parameter dtype; with :meth:`overlap_gather_with_forward`, one per
+        bucket, waited for by the first forward (or state_dict) that needs its parameters."""
+        self.finish_gather()  # (a bucket the last forward did not use)
+        cap = self.bucket_bytes if self._gather_hooks else None
+        for bucket in self._gather_buckets(cap):
+            g, members = bucket.group, bucket.params
             dtype = members[0].dtype
             mine = torch.cat([self._master[p].reshape(-1).to(dtype) for p in members])
             sizes = [
@@ -450,18 +445,103 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for r in range(g.size)
             ]
             with comm.tag("train.zero_gather"):
-                everyone = comm.all_gather(mine, 0, sizes, group=g)
-            offset = 0
-            for r in range(g.size):
-                for p in members:
-                    start, count = _rows(_dim0(p), g.size, r)
-                    numel = count * _row_numel(p)
-                    piece = everyone[offset : offset + numel]
-                    offset += numel
-                    if numel:
-                        _as_rows(p.data)[start : start + count].copy_(
-                            piece.view(count, *_as_rows(p).shape[1:])
-                        )
+                handle = comm.all_gather(mine, 0, sizes, group=g, async_op=True)
+            entry = [members, handle]
+            self._gathering.append(entry)
+            for p in members:
+                self._gather_of[p] = entry
+        if not self._gather_hooks:
+            self.finish_gather()
+
+    def _gather_buckets(self, cap: Optional[int]) -> list:
+        """The parameters in the forward's order (the model's), one replica group and dtype per
+        bucket, each up to ``cap`` bytes (None: one bucket per group and dtype)."""
+        return self._bucketed(self._master, cap)
+
+    def _bucketed(self, params, cap: Optional[int]) -> list:
+        """``params`` in order into buckets of one replica group and dtype each, up to ``cap``
+        bytes (one parameter at least; None: no limit)."""
+        buckets, open_by_kind = [], {}
+        for p in params:
+            g = self._group(p)
+            kind = (g.name, g.size > 1, p.dtype)
+            bucket = open_by_kind.get(kind)
+            nbytes = p.numel() * p.element_size()
+            full = cap is not None and bucket is not None and bucket.nbytes + nbytes > cap
+            if bucket is None or (bucket.nbytes and full):
+                bucket = _Bucket(p.dtype, g)
+                buckets.append(bucket)
+                open_by_kind[kind] = bucket
+            bucket.params.append(p)
+            bucket.nbytes += nbytes
+        return buckets
+
+    @torch.no_grad()
+    def _finish(self, entry) -> None:
+        """Wait for one bucket's all-gather and write every rank's rows into its parameters."""
+        members, handle = entry
+        if handle is None:
+            return
+        entry[1] = None
+        with comm.tag("train.zero_gather"):
+            everyone = handle.wait()
+        g = self._group(members[0])
+        offset = 0
+        for r in range(g.size):
+            for p in members:
+                start, count = _rows(_dim0(p), g.size, r)
+                numel = count * _row_numel(p)
+                piece = everyone[offset : offset + numel]
+                offset += numel
+                if numel:
+                    _as_rows(p.data)[start : start + count].copy_(
+                        piece.view(count, *_as_rows(p).shape[1:])
+                    )
+        for p in members:
+            self._gather_of.pop(p, None)
+
+    def finish_gather(self) -> None:
+        """Wait for every all-gather of the updated parameters still in flight (with
+        :meth:`overlap_gather_with_forward`: before reading parameters other than by a forward
+        or ``state_dict()``)."""
+        while self._gathering:
+            self._finish(self._gathering.pop(0))
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Buckets of parameters whose all-gather has not been waited for yet."""
+        return sum(1 for _, handle in self._gathering if handle is not None)
+
+    def overlap_gather_with_forward(self, model) -> None:
+        """Leave each bucket's all-gather of the updated parameters in flight after
+        :meth:`step` (buckets of ``bucket_bytes`` in the forward's order), each waited for by
+        the first forward pre-hook (or ``state_dict`` pre-hook) of a ``model`` module holding
+        one of its parameters: the gathers overlap the data loading and the forward of the
+        layers before. A parameter read otherwise (``p.data``) needs :meth:`finish_gather`
+        first; the Trainer's checkpoints, ``fit`` and ``whole_parameters`` do it."""
+        if self._gather_hooks:
+            return
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in self._master]
+            if not own:
+                continue
+            self._gather_hooks.append(
+                module.register_forward_pre_hook(lambda m, args, own=own: self._before_use(own))
+            )
+            self._gather_hooks.append(
+                module.register_state_dict_pre_hook(
+                    lambda m, prefix, keep_vars, own=own: self._before_use(own)
+                )
+            )
+
+    def _before_use(self, params) -> None:
+        if not self._gather_of:
+            return
+        for p in params:
+            entry = self._gather_of.get(p)
+            if entry is not None:
+                self._finish(entry)
+        self._gathering = [e for e in self._gathering if e[1] is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:  # ZeRO-2's row gradients: a backward cannot add to them
