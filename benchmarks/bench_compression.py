@@ -45,7 +45,7 @@ def _text_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def _train(method, steps, grad_reduce_dtype=None, data_parallel="ddp"):
+def _train(method, steps, grad_reduce_dtype=None, data_parallel="ddp", seed=0):
     import torch.distributed as dist
 
     import tp_ext
@@ -62,7 +62,7 @@ def _train(method, steps, grad_reduce_dtype=None, data_parallel="ddp"):
             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         )
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config, parallel=state)
     if method == "1bit":  # 1-bit Adam: Adam's variance frozen after an fp32 warm-up
         build = lambda params: OneBitAdam(params, lr=LR, freeze_step=FREEZE * steps // 100)  # noqa: E731
@@ -81,7 +81,8 @@ def _train(method, steps, grad_reduce_dtype=None, data_parallel="ddp"):
         grad_reduce_dtype=grad_reduce_dtype,
     )
     text = _text_bytes()
-    g = torch.Generator().manual_seed(100 + state.dp_rank)  # each DP rank its own sequences
+    # each DP rank its own sequences (seed 0: the compression benchmark's)
+    g = torch.Generator().manual_seed(100 + state.dp_rank + 1000 * seed)
     losses, times = [], []
     for _ in range(steps):
         starts = torch.randint(0, text.numel() - SEQ, (MICRO_BATCHES, MICRO), generator=g)
