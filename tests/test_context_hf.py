@@ -302,3 +302,22 @@ def _pipelined_logits(arch, mode):
 def test_pipelined_inference_of_hugging_face_decoders_under_cp(arch, mode):
     held = run_distributed(_pipelined_logits, 4, arch, mode)
     assert sorted(held[0] + held[1]) == list(range(SEQ))  # ranks (pp, cp) = (0, 0), (0, 1)
+
+
+def _zero_with_experts_and_cp():
+    state = tp_ext.init_parallel(tp=1, cp=2, dp=2, ep=2)
+    config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    model = tp_ext.parallelize(transformers.MixtralForCausalLM(config), "auto", parallel=state)
+    with pytest.raises(ValueError) as error:
+        tp_ext.training.Trainer(
+            model,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            parallel=state,
+            data_parallel="zero1",
+        )
+    return str(error.value)
+
+
+def test_zero_with_experts_and_cp_together_is_refused_by_name():
+    message = run_distributed(_zero_with_experts_and_cp, 4)[0]
+    assert "data_parallel='zero1' with cp=2 and expert parallelism is not supported" in message
