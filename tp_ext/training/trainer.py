@@ -182,6 +182,7 @@ class Trainer:
                 grad_reduce_dtype,
                 experts=expert_parameters(model)[0],  # sharded over their own replicas
             )
+            self.optimizer.follow_model_order(model)  # buckets as the backward fills them
             if ZERO_STAGES[data_parallel] == 2:
                 self.strategy.gradient_reducer = self.optimizer
             if overlap_param_gather:

@@ -7,7 +7,9 @@ updates them, and the updated rows are all-gathered into every replica's paramet
 - ``data_parallel="zero2"``: gradients are reduce-scattered (each rank receives the sum of its
   rows only), then the same step and all-gather. The reduce-scatters run in buckets during the
   backward: a bucket's is issued once the last micro-batch's backward has written every gradient
-  in it, and the whole gradients are freed as they are sent (at most two buckets in flight).
+  in it, and the whole gradients are freed as they are sent; they are received after the
+  backward (a wait inside it could deadlock: a peer whose gradient comes later, an expert with
+  no tokens there, may still need this rank for the rest of its backward).
   Schedules with a split weight backward (zero bubble) write weight gradients outside autograd's
   accumulation, where no hook sees them: there every bucket goes after the schedule.
 
@@ -31,6 +33,7 @@ or into DDP); hence this one.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Optional
 
 import torch
@@ -45,9 +48,6 @@ __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
 ZERO_STAGES = {"zero1": 1, "zero2": 2}
 # ZeRO-2's gradient buckets (DDP's default cap); the first step builds them from the attribute
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-# buckets whose reduce-scatter may be in flight at once: the backward waits for the oldest
-# beyond it, so at most this many buckets' whole gradients are held in send buffers
-BUCKETS_IN_FLIGHT = 2
 # optimizers whose update of an element reads that element's gradient and state alone, so
 # stepping a parameter's rows apart gives the whole parameter's update
 ELEMENTWISE = frozenset(
@@ -146,6 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buckets: Optional[list] = None
         self._backward: Optional[_Backward] = None  # the backward announced, until reduced
         self.buckets_sent_in_backward = 0  # of the last step: the reduce-scatters overlapped
+        self._order: list = []  # the model's parameter order (follow_model_order)
         self._gathering: list = []  # [bucket's parameters, all-gather handle or None]
         self._gather_of: dict = {}  # parameter -> its entry in _gathering, until written
         self._gather_hooks: list = []  # with overlap_gather_with_forward
@@ -297,6 +298,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.buckets_sent_in_backward = 0
 
     @property
+    def model_order(self) -> list:
+        """The parameters in the model's order (:meth:`follow_model_order`; else the optimizer's
+        groups'), which the forward uses them in and the backward reverses."""
+        order = [p for p in self._order if p in self._master]
+        return order + [p for p in self._master if p not in set(order)]
+
+    def follow_model_order(self, model) -> None:
+        """Bucket the parameters in ``model.parameters()``'s order, not the parameter groups'
+        (which put, say, every norm last): buckets then fill as the backward goes. Before the
+        first step."""
+        self._order = list(model.parameters())
+
+    @property
     def bucket_count(self) -> int:
         """ZeRO-2's gradient buckets (0 before the first step builds them)."""
         return len(self._buckets or ())
@@ -307,14 +321,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         of gradients (one parameter at least). Every replica has the same buckets and sends
         them in index order, so their collectives pair up."""
         self._bucket_of: dict = {}
-        return self._bucketed(reversed(list(self._master)), self.bucket_bytes)
+        return self._bucketed(reversed(self.model_order), self.bucket_bytes)
 
     def _accumulated(self, param) -> None:
         """A post-accumulate-grad hook: the bucket's reduce-scatter goes once every gradient in
         it has had its last accumulation (and the buckets before it have gone)."""
         backward = self._backward
-        if backward is None or not backward.in_flight:
-            return  # a backward the Trainer did not announce (no ZeRO-2 step)
+        if backward is None or not backward.in_flight or param.numel() == 0:
+            return  # a backward the Trainer did not announce; an empty parameter is not waited
         count = backward.count[param] = backward.count.get(param, 0) + 1
         if count != backward.micro_batches:
             if count > backward.micro_batches:
@@ -322,25 +336,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         index = self._bucket_of[param]
         backward.ready[index] += 1
-        while backward.next_to_send < len(self._buckets) and backward.ready[
-            backward.next_to_send
-        ] == len(self._buckets[backward.next_to_send].params):
+        while (
+            backward.next_to_send < len(self._buckets)
+            and backward.ready[backward.next_to_send] == self._buckets[backward.next_to_send].waited
+        ):
             self._send(backward.next_to_send)
             self.buckets_sent_in_backward += 1
 
     @torch.no_grad()
     def _send(self, index: int) -> None:
         """Issue bucket ``index``'s reduce-scatter (its gradients' rows, each rank's piece in
-        rank order), free the whole gradients, and receive the oldest bucket beyond
-        ``BUCKETS_IN_FLIGHT``."""
+        rank order) and free the whole gradients (:meth:`reduce_gradients` receives it)."""
         backward, bucket = self._backward, self._buckets[index]
         g = bucket.group
-        members = [p for p in bucket.params if p.grad is not None and not is_dtensor(p.grad)]
+        # every trainable parameter, a missing gradient as zeros: the replicas' pieces must
+        # match even where one rank's parameter got no gradient (an expert without tokens)
+        members = [p for p in bucket.params if p.requires_grad and not is_dtensor(p.grad)]
         pieces, sizes = [], []
         for r in range(g.size):
             for p in members:
                 start, count = _rows(_dim0(p), g.size, r)
-                pieces.append(_as_rows(p.grad)[start : start + count].reshape(-1))
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                pieces.append(_as_rows(grad)[start : start + count].reshape(-1))
             sizes.append(sum(_rows(_dim0(p), g.size, r)[1] * _row_numel(p) for p in members))
         handle = None
         if members:
@@ -355,8 +372,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad = None  # sent: the rows come back at the receive
         backward.in_flight_buckets.append((members, handle))
         backward.next_to_send = index + 1
-        while len(backward.in_flight_buckets) > BUCKETS_IN_FLIGHT:
-            self._receive_oldest()
 
     @torch.no_grad()
     def _receive_oldest(self) -> None:
@@ -456,7 +471,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _gather_buckets(self, cap: Optional[int]) -> list:
         """The parameters in the forward's order (the model's), one replica group and dtype per
         bucket, each up to ``cap`` bytes (None: one bucket per group and dtype)."""
-        return self._bucketed(self._master, cap)
+        return self._bucketed(self.model_order, cap)
 
     def _bucketed(self, params, cap: Optional[int]) -> list:
         """``params`` in order into buckets of one replica group and dtype each, up to ``cap``
@@ -580,6 +595,12 @@ class _Bucket:
     def __init__(self, dtype: torch.dtype, group):
         self.dtype, self.group, self.params, self.nbytes = dtype, group, [], 0
 
+    @property
+    def waited(self) -> int:
+        """Its parameters whose last accumulation the backward waits for (not frozen or
+        empty ones: no gradient comes for them)."""
+        return sum(1 for p in self.params if p.requires_grad and p.numel())
+
 
 class _Backward:
     """One announced backward's progress: accumulations per parameter, gradients final per
@@ -600,7 +621,7 @@ def _dim0(param) -> int:
 
 
 def _row_numel(param) -> int:
-    return param[0].numel() if param.dim() else 1
+    return math.prod(param.shape[1:])  # (a parameter with no rows has rows of this size too)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
