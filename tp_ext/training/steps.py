@@ -258,9 +258,16 @@ class StepStrategy:
 
 class LocalStep(StepStrategy):
     """The Trainer's own loop: each micro-batch's summed loss scaled by the local token count
-    (known before any forward, so no host sync), backward, then one DP synchronisation."""
+    (known before any forward, so no host sync), backward, then one DP synchronisation.
+
+    Under ZeRO-2 (``gradient_reducer``, the sharded optimizer, set by the Trainer) every loss is
+    scaled by the global token count instead, the gradients' sums are reduce-scattered (buckets
+    sent during the backward), each rank keeps its rows, and the norm is taken over every rank
+    (``parallel``)."""
 
     form = "local"
+    gradient_reducer = None
+    parallel = None
 
     def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -269,6 +276,8 @@ class LocalStep(StepStrategy):
         count = self._global_count(count)
         scale = count.clamp_min(1).float()
         count = count.float()
+        if self.gradient_reducer is not None:  # sums of shares of the global mean
+            self.gradient_reducer.expect_backward(len(batches), divide_by=1.0)
         loss_sum = torch.zeros((), device=batches[0][0].device)
         with comm.tag("train.compute"):
             for ids, labels in batches:
@@ -280,11 +289,22 @@ class LocalStep(StepStrategy):
         return loss_sum / count  # nan when no target counts, as torch's mean
 
     def _global_count(self, count: torch.Tensor) -> torch.Tensor:
-        return count
+        if self.gradient_reducer is None:
+            return count
+        # ZeRO-2 reduce-scatters sums: every loss is scaled by the global count first
+        with comm.tag("train.dp_sync"):
+            return comm.all_reduce(self._counted(count.float()), "sum", group=self._sync_group)
 
     def _counted(self, count: torch.Tensor) -> torch.Tensor:
         """This rank's term of the token count summed over the synchronising group."""
         return count
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        if self.gradient_reducer is None:  # whole gradients, equal on every replica
+            return super().clip(max_norm)
+        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
+        scale_grads_(self.model, max_norm, norm)
+        return norm
 
     @property
     def _sync_group(self):
@@ -294,8 +314,13 @@ class LocalStep(StepStrategy):
     @torch.no_grad()
     def _synchronise(self, params, loss_sum, scale, count):
         """One all-reduce of every gradient, the loss sum and the token count: gradients become
-        the gradient of the mean over all DP ranks' tokens (weighted by each rank's count)."""
+        the gradient of the mean over all DP ranks' tokens (weighted by each rank's count).
+        ZeRO-2: the reduce-scatters received, each rank keeping its rows; the loss summed."""
         group = self._sync_group
+        if self.gradient_reducer is not None:
+            self.gradient_reducer.reduce_gradients(divide_by=1.0)
+            with comm.tag("train.loss"):
+                return comm.all_reduce(loss_sum, "sum", group=group), count
         if group is None or group.size == 1:
             return loss_sum, count
         flat = _flat_grads(params, [loss_sum, self._counted(count)])
@@ -310,53 +335,14 @@ class LocalStep(StepStrategy):
 
 class GridStep(LocalStep):
     """A 2D (SUMMA) model: the local loop, its loss from the logits blocks, DP gradients
-    all-reduced once per step over the DP group (DDP, ZeRO-1), the norm over the grid. Under
-    ZeRO-2 the sharded optimizer (``gradient_reducer``, set by the Trainer) reduce-scatters them
-    instead, each rank left with its rows of every grid block, and the norm is taken over every
-    rank (each DP rank's rows counted once)."""
+    all-reduced once per step over the DP group (DDP, ZeRO-1), the norm over the grid; ZeRO-2
+    as :class:`LocalStep` (each rank left with its rows of every grid block)."""
 
     form = "2d"
-    gradient_reducer = None  # ZeRO-2's ShardedOptimizer
 
     def __init__(self, model, loss, tp, dp_group, data_parallel, parallel) -> None:
         super().__init__(model, loss, tp, dp_group, data_parallel)
         self.parallel = parallel
-
-    @property
-    def _reduce_scattered(self) -> bool:
-        return self.gradient_reducer is not None and self.parallel.dp > 1
-
-    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
-        if not self._reduce_scattered:
-            return super().forward_backward(batches, precision)
-        # PipelineStep's averaging: the global token count first (no gradient all-reduce
-        # carries it here), each replica's loss over count / dp, the sums divided by dp
-        dp, group = self.parallel.dp, self.dp_group
-        ignore = self.loss.ignore_index
-        count = torch.stack([(labels[:, 1:] != ignore).sum() for _, labels in batches]).sum()
-        with comm.tag("train.dp_sync"):
-            count = comm.all_reduce(count.float(), "sum", group=group)
-        denominator = count.clamp_min(1) / dp
-        # each bucket's reduce-scatter goes as the last micro-batch's backward finishes it
-        self.gradient_reducer.expect_backward(len(batches), divide_by=float(dp))
-        loss_sum = torch.zeros((), device=batches[0][0].device)
-        with comm.tag("train.compute"):
-            for ids, labels in batches:
-                with precision.autocast(ids.device):
-                    loss = self.loss(self.model, ids, labels)
-                precision.scaled(loss / denominator).backward()
-                loss_sum += loss.detach().float()
-        self.gradient_reducer.reduce_gradients(divide_by=float(dp))
-        with comm.tag("train.loss"):
-            loss_sum = comm.all_reduce(loss_sum, "sum", group=group)
-        return loss_sum / count  # nan when no target counts, as torch's mean
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        if not self._reduce_scattered:  # whole gradients, equal on every replica
-            return super().clip(max_norm)
-        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
-        scale_grads_(self.model, max_norm, norm)
-        return norm
 
 
 class ExpertStep(LocalStep):
@@ -367,7 +353,6 @@ class ExpertStep(LocalStep):
     EP group's tokens)."""
 
     form = "expert"
-    gradient_reducer = None  # ZeRO-2's ShardedOptimizer (set by the Trainer)
 
     def __init__(
         self, model, loss, tp, dp_group, data_parallel, expert_dp_group, parallel=None
@@ -375,19 +360,6 @@ class ExpertStep(LocalStep):
         super().__init__(model, loss, tp, dp_group, data_parallel)
         self.expert_dp_group, self.parallel = expert_dp_group, parallel
         self._expert_ids = {id(p) for p in expert_parameters(model)[0]}
-
-    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
-        if self.gradient_reducer is not None:  # ZeRO-2: buckets sent during the backward
-            self.gradient_reducer.expect_backward(len(batches), divide_by=1.0)
-        return super().forward_backward(batches, precision)
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        if self.gradient_reducer is None:  # whole gradients, equal on every replica
-            return super().clip(max_norm)
-        # ZeRO-2's rows: each DP (expert-DP) rank counts its own, summed over every rank
-        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
-        scale_grads_(self.model, max_norm, norm)
-        return norm
 
     def _global_count(self, count: torch.Tensor) -> torch.Tensor:
         if self.dp_group.size == 1:
@@ -401,10 +373,8 @@ class ExpertStep(LocalStep):
         """Gradients already scaled by the global token count: dense ones (and the loss) summed
         over the DP group, expert ones over the expert-DP group (ZeRO-2: reduce-scattered, each
         rank keeping its rows)."""
-        if self.gradient_reducer is not None:
-            self.gradient_reducer.reduce_gradients(divide_by=1.0)  # sums: shares of the mean
-            with comm.tag("train.loss"):
-                return comm.all_reduce(loss_sum, "sum", group=self.dp_group), count
+        if self.gradient_reducer is not None:  # experts' rows over expert-DP: the optimizer's
+            return super()._synchronise(params, loss_sum, scale, count)
         loss_sum = _sum_dense_and_expert_grads(
             params, self._expert_ids, self.dp_group, self.expert_dp_group, [loss_sum]
         )[0]
@@ -601,7 +571,6 @@ class ContextStep(LocalStep):
     count (every CP rank of a replica knows the whole count: only the first adds it)."""
 
     form = "context"
-    gradient_reducer = None  # ZeRO-2's ShardedOptimizer, rows over DP x CP (set by the Trainer)
 
     def __init__(
         self,
@@ -620,39 +589,12 @@ class ContextStep(LocalStep):
         super().__init__(model, loss, tp, dp_group, data_parallel)
         self.dp_cp_group, self.cp_rank, self.parallel = dp_cp_group, cp_rank, parallel
 
-    def forward_backward(self, batches: Batches, precision: Precision) -> torch.Tensor:
-        if self.gradient_reducer is not None:  # ZeRO-2: buckets sent during the backward
-            self.gradient_reducer.expect_backward(len(batches), divide_by=1.0)
-        return super().forward_backward(batches, precision)
-
-    def _global_count(self, count: torch.Tensor) -> torch.Tensor:
-        if self.gradient_reducer is None:
-            return count
-        # ZeRO-2 reduce-scatters sums: every loss is scaled by the global count first
-        with comm.tag("train.dp_sync"):
-            return comm.all_reduce(self._counted(count.float()), "sum", group=self.dp_cp_group)
-
     def _counted(self, count: torch.Tensor) -> torch.Tensor:
         return count if self.cp_rank == 0 else torch.zeros_like(count)
 
     @property
     def _sync_group(self):
         return self.dp_cp_group
-
-    @torch.no_grad()
-    def _synchronise(self, params, loss_sum, scale, count):
-        if self.gradient_reducer is None:
-            return super()._synchronise(params, loss_sum, scale, count)
-        self.gradient_reducer.reduce_gradients(divide_by=1.0)  # each rank keeps its rows
-        with comm.tag("train.loss"):
-            return comm.all_reduce(loss_sum, "sum", group=self.dp_cp_group), count
-
-    def clip(self, max_norm: float) -> torch.Tensor:
-        if self.gradient_reducer is None:
-            return super().clip(max_norm)
-        norm = parallel_grad_norm(self.model, self.parallel, self.data_parallel)
-        scale_grads_(self.model, max_norm, norm)
-        return norm
 
 
 # ---- the factory --------------------------------------------------------------------------------
