@@ -1,4 +1,5 @@
-"""tp_ext's fused CPU kernels vs the eager PyTorch composites they replace.
+"""tp_ext's fused CPU kernels vs the eager PyTorch composites they replace, and its GEMM op
+(``tp_ext::linear``: oneDNN for float32 on CPU) vs ``F.linear`` (aten::mm: MKL).
 
 Shapes are one rank's at Qwen2-72B, TP=8 (hidden 8192, MLP 3696 per rank, 8 query heads and 1 KV
 head of 128 per rank, vocabulary 19008 per rank), with token counts that fit a 2-core CPU.
@@ -78,6 +79,8 @@ def _inputs(kernel, tokens, dtype, seed=0):
     def r(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
+    if kernel == "linear":  # the MLP's down projection on one rank: [tokens, 3696] x [3696, 8192]
+        return [r(tokens, INTER), r(HIDDEN, INTER)]
     if kernel == "rms_norm":
         return [r(tokens, HIDDEN), r(HIDDEN), EPS]
     if kernel == "add_rms_norm":
@@ -100,12 +103,14 @@ def _inputs(kernel, tokens, dtype, seed=0):
 
 
 EAGER = {
+    "linear": F.linear,
     "rms_norm": eager_rms_norm,
     "add_rms_norm": eager_add_rms_norm,
     "swiglu": eager_swiglu,
     "rotary_embedding": eager_rotary,
 }
 GRAD_ARGS = {
+    "linear": (0, 1),
     "rms_norm": (0, 1),
     "add_rms_norm": (0, 1, 2),
     "swiglu": (0,),

@@ -10,6 +10,7 @@
 #include "comm/settings.h"
 #include "comm/shm_channel.h"
 #include "comm/stats.h"
+#include "common/gemm.h"
 
 namespace py = pybind11;
 
@@ -17,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tp_ext native ops (torch.ops.tp_ext.*) and communication settings";
   // what this build was compiled against (tp-ext doctor compares it with the running torch)
   m.def("_built_with_torch", [] { return std::string(TORCH_VERSION); });
+  m.def("_cpu_gemm", &tp_ext::cpu_gemm);
+  m.def("_set_cpu_gemm", &tp_ext::set_cpu_gemm);
   m.def("_set_tracking", &tp_ext::comm::set_tracking);
   m.def("_tracking", &tp_ext::comm::tracking);
   m.def("_reset_stats", &tp_ext::comm::reset_stats);

@@ -107,6 +107,11 @@ TORCH_LIBRARY(tp_ext, m) {
       "attention_merge_backward(Tensor grad_out, Tensor grad_lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b, Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  // ---- the local GEMM (ops/linear.cpp) ----
+  // linear: y = x W^T + b through tp_ext's GEMMs (common/gemm.h: oneDNN for float32 on CPU);
+  // autograd in C++, its backward the op itself on transposed operands.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+
   // ---- linear layers fused with their TP communication (comm/overlapped_linear.cpp) ----
   // column_linear: y = x W^T + b, x replicated (saved for backward as it is: no copy); with
   // overlap, backward starts the input-gradient all-reduce before the weight-gradient GEMM and

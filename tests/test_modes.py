@@ -124,6 +124,9 @@ def _fused_op_samples():
     samp_max = samp_cands.amax(1)
     samp_total = (samp_cands - samp_max.unsqueeze(1)).exp().sum(1)
     return [
+        # the local GEMM: with and without bias, a transposed weight (its backward's operands)
+        ("linear", (grad(x), grad(full((5, 8), 50)), grad(full((5,), 51)))),
+        ("linear", (grad(x), grad(full((8, 5), 52)).t(), None)),
         ("rms_norm", (grad(x), grad(w), 1e-6)),
         ("add_rms_norm", (grad(x), grad(full((2, 3, 8), 17)), grad(w), 1e-6)),
         ("rms_norm_backward", (full((2, 3, 8), 18), x, w, 1e-6)),

@@ -31,9 +31,10 @@ STEPS = 5
 MAX_NORM = 0.5  # below the first steps' norms, so clipping is active
 RTOL = 1e-4
 # Weights after training: the k bias's gradient is analytically zero (softmax ignores a shift of
-# every score), so Adam turns rounding noise there into updates of ~1e-3 x lr; a real error
-# moves weights by ~lr.
-WEIGHT_ATOL = 1e-2 * OPTIMIZER.lr
+# every score), so Adam turns rounding noise there into updates of ~1e-3 x lr, and a weight
+# whose gradient is near zero can move by ~1e-2 x lr on rounding alone (GEMMs of other shapes sum
+# in another order); a real error moves weights by ~lr.
+WEIGHT_ATOL = 3e-2 * OPTIMIZER.lr
 
 
 def _ids(batch=4, seq=17, seed=1):

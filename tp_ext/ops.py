@@ -37,7 +37,15 @@ try:  # torch >= 2.12
 except ImportError:  # torch 2.11 (the GPU image)
     from torch._higher_order_ops.effects import _EffectType as EffectType
 
-__all__ = ["COLLECTIVE_OPS", "KERNEL_OPS", "ALL_OPS"]
+__all__ = [
+    "COLLECTIVE_OPS",
+    "KERNEL_OPS",
+    "ALL_OPS",
+    "autocast_args",
+    "cpu_gemm",
+    "linear",
+    "set_cpu_gemm",
+]
 
 # ---- the one list of op names --------------------------------------------------------------------
 
@@ -73,6 +81,8 @@ COLLECTIVE_OPS = (
     "linear_reduce_scatter_backward",
 )
 KERNEL_OPS = (
+    # the local GEMM of layers whose communication is a separate op (autograd in C++)
+    "linear",
     # ring attention: two partial attention results over disjoint key blocks merged
     "attention_merge",
     "attention_merge_backward",
@@ -169,6 +179,41 @@ sampling_kept_mass = _lib.sampling_kept_mass
 # (logits, temperature, threshold [B], row_max [B], target [B]) -> [B] int64: the first kept
 # token whose running sum of exp(s - row_max) exceeds target (else the last kept; -1: none kept)
 sampling_pick = _lib.sampling_pick
+
+
+def autocast_args(*tensors):
+    """The tensors in autocast's dtype where F.linear would run in it (tp_ext's linear ops are not
+    in autocast's lists, so it would not cast them). None stays None."""
+    device = tensors[0].device.type
+    # the meta device (models sized without memory) has no autocast
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through tp_ext's GEMMs (the op ``tp_ext::linear``: oneDNN for float32 on CPU,
+    csrc/common/gemm.h), in autocast's dtype where F.linear would run in it."""
+    return _lib.linear(*autocast_args(x, weight, bias))
+
+
+def cpu_gemm() -> str:
+    """The GEMM kernel of tp_ext's linear ops on float32 CPU tensors: ``"onednn"`` (oneDNN's
+    matmul, the default where torch is built with it) or ``"aten"`` (aten::mm: MKL). Set by
+    ``TP_EXT_CPU_GEMM`` or :func:`set_cpu_gemm`; csrc/common/gemm.h says why."""
+    return _C._cpu_gemm()
+
+
+def set_cpu_gemm(name: str) -> None:
+    """Choose the float32 CPU GEMM of tp_ext's linear ops, ``"onednn"`` or ``"aten"`` (every rank
+    the same: they run the same kernels). CUDA and other dtypes always take aten's."""
+    if name not in ("onednn", "aten"):
+        raise ValueError(
+            f"set_cpu_gemm: name={name!r} is not a CPU GEMM; use 'onednn' (oneDNN's matmul, the "
+            "default) or 'aten' (aten::mm, MKL)"
+        )
+    _C._set_cpu_gemm(name)
 
 
 # ---- fake kernels: collectives -------------------------------------------------------------------
@@ -275,6 +320,10 @@ def _summa_linear_backward(grad, x, weight, x_in_sizes, w_in_sizes, *grid):
 
 def _features(x, n):
     return x.new_empty((*x.shape[:-1], n))
+
+
+def _linear(x, weight, bias=None):
+    return _features(x, weight.shape[0])
 
 
 def _column_linear(x, weight, bias, group_name, group_size, overlap=True):
@@ -470,6 +519,7 @@ _FAKES = {
     "vocab_parallel_cross_entropy": _vocab_parallel_cross_entropy,
     "summa_linear": _summa_linear,
     "summa_linear_backward": _summa_linear_backward,
+    "linear": _linear,
     "column_linear": _column_linear,
     "column_linear_backward": _column_linear_backward,
     "column_linears": _column_linears,

@@ -39,6 +39,7 @@
 
 #include "../common/checks.h"
 #include "../common/dispatch.h"
+#include "../common/gemm.h"
 #include "../common/group.h"
 #include "collectives.h"
 #include "stats.h"
@@ -75,25 +76,6 @@ int64_t mod(int64_t a, int64_t w) { return ((a % w) + w) % w; }
 // [tokens, features] view (a copy when the slice is not contiguous).
 at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
 
-void check_linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, int64_t in_features, const char* op) {
-  check_tensor(x, "x", op);
-  check_tensor(weight, "weight", op);
-  TORCH_CHECK_VALUE(weight.dim() == 2, "tp_ext.", op, ": weight must be 2-D [out, in], got shape ",
-                    shape_str(weight.sizes()), ".");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == in_features, "tp_ext.", op, ": x has shape ",
-                    shape_str(x.sizes()), " but weight [", weight.size(0), ", ", weight.size(1),
-                    "] takes ", in_features, " input features (x.shape[-1]).");
-  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), "tp_ext.", op, ": x has dtype ",
-                    x.scalar_type(), " but weight has ", weight.scalar_type(), ".");
-  if (bias.has_value() && bias->defined()) {
-    check_tensor(*bias, "bias", op);
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "tp_ext.", op,
-                      ": bias has shape ", shape_str(bias->sizes()), "; it must be [",
-                      weight.size(0), "] (weight.size(0)).");
-  }
-}
-
 int64_t sequence_dim(const at::Tensor& x, int64_t dim, const char* op) {
   dim = wrap_dim(dim, x.dim(), "dim", op);
   TORCH_CHECK_VALUE(dim != x.dim() - 1, "tp_ext.", op, ": dim=", dim,
@@ -111,7 +93,7 @@ struct RingCall {
 RingCall ring_call(const at::Tensor& x, const at::Tensor& weight, int64_t dim,
                    at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
                    int64_t group_rank, bool x_is_full, const char* op) {
-  check_linear(x, weight, std::nullopt, weight.size(-1), op);
+  check_linear(x, weight, std::nullopt, op);
   dim = sequence_dim(x, dim, op);
   auto g = resolve_group(group_name, group_size, x.device(), op, group_rank);
   auto sh = shards_of(rank_sizes(x, dim, sizes, g, x_is_full, op));
@@ -131,25 +113,25 @@ at::Tensor column_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                 int64_t group_size, bool /*overlap: backward's*/) {
   constexpr const char* op = "column_linear";
-  check_linear(x, weight, bias, weight.size(-1), op);
+  check_linear(x, weight, bias, op);
   resolve_group(group_name, group_size, x.device(), op);  // checked, as every TP op
-  return at::linear(x, weight, bias.has_value() ? *bias : at::Tensor());
+  return tp_ext::linear(x, weight, bias.has_value() ? *bias : at::Tensor());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_linear_backward_kernel(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
     c10::string_view group_name, int64_t group_size, bool overlap) {
   constexpr const char* op = "column_linear_backward";
-  check_linear(x, weight, std::nullopt, weight.size(-1), op);
+  check_linear(x, weight, std::nullopt, op);
   const auto g = resolve_group(group_name, group_size, x.device(), op);
   const auto g2 = rows(grad);
   if (!overlap) {
-    auto grad_x = all_reduce(at::matmul(grad, weight), Reduce::Sum, g, op);
-    return {grad_x, at::mm(g2.t(), rows(x)), g2.sum(0)};
+    auto grad_x = all_reduce(tp_ext::matmul(grad, weight), Reduce::Sum, g, op);
+    return {grad_x, tp_ext::matmul(g2.t(), rows(x)), g2.sum(0)};
   }
   // The input gradient first, its all-reduce in flight during the weight-gradient GEMM.
-  auto pending = all_reduce_start(at::matmul(grad, weight), g, op);
-  auto grad_w = at::mm(g2.t(), rows(x));
+  auto pending = all_reduce_start(tp_ext::matmul(grad, weight), g, op);
+  auto grad_w = tp_ext::matmul(g2.t(), rows(x));
   auto grad_b = g2.sum(0);
   return {finish(pending), grad_w, grad_b};
 }
@@ -164,8 +146,7 @@ void check_column_group(const at::Tensor& x, at::TensorList weights, at::TensorL
                     ": biases has ", biases.size(), " tensors for ", weights.size(),
                     " weights; pass one bias per weight, or none.");
   for (size_t i = 0; i < weights.size(); ++i) {
-    check_linear(x, weights[i], biases.empty() ? std::nullopt : std::optional(biases[i]),
-                 weights[i].size(-1), op);
+    check_linear(x, weights[i], biases.empty() ? std::nullopt : std::optional(biases[i]), op);
   }
 }
 
@@ -177,7 +158,7 @@ std::vector<at::Tensor> column_linears_kernel(const at::Tensor& x, at::TensorLis
   resolve_group(group_name, group_size, x.device(), op);
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < weights.size(); ++i)
-    out.push_back(at::linear(x, weights[i], biases.empty() ? at::Tensor() : biases[i]));
+    out.push_back(tp_ext::linear(x, weights[i], biases.empty() ? at::Tensor() : biases[i]));
   return out;
 }
 
@@ -189,7 +170,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> column_group_weight
   const auto x2 = rows(x);
   for (const auto& grad : grads) {
     const auto g2 = rows(grad);
-    grad_w.push_back(at::mm(g2.t(), x2));
+    grad_w.push_back(tp_ext::matmul(g2.t(), x2));
     if (bias) grad_b.push_back(g2.sum(0));
   }
   return {grad_w, grad_b};
@@ -204,9 +185,10 @@ column_linears_backward_kernel(at::TensorList grads, const at::Tensor& x, at::Te
   TORCH_CHECK_VALUE(grads.size() == weights.size(), "tp_ext.", op, ": ", grads.size(),
                     " gradients for ", weights.size(), " weights; pass one per layer output.");
   const auto g = resolve_group(group_name, group_size, x.device(), op);
-  auto grad_x = at::matmul(grads[0], weights[0]);  // contiguous: its [tokens, in] view is too
+  auto grad_x = tp_ext::matmul(grads[0], weights[0]);  // contiguous: its [tokens, in] view is too
   auto grad_rows = grad_x.view({-1, grad_x.size(-1)});
-  for (size_t i = 1; i < weights.size(); ++i) grad_rows.addmm_(rows(grads[i]), weights[i]);
+  for (size_t i = 1; i < weights.size(); ++i)
+    tp_ext::add_matmul_(grad_rows, rows(grads[i]), weights[i]);
   if (!overlap) {
     grad_x = all_reduce(grad_x, Reduce::Sum, g, op);
     auto [grad_w, grad_b] = column_group_weight_grads(grads, x, bias);
@@ -224,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_linear_kernel(
     int64_t dim, at::OptionalIntArrayRef sizes, c10::string_view group_name, int64_t group_size,
     int64_t group_rank) {
   constexpr const char* op = "all_gather_linear";
-  check_linear(x, weight, bias, weight.size(-1), op);
+  check_linear(x, weight, bias, op);
   const RingCall call =
       ring_call(x, weight, dim, sizes, group_name, group_size, group_rank, false, op);
   const Group& g = call.g;
@@ -246,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_linear_kernel(
       shift = ring_shift_start(cur, next, i, g);
     }
     full.narrow(dim, sh.offset[j], sh.size[j]).copy_(cur);
-    y.narrow(dim, sh.offset[j], sh.size[j]).copy_(at::linear(cur, weight, b));
+    y.narrow(dim, sh.offset[j], sh.size[j]).copy_(tp_ext::linear(cur, weight, b));
     if (i + 1 < w) {
       waited += ring_shift_finish(shift, g, op);
       cur = next;
@@ -298,10 +280,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_linear_backward_kernel
   ring_announce(x_full, -1, sh.size, 2, g, op);
   at::Tensor grad_w, grad_b;
   auto grad_x = accumulate_ring(g, op, [&](int64_t j) {
-    return at::matmul(grad.narrow(dim, sh.offset[j], sh.size[j]), weight).contiguous();
+    return tp_ext::matmul(grad.narrow(dim, sh.offset[j], sh.size[j]), weight).contiguous();
   }, [&](int64_t j) { return out_shape(x_full, dim, sh.size[j], x_full.size(-1)); }, [&] {
     const auto g2 = rows(grad);
-    grad_w = at::mm(g2.t(), rows(x_full));
+    grad_w = tp_ext::matmul(g2.t(), rows(x_full));
     grad_b = g2.sum(0);
   }, nbytes(x_full));
   return {grad_x, grad_w, grad_b};
@@ -322,7 +304,7 @@ at::Tensor linear_reduce_scatter_kernel(const at::Tensor& x, const at::Tensor& w
   ring_announce(at::zeros({1}, x.options()).expand(out_shape(x, dim, sh.total, weight.size(0))), -1,
                 sh.size, 3, g, op);
   return accumulate_ring(g, op, [&](int64_t j) {
-    return at::linear(x.narrow(dim, sh.offset[j], sh.size[j]), weight);
+    return tp_ext::linear(x.narrow(dim, sh.offset[j], sh.size[j]), weight);
   }, [&](int64_t j) { return out_shape(x, dim, sh.size[j], weight.size(0)); }, [] {
   }, nbytes(out_shape(x, dim, sh.total, weight.size(0)), x));
 }
@@ -362,8 +344,8 @@ std::tuple<at::Tensor, at::Tensor> linear_reduce_scatter_backward_kernel(
       shift = ring_shift_start(cur, next, i, g);
     }
     const auto x_j = x.narrow(dim, sh.offset[j], sh.size[j]);
-    grad_x.narrow(dim, sh.offset[j], sh.size[j]).copy_(at::matmul(cur, weight));
-    grad_w.addmm_(rows(cur).t().to(acc), rows(x_j).to(acc));
+    grad_x.narrow(dim, sh.offset[j], sh.size[j]).copy_(tp_ext::matmul(cur, weight));
+    tp_ext::add_matmul_(grad_w, rows(cur).t().to(acc), rows(x_j).to(acc));
     if (i + 1 < w) {
       waited += ring_shift_finish(shift, g, op);
       cur = next;
@@ -434,7 +416,7 @@ class ColumnLinear : public torch::autograd::Function<ColumnLinear> {
       // with no all-reduce. Every TP rank runs the same program, so all skip it alike.
       const auto g2 = rows(grads[0]);
       return {at::Tensor(),
-              at::mm(g2.t(), rows(saved[0])),
+              tp_ext::matmul(g2.t(), rows(saved[0])),
               d.at("has_bias").toBool() ? g2.sum(0) : at::Tensor(),
               at::Tensor(),
               at::Tensor(),

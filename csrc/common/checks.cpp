@@ -21,6 +21,26 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* arg, const char* op) {
   return dim < 0 ? dim + ndim : dim;
 }
 
+void check_linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, const char* op) {
+  check_tensor(x, "x", op);
+  check_tensor(weight, "weight", op);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "tp_ext.", op, ": weight must be 2-D [out, in], got shape ",
+                    shape_str(weight.sizes()), ".");
+  const int64_t in_features = weight.size(1);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == in_features, "tp_ext.", op, ": x has shape ",
+                    shape_str(x.sizes()), " but weight [", weight.size(0), ", ", weight.size(1),
+                    "] takes ", in_features, " input features (x.shape[-1]).");
+  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), "tp_ext.", op, ": x has dtype ",
+                    x.scalar_type(), " but weight has ", weight.scalar_type(), ".");
+  if (bias.has_value() && bias->defined()) {
+    check_tensor(*bias, "bias", op);
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "tp_ext.", op,
+                      ": bias has shape ", shape_str(bias->sizes()), "; it must be [",
+                      weight.size(0), "] (weight.size(0)).");
+  }
+}
+
 std::string shape_str(at::IntArrayRef s) {
   std::ostringstream os;
   os << "[";

@@ -332,16 +332,6 @@ def overlaps(x: torch.Tensor, shared_numel: int, group_size: int, ring: bool) ->
     return enabled and shared_numel >= _OVERLAP[1] and group_size > 1
 
 
-def _autocast(*tensors):
-    """The tensors in autocast's dtype where F.linear would run in it (these ops are not in
-    autocast's lists, so it would not cast them)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
-
-
 def column_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -357,8 +347,8 @@ def column_linear(
     if not isinstance(overlap, bool):
         raise TypeError(f"column_linear: overlap must be True or False, got {overlap!r}")
     if g.size == 1:
-        return torch.nn.functional.linear(x, weight, bias)
-    x, weight, bias = _autocast(x, weight, bias)
+        return ops.linear(x, weight, bias)
+    x, weight, bias = ops.autocast_args(x, weight, bias)
     return ops.column_linear(x, weight, bias, g.name, g.size, overlap)
 
 
@@ -385,11 +375,8 @@ def column_linears(
             "per weight, or None"
         )
     if g.size == 1:
-        return [
-            torch.nn.functional.linear(x, w, biases[i] if biases else None)
-            for i, w in enumerate(weights)
-        ]
-    x, *rest = _autocast(x, *weights, *biases)
+        return [ops.linear(x, w, biases[i] if biases else None) for i, w in enumerate(weights)]
+    x, *rest = ops.autocast_args(x, *weights, *biases)
     weights, biases = rest[: len(weights)], rest[len(weights) :]
     return list(ops.column_linears(x, weights, biases, g.name, g.size, overlap))
 
@@ -407,8 +394,8 @@ def all_gather_linear(
     ring of accumulators behind its GEMMs."""
     g = _live(group, "all_gather_linear")
     if g.size == 1:
-        return torch.nn.functional.linear(x, weight, bias)
-    x, weight, bias = _autocast(x, weight, bias)
+        return ops.linear(x, weight, bias)
+    x, weight, bias = ops.autocast_args(x, weight, bias)
     return ops.all_gather_linear(x, weight, bias, dim, _piece_sizes(sizes), g.name, g.size, g.rank)[
         0
     ]
@@ -426,9 +413,9 @@ def linear_reduce_scatter(
     backward, the gradient's all-gather goes round the ring behind its GEMMs."""
     g = _live(group, "linear_reduce_scatter")
     if g.size == 1:
-        return torch.nn.functional.linear(x, weight)
+        return ops.linear(x, weight)
     sizes = _split_sizes(x, dim, g, sizes)
-    x, weight = _autocast(x, weight)
+    x, weight = ops.autocast_args(x, weight)
     return ops.linear_reduce_scatter(x, weight, dim, sizes, g.name, g.size, g.rank)
 
 
@@ -467,7 +454,7 @@ def summa_linear(
     row, col = _live(row_group, "summa_linear"), _live(col_group, "summa_linear")
     if row.group is None or col.group is None:  # a group of one without a process group
         if row.size == 1 and col.size == 1:
-            return torch.nn.functional.linear(x, weight)
+            return ops.linear(x, weight)
         raise RuntimeError(
             "tp_ext.comm.summa_linear: the row and column groups must both be process groups "
             f"unless both are groups of one; got row={row}, col={col}"

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.layers.base import (
@@ -205,7 +205,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel and fused:
             y = comm.all_gather_linear(x, weight, added, SEQUENCE_DIM, sizes, self.tp)
         elif self.input_is_gathered:
-            y = F.linear(x, weight, added)
+            y = ops.linear(x, weight, added)
         elif not self.sequence_parallel:
             shared = self.shared_input
             y = None if shared is None else shared.take(self, x, fused)
@@ -214,7 +214,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 # copy_to_tp's copy (one per sibling projection of the same input)
                 y = comm.column_linear(x, weight, added, self.tp, overlap=fused)
         else:
-            y = F.linear(self._gather_sequence(x, seq_len), weight, added)
+            y = ops.linear(self._gather_sequence(x, seq_len), weight, added)
         if self.gather_output:
             y = self.gather_features(y)
             if self.skip_bias_add and bias is not None:
@@ -374,12 +374,12 @@ class RowParallelLinear(_ParallelLinear):
             if comm.overlaps(x, shared, self.tp_size, ring=True):  # the ring, behind its GEMMs
                 y = comm.linear_reduce_scatter(x, self.weight, SEQUENCE_DIM, None, self.tp)
             else:
-                y = self._scatter_sequence(F.linear(x, self.weight))
+                y = self._scatter_sequence(ops.linear(x, self.weight))
             # The bias now meets only this rank's tokens: its gradient is partial.
             if bias is not None:
                 bias = comm.copy_to_tp(bias, self.tp)
         else:
-            y = comm.reduce_from_tp(F.linear(x, self.weight), self.tp)
+            y = comm.reduce_from_tp(ops.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias

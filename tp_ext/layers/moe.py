@@ -194,13 +194,13 @@ class ParallelExperts(ParallelModule):
         # zero-filled full-size gradient per group summed up
         outs = []
         for e, x in enumerate(rows.split(list(group_sizes))):
-            gate_up = F.linear(x, gate_ups[e])
+            gate_up = ops.linear(x, gate_ups[e])
             if fused:
                 h = ops.swiglu(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = self.act_fn(gate) * up
-            outs.append(F.linear(h, downs[e]))
+            outs.append(ops.linear(h, downs[e]))
         # no local experts (fewer experts than EP ranks): the empty rows themselves, so the
         # output stays on the graph and this rank joins the backward's all-to-alls
         return torch.cat(outs) if outs else rows[:0]
