@@ -79,9 +79,13 @@ bool uses_onednn(const at::Tensor& a) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (!uses_onednn(x) || !eligible(weight) || (bias.defined() && !eligible(bias)))
     return at::linear(x, weight, bias);
+  const auto rows = x.reshape({-1, x.size(-1)});
+  // oneDNN's op copies a strided input (the weight gradient's grad^T): a transient tensor of the
+  // output gradient's size that aten's GEMM does not need, so that case stays aten's.
+  if (!rows.is_contiguous()) return at::linear(x, weight, bias);
   auto out_shape = x.sizes().vec();
   out_shape.back() = weight.size(0);
-  return onednn_linear(x.reshape({-1, x.size(-1)}), weight, bias).view(out_shape);
+  return onednn_linear(rows, weight, bias).view(out_shape);
 }
 
 at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
@@ -90,7 +94,7 @@ at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
 }
 
 void add_matmul_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  if (!uses_onednn(a) || !eligible(b) || out.scalar_type() != at::kFloat) {
+  if (!uses_onednn(a) || !eligible(b) || out.scalar_type() != at::kFloat || !a.is_contiguous()) {
     out.addmm_(a, b);
     return;
   }

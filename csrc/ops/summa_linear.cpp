@@ -24,6 +24,7 @@
 #include "../comm/collectives.h"
 #include "../common/checks.h"
 #include "../common/dispatch.h"
+#include "../common/gemm.h"
 #include "../common/group.h"
 
 namespace tp_ext::ops {
@@ -173,9 +174,9 @@ at::Tensor summa_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
     const auto xp = comm::finish(cur->x);
     const auto wp = comm::finish(cur->w);
     if (widen)
-      acc.add_(at::mm(xp, wp.t()));
+      acc.add_(tp_ext::matmul(xp, wp.t()));
     else
-      acc.addmm_(xp, wp.t());
+      tp_ext::add_matmul_(acc, xp, wp.t());
     cur = std::move(next);
   }
   auto shape = x.sizes().vec();
@@ -236,8 +237,10 @@ std::tuple<at::Tensor, at::Tensor> summa_linear_backward_kernel(
     // [T, width]: summed over the row group into x's owner; [N, width]: over the column group
     // into weight's owner. A rank of a row without tokens still sends zeros to its column.
     PanelGrads mine{
-        &p, comm::reduce_start(at::mm(g2, wp), p.xpart, comm::Reduce::Sum, g.row, kBackwardOp),
-        comm::reduce_start(at::mm(g2.t(), xp), p.wpart, comm::Reduce::Sum, g.col, kBackwardOp)};
+        &p,
+        comm::reduce_start(tp_ext::matmul(g2, wp), p.xpart, comm::Reduce::Sum, g.row, kBackwardOp),
+        comm::reduce_start(tp_ext::matmul(g2.t(), xp), p.wpart, comm::Reduce::Sum, g.col,
+                           kBackwardOp)};
     if (sent) finish_grads(*sent, grad_x, grad_w, g);
     sent = std::move(mine);
     cur = std::move(next);

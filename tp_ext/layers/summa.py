@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.layers.base import ParallelModule, check_int, default_grid, default_linear_init
@@ -245,7 +245,7 @@ def linear_2d_shared_input(x: torch.Tensor, linears: Sequence[Linear2D]) -> list
             f"{first.local_in_features} (split_2d gives the block)"
         )
     if grid.size == 1:
-        return [F.linear(x, lin.weight, lin.bias) for lin in linears]
+        return [ops.linear(x, lin.weight, lin.bias) for lin in linears]
     weight = first.weight if len(linears) == 1 else torch.cat([lin.weight for lin in linears])
     y = comm.summa_linear(
         x, weight, first.in_sizes, first.weight_in_sizes, grid.row_group, grid.col_group
