@@ -133,6 +133,10 @@ def test_bad_arguments_are_named(gemm):
         ops.linear(full((3, 5), 1), full((4, 6), 2))
     with pytest.raises(ValueError, match=r"bias has shape \[3\]; it must be \[4\]"):
         ops.linear(full((3, 6), 1), full((4, 6), 2), full((3,), 3))
+    with pytest.raises(ValueError, match=r"bias has dtype Double but weight has Float"):
+        torch.ops.tp_ext.linear(full((3, 6), 1), full((4, 6), 2), full((4,), 3).double())
+    with pytest.raises(RuntimeError, match=r"x.shape\[-1\] must equal weight.shape\[1\]"):
+        ops.linear(torch.empty(3, 5, device="meta"), torch.empty(4, 6, device="meta"))
 
 
 def test_a_bad_environment_value_is_named():
@@ -158,3 +162,56 @@ def test_a_bad_environment_value_is_named():
         check=True,
     )
     assert out.stdout.strip() == "aten"
+
+
+@pytest.mark.parametrize("name", ["onednn", "aten"])
+def test_strided_and_expanded_biases(gemm, name):
+    gemm(name)
+    x, w = full((6, 8), 1), full((5, 8), 2)
+    for b in (torch.arange(10.0)[::2], torch.tensor([1.5]).expand(5)):
+        want = F.linear(x.double(), w.double(), b.double()).float()
+        assert_close(ops.linear(x, w, b), want, f"bias strides {b.stride()}", rtol=1e-5, atol=1e-5)
+
+
+def test_second_derivatives_equal_f_linear(gemm):
+    gemm("onednn")
+    x, w, b = full((4, 6), 1).double(), full((3, 6), 2).double(), full((3,), 3).double()
+
+    def hessian(fn):
+        return torch.autograd.functional.hessian(lambda w: fn(x, w, b).square().sum(), w)
+
+    assert_close(hessian(ops.linear), hessian(F.linear), "Hessian", rtol=1e-10, atol=1e-10)
+
+    def penalty(fn):  # a gradient penalty: d/dw |d loss / dx|^2
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(fn(xi, wi, b).square().sum(), xi, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), wi)[0]
+
+    assert_close(penalty(ops.linear), penalty(F.linear), "penalty", rtol=1e-10, atol=1e-10)
+
+
+def test_a_frozen_layer_saves_no_activation(gemm):
+    gemm("onednn")
+    x = full((64, 32), 1).requires_grad_()
+    w = full((16, 32), 2)  # frozen
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
+        y = ops.linear(x, w)
+    assert torch.Size([64, 32]) not in saved, saved
+    y.sum().backward()
+    assert_close(x.grad, w.sum(0).expand(64, 32), "grad x", rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_leaves_float64_alone(gemm):
+    x, w = full((4, 16), 1).double(), full((8, 16), 2).double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops.linear(x, w).dtype == F.linear(x, w).dtype == torch.float64
+
+
+def test_mkldnn_switched_off_by_torch_flags(gemm):
+    gemm("onednn")
+    x, w = full((6, 16), 1), full((8, 16), 2)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert "mkldnn::_linear_pointwise" not in _kernels(lambda: ops.linear(x, w))

@@ -183,13 +183,24 @@ sampling_pick = _lib.sampling_pick
 
 def autocast_args(*tensors):
     """The tensors in autocast's dtype where F.linear would run in it (tp_ext's linear ops are not
-    in autocast's lists, so it would not cast them). None stays None."""
+    in autocast's lists, so it would not cast them). As autocast: only floating tensors on its
+    device, float64 never; None stays None."""
     device = tensors[0].device.type
     # the meta device (models sized without memory) has no autocast
     if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+    def cast(t):
+        eligible = (
+            t is not None
+            and t.is_floating_point()
+            and t.dtype != torch.float64
+            and t.device.type == device
+        )
+        return t.to(dtype) if eligible else t
+
+    return tuple(cast(t) for t in tensors)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -323,6 +334,11 @@ def _features(x, n):
 
 
 def _linear(x, weight, bias=None):
+    torch._check(
+        weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+        lambda: f"tp_ext.linear: x has shape {tuple(x.shape)} but weight has shape "
+        f"{tuple(weight.shape)} (x.shape[-1] must equal weight.shape[1])",
+    )
     return _features(x, weight.shape[0])
 
 

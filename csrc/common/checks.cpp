@@ -35,6 +35,9 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight,
                     x.scalar_type(), " but weight has ", weight.scalar_type(), ".");
   if (bias.has_value() && bias->defined()) {
     check_tensor(*bias, "bias", op);
+    TORCH_CHECK_VALUE(bias->scalar_type() == weight.scalar_type(), "tp_ext.", op,
+                      ": bias has dtype ", bias->scalar_type(), " but weight has ",
+                      weight.scalar_type(), ".");
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "tp_ext.", op,
                       ": bias has shape ", shape_str(bias->sizes()), "; it must be [",
                       weight.size(0), "] (weight.size(0)).");

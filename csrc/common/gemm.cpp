@@ -27,8 +27,10 @@ bool onednn_setting() {
   int v = g_onednn.load();
   if (v < 0) {
     const char* env = std::getenv(kEnv);
-    v = env == nullptr || *env == '\0' ? 1 : parse(env, kEnv);
-    g_onednn.store(v);
+    int read = env == nullptr || *env == '\0' ? 1 : parse(env, kEnv);
+    // a set_cpu_gemm() that came first wins: it is not overwritten by the environment
+    g_onednn.compare_exchange_strong(v, read);
+    v = g_onednn.load();
   }
   return v == 1;
 }
@@ -73,11 +75,15 @@ std::string cpu_gemm() { return onednn_setting() ? "onednn" : "aten"; }
 void set_cpu_gemm(const std::string& name) { g_onednn.store(parse(name, "cpu_gemm")); }
 
 bool uses_onednn(const at::Tensor& a) {
-  return eligible(a) && onednn_setting() && onednn_linear_op().has_value();
+  // torch.backends.mkldnn.flags(enabled=False) turns it off too, as for aten's own oneDNN paths
+  return eligible(a) && onednn_setting() && at::globalContext().userEnabledMkldnn() &&
+         onednn_linear_op().has_value();
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (!uses_onednn(x) || !eligible(weight) || (bias.defined() && !eligible(bias)))
+  // oneDNN reads the bias as contiguous whatever its strides
+  if (!uses_onednn(x) || !eligible(weight) ||
+      (bias.defined() && (!eligible(bias) || !bias.is_contiguous())))
     return at::linear(x, weight, bias);
   const auto rows = x.reshape({-1, x.size(-1)});
   // oneDNN's op copies a strided input (the weight gradient's grad^T): a transient tensor of the

@@ -4,7 +4,8 @@
 // layers without the overlapped rings), so their GEMMs are the fused ops' GEMMs.
 //
 // Device-generic: one kernel registered for CPU and CUDA (the helper dispatches to the device).
-// Its backward is the op itself on transposed operands, called through the dispatcher:
+// Its backward is the op itself on transposed operands, called through the dispatcher (so it is
+// differentiable again: double backward, e.g. a Hessian or a gradient penalty):
 //   grad_x = grad W = linear(grad, W^T),  grad_W = grad^T x = linear(grad^T, x^T).
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -38,7 +39,10 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-    ctx->save_for_backward({x, weight});
+    // x only for the weight's gradient, the weight only for x's (as aten's linear saves them): a
+    // frozen layer keeps no activation
+    ctx->save_for_backward(
+        {weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
     // an absent bias is no input of the node: needs_input_grad(2) would be out of range
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -53,7 +57,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const auto& weight = saved[1];
     const auto g2 = grads[0].reshape({-1, grads[0].size(-1)});
     at::Tensor grad_x, grad_w, grad_b;
-    at::AutoDispatchBelowADInplaceOrView guard;
+    // Called at the autograd level: with create_graph the op's own autograd records these
+    // (double backward); otherwise grad mode is off here and nothing is recorded.
     if (ctx->needs_input_grad(0)) grad_x = call_linear(grads[0], weight.t());
     if (ctx->needs_input_grad(1)) grad_w = call_linear(g2.t(), x.reshape({-1, x.size(-1)}).t());
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) grad_b = g2.sum(0);
