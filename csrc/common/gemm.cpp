@@ -68,17 +68,18 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const at
   return stack.back().toTensor();
 }
 
-}  // namespace
-
-std::string cpu_gemm() { return onednn_setting() ? "onednn" : "aten"; }
-
-void set_cpu_gemm(const std::string& name) { g_onednn.store(parse(name, "cpu_gemm")); }
-
+// Whether linear() and matmul() on these float32 CPU tensors take oneDNN (the setting, this build).
 bool uses_onednn(const at::Tensor& a) {
   // torch.backends.mkldnn.flags(enabled=False) turns it off too, as for aten's own oneDNN paths
   return eligible(a) && onednn_setting() && at::globalContext().userEnabledMkldnn() &&
          onednn_linear_op().has_value();
 }
+
+}  // namespace
+
+std::string cpu_gemm() { return onednn_setting() ? "onednn" : "aten"; }
+
+void set_cpu_gemm(const std::string& name) { g_onednn.store(parse(name, "cpu_gemm")); }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   // oneDNN reads the bias as contiguous whatever its strides

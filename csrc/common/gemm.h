@@ -32,8 +32,4 @@ void add_matmul_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 std::string cpu_gemm();
 void set_cpu_gemm(const std::string& name);
 
-// Whether linear() and matmul() on these float32 CPU tensors take oneDNN (the setting, and this
-// build).
-bool uses_onednn(const at::Tensor& a);
-
 }  // namespace tp_ext
