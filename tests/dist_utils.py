@@ -73,10 +73,12 @@ def _destroy_test_groups():
 
 
 def _reset_tp_ext_state():
+    from tp_ext.distributed import async_groups
     from tp_ext.distributed.state import PROCESS
     from tp_ext.ops import _C
 
     PROCESS.reset()
+    async_groups.release()
     _destroy_test_groups()
     # Tests run with cross-rank checks on: a test that calls mismatched collectives gets a clear
     # error on every rank instead of a gloo abort.

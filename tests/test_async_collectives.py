@@ -205,6 +205,9 @@ def _overlap(delay):
     r, w = rank(), world_size()
     x = torch.full((1 << 20,), float(r + 1))
     a = torch.randn(256, 256)
+    # the group's first asynchronous collective sets up its gloo companion, every rank joining
+    # (tp_ext/distributed/async_groups.py); time the next one
+    comm.all_reduce(torch.zeros(1), async_op=True).wait()
     dist.barrier()
     t0 = time.perf_counter()
     if r == 1:
@@ -231,6 +234,74 @@ def test_compute_overlaps_a_pending_collective(ws):
     assert computed < delay, timings
     assert waited > 0.75 * delay, timings  # (the barrier frees the ranks a little apart)
     assert waited - computed > delay / 4, timings
+
+
+def _on_a_single_threaded_companion():
+    """Asynchronous collectives of CPU tensors on a gloo group run on a companion group of the
+    same ranks with one worker thread (tp_ext/distributed/async_groups.py: torch's
+    ProcessGroupGloo corrupts its heap when two collectives finish together on its two workers):
+    many in flight at once, mixed with synchronous ones on the group itself, all come back
+    right; release() drops it and the next one makes another."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    from tp_ext.distributed import async_groups
+
+    r, w = rank(), world_size()
+    g = comm.resolve_group(None)
+    own_threads = g.group._get_backend(torch.device("cpu")).options._threads
+    handles, expected = [], []
+    for i in range(12):  # issued before any wait, of three kinds, with synchronous ones between
+        x = torch.full((i % 3 + 1, 4), float(r + i))
+        handles.append(comm.all_gather(x, async_op=True))
+        expected.append(torch.cat([torch.full((i % 3 + 1, 4), float(q + i)) for q in range(w)]))
+        handles.append(comm.all_reduce(x, async_op=True))
+        expected.append(torch.full((i % 3 + 1, 4), float(w * (w - 1) // 2 + w * i)))
+        total = comm.all_reduce(torch.full((2,), float(r)))
+        assert_equal(total, torch.full((2,), float(w * (w - 1) // 2)), f"synchronous {i}")
+    for i, (h, want) in enumerate(zip(handles, expected)):
+        assert_equal(h.wait(), want, f"asynchronous {i}")
+    companion = async_groups.companion_of(g)
+    gloo = companion._get_backend(torch.device("cpu"))
+    ran = gloo._get_sequence_number_for_group()  # collectives the companion ran: the 24 above
+    first = (companion.group_name, companion.size(), companion.rank(), gloo.options._threads)
+    async_groups.release()
+    try:
+        _resolve_process_group(first[0])
+        released = False
+    except (RuntimeError, ValueError):
+        released = True
+    again = comm.broadcast(torch.full((3,), float(r)), w - 1, async_op=True).wait()
+    assert_equal(again, torch.full((3,), float(w - 1)), "after release")
+    second = async_groups.companion_of(g).group_name
+    # a group of the last two ranks: group ranks, not global ones, on the companion too
+    sub = dist.new_group(list(range(w - 2, w)))
+    from_sub = None
+    if r >= w - 2:
+        x = torch.full((2,), float(r))
+        from_sub = comm.broadcast(x, 1, group=sub, async_op=True).wait()
+        gathered = comm.all_gather(x, async_op=True, group=sub).wait()
+        assert_equal(gathered, torch.tensor([w - 2.0] * 2 + [w - 1.0] * 2), "subgroup gather")
+        assert (
+            comm.resolve_group(sub).name
+            in async_groups.companion_of(comm.resolve_group(sub)).group_name
+        )
+    dist.barrier()
+    return own_threads, first, ran, released, second, g.name, from_sub
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_gloo_async_collectives_run_on_a_single_threaded_companion(ws):
+    for r, (own_threads, first, ran, released, second, name, from_sub) in enumerate(
+        run_distributed(_on_a_single_threaded_companion, ws)
+    ):
+        assert own_threads > 1  # torch's default: the race is possible on the group itself
+        assert ran == 24  # every asynchronous collective went through the companion
+        if r >= ws - 2:  # the subgroup's rank 1 is the last global rank
+            assert_equal(from_sub, torch.full((2,), float(ws - 1)), "subgroup broadcast")
+        made = int(first[0].rsplit(":", 1)[1])  # companions this worker made before
+        assert first == (f"{name}:tp_ext_async:{made}", ws, r, 1)
+        assert released and second == f"{name}:tp_ext_async:{made + 1}"
 
 
 # ---- torch.compile ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 import tp_ext
 from tp_ext import comm
+from tp_ext.distributed import async_groups
 from tp_ext.training import Trainer
 from tp_ext.training.zero import ShardedOptimizer
 
@@ -289,6 +290,10 @@ def _overlap_case(data_parallel, pp, directory):
                 in_flight.append(trainer.optimizer.gathers_in_flight)
         weights = {k: v.clone() for k, v in model.state_dict().items()}  # waits too
         results[overlap] = (losses, in_flight, weights, trainer.optimizer.gathers_in_flight)
+    # the optimizer set up its gloo DP group's asynchronous collectives when built: a companion
+    # group with one worker thread (tp_ext/distributed/async_groups.py)
+    companion = async_groups.companion_of(trainer.optimizer.dp)
+    results["threads"] = companion._get_backend(torch.device("cpu")).options._threads
     return results
 
 
@@ -304,3 +309,4 @@ def test_parameter_gather_overlapped_with_the_next_forward(tmp_path, data_parall
         assert got_in_flight[2] == 0 and got_left == 0  # the checkpoint and state_dict waited
         for name, tensor in weights.items():
             assert torch.equal(got_weights[name], tensor), name
+        assert results["threads"] == 1

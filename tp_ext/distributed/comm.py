@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tp_ext import ops
-from tp_ext.distributed import peers, pending
+from tp_ext.distributed import async_groups, peers, pending
 from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the public face)
     CommStats,
     record_transfer,
@@ -80,6 +80,7 @@ __all__ = [
     "overlaps",
     "everywhere",
     "barrier",
+    "prepare_async",
     "resolve_group",
     "ResolvedGroup",
     "track",
@@ -540,6 +541,15 @@ def everywhere(
             text = bytes(row[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
             raise error(f"{what} failed on rank {rank} of the group: {text}")
     return result
+
+
+def prepare_async(group: GroupLike = None) -> None:
+    """Set up now what the group's asynchronous collectives (``async_op=True``) need, rather
+    than at the first one: on gloo, a companion group of the same ranks with one worker thread
+    (:mod:`tp_ext.distributed.async_groups`). A collective: every rank of the group calls it."""
+    g = _live(group, "prepare_async")
+    if g.group is not None and g.size > 1:
+        async_groups.prepare(g)
 
 
 def barrier(group: GroupLike) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tp_ext.dims import ParallelDims
-from tp_ext.distributed import peers
+from tp_ext.distributed import async_groups, peers
 from tp_ext.distributed.grid import TPGrid, make_tp_grid
 from tp_ext.distributed.state import PROCESS
 
@@ -427,4 +427,5 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
         # `tp-ext train` in a notebook) makes its own
         PROCESS.async_checkpoint_group = None
         PROCESS.peers.clear()
+        async_groups.release()
         dist.destroy_process_group()

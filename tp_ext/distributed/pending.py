@@ -18,8 +18,11 @@ use (tests/test_async_collectives.py checks the generated code). Consequences:
   as it is).
 * Not differentiable, like the synchronous plain collectives (use the Megatron pairs for
   training); an input that requires grad under grad mode is refused.
-* They go through the process group itself (gloo or NCCL), never tp_ext's shared-memory channel,
-  and skip the cross-rank consistency checks (:func:`set_consistency_checks`): every rank must
+* They go through the process group (NCCL), or on gloo through a companion group of the same
+  ranks with one worker thread, which runs them one after another in the order issued
+  (:mod:`tp_ext.distributed.async_groups`: torch's ProcessGroupGloo corrupts its heap when two
+  collectives finish together on its two workers); never tp_ext's shared-memory channel. They
+  skip the cross-rank consistency checks (:func:`set_consistency_checks`): every rank must
   issue the same collectives, with the same shapes and ``sizes``, in the same order, and a call
   made with ``async_op=True`` on one rank must be made with it on all (the synchronous call may
   take the shared-memory channel, which the others would never join).
@@ -45,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx.node import has_side_effect
 
+from tp_ext.distributed import async_groups
 from tp_ext.distributed.accounting import record_transfer
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.ops import _C
@@ -280,16 +284,19 @@ def _done(op: str, result: torch.Tensor) -> Pending:
     return Pending(op, "", 0, None, result=result, record=False)
 
 
-def _started(op, collective, nbytes, send, out_rows, start, finish, args, idle=None) -> Pending:
-    """``start()`` (a functional collective reading ``send``) in flight; when nothing would travel
-    on any rank (``idle``; default: ``send``, whose shape every rank shares, has no elements),
-    its empty output ``[out_rows, ...]`` at once (counted all the same)."""
+def _started(g, op, collective, nbytes, send, out_rows, start, finish, args, idle=None) -> Pending:
+    """``start(name)`` (a functional collective reading ``send``, over the group named ``name``:
+    ``g`` or, on gloo, its single-threaded companion, :mod:`~tp_ext.distributed.async_groups`)
+    in flight; when nothing would travel on any rank (``idle``; default: ``send``, whose shape
+    every rank shares, has no elements), its empty output ``[out_rows, ...]`` at once (counted
+    all the same)."""
     if idle is None:
         idle = send.numel() == 0
     if idle:
         out = send.new_empty((out_rows, *send.shape[1:]))
         return Pending(op, collective, nbytes, None, result=finish(out, *args))
-    return Pending(op, collective, nbytes, start(), finish, args, keep=send)
+    tensor = start(async_groups.group_name_for(g, send))
+    return Pending(op, collective, nbytes, tensor, finish, args, keep=send)
 
 
 def _solo(g: ResolvedGroup) -> bool:
@@ -311,12 +318,13 @@ def all_reduce(x: torch.Tensor, reduce: str, g: ResolvedGroup) -> Pending:
     send = x.contiguous()
     native = "sum" if reduce == "avg" else reduce
     return _started(
+        g,
         "all_reduce",
         "all_reduce",
         _nbytes(x),
         send,
         send.size(0) if send.dim() else 0,
-        lambda: _fc.all_reduce(send, native, g.name),
+        lambda name: _fc.all_reduce(send, native, name),
         _divided if reduce == "avg" else _same,
         (g.size,) if reduce == "avg" else (),
     )
@@ -345,12 +353,13 @@ def all_gather(
         front = torch.cat([front, pad], 0)
     row = math.prod(front.shape[1:])
     return _started(
+        g,
         "all_gather",
         "all_gather",
         sum(per_rank) * row * x.element_size(),
         front,
         widest * g.size,
-        lambda: _fc.all_gather_into_tensor(front, g.size, g.name),
+        lambda name: _fc.all_gather_into_tensor(front, g.size, name),
         _gathered,
         (dim, per_rank, widest),
     )
@@ -398,12 +407,13 @@ def reduce_scatter(
         front = torch.cat(pieces, 0)
     native = "sum" if reduce == "avg" else reduce
     return _started(
+        g,
         "reduce_scatter",
         "reduce_scatter",
         _nbytes(x),
         front,
         widest,
-        lambda: _fc.reduce_scatter_tensor(front, native, g.size, g.name),
+        lambda name: _fc.reduce_scatter_tensor(front, native, g.size, name),
         _scattered,
         (dim, per_rank[g.rank], g.size if reduce == "avg" else 0),
     )
@@ -421,12 +431,13 @@ def broadcast(x: torch.Tensor, src: int, g: ResolvedGroup) -> Pending:
     send = x.contiguous()
     # src is a rank of the group, which is what the functional op takes (c10d's rootRank)
     return _started(
+        g,
         "broadcast",
         "broadcast",
         _nbytes(x),
         send,
         send.size(0) if send.dim() else 0,
-        lambda: _fc.broadcast(send, src, g.name),
+        lambda name: _fc.broadcast(send, src, name),
         _same,
         (),
     )
@@ -448,12 +459,13 @@ def all_to_all(
     front = _front(x, scatter_dim)
     mine = send[g.rank]  # every rank sends me a piece of this size
     return _started(
+        g,
         "all_to_all",
         "all_to_all",
         _nbytes(x),
         front,
         mine * g.size,
-        lambda: _fc.all_to_all_single(front, [mine] * g.size, send, g.name),
+        lambda name: _fc.all_to_all_single(front, [mine] * g.size, send, name),
         _exchanged,
         (scatter_dim, gather_dim, mine, g.size),
     )
@@ -482,12 +494,13 @@ def all_to_all_single(
     xc = x.contiguous()
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     return _started(
+        g,
         "all_to_all_single",
         "all_to_all_v",  # the bytes sent to other ranks, as the synchronous op records
         (x.size(0) - send[g.rank]) * row_bytes,
         xc,
         sum(recv),
-        lambda: _fc.all_to_all_single(xc, recv, send, g.name),
+        lambda name: _fc.all_to_all_single(xc, recv, send, name),
         _same,
         (),
         idle=row_bytes == 0,  # ranks may send no rows yet receive some

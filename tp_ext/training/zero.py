@@ -167,6 +167,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if param in self._replicas:
                 group = comm.resolve_group(mesh.get_group()) if mesh is not None else None
                 self._replicas[param] = (group, mesh)
+        # the replica groups' asynchronous collectives set up now, in one order on every rank,
+        # not inside the first step (on gloo: a companion group each, tp_ext.comm.prepare_async)
+        groups = {g.name: g for g, _ in self._replicas.values() if g is not None}
+        for name in sorted(groups):
+            comm.prepare_async(groups[name])
         if stage == 2:  # no DDP to start the replicas equal: rank 0's weights, once
             self._broadcast(params)
         self._master: dict = {}  # model parameter -> its master rows (a leaf tensor)
