@@ -62,8 +62,9 @@ def machine() -> str:
 
 
 def git_commit() -> str:
-    """HEAD's short hash (-dirty with uncommitted changes); TP_EXT_COMMIT overrides it, for a
-    copied tree whose git state is not the code's (the GPU machine's copy)."""
+    """HEAD's short hash (-dirty with uncommitted changes other than the benchmarks' own
+    outputs: results.csv and the plots); TP_EXT_COMMIT overrides it, for a copied tree whose
+    git state is not the code's (the GPU machine's copy)."""
     if os.environ.get("TP_EXT_COMMIT"):
         return os.environ["TP_EXT_COMMIT"]
     try:
@@ -75,7 +76,16 @@ def git_commit() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!benchmarks/results.csv",
+                ":!benchmarks/plots",
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,
