@@ -263,7 +263,7 @@ def _on_a_single_threaded_companion():
         assert_equal(h.wait(), want, f"asynchronous {i}")
     companion = async_groups.companion_of(g)
     gloo = companion._get_backend(torch.device("cpu"))
-    ran = gloo._get_sequence_number_for_group()  # collectives the companion ran: the 24 above
+    ran = gloo._get_sequence_number_for_group()  # collectives the companion ran
     first = (companion.group_name, companion.size(), companion.rank(), gloo.options._threads)
     async_groups.release()
     try:
@@ -296,12 +296,38 @@ def test_gloo_async_collectives_run_on_a_single_threaded_companion(ws):
         run_distributed(_on_a_single_threaded_companion, ws)
     ):
         assert own_threads > 1  # torch's default: the race is possible on the group itself
-        assert ran == 24  # every asynchronous collective went through the companion
+        assert ran == 1 + 24  # its setup's barrier, then every asynchronous collective
         if r >= ws - 2:  # the subgroup's rank 1 is the last global rank
             assert_equal(from_sub, torch.full((2,), float(ws - 1)), "subgroup broadcast")
         made = int(first[0].rsplit(":", 1)[1])  # companions this worker made before
         assert first == (f"{name}:tp_ext_async:{made}", ws, r, 1)
         assert released and second == f"{name}:tp_ext_async:{made + 1}"
+
+
+def _made_and_released(times):
+    """A companion released as soon as it is made, again and again: a rank that releases first
+    must not close connections a slower rank is still setting up (prepare_async returns once
+    every rank has connected)."""
+    import torch.distributed as dist
+
+    from tp_ext.distributed import async_groups
+
+    g = comm.resolve_group(None)
+    names = []
+    for _ in range(times):
+        dist.barrier()
+        comm.prepare_async(g)
+        names.append(async_groups.companion_of(g).group_name)
+        async_groups.release()
+    out = comm.all_reduce(torch.ones(2), async_op=True).wait()  # and one more works after
+    assert_equal(out, torch.full((2,), float(world_size())), "after the releases")
+    return names
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_companion_released_right_after_it_is_made(ws):
+    names = run_distributed(_made_and_released, ws, 12)
+    assert all(n == names[0] for n in names) and len(set(names[0])) == 12, names
 
 
 # ---- torch.compile ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ code (Inductor names the group in the graph) use the group itself.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -83,6 +84,7 @@ def _forget(name: str) -> None:
 
     _, companion = _COMPANIONS.pop(name)
     if companion is not None:
+        companion.shutdown()  # as torch's destroy_process_group does
         try:
             _unregister_process_group(companion.group_name)
         except (RuntimeError, ValueError):  # torch's own destroy_process_group() unregistered it
@@ -107,6 +109,16 @@ def _needs_companion(group) -> bool:
     return backend is not None and backend.options._threads > 1
 
 
+def _devices() -> list:
+    """Transport devices of its own for a companion, as torch makes them for a new gloo group
+    (GLOO_SOCKET_IFNAME's interfaces, else the host's default): one shared with the group
+    itself dropped connections while the other companion of the group was being replaced."""
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if interfaces:
+        return [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
+    return [dist.ProcessGroupGloo.create_default_device()]
+
+
 def _make_companion(g: ResolvedGroup):
     """A ProcessGroup of gloo with one worker thread over ``g``'s ranks, registered under a
     name of its own (functional collectives find groups by name). Its rendezvous goes through
@@ -126,9 +138,7 @@ def _make_companion(g: ResolvedGroup):
         options = dist.ProcessGroupGloo._Options()
         options._timeout = backend.options._timeout
         options._threads = 1
-        options._devices = backend.options._devices or [
-            dist.ProcessGroupGloo.create_default_device()
-        ]
+        options._devices = _devices()
         gloo = dist.ProcessGroupGloo(store, g.rank, g.size, options)
         companion = dist.ProcessGroup(store, g.rank, g.size)
         gloo_type = dist.ProcessGroup.BackendType.GLOO
@@ -136,6 +146,9 @@ def _make_companion(g: ResolvedGroup):
         companion._register_backend(torch.device("cpu"), gloo_type, gloo)
         companion._set_group_name(name)
         _register_process_group(name, companion)
+        # every rank returns once all have connected: one that released the companion right
+        # after making it would close connections a slower rank was still setting up
+        companion.barrier().wait()
     except (AttributeError, ImportError, KeyError, TypeError) as e:  # another torch's internals
         if not _warned:
             _warned = True
