@@ -110,9 +110,9 @@ def _needs_companion(group) -> bool:
 
 
 def _devices() -> list:
-    """Transport devices of its own for a companion, as torch makes them for a new gloo group
-    (GLOO_SOCKET_IFNAME's interfaces, else the host's default): one shared with the group
-    itself dropped connections while the other companion of the group was being replaced."""
+    """Transport devices of its own for a companion, as torch makes them for each new gloo
+    group (GLOO_SOCKET_IFNAME's interfaces, else the host's default), so that the companion's
+    connections come and go apart from the group's."""
     interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
     if interfaces:
         return [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
