@@ -474,7 +474,7 @@ def _refusals():
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
 
-    state = tp_ext.init_parallel(tp=1, pp=1, dp=2)
+    state = tp_ext.init_parallel(tp=1, pp=2, dp=2)
     model = Qwen2ForCausalLM(_config(2, False), parallel=state)
     errors = []
     for kwargs in (
@@ -486,15 +486,15 @@ def _refusals():
             Trainer(model, parallel=state, **kwargs)
         except ValueError as e:
             errors.append(str(e))
-    try:
-        Trainer(model, gradient_compression="int8")
+    try:  # a model without a ParallelState: its DP sum is tp_ext's own, no DDP hooks
+        Trainer(Qwen2ForCausalLM(_config(2, False)), gradient_compression="int8")
     except ValueError as e:
         errors.append(str(e))
     return errors
 
 
 def test_trainer_refuses_what_it_cannot_compress():
-    errors = run_distributed(_refusals, 2)[0]
+    errors = run_distributed(_refusals, 4)[0]
     assert len(errors) == 4, errors
     assert "needs data_parallel='ddp'" in errors[0]
     assert "must be one of ('int8', '1bit', 'powersgd') or None, got 'fp8'" in errors[1]
@@ -661,7 +661,7 @@ def _trainer_onebit_adam(optimizer_kind):
         trainer = Trainer(
             model, optimizer=kinds[optimizer_kind], parallel=state, gradient_compression="1bit"
         )
-    attached = [s.optimizer is trainer.optimizer for s in trainer.runner.compression_states]
+    attached = [s.optimizer is trainer.optimizer for s in trainer.compression_states]
     g = torch.Generator().manual_seed(10 + state.dp_rank)
     batches = [torch.randint(0, model.config.vocab_size, (2, 16), generator=g) for _ in range(2)]
     losses = [trainer.step(batches) for _ in range(6)]

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 import transformers
 
 import tp_ext
+from tp_ext.parallelize.context import context_of
 from tp_ext.parallelize.modules import fuse_rms_norms
+from tp_ext.training.zero import ShardedOptimizer
 
 from .dist_utils import run_distributed
 from .test_context import assert_same_weights
@@ -54,7 +56,7 @@ def _check_exact(arch, tp, cp, mode, sp=False):
         return_report=True,
     )
     assert report[""].startswith(f"context parallel over {cp} ranks ({mode})"), report[""]
-    assert model.cp_group.size == cp
+    assert context_of(model).group.size == cp
     ids = _ids()
     mine = tp_ext.cp_positions(SEQ, parallel=state)
     logits = model(ids).logits
@@ -181,9 +183,10 @@ def test_the_trainer_trains_hugging_face_decoders_under_cp_like_one_process(
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
-def _train_moe(tp, cp, dp, ep, mode):
+def _train_moe(tp, cp, dp, ep, mode, data_parallel="ddp"):
     """Mixtral (4 experts, top 2; fp32, which its grouped GEMMs need) with expert and context
-    parallelism: three SGD steps against one process on every micro-batch."""
+    parallelism: three SGD steps against one process on every micro-batch (``data_parallel``:
+    ZeRO's state in rows over the DP x CP ranks, the experts' over theirs)."""
     from tp_ext.training import Trainer
 
     config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
@@ -198,9 +201,14 @@ def _train_moe(tp, cp, dp, ep, mode):
     def sgd(params):
         return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
-    trainer = Trainer(model, optimizer=sgd, parallel=state, max_grad_norm=None)
+    trainer = Trainer(
+        model, optimizer=sgd, parallel=state, max_grad_norm=None, data_parallel=data_parallel
+    )
     ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=None)
     losses = _three_steps(trainer, ref_trainer, state)
+    if data_parallel != "ddp":  # each rank steps its rows of the state
+        assert isinstance(trainer.optimizer, ShardedOptimizer)
+        assert trainer.optimizer.dp.size == dp * cp
     full = tp_ext.layers.full_state_dict(model)
     assert set(full) == set(reference.state_dict())  # pp = 1: every tensor, experts included
     assert_same_weights(full, reference.state_dict(), tol=1e-5)
@@ -208,12 +216,19 @@ def _train_moe(tp, cp, dp, ep, mode):
 
 
 @pytest.mark.parametrize(
-    "tp, cp, dp, ep, mode",
-    [(1, 2, 2, 2, "ring"), (2, 2, 1, 2, "all_to_all")],
-    ids=["cp2-dp2-ep2", "tp2-cp2-ep2-a2a"],  # EP over DP ranks; over TP ranks
+    "tp, cp, dp, ep, mode, data_parallel",
+    [
+        (1, 2, 2, 2, "ring", "ddp"),
+        (2, 2, 1, 2, "all_to_all", "ddp"),
+        (1, 2, 2, 2, "ring", "zero1"),
+        (1, 2, 2, 2, "all_to_all", "zero2"),
+    ],
+    ids=["cp2-dp2-ep2", "tp2-cp2-ep2-a2a", "cp2-dp2-ep2-zero1", "cp2-dp2-ep2-a2a-zero2"],
 )
-def test_expert_parallelism_composes_with_context_parallelism(tp, cp, dp, ep, mode):
-    for losses in run_distributed(_train_moe, tp * cp * dp, tp, cp, dp, ep, mode, timeout=600):
+def test_expert_parallelism_composes_with_context_parallelism(tp, cp, dp, ep, mode, data_parallel):
+    world = tp * cp * dp
+    args = (tp, cp, dp, ep, mode, data_parallel)
+    for losses in run_distributed(_train_moe, world, *args, timeout=600):
         for got, want in losses:
             assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
@@ -302,22 +317,3 @@ def _pipelined_logits(arch, mode):
 def test_pipelined_inference_of_hugging_face_decoders_under_cp(arch, mode):
     held = run_distributed(_pipelined_logits, 4, arch, mode)
     assert sorted(held[0] + held[1]) == list(range(SEQ))  # ranks (pp, cp) = (0, 0), (0, 1)
-
-
-def _zero_with_experts_and_cp():
-    state = tp_ext.init_parallel(tp=1, cp=2, dp=2, ep=2)
-    config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
-    model = tp_ext.parallelize(transformers.MixtralForCausalLM(config), "auto", parallel=state)
-    with pytest.raises(ValueError) as error:
-        tp_ext.training.Trainer(
-            model,
-            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-            parallel=state,
-            data_parallel="zero1",
-        )
-    return str(error.value)
-
-
-def test_zero_with_experts_and_cp_together_is_refused_by_name():
-    message = run_distributed(_zero_with_experts_and_cp, 4)[0]
-    assert "data_parallel='zero1' with cp=2 and expert parallelism is not supported" in message

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tp_ext
-from tp_ext.training import CheckpointManager, Trainer, build_optimizer
-from tp_ext.training.checkpoint_dir import published
+from tp_ext.training import Trainer, build_optimizer
+from tp_ext.training.checkpointer import published
 from tp_ext.validation import ConfigError
 
 from .dist_utils import run_distributed
@@ -146,7 +146,7 @@ def _errors(directory: str) -> list[str]:
         dict(batches=5, steps=3),
         dict(batches=_batches(directory, 0, 1, vocab), steps=3),
         dict(batches=steps[:1], steps=3),  # trains step 1, then runs out
-        dict(batches=steps, steps=3, checkpoint_dir=CheckpointManager(directory), keep_last=2),
+        dict(batches=steps, steps=3, checkpoint_dir=trainer.checkpoints(directory), keep_last=2),
     ]
     messages = []
     for call in calls:

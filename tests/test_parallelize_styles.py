@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import tp_ext
-from tp_ext.distributed.groups import resolve_group
-from tp_ext.layers import ColumnParallelLinear, ParallelLMHead
+from tp_ext.layers import ParallelLMHead
 from tp_ext.parallelize import (
     ALIASES,
     STYLES,
@@ -23,7 +22,6 @@ from tp_ext.parallelize import (
     StyleTarget,
     VocabParallel,
 )
-from tp_ext.parallelize.styles import convert
 
 from .dist_utils import rank, run_distributed, world_size
 from .test_layers import assert_rel
@@ -192,18 +190,6 @@ def _check_bad_styles_and_own_styles():
     assert report["lm_head"] == "replicate: unchanged"
     assert not model.model.norm.weight.requires_grad and model.lm_head.weight.requires_grad
 
-    # The old function still works, with a warning.
-    q_proj = reference.model.layers[0].self_attn.q_proj
-    with pytest.warns(DeprecationWarning, match="styles.convert is deprecated"):
-        new, what = convert(
-            "model.layers.0.self_attn.q_proj",
-            q_proj,
-            "colwise",
-            reference.model.layers[0].self_attn,
-            resolve_group(None),  # the default TP group
-            False,
-        )
-    assert isinstance(new, ColumnParallelLinear) and what.startswith("column-parallel by heads")
     return rank()
 
 

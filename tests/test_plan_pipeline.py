@@ -277,20 +277,15 @@ def test_library_errors_name_the_argument(q72):
     assert e.value.argument == "dtype"
 
 
-def test_plan_error_is_a_deprecated_alias_of_argument_error(q72):
-    """The old import path still works for one release: it warns and is the same class, so an
-    ``except PlanError`` still catches the footprint's errors."""
+def test_the_footprints_errors_name_the_argument_and_travel(q72):
+    """The footprint's errors are ArgumentErrors (ConfigErrors naming the argument), which
+    survive pickling, as they do when raised on a spawned rank."""
     import pickle
 
-    import tp_ext.models.footprint as fp_module
     from tp_ext.validation import ConfigError
 
-    with pytest.warns(DeprecationWarning, match="PlanError is deprecated"):
-        from tp_ext.models.footprint import PlanError
-    assert PlanError is ArgumentError and issubclass(PlanError, ConfigError)
-    with pytest.raises(PlanError, match="pp must be an int >= 1, got 0") as e:
+    assert issubclass(ArgumentError, ConfigError)
+    with pytest.raises(ArgumentError, match="pp must be an int >= 1, got 0") as e:
         pipeline_footprint(q72, tp=8, pp=0)
     copy = pickle.loads(pickle.dumps(e.value))  # as raised on a spawned rank
     assert (copy.argument, str(copy)) == ("pp", str(e.value))
-    with pytest.raises(AttributeError):
-        fp_module.NoSuchName  # noqa: B018

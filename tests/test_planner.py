@@ -58,7 +58,7 @@ def test_parameters_per_rank_equal_the_layers(tied):
         assert est.detail["parameters_by_pp_rank"] == by_rank, (tp, pp, v)
 
 
-# ---- the candidate record and its deprecated old name --------------------------------------------
+# ---- the candidate record ----------------------------------------------------------------------
 
 
 def test_candidate_holds_dims_and_the_run_settings():
@@ -98,38 +98,6 @@ def test_candidate_holds_dims_and_the_run_settings():
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             Candidate(**{**good, **change})
-
-
-def test_layout_is_a_deprecated_alias_of_candidate():
-    """tp_ext.planner.Layout(tp, pp, dp, ...) still builds (with a DeprecationWarning) the
-    same candidate, readable by its old attributes, and costs exactly as the Candidate."""
-    import pickle
-
-    from tp_ext import ParallelDims
-    from tp_ext.planner import Candidate, Layout, estimate, load_hardware, plan
-    from tp_ext.planner.cost import DTYPE_BYTES, dtype_of
-
-    with pytest.warns(DeprecationWarning, match="tp_ext.planner.Layout is deprecated"):
-        old = Layout(2, 2, 1, 1, 4, "1F1B", 2, True, "ddp", "float32")
-    new = Candidate(ParallelDims(tp=2, pp=2, dp=1, virtual_stages=2), 1, 4, "1F1B", True,
-                    "ddp", "float32")  # fmt: skip
-    assert isinstance(old, Candidate) and old.dims == new.dims
-    assert (old.tp, old.pp, old.dp, old.virtual_stages, old.recompute) == (2, 2, 1, 2, True)
-    assert (old.tp_size, old.world_size, old.describe()) == (2, 4, new.describe())
-    assert pickle.loads(pickle.dumps(old)).dims == old.dims  # travels to spawned ranks
-    hw = load_hardware("cpu")
-    by_old = estimate(_config(), old, seq_len=SEQ, hardware=hw)
-    by_new = estimate(_config(), new, seq_len=SEQ, hardware=hw)
-    assert by_old.as_dict()["candidate"] == by_new.as_dict()["candidate"]
-    assert (by_old.memory_bytes, by_old.comm_bytes, by_old.step_time_s, by_old.detail) == (
-        by_new.memory_bytes, by_new.comm_bytes, by_new.step_time_s, by_new.detail
-    )  # fmt: skip
-    best = plan(_config(), gpus=2, seq_len=SEQ, global_batch=4, hardware="cpu")[0]
-    with pytest.warns(DeprecationWarning, match="Estimate.layout is deprecated"):
-        assert best.layout is best.candidate
-    with pytest.warns(DeprecationWarning, match="dtype_of is deprecated"):
-        assert dtype_of("float16") is torch.float16
-    assert DTYPE_BYTES == {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 # `cost` was in the circle; the others (a fresh interpreter each, 6 s apiece) run in test-all
@@ -182,7 +150,7 @@ def _measure(candidate):
     state = tp_ext.init_parallel(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp)
     torch.manual_seed(0)
     order = "v" if candidate.schedule in ("ZBVZeroBubble", "DualPipeV") else "loop"
-    model = Qwen2ForCausalLM(
+    model = Qwen2ForCausalLM.from_config(
         _config(),
         parallel=state,
         virtual_stages=dims.virtual_stages,
@@ -536,9 +504,7 @@ def test_cli_plan_auto(tp_ext_here):
     for key in ("tp", "pp", "dp", "micro_batch", "num_micro_batches", "schedule",
                 "activation_checkpointing", "data_parallel"):  # fmt: skip
         assert key in first["candidate"]
-    # the old key, kept for one release: the same values, and "recompute" beside them
-    assert first["layout"] == {**first["candidate"], "recompute": first["candidate"][
-        "activation_checkpointing"]}  # fmt: skip
+    assert "layout" not in first  # the old key is gone
     assert first["fits"] and first["reason"] and first["step_time_s"] > 0
     status, table, _ = tp_ext_here(*cmd, "--gpus", 16, "--gpus-per-node", 8, "--top", 3)
     assert status == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import warnings
 
 import pytest
 import torch
@@ -157,7 +156,6 @@ def _specs_and_factory(rows: int, cols: int):
     import tp_ext
     from tp_ext.distributed.groups import ResolvedGroup
     from tp_ext.layers import Linear2D, full_state_dict, load_full_state_dict, tensor_specs
-    from tp_ext.layers.summa import full_state_dict_2d, grid_state_entries
     from tp_ext.models import Qwen2Config, Qwen2ForCausalLM, Qwen2ForCausalLM2D
 
     state = tp_ext.init_parallel(tp=(rows, cols))
@@ -173,11 +171,7 @@ def _specs_and_factory(rows: int, cols: int):
     assert torch.equal(tensor, w[out_start : out_start + out_n, in_start : in_start + in_n])
     gathered = full_state_dict(lin)
     assert torch.equal(gathered["weight"], w) and torch.equal(gathered["bias"], b)
-    with pytest.warns(DeprecationWarning, match="tp_ext.layers.full_state_dict"):
-        old = full_state_dict_2d(lin)
-    assert all(torch.equal(old[k], gathered[k]) for k in gathered)
-    with pytest.warns(DeprecationWarning, match="tensor_specs"):
-        assert [n for n, *_ in grid_state_entries(lin)] == ["weight", "bias"]
+    assert [n for n, *_ in tensor_specs(lin)] == ["weight", "bias"]
 
     config = Qwen2Config(
         vocab_size=19,
@@ -194,16 +188,13 @@ def _specs_and_factory(rows: int, cols: int):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM.from_config(config, parallel=state)
     assert type(model) is Qwen2ForCausalLM2D
-    with pytest.warns(DeprecationWarning, match="Qwen2ForCausalLM.from_config"):
-        torch.manual_seed(0)
-        old_path = Qwen2ForCausalLM(config, parallel=state)
-    assert type(old_path) is Qwen2ForCausalLM2D
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), old_path.parameters()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the 1D path does not warn
-        one_d = Qwen2ForCausalLM.from_config(config, tp_group=ResolvedGroup.local())
-        plain = Qwen2ForCausalLM(config, tp_group=ResolvedGroup.local())
-    assert isinstance(one_d, Qwen2ForCausalLM) and isinstance(plain, Qwen2ForCausalLM)
+    torch.manual_seed(0)
+    direct = Qwen2ForCausalLM2D(config, parallel=state)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), direct.parameters()))
+    with pytest.raises(ValueError, match="from_config"):  # the 1D class does not build a grid
+        Qwen2ForCausalLM(config, parallel=state)
+    one_d = Qwen2ForCausalLM.from_config(config, tp_group=ResolvedGroup.local())
+    assert type(one_d) is Qwen2ForCausalLM
     dist.barrier()
     return same
 

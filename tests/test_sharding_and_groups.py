@@ -148,17 +148,12 @@ def test_init_parallel_refuses_dims_and_keywords_together():
     assert "{'pp': 2}" in message
 
 
-def test_old_degree_helpers_warn_and_agree():
-    from tp_ext.distributed import valid_layouts
-    from tp_ext.distributed.grid import check_grid_shape
-    from tp_ext.distributed.mesh import valid_ep
+def test_degree_helpers():
+    from tp_ext.dims import grid_shape_of
 
-    with pytest.warns(DeprecationWarning, match="ParallelDims.tp_choices"):
-        assert valid_layouts(8, 2) == tp_ext.ParallelDims.tp_choices(8, 2) == [1, 2, 4]
-    with pytest.warns(DeprecationWarning, match="ep_choices"):
-        assert valid_ep(4, 2) == [1, 2, 4, 8]
-    with pytest.warns(DeprecationWarning, match="grid_shape_of"):
-        assert check_grid_shape([2, 3]) == (2, 3)
+    assert tp_ext.ParallelDims.tp_choices(8, 2) == [1, 2, 4]
+    assert tp_ext.ParallelDims(tp=2, dp=4).ep_choices() == [1, 2, 4, 8]
+    assert grid_shape_of([2, 3]) == (2, 3)
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_local_rank(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 
 import tp_ext
 from tp_ext import comm
+from tp_ext.contract import LossKind
 from tp_ext.models import Qwen2ForCausalLM, hf_to_tp_ext_names
 from tp_ext.training import Trainer
 from tp_ext.training.zero import ShardedOptimizer
@@ -37,7 +38,7 @@ def _build(grid, dp, data_parallel, **options):
     config = _config(LAYERS, False)
     state = tp_ext.init_parallel(tp=grid, dp=dp)
     model = Qwen2ForCausalLM.from_config(config, parallel=state)
-    assert model.is_2d
+    assert model.loss_kind is LossKind.GRID_BLOCK  # the 2D model: its loss from its blocks
     model.load_full_state_dict(hf_qwen2(config).state_dict())
     trainer = Trainer(
         model,
@@ -184,12 +185,9 @@ def _refusals():
     state = tp_ext.init_parallel(tp=(1, 1), dp=2)
     model = Qwen2ForCausalLM.from_config(config, parallel=state)
     cases = [
-        (dict(data_parallel="fsdp"), r"data_parallel='fsdp' with a 2D model: .* use one of "
-         r"\['ddp', 'zero1', 'zero2'\]"),
-        (dict(data_parallel="zero2", grad_reduce_dtype=torch.bfloat16),
-         "grad_reduce_dtype=torch.bfloat16 applies to .* not yet with .* a 2D grid"),
         (dict(data_parallel="zero1", gradient_compression="int8"),
-         "gradient_compression='int8' with a 2D model"),
+         "data_parallel='zero1' with gradient_compression='int8' is not supported: use "
+         "data_parallel='ddp'"),
     ]  # fmt: skip
     for options, words in cases:
         with pytest.raises(ValueError, match=words):

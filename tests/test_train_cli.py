@@ -25,7 +25,7 @@ from tp_ext.checkpoint import save_sharded
 from tp_ext.cli import main
 from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.training import OptimizerSettings, build_lr_scheduler
-from tp_ext.training.checkpoint_dir import (
+from tp_ext.training.checkpointer import (
     keep_newest,
     newest,
     published,

@@ -379,7 +379,11 @@ def _load_with(path: str, change: str):
         ("no data", "has data state, and this Trainer was given none"),
         ("no schedule", "has lr_scheduler state, and this Trainer was given none"),
         ("global batch", "has global_batch=12, these batches global_batch=6: it would continue"),
-        ("model", "is a 'tp_ext-dcp-v1' checkpoint, not one of \\['tp_ext-train-v1'\\]"),
+        (
+            "model",
+            "is a 'tp_ext-dcp-v1' checkpoint, not one of \\['tp_ext-train-v2', "
+            "'tp_ext-train-v1'\\]",
+        ),
         ("config", "num_hidden_layers=4; this model has num_hidden_layers=3"),
     ],
 )
@@ -443,10 +447,11 @@ def test_hugging_face_model_sharded_by_parallelize_resumes_unsharded(tmp_path):
 # ---- the dims in the manifest ---------------------------------------------------------------
 
 
-def test_the_manifest_records_the_dims_and_an_older_manifest_still_resumes_bitwise(tmp_path):
-    """The manifest holds ``dims`` (ParallelDims.as_dict(): virtual stages included) beside the
-    "layout" entry older tp_ext wrote; a checkpoint from before "dims" (only "layout") still
-    counts as saved at the same dims, so its random streams carry over (dropout: bitwise)."""
+def test_the_manifest_records_the_dims_and_a_v1_manifest_still_resumes_bitwise(tmp_path):
+    """The manifest holds ``dims`` (ParallelDims.as_dict(): virtual stages included), the
+    pipeline ``stages`` and one entry per Stateful part; a checkpoint written by the first
+    format (its entries at the top level) resumes at the same dims, its random streams carried
+    over (dropout: bitwise)."""
     from tp_ext import ParallelDims
 
     path = str(tmp_path / "ckpt")
@@ -454,16 +459,27 @@ def test_the_manifest_records_the_dims_and_an_older_manifest_still_resumes_bitwi
     losses, _ = _run(*args, save=path)
     with open(os.path.join(path, MANIFEST)) as f:
         info = json.load(f)
+    assert info["format"] == "tp_ext-train-v2" and info["step"] == SAVE_AT
     assert info["dims"] == ParallelDims(tp=1, pp=2, dp=1, virtual_stages=2).as_dict()
-    assert {k: info["layout"][k] for k in ("tp", "pp", "dp", "world")} == {
-        "tp": 1,
-        "pp": 2,
-        "dp": 1,
-        "world": 2,
+    assert info["stages"] == {
+        "stage_layers": [1, 1, 1, 1],
+        "stage_order": "loop",
+        "schedule": "Interleaved1F1B",
     }
-    assert info["layout"]["stage_layers"] == [1, 1, 1, 1]
-    del info["dims"]  # as tp_ext wrote it before the dims
+    assert info["trainer"] == {"steps": SAVE_AT, "skipped_steps": 0, "loss_scale": None}
+    assert set(info) >= {"config", "optimizer", "rng", "compression", "lr_scheduler", "data"}
+    old = {k: v for k, v in info.items() if k not in ("stages", "trainer", "rng", "compression")}
+    old.update(
+        format="tp_ext-train-v1",
+        layout={**info["stages"], "tp": 1, "pp": 2, "dp": 1, "world": 2},
+        master_weights=info["optimizer"].pop("master_weights"),
+        cuda_rng_devices=info["rng"]["cuda_devices"],
+        gradient_compression=None,
+        compression_state=2,
+        skipped_steps=0,
+        loss_scale=None,
+    )
     with open(os.path.join(path, MANIFEST), "w") as f:
-        json.dump(info, f)
+        json.dump(old, f)
     resumed, _ = _run(*args, load=path)
     assert resumed == {s: losses[s] for s in range(SAVE_AT + 1, STEPS + 1)}

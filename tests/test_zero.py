@@ -201,7 +201,7 @@ def _float16_case():
     results = {}
     for data_parallel in ("ddp", "zero1", "zero2"):
         state, model, trainer = _trainer(2, data_parallel, autocast_dtype=torch.float16)
-        trainer.scaler.update(2.0**22)  # overflows at first: the first steps are skipped
+        trainer.scaler.update(2.0**23)  # overflows at first: the first steps are skipped
         losses, norms, skipped = [], [], []
         for step in range(6):
             losses.append(trainer.step(_mine(state, step)))

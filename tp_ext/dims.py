@@ -109,6 +109,24 @@ class ParallelDims:
         """Pipeline stages in all: pp x virtual_stages."""
         return self.pp * self.virtual_stages
 
+    @property
+    def pp_enabled(self) -> bool:
+        """Whether a step runs on a pipeline: several stages (over ranks, or virtual ones)."""
+        return self.stages > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold the same (dense) weights: dp x cp (unresolved: None)."""
+        return None if self.dp is None else self.dp * self.cp
+
     def _need_resolved(self, what: str) -> None:
         if not self.resolved:
             raise ValueError(

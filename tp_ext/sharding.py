@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from tp_ext.validation import check_int, deprecated_aliases
+from tp_ext.validation import check_int
 
 __all__ = [
     "divisors",
@@ -684,8 +684,3 @@ class StageSplit:
             f"virtual_stages={self.virtual_stages}, order={self.order!r}, "
             f"layer_counts={self.layer_counts})"
         )
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"StageLayout": (StageSplit, "tp_ext.sharding.StageSplit")}
-)

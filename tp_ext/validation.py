@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import warnings
 from typing import Any, Optional
 
 import yaml
@@ -23,7 +22,6 @@ __all__ = [
     "check_unknown",
     "is_number",
     "check_int",
-    "deprecated_aliases",
     "as_torch_dtype",
     "check_dtype_name",
     "dtype_bytes",
@@ -132,22 +130,6 @@ def check_int(name: str, value, low: int = 1, high: Optional[int] = None, why: s
         if value >= low:
             raise ValueError(f"{name} must be an int in [{low}, {high:,}]{note}, got {value!r}")
     raise ValueError(f"{name} must be an int >= {low}{note}, got {value!r}")
-
-
-def deprecated_aliases(module: str, renamed: dict):
-    """A module ``__getattr__`` that serves old names for one release: ``renamed`` maps each old
-    name to ``(object, "its new name")``; using an old name warns with a DeprecationWarning."""
-
-    def __getattr__(name: str):
-        if name in renamed:
-            value, new_name = renamed[name]
-            warnings.warn(
-                f"{module}.{name} is deprecated: use {new_name}", DeprecationWarning, stacklevel=2
-            )
-            return value
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-    return __getattr__
 
 
 def is_number(x) -> bool:

@@ -449,7 +449,8 @@ class PendingSave:
 
 
 SHARDED_FORMAT = "tp_ext-dcp-v1"
-TRAINING_FORMAT = "tp_ext-train-v1"
+# a training checkpoint (tp_ext.training.checkpointer), newest first: the model reads from all
+TRAINING_FORMATS = ("tp_ext-train-v2", "tp_ext-train-v1")
 
 
 def load_sharded(model, path: str) -> dict:
@@ -465,7 +466,7 @@ def load_sharded(model, path: str) -> dict:
         copies.clear()
         return checkpoint_tensors(model, tied_copies=copies)
 
-    info, _ = read_checkpoint(path, state_of, formats=(SHARDED_FORMAT, TRAINING_FORMAT))
+    info, _ = read_checkpoint(path, state_of, formats=(SHARDED_FORMAT, *TRAINING_FORMATS))
     copy_tied(copies)
     return info
 

@@ -46,6 +46,7 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import (
+    ParallelModule,
     expert_rows,
     full_shapes,
     is_full_transposed,
@@ -60,7 +61,7 @@ __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "model_group", "tp_size"]
 
 def model_group(model) -> ResolvedGroup:
     """The TP group of a tp_ext model (a group of one for a model without one)."""
-    tp = getattr(model, "tp", None)
+    tp = model.tp if isinstance(model, ParallelModule) else None
     return tp if isinstance(tp, ResolvedGroup) else ResolvedGroup.local()
 
 

@@ -27,10 +27,8 @@ written twice.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 from tp_ext.layers import full_shapes, is_full_transposed
-from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "Piece",
@@ -54,18 +52,8 @@ class Piece:
 
 
 def declared_map(model):
-    """The model's ``checkpoint_map`` method, or None when it declares none. A model written
-    for an older tp_ext declares ``checkpoint_layout`` (the old name): read, with a warning."""
-    declare = getattr(model, "checkpoint_map", None)
-    if declare is None and callable(getattr(model, "checkpoint_layout", None)):
-        warnings.warn(
-            f"{type(model).__name__}.checkpoint_layout is deprecated: name the method "
-            "checkpoint_map (where a model's tensors live in a checkpoint)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        declare = model.checkpoint_layout
-    return declare
+    """The model's ``checkpoint_map`` method, or None when it declares none."""
+    return getattr(model, "checkpoint_map", None)
 
 
 def model_checkpoint_map(model, fmt=None) -> dict[str, list[Piece]]:
@@ -150,13 +138,3 @@ def row_reads(pieces, offset: int, length: int):
 
 
 # Large slices are read in pieces of at most this many bytes, each straight into its place in
-
-
-__getattr__ = deprecated_aliases(
-    __name__,
-    {
-        "model_layout": (model_checkpoint_map, "model_checkpoint_map"),
-        "own_names_layout": (own_names_map, "own_names_map"),
-        "detect_layout": (detect_checkpoint_map, "detect_checkpoint_map"),
-    },
-)

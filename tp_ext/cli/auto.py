@@ -50,8 +50,8 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str, parallel=Non
         raise ValueError(
             f"--auto chooses the layout itself; drop {', '.join(given)} (or drop --auto)"
         )
-    cp = overrides.get("cp") or getattr(parallel, "cp", None) or 1
-    cp_mode = overrides.get("cp_mode") or getattr(parallel, "cp_mode", None) or "ring"
+    cp = overrides.get("cp") or (parallel.cp if parallel is not None else 1)
+    cp_mode = overrides.get("cp_mode") or (parallel.cp_mode if parallel is not None else "ring")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     hardware, memory = _this_machine(local)

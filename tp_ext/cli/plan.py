@@ -6,6 +6,7 @@ memory and step time (``--calibrate`` first measures this machine as the "cpu" h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from tp_ext.cli.flags import add_field_flag
@@ -222,7 +223,8 @@ def _context_plan(args) -> int:
         job = JobConfig.from_file(args.config)
         model = getattr(job.model, "hf_config", job.model)
         dtype = args.dtype or job.parallel.dtype
-        layout.update({k: getattr(job.parallel, k) or 1 for k in layout})
+        settings = dataclasses.asdict(job.parallel)
+        layout.update({k: settings[k] or 1 for k in layout})
     layout.update({k: getattr(args, k) for k in layout if getattr(args, k) is not None})
     rows = []
     try:

@@ -60,7 +60,7 @@ from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_s
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.models.hf.source import HFModelSource
 from tp_ext.parallelize.context import CP_ARCHITECTURES
-from tp_ext.training import CheckpointManager, Trainer, build_lr_scheduler, build_optimizer
+from tp_ext.training import Trainer, build_lr_scheduler, build_optimizer
 from tp_ext.training.loop import Wording
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 from tp_ext.validation import ConfigError, as_torch_dtype
@@ -274,7 +274,7 @@ def _train(state, run: _Run) -> int:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     # only rank 0 reads the directory (and the launcher's store)
     resume = run.resume or (state.rank == 0 and _started_before(restarted))
-    checkpoints = CheckpointManager(
+    checkpoints = trainer.checkpoints(
         run.directory,
         every=settings.save_every,
         keep_last=settings.keep_last,

@@ -11,9 +11,7 @@ from tp_ext.distributed.mesh import (
     init_parallel,
     launcher_store,
     parallel_state,
-    valid_layouts,
 )
-from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "accounting",
@@ -28,10 +26,4 @@ __all__ = [
     "init_parallel",
     "launcher_store",
     "parallel_state",
-    "valid_layouts",
 ]
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
-)

@@ -54,7 +54,7 @@ from tp_ext.distributed.accounting import (  # noqa: F401  (tp_ext.comm is the p
 from tp_ext.distributed.groups import GroupLike, ResolvedGroup, device_of, resolve_group
 from tp_ext.distributed.pending import Pending
 from tp_ext.sharding import shard_sizes, uneven_sizes
-from tp_ext.validation import check_int, deprecated_aliases
+from tp_ext.validation import check_int
 
 __all__ = [
     "all_reduce",
@@ -557,8 +557,3 @@ def barrier(group: GroupLike) -> None:
     g = resolve_group(group)
     if g.group is not None and g.size > 1:
         dist.barrier(group=g.group)
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
-)

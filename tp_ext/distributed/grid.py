@@ -11,14 +11,13 @@ split policy (:func:`tp_ext.shard_sizes`).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch.distributed as dist
 
 from tp_ext.dims import grid_shape_of
 from tp_ext.distributed.groups import GroupLike, ResolvedGroup, resolve_group
 
-__all__ = ["TPGrid", "make_tp_grid", "check_grid_shape"]
+__all__ = ["TPGrid", "make_tp_grid"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +46,6 @@ class TPGrid:
 
     def __repr__(self) -> str:
         return f"TPGrid({self.rows}x{self.cols}, row={self.row}, col={self.col})"
-
-
-def check_grid_shape(tp) -> tuple[int, int]:
-    """Deprecated: :func:`tp_ext.dims.grid_shape_of`."""
-    warnings.warn(
-        "tp_ext.distributed.grid.check_grid_shape is deprecated; use tp_ext.dims.grid_shape_of",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return grid_shape_of(tp)
 
 
 def make_tp_grid(rows: int, cols: int, tp_group: GroupLike = None, *, all_tp_ranks=None) -> TPGrid:

@@ -10,7 +10,6 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from tp_ext.distributed.state import PROCESS
-from tp_ext.validation import deprecated_aliases
 
 __all__ = ["ResolvedGroup", "GroupLike", "resolve_group", "default_group", "device_of"]
 
@@ -87,8 +86,3 @@ def resolve_group(group: GroupLike = None) -> ResolvedGroup:
             f"{type(group).__name__}"
         )
     return ResolvedGroup.of(group)
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
-)

@@ -35,8 +35,6 @@ __all__ = [
     "init_parallel",
     "parallel_state",
     "destroy_parallel",
-    "valid_layouts",
-    "valid_ep",
     "expert_groups",
     "tied_embedding_group",
     "launcher_store",
@@ -48,8 +46,11 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
     """The groups :func:`init_parallel` made for ``dims`` (resolved: every degree filled) and
-    this rank's place in them. ``tp``, ``pp``, ``dp`` and ``ep`` read ``dims`` (``tp`` is the
-    TP group's size, P * Q for a grid; ``tp_grid`` then holds the grid's row and column groups)."""
+    this rank's place in them. Every group is always there (a group of one rank where a degree
+    is 1), so nothing needs to ask whether a form is on: ``dims`` says (``dims.cp_enabled``,
+    ``dims.grid``, ...). ``tp``, ``pp``, ``dp``, ``ep`` and ``cp`` read ``dims`` (``tp`` is the
+    TP group's size, P * Q for a grid; ``tp_grid`` then holds the grid's row and column groups,
+    and is None for 1D tensor parallelism)."""
 
     mesh: DeviceMesh
     tp_group: dist.ProcessGroup
@@ -59,13 +60,13 @@ class ParallelState:
     rank: int
     device: torch.device
     backend: str
+    ep_group: dist.ProcessGroup  # the ranks that share out the experts
+    expert_dp_group: dist.ProcessGroup  # the ranks holding the same experts
+    cp_group: dist.ProcessGroup  # the ranks that share each sequence
+    # the DP and CP ranks of this TP position and stage, which hold the same (dense) weights:
+    # the group their gradients are synchronised over (the DP group itself when cp == 1)
+    dp_cp_group: dist.ProcessGroup
     tp_grid: Optional[TPGrid] = None  # tp=(P, Q): the 2D grid of the TP ranks
-    ep_group: Optional[dist.ProcessGroup] = None  # the ranks that share out the experts
-    expert_dp_group: Optional[dist.ProcessGroup] = None  # the ranks holding the same experts
-    cp_group: Optional[dist.ProcessGroup] = None  # the ranks that share each sequence
-    # cp > 1: the DP and CP ranks of this TP position and stage, which hold the same parameters
-    # (their gradients are summed over CP and averaged over DP in one all-reduce)
-    dp_cp_group: Optional[dist.ProcessGroup] = None
 
     @property
     def tp(self) -> int:
@@ -113,27 +114,6 @@ def parallel_state() -> ParallelState:
     if PROCESS.parallel is None:
         raise RuntimeError("tp_ext.init_parallel(tp=...) has not been called in this process")
     return PROCESS.parallel
-
-
-def valid_layouts(world_size: int, pp: int = 1) -> list[int]:
-    """Deprecated: :meth:`tp_ext.ParallelDims.tp_choices`."""
-    warnings.warn(
-        "tp_ext.distributed.valid_layouts is deprecated; use tp_ext.ParallelDims.tp_choices",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return ParallelDims.tp_choices(world_size, pp)
-
-
-def valid_ep(dp: int, tp: int) -> list[int]:
-    """Deprecated: ``ParallelDims(tp=tp, dp=dp).ep_choices()``."""
-    warnings.warn(
-        "tp_ext.distributed.mesh.valid_ep is deprecated; use "
-        "tp_ext.ParallelDims(tp=tp, dp=dp).ep_choices()",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return ParallelDims(tp=tp, dp=dp).ep_choices()
 
 
 def expert_groups(mesh_ranks, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -354,7 +334,7 @@ def _make_state(dims: ParallelDims) -> ParallelState:
         device=device,
         backend=backend,
         tp_grid=tp_grid,
-        dp_cp_group=_dp_cp_group(mesh) if dims.cp > 1 else None,
+        dp_cp_group=_dp_cp_group(mesh) if dims.cp_enabled else mesh.get_group("dp"),
         **_expert_process_groups(mesh, dims.ep),
     )
 

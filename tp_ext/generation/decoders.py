@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed.mesh import parallel_state
-from tp_ext.parallelize.stages import StagedCausalLM, single_stage
+from tp_ext.parallelize.stages import StagedCausalLM, is_transformers_model, single_stage
 from tp_ext.sharding import StageSplit
 
 __all__ = ["Decoder", "as_decoder"]
@@ -136,6 +137,9 @@ class HFDecoder(Decoder):
 
 
 _STAGE_CACHE: list = []
+# where a transformers model converted at pp = 1 keeps the one stage generation runs (found once
+# per model, since finding it runs the model); in the model's own dict, which lives as long
+_ONE_STAGE = "_tp_ext_generation_stage"
 
 
 def _stage_cache_class():
@@ -179,29 +183,12 @@ def as_decoder(model: nn.Module, parallel=None) -> Decoder:
                 "build the model with cp=1 for generation"
             )
         return NativeDecoder(model)
-    if getattr(model, "tp_grid", None) is not None or type(model).__name__.endswith("2D"):
+    if isinstance(model, ParallelModel) and model.loss_kind is LossKind.GRID_BLOCK:
         raise ValueError(
             f"generate: {type(model).__name__} (a 2D tensor-parallel grid) has no KV-cache "
             "decoding; build the model with a 1D tp for generation"
         )
-    staged = model if isinstance(model, StagedCausalLM) else None
-    if staged is None:
-        if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
-            raise TypeError(
-                f"generate: model must be tp_ext's Qwen2ForCausalLM or a Hugging Face causal LM "
-                f"(converted by tp_ext.parallelize), got {type(model).__name__}"
-            )
-        staged = getattr(model, "_tp_ext_generation_stage", None)
-        if staged is None:
-            parallel = parallel if parallel is not None else parallel_state()
-            if parallel.pp > 1:
-                raise ValueError(
-                    "generate: this process's layout has pp > 1, but the model is not split into "
-                    "stages: convert it with tp_ext.parallelize(model, 'auto', parallel=state), "
-                    "which returns this rank's stages"
-                )
-            staged = single_stage(model, parallel)
-            object.__setattr__(model, "_tp_ext_generation_stage", staged)
+    staged = model if isinstance(model, StagedCausalLM) else _one_stage(model, parallel)
     if staged.sequence_parallel:
         raise ValueError(
             "generate: a model converted with sequence_parallel=True splits the sequence over "
@@ -214,3 +201,24 @@ def as_decoder(model: nn.Module, parallel=None) -> Decoder:
             "convert the model with cp=1 for generation"
         )
     return HFDecoder(staged)
+
+
+def _one_stage(model: nn.Module, parallel) -> StagedCausalLM:
+    """A transformers causal LM converted by ``parallelize`` at pp = 1, as one stage."""
+    if not is_transformers_model(model):
+        raise TypeError(
+            f"generate: model must be tp_ext's Qwen2ForCausalLM or a Hugging Face causal LM "
+            f"(converted by tp_ext.parallelize), got {type(model).__name__}"
+        )
+    staged = model.__dict__.get(_ONE_STAGE)
+    if staged is None:
+        parallel = parallel if parallel is not None else parallel_state()
+        if parallel.pp > 1:
+            raise ValueError(
+                "generate: this process's layout has pp > 1, but the model is not split into "
+                "stages: convert it with tp_ext.parallelize(model, 'auto', parallel=state), "
+                "which returns this rank's stages"
+            )
+        staged = single_stage(model, parallel)
+        object.__setattr__(model, _ONE_STAGE, staged)  # not a submodule of the model
+    return staged

@@ -183,7 +183,7 @@ def _early_stop(decoder: Decoder) -> bool:
     """Whether micro-batches may stop early: not when experts are shared out across data
     replicas, whose forwards must all run together."""
     parallel = decoder.parallel
-    return not (parallel is not None and getattr(parallel, "ep", 1) > 1 and parallel.dp > 1)
+    return not (parallel is not None and parallel.dims.ep_enabled and parallel.dp > 1)
 
 
 class _Runner:

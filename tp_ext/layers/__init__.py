@@ -49,7 +49,6 @@ from tp_ext.layers.summa_blocks import (
     RMSNorm2D,
     cross_entropy_2d,
 )
-from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "ParallelModule",
@@ -102,8 +101,3 @@ __all__ = [
     "MLP2D",
     "DecoderLayer2D",
 ]
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
-)

@@ -29,7 +29,7 @@ from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.state_dict import full_state_dict as _full_state_dict
 from tp_ext.layers.state_dict import load_full_state_dict as _load_full_state_dict
 from tp_ext.sharding import GridBlock, Partition, ShardSpec, shard_sizes, uneven_sizes
-from tp_ext.validation import check_int, deprecated_aliases
+from tp_ext.validation import check_int
 
 __all__ = [
     "ParallelModule",
@@ -65,6 +65,12 @@ class ParallelModule(nn.Module):
     (:meth:`param_spec`) and this rank's place in it (:attr:`shard_coord`); the state-dict
     functions (:mod:`tp_ext.layers.state_dict`) and initialisation read only those."""
 
+    # set by _setup_tp / _setup_grid (and _set_expert_shard): its TP group (a ResolvedGroup),
+    # its grid (2D layers), its EP group (expert layers); None until then
+    tp: Optional[ResolvedGroup] = None
+    grid: Optional[TPGrid] = None
+    ep: Optional[ResolvedGroup] = None
+
     def _setup_tp(self, tp_group) -> ResolvedGroup:
         tp = resolve_group(tp_group)
         # Not a module or tensor: stored without nn.Module's registration.
@@ -95,7 +101,7 @@ class ParallelModule(nn.Module):
     def shard_coord(self):
         """This rank's place in its parameters' specs: ``(row, col)`` on a grid, else its TP
         rank."""
-        grid = getattr(self, "grid", None)
+        grid = self.grid
         return (grid.row, grid.col) if grid is not None else self.tp_rank
 
     def param_spec(self, param_name: str) -> Optional[ShardSpec]:
@@ -257,8 +263,3 @@ def default_linear_init(fan_in: int) -> tuple[InitFn, InitFn]:
         nn.init.uniform_(t, -bound, bound)
 
     return weight, bias
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"TPGroup": (ResolvedGroup, "tp_ext.distributed.ResolvedGroup")}
-)

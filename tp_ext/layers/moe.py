@@ -97,7 +97,7 @@ def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], Optional[Re
     there are none): their gradients are summed over expert-DP, not DP, and their norms over EP."""
     params, group = [], None
     for module in model.modules():
-        if isinstance(module, ParallelModule) and getattr(module, "ep", None) is not None:
+        if isinstance(module, ParallelModule) and module.ep is not None:
             for name, param in module.named_parameters(recurse=False):
                 if module.expert_spec(name) is not None:
                     params.append(param)
@@ -111,8 +111,7 @@ def expert_group(group=None) -> ResolvedGroup:
     if group is not None:
         return resolve_group(group)
     state = PROCESS.parallel
-    ep = getattr(state, "ep_group", None)
-    return ResolvedGroup.local() if ep is None else resolve_group(ep)
+    return ResolvedGroup.local() if state is None else resolve_group(state.ep_group)
 
 
 def tp_ranks_in_ep(tp: ResolvedGroup, ep: ResolvedGroup) -> int:

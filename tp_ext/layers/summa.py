@@ -17,18 +17,15 @@ gradients are summed over it in backward, so every copy takes the same update.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
 from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.layers.base import ParallelModule, check_int, default_grid, default_linear_init
-from tp_ext.layers.state_dict import full_state_dict, load_full_state_dict, tensor_specs
 from tp_ext.sharding import GridBlock, shard_sizes
 
 __all__ = [
@@ -37,9 +34,6 @@ __all__ = [
     "split_2d",
     "gather_2d",
     "default_grid",
-    "grid_state_entries",
-    "load_full_state_dict_2d",
-    "full_state_dict_2d",
 ]
 
 InitFn = Callable[[torch.Tensor], None]
@@ -60,37 +54,6 @@ class GridModule(ParallelModule):
     """Base of the 2D layers: a :class:`ParallelModule` set up on a grid (``_setup_grid``),
     each parameter's spec a :class:`GridBlock`. Kept as a name for the 2D layers; everything it
     does is :class:`ParallelModule`'s."""
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"tp_ext.layers.summa.{old} is deprecated and will be removed in the next release; "
-        f"use {new} (one state-dict module serves 1D and 2D layers)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def grid_state_entries(module: nn.Module):
-    """Deprecated: (name, tensor, GridBlock or None, owner) of every parameter; use
-    :func:`tp_ext.layers.tensor_specs`."""
-    _deprecated("grid_state_entries", "tp_ext.layers.tensor_specs")
-    for name, tensor, spec, owner in tensor_specs(module):
-        yield name, tensor, spec if isinstance(spec, GridBlock) else None, owner
-
-
-def load_full_state_dict_2d(
-    module: nn.Module, full: Mapping[str, torch.Tensor], strict: bool = True
-) -> None:
-    """Deprecated: :func:`tp_ext.layers.load_full_state_dict` (1D and 2D)."""
-    _deprecated("load_full_state_dict_2d", "tp_ext.layers.load_full_state_dict")
-    load_full_state_dict(module, full, strict)
-
-
-def full_state_dict_2d(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Deprecated: :func:`tp_ext.layers.full_state_dict` (1D and 2D)."""
-    _deprecated("full_state_dict_2d", "tp_ext.layers.full_state_dict")
-    return full_state_dict(module)
 
 
 # ---- activations: split and gather ---------------------------------------------------------------

@@ -5,7 +5,7 @@ one set of TP x PP (x DP) dims: what ``tp-ext plan`` prints. (A "plan" in tp_ext
 parallelize's map of module names to styles; a "layout" is how one tensor is split.)
 
 A value that does not fit the model raises :class:`~tp_ext.validation.ArgumentError` naming the
-argument (``PlanError``, its old name here, is a deprecated alias for one release)."""
+argument."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import dataclasses
 import functools
 import re
 import types
-import warnings
 
+from tp_ext.dims import ParallelDims
 from tp_ext.layers import ResolvedGroup
 from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from tp_ext.sharding import STAGE_ORDERS, StageSplit
@@ -32,18 +32,6 @@ __all__ = [
     "pipeline_footprint",
     "format_pipeline_footprint",
 ]
-
-
-def __getattr__(name: str):
-    if name == "PlanError":  # moved: tp_ext.validation.ArgumentError
-        warnings.warn(
-            "tp_ext.models.footprint.PlanError is deprecated: use "
-            "tp_ext.validation.ArgumentError (the same class: .argument names the argument)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ArgumentError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def footprint(config: Qwen2Config, tp: int, dtype: str = "bfloat16") -> dict:
@@ -209,8 +197,9 @@ def _build(config, tp, tp_rank, pp, pp_rank, virtual_stages, split, order, dtype
     """One rank's model on the meta device, through the real class (its constructor reads only
     these attributes of ``parallel``)."""
     stand_in = types.SimpleNamespace(
-        tp_group=ResolvedGroup.virtual(tp, tp_rank), pp=pp, pp_rank=pp_rank
-    )
+        dims=ParallelDims(tp=tp, pp=pp), tp_group=ResolvedGroup.virtual(tp, tp_rank), pp=pp,
+        pp_rank=pp_rank,
+    )  # fmt: skip
     return Qwen2ForCausalLM(
         config,
         parallel=stand_in,

@@ -128,7 +128,7 @@ def parallelize(
     and roundings, about 6x faster on CPU); False leaves them as they are.
     """
     _check_not_parallelized(module)
-    context = parallel is not None and getattr(parallel, "cp", 1) > 1
+    context = parallel is not None and parallel.dims.cp_enabled
     if context:  # refused before anything changes
         check_context_parallel(module, parallel, cp_mode)
     stages = None
@@ -141,7 +141,8 @@ def parallelize(
         )
     if parallel is not None and tp_group is None:
         tp_group = parallel.tp_group
-    ep_group = getattr(parallel, "ep_group", None) if getattr(parallel, "ep", 1) > 1 else None
+    experts = parallel is not None and parallel.dims.ep_enabled
+    ep_group = parallel.ep_group if experts else None
     tp = resolve_group(tp_group)
     decided, reasons, parts = _decide(module, plan, sequence_parallel, example_inputs)
     if not isinstance(fused_norms, bool):

@@ -18,6 +18,8 @@ the ring and the all-to-all compute. Others are refused by name.
 from __future__ import annotations
 
 import inspect
+import weakref
+from typing import Optional
 
 import torch
 from torch import nn
@@ -25,13 +27,24 @@ from torch import nn
 from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers.context import CP_MODES, all_to_all_attention, cp_positions, ring_attention
 
-__all__ = ["CP_ARCHITECTURES", "use_context_parallel"]
+__all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of"]
 
 # config.model_type; the MoE ones (with expert parallelism too) share their dense cousins'
 # attention
 CP_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
+# the models parallelize converted to context parallelism, and their positions hook (a record
+# kept here rather than attributes set on the user's model)
+_CONVERTED: "weakref.WeakKeyDictionary[nn.Module, _PositionsOfThisRank]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def context_of(model: nn.Module) -> Optional["_PositionsOfThisRank"]:
+    """The context parallelism ``parallelize`` gave ``model`` (its hook: ``group``, and
+    ``whole_length`` for pipeline stages after the first), or None."""
+    return _CONVERTED.get(model)
 
 
 def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
@@ -73,8 +86,7 @@ def use_context_parallel(model: nn.Module, parallel, cp_mode: str, attentions) -
     positions = _PositionsOfThisRank(base, group)
     base.register_forward_pre_hook(positions, with_kwargs=True)
     model.register_forward_pre_hook(_refuse_causal_lm_arguments, with_kwargs=True)
-    model.cp_group = group  # what the Trainer looks for, as on the native Qwen2
-    model.cp_positions_hook = positions  # pipeline stages after the first tell it the length
+    _CONVERTED[model] = positions
     return (
         f"context parallel over {group.size} ranks ({cp_mode}): this rank's positions "
         f"{group.rank} and {2 * group.size - 1 - group.rank} of {2 * group.size} chunks"

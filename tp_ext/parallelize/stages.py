@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from typing import Optional
 
 import torch
@@ -27,10 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed.mesh import tied_embedding_group
 from tp_ext.layers import ParallelLMHead
 from tp_ext.layers.context import cp_positions
 from tp_ext.layers.moe import expert_count, experts_per_token
+from tp_ext.parallelize.context import context_of
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.sharding import (
     StageSplit,
@@ -41,6 +44,7 @@ from tp_ext.sharding import (
 )
 
 __all__ = [
+    "is_transformers_model",
     "StagedCausalLM",
     "DecoderParts",
     "find_decoder_parts",
@@ -51,6 +55,13 @@ __all__ = [
     "pipelined_forward",
     "tied_copies_group",
 ]
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers model (transformers is not imported to tell: a model
+    can be one only once it is)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 class DecoderParts:
@@ -269,7 +280,7 @@ class _Recomputed(nn.Module):
         return recompute(self.layer, *args, use_reentrant=False, **kwargs)
 
 
-class StagedCausalLM(nn.Module):
+class StagedCausalLM(nn.Module, ParallelModel):
     """This rank's pipeline stages of a Hugging Face causal LM (tensor-parallel inside), with
     what :class:`tp_ext.training.Trainer` and :mod:`tp_ext.pipeline` need: ``stage_split``,
     ``stage_ids``, :meth:`stage_modules`, :meth:`stage_forward` and the tied-embedding copies.
@@ -386,10 +397,22 @@ class StagedCausalLM(nn.Module):
     def is_pipelined(self) -> bool:
         return True
 
+    loss_kind = LossKind.VOCAB_SHARD  # the last stage's head is split by vocabulary
+
     @property
     def cp_group(self):
         """The model's CP group when ``parallelize`` gave it context parallelism, else None."""
-        return getattr(self.hf_model, "cp_group", None)
+        context = context_of(self.hf_model)
+        return None if context is None else context.group
+
+    def loss_positions(self, length: int) -> Optional[torch.Tensor]:
+        """This CP rank's positions, whose logits the last stage gives (None without CP)."""
+        cp = self.cp_group
+        return None if cp is None else cp_positions(length, group=cp)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
 
     @property
     def sequence_parallel(self) -> bool:
@@ -505,7 +528,7 @@ class StagedCausalLM(nn.Module):
     def _context_positions(self, stage: int):
         """Under context parallelism a stage after the first receives this rank's positions
         already: the decoder's hook is told the whole sequence's length instead of cutting."""
-        hook = getattr(self.hf_model, "cp_positions_hook", None)
+        hook = context_of(self.hf_model)
         if hook is None or stage == 0:
             yield
             return
@@ -637,22 +660,19 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
     split, group, me = model.stage_split, model.parallel.pp_group, model.parallel.pp_rank
     batch, seq = input_ids.shape
     param = next(model.parameters())
-    local = seq
-    if hasattr(model, "local_sequence"):  # a sequence- or context-parallel stage: its rows
-        model.sequence_length = seq
-        local = model.local_sequence(seq)
+    model.sequence_length = seq  # what the stages after the first cannot see
+    local = model.local_sequence(seq)  # a sequence- or context-parallel stage: its rows
     try:
         h = _run_stages(model, input_ids, stage_forward, local)
     finally:
-        if hasattr(model, "sequence_length"):  # this forward's, not the next one's
-            model.sequence_length = None
+        model.sequence_length = None  # this forward's, not the next one's
     owner = split.rank_of(split.last_stage)
     if me == owner and not local_logits:
         h = gather_logits(h)
     vocab = model.config.vocab_size if not local_logits else model.local_vocab_size
     if me != owner:  # context parallelism: the logits of this rank's positions
-        cp = getattr(model, "cp_group", None)
-        rows = seq if cp is None else len(cp_positions(seq, group=cp))
+        positions = model.loss_positions(seq)
+        rows = seq if positions is None else len(positions)
         h = torch.empty(batch, rows, vocab, device=input_ids.device, dtype=param.dtype)
     h = h.contiguous()
     dist.broadcast(h, dist.get_global_rank(group, owner), group=group)

@@ -10,7 +10,6 @@ attention (:mod:`tp_ext.parallelize.modules`)."""
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ __all__ = [
     "Replicate",
     "ALIASES",
     "as_style",
-    "convert",
     # moved to tp_ext.parallelize.modules; still importable from here
     "AttentionHeads",
     "attention_heads",
@@ -457,29 +455,3 @@ def as_style(value, where: str) -> ParallelStyle:
         f"({', '.join(map(repr, ALIASES))}) or a tp_ext.parallelize.ParallelStyle instance "
         f"({classes}, with keyword options)"
     )
-
-
-def convert(
-    name: str,
-    child: nn.Module,
-    style: str,
-    parent: nn.Module,
-    tp: ResolvedGroup,
-    sp: bool,
-    tie_to: Optional[VocabParallelEmbedding] = None,
-    parts: Optional[list] = None,
-):
-    """Deprecated: ``as_style(style, ...).build(child, StyleTarget(...))``; the tp_ext layer that
-    replaces ``child`` (weights not loaded) and its report line."""
-    warnings.warn(
-        "tp_ext.parallelize.styles.convert is deprecated: use the style classes "
-        "(tp_ext.parallelize.Colwise(), ...: style.apply(module, StyleTarget(...)))",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    chosen = as_style(style, f"convert(style=...) for {name}")
-    if not isinstance(chosen, _Swap):
-        raise ValueError(f"convert: style {style!r} does not replace a module; use its apply()")
-    parts = None if parts is None else tuple(parts)
-    target = StyleTarget(name, parent, tp, sp, tie_to=tie_to, parts=parts)
-    return chosen.build(child, target)

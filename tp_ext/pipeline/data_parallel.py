@@ -1,9 +1,15 @@
-"""Data parallelism over the DP mesh dimension, with TP (and PP) inside: torch's DDP or FSDP2.
+"""Data parallelism over the replicas of a stage (its DP x CP ranks, which hold the same
+weights), with TP (and PP) inside: torch's DDP or FSDP2.
 
-Each pipeline stage module is wrapped on its own (as torchtitan does), so
-torch.distributed.pipelining can synchronise gradients once per step: it runs DDP's
+Each pipeline stage module is wrapped on its own (as torchtitan does), so gradients are
+synchronised once per step: torch.distributed.pipelining (or tp_ext's local runner) runs DDP's
 ``no_sync`` / FSDP2's ``set_requires_gradient_sync(False)`` for every micro-batch but the last.
-Both average gradients over the DP group.
+
+Both *sum* the gradients over the replica group (DDP through a communication hook, FSDP2 with a
+gradient divide factor of 1), since every rank's loss is already its share of the global mean
+(divided by the global token count): no factor is multiplied in and divided out again, which
+rounds at 3 replicas and moves fp16's overflow point. Gradient compression keeps its own
+average (its hooks' error feedback works on means).
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from tp_ext.distributed import comm
 from tp_ext.sharding import shard_sizes
 
 __all__ = [
+    "Replicas",
     "DATA_PARALLEL",
     "wrap_data_parallel",
-    "average_gradients",
+    "sum_gradients",
     "ReplicatedStages",
     "replicate_stages",
     "reduce_scatter_in",
@@ -32,26 +39,57 @@ __all__ = [
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """The ranks holding the same weights as this one, which data parallelism synchronises:
+    ``group`` (a process group), ``mesh`` (the same ranks as a 1-d DeviceMesh, for FSDP2 and
+    DTensors) and the ``device`` tensors live on."""
+
+    group: dist.ProcessGroup
+    mesh: object  # a 1-d DeviceMesh
+    device: torch.device
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @classmethod
+    def of(cls, parallel) -> "Replicas":
+        """A :class:`~tp_ext.ParallelState`'s replicas of the dense weights: its DP ranks, and
+        the CP ranks beside them under context parallelism."""
+        if not parallel.dims.cp_enabled:
+            return cls(parallel.dp_group, parallel.mesh["dp"], parallel.device)
+        return cls(parallel.dp_cp_group, _mesh_of(parallel.dp_cp_group, parallel), parallel.device)
+
+
+def _mesh_of(group, parallel):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, parallel.device.type)
+
+
 def wrap_data_parallel(
     module: nn.Module,
     kind: str,
-    parallel,
+    replicas: Replicas,
     compression: Optional[tuple] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """``module`` under DDP (``"ddp"``) or FSDP2 (``"fsdp"``, each decoder layer and then the
-    stage as one unit, parameters sharded along dim 0 over the DP ranks), on ``parallel``'s DP
-    group. Without data parallelism (``dp == 1``) the module is returned as it is.
+    stage as one unit, parameters sharded along dim 0 over the replicas), on the ``replicas``'
+    group. Without replicas (one rank) the module is returned as it is.
     ``compression``: (method, named parameters) of a :mod:`tp_ext.compression` hook for DDP
     to send its gradients with (its state is left in ``module.compression_state``)."""
     if kind not in DATA_PARALLEL:
         raise ValueError(f"data_parallel must be one of {DATA_PARALLEL} or None, got {kind!r}")
-    if parallel.dp == 1:
+    if replicas.size == 1:
         return module
+    group = replicas.group
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = None if parallel.device.type == "cpu" else [parallel.device.index]
+        device = replicas.device
+        device_ids = None if device.type == "cpu" else [device.index]
         # buffers (rotary tables) are equal on every rank: no broadcast before each forward
         # (torch >= 2.13 names the switch forward_sync_buffers; older ones broadcast_buffers)
         params = inspect.signature(DistributedDataParallel).parameters
@@ -60,23 +98,25 @@ def wrap_data_parallel(
             if "forward_sync_buffers" in params
             else {"broadcast_buffers": False}
         )
-        ddp = DistributedDataParallel(
-            module, device_ids=device_ids, process_group=parallel.dp_group, **no_sync
-        )
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group, **no_sync)
         if compression is not None:
             method, named = compression
-            ddp.compression_state = register(ddp, method, parallel.dp_group, named)
+            ddp.compression_state = register(ddp, method, group, named)
         elif reduce_dtype is not None:
-            ddp.register_comm_hook(parallel.dp_group, _all_reduce_in(reduce_dtype))
-        elif parallel.dp > 2:
-            ddp.register_comm_hook(parallel.dp_group, _reproducible_all_reduce)
+            ddp.register_comm_hook(group, _sum_in(reduce_dtype))
+        elif replicas.size > 2:
+            ddp.register_comm_hook(group, _reproducible_sum)
+        else:
+            ddp.register_comm_hook(group, _sum)
         return ddp
     from torch.distributed.fsdp import fully_shard
 
-    mesh = parallel.mesh["dp"]
-    for layer in getattr(module, "layers", {}).values():
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    mesh = replicas.mesh
+    units = [fully_shard(layer, mesh=mesh) for layer in getattr(module, "layers", {}).values()]
+    units.append(fully_shard(module, mesh=mesh))
+    for unit in units:  # a sum, not a mean (see the module's doc); SUM is what gloo has
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
     return module
 
 
@@ -115,17 +155,17 @@ class _Summed:
         return self._result
 
 
-def _all_reduce_in(dtype: torch.dtype):
-    """A DDP comm hook averaging each bucket with its pieces on the wire in ``dtype`` (bf16: half
-    the bytes of fp32) and added in fp32 (:func:`reduce_scatter_in`), the averaged pieces then
-    all-gathered in ``dtype``, so every replica gets the same gradients; through tp_ext's
-    collectives (their bytes tracked under "train.dp_sync")."""
+def _sum_in(dtype: torch.dtype):
+    """A DDP comm hook summing each bucket with its pieces on the wire in ``dtype`` (bf16: half
+    the bytes of fp32) and added in fp32 (:func:`reduce_scatter_in`), the sums then all-gathered
+    in ``dtype``, so every replica gets the same gradients; through tp_ext's collectives (their
+    bytes tracked under "train.dp_sync")."""
 
     def hook(group, bucket):  # -> Future[Tensor]
         buffer = bucket.buffer()
         sizes = shard_sizes(buffer.numel(), group.size())
         with comm.tag("train.dp_sync"):
-            mine = reduce_scatter_in(buffer, sizes, dtype, group).div_(group.size())
+            mine = reduce_scatter_in(buffer, sizes, dtype, group)
             everyone = comm.all_gather(mine.to(dtype), 0, sizes, group=group)
         buffer.copy_(everyone)
         done = torch.futures.Future()
@@ -135,34 +175,40 @@ def _all_reduce_in(dtype: torch.dtype):
     return hook
 
 
-def _reproducible_all_reduce(group, bucket):  # -> Future[Tensor] (DDP checks no string)
-    """DDP's gradient average, one all-reduce per parameter instead of per bucket.
+def _sum(group, bucket):  # -> Future[Tensor]
+    """DDP's all-reduce of a bucket, summed (DDP's own divides by the group's size)."""
+    buffer = bucket.buffer()
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda _: buffer)
+
+
+def _reproducible_sum(group, bucket):  # -> Future[Tensor] (DDP checks no string)
+    """The sum over the replicas, one all-reduce per parameter instead of per bucket.
 
     Why: DDP re-buckets the parameters after the first step, by the order their gradients were
     ready. A ring all-reduce over 3 or more ranks adds each element's terms in an order that
     depends on its offset in the buffer, so a run resumed from a checkpoint (its first step on
     the initial buckets) would round differently from the run it continues. Per parameter, an
     element's offset is fixed: resumed runs are bitwise the same. (Two ranks add a + b, which
-    is the same either way: they keep DDP's own bucketed all-reduce.)"""
-    size = group.size()
+    is the same either way: they keep one all-reduce per bucket.)"""
     works = [dist.all_reduce(grad, group=group, async_op=True) for grad in bucket.gradients()]
     done = torch.futures.collect_all([work.get_future() for work in works])
-    return done.then(lambda _: bucket.buffer().div_(size))
+    return done.then(lambda _: bucket.buffer())
 
 
 @torch.no_grad()
-def average_gradients(
+def sum_gradients(
     params,
-    parallel,
+    group,
     compression: Optional[CompressionState] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> None:
-    """Average the gradients of ``params`` over the DP group in one flat all-reduce (sent
-    compressed by ``compression``'s method, with its error feedback, when given).
+    """Sum the gradients of ``params`` over ``group`` in one flat all-reduce (or, sent
+    compressed by ``compression``'s method with its error feedback, average them: as the
+    compression hooks do).
 
     For the zero-bubble schedules only: their split backward computes weight gradients with
     ``torch.autograd.grad`` and writes ``.grad`` directly, so DDP's gradient hooks never fire
-    and its all-reduce would not happen; this is DDP's averaging, done once after the step."""
+    and its all-reduce would not happen; this is DDP's sum, done once after the step."""
     params = [p for p in params if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     if compression is not None:  # each parameter its own chunks, as the DDP hooks
@@ -171,12 +217,13 @@ def average_gradients(
         return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     flat = torch.cat([g.flatten().to(dtype) for g in grads])
+    size = comm.resolve_group(group).size
     if reduce_dtype is None:
-        flat = comm.all_reduce(flat, "sum", group=parallel.dp_group).div_(parallel.dp)
-    else:  # as the DDP hook: pieces in reduce_dtype, added in fp32, the average gathered
-        sizes = shard_sizes(flat.numel(), parallel.dp)
-        mine = reduce_scatter_in(flat, sizes, reduce_dtype, parallel.dp_group).div_(parallel.dp)
-        flat = comm.all_gather(mine.to(reduce_dtype), 0, sizes, group=parallel.dp_group)
+        flat = comm.all_reduce(flat, "sum", group=group)
+    else:  # as the DDP hook: pieces in reduce_dtype, added in fp32, the sums gathered
+        sizes = shard_sizes(flat.numel(), size)
+        mine = reduce_scatter_in(flat, sizes, reduce_dtype, group)
+        flat = comm.all_gather(mine.to(reduce_dtype), 0, sizes, group=group)
         flat = flat.to(dtype)
     offset = 0
     for p in params:
@@ -191,45 +238,47 @@ class ReplicatedStages:
     :class:`~tp_ext.pipeline.PipelineRunner` needs from the DP side.
 
     - ``modules``: one module per stage this rank holds (DDP- or FSDP2-wrapped, or as they are);
-    - ``average_after_step``: tp_ext averages the gradients after the schedule's step (schedules
+    - ``sync_after_step``: tp_ext sums the gradients after the schedule's step (schedules
       that write weight gradients outside autograd, where DDP's hooks never fire);
     - ``compression_states``: the gradient-compression states (int8 / 1-bit residuals, PowerSGD's
       errors), whose ``state_dict()`` the checkpoints hold; empty without compression."""
 
     modules: list
-    average_after_step: bool = False
+    sync_after_step: bool = False
     compression_states: list = dataclasses.field(default_factory=list)
     reduce_dtype: Optional[torch.dtype] = None  # the DP sum's dtype on the wire (None: own)
 
-    def average(self, params, parallel) -> None:
-        """The DP average after the step (only with ``average_after_step``)."""
+    def synchronise(self, params, group) -> None:
+        """The replicas' sum after the step (only with ``sync_after_step``; compressed: their
+        average)."""
         state = self.compression_states[0] if self.compression_states else None
-        average_gradients(params, parallel, state, self.reduce_dtype)
+        sum_gradients(params, group, state, self.reduce_dtype)
 
 
 def replicate_stages(
     model: nn.Module,
+    replicas: Optional[Replicas],
     data_parallel: Optional[str],
     *,
-    average_after_step: bool = False,
+    sync_after_step: bool = False,
     compression: Optional[str] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> ReplicatedStages:
-    """``model.stage_modules()`` set up for data parallelism over ``model.parallel``'s DP group:
-    wrapped by :func:`wrap_data_parallel` (``data_parallel`` "ddp" / "fsdp"; None: as they are),
-    or left unwrapped with ``average_after_step``; with ``compression`` (a method of
+    """``model.stage_modules()`` set up for data parallelism over ``replicas``: wrapped by
+    :func:`wrap_data_parallel` (``data_parallel`` "ddp" / "fsdp"; None: as they are), or left
+    unwrapped with ``sync_after_step``; with ``compression`` (a method of
     :mod:`tp_ext.compression`, already checked against the schedule) its DDP hooks, or its state
-    for the average after the step. Every int8 / 1-bit residual exists (and is saved) from the
+    for the sum after the step. Every int8 / 1-bit residual exists (and is saved) from the
     start."""
-    parallel = model.parallel
-    compression = compression if parallel.dp > 1 else None
+    several = replicas is not None and replicas.size > 1
+    compression = compression if several else None
     # residuals named as the model names its parameters (the checkpoint's keys)
     named = list(model.named_parameters())
     modules = model.stage_modules()
-    if data_parallel is not None and not average_after_step:
+    if data_parallel is not None and several and not sync_after_step:
         hook = (compression, named) if compression else None
         modules = [
-            wrap_data_parallel(m, data_parallel, parallel, hook, reduce_dtype) for m in modules
+            wrap_data_parallel(m, data_parallel, replicas, hook, reduce_dtype) for m in modules
         ]
     states = [
         m.compression_state
@@ -238,8 +287,8 @@ def replicate_stages(
             getattr(m, "compression_state", None), (CompressionState, PowerSGDCompression)
         )
     ]
-    if compression and average_after_step:
-        states = [CompressionState(parallel.dp_group, compression, named)]
+    if compression and sync_after_step:
+        states = [CompressionState(replicas.group, compression, named)]
     owners = [m.module for m in modules if hasattr(m, "compression_state")] or [model]
     for state, owner in zip(states, owners):
         if not isinstance(state, CompressionState):
@@ -247,4 +296,4 @@ def replicate_stages(
         for param in owner.parameters():
             if param.requires_grad:
                 state.residual_of(param)
-    return ReplicatedStages(modules, average_after_step, states, reduce_dtype)
+    return ReplicatedStages(modules, sync_after_step, states, reduce_dtype)

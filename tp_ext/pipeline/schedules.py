@@ -15,8 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from tp_ext.compression import METHODS
-from tp_ext.layers.context import cp_positions
-from tp_ext.pipeline.data_parallel import ReplicatedStages, replicate_stages
+from tp_ext.pipeline.data_parallel import Replicas, ReplicatedStages, replicate_stages
 
 __all__ = [
     "SCHEDULES",
@@ -79,7 +78,7 @@ def check_compression(method: Optional[str], data_parallel: Optional[str], sched
             f"gradient_compression={method!r} needs data_parallel='ddp' (its DDP communication "
             f"hooks); FSDP2 reduce-scatters sharded gradients, which they do not see"
         )
-    if method == "powersgd" and schedule.weight_split:
+    if method == "powersgd" and schedule is not None and schedule.weight_split:
         raise ValueError(
             f"gradient_compression='powersgd' with schedule {schedule.name!r}: the schedule "
             "writes weight gradients outside DDP, so no DDP hook runs; use 'int8' or '1bit' "
@@ -163,17 +162,19 @@ def check_micro_batches(schedule: Schedule, layout, n: int) -> None:
 
 def prepare_stages(
     model,
-    schedule: Schedule,
+    schedule: Optional[Schedule],
     data_parallel: Optional[str],
+    replicas: Optional[Replicas],
     compression: Optional[str] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> ReplicatedStages:
-    """``model``'s stages set up for data parallelism under ``schedule`` (checked first: FSDP2
-    and the compression method against the schedule). The data-parallel side
-    (:func:`~tp_ext.pipeline.data_parallel.replicate_stages`) wraps them and installs the
-    compression; the runner only runs them."""
-    dp = model.parallel.dp
-    if schedule.weight_split and data_parallel == "fsdp" and dp > 1:
+    """``model``'s stages set up for data parallelism over ``replicas`` under ``schedule`` (None:
+    no pipeline; checked first: FSDP2 and the compression method against the schedule). The
+    data-parallel side (:func:`~tp_ext.pipeline.data_parallel.replicate_stages`) wraps them and
+    installs the compression; the runner only runs them."""
+    dp = 1 if replicas is None else replicas.size
+    weight_split = schedule is not None and schedule.weight_split
+    if weight_split and data_parallel == "fsdp" and dp > 1:
         raise ValueError(
             f"schedule {schedule.name!r} splits the weight gradient out of autograd (torch writes "
             "it to .grad directly), which FSDP2's reduce-scatter never sees: use "
@@ -185,9 +186,9 @@ def prepare_stages(
     # the same reason for DDP: its hooks would not fire, so tp_ext averages after the step
     return replicate_stages(
         model,
+        replicas,
         data_parallel,
-        # (no data-parallel engine with dp > 1: ZeRO-2, which reduce-scatters after the step)
-        average_after_step=schedule.weight_split and dp > 1 and data_parallel is not None,
+        sync_after_step=weight_split and dp > 1 and data_parallel is not None,
         compression=compression,
         reduce_dtype=reduce_dtype,
     )
@@ -211,35 +212,20 @@ def _skip_self_warmup(stage) -> None:
 
 
 class PipelineRunner:
-    """The stages of ``model`` this rank holds, wrapped for data parallelism (``data_parallel``:
-    "ddp", "fsdp" or None) and run by schedule ``schedule`` (a key of :data:`SCHEDULES`).
+    """The stages of ``model`` (a :class:`~tp_ext.contract.ParallelModel`) this rank holds, as
+    the data-parallel side prepared them (``stages``: :func:`prepare_stages`), run by schedule
+    ``schedule`` (a key of :data:`SCHEDULES`).
 
     :meth:`step` runs one forward and backward over the micro-batches; ``loss_fn(output,
     labels)`` gives each micro-batch's loss on the last stage (the quantity whose gradient is
     accumulated: no scaling by the number of micro-batches is added)."""
 
-    def __init__(
-        self,
-        model,
-        schedule: str,
-        data_parallel: Optional[str] = None,
-        gradient_compression: Optional[str] = None,
-        *,
-        stages: Optional[ReplicatedStages] = None,
-    ) -> None:
-        """``stages``: the stage modules as the data-parallel side prepared them
-        (:func:`prepare_stages`); without it they are prepared here from ``data_parallel`` and
-        ``gradient_compression``."""
+    def __init__(self, model, schedule: str, stages: ReplicatedStages) -> None:
         self.model, self.parallel = model, model.parallel
         self.layout = model.stage_split
         self.schedule = check_schedule(schedule, self.layout)
-        if stages is None:
-            stages = prepare_stages(model, self.schedule, data_parallel, gradient_compression)
         self.stages = stages
         self.modules = stages.modules
-        self.average_after_step = stages.average_after_step
-        # the hooks' states (int8 / 1-bit residuals; PowerSGD's error by parameter)
-        self.compression_states = stages.compression_states
         self._built: dict = {}
 
     @property
@@ -266,8 +252,7 @@ class PipelineRunner:
             self._built = {key: self._build(n, loss_fn, shape, logits_dtype)}
         schedule, box = self._built[key]
         box["loss_fn"] = loss_fn
-        if hasattr(self.model, "sequence_length"):  # sequence-parallel stages need the length
-            self.model.sequence_length = input_ids.size(1)
+        self.model.sequence_length = input_ids.size(1)  # what later stages cannot see
         first = 0 in self.model.stage_ids
         args = (input_ids,) if first else ()
         target = labels if self.holds_last_stage else None
@@ -279,10 +264,7 @@ class PipelineRunner:
                 raise
             raise inner from inner.__cause__
         finally:
-            if hasattr(self.model, "sequence_length"):  # this step's, not the next one's
-                self.model.sequence_length = None
-        if self.average_after_step:
-            self.stages.average(self.model.parameters(), self.parallel)
+            self.model.sequence_length = None  # this step's, not the next one's
 
     def _build(self, n: int, loss_fn: Callable, shape, logits_dtype):
         device = self.parallel.device
@@ -331,13 +313,11 @@ class PipelineRunner:
             return torch.empty(shape, dtype=torch.long, device="meta")
         if stage == self.layout.num_stages:
             size, dtype = model.local_vocab_size, logits_dtype
-            cp = getattr(model, "cp_group", None)
-            if cp is not None:  # context parallelism: the logits of this rank's positions
-                shape = (shape[0], len(cp_positions(shape[1], group=cp)))
-        else:
-            size = model.config.hidden_size
-            if hasattr(model, "local_sequence"):  # a sequence-parallel stage's shard
-                shape = (shape[0], model.local_sequence(shape[1]))
+            positions = model.loss_positions(shape[1])
+            if positions is not None:  # context parallelism: the logits of its positions
+                shape = (shape[0], len(positions))
+        else:  # this rank's positions (context parallelism), its sequence shard of them (SP)
+            size, shape = model.hidden_size, (shape[0], model.local_sequence(shape[1]))
         return torch.empty(*shape, size, dtype=dtype, device="meta", requires_grad=True)
 
 

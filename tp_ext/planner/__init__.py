@@ -10,7 +10,7 @@ from the counts of :mod:`.counts`) on a hardware table or this machine measured
         print(est.candidate.describe(), est.memory_bytes["total"], est.step_time_s, est.reason)
 """
 
-from tp_ext.planner.candidate import Candidate, Estimate, Layout
+from tp_ext.planner.candidate import Candidate, Estimate
 from tp_ext.planner.cost import bubble_fraction, estimate
 from tp_ext.planner.hardware import HARDWARE, Hardware, calibrate, load_hardware
 from tp_ext.planner.search import parse_bytes, plan, plan_layout
@@ -20,7 +20,6 @@ __all__ = [
     "plan_layout",
     "estimate",
     "Candidate",
-    "Layout",
     "Estimate",
     "Hardware",
     "HARDWARE",

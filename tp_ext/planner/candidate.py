@@ -6,15 +6,14 @@ fill Estimates; the search (:mod:`.search`) builds and ranks Candidates."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import Optional, Union
+from typing import Optional
 
 from tp_ext.dims import ParallelDims
 from tp_ext.layers.context import CP_MODES
 from tp_ext.pipeline.schedules import SCHEDULES
 from tp_ext.validation import check_dtype_name, check_int
 
-__all__ = ["Candidate", "Estimate", "Layout", "memory_breakdown", "usable_memory"]
+__all__ = ["Candidate", "Estimate", "memory_breakdown", "usable_memory"]
 
 # how DP replicas synchronise: DDP, FSDP2, or ZeRO-1 / ZeRO-2 (tp_ext.training.zero)
 DATA_PARALLEL = ("ddp", "fsdp", "zero1", "zero2")
@@ -92,46 +91,6 @@ class Candidate:
         return out
 
 
-class Layout(Candidate):
-    """Deprecated (for one release): the planner's candidate under its old name and fields;
-    use :class:`Candidate` (``Layout(tp, pp, dp, ...)`` is ``Candidate(ParallelDims(tp=tp,
-    pp=pp, dp=dp, virtual_stages=...), ..., activation_checkpointing=recompute)``)."""
-
-    def __init__(
-        self,
-        tp: Union[int, tuple[int, int]],
-        pp: int,
-        dp: int,
-        micro_batch: int,
-        num_micro_batches: int,
-        schedule: str = "1F1B",
-        virtual_stages: int = 1,
-        recompute: bool = False,
-        data_parallel: str = "ddp",
-        dtype: str = "bfloat16",
-    ) -> None:
-        warnings.warn(
-            "tp_ext.planner.Layout is deprecated: use tp_ext.planner.Candidate(dims="
-            "ParallelDims(tp=..., pp=..., dp=..., virtual_stages=...), ..., "
-            "activation_checkpointing=...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        dims = ParallelDims(tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages)
-        super().__init__(
-            dims, micro_batch, num_micro_batches, schedule, recompute, data_parallel, dtype
-        )
-
-    # the old attributes, read from the new record
-    tp = property(lambda self: self.dims.tp)
-    pp = property(lambda self: self.dims.pp)
-    dp = property(lambda self: self.dims.dp)
-    virtual_stages = property(lambda self: self.dims.virtual_stages)
-    tp_size = property(lambda self: self.dims.tp_size)
-    world_size = property(lambda self: self.dims.world_size)
-    recompute = property(lambda self: self.activation_checkpointing)
-
-
 @dataclasses.dataclass
 class Estimate:
     """What one :class:`Candidate` costs on the busiest rank."""
@@ -150,21 +109,10 @@ class Estimate:
     reason: str = ""
     detail: dict = dataclasses.field(default_factory=dict)
 
-    @property
-    def layout(self) -> Candidate:
-        """Deprecated (for one release): :attr:`candidate`."""
-        warnings.warn(
-            "Estimate.layout is deprecated: use Estimate.candidate", DeprecationWarning, 2
-        )
-        return self.candidate
-
     def as_dict(self) -> dict:
-        """For JSON: ``candidate`` (:meth:`Candidate.as_dict`), and under ``layout`` the same
-        with ``recompute`` beside ``activation_checkpointing`` (the old key, kept for one
-        release)."""
+        """For JSON, with ``candidate`` as :meth:`Candidate.as_dict` gives it."""
         out = dataclasses.asdict(self)
         out["candidate"] = self.candidate.as_dict()
-        out["layout"] = {**out["candidate"], "recompute": self.candidate.activation_checkpointing}
         return out
 
 

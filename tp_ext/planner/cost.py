@@ -12,14 +12,11 @@ Trainer step. The tests hold the model to the measured numbers."""
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional
-
-import torch
 
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.pipeline.schedules import SCHEDULES
-from tp_ext.planner.candidate import Candidate, Estimate, Layout, memory_breakdown, usable_memory
+from tp_ext.planner.candidate import Candidate, Estimate, memory_breakdown, usable_memory
 from tp_ext.planner.cost_2d import estimate_2d
 from tp_ext.planner.counts import (
     ZERO2_BUCKET_BYTES,
@@ -41,11 +38,10 @@ from tp_ext.planner.hf_model import (
     hf_rank_shapes,
 )
 from tp_ext.sharding import StageSplit, cp_chunks, shard_sizes
-from tp_ext.validation import DTYPE_BYTES, as_torch_dtype, dtype_bytes
+from tp_ext.validation import DTYPE_BYTES, dtype_bytes
 
 __all__ = [
     "Candidate",
-    "Layout",
     "Estimate",
     "estimate",
     "bubble_fraction",
@@ -704,13 +700,3 @@ def _timing(step: _Step, comm: dict, dp_traffic: tuple, memory: dict, numel: int
         "pp_crosses_nodes": pp_cross,
         "dp_crosses_nodes": dp_cross,
     }
-
-
-def dtype_of(name: str) -> torch.dtype:
-    """Deprecated (for one release): :func:`tp_ext.validation.as_torch_dtype`."""
-    warnings.warn(
-        "tp_ext.planner.cost.dtype_of is deprecated: use tp_ext.validation.as_torch_dtype",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return as_torch_dtype(name)

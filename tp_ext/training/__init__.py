@@ -4,8 +4,8 @@
 (:mod:`.steps`), its loop :meth:`Trainer.fit` (:mod:`.loop`), its checkpoints (:mod:`.state`)
 and a directory of them (:mod:`.checkpoint_dir`)."""
 
+from tp_ext.training.checkpointer import CheckpointManager
 from tp_ext.training.grad_norm import clip_grad_norm_, grad_norm
-from tp_ext.training.loop import CheckpointManager
 from tp_ext.training.optimizer import OptimizerSettings, build_lr_scheduler, build_optimizer
 from tp_ext.training.trainer import Trainer
 

@@ -72,39 +72,35 @@ def _combine(a: torch.Tensor, b: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def parallel_grad_norm(
-    model: nn.Module, parallel, data_parallel: Optional[str], norm_type: float = 2.0
+    model: nn.Module,
+    parallel,
+    sharded: bool,
+    tied_weights=(),
+    norm_type: float = 2.0,
 ) -> torch.Tensor:
     """:func:`grad_norm` of a model built with ``parallel=`` (TP x CP x PP x DP): every stage's
-    gradients, TP shards counted once, a tied embedding's two copies once, DDP replicas not
-    added (only DP rank 0's count; CP ranks likewise), FSDP2's DP shards each once, each expert
-    once (on the first rank of the ranks holding it). One all-reduce over all ranks; every rank
-    gets the same norm."""
+    gradients, TP shards counted once, a tied embedding's two copies (``tied_weights``, the
+    model's :meth:`~tp_ext.contract.ParallelModel.tied_weights`) once, each expert once (on the
+    first rank of the ranks holding it). The replicas of the dense weights (the DP x CP ranks)
+    hold their rows of the gradients when ``sharded`` (FSDP2, ZeRO-2), each counted once, or
+    whole ones (DDP, ZeRO-1, the sums), counted on the first replica. One all-reduce over all
+    ranks; every rank gets the same norm."""
     p = _check_norm_type(norm_type)
     tp = model_tp_group(model, parallel.tp_group)
     skip = set()
-    tied = getattr(model, "tied_across_stages", False)
-    if tied and model.stage_split.last_stage in model.stage_ids:
-        skip = {id(model.tied_weights()[-1])}  # the tied head's copy; the embedding's counts
+    if tied_weights and model.stage_split.last_stage in model.stage_ids:
+        skip = {id(tied_weights[-1])}  # the tied head's copy; the embedding's counts
     experts = {id(q) for q in expert_parameters(model)[0]}
-    # FSDP2 and ZeRO-2 leave each DP rank its rows of the gradients; DDP and ZeRO-1 whole ones
-    replicated_dp = data_parallel not in ("fsdp", "zero2") and parallel.dp > 1
-    # context parallelism's ranks hold the same gradients after the step's sum: CP rank 0 counts
-    # (ZeRO-2: each DP x CP rank its own rows)
-    cp = getattr(parallel, "cp", 1)
-    cp_copy = cp > 1 and parallel.cp_rank != 0 and data_parallel != "zero2"
-    if ((replicated_dp and parallel.dp_rank != 0) or cp_copy) and p != math.inf:
+    replicas = resolve_group(parallel.dp_cp_group)
+    if not sharded and replicas.rank != 0 and p != math.inf:  # a replica's copy: not counted
         # in the dtype the counting ranks sum in (fp64 for fp64 gradients), for one all-reduce
         wide = any(q.dtype == torch.float64 for q in model.parameters())
         local = torch.zeros((), device=parallel.device, dtype=torch.float64 if wide else None)
     else:
-        dp_shards = (parallel.dp, parallel.dp_rank) if not replicated_dp else None
-        if data_parallel == "zero2" and cp > 1:  # rows over the DP x CP ranks
-            dp_cp = resolve_group(parallel.dp_cp_group)
-            dp_shards = (dp_cp.size, dp_cp.rank)
-        local = _local_norm_power(model, tp, p, skip | experts, dp_shards)
+        rows = (replicas.size, replicas.rank) if sharded else None
+        local = _local_norm_power(model, tp, p, skip | experts, rows)
     if experts:
-        rows = data_parallel == "zero2"  # each expert-DP rank holds its rows of the gradients
-        local = _combine(local, _expert_norm_power(model, experts, parallel, tp, p, rows), p)
+        local = _combine(local, _expert_norm_power(model, experts, parallel, tp, p, sharded), p)
     local = comm.all_reduce(
         local.float() if local.dtype != torch.float64 else local,
         "max" if p == math.inf else "sum",
@@ -241,7 +237,7 @@ def model_tp_group(model: nn.Module, tp_group) -> ResolvedGroup:
     groups = {}
     for module in model.modules():
         # a 2D layer's group is its grid's P x Q ranks
-        tp = getattr(module, "tp", None) if isinstance(module, ParallelModule) else None
+        tp = module.tp if isinstance(module, ParallelModule) else None
         if tp is not None and tp.size > 1:
             groups[tp.name] = tp
     if len(groups) > 1:

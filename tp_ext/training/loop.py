@@ -28,11 +28,11 @@ from typing import Callable, Iterable, Optional, Union
 import torch.distributed as dist
 
 from tp_ext.dims import ParallelDims
-from tp_ext.distributed import ResolvedGroup, comm
-from tp_ext.training.checkpoint_dir import keep_newest, newest, remove_unpublished, step_path
+from tp_ext.training.checkpointer import CheckpointManager
+from tp_ext.training.zero import is_sharded
 from tp_ext.validation import ConfigError, check_int
 
-__all__ = ["CheckpointManager", "Wording", "check_schedule", "fit", "keep_metrics"]
+__all__ = ["Wording", "check_schedule", "fit", "keep_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -63,81 +63,6 @@ class Wording:
         return "build the lr_scheduler with the settings it was trained with"
 
 
-class CheckpointManager:
-    """A run's checkpoints in ``directory`` (:mod:`tp_ext.training.checkpoint_dir`): the one
-    after step N in ``step-<N>``, saved every ``every`` steps and after the last (None: only
-    after the last), the newest ``keep_last`` kept (None: all), written in the background with
-    ``async_save``. ``on_accept``: called on rank 0 once the directory passed the checks of a
-    start (a launcher may then let its restarts resume)."""
-
-    def __init__(
-        self,
-        directory: Union[str, os.PathLike],
-        *,
-        every: Optional[int] = None,
-        keep_last: Optional[int] = None,
-        async_save: bool = False,
-        on_accept: Optional[Callable[[], None]] = None,
-    ) -> None:
-        directory = os.fspath(directory)
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise ConfigError(f"checkpoint_dir {directory} exists and is not a directory")
-        _check_positive("checkpoint_every", every)
-        _check_positive("keep_last", keep_last)
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False, got {async_save!r}")
-        self.directory, self.every, self.keep_last = directory, every, keep_last
-        self.async_save, self.on_accept = async_save, on_accept
-
-    def find(self, steps: int, resume: bool, wording: Wording) -> Optional[tuple[int, str]]:
-        """The newest published checkpoint, ``(step, path)`` on every rank, or None; refused
-        (on every rank) when one exists and ``resume`` is False, or is beyond ``steps``. Rank 0
-        reads the directory (creating it, and removing what killed saves left)."""
-
-        def look():
-            if _rank() != 0:
-                return ""
-            os.makedirs(self.directory, exist_ok=True)
-            remove_unpublished(self.directory)
-            found = newest(self.directory)
-            if found is not None and not resume:
-                raise ConfigError(
-                    f"{self.directory} holds checkpoints (the newest after step {found[0]}): "
-                    f"pass {wording.arg('resume', True)} to continue from it, or give another "
-                    f"{wording.arg('checkpoint_dir')}"
-                )
-            if found is not None and found[0] > steps:
-                raise ConfigError(
-                    f"{wording.arg('steps', steps)} is below the step of the newest checkpoint "
-                    f"in {self.directory} ({found[0]}): give "
-                    f"{wording.arg('steps', found[0] + 1)} or more to train on"
-                )
-            if self.on_accept is not None:
-                self.on_accept()
-            return json.dumps(None if found is None else list(found))
-
-        world = _world()
-        text = comm.everywhere(world, "reading the checkpoint directory", look, ConfigError)
-        found = json.loads(comm.broadcast_text(text, 0, world))
-        return None if found is None else (found[0], found[1])
-
-    def due(self, step: int, last: int) -> bool:
-        return step == last or (self.every is not None and step % self.every == 0)
-
-    def save(self, trainer) -> None:
-        trainer.wait_for_checkpoint()  # the previous one published: older ones may go
-        if _rank() == 0:
-            keep_newest(self.directory, self.keep_last)
-        path = step_path(self.directory, trainer.steps)
-        trainer.save_checkpoint(path, async_save=self.async_save)
-
-    def finish(self, trainer) -> None:
-        """Publish the last save and keep the newest."""
-        trainer.wait_for_checkpoint()
-        if _rank() == 0:
-            keep_newest(self.directory, self.keep_last)
-
-
 # ---- the loop -----------------------------------------------------------------------------------
 
 
@@ -158,7 +83,7 @@ def fit(
     <tp_ext.training.Trainer.fit>`. Returns the losses of the steps it ran."""
     wording = wording or Wording()
     _check_steps(steps, trainer.steps, checkpoint_dir is not None)
-    manager = _manager(checkpoint_dir, checkpoint_every, keep_last, async_save)
+    manager = _manager(trainer, checkpoint_dir, checkpoint_every, keep_last, async_save)
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be True or False, got {resume!r}")
     source, plain = _source(trainer, batches)
@@ -216,10 +141,10 @@ def _run(trainer, source, steps: int, manager, sinks) -> list[float]:
             for call in sinks.calls:
                 call(entry)
             if manager is not None and manager.due(trainer.steps, steps):
-                manager.save(trainer)
+                manager.save_step(trainer.steps)
         if manager is not None:
-            manager.finish(trainer)
-        if hasattr(trainer.optimizer, "finish_gather"):  # the caller reads whole parameters
+            manager.finish()
+        if is_sharded(trainer.optimizer):  # the caller reads whole parameters
             trainer.optimizer.finish_gather()
     finally:
         for f in files:
@@ -245,11 +170,7 @@ def resume_from(trainer, path: str, wording: Wording) -> dict:
             wording.arg("steps"),
         )
     if _rank() == 0:
-        if info.get("dims") is not None:  # every degree (ep, a 2D grid, virtual stages)
-            where = ParallelDims.from_dict(info["dims"]).describe()
-        else:  # a checkpoint from before "dims" was written
-            saved = info.get("layout", {})
-            where = " ".join(f"{k}={saved.get(k)}" for k in ("tp", "pp", "dp"))
+        where = ParallelDims.from_dict(info["dims"]).describe()
         log.info("resumed from %s (step %d, saved at %s)", path, trainer.steps, where)
     return info
 
@@ -377,7 +298,7 @@ def _check_positive(name: str, value) -> None:
         check_int(name, value, 1, why="or None")
 
 
-def _manager(checkpoint_dir, every, keep_last, async_save) -> Optional[CheckpointManager]:
+def _manager(trainer, checkpoint_dir, every, keep_last, async_save):
     if isinstance(checkpoint_dir, CheckpointManager):
         if every is not None or keep_last is not None or async_save:
             raise ValueError(
@@ -396,7 +317,7 @@ def _manager(checkpoint_dir, every, keep_last, async_save) -> Optional[Checkpoin
             f"checkpoint_dir must be a directory path, a CheckpointManager or None, got "
             f"{type(checkpoint_dir).__name__}"
         )
-    return CheckpointManager(
+    return trainer.checkpoints(
         checkpoint_dir, every=every, keep_last=keep_last, async_save=async_save
     )
 
@@ -424,9 +345,3 @@ def _source(trainer, batches):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return ResolvedGroup.local()

@@ -31,14 +31,24 @@ import torch
 from torch import nn
 
 from tp_ext.compression import OneBitAdam
+from tp_ext.dims import ParallelDims
 from tp_ext.distributed import comm
-from tp_ext.layers.moe import expert_parameters
 from tp_ext.pipeline import PipelineRunner
 from tp_ext.training import loop
+from tp_ext.training.adapters import WholeModel, trained_model
+from tp_ext.training.checkpoint_parts import (
+    CompressionPart,
+    JsonPart,
+    ModelPart,
+    OptimizerPart,
+    RngPart,
+)
+from tp_ext.training.checkpointer import CheckpointManager
+from tp_ext.training.core import StepSettings, assemble, assemble_plain
+from tp_ext.training.grad_norm import model_tp_group
 from tp_ext.training.optimizer import build_optimizer
-from tp_ext.training.state import load_training_state, save_training_state
-from tp_ext.training.steps import Precision, build_step, trainable_model
-from tp_ext.training.zero import ZERO_STAGES, sharded_optimizer_for
+from tp_ext.training.precision import Precision
+from tp_ext.training.zero import ZERO_STAGES, is_sharded
 from tp_ext.validation import is_number
 
 __all__ = ["Trainer"]
@@ -100,7 +110,7 @@ class Trainer:
 
     :meth:`save_checkpoint` / :meth:`load_checkpoint` save and restore all of it (model,
     optimizer state, LR schedule, loss scale, step, data position, every rank's random streams),
-    resharding between any two (tp, pp, dp) layouts (:mod:`tp_ext.training.state`).
+    resharding between any two dims (:mod:`tp_ext.training.checkpointer`).
     """
 
     def __init__(
@@ -123,106 +133,65 @@ class Trainer:
         grad_reduce_dtype: Optional[torch.dtype] = None,
         overlap_param_gather: bool = False,
     ) -> None:
-        if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
-            raise ValueError(
-                f"max_grad_norm must be a number > 0, or None for no clipping; got "
-                f"{max_grad_norm!r}"
-            )
-        if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
-            raise TypeError(
-                f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16) or "
-                f"None, got {autocast_dtype!r}"
-            )
-        if not isinstance(activation_checkpointing, bool):
-            raise TypeError(
-                f"activation_checkpointing must be True or False, got {activation_checkpointing!r}"
-            )
+        _check_arguments(max_grad_norm, autocast_dtype, activation_checkpointing)
         _check_zero(
             data_parallel, parallel, autocast_dtype, grad_reduce_dtype, gradient_compression
         )
-        if not isinstance(overlap_param_gather, bool):
-            raise TypeError(
-                f"overlap_param_gather must be True or False, got {overlap_param_gather!r}"
+        _check_overlap(overlap_param_gather, data_parallel)
+        contract, module = trained_model(model, parallel)
+        self.model, self.parallel = module, parallel
+        _set_recompute(contract, activation_checkpointing)
+        settings = StepSettings(
+            schedule, data_parallel, gradient_compression, ignore_index, grad_reduce_dtype,
+            overlap_param_gather,
+        )  # fmt: skip
+        if parallel is None:
+            tp = model_tp_group(module, tp_group)
+            self.core = assemble_plain(contract, module, tp, dp_group, settings)
+            self.optimizer = _optimizer(optimizer, module)
+        else:
+            if dp_group is not None or tp_group is not None:
+                raise ValueError(
+                    "with parallel=, the TP and DP groups are the layout's; drop dp_group= / "
+                    "tp_group="
+                )
+            self.core, self.optimizer = assemble(
+                contract, module, parallel, settings, lambda m: _optimizer(optimizer, m)
             )
-        if overlap_param_gather and data_parallel not in ZERO_STAGES:
-            raise ValueError(
-                f"overlap_param_gather=True with data_parallel={data_parallel!r}: only the "
-                "distributed optimizer gathers parameters after its step; use data_parallel="
-                "'zero1' or 'zero2' (FSDP2 prefetches its own)"
-            )
-        model = trainable_model(model, parallel)  # a pp=1 Hugging Face model: its one stage
-        self.model = model
-        self.parallel = parallel
-        # the one place the parallel form is told apart: the step strategy, chosen once
-        self.strategy = build_step(
-            model,
-            parallel,
-            schedule=schedule,
-            data_parallel=data_parallel,
-            dp_group=dp_group,
-            tp_group=tp_group,
-            compression=gradient_compression,
-            ignore_index=ignore_index,
-            grad_reduce_dtype=grad_reduce_dtype,
-        )
-        if hasattr(model, "activation_checkpointing"):
-            model.activation_checkpointing = activation_checkpointing
-        elif activation_checkpointing:
-            raise ValueError(
-                f"activation_checkpointing: {type(model).__name__} has no per-layer recompute "
-                "switch (tp_ext's models do)"
-            )
-        self.optimizer = _optimizer(optimizer, model)
-        replicas = parallel.dp * getattr(parallel, "cp", 1) if parallel is not None else 1
-        if data_parallel in ZERO_STAGES and replicas > 1:  # its state sharded over DP (x CP)
-            self.optimizer = sharded_optimizer_for(
-                self.optimizer,
-                parallel,
-                data_parallel,
-                grad_reduce_dtype,
-                experts=expert_parameters(model)[0],  # sharded over their own replicas
-            )
-            self.optimizer.follow_model_order(model)  # buckets as the backward fills them
-            if ZERO_STAGES[data_parallel] == 2:
-                self.strategy.gradient_reducer = self.optimizer
-            if overlap_param_gather:
-                self.optimizer.overlap_gather_with_forward(model)
+        self.gradient_compression = gradient_compression if self.compression_states else None
         self._pair_onebit_adam(self.optimizer, autocast_dtype)
         self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
         self.data = _stateful_data(data)
         self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
-        self._pending_save = None
         self.max_grad_norm = max_grad_norm
-        self.precision = Precision(autocast_dtype, model)
+        self.precision = Precision(autocast_dtype, module)
         self.ignore_index = ignore_index
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0  # steps whose gradients overflowed under fp16 (not applied)
+        self.checkpointer = self._checkpointer()  # from the run's Stateful parts
 
-    # the strategy's parts, read by checkpoints, tests and tools
+    # the core's parts, read by checkpoints, tests and tools
     @property
     def runner(self) -> Optional[PipelineRunner]:
         """The pipeline runner (None unless the step runs on a pipeline)."""
-        return self.strategy.runner
+        return self.core.runner.pipeline
 
     @property
     def tp(self):
-        return self.strategy.tp
+        return self.core.loss.tp
 
     @property
     def dp_group(self):
-        return self.strategy.dp_group
+        return self.core.dp_group
 
     @property
     def data_parallel(self) -> Optional[str]:
-        return self.strategy.data_parallel
+        return self.core.data_parallel
 
     @property
-    def expert_dp_group(self):
-        return self.strategy.expert_dp_group
-
-    @property
-    def gradient_compression(self) -> Optional[str]:
-        return self.strategy.gradient_compression
+    def compression_states(self) -> list:
+        """The gradient-compression states (int8 / 1-bit residuals, PowerSGD's errors)."""
+        return self.core.sync.compression_states
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
@@ -243,7 +212,7 @@ class Trainer:
                     "blends the loss-scaled gradients with the unscaled momentum; use bfloat16 "
                     "autocast (no loss scale) with 1-bit Adam"
                 )
-            for state in self.strategy.compression_states:
+            for state in self.compression_states:
                 state.attach(optimizer)
         elif self.gradient_compression == "1bit" and isinstance(
             optimizer, (torch.optim.Adam, torch.optim.AdamW)
@@ -263,13 +232,13 @@ class Trainer:
         are discarded first. Returns the step's mean loss, the same on every rank; the norm
         before clipping is left in ``last_grad_norm``."""
         batches = self._check(micro_batches)
-        self._publish_finished_save()
+        self.checkpointer.publish_finished()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.strategy.forward_backward(batches, self.precision)
+        loss = self.core.forward_backward(batches, self.precision)
         self.precision.unscale(self.optimizer)
         if self.max_grad_norm is not None:
             with comm.tag("train.grad_norm"):
-                norm = self.strategy.clip(self.max_grad_norm)
+                norm = self.core.clip(self.max_grad_norm)
             self.last_grad_norm = norm.item()
         self._optimizer_step()
         return loss.item()
@@ -322,47 +291,87 @@ class Trainer:
     def save_checkpoint(self, path: str, async_save: bool = False) -> None:
         """Save everything this run needs to continue to checkpoint ``path`` (every rank calls
         it): model, optimizer state, LR schedule, loss scale, step, data position and every
-        rank's random streams, through torch.distributed.checkpoint's safetensors storage.
-        Atomic: ``path`` changes from its previous checkpoint to this one in one step.
+        rank's random streams, through torch.distributed.checkpoint's safetensors storage
+        (:attr:`checkpointer`). Atomic: ``path`` changes from its previous checkpoint to this one
+        in one step.
 
         ``async_save``: returns once the state is copied to CPU memory; the files are written
         in the background while training goes on, and the checkpoint is published at the first
         :meth:`step` after every rank finished writing (or by :meth:`wait_for_checkpoint`)."""
-        self.wait_for_checkpoint()
-        self._pending_save = save_training_state(self, path, async_save=async_save)
+        self.checkpointer.save(path, async_save=async_save)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save to be written and publish it (every rank calls it).
         Call it before the program ends, or the last asynchronous save is not published."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.finish()
+        self.checkpointer.wait()
 
-    def _publish_finished_save(self) -> None:
-        if self._pending_save is not None and self._pending_save.done_everywhere():
-            self.wait_for_checkpoint()
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore the state :meth:`save_checkpoint` saved, at this Trainer's dims, whatever
+        dims it was saved at (every rank calls it). Returns the checkpoint's manifest (``step``,
+        ``dims``, ...). The LR scheduler resumes the saved schedule: with
+        :func:`~tp_ext.training.build_lr_scheduler`, its settings too, replacing those it was
+        built with (``tp-ext train --resume`` refuses a run that asks for others)."""
+        return self.checkpointer.load(path)
+
+    def checkpoints(self, directory, **policy) -> CheckpointManager:
+        """A :class:`CheckpointManager` keeping this run's checkpoints in ``directory``
+        (``every``, ``keep_last``, ``async_save``, ``on_accept``), for :meth:`fit`."""
+        return self.checkpointer.in_directory(directory, **policy)
+
+    def state_dict(self) -> dict:
+        """The Trainer's own counters (Stateful): steps taken, steps skipped by fp16's loss
+        scale, and the loss scale."""
+        scaler = self.precision.scaler
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": None if scaler is None else scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.skipped_steps = int(state["steps"]), int(state["skipped_steps"])
+        scaler = self.precision.scaler
+        if scaler is not None and state.get("loss_scale") is not None:
+            scaler.load_state_dict(state["loss_scale"])
 
     def compression_residuals(self) -> dict[str, torch.Tensor]:
         """This rank's gradient-compression residuals by parameter name (empty without int8 /
         1-bit compression)."""
-        states = self.strategy.compression_states
+        states = self.compression_states
         return {name: r for state in states for name, r in state.state_dict().items()}
 
     def load_compression_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
-        for state in (
-            self.strategy.compression_states
-        ):  # each takes the residuals of the parameters it holds
+        for state in self.compression_states:  # each takes its parameters' residuals
             mine = state.state_dict().keys()
             state.load_state_dict({k: v for k, v in residuals.items() if k in mine})
 
-    def load_checkpoint(self, path: str) -> dict:
-        """Restore the state :meth:`save_checkpoint` saved, at this Trainer's layout, whatever
-        (tp, pp, dp) it was saved at (every rank calls it). Returns the checkpoint's manifest
-        (``step``, ``layout``, ...). The LR scheduler resumes the saved schedule: with
-        :func:`~tp_ext.training.build_lr_scheduler`, its settings too, replacing those it was
-        built with (``tp-ext train --resume`` refuses a run that asks for others)."""
-        self.wait_for_checkpoint()
-        return load_training_state(self, path)
+    def where(self) -> dict:
+        """Where the run stands, for checkpoints: its step, its dims and pipeline stages."""
+        stages = None
+        if self.parallel is None:
+            tp, dp = self.core.loss.tp.size, 1 if self.dp_group is None else self.dp_group.size
+            dims = ParallelDims(tp=tp, pp=1, dp=dp)
+        else:
+            split = self.core.model.stage_split
+            dims = self.parallel.dims.replace(virtual_stages=split.virtual_stages)
+            stages = {
+                "stage_layers": split.layer_counts,
+                "stage_order": split.order,
+                "schedule": self.core.runner.schedule_name,
+            }
+        return {"step": self.steps, "dims": dims.as_dict(), "stages": stages}
+
+    def _checkpointer(self) -> CheckpointManager:
+        parts = [
+            ModelPart(self.model),
+            OptimizerPart(self.model, self.optimizer),
+            RngPart(),
+            CompressionPart(self),
+            JsonPart("data", lambda: self.data, early=True),  # a mismatch refused first
+            JsonPart("lr_scheduler", lambda: self.lr_scheduler),
+            JsonPart("trainer", lambda: self, "Trainer"),
+        ]
+        return CheckpointManager(parts, self.where)
 
     @contextlib.contextmanager
     def whole_parameters(self):
@@ -370,12 +379,11 @@ class Trainer:
         model's own forward, ``generate`` and ``save_pretrained`` read whole ones: inside this
         block they are gathered (every FSDP2 unit of every stage; an all-gather over DP, so
         every rank enters it) and sharded again after it. Otherwise it changes nothing."""
-        finish_gather = getattr(self.optimizer, "finish_gather", None)
-        if finish_gather is not None:  # ZeRO's parameters still being gathered
-            finish_gather()
+        if is_sharded(self.optimizer):  # ZeRO's parameters still being gathered
+            self.optimizer.finish_gather()
         from torch.distributed.fsdp import FSDPModule
 
-        modules = self.strategy.stage_modules
+        modules = self.core.sync.modules
         units = [m for stage in modules for m in stage.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
@@ -435,6 +443,43 @@ class Trainer:
                 )
             batches.append((ids.to(device), labels.to(device)))
         return batches
+
+
+def _check_arguments(max_grad_norm, autocast_dtype, activation_checkpointing) -> None:
+    if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
+        raise ValueError(
+            f"max_grad_norm must be a number > 0, or None for no clipping; got {max_grad_norm!r}"
+        )
+    if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+        raise TypeError(
+            f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got "
+            f"{autocast_dtype!r}"
+        )
+    if not isinstance(activation_checkpointing, bool):
+        raise TypeError(
+            f"activation_checkpointing must be True or False, got {activation_checkpointing!r}"
+        )
+
+
+def _check_overlap(overlap_param_gather, data_parallel) -> None:
+    if not isinstance(overlap_param_gather, bool):
+        raise TypeError(f"overlap_param_gather must be True or False, got {overlap_param_gather!r}")
+    if overlap_param_gather and data_parallel not in ZERO_STAGES:
+        raise ValueError(
+            f"overlap_param_gather=True with data_parallel={data_parallel!r}: only the "
+            "distributed optimizer gathers parameters after its step; use data_parallel="
+            "'zero1' or 'zero2' (FSDP2 prefetches its own)"
+        )
+
+
+def _set_recompute(model, activation_checkpointing: bool) -> None:
+    """Per-layer recompute, which tp_ext's models and stages have; a whole plain module not."""
+    if isinstance(model, WholeModel) and activation_checkpointing:
+        raise ValueError(
+            f"activation_checkpointing: {type(model.module).__name__} has no per-layer "
+            "recompute switch (tp_ext's models and the stages parallelize returns do)"
+        )
+    model.activation_checkpointing = activation_checkpointing
 
 
 def _optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:

@@ -38,10 +38,11 @@ from typing import Optional
 
 import torch
 
+from tp_ext.compression import OneBitAdam
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import is_dtensor
 from tp_ext.distributed.groups import ResolvedGroup
-from tp_ext.pipeline.data_parallel import reduce_scatter_in
+from tp_ext.pipeline.data_parallel import Replicas, reduce_scatter_in
 
 __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
 
@@ -50,8 +51,16 @@ ZERO_STAGES = {"zero1": 1, "zero2": 2}
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # optimizers whose update of an element reads that element's gradient and state alone, so
 # stepping a parameter's rows apart gives the whole parameter's update
-ELEMENTWISE = frozenset(
-    ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "RMSprop", "OneBitAdam")
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adamax,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    OneBitAdam,
 )
 
 
@@ -131,12 +140,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-1 or ZeRO-2), got {stage!r}")
-        if type(template).__name__ not in ELEMENTWISE:
+        if type(template) not in ELEMENTWISE:  # exactly: a subclass may step otherwise
+            names = ", ".join(sorted(cls.__name__ for cls in ELEMENTWISE))
             raise ValueError(
                 f"data_parallel='zero{stage}' steps each rank's rows of a parameter on their own, "
                 f"which gives the whole parameter's update only for element-wise optimizers "
-                f"({', '.join(sorted(ELEMENTWISE))}); {type(template).__name__} is not one of "
-                "them: use data_parallel='ddp' or 'fsdp'"
+                f"({names}); {type(template).__name__} is not one of them: use "
+                "data_parallel='ddp' or 'fsdp'"
             )
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
@@ -639,40 +649,30 @@ def _master_dtype(param) -> torch.dtype:
 
 
 def sharded_optimizer_for(
-    optimizer, parallel, data_parallel: str, grad_reduce_dtype=None, experts=()
-):
+    optimizer, parallel, stage: int, grad_reduce_dtype=None, experts=()
+) -> "ShardedOptimizer":
     """The :class:`ShardedOptimizer` of ``optimizer`` (built over the model's parameters, not
-    stepped) for ``data_parallel`` ("zero1" / "zero2") over ``parallel``'s DP mesh dimension
-    (with context parallelism: over the DP x CP ranks, which hold the same weights);
-    ``experts`` (expert-parallel parameters) over the ranks holding the same experts."""
+    stepped) at ZeRO ``stage`` (1 or 2) over ``parallel``'s replicas of the dense weights (the DP
+    ranks, and the CP ranks beside them: they hold the same weights); ``experts``
+    (expert-parallel parameters) over the ranks holding the same experts."""
     if any(optimizer.state.values()):
         raise ValueError(
-            f"data_parallel={data_parallel!r}: the optimizer has stepped already (its state is "
+            f"data_parallel='zero{stage}': the optimizer has stepped already (its state is "
             "whole); pass it before its first step (or a callable that builds it)"
         )
     meshes = {}
     if experts:
         mesh = _expert_dp_mesh(parallel)
         meshes = {p: mesh for p in experts}
-    dp_mesh = parallel.mesh["dp"]
-    if getattr(parallel, "cp", 1) > 1:  # the CP ranks hold the same weights: rows over DP x CP
-        from torch.distributed.device_mesh import DeviceMesh
-
-        dp_mesh = DeviceMesh.from_group(parallel.dp_cp_group, parallel.device.type)
-    return ShardedOptimizer(
-        optimizer,
-        dp_mesh,
-        ZERO_STAGES[data_parallel],
-        grad_reduce_dtype,
-        meshes=meshes,
-    )
+    dp_mesh = Replicas.of(parallel).mesh
+    return ShardedOptimizer(optimizer, dp_mesh, stage, grad_reduce_dtype, meshes=meshes)
 
 
 def _expert_dp_mesh(parallel):
     """A 1-d mesh over the ranks holding the same experts as this one (None: no other rank
     does), for the expert state's DTensors."""
-    group = getattr(parallel, "expert_dp_group", None)
-    if group is None or comm.resolve_group(group).size == 1:
+    group = parallel.expert_dp_group
+    if comm.resolve_group(group).size == 1:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 

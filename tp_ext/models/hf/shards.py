@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tp_ext.dims import ParallelDims
 from tp_ext.layers import ResolvedGroup
 from tp_ext.layers.moe import expert_count
 from tp_ext.parallelize import Colwise, parallelize
@@ -254,7 +255,8 @@ class HFModelShards:
 
     def _convert(self, tp, tp_rank, ep, ep_rank) -> dict:
         model = meta_model(self.config)
-        parallel = types.SimpleNamespace(
+        parallel = types.SimpleNamespace(  # what parallelize reads of a ParallelState
+            dims=ParallelDims(tp=tp, ep=ep),
             tp_group=ResolvedGroup.virtual(tp, tp_rank),
             ep=ep,
             ep_group=ResolvedGroup.virtual(ep, ep_rank),

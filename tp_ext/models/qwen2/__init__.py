@@ -5,7 +5,6 @@ from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.hf_layout import checkpoint_map, hf_to_tp_ext_names
 from tp_ext.models.qwen2.model import Qwen2ForCausalLM
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
-from tp_ext.validation import deprecated_aliases
 
 __all__ = [
     "Qwen2Config",
@@ -14,8 +13,3 @@ __all__ = [
     "checkpoint_map",
     "hf_to_tp_ext_names",
 ]
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"checkpoint_layout": (checkpoint_map, "checkpoint_map")}
-)

@@ -8,7 +8,6 @@ import torch
 
 from tp_ext.checkpoint.layout import Piece
 from tp_ext.models.qwen2.config import Qwen2Config
-from tp_ext.validation import deprecated_aliases
 
 __all__ = ["FORMATS", "checkpoint_map", "hf_to_tp_ext_names", "hf_config"]
 
@@ -120,8 +119,3 @@ def hf_config(config: Qwen2Config, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-
-
-__getattr__ = deprecated_aliases(
-    __name__, {"checkpoint_layout": (checkpoint_map, "checkpoint_map")}
-)

@@ -9,7 +9,6 @@ up). Where they live in Hugging Face checkpoints: :mod:`tp_ext.models.qwen2.hf_l
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Optional
 
 import torch
@@ -21,6 +20,7 @@ from tp_ext import checkpoint
 from tp_ext.checkpoint.hf import model_group
 from tp_ext.checkpoint.layout import detect_checkpoint_map, expected_shapes
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
+from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
 from tp_ext.distributed.state import PROCESS
@@ -90,7 +90,7 @@ class _Qwen2Model(ParallelModule):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw) if norm else None
 
 
-class Qwen2ForCausalLM(ParallelModule):
+class Qwen2ForCausalLM(ParallelModule, ParallelModel):
     """``forward(input_ids)`` gives full-vocabulary logits ``[batch, seq, vocab]`` on every rank
     (``local_logits=True``: this rank's vocabulary shard, for the vocab-parallel loss);
     ``generate(input_ids, max_new_tokens)`` decodes greedily with a KV cache.
@@ -107,20 +107,6 @@ class Qwen2ForCausalLM(ParallelModule):
     initialised) equal to it; the Trainer sums the two gradients, so they stay equal. Without
     ``parallel``, ``tp_group`` alone gives a TP-only model holding every layer.
     """
-
-    def __new__(cls, *args, parallel=None, **kwargs):
-        # Deprecated path (one release): the constructor with a 2D grid gave the 2D model, which
-        # is not an instance of this class. from_config is the factory that picks the class.
-        if cls is Qwen2ForCausalLM and _is_grid(parallel):
-            warnings.warn(
-                "Qwen2ForCausalLM(config, parallel=<state with tp=(P, Q)>) is deprecated and "
-                "will be refused in the next release: it returns a Qwen2ForCausalLM2D, which is "
-                "not a Qwen2ForCausalLM; use Qwen2ForCausalLM.from_config(config, parallel=...)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return Qwen2ForCausalLM2D(*args, parallel=parallel, **kwargs)
-        return super().__new__(cls)
 
     @classmethod
     def from_config(cls, config: Qwen2Config, *, parallel=None, **kwargs):
@@ -149,6 +135,12 @@ class Qwen2ForCausalLM(ParallelModule):
         dtype = as_torch_dtype(dtype)
         if cp_mode not in CP_MODES:
             raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
+        if _is_grid(parallel):
+            raise ValueError(
+                f"Qwen2ForCausalLM: parallel has a 2D grid (tp={parallel.dims.grid}), which this "
+                "1D class does not lay out; build the grid's model with "
+                "Qwen2ForCausalLM.from_config(config, parallel=state) (a Qwen2ForCausalLM2D)"
+            )
         if parallel is not None:
             if tp_group is not None:
                 raise ValueError(
@@ -193,7 +185,10 @@ class Qwen2ForCausalLM(ParallelModule):
             init_weights(self, config, seed)
         self.activation_checkpointing = False
         self.cp_group = None  # context parallelism: the ranks that share each sequence
-        if parallel is not None and getattr(parallel, "cp", 1) > 1:
+        # the whole sequence's length, which a stage after the first (its input this rank's
+        # positions' hidden states) cannot see: set by whoever runs the stages
+        self.sequence_length: Optional[int] = None
+        if parallel is not None and parallel.dims.cp_enabled:
             self._use_context_parallel(parallel, cp_mode)
 
     def _use_context_parallel(self, parallel, cp_mode: str) -> None:
@@ -205,9 +200,6 @@ class Qwen2ForCausalLM(ParallelModule):
                 "yet; set attention_dropout=0 in the config"
             )
         self.cp_group = resolve_group(parallel.cp_group)
-        # the whole sequence's length, which a stage after the first (its input this rank's
-        # positions' hidden states) cannot see: set by whoever runs the stages
-        self.sequence_length = None
         for i in self.model.layers.indices():
             attn = self.model.layers[i].self_attn
             attn.cp, attn.cp_mode = self.cp_group, cp_mode
@@ -216,12 +208,22 @@ class Qwen2ForCausalLM(ParallelModule):
     def is_pipelined(self) -> bool:
         return self.stage_split.pp > 1
 
+    loss_kind = LossKind.VOCAB_SHARD  # the last stage gives this rank's vocabulary shard
+
     def local_sequence(self, length: int) -> int:
         """The positions of a ``length``-token sequence this rank's stages compute and send on:
         its CP positions (all of them without context parallelism)."""
         if self.cp_group is None:
             return length
         return len(cp_positions(length, group=self.cp_group))
+
+    def loss_positions(self, length: int) -> Optional[torch.Tensor]:
+        """This CP rank's positions, whose logits the last stage gives (None without CP)."""
+        return None if self.cp_group is None else cp_positions(length, group=self.cp_group)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
 
     def tied_weights(self) -> list[torch.Tensor]:
         """The copies of a tied embedding this rank holds under pipelining: the embedding's on
@@ -324,21 +326,6 @@ class Qwen2ForCausalLM(ParallelModule):
     def checkpoint_map(self, fmt: Optional[str] = None):
         """This model's tensors in a Hugging Face checkpoint of format ``fmt`` (None: "qwen2")."""
         return hf_layout.checkpoint_map(self.config, fmt or self.checkpoint_formats[0])
-
-    def checkpoint_layout(self, fmt: Optional[str] = None):
-        """Deprecated: :meth:`checkpoint_map` (the old name)."""
-        warnings.warn(
-            "checkpoint_layout is deprecated: use checkpoint_map", DeprecationWarning, stacklevel=2
-        )
-        return self.checkpoint_map(fmt)
-
-    @property
-    def stage_layout(self) -> StageSplit:
-        """Deprecated: :attr:`stage_split` (which stage holds which layers)."""
-        warnings.warn(
-            "stage_layout is deprecated: use stage_split", DeprecationWarning, stacklevel=2
-        )
-        return self.stage_split
 
     def hf_config(self, dtype: torch.dtype) -> dict:
         return hf_layout.hf_config(self.config, dtype)
@@ -450,7 +437,7 @@ class Qwen2ForCausalLM(ParallelModule):
 
 def _is_grid(parallel) -> bool:
     """Whether a ParallelState lays tensor parallelism out on a P x Q grid."""
-    return getattr(parallel, "tp_grid", None) is not None
+    return parallel is not None and parallel.dims.grid is not None
 
 
 class _Stage(nn.Module):

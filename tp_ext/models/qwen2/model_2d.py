@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Optional
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.base import no_init
@@ -38,7 +38,7 @@ from tp_ext.layers.summa_blocks import (
 from tp_ext.models.qwen2 import hf_layout
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
-from tp_ext.sharding import shard_range, shard_sizes
+from tp_ext.sharding import StageSplit, shard_range, shard_sizes
 from tp_ext.validation import as_torch_dtype
 
 __all__ = ["Qwen2ForCausalLM2D"]
@@ -55,15 +55,19 @@ class _Model2D(nn.Module):
         self.norm = RMSNorm2D(config.hidden_size, config.rms_norm_eps, grid, **kw)
 
 
-class Qwen2ForCausalLM2D(nn.Module):
+class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
     """Qwen2 causal LM on a grid. ``forward(input_ids)`` (the whole ``[batch, seq]`` ids on every
     rank) gives the full logits ``[batch, seq, vocab]`` on every rank, or with
     ``local_logits=True`` this rank's block (grid row i's sequences, column j's vocabulary);
-    :meth:`summed_loss` takes that block to the loss without gathering it."""
+    :meth:`summed_loss` takes that block to the loss without gathering it.
 
-    # Read by the Trainer to pick its 2D step (its strategies are chosen elsewhere); the
-    # checkpoint and gradient-norm code read the parameters' ShardSpecs instead.
-    is_2d = True
+    As a :class:`~tp_ext.contract.ParallelModel` it is one stage whose output is its logits
+    block (``LossKind.GRID_BLOCK``); the checkpoint and gradient-norm code read the parameters'
+    ShardSpecs (grid blocks)."""
+
+    loss_kind = LossKind.GRID_BLOCK
+    stage_ids = [0]
+    sequence_length = None
 
     def __init__(
         self,
@@ -80,7 +84,8 @@ class Qwen2ForCausalLM2D(nn.Module):
         dtype = as_torch_dtype(dtype)
         if tp_group is not None:
             raise ValueError("a 2D model takes parallel= (or grid=), not tp_group=")
-        grid = grid if grid is not None else getattr(parallel, "tp_grid", None)
+        if grid is None and parallel is not None:
+            grid = parallel.tp_grid
         if grid is None:
             raise ValueError(
                 "Qwen2ForCausalLM2D needs a grid: parallel=tp_ext.init_parallel(tp=(P, Q)) or grid="
@@ -113,6 +118,35 @@ class Qwen2ForCausalLM2D(nn.Module):
         if seed is not None:
             init_weights(self, config, seed)
         self.activation_checkpointing = False
+        self.stage_split = StageSplit(config.num_hidden_layers)
+
+    # -- the model contract ------------------------------------------------------------------------
+
+    def stage_modules(self) -> list[nn.Module]:
+        return [_Stage2D(self)]
+
+    def stage_forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        return self(x, local_logits=True)
+
+    def tied_weights(self) -> list:
+        return []
+
+    def tied_group(self):
+        return None
+
+    def local_sequence(self, length: int) -> int:
+        return length
+
+    def loss_positions(self, length: int):
+        return None
+
+    @property
+    def local_vocab_size(self) -> int:
+        return self.lm_head.out_sizes[self.grid.col]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
 
     # -- forward and loss -------------------------------------------------------------------------
 
@@ -158,13 +192,6 @@ class Qwen2ForCausalLM2D(nn.Module):
         """The 1D model's fusions of these tensors (q, k, v; gate, up): what keeps training
         checkpoints of the two interchangeable (:mod:`tp_ext.checkpoint.dcp`)."""
         return hf_layout.checkpoint_map(self.config, fmt or "qwen2")
-
-    def checkpoint_layout(self, fmt: Optional[str] = None):
-        """Deprecated: :meth:`checkpoint_map` (the old name)."""
-        warnings.warn(
-            "checkpoint_layout is deprecated: use checkpoint_map", DeprecationWarning, stacklevel=2
-        )
-        return self.checkpoint_map(fmt)
 
     def load_full_state_dict(self, full, strict: bool = True) -> None:
         load_full_state_dict(self, full, strict)
@@ -214,6 +241,21 @@ class Qwen2ForCausalLM2D(nn.Module):
         )
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_layout.hf_config(self.config, dtype), f, indent=2)
+
+
+class _Stage2D(nn.Module):
+    """The one stage of a :class:`Qwen2ForCausalLM2D` (what DDP and FSDP2 wrap): the model's
+    modules, its decoder layers by index; ids in, this rank's logits block out."""
+
+    def __init__(self, model: Qwen2ForCausalLM2D):
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # the modules below are its own
+        self.embed_tokens, self.norm = model.model.embed_tokens, model.model.norm
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
+        self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model(x, local_logits=True)
 
 
 def _read_block(piece, name: str, param, spec, owner, path: str) -> torch.Tensor:

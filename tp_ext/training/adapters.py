@@ -1,0 +1,139 @@
+"""The model a Trainer trains, as a :class:`~tp_ext.contract.ParallelModel`.
+
+tp_ext's native Qwen2 (1D and 2D) and the transformers stages ``parallelize`` returns at
+pp > 1 declare the contract themselves. Two other kinds of model are adapted, once:
+
+- a transformers causal LM that ``tp_ext.parallelize(model, "auto", parallel=state)``
+  converted at pp = 1 becomes its one pipeline stage (``single_stage``), so DDP or FSDP2,
+  recompute, compression and resharding checkpoints apply as at pp > 1; with expert
+  parallelism it runs whole (:class:`WholeModel`, full logits and its router loss);
+- any other module (plain, or 1D tensor parallel through a ``tp_group``) runs whole.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tp_ext.contract import LossKind, ParallelModel
+from tp_ext.layers import ParallelModule, expert_parameters
+from tp_ext.layers.context import cp_positions
+from tp_ext.parallelize.stages import is_transformers_model, single_stage
+from tp_ext.sharding import StageSplit
+
+__all__ = ["WholeModel", "trained_model"]
+
+
+class _LocalLogits(nn.Module):
+    """A tp_ext causal LM called for this rank's vocabulary shard of the logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, local_logits=True)
+
+
+class WholeModel(ParallelModel):
+    """``module`` as the one stage of a :class:`~tp_ext.contract.ParallelModel`: its forward
+    gives ``loss_kind``'s output (``VOCAB_SHARD``: ``module(ids, local_logits=True)``;
+    ``FULL_LOGITS``: ``module(ids)``). ``cp_group``: under context parallelism (a transformers
+    model converted with ``parallel=``), the group whose positions its logits are."""
+
+    stage_ids = [0]
+    sequence_length = None
+    activation_checkpointing = False
+
+    def __init__(self, module: nn.Module, parallel, loss_kind: LossKind, cp_group=None) -> None:
+        self.module, self.parallel, self.loss_kind, self.cp_group = (
+            module,
+            parallel,
+            loss_kind,
+            cp_group,
+        )
+        self.stage_split = StageSplit(1)
+        self._stage = module if loss_kind is LossKind.FULL_LOGITS else _LocalLogits(module)
+
+    def stage_modules(self) -> list[nn.Module]:
+        return [self._stage]
+
+    def stage_forward(self, stage: int, x: torch.Tensor):
+        return self._stage(x)
+
+    def tied_weights(self) -> list:
+        return []
+
+    def tied_group(self):
+        return None
+
+    def loss_positions(self, length: int) -> Optional[torch.Tensor]:
+        return None if self.cp_group is None else cp_positions(length, group=self.cp_group)
+
+    def local_sequence(self, length: int) -> int:
+        return length if self.cp_group is None else len(self.loss_positions(length))
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    @property
+    def local_vocab_size(self) -> int:
+        raise NotImplementedError("a whole model runs without a pipeline")
+
+    @property
+    def hidden_size(self) -> int:
+        raise NotImplementedError("a whole model runs without a pipeline")
+
+
+def trained_model(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]:
+    """``(contract, module)``: the ParallelModel the Trainer runs for ``model`` and the module
+    whose parameters it trains (the same object, unless adapted)."""
+    if isinstance(model, ParallelModel):
+        if model.parallel is not parallel:
+            how = "without parallel=" if model.parallel is None else "with another layout"
+            given = "none" if parallel is None else "a ParallelState"
+            raise ValueError(
+                f"Trainer(parallel=...) needs the model built with the same layout "
+                f"({type(model).__name__}(config, parallel=state)); this one was built {how}, "
+                f"and the Trainer was given {given}"
+            )
+        return model, model
+    if parallel is None:
+        takes = "local_logits" in inspect.signature(model.forward).parameters
+        kind = LossKind.VOCAB_SHARD if takes else LossKind.FULL_LOGITS
+        return WholeModel(model, None, kind), model
+    return _converted(model, parallel)
+
+
+def _converted(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]:
+    """A transformers causal LM converted by ``parallelize(..., parallel=state)`` at pp = 1."""
+    if not is_transformers_model(model) or parallel.dims.pp_enabled:
+        raise ValueError(
+            f"Trainer(parallel=...): {type(model).__name__} is neither a tp_ext model built with "
+            "parallel=state nor a transformers causal LM converted with tp_ext.parallelize("
+            "model, 'auto', parallel=state) (at pp > 1, pass the stages it returns)"
+        )
+    if parallel.tp > 1 and not any(isinstance(m, ParallelModule) for m in model.modules()):
+        raise ValueError(
+            f"Trainer(parallel=...) with tp={parallel.tp}: {type(model).__name__} holds no "
+            "tp_ext layers; convert it first with tp_ext.parallelize(model, 'auto', "
+            "parallel=state)"
+        )
+    if expert_parameters(model)[0]:  # experts run as the model runs them: whole
+        cp = parallel.cp_group if parallel.dims.cp_enabled else None
+        return WholeModel(model, parallel, LossKind.FULL_LOGITS, cp), model
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            f"Trainer(parallel=...) trains {type(model).__name__} as a pipeline stage, whose "
+            "loss is the tokens' alone: its router loss (config.output_router_logits=True) "
+            "would be dropped. Set output_router_logits=False, or train it with "
+            "Trainer(model, dp_group=state.dp_group) (full logits and the router loss)"
+        )
+    staged = single_stage(model, parallel)
+    return staged, staged

@@ -1,0 +1,288 @@
+"""The training core: one step is a runner x a gradient sync x the model's loss kind, chosen
+once, by two tables, from the job's :class:`~tp_ext.ParallelDims` and the model's declared
+contract (:class:`~tp_ext.contract.ParallelModel`).
+
+- :data:`RUNNERS` (``dims.pp_enabled``): the local loop over the micro-batches, or torch's
+  pipeline schedule over the stages (:mod:`tp_ext.training.runners`);
+- :data:`SYNCS` (``data_parallel`` x whether the model has experts): what wraps the stage
+  modules (DDP, FSDP2, nothing), which :mod:`~tp_ext.training.sync` finishes the gradients,
+  and the optimizer's ZeRO stage;
+- the loss kind is the model's own (:mod:`tp_ext.training.losses`).
+
+No class stands for one parallel form: TP (1D or a 2D grid), sequence and context
+parallelism live inside the model and its stages; pipelining is the runner; DP, CP replicas
+and experts are the sync's groups. A new combination is a row of :data:`SYNCS` and a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_ext.contract import LossKind, ParallelModel
+from tp_ext.distributed import comm
+from tp_ext.distributed.dtensors import local_tensor
+from tp_ext.layers import expert_parameters
+from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, check_schedule
+from tp_ext.pipeline.data_parallel import Replicas
+from tp_ext.pipeline.schedules import prepare_stages
+from tp_ext.training.grad_norm import clip_grad_norm_, parallel_grad_norm, scale_grads_
+from tp_ext.training.losses import Loss
+from tp_ext.training.runners import LocalRunner, PipelinedRunner
+from tp_ext.training.sync import EngineSync, GradientSync, ReduceScatterSync, ReplicaSums
+from tp_ext.training.zero import ZERO_STAGES, sharded_optimizer_for
+
+__all__ = ["RUNNERS", "SYNCS", "SyncRow", "TrainingCore", "choose_sync"]
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+# dims.pp_enabled -> the runner
+RUNNERS = {False: LocalRunner, True: PipelinedRunner}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRow:
+    """One row of :data:`SYNCS`: ``engine`` wraps the stage modules ("ddp", "fsdp"; None:
+    unwrapped), ``sync`` finishes the gradients ("engine", "sums", "reduce_scatter", "none"),
+    ``zero`` is the optimizer's ZeRO stage (None: the optimizer as given)."""
+
+    engine: Optional[str]
+    sync: str
+    zero: Optional[int] = None
+
+
+# (data_parallel, the model has experts) -> row. data_parallel is None when there is one
+# replica of the dense weights (experts may still have replicas: over TP ranks, or the CP ranks).
+SYNCS = {
+    (None, False): SyncRow(None, "none"),
+    (None, True): SyncRow(None, "sums"),
+    ("ddp", False): SyncRow("ddp", "engine"),
+    ("ddp", True): SyncRow(None, "sums"),
+    ("fsdp", False): SyncRow("fsdp", "engine"),
+    ("zero1", False): SyncRow("ddp", "engine", zero=1),
+    ("zero1", True): SyncRow(None, "sums", zero=1),
+    ("zero2", False): SyncRow(None, "reduce_scatter", zero=2),
+    ("zero2", True): SyncRow(None, "reduce_scatter", zero=2),
+}
+
+# combinations that are not rows, and why
+REFUSED = {
+    ("fsdp", True): (
+        "FSDP2 averages every parameter over one mesh, while an expert's replicas are the "
+        "ranks holding the same experts; use data_parallel='ddp', 'zero1' or 'zero2' with "
+        "expert parallelism"
+    ),
+}
+
+
+def choose_sync(data_parallel: Optional[str], dp: int, replicas: int, experts: bool) -> SyncRow:
+    """The row of :data:`SYNCS` for these settings, or an error naming the argument."""
+    known = (None, *DATA_PARALLEL, *ZERO_STAGES)
+    if data_parallel not in known:
+        raise ValueError(f"data_parallel must be one of {list(known)}, got {data_parallel!r}")
+    if data_parallel is None and dp > 1:
+        raise ValueError(
+            f"data_parallel=None with dp={dp}: the replicas would drift apart; use one of "
+            f"{list(known[1:])}"
+        )
+    if replicas == 1:
+        data_parallel = None  # nothing to shard or average over
+    elif data_parallel is None:  # cp > 1 at dp = 1: the CP ranks' gradients still add up
+        data_parallel = "ddp"
+    key = (data_parallel, experts)
+    if key in REFUSED:
+        raise ValueError(f"data_parallel={data_parallel!r}: {REFUSED[key]}")
+    return SYNCS[key]
+
+
+class TrainingCore:
+    """One step's forward and backward (:meth:`forward_backward`) and its gradient norm
+    (:meth:`clip`), from its parts: ``model`` (a ParallelModel), ``module`` (what holds the
+    parameters: the model itself, or the module a plain model adapts), the ``runner``, the
+    ``sync``, the ``loss``; ``parallel`` (None: a plain model with ``dp_group``)."""
+
+    def __init__(
+        self,
+        model,
+        module,
+        runner,
+        sync: GradientSync,
+        loss: Loss,
+        parallel,
+        dp_group,
+        data_parallel,
+    ):
+        self.model, self.module, self.runner, self.sync = model, module, runner, sync
+        self.loss, self.parallel, self.dp_group = loss, parallel, dp_group
+        self.data_parallel = data_parallel  # the engine over the replicas (None: one replica)
+        # the ranks whose loss sums make up the step's loss: the last stage's TP rank 0 of
+        # every replica (over every rank), or each DP rank of a plain model (over DP)
+        self._loss_group = dist.group.WORLD if parallel is not None else dp_group
+        self._loss_owner = parallel is None or (
+            parallel.tp_rank == 0 and model.stage_split.last_stage in model.stage_ids
+        )
+
+    def forward_backward(self, batches: Batches, precision) -> torch.Tensor:
+        """Every micro-batch forward and backward, the gradients synchronised; returns the
+        step's mean loss (the same on every rank)."""
+        count = torch.stack([self.loss.count(labels) for _, labels in batches]).sum().float()
+        if self.dp_group is not None and self.dp_group.size > 1:
+            with comm.tag("train.loss"):
+                count = comm.all_reduce(count, "sum", group=self.dp_group)
+        denominator = count.clamp_min(1) / self.sync.averages_over
+        positions = self.model.loss_positions(batches[0][0].size(1))
+        sums: list[torch.Tensor] = []
+
+        def loss_fn(output, labels):
+            loss = self.loss.summed(output, labels, positions)
+            sums.append(loss.detach().float())
+            return precision.scaled(loss / denominator)
+
+        self.sync.before_backward(len(batches))
+        with comm.tag("train.compute"):
+            self.runner.run(batches, loss_fn, precision)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.sync.after_backward(params)
+        self._sum_tied_gradients()
+        mine = torch.stack(sums).sum() if sums and self._loss_owner else None
+        total = torch.zeros((), device=count.device) if mine is None else mine
+        if self._loss_group is not None:
+            with comm.tag("train.loss"):
+                total = comm.all_reduce(total, "sum", group=self._loss_group)
+        return total / count  # nan when no target counts, as torch's mean
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """The gradient norm over every rank that holds part of the model, every element of
+        the unsharded model counted once; the gradients scaled to ``max_norm``."""
+        if self.parallel is None:
+            return clip_grad_norm_(self.module, max_norm, self.loss.tp)
+        norm = parallel_grad_norm(
+            self.module, self.parallel, self.sync.shards_gradients, self.model.tied_weights()
+        )
+        scale_grads_(self.module, max_norm, norm)
+        return norm
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self) -> None:
+        """A tied embedding split by pipelining has a copy on the first and on the last stage:
+        both get the sum of the two gradients (so both copies take the same update)."""
+        grads = [local_tensor(w.grad) for w in self.model.tied_weights() if w.grad is not None]
+        if len(grads) == 2:  # both copies on this rank (V-shaped schedules)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+            return
+        group = self.model.tied_group()
+        if group is not None and grads:
+            with comm.tag("train.tied"):
+                dist.all_reduce(grads[0], group=group)
+
+
+@dataclasses.dataclass
+class StepSettings:
+    """What a Trainer's step is built from (its keyword arguments)."""
+
+    schedule: str = "1F1B"
+    data_parallel: Optional[str] = "ddp"
+    compression: Optional[str] = None
+    ignore_index: int = -100
+    grad_reduce_dtype: Optional[torch.dtype] = None
+    overlap_param_gather: bool = False
+
+
+def assemble(model: ParallelModel, module, parallel, settings: StepSettings, make_optimizer):
+    """The :class:`TrainingCore` and the optimizer of ``model`` built with ``parallel`` (a
+    :class:`~tp_ext.ParallelState`): the row of :data:`SYNCS`, the stage modules wrapped by its
+    engine, the optimizer built over them (``make_optimizer(module)``; sharded by ZeRO, then
+    handed to the sync), the runner of :data:`RUNNERS`."""
+    dims = parallel.dims.replace(virtual_stages=model.stage_split.virtual_stages)
+    experts = expert_parameters(module)[0]
+    row = choose_sync(settings.data_parallel, dims.dp, dims.replicas, dims.ep_enabled)
+    _check_row(row, settings, dims)
+    schedule = check_schedule(settings.schedule, model.stage_split) if dims.pp_enabled else None
+    replicas = Replicas.of(parallel)
+    stages = prepare_stages(
+        model,
+        schedule,
+        row.engine,
+        replicas,
+        settings.compression,
+        settings.grad_reduce_dtype if row.sync == "engine" else None,
+    )
+    optimizer = make_optimizer(module)
+    if row.zero is not None:  # the state in rows over the replicas; experts over theirs
+        optimizer = sharded_optimizer_for(
+            optimizer, parallel, row.zero, settings.grad_reduce_dtype, experts=experts
+        )
+        optimizer.follow_model_order(module)  # buckets as the backward fills them
+        if settings.overlap_param_gather:
+            optimizer.overlap_gather_with_forward(module)
+    sync = _build_sync(row, stages, replicas, parallel, experts, module, optimizer, settings)
+    runner = RUNNERS[dims.pp_enabled]
+    runner = runner(model, sync, settings.schedule) if dims.pp_enabled else runner(model, sync)
+    tp = comm.resolve_group(parallel.tp_group)
+    aux = _aux_loss_coef(module) if model.loss_kind is LossKind.FULL_LOGITS else 0.0
+    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, aux)
+    dp = comm.resolve_group(parallel.dp_group)
+    engine = settings.data_parallel if dims.replicas > 1 else None
+    return TrainingCore(model, module, runner, sync, loss, parallel, dp, engine), optimizer
+
+
+def assemble_plain(model: ParallelModel, module, tp, dp_group, settings: StepSettings):
+    """The :class:`TrainingCore` of a model without a ParallelState: the local loop, the
+    gradients summed over ``dp_group`` (None: none), ``tp`` the model's TP group."""
+    if settings.compression is not None:
+        raise ValueError(
+            f"gradient_compression={settings.compression!r} needs Trainer(parallel=...): the "
+            "DP hooks go on the DDP modules of its stages"
+        )
+    if settings.grad_reduce_dtype is not None:
+        raise ValueError(
+            f"grad_reduce_dtype={settings.grad_reduce_dtype} applies to the DP gradient sum of a "
+            "model trained with Trainer(parallel=...)"
+        )
+    stages = prepare_stages(model, None, None, None)
+    dp = None if dp_group is None else comm.resolve_group(dp_group)
+    groups = [] if dp is None else [(list(module.parameters()), dp)]
+    sync = ReplicaSums(stages, groups)
+    aux = _aux_loss_coef(module) if model.loss_kind is LossKind.FULL_LOGITS else 0.0
+    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, aux)
+    return TrainingCore(model, module, LocalRunner(model, sync), sync, loss, None, dp, None)
+
+
+def _build_sync(row, stages, replicas, parallel, experts, module, optimizer, settings):
+    if row.sync == "engine":
+        return EngineSync(stages, row.engine, replicas.group)
+    if row.sync == "reduce_scatter":
+        return ReduceScatterSync(stages, optimizer)
+    if row.sync == "none":
+        return GradientSync(stages)
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in module.parameters() if id(p) not in expert_ids]
+    groups = [(dense, replicas.group), (list(experts), parallel.expert_dp_group)]
+    return ReplicaSums(stages, groups, settings.grad_reduce_dtype)
+
+
+def _check_row(row: SyncRow, settings: StepSettings, dims) -> None:
+    if settings.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {settings.schedule!r}")
+    if settings.compression is not None and row.sync != "engine" and dims.replicas > 1:
+        raise ValueError(
+            f"data_parallel={settings.data_parallel!r}, gradient_compression="
+            f"{settings.compression!r}: compression runs as DDP's communication hooks, which "
+            "this combination does not use (expert parallelism sums its own groups, ZeRO-2 "
+            "reduce-scatters); use data_parallel='ddp' without experts, or no compression"
+        )
+    if settings.compression is not None and row.zero is not None:
+        raise ValueError(
+            f"data_parallel={settings.data_parallel!r} with gradient_compression="
+            f"{settings.compression!r} is not supported: use data_parallel='ddp'"
+        )
+
+
+def _aux_loss_coef(module) -> float:
+    """A transformers mixture-of-experts model's router-loss weight (0: none, or not asked)."""
+    config = getattr(module, "config", None)
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)

@@ -1,0 +1,70 @@
+"""The runner of a training step: how the micro-batches go forward and backward through the
+stage modules this rank holds. This is the only place the parallel form decides how a step
+runs, and it has two cases (as torchtitan's ``pp_enabled``):
+
+- :class:`LocalRunner`: one stage (no pipeline): each micro-batch's forward, loss and backward
+  in turn, the gradient sync's engine told which backward is the last;
+- :class:`PipelinedRunner`: torch.distributed.pipelining's schedule over the stages.
+
+Both call ``loss_fn(output, labels)`` on the last stage's output of each micro-batch and
+backpropagate what it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tp_ext.pipeline import PipelineRunner
+
+__all__ = ["LocalRunner", "PipelinedRunner"]
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LocalRunner:
+    """The one stage module of ``sync`` (wrapped by its engine, if any), micro-batch after
+    micro-batch; the forward under ``precision``'s autocast, the backward outside it."""
+
+    schedule_name = None
+    pipeline = None
+
+    def __init__(self, model, sync) -> None:
+        self.model, self.sync = model, sync
+        (self.module,) = sync.modules
+
+    def run(self, batches: Batches, loss_fn: Callable, precision) -> None:
+        last = len(batches) - 1
+        for i, (ids, labels) in enumerate(batches):
+            with self.sync.accumulating(self.module, last=i == last):
+                with precision.autocast(ids.device):
+                    loss = loss_fn(self.module(ids), labels)
+                loss.backward()
+
+
+class PipelinedRunner:
+    """torch's schedule ``schedule`` over the stage modules of ``sync``; every micro-batch of a
+    step has one shape (the stages exchange fixed-size activations)."""
+
+    def __init__(self, model, sync, schedule: str) -> None:
+        self.model = model
+        self.pipeline = PipelineRunner(model, schedule, sync.stages)
+
+    @property
+    def schedule_name(self) -> str:
+        return self.pipeline.schedule.name
+
+    def run(self, batches: Batches, loss_fn: Callable, precision) -> None:
+        shapes = {tuple(ids.shape) for ids, _ in batches}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"under pipelining every micro-batch must have one shape (the stages exchange "
+                f"fixed-size activations); got {sorted(shapes)}"
+            )
+        ids = torch.cat([b[0] for b in batches])
+        labels = torch.cat([b[1] for b in batches])
+        device = ids.device
+        with precision.autocast(device):
+            logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
+            self.pipeline.step(ids, labels, len(batches), loss_fn, logits_dtype)
