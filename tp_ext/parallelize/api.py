@@ -38,7 +38,6 @@ from typing import Union
 
 from torch import nn
 
-from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
 from tp_ext.layers import ColumnParallelLinear, ParallelModule
 from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
@@ -46,7 +45,7 @@ from tp_ext.parallelize.context import check_context_parallel, use_context_paral
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.modules import attention_heads, fuse_rms_norms, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
-from tp_ext.parallelize.sequence_parallel import SequenceShards
+from tp_ext.parallelize.sequence_parallel import SequenceShards, sum_gradients_over
 from tp_ext.parallelize.stages import (
     StagedCausalLM,
     default_pipeline_split,
@@ -417,8 +416,6 @@ def _sum_gradients_over_heads(attention: nn.Module, tp) -> list[str]:
             isinstance(m, ParallelModule) for m in sub.modules()
         ):
             continue
-        for param_name, param in sub.named_parameters(recurse=False):
-            if param.requires_grad:
-                param.register_hook(lambda grad: comm.all_reduce(grad, "sum", tp))
-                hooked.append(f"{sub_name}.{param_name}" if sub_name else param_name)
+        for param_name in sum_gradients_over(sub, tp):
+            hooked.append(f"{sub_name}.{param_name}" if sub_name else param_name)
     return hooked

@@ -40,7 +40,7 @@ from tp_ext.parallelize.modules import (
     localize_attention,
     shard_experts,
 )
-from tp_ext.parallelize.sequence_parallel import SequenceShards
+from tp_ext.parallelize.sequence_parallel import SequenceShards, sum_gradients_over
 from tp_ext.sharding import Partition
 from tp_ext.validation import check_int
 
@@ -355,9 +355,7 @@ class SequenceParallel(ParallelStyle):
         # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
         if self.gather_output:
             module.register_forward_hook(target.shards.gather_output)
-        for p in module.parameters():
-            if p.requires_grad:  # frozen weights (fine-tuning) have no gradient to reduce
-                p.register_hook(target.shards.all_reduce_grad)
+        sum_gradients_over(module, target.tp)  # each rank's gradient is from its tokens only
         output = "output all-gathered" if self.gather_output else "output stays split"
         return module, f"runs on this rank's shard, {output}"
 
