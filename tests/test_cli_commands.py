@@ -139,10 +139,10 @@ def test_an_error_in_the_job_keeps_its_traceback_and_exits_1():
     its traceback is printed and the exit status is 1, not 2."""
     code = (
         "import sys\n"
-        "from tp_ext.cli import main, run\n"
+        "from tp_ext.cli import main, self_check\n"
         "def boom(self, model):\n"
         "    raise ValueError('boom in the training stage')\n"
-        "run._SelfCheck.train = boom\n"
+        "self_check.SelfCheck.train = boom\n"
         f"sys.exit(main(['run', {MINI!r}, '--steps', '1']))\n"
     )
     proc = _python(code)

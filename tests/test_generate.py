@@ -409,7 +409,7 @@ def test_generate_command_prints_transformers_text(tmp_path, nproc, flags):
     out = reference.generate(**batch, max_new_tokens=6, do_sample=False)
     width = batch["input_ids"].size(1)
     assert result["outputs"] == tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    assert result["layout"]["pp"] == 2 and result["tokens_per_s"] > 0
+    assert result["dims"]["pp"] == 2 and result["tokens_per_s"] > 0
     assert len(result["memory"]) == nproc and result["kv_cache_bytes_rank0"] > 0
 
 

@@ -48,8 +48,10 @@ __all__ = [
     "ParallelSettings",
     "DataSettings",
     "CheckpointSettings",
+    "GenerationSettings",
     "DTYPES",
     "PARALLEL_FIELDS",
+    "GENERATION_FIELDS",
     "check_expert_parallel",
     "check_pipeline_fields",
     "default_micro_batches",
@@ -344,6 +346,37 @@ class DataSettings:
                 f"values that work: {works}"
             )
         return self.global_batch // per_step
+
+
+# What tp-ext generate decodes with (tp_ext.generate's arguments): up to 2**20 new tokens.
+GENERATION_FIELDS = {
+    "max_new_tokens": Field("int", 1, 2**20, help="tokens to generate per prompt"),
+    "do_sample": Field("bool", help="sample instead of greedy decoding"),
+    "temperature": Field("float", 0, low_open=True, help="the sampling temperature"),
+    "top_k": Field("int", 1, 2**31, help="sample among the k most likely tokens"),
+    "top_p": Field("float", 0, 1, low_open=True, help="sample among the top-p probability mass"),
+    "seed": Field("int", 0, 2**62, help="the draws' seed"),
+    "micro_batches": Field("int", 1, 2**16, help="micro-batches in flight through the stages"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """How ``tp-ext generate`` decodes (:func:`tp_ext.generate`'s arguments): greedy, or with
+    ``do_sample`` drawn at ``temperature`` among the ``top_k`` tokens / the ``top_p`` mass, from
+    ``seed``; ``micro_batches`` in flight through the pipeline stages (None: one per stage)."""
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+    micro_batches: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        values = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        check_fields("generation.", values, GENERATION_FIELDS)
 
 
 CHECKPOINT_FIELDS = {

@@ -12,6 +12,7 @@ spaces. ``--prompt`` (repeatable) gives prompts on the command line instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,9 +21,12 @@ import torch
 import torch.distributed as dist
 
 from tp_ext.checkpoint import peak_rss_bytes
+from tp_ext.cli.flags import add_field_flag
 from tp_ext.cli.launch import one_process_unless_launched
+from tp_ext.config import GENERATION_FIELDS, PARALLEL_FIELDS, GenerationSettings
 from tp_ext.distributed import comm, destroy_parallel, init_parallel
 from tp_ext.generation import generate
+from tp_ext.validation import as_torch_dtype
 
 __all__ = ["add_arguments", "main"]
 
@@ -33,40 +37,37 @@ HELP = (
 
 # a directory holding one of these has a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="a transformers checkpoint directory")
-    layout = parser.add_argument_group("layout (the ranks left over are data replicas)")
-    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    layout.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    layout.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
+    dims = parser.add_argument_group("dims (the ranks left over are data replicas)")
+    for name in ("tp", "pp", "ep"):
+        add_field_flag(dims, name, PARALLEL_FIELDS[name], "" if name == "ep" else "1", default=1)
     prompts = parser.add_argument_group("prompts")
     prompts.add_argument("--prompt-file", help="one prompt per line (text, or token ids)")
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     decode = parser.add_argument_group("decoding (greedy unless --do-sample)")
-    decode.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
-    decode.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    decode.add_argument("--temperature", type=float, default=1.0)
-    decode.add_argument("--top-k", type=int, default=None)
-    decode.add_argument("--top-p", type=float, default=None)
-    decode.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
+    defaults = GenerationSettings()
+    for name, rule in GENERATION_FIELDS.items():
+        default = getattr(defaults, name)
+        add_field_flag(decode, name, rule, "" if default is None else str(default), default=default)
     decode.add_argument(
         "--eos-token-id",
         type=int,
         action="append",
-        help="a token that ends a sequence (repeatable; default: the checkpoint's generation "
-        "config's EOS ids)",
+        default=None,
+        help="stop a row at this token (repeatable; default: the checkpoint's)",
     )
-    decode.add_argument(
-        "--micro-batches", type=int, default=None, help="in flight through the stages"
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's"
-    )
+    add_field_flag(parser, "dtype", PARALLEL_FIELDS["dtype"], "the checkpoint's", default=None)
     parser.add_argument("--ids", action="store_true", help="print token ids, not text")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def settings_of(args) -> GenerationSettings:
+    """The decoding settings the flags give (each checked by its field's rule)."""
+    fields = {name: getattr(args, name) for name in GENERATION_FIELDS}
+    return GenerationSettings(**{**fields, "do_sample": bool(fields["do_sample"])})
 
 
 def _tokenizer(path: str):
@@ -118,15 +119,13 @@ def _prompts(args, tokenizer) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
 def _check(args) -> None:
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is not a checkpoint directory")
-    for name in ("tp", "pp", "ep"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
 
 
 def main(args) -> int:
     from tp_ext.models.hf.source import HFModelSource
 
     _check(args)
+    settings = settings_of(args)
     source = HFModelSource.from_path(args.model)
     tokenizer = _tokenizer(args.model)
     ids, mask, lines = _prompts(args, tokenizer)
@@ -135,7 +134,7 @@ def main(args) -> int:
     one_process_unless_launched("generate")
     state = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
     try:
-        dtype = DTYPES[args.dtype] if args.dtype else _checkpoint_dtype(source)
+        dtype = as_torch_dtype(args.dtype) if args.dtype else _checkpoint_dtype(source)
         started = time.perf_counter()
         model, _ = source.build_and_load(state, dtype=dtype, seed=0)
         model.eval()
@@ -144,15 +143,9 @@ def main(args) -> int:
             model,
             ids.to(state.device),
             mask.to(state.device),
-            max_new_tokens=args.max_new_tokens,
-            do_sample=args.do_sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
+            **dataclasses.asdict(settings),
             eos_token_id=eos,
             pad_token_id=pad,
-            seed=args.seed,
-            micro_batches=args.micro_batches,
             return_report=True,
         )
         memory = _memory_per_rank(state)
@@ -186,7 +179,7 @@ def _print(args, tokenizer, lines, ids, out, report, memory, load_s, state) -> N
     if tokenizer is not None and not args.ids:
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     result = {
-        "layout": {"tp": state.tp, "pp": state.pp, "dp": state.dp, "ep": state.ep},
+        "dims": state.dims.as_dict(),
         "new_tokens": report["new_tokens"],
         "tokens_per_s": report["tokens_per_s"],
         "first_token_s": report["first_token_s"],

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 
 from tp_ext.checkpoint import current_rss_bytes, peak_rss_bytes, save_hf_checkpoint
 from tp_ext.cli.logs import REPORT
-from tp_ext.cli.run import _data, _SelfCheck, _whole_state_dict
+from tp_ext.cli.self_check import SelfCheck, toy_data, whole_state_dict
 from tp_ext.distributed import comm
 from tp_ext.generation import generate
 from tp_ext.models.footprint import format_pipeline_footprint
 from tp_ext.models.hf.footprint import hf_pipeline_footprint
 from tp_ext.models.hf.source import HFModelSource
-from tp_ext.training import Trainer, build_optimizer
+from tp_ext.training import build_optimizer
 
 __all__ = ["HFSelfCheck"]
 
@@ -51,7 +51,7 @@ def _shard_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-class HFSelfCheck(_SelfCheck):
+class HFSelfCheck(SelfCheck):
     """The main job's steps for a transformers model (``inputs.small``: its small config)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -81,7 +81,7 @@ class HFSelfCheck(_SelfCheck):
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device)
 
-    # -- the family hooks of _SelfCheck ------------------------------------------------------
+    # -- the family hooks of SelfCheck ------------------------------------------------------
 
     load_note = (
         "each rank builds the model on the meta device and allocates only its shards, which its "
@@ -212,7 +212,7 @@ class HFSelfCheck(_SelfCheck):
         )
         reference = self.transformers_model(hf_dir)
         small = self.inputs.small
-        ids = _data(small, 4, 24, seed=self.inputs.small_job.parallel.seed + 1).to(self.device)
+        ids = toy_data(small, 4, 24, seed=self.inputs.small_job.parallel.seed + 1).to(self.device)
         model.eval()
         self.compare_logits(model, reference, ids, "transformers' single-process model")
         prompt = ids[:, :6]
@@ -225,22 +225,12 @@ class HFSelfCheck(_SelfCheck):
         """[5] The training state through DCP into a fresh model (bitwise), and a merged
         export transformers loads."""
         sharded = os.path.join(self.workdir, "sharded")
-        whole_state = _whole_state_dict(model)
+        whole_state = whole_state_dict(model)
         trainer.save_checkpoint(sharded)
-        settings = self.inputs.job.parallel
         fresh = self.build_model()
-        fresh_trainer = Trainer(
-            fresh,
-            lambda params: build_optimizer(fresh, self.inputs.small_job.optimizer),
-            max_grad_norm=self.inputs.max_grad_norm,
-            parallel=self.state,
-            schedule=settings.schedule,
-            data_parallel=settings.data_parallel,
-            overlap_param_gather=settings.overlap_param_gather,
-            activation_checkpointing=settings.activation_checkpointing,
-        )
+        fresh_trainer = self.trainer_for(fresh)
         info = fresh_trainer.load_checkpoint(sharded)
-        fresh_state = _whole_state_dict(fresh)
+        fresh_state = whole_state_dict(fresh)
         differ = [k for k in whole_state if not torch.equal(whole_state[k], fresh_state.get(k))]
         bitwise = fresh_state.keys() == whole_state.keys() and not differ
         self.check(

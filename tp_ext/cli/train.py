@@ -60,7 +60,7 @@ from tp_ext.distributed import comm, destroy_parallel, init_parallel, launcher_s
 from tp_ext.models import Qwen2ForCausalLM
 from tp_ext.models.hf.source import HFModelSource
 from tp_ext.parallelize.context import CP_ARCHITECTURES
-from tp_ext.training import Trainer, build_lr_scheduler, build_optimizer
+from tp_ext.training import Trainer
 from tp_ext.training.loop import Wording
 from tp_ext.training.optimizer import OPTIMIZER_FIELDS
 from tp_ext.validation import ConfigError, as_torch_dtype
@@ -202,19 +202,8 @@ def _build(state, run: _Run):
         seed=job.data.seed,
         vocab_size=job.model.vocab_size,
     )
-    return Trainer(
-        model,
-        # called after DDP/FSDP2 wrapping, so FSDP2's sharded parameters are the ones stepped
-        optimizer=lambda params: build_optimizer(model, job.optimizer),
-        parallel=state,
-        schedule=p.schedule,
-        max_grad_norm=run.max_grad_norm,
-        data_parallel=p.data_parallel,
-        grad_reduce_dtype=as_torch_dtype(p.grad_reduce_dtype),
-        overlap_param_gather=p.overlap_param_gather,
-        activation_checkpointing=p.activation_checkpointing,
-        lr_scheduler=lambda optimizer: build_lr_scheduler(optimizer, job.optimizer, run.steps),
-        data=batches,
+    return Trainer.from_config(
+        job, model, state, steps=run.steps, max_grad_norm=run.max_grad_norm, data=batches
     )
 
 

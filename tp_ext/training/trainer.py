@@ -35,7 +35,7 @@ from tp_ext.dims import ParallelDims
 from tp_ext.distributed import comm
 from tp_ext.pipeline import PipelineRunner
 from tp_ext.training import loop
-from tp_ext.training.adapters import WholeModel, trained_model
+from tp_ext.training.adapters import trained_model
 from tp_ext.training.checkpoint_parts import (
     CompressionPart,
     JsonPart,
@@ -46,10 +46,20 @@ from tp_ext.training.checkpoint_parts import (
 from tp_ext.training.checkpointer import CheckpointManager
 from tp_ext.training.core import StepSettings, assemble, assemble_plain
 from tp_ext.training.grad_norm import model_tp_group
-from tp_ext.training.optimizer import build_optimizer
+from tp_ext.training.optimizer import build_lr_scheduler, build_optimizer
 from tp_ext.training.precision import Precision
-from tp_ext.training.zero import ZERO_STAGES, is_sharded
-from tp_ext.validation import is_number
+from tp_ext.training.trainer_checks import (
+    built_optimizer,
+    built_scheduler,
+    check_arguments,
+    check_overlap,
+    check_zero,
+    micro_batches_of,
+    set_recompute,
+    stateful_data,
+)
+from tp_ext.training.zero import is_sharded
+from tp_ext.validation import as_torch_dtype
 
 __all__ = ["Trainer"]
 
@@ -133,14 +143,12 @@ class Trainer:
         grad_reduce_dtype: Optional[torch.dtype] = None,
         overlap_param_gather: bool = False,
     ) -> None:
-        _check_arguments(max_grad_norm, autocast_dtype, activation_checkpointing)
-        _check_zero(
-            data_parallel, parallel, autocast_dtype, grad_reduce_dtype, gradient_compression
-        )
-        _check_overlap(overlap_param_gather, data_parallel)
+        check_arguments(max_grad_norm, autocast_dtype, activation_checkpointing)
+        check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, gradient_compression)
+        check_overlap(overlap_param_gather, data_parallel)
         contract, module = trained_model(model, parallel)
         self.model, self.parallel = module, parallel
-        _set_recompute(contract, activation_checkpointing)
+        set_recompute(contract, activation_checkpointing)
         settings = StepSettings(
             schedule, data_parallel, gradient_compression, ignore_index, grad_reduce_dtype,
             overlap_param_gather,
@@ -148,7 +156,7 @@ class Trainer:
         if parallel is None:
             tp = model_tp_group(module, tp_group)
             self.core = assemble_plain(contract, module, tp, dp_group, settings)
-            self.optimizer = _optimizer(optimizer, module)
+            self.optimizer = built_optimizer(optimizer, module)
         else:
             if dp_group is not None or tp_group is not None:
                 raise ValueError(
@@ -156,12 +164,12 @@ class Trainer:
                     "tp_group="
                 )
             self.core, self.optimizer = assemble(
-                contract, module, parallel, settings, lambda m: _optimizer(optimizer, m)
+                contract, module, parallel, settings, lambda m: built_optimizer(optimizer, m)
             )
         self.gradient_compression = gradient_compression if self.compression_states else None
         self._pair_onebit_adam(self.optimizer, autocast_dtype)
-        self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
-        self.data = _stateful_data(data)
+        self.lr_scheduler = built_scheduler(lr_scheduler, self.optimizer)
+        self.data = stateful_data(data)
         self.steps = 0  # optimizer steps taken (skipped fp16 steps included)
         self.max_grad_norm = max_grad_norm
         self.precision = Precision(autocast_dtype, module)
@@ -169,6 +177,43 @@ class Trainer:
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0  # steps whose gradients overflowed under fp16 (not applied)
         self.checkpointer = self._checkpointer()  # from the run's Stateful parts
+
+    @classmethod
+    def from_config(
+        cls,
+        job,
+        model: nn.Module,
+        parallel,
+        *,
+        steps: Optional[int] = None,
+        max_grad_norm: Optional[float] = None,
+        data=None,
+        autocast_dtype: Optional[torch.dtype] = None,
+    ) -> "Trainer":
+        """The Trainer a job config (:class:`tp_ext.config.JobConfig`) describes for ``model``
+        built with ``parallel``: AdamW from ``job.optimizer`` (built over the parameters after
+        DDP / FSDP2 wrapping, so FSDP2's sharded ones are the ones stepped) and, given the run's
+        total ``steps``, its LR schedule; the schedule, DP engine, gradient sum dtype,
+        overlapped gathers and recompute from ``job.parallel``. What every command trains with."""
+        p = job.parallel
+
+        def lr_schedule(optimizer):
+            return build_lr_scheduler(optimizer, job.optimizer, steps)
+
+        return cls(
+            model,
+            optimizer=lambda params: build_optimizer(model, job.optimizer),
+            parallel=parallel,
+            schedule=p.schedule,
+            max_grad_norm=max_grad_norm,
+            data_parallel=p.data_parallel,
+            grad_reduce_dtype=as_torch_dtype(p.grad_reduce_dtype),
+            overlap_param_gather=p.overlap_param_gather,
+            activation_checkpointing=p.activation_checkpointing,
+            lr_scheduler=None if steps is None else lr_schedule,
+            data=data,
+            autocast_dtype=autocast_dtype,
+        )
 
     # the core's parts, read by checkpoints, tests and tools
     @property
@@ -192,6 +237,10 @@ class Trainer:
     def compression_states(self) -> list:
         """The gradient-compression states (int8 / 1-bit residuals, PowerSGD's errors)."""
         return self.core.sync.compression_states
+
+    @property
+    def _device(self) -> torch.device:
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
@@ -231,7 +280,7 @@ class Trainer:
         synchronisation, clipping and ``optimizer.step()``. Gradients already on the parameters
         are discarded first. Returns the step's mean loss, the same on every rank; the norm
         before clipping is left in ``last_grad_norm``."""
-        batches = self._check(micro_batches)
+        batches = micro_batches_of(micro_batches, self._device)
         self.checkpointer.publish_finished()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.core.forward_backward(batches, self.precision)
@@ -400,175 +449,3 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.steps += 1
-
-    def _check(self, micro_batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if isinstance(micro_batches, torch.Tensor):
-            raise ValueError(
-                f"micro_batches must be a list of micro-batches, got one tensor of "
-                f"shape {tuple(micro_batches.shape)}; pass [input_ids]"
-            )
-        if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
-            raise ValueError(
-                f"micro_batches must be a non-empty list of input_ids tensors or "
-                f"(input_ids, labels) pairs, got {micro_batches!r}"
-            )
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        batches = []
-        for i, item in enumerate(micro_batches):
-            ids, labels = (
-                (item, item.long())
-                if isinstance(item, torch.Tensor)
-                else (
-                    tuple(item)
-                    if isinstance(item, (list, tuple)) and len(item) == 2
-                    else (None, None)
-                )
-            )
-            if not isinstance(ids, torch.Tensor) or not isinstance(labels, torch.Tensor):
-                raise ValueError(
-                    f"micro_batches[{i}] must be an input_ids tensor or an "
-                    f"(input_ids, labels) pair of tensors, got {type(item).__name__}"
-                )
-            if ids.dim() != 2 or ids.size(1) < 2 or ids.dtype not in (torch.int32, torch.int64):
-                raise ValueError(
-                    f"micro_batches[{i}]: input_ids must be an int64/int32 tensor "
-                    f"[batch, seq] with seq >= 2, got {ids.dtype} of shape "
-                    f"{tuple(ids.shape)}"
-                )
-            if labels.shape != ids.shape or labels.dtype != torch.int64:
-                raise ValueError(
-                    f"micro_batches[{i}]: labels must be an int64 tensor of the "
-                    f"input_ids' shape {tuple(ids.shape)} (shifted here), got "
-                    f"{labels.dtype} of shape {tuple(labels.shape)}"
-                )
-            batches.append((ids.to(device), labels.to(device)))
-        return batches
-
-
-def _check_arguments(max_grad_norm, autocast_dtype, activation_checkpointing) -> None:
-    if max_grad_norm is not None and (not is_number(max_grad_norm) or not max_grad_norm > 0):
-        raise ValueError(
-            f"max_grad_norm must be a number > 0, or None for no clipping; got {max_grad_norm!r}"
-        )
-    if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
-        raise TypeError(
-            f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got "
-            f"{autocast_dtype!r}"
-        )
-    if not isinstance(activation_checkpointing, bool):
-        raise TypeError(
-            f"activation_checkpointing must be True or False, got {activation_checkpointing!r}"
-        )
-
-
-def _check_overlap(overlap_param_gather, data_parallel) -> None:
-    if not isinstance(overlap_param_gather, bool):
-        raise TypeError(f"overlap_param_gather must be True or False, got {overlap_param_gather!r}")
-    if overlap_param_gather and data_parallel not in ZERO_STAGES:
-        raise ValueError(
-            f"overlap_param_gather=True with data_parallel={data_parallel!r}: only the "
-            "distributed optimizer gathers parameters after its step; use data_parallel="
-            "'zero1' or 'zero2' (FSDP2 prefetches its own)"
-        )
-
-
-def _set_recompute(model, activation_checkpointing: bool) -> None:
-    """Per-layer recompute, which tp_ext's models and stages have; a whole plain module not."""
-    if isinstance(model, WholeModel) and activation_checkpointing:
-        raise ValueError(
-            f"activation_checkpointing: {type(model.module).__name__} has no per-layer "
-            "recompute switch (tp_ext's models and the stages parallelize returns do)"
-        )
-    model.activation_checkpointing = activation_checkpointing
-
-
-def _optimizer(optimizer, model: nn.Module) -> torch.optim.Optimizer:
-    if optimizer is None:
-        optimizer = build_optimizer(model)
-    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        built = optimizer([p for p in model.parameters() if p.requires_grad])
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer: the callable must return a torch.optim.Optimizer, got "
-                f"{type(built).__name__}"
-            )
-        optimizer = built
-    _check_float16_parameters(optimizer)
-    return optimizer
-
-
-def _check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, compression) -> None:
-    """What the distributed optimizer and the reduced-precision gradient sum need."""
-    if grad_reduce_dtype is not None and compression is not None:
-        raise ValueError(
-            f"grad_reduce_dtype and gradient_compression={compression!r}: the compression sends "
-            "its own encoding; use one of them"
-        )
-    if grad_reduce_dtype is not None and grad_reduce_dtype not in (
-        torch.bfloat16,
-        torch.float16,
-        torch.float32,
-    ):
-        raise ValueError(
-            f"grad_reduce_dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: "
-            f"the gradients' own), got {grad_reduce_dtype!r}"
-        )
-    if data_parallel == "fsdp" and grad_reduce_dtype is not None:
-        raise ValueError(
-            "grad_reduce_dtype with data_parallel='fsdp': FSDP2 sets its own reduce dtype "
-            "(MixedPrecisionPolicy); use 'ddp', 'zero1' or 'zero2'"
-        )
-    if data_parallel not in ZERO_STAGES:
-        return
-    if parallel is None:
-        raise ValueError(
-            f"data_parallel={data_parallel!r} shards the optimizer over the DP mesh dimension: "
-            "pass parallel=tp_ext.init_parallel(...)"
-        )
-
-
-def _stateful_data(data):
-    if data is not None and not (
-        callable(getattr(data, "state_dict", None))
-        and callable(getattr(data, "load_state_dict", None))
-    ):
-        raise TypeError(
-            f"data must be Stateful (state_dict() and load_state_dict(), e.g. "
-            f"tp_ext.data.TokenBatches) so checkpoints hold its position, got "
-            f"{type(data).__name__}"
-        )
-    return data
-
-
-def _scheduler(lr_scheduler, optimizer):
-    if lr_scheduler is None:
-        return None
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(optimizer)
-    if not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")):
-        raise TypeError(
-            f"lr_scheduler must be a torch LR scheduler (or a callable taking the optimizer and "
-            f"returning one), got {type(lr_scheduler).__name__}"
-        )
-    if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
-        raise ValueError(
-            "lr_scheduler schedules another optimizer than this Trainer's; pass a callable "
-            "(lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, ...)) to build it "
-            "over the Trainer's"
-        )
-    return lr_scheduler
-
-
-def _check_float16_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Adam's second moment and eps (1e-8) underflow in float16: the first step divides by
-    zero and the weights become NaN. Say so instead."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return
-    for group in optimizer.param_groups:
-        if any(p.dtype == torch.float16 for p in group["params"]):
-            raise ValueError(
-                f"{type(optimizer).__name__} over float16 parameters: its eps "
-                f"({group.get('eps')}) and squared gradients underflow in float16, so the first "
-                "step turns the weights into NaN. Keep the parameters in float32 (or bfloat16) "
-                "and pass autocast_dtype=torch.float16 for mixed precision with a loss scale"
-            )

@@ -33,7 +33,6 @@ or into DDP); hence this one.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Optional
 
 import torch
@@ -43,6 +42,16 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import is_dtensor
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.pipeline.data_parallel import Replicas, reduce_scatter_in
+from tp_ext.training.zero_rows import (
+    Backward,
+    Bucket,
+    StateView,
+    as_rows,
+    dim0,
+    master_dtype,
+    row_numel,
+    rows_of,
+)
 
 __all__ = ["ZERO_STAGES", "ShardedOptimizer"]
 
@@ -62,59 +71,6 @@ ELEMENTWISE = (
     torch.optim.RMSprop,
     OneBitAdam,
 )
-
-
-def _rows(rows: int, size: int, rank: int) -> tuple[int, int]:
-    """``(first row, row count)`` of ``rows`` that DP rank ``rank`` of ``size`` holds: torch.chunk's
-    split, as FSDP2 and DTensor's Shard(0) make it."""
-    chunk = -(-rows // size) if rows else 0
-    start = min(rows, rank * chunk)
-    return start, min(rows, start + chunk) - start
-
-
-class _StateView(dict):
-    """``optimizer.state`` of a :class:`ShardedOptimizer`: for each model parameter its state with
-    every per-element tensor as a DTensor (this rank's rows, Shard(0) on the DP mesh) sharing
-    storage with the inner optimizer's (a checkpoint load writes into it)."""
-
-    def __init__(self, owner: "ShardedOptimizer"):
-        super().__init__()
-        self.owner = owner
-
-    def _view(self, param):
-        owner = self.owner
-        inner = owner.inner.state.get(owner._master[param])
-        if not inner:
-            return None
-        return {key: owner._as_param_state(param, value) for key, value in inner.items()}
-
-    def __getitem__(self, param):
-        view = self._view(param)
-        if view is None:
-            raise KeyError(param)
-        return view
-
-    def get(self, param, default=None):
-        view = self._view(param) if param in self.owner._master else None
-        return default if view is None else view
-
-    def __contains__(self, param):
-        return param in self.owner._master and self._view(param) is not None
-
-    def keys(self):
-        return [p for p in self.owner._master if p in self]
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __len__(self):
-        return len(self.keys())
-
-    def values(self):
-        return [self[p] for p in self.keys()]
-
-    def items(self):
-        return [(p, self[p]) for p in self.keys()]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -154,7 +110,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grad_reduce_dtype = grad_reduce_dtype
         self.bucket_bytes = bucket_bytes  # read when the first step builds the buckets
         self._buckets: Optional[list] = None
-        self._backward: Optional[_Backward] = None  # the backward announced, until reduced
+        self._backward: Optional[Backward] = None  # the backward announced, until reduced
         self.buckets_sent_in_backward = 0  # of the last step: the reduce-scatters overlapped
         self._order: list = []  # the model's parameter order (follow_model_order)
         self._gathering: list = []  # [bucket's parameters, all-gather handle or None]
@@ -186,33 +142,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._broadcast(params)
         self._master: dict = {}  # model parameter -> its master rows (a leaf tensor)
         self._rows: dict = {}  # model parameter -> (first row, row count)
-        inner_groups = []
-        for group in self.param_groups:
-            masters = []
-            for param in group["params"]:
-                if is_dtensor(param):
-                    raise ValueError(
-                        "ShardedOptimizer: a DTensor parameter (FSDP2 already shards it); use "
-                        "data_parallel='zero1' or 'zero2' without FSDP2"
-                    )
-                g = self._group(param)
-                start, count = _rows(_dim0(param), g.size, g.rank)
-                self._rows[param] = (start, count)
-                rows = _as_rows(param.detach())[start : start + count]
-                if param.dtype == _master_dtype(param):  # fp32 already: its own rows, in place
-                    master = rows.requires_grad_(param.requires_grad)
-                else:  # bf16 / fp16 parameters: fp32 master rows beside them
-                    master = rows.to(_master_dtype(param)).requires_grad_(param.requires_grad)
-                self._master[param] = master
-                masters.append(master)
-            settings = {k: v for k, v in group.items() if k != "params"}
-            inner_groups.append({**settings, "params": masters})
+        inner_groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": self._masters(group)}
+            for group in self.param_groups
+        ]
         # every group carries every setting; the constructor takes the ones it names (AdamW's
         # defaults hold keys its __init__ does not take)
         accepted = inspect.signature(self.inner_type.__init__).parameters
         defaults = {k: v for k, v in template.defaults.items() if k in accepted}
         self.inner = self.inner_type(inner_groups, **defaults)
-        self.state = _StateView(self)
+        self.state = StateView(self)
+
+    def _masters(self, group: dict) -> list:
+        """The master rows of a parameter group's parameters (this replica's rows of each)."""
+        masters = []
+        for param in group["params"]:
+            if is_dtensor(param):
+                raise ValueError(
+                    "ShardedOptimizer: a DTensor parameter (FSDP2 already shards it); use "
+                    "data_parallel='zero1' or 'zero2' without FSDP2"
+                )
+            g = self._group(param)
+            start, count = rows_of(dim0(param), g.size, g.rank)
+            self._rows[param] = (start, count)
+            rows = as_rows(param.detach())[start : start + count]
+            if param.dtype == master_dtype(param):  # fp32 already: its own rows, in place
+                master = rows.requires_grad_(param.requires_grad)
+            else:  # bf16 / fp16 parameters: fp32 master rows beside them
+                master = rows.to(master_dtype(param)).requires_grad_(param.requires_grad)
+            self._master[param] = master
+            masters.append(master)
+        return masters
 
     def _group(self, param):
         """The group ``param``'s replicas are on (a group of one where it has none)."""
@@ -309,7 +269,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for _, handle in self._backward.in_flight_buckets:
                 if handle is not None:
                     handle.wait()  # its sends paired with the other ranks': drop the sums
-        self._backward = _Backward(micro_batches, divide_by, len(self._buckets))
+        self._backward = Backward(micro_batches, divide_by, len(self._buckets))
         self.buckets_sent_in_backward = 0
 
     @property
@@ -370,10 +330,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pieces, sizes = [], []
         for r in range(g.size):
             for p in members:
-                start, count = _rows(_dim0(p), g.size, r)
+                start, count = rows_of(dim0(p), g.size, r)
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                pieces.append(_as_rows(grad)[start : start + count].reshape(-1))
-            sizes.append(sum(_rows(_dim0(p), g.size, r)[1] * _row_numel(p) for p in members))
+                pieces.append(as_rows(grad)[start : start + count].reshape(-1))
+            sizes.append(sum(rows_of(dim0(p), g.size, r)[1] * row_numel(p) for p in members))
         handle = None
         if members:
             flat = torch.cat(pieces)
@@ -402,7 +362,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine.div_(backward.divide_by)
         offset = 0
         for p in members:
-            numel = self._rows[p][1] * _row_numel(p)
+            numel = self._rows[p][1] * row_numel(p)
             rows = mine[offset : offset + numel].view(self._local_shape(p))
             offset += numel
             p.grad = self._as_param_state(p, rows)
@@ -419,7 +379,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.expect_backward(0, divide_by)
         backward = self._backward
         if backward is None or not backward.in_flight:
-            backward = self._backward = _Backward(0, divide_by, len(self._buckets))
+            backward = self._backward = Backward(0, divide_by, len(self._buckets))
         if backward.overflow:
             names = sorted({tuple(p.shape) for p in backward.overflow})
             backward.in_flight = False
@@ -454,7 +414,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     rows = grad.to_local()
                 else:
                     start, count = self._rows[param]
-                    rows = _as_rows(grad)[start : start + count]
+                    rows = as_rows(grad)[start : start + count]
                 master.grad = rows.reshape(master.shape).to(master.dtype)
         self.inner.step()
         self._gather_parameters()
@@ -471,7 +431,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             dtype = members[0].dtype
             mine = torch.cat([self._master[p].reshape(-1).to(dtype) for p in members])
             sizes = [
-                sum(_rows(_dim0(p), g.size, r)[1] * _row_numel(p) for p in members)
+                sum(rows_of(dim0(p), g.size, r)[1] * row_numel(p) for p in members)
                 for r in range(g.size)
             ]
             with comm.tag("train.zero_gather"):
@@ -499,7 +459,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             nbytes = p.numel() * p.element_size()
             full = cap is not None and bucket is not None and bucket.nbytes + nbytes > cap
             if bucket is None or (bucket.nbytes and full):
-                bucket = _Bucket(p.dtype, g)
+                bucket = Bucket(p.dtype, g)
                 buckets.append(bucket)
                 open_by_kind[kind] = bucket
             bucket.params.append(p)
@@ -519,13 +479,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         offset = 0
         for r in range(g.size):
             for p in members:
-                start, count = _rows(_dim0(p), g.size, r)
-                numel = count * _row_numel(p)
+                start, count = rows_of(dim0(p), g.size, r)
+                numel = count * row_numel(p)
                 piece = everyone[offset : offset + numel]
                 offset += numel
                 if numel:
-                    _as_rows(p.data)[start : start + count].copy_(
-                        piece.view(count, *_as_rows(p).shape[1:])
+                    as_rows(p.data)[start : start + count].copy_(
+                        piece.view(count, *as_rows(p).shape[1:])
                     )
         for p in members:
             self._gather_of.pop(p, None)
@@ -601,51 +561,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         held no master rows)."""
         for param, master in self._master.items():
             start, count = self._rows[param]
-            master.copy_(_as_rows(param.detach())[start : start + count].reshape(master.shape))
-
-
-class _Bucket:
-    """Parameters (one replica group, one dtype) whose gradients travel in one reduce-scatter."""
-
-    def __init__(self, dtype: torch.dtype, group):
-        self.dtype, self.group, self.params, self.nbytes = dtype, group, [], 0
-
-    @property
-    def waited(self) -> int:
-        """Its parameters whose last accumulation the backward waits for (not frozen or
-        empty ones: no gradient comes for them)."""
-        return sum(1 for p in self.params if p.requires_grad and p.numel())
-
-
-class _Backward:
-    """One announced backward's progress: accumulations per parameter, gradients final per
-    bucket, the next bucket to send, the sends not yet received."""
-
-    def __init__(self, micro_batches: int, divide_by: float, buckets: int):
-        self.micro_batches, self.divide_by = micro_batches, divide_by
-        self.count: dict = {}
-        self.ready = [0] * buckets
-        self.next_to_send = 0
-        self.in_flight_buckets: list = []
-        self.overflow: list = []
-        self.in_flight = True
-
-
-def _dim0(param) -> int:
-    return param.shape[0] if param.dim() else 1
-
-
-def _row_numel(param) -> int:
-    return math.prod(param.shape[1:])  # (a parameter with no rows has rows of this size too)
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a dim 0 (a 0-d tensor as one row)."""
-    return t.view(1) if t.dim() == 0 else t
-
-
-def _master_dtype(param) -> torch.dtype:
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
+            master.copy_(as_rows(param.detach())[start : start + count].reshape(master.shape))
 
 
 def sharded_optimizer_for(
