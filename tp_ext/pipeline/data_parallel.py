@@ -48,18 +48,27 @@ class Replicas:
     group: dist.ProcessGroup
     mesh: object  # a 1-d DeviceMesh
     device: torch.device
+    # expert parameters, whose replicas are the ranks holding the same experts instead
+    experts: tuple = ()
+    expert_mesh: object = None  # those ranks as a 1-d DeviceMesh (None: no other rank)
 
     @property
     def size(self) -> int:
         return self.group.size()
 
     @classmethod
-    def of(cls, parallel) -> "Replicas":
+    def of(cls, parallel, experts=()) -> "Replicas":
         """A :class:`~tp_ext.ParallelState`'s replicas of the dense weights: its DP ranks, and
-        the CP ranks beside them under context parallelism."""
+        the CP ranks beside them under context parallelism; ``experts``' replicas: the
+        expert-DP ranks."""
+        expert_mesh = None
+        if experts and comm.resolve_group(parallel.expert_dp_group).size > 1:
+            expert_mesh = _mesh_of(parallel.expert_dp_group, parallel)
         if not parallel.dims.cp_enabled:
-            return cls(parallel.dp_group, parallel.mesh["dp"], parallel.device)
-        return cls(parallel.dp_cp_group, _mesh_of(parallel.dp_cp_group, parallel), parallel.device)
+            group, mesh = parallel.dp_group, parallel.mesh["dp"]
+        else:
+            group, mesh = parallel.dp_cp_group, _mesh_of(parallel.dp_cp_group, parallel)
+        return cls(group, mesh, parallel.device, tuple(experts), expert_mesh)
 
 
 def _mesh_of(group, parallel):
@@ -109,11 +118,28 @@ def wrap_data_parallel(
         else:
             ddp.register_comm_hook(group, _sum)
         return ddp
+
+    return _fully_shard(module, replicas)
+
+
+def _fully_shard(module: nn.Module, replicas: Replicas) -> nn.Module:
+    """FSDP2 units: each module holding expert parameters on the experts' own replicas (or left
+    out of FSDP2 where no other rank holds them), each decoder layer, then the stage."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = replicas.mesh
-    units = [fully_shard(layer, mesh=mesh) for layer in getattr(module, "layers", {}).values()]
-    units.append(fully_shard(module, mesh=mesh))
+    expert_ids = {id(p) for p in replicas.experts}
+    owners = [
+        m for m in module.modules() if any(id(p) in expert_ids for p in m.parameters(False))
+    ]
+    units, ignored = [], set()
+    if replicas.expert_mesh is not None:
+        units = [fully_shard(m, mesh=replicas.expert_mesh) for m in owners]
+    else:  # each rank's own experts: nothing to reduce or shard
+        ignored = {p for m in owners for p in m.parameters(False) if id(p) in expert_ids}
+    mesh, options = replicas.mesh, {"ignored_params": ignored} if ignored else {}
+    layers = getattr(module, "layers", {}).values()
+    units += [fully_shard(layer, mesh=mesh, **options) for layer in layers]
+    units.append(fully_shard(module, mesh=mesh, **options))
     for unit in units:  # a sum, not a mean (see the module's doc); SUM is what gloo has
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)

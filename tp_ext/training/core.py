@@ -62,6 +62,7 @@ SYNCS = {
     ("ddp", False): SyncRow("ddp", "engine"),
     ("ddp", True): SyncRow(None, "sums"),
     ("fsdp", False): SyncRow("fsdp", "engine"),
+    ("fsdp", True): SyncRow("fsdp", "engine"),  # the experts' units on their own replicas
     ("zero1", False): SyncRow("ddp", "engine", zero=1),
     ("zero1", True): SyncRow(None, "sums", zero=1),
     ("zero2", False): SyncRow(None, "reduce_scatter", zero=2),
@@ -69,13 +70,7 @@ SYNCS = {
 }
 
 # combinations that are not rows, and why
-REFUSED = {
-    ("fsdp", True): (
-        "FSDP2 averages every parameter over one mesh, while an expert's replicas are the "
-        "ranks holding the same experts; use data_parallel='ddp', 'zero1' or 'zero2' with "
-        "expert parallelism"
-    ),
-}
+REFUSED: dict = {}
 
 
 def choose_sync(data_parallel: Optional[str], dp: int, replicas: int, experts: bool) -> SyncRow:
@@ -202,7 +197,7 @@ def assemble(model: ParallelModel, module, parallel, settings: StepSettings, mak
     row = choose_sync(settings.data_parallel, dims.dp, dims.replicas, dims.ep_enabled)
     _check_row(row, settings, dims)
     schedule = check_schedule(settings.schedule, model.stage_split) if dims.pp_enabled else None
-    replicas = Replicas.of(parallel)
+    replicas = Replicas.of(parallel, experts)
     stages = prepare_stages(
         model,
         schedule,

@@ -576,23 +576,9 @@ def sharded_optimizer_for(
             f"data_parallel='zero{stage}': the optimizer has stepped already (its state is "
             "whole); pass it before its first step (or a callable that builds it)"
         )
-    meshes = {}
-    if experts:
-        mesh = _expert_dp_mesh(parallel)
-        meshes = {p: mesh for p in experts}
-    dp_mesh = Replicas.of(parallel).mesh
-    return ShardedOptimizer(optimizer, dp_mesh, stage, grad_reduce_dtype, meshes=meshes)
-
-
-def _expert_dp_mesh(parallel):
-    """A 1-d mesh over the ranks holding the same experts as this one (None: no other rank
-    does), for the expert state's DTensors."""
-    group = parallel.expert_dp_group
-    if comm.resolve_group(group).size == 1:
-        return None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, parallel.device.type)
+    replicas = Replicas.of(parallel, experts)
+    meshes = {p: replicas.expert_mesh for p in experts}
+    return ShardedOptimizer(optimizer, replicas.mesh, stage, grad_reduce_dtype, meshes=meshes)
 
 
 def is_sharded(optimizer) -> bool:
