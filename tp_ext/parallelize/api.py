@@ -43,14 +43,11 @@ from tp_ext.layers import ColumnParallelLinear, ParallelModule
 from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
 from tp_ext.parallelize.context import check_context_parallel, use_context_parallel
 from tp_ext.parallelize.dataflow import example_token_inputs
+from tp_ext.parallelize.decoder_parts import default_pipeline_split, find_decoder_parts
 from tp_ext.parallelize.modules import attention_heads, fuse_rms_norms, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards, sum_gradients_over
-from tp_ext.parallelize.stages import (
-    StagedCausalLM,
-    default_pipeline_split,
-    find_decoder_parts,
-)
+from tp_ext.parallelize.stages import StagedCausalLM
 from tp_ext.parallelize.styles import (
     Colwise,
     ParallelStyle,
@@ -110,11 +107,11 @@ def parallelize(
     :class:`tp_ext.training.Trainer`: ``virtual_stages`` stages per rank in ``stage_order``
     ("loop" or "v"), the decoder layers split by ``pipeline_split`` (layers per stage) or, by
     default, by cost: the split whose costliest stage (the LM head counted on the last) is
-    cheapest (:func:`~tp_ext.parallelize.stages.default_pipeline_split`), as the planner and
-    ``tp-ext plan`` place them. The model passed in keeps only those stages. Which modules run
-    before and after the decoder layers is seen by running the model once; ``decoder_parts``
-    (:func:`~tp_ext.parallelize.stages.decoder_parts_by_name`) gives them instead, for a model
-    on the meta device (which cannot run).
+    cheapest (:func:`~tp_ext.parallelize.decoder_parts.default_pipeline_split`), as the planner
+    and ``tp-ext plan`` place them. The model passed in keeps only those stages. Which modules
+    run before and after the decoder layers is seen by running the model once;
+    ``decoder_parts`` (:func:`~tp_ext.parallelize.decoder_parts.decoder_parts_by_name`) gives
+    them instead, for a model on the meta device (which cannot run).
 
     With ``parallel.cp > 1`` (a Hugging Face Qwen2, Llama, Mistral or Qwen3) every CP rank is
     called with the whole sequence and computes its positions (:func:`tp_ext.cp_positions`),
