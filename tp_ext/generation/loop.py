@@ -131,26 +131,43 @@ def generate(
         drawn = torch.randint(0, 2**62, (1,)).to(decoder.device)  # NCCL has no CPU tensors
         seed = int(comm.broadcast(drawn, 0, group=world).item())
     generator = torch.Generator().manual_seed(seed) if do_sample else None
-    batch, width = ids.shape
+    mbs = _micro_batches(decoder, ids, mask, groups, max_new_tokens, length)
+    runner = _Runner(decoder, mbs, max_new_tokens, eos, pad, _early_stop(decoder))
+    choose = _chooser(decoder, ids.size(0), generator, temperature, top_k, top_p)
+    first_token_s = runner.run(choose, start)
+    out = _collect(decoder, mbs, ids, eos, pad)
+    if not return_report:
+        return out
+    return out, _report(decoder, mbs, out, ids.size(1), groups, start, first_token_s)
+
+
+def _micro_batches(decoder: Decoder, ids, mask, groups: int, new: int, length: int) -> list:
+    """The batch's rows in ``groups`` contiguous micro-batches (sizes by :func:`shard_sizes`)."""
+    batch = ids.size(0)
     stages = decoder.stage_ids
     sizes, offsets = shard_sizes(batch, groups), shard_offsets(batch, groups)
-    mbs = [
+    return [
         _MicroBatch(
             slice(o, o + n),
             ids[o : o + n],
             mask[o : o + n],
-            max_new_tokens,
+            new,
             decoder,
             stages,
             length,
         )
         for o, n in zip(offsets, sizes)
     ]
-    runner = _Runner(decoder, mbs, max_new_tokens, eos, pad, _early_stop(decoder))
+
+
+def _chooser(decoder: Decoder, batch: int, generator, temperature, top_k, top_p):
+    """``choose(t, micro-batch, logits)``: the step's tokens of those rows, greedy when
+    ``generator`` is None, else drawn from one uniform number per row of the whole batch (the
+    same draws however the rows are split into micro-batches)."""
     draws: dict[int, torch.Tensor] = {}
 
     def choose(t: int, mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        if not do_sample:
+        if generator is None:
             return vocab_parallel_argmax(logits, decoder.vocab_size, decoder.tp_group)
         if t not in draws:  # steps come in order: the generator advances once per step
             draws[t] = torch.rand(batch, dtype=torch.float64, generator=generator)
@@ -159,16 +176,17 @@ def generate(
             logits, uniform, decoder.vocab_size, temperature, top_k, top_p, decoder.tp_group
         )
 
-    first_token_s = runner.run(choose, start)
-    out = _collect(decoder, mbs, ids, eos, pad)
-    if not return_report:
-        return out
+    return choose
+
+
+def _report(decoder: Decoder, mbs, out, width: int, groups: int, start: float, first_token_s):
+    """What ``return_report=True`` returns beside the tokens (see :func:`generate`)."""
     seconds = time.perf_counter() - start
     if decoder.pp_group is not None and first_token_s is not None:  # the last stage's time
         first = torch.tensor([first_token_s], dtype=torch.float64, device=decoder.device)
         first_token_s = float(comm.all_reduce(first, "max", group=decoder.pp_group).item())
-    new = (out.size(1) - width) * batch
-    report = {
+    new = (out.size(1) - width) * out.size(0)
+    return {
         "kv_cache_bytes": sum(decoder.cache_bytes(c) for mb in mbs for c in mb.cache.values()),
         "seconds": seconds,
         "first_token_s": first_token_s,
@@ -176,7 +194,6 @@ def generate(
         "tokens_per_s": new / seconds if seconds > 0 else 0.0,
         "micro_batches": groups,
     }
-    return out, report
 
 
 def _early_stop(decoder: Decoder) -> bool:
