@@ -131,26 +131,43 @@ def generate(
         drawn = torch.randint(0, 2**62, (1,)).to(decoder.device)  # NCCL has no CPU tensors
         seed = int(comm.broadcast(drawn, 0, group=world).item())
     generator = torch.Generator().manual_seed(seed) if do_sample else None
-    batch, width = ids.shape
+    mbs = _micro_batches(decoder, ids, mask, groups, max_new_tokens, length)
+    runner = _Runner(decoder, mbs, max_new_tokens, eos, pad, _early_stop(decoder))
+    choose = _chooser(decoder, ids.size(0), generator, temperature, top_k, top_p)
+    first_token_s = runner.run(choose, start)
+    out = _collect(decoder, mbs, ids, eos, pad)
+    if not return_report:
+        return out
+    return out, _report(decoder, mbs, out, ids.size(1), groups, start, first_token_s)
+
+
+def _micro_batches(decoder: Decoder, ids, mask, groups: int, new: int, length: int) -> list:
+    """The batch's rows in ``groups`` contiguous micro-batches (sizes by :func:`shard_sizes`)."""
+    batch = ids.size(0)
     stages = decoder.stage_ids
     sizes, offsets = shard_sizes(batch, groups), shard_offsets(batch, groups)
-    mbs = [
+    return [
         _MicroBatch(
             slice(o, o + n),
             ids[o : o + n],
             mask[o : o + n],
-            max_new_tokens,
+            new,
             decoder,
             stages,
             length,
         )
         for o, n in zip(offsets, sizes)
     ]
-    runner = _Runner(decoder, mbs, max_new_tokens, eos, pad, _early_stop(decoder))
+
+
+def _chooser(decoder: Decoder, batch: int, generator, temperature, top_k, top_p):
+    """``choose(t, micro-batch, logits)``: the step's tokens of those rows, greedy when
+    ``generator`` is None, else drawn from one uniform number per row of the whole batch (the
+    same draws however the rows are split into micro-batches)."""
     draws: dict[int, torch.Tensor] = {}
 
     def choose(t: int, mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        if not do_sample:
+        if generator is None:
             return vocab_parallel_argmax(logits, decoder.vocab_size, decoder.tp_group)
         if t not in draws:  # steps come in order: the generator advances once per step
             draws[t] = torch.rand(batch, dtype=torch.float64, generator=generator)
@@ -159,16 +176,17 @@ def generate(
             logits, uniform, decoder.vocab_size, temperature, top_k, top_p, decoder.tp_group
         )
 
-    first_token_s = runner.run(choose, start)
-    out = _collect(decoder, mbs, ids, eos, pad)
-    if not return_report:
-        return out
+    return choose
+
+
+def _report(decoder: Decoder, mbs, out, width: int, groups: int, start: float, first_token_s):
+    """What ``return_report=True`` returns beside the tokens (see :func:`generate`)."""
     seconds = time.perf_counter() - start
     if decoder.pp_group is not None and first_token_s is not None:  # the last stage's time
         first = torch.tensor([first_token_s], dtype=torch.float64, device=decoder.device)
         first_token_s = float(comm.all_reduce(first, "max", group=decoder.pp_group).item())
-    new = (out.size(1) - width) * batch
-    report = {
+    new = (out.size(1) - width) * out.size(0)
+    return {
         "kv_cache_bytes": sum(decoder.cache_bytes(c) for mb in mbs for c in mb.cache.values()),
         "seconds": seconds,
         "first_token_s": first_token_s,
@@ -176,7 +194,6 @@ def generate(
         "tokens_per_s": new / seconds if seconds > 0 else 0.0,
         "micro_batches": groups,
     }
-    return out, report
 
 
 def _early_stop(decoder: Decoder) -> bool:
@@ -327,6 +344,21 @@ def _checked(
 ):
     """The arguments checked (a clear error naming the bad one): ``(ids, mask, eos, pad,
     micro-batches, cache length)``."""
+    # in this order: of several bad arguments, the first checked is the one named
+    ids = _checked_ids(decoder, input_ids)
+    batch, width = ids.shape
+    mask = _checked_mask(decoder, attention_mask, ids)
+    length = _checked_lengths(decoder, width, max_new_tokens, max_cache_len)
+    _check_sampling_settings(do_sample, temperature, top_k, top_p, seed)
+    eos, pad = _checked_tokens(decoder, eos_token_id, pad_token_id)
+    groups = _checked_micro_batches(decoder, batch, micro_batches)
+    eos_tensor = None if eos is None else torch.tensor(eos, device=decoder.device)
+    return ids, mask, eos_tensor, pad, groups, length
+
+
+def _checked_ids(decoder: Decoder, input_ids) -> torch.Tensor:
+    """The prompts: a 2-D tensor of integer ids in the vocabulary, as int64 on the model's
+    device."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(f"input_ids must be a [batch, prompt_len] tensor of token ids, got {got}")
@@ -339,31 +371,42 @@ def _checked(
             f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got values "
             f"{int(ids.min())}..{int(ids.max())}"
         )
+    return ids
+
+
+def _checked_mask(decoder: Decoder, attention_mask, ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask (all ones when None): 0s and 1s shaped like the prompts ``ids``, each
+    row left padding then at least one token."""
     batch, width = ids.shape
     if attention_mask is None:
-        mask = torch.ones_like(ids)
-    else:
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (
-            batch,
-            width,
-        ):
-            got = getattr(attention_mask, "shape", type(attention_mask))
-            raise ValueError(
-                f"attention_mask must be [batch, prompt_len] = [{batch}, {width}] like "
-                f"input_ids, got {tuple(got) if isinstance(got, torch.Size) else got}"
-            )
-        mask = attention_mask.to(decoder.device, torch.long)
-        if bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
-        if bool((mask[:, 1:] < mask[:, :-1]).any()):
-            row = int((mask[:, 1:] < mask[:, :-1]).any(1).int().argmax())
-            raise ValueError(
-                f"attention_mask row {row} has padding after a token: generate takes left-padded "
-                "prompts (a tokenizer with padding_side='left')"
-            )
-        if bool((mask.sum(1) == 0).any()):
-            row = int((mask.sum(1) == 0).int().argmax())
-            raise ValueError(f"attention_mask row {row} has no token: every prompt needs one")
+        return torch.ones_like(ids)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (
+        batch,
+        width,
+    ):
+        got = getattr(attention_mask, "shape", type(attention_mask))
+        raise ValueError(
+            f"attention_mask must be [batch, prompt_len] = [{batch}, {width}] like "
+            f"input_ids, got {tuple(got) if isinstance(got, torch.Size) else got}"
+        )
+    mask = attention_mask.to(decoder.device, torch.long)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        row = int((mask[:, 1:] < mask[:, :-1]).any(1).int().argmax())
+        raise ValueError(
+            f"attention_mask row {row} has padding after a token: generate takes left-padded "
+            "prompts (a tokenizer with padding_side='left')"
+        )
+    if bool((mask.sum(1) == 0).any()):
+        row = int((mask.sum(1) == 0).int().argmax())
+        raise ValueError(f"attention_mask row {row} has no token: every prompt needs one")
+    return mask
+
+
+def _checked_lengths(decoder: Decoder, width: int, max_new_tokens, max_cache_len) -> int:
+    """The KV cache's length: room for the prompts and ``max_new_tokens``, within the model's
+    positions."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
@@ -383,12 +426,23 @@ def _checked(
             f"{max_new_tokens} need {width + max_new_tokens} positions, more than the model's "
             f"max_position_embeddings={limit}: shorten the prompts or max_new_tokens"
         )
+    return length
+
+
+def _check_sampling_settings(do_sample, temperature, top_k, top_p, seed) -> None:
+    """Greedy or sampled; the sampling settings (checked only when sampling) and the seed."""
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
     if do_sample:
         check_sampling(temperature, top_k, top_p)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be an int >= 0 (or None), got {seed!r}")
+
+
+def _checked_tokens(decoder: Decoder, eos_token_id, pad_token_id) -> tuple:
+    """``(eos ids or None, pad id or None)``: those given, else the model's (as transformers'
+    generate reads them), the pad falling back to the first EOS."""
+    vocab = decoder.vocab_size
     eos = _token_list("eos_token_id", eos_token_id, vocab)
     default_eos, default_pad = decoder.generation_defaults()
     if eos is None and default_eos is not None:  # the model's own, as transformers reads it
@@ -409,6 +463,11 @@ def _checked(
         pad = int(default_pad)
     if pad is None and eos is not None:
         pad = int(eos[0])
+    return eos, pad
+
+
+def _checked_micro_batches(decoder: Decoder, batch: int, micro_batches) -> int:
+    """How many micro-batches are in flight (see :func:`generate` for the default)."""
     pipelined = decoder.stage_split.num_stages > 1
     # NCCL pairs point-to-point messages by their order alone (it ignores tags): one
     # micro-batch at a time keeps a single chain of messages per step, in the same order on
@@ -431,8 +490,7 @@ def _checked(
             "need tagged point-to-point messages, which NCCL does not match by tag; use "
             "micro_batches=1 (the default under NCCL)"
         )
-    eos_tensor = None if eos is None else torch.tensor(eos, device=decoder.device)
-    return ids, mask, eos_tensor, pad, groups, length
+    return groups
 
 
 def _as_list(value) -> list:

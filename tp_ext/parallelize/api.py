@@ -43,14 +43,11 @@ from tp_ext.layers import ColumnParallelLinear, ParallelModule
 from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
 from tp_ext.parallelize.context import check_context_parallel, use_context_parallel
 from tp_ext.parallelize.dataflow import example_token_inputs
+from tp_ext.parallelize.decoder_parts import default_pipeline_split, find_decoder_parts
 from tp_ext.parallelize.modules import attention_heads, fuse_rms_norms, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
 from tp_ext.parallelize.sequence_parallel import SequenceShards, sum_gradients_over
-from tp_ext.parallelize.stages import (
-    StagedCausalLM,
-    default_pipeline_split,
-    find_decoder_parts,
-)
+from tp_ext.parallelize.stages import StagedCausalLM
 from tp_ext.parallelize.styles import (
     Colwise,
     ParallelStyle,
@@ -110,11 +107,11 @@ def parallelize(
     :class:`tp_ext.training.Trainer`: ``virtual_stages`` stages per rank in ``stage_order``
     ("loop" or "v"), the decoder layers split by ``pipeline_split`` (layers per stage) or, by
     default, by cost: the split whose costliest stage (the LM head counted on the last) is
-    cheapest (:func:`~tp_ext.parallelize.stages.default_pipeline_split`), as the planner and
-    ``tp-ext plan`` place them. The model passed in keeps only those stages. Which modules run
-    before and after the decoder layers is seen by running the model once; ``decoder_parts``
-    (:func:`~tp_ext.parallelize.stages.decoder_parts_by_name`) gives them instead, for a model
-    on the meta device (which cannot run).
+    cheapest (:func:`~tp_ext.parallelize.decoder_parts.default_pipeline_split`), as the planner
+    and ``tp-ext plan`` place them. The model passed in keeps only those stages. Which modules
+    run before and after the decoder layers is seen by running the model once;
+    ``decoder_parts`` (:func:`~tp_ext.parallelize.decoder_parts.decoder_parts_by_name`) gives
+    them instead, for a model on the meta device (which cannot run).
 
     With ``parallel.cp > 1`` (a Hugging Face Qwen2, Llama, Mistral or Qwen3) every CP rank is
     called with the whole sequence and computes its positions (:func:`tp_ext.cp_positions`),
@@ -126,30 +123,67 @@ def parallelize(
     ``rms_norm`` op (:func:`~tp_ext.parallelize.modules.fuse_rms_norms`; same weights, names
     and roundings, about 6x faster on CPU); False leaves them as they are.
     """
+    options = dict(
+        virtual_stages=virtual_stages, pipeline_split=pipeline_split, stage_order=stage_order
+    )
+    stages = _check_before_changes(
+        module, parallel, cp_mode, sequence_parallel, example_inputs, options, decoder_parts
+    )
+    tp, ep_group = _groups(parallel, tp_group)
+    decided, reasons, parts = _decide(module, plan, sequence_parallel, example_inputs)
+    fused = _fuse_norms(module, decided, fused_norms)
+    report, sequence_shards = _convert(module, decided, parts, tp, ep_group, capacity_factor)
+    if parallel is not None and parallel.dims.cp_enabled:
+        _use_context_parallel(module, parallel, cp_mode, report)
+    _finish_report(report, fused, reasons, tp, verbose, explain)
+    if stages is not None:
+        decoder, options = stages
+        module = StagedCausalLM(decoder, parallel, sequence_shards=sequence_shards, **options)
+    return (module, report) if return_report else module
+
+
+def _check_before_changes(
+    module, parallel, cp_mode, sequence_parallel, example_inputs, options, decoder_parts
+):
+    """What ``parallelize`` refuses, refused before ``module`` changes: a model parallelized
+    before, context parallelism it cannot take, a pipeline it cannot split. Returns what
+    pipelining needs, ``(decoder parts, stage options)`` (:func:`_pipeline_parts`: traced now),
+    or None without it."""
     _check_not_parallelized(module)
-    context = parallel is not None and parallel.dims.cp_enabled
-    if context:  # refused before anything changes
+    if parallel is not None and parallel.dims.cp_enabled:
         check_context_parallel(module, parallel, cp_mode)
-    stages = None
-    if parallel is not None and parallel.pp > 1:  # checked and traced before anything changes
-        options = dict(
-            virtual_stages=virtual_stages, pipeline_split=pipeline_split, stage_order=stage_order
-        )
-        stages = _pipeline_parts(
+    if parallel is not None and parallel.pp > 1:
+        return _pipeline_parts(
             module, parallel, sequence_parallel, example_inputs, options, decoder_parts
         )
+    return None
+
+
+def _groups(parallel, tp_group):
+    """``(TP group, resolved; EP group or None)``: ``tp_group``, else ``parallel``'s (else the
+    default one, :func:`~tp_ext.distributed.groups.resolve_group`); ``parallel``'s EP group
+    under expert parallelism."""
     if parallel is not None and tp_group is None:
         tp_group = parallel.tp_group
     experts = parallel is not None and parallel.dims.ep_enabled
     ep_group = parallel.ep_group if experts else None
-    tp = resolve_group(tp_group)
-    decided, reasons, parts = _decide(module, plan, sequence_parallel, example_inputs)
+    return resolve_group(tp_group), ep_group
+
+
+def _fuse_norms(module, decided: dict, fused_norms) -> list[str]:
+    """The names of the RMSNorms now run through the fused op (none with ``fused_norms=False``)."""
     if not isinstance(fused_norms, bool):
         raise TypeError(f"parallelize: fused_norms must be True or False, got {fused_norms!r}")
     # a norm given a user's own style reaches it as it was
     own_styles = [n for n, s in decided.items() if not isinstance(s, _NORM_STYLES)]
-    fused = fuse_rms_norms(module, keep=own_styles) if fused_norms else []
+    return fuse_rms_norms(module, keep=own_styles) if fused_norms else []
 
+
+def _convert(module, decided, parts, tp, ep_group, capacity_factor):
+    """Apply the decided styles: experts spread over EP, the residual stream split where the
+    first sequence-parallel norm's block begins, every planned module replaced, attention run on
+    its local heads. Returns ``(report, the sequence shards or None without sequence
+    parallelism)``."""
     report: dict[str, str] = {}
     sp_norms = [
         n for n, s in decided.items() if isinstance(s, SequenceParallel) and s.gather_output
@@ -162,9 +196,19 @@ def parallelize(
         _split_sequence_from(module, sp_norms[0], shards, report)
     _apply_styles(module, decided, tp, sp, shards, parts, report)
     _run_attention_on_local_heads(module, tp, report)
-    if context:
-        attentions = [m for m in module.modules() if attention_heads(m) is not None]
-        report[""] = use_context_parallel(module, parallel, cp_mode, attentions)
+    return report, shards if sp else None
+
+
+def _use_context_parallel(module, parallel, cp_mode: str, report: dict) -> None:
+    """Every attention module of the converted ``module`` runs over ``parallel``'s CP group
+    (:mod:`tp_ext.parallelize.context`); what was done goes to ``report[""]``."""
+    attentions = [m for m in module.modules() if attention_heads(m) is not None]
+    report[""] = use_context_parallel(module, parallel, cp_mode, attentions)
+
+
+def _finish_report(report: dict, fused, reasons: dict, tp, verbose: bool, explain: bool) -> None:
+    """Mark the fused norms in ``report``, add why each decision was taken (``explain``), and
+    print it on TP rank 0 when asked."""
     for name in fused:
         report[name] = (
             f"{report[name]}; fused rms_norm op" if name in report else "fused rms_norm op"
@@ -175,12 +219,6 @@ def parallelize(
         )
     if (verbose or explain) and tp.rank == 0:
         _print_report(report, tp)
-    if stages is not None:
-        decoder, options = stages
-        module = StagedCausalLM(
-            decoder, parallel, sequence_shards=shards if sp else None, **options
-        )
-    return (module, report) if return_report else module
 
 
 def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:

@@ -7,7 +7,7 @@ and MoE routing code read tensor values), so the plan is traced on a *narrow* co
 architecture (:func:`narrow_config`: the same layers, heads, experts and options, every width
 small, built on the CPU in milliseconds) and applied by module name to the full-size meta model.
 Pipeline stages are read the same way: which modules run before and after the decoder layers
-(:func:`tp_ext.parallelize.stages.find_decoder_parts` on the narrow copy)."""
+(:func:`tp_ext.parallelize.decoder_parts.find_decoder_parts` on the narrow copy)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from tp_ext.layers import ResolvedGroup
 from tp_ext.layers.moe import expert_count
 from tp_ext.parallelize import Colwise, parallelize
 from tp_ext.parallelize.dataflow import example_token_inputs
+from tp_ext.parallelize.decoder_parts import find_decoder_parts, pipeline_costs
 from tp_ext.parallelize.modules import AttentionHeads, attention_heads, linear_features
 from tp_ext.parallelize.plan import auto_plan
-from tp_ext.parallelize.stages import find_decoder_parts, pipeline_costs
 from tp_ext.sharding import HeadLayout, balanced_layer_split, shard_sizes
 from tp_ext.validation import ArgumentError
 
@@ -214,7 +214,7 @@ class HFModelShards:
 
     def default_split(self, num_stages: int) -> list[int]:
         """Decoder layers per pipeline stage as ``parallelize`` splits them by default
-        (:func:`~tp_ext.parallelize.stages.default_pipeline_split`)."""
+        (:func:`~tp_ext.parallelize.decoder_parts.default_pipeline_split`)."""
         layer_costs, first, last = self._stage_costs
         return balanced_layer_split(layer_costs, num_stages, first, last)
 

@@ -24,7 +24,7 @@ from tp_ext.checkpoint.safetensors_io import SafetensorsFiles
 from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
 from tp_ext.models.hf.shards import expert_count, full_plan, meta_model, model_shards
 from tp_ext.parallelize import parallelize
-from tp_ext.parallelize.stages import decoder_parts_by_name
+from tp_ext.parallelize.decoder_parts import decoder_parts_by_name
 from tp_ext.validation import ConfigError
 
 __all__ = ["HFModelSource"]
