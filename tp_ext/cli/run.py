@@ -81,19 +81,7 @@ def run(
             f"--small {small_path}: a transformers model runs as a small model of its own family "
             "that the job derives from it; drop --small"
         )
-    # The rules between the pipeline fields, with each named as the user gave it (flag or field)
-    fields = {f.name for f in dataclasses.fields(from_file.parallel)}
-    given = {k: v for k, v in overrides.items() if k in fields and v is not None}
-    merged = dict(dataclasses.asdict(from_file.parallel), **given)
-    check_fields("--", {k.replace("_", "-"): v for k, v in given.items()}, _FLAG_FIELDS)
-    check_pipeline_fields(merged, flag_namer(overrides))
-    job = from_file.with_overrides(**overrides)
-    if job.parallel.grad_reduce_dtype is not None:
-        raise ValueError(
-            f"{flag_namer(overrides)('grad_reduce_dtype')} {job.parallel.grad_reduce_dtype}: "
-            "tp-ext run checks its training steps against one process exactly, which a "
-            "reduced-precision gradient sum is not; train with it under tp-ext train"
-        )
+    job = _job_config(from_file, overrides)
     if overrides.get("tp"):
         job.model.check_tp(overrides["tp"])
     small_job = JobConfig.from_file(small_path).with_overrides(**overrides) if small_path else job
@@ -105,21 +93,7 @@ def run(
         )
     job.model.check_tp(dims.tp)
     check_expert_parallel(job.model, dims, flag_namer(overrides))
-    if transformers_model:  # the narrow copy's widths and counts, a layer or more per stage
-        small = small_config(job.model.hf_config, max(2, dims.stages))
-    else:
-        small = small_job.model if small_path else job.model.tiny()
-        small.check_tp(dims.tp)
-    if small.num_hidden_layers < dims.stages:
-        if small_path:
-            name = flag_namer(overrides)
-            raise ValueError(
-                f"--small {small_path}: its {small.num_hidden_layers} decoder layers cannot fill "
-                f"{name('pp')} {dims.pp} x {name('virtual_stages')} {dims.virtual_stages} = "
-                f"{dims.stages} pipeline stages (each needs a layer); give a model of at least "
-                f"{dims.stages} layers"
-            )
-        small = small.replace(num_hidden_layers=dims.stages)  # the tiny model: a layer per stage
+    small = _small_model(job, small_job, small_path, dims, overrides)
     positions = max_positions(small) if transformers_model else small.max_position_embeddings
     if PROMPT + max_new_tokens > positions:
         raise ValueError(
@@ -141,6 +115,46 @@ def run(
         profile_dir,
     )
     return _launch(inputs, workdir, world, t_start)
+
+
+def _job_config(from_file: JobConfig, overrides: dict) -> JobConfig:
+    """The config with the flags' overrides, each rule checked under the name the user gave it
+    (flag or field): the pipeline fields' rules among themselves, and what run cannot check."""
+    fields = {f.name for f in dataclasses.fields(from_file.parallel)}
+    given = {k: v for k, v in overrides.items() if k in fields and v is not None}
+    merged = dict(dataclasses.asdict(from_file.parallel), **given)
+    check_fields("--", {k.replace("_", "-"): v for k, v in given.items()}, _FLAG_FIELDS)
+    check_pipeline_fields(merged, flag_namer(overrides))
+    job = from_file.with_overrides(**overrides)
+    if job.parallel.grad_reduce_dtype is not None:
+        raise ValueError(
+            f"{flag_namer(overrides)('grad_reduce_dtype')} {job.parallel.grad_reduce_dtype}: "
+            "tp-ext run checks its training steps against one process exactly, which a "
+            "reduced-precision gradient sum is not; train with it under tp-ext train"
+        )
+    return job
+
+
+def _small_model(job: JobConfig, small_job: JobConfig, small_path, dims, overrides):
+    """The model the job runs: --small's, a narrow copy of a transformers model, or a tiny one
+    of the config's family; a layer or more per pipeline stage."""
+    transformers_model = isinstance(job.model, HFModelSource)
+    if transformers_model:  # the narrow copy's widths and counts, a layer or more per stage
+        small = small_config(job.model.hf_config, max(2, dims.stages))
+    else:
+        small = small_job.model if small_path else job.model.tiny()
+        small.check_tp(dims.tp)
+    if small.num_hidden_layers < dims.stages:
+        if small_path:
+            name = flag_namer(overrides)
+            raise ValueError(
+                f"--small {small_path}: its {small.num_hidden_layers} decoder layers cannot fill "
+                f"{name('pp')} {dims.pp} x {name('virtual_stages')} {dims.virtual_stages} = "
+                f"{dims.stages} pipeline stages (each needs a layer); give a model of at least "
+                f"{dims.stages} layers"
+            )
+        small = small.replace(num_hidden_layers=dims.stages)  # the tiny model: a layer per stage
+    return small
 
 
 def _launch(inputs: RunInputs, workdir: str | None, world: int, t_start: float) -> int:

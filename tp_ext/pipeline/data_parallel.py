@@ -128,9 +128,7 @@ def _fully_shard(module: nn.Module, replicas: Replicas) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     expert_ids = {id(p) for p in replicas.experts}
-    owners = [
-        m for m in module.modules() if any(id(p) in expert_ids for p in m.parameters(False))
-    ]
+    owners = [m for m in module.modules() if any(id(p) in expert_ids for p in m.parameters(False))]
     units, ignored = [], set()
     if replicas.expert_mesh is not None:
         units = [fully_shard(m, mesh=replicas.expert_mesh) for m in owners]
