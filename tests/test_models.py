@@ -228,7 +228,7 @@ def _initial_weights(tp, pp, tied):
 
 def _as_hf_names(state, config):
     """Our full tensors under transformers' names (fused ones cut into their pieces)."""
-    from tp_ext.models.qwen2.hf_layout import checkpoint_map
+    from tp_ext.models.qwen2.hf_checkpoint_map import checkpoint_map
 
     out = {}
     for name, pieces in checkpoint_map(config).items():
@@ -308,7 +308,7 @@ def test_initial_weights_follow_transformers():
 
 
 def _hf_fields(config):
-    from tp_ext.models.qwen2.hf_layout import hf_config
+    from tp_ext.models.qwen2.hf_checkpoint_map import hf_config
 
     fields = hf_config(config, torch.float32)
     assert fields["initializer_range"] == config.initializer_range

@@ -134,7 +134,7 @@ def default_micro_batches(pp: int, virtual_stages: int) -> int:
 
 
 class _Stages:
-    """What the schedule rules read of a stage layout: the degrees, not the layers."""
+    """What the schedule rules read of a stage split: the degrees, not the layers."""
 
     def __init__(self, pp: int, virtual_stages: int) -> None:
         self.pp, self.virtual_stages = pp, virtual_stages
@@ -266,7 +266,7 @@ class ParallelSettings:
             f", {self.stage_order} order" if dims.virtual_stages > 1 else ""
         )
         return (
-            f"layout tp={dims.tp} x pp={dims.pp} x dp={dims.dp}"
+            f"dims tp={dims.tp} x pp={dims.pp} x dp={dims.dp}"
             + (f" (ep={dims.ep})" if dims.ep > 1 else "")
             + (f" (cp={dims.cp}, {self.cp_mode} attention)" if dims.cp > 1 else "")
             + f" on {dims.world_size} "

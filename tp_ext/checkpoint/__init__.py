@@ -10,10 +10,10 @@
 """
 
 from tp_ext.checkpoint.atomic import complete_checkpoint
+from tp_ext.checkpoint.checkpoint_map import Piece
 from tp_ext.checkpoint.dcp import load_sharded, save_sharded
 from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
-from tp_ext.checkpoint.layout import Piece
 from tp_ext.checkpoint.manifest import MANIFEST
 from tp_ext.checkpoint.memory import (
     current_rss_bytes,

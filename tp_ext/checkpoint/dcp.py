@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 
 from tp_ext.checkpoint.atomic import abandon_save, commit_save, reading, saving, start_save
-from tp_ext.checkpoint.errors import CheckpointError
-from tp_ext.checkpoint.hf import tp_size
-from tp_ext.checkpoint.layout import (
+from tp_ext.checkpoint.checkpoint_map import (
     Piece,
     declared_map,
     model_checkpoint_map,
     row_reads,
     tied_names,
 )
+from tp_ext.checkpoint.errors import CheckpointError
+from tp_ext.checkpoint.hf import tp_size
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, read_manifest
 from tp_ext.distributed import comm, peers
 from tp_ext.distributed.dtensors import is_dtensor

@@ -1,13 +1,13 @@
 """Hugging Face checkpoints in and out, for any model that declares its layout
-(:mod:`tp_ext.checkpoint.layout`); nothing is ever unpickled.
+(:mod:`tp_ext.checkpoint.checkpoint_map`); nothing is ever unpickled.
 
 - **In** (:func:`load_hf_checkpoint`): ``model.safetensors`` or a sharded
   ``model.safetensors.index.json``. Every rank reads only its own rows (or columns) of each
   tensor through safetensors' slice reads, so its peak host memory stays near its shard.
 - **Out** (:func:`save_hf_checkpoint`): a merged checkpoint that transformers loads. Tensors are
   gathered one at a time; rank 0 writes; the directory appears atomically. A pipelined model
-  (see :mod:`tp_ext.checkpoint.layout`) is saved whole: every stage sends its tensors to global
-  rank 0, which writes them all.
+  (see :mod:`tp_ext.checkpoint.checkpoint_map`) is saved whole: every stage sends its tensors
+  to global rank 0, which writes them all.
 
 Every load checks names, shapes and files before reading, and an error on any rank is raised on
 every rank.
@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tp_ext.checkpoint.atomic import reading, saving
-from tp_ext.checkpoint.errors import CheckpointError
-from tp_ext.checkpoint.layout import (
+from tp_ext.checkpoint.checkpoint_map import (
     Piece,
     declared_map,
     detect_checkpoint_map,
@@ -33,6 +32,7 @@ from tp_ext.checkpoint.layout import (
     model_checkpoint_map,
     tied_names,
 )
+from tp_ext.checkpoint.errors import CheckpointError
 from tp_ext.checkpoint.manifest import MANIFEST, check_files, check_listed, read_manifest
 from tp_ext.checkpoint.memory import peak_rss_bytes
 from tp_ext.checkpoint.safetensors_io import (

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
+from tp_ext.checkpoint.checkpoint_map import row_reads
 from tp_ext.checkpoint.errors import CheckpointError
-from tp_ext.checkpoint.layout import row_reads
 from tp_ext.validation import SAFETENSORS_DTYPE_NAMES, as_torch_dtype
 
 __all__ = [

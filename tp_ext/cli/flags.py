@@ -90,7 +90,7 @@ def add_override_flags(parser, defaults_help: dict[str, str]) -> None:
                 "--auto",
                 action="store_true",
                 help="take the planner's best candidate that fits these ranks and devices (tp-ext "
-                "plan --auto ranks them all); no other layout flag with it",
+                "plan --auto ranks them all); no other dims flag with it",
             )
 
 

@@ -262,7 +262,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     overrides = overrides_of(args)
-    if args.auto:  # the planner's layout for the model this job runs: --small's, else a tiny one
+    if args.auto:  # the planner's dims for the model this job runs: --small's, else a tiny one
         job = JobConfig.for_command(args.config, args.model)
         if isinstance(job.model, HFModelSource):
             model = small_config(job.model.hf_config, 2)

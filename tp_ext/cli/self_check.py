@@ -73,15 +73,15 @@ class RunInputs:
 
 def _stages_text(model) -> str:
     """Which pipeline rank holds which stages, layers, embedding and head."""
-    layout = model.stage_split
+    split = model.stage_split
     parts = []
-    for rank in range(layout.pp):
+    for rank in range(split.pp):
         held = []
-        for stage in layout.stages_of(rank):
-            layers = layout.layers_of(stage)
+        for stage in split.stages_of(rank):
+            layers = split.layers_of(stage)
             text = f"stage {stage} (layers {layers[0]}-{layers[-1]}"
             text += ", embedding" if stage == 0 else ""
-            text += ", norm + lm_head" if stage == layout.last_stage else ""
+            text += ", norm + lm_head" if stage == split.last_stage else ""
             held.append(text + ")")
         parts.append(f"pp rank {rank}: " + ", ".join(held))
     return "; ".join(parts)

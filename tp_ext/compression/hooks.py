@@ -169,8 +169,8 @@ class CompressionState:
             param, table, numel = expected[key]
             if saved.numel() != numel:
                 raise ValueError(
-                    f"residual {key!r} has {saved.numel()} elements; this layout's has {numel} "
-                    "(saved at another layout?)"
+                    f"residual {key!r} has {saved.numel()} elements; these dims' has {numel} "
+                    "(saved at other dims?)"
                 )
             if param in table:
                 table[param].copy_(saved.reshape(-1))

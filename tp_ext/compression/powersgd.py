@@ -98,7 +98,7 @@ class PowerSGDCompression:
             if saved.numel() != by_name[name].numel():
                 raise ValueError(
                     f"PowerSGD error {key!r} has {saved.numel()} elements; the parameter has "
-                    f"{by_name[name].numel()} (saved at another layout?)"
+                    f"{by_name[name].numel()} (saved at other dims?)"
                 )
             self._pending[name] = saved.detach().clone()
         if ITER in state:

@@ -215,7 +215,7 @@ def _one_stage(model: nn.Module, parallel) -> StagedCausalLM:
         parallel = parallel if parallel is not None else parallel_state()
         if parallel.pp > 1:
             raise ValueError(
-                "generate: this process's layout has pp > 1, but the model is not split into "
+                "generate: this process's dims have pp > 1, but the model is not split into "
                 "stages: convert it with tp_ext.parallelize(model, 'auto', parallel=state), "
                 "which returns this rank's stages"
             )

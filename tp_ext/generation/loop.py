@@ -115,7 +115,7 @@ def generate(
     ``micro_batches``: how many groups of rows are in flight through the pipeline (default: pp,
     at most the batch; 1 under NCCL, which cannot match several in flight, and when experts are
     spread over data replicas). ``max_cache_len``: the KV cache's positions (default
-    prompt_len + max_new_tokens). ``parallel``: the layout (default: the model's, else
+    prompt_len + max_new_tokens). ``parallel``: the ParallelState (default: the model's, else
     :func:`tp_ext.parallel_state`). ``return_report=True`` returns ``(tokens, report)``: this
     rank's KV-cache bytes, seconds, seconds to the first token and tokens per second.
     """

@@ -181,7 +181,7 @@ class StagedCausalLM(nn.Module, ParallelModel):
             self.tied_across_stages = False
             return
         # the checkpoint holds the tie once, under the embedding's name: the head's copy is
-        # read from it, and a merged save writes it once (tp_ext.checkpoint.layout)
+        # read from it, and a merged save writes it once (tp_ext.checkpoint.checkpoint_map)
         names = {id(m): n for n, m in self.hf_model.named_modules(remove_duplicate=False)}
         embedding = self.hf_model.get_input_embeddings()
         self.checkpoint_aliases = {f"{names[id(head)]}.weight": f"{names[id(embedding)]}.weight"}

@@ -113,13 +113,13 @@ def check_weight_split_supported(schedule: Schedule, torch_version=None) -> None
         )
 
 
-def check_schedule(name, layout) -> Schedule:
-    """The schedule called ``name``, if it can run the stages of ``layout`` (a StageSplit);
+def check_schedule(name, split) -> Schedule:
+    """The schedule called ``name``, if it can run the stages of ``split`` (a StageSplit);
     otherwise an error that says what would work."""
     schedule = SCHEDULES.get(name) if isinstance(name, str) else None
     if schedule is None:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
-    v, order = layout.virtual_stages, layout.order
+    v, order = split.virtual_stages, split.order
     fits = (
         (order == "v" and v == 2)
         if schedule.order == "v"
@@ -141,9 +141,9 @@ def check_schedule(name, layout) -> Schedule:
     return schedule
 
 
-def check_micro_batches(schedule: Schedule, layout, n: int) -> None:
+def check_micro_batches(schedule: Schedule, split, n: int) -> None:
     """The micro-batch counts torch's schedules accept, checked before the first send."""
-    pp, stages = layout.pp, layout.num_stages
+    pp, stages = split.pp, split.num_stages
     need = None
     if schedule.name in ("1F1B", "DualPipeV") and n < stages:
         need = f"at least {stages} (one per stage)"
@@ -222,15 +222,15 @@ class PipelineRunner:
 
     def __init__(self, model, schedule: str, stages: ReplicatedStages) -> None:
         self.model, self.parallel = model, model.parallel
-        self.layout = model.stage_split
-        self.schedule = check_schedule(schedule, self.layout)
+        self.stage_split = model.stage_split
+        self.schedule = check_schedule(schedule, self.stage_split)
         self.stages = stages
         self.modules = stages.modules
         self._built: dict = {}
 
     @property
     def holds_last_stage(self) -> bool:
-        return self.layout.last_stage in self.model.stage_ids
+        return self.stage_split.last_stage in self.model.stage_ids
 
     def step(
         self,
@@ -243,7 +243,7 @@ class PipelineRunner:
         """One forward and backward of ``n`` micro-batches cut from ``input_ids`` / ``labels``
         (``[n * micro_batch, seq]``: torch's schedules split along dim 0). ``logits_dtype``:
         the last stage's output dtype (the autocast dtype under autocast)."""
-        check_micro_batches(self.schedule, self.layout, n)
+        check_micro_batches(self.schedule, self.stage_split, n)
         if input_ids.size(0) % n:
             raise ValueError(f"{input_ids.size(0)} rows do not split into {n} micro-batches")
         key = (n, tuple(input_ids.shape), logits_dtype)
@@ -275,7 +275,7 @@ class PipelineRunner:
             _torch_pipelining().PipelineStage(
                 module,
                 stage,
-                self.layout.num_stages,
+                self.stage_split.num_stages,
                 device,
                 input_args=self._activation(stage, shape, None),
                 output_args=self._activation(stage + 1, shape, logits_dtype),
@@ -298,7 +298,7 @@ class PipelineRunner:
                 schedule = cls(stages[0], n, loss_fn=loss, scale_grads=False)
         except ValueError as e:
             raise ValueError(
-                f"schedule {self.schedule.name!r} with {self.layout.num_stages} stages and "
+                f"schedule {self.schedule.name!r} with {self.stage_split.num_stages} stages and "
                 f"{n} micro-batches: {e}"
             ) from e
         return schedule, box
@@ -311,7 +311,7 @@ class PipelineRunner:
         dtype = next(model.parameters()).dtype
         if stage == 0:
             return torch.empty(shape, dtype=torch.long, device="meta")
-        if stage == self.layout.num_stages:
+        if stage == self.stage_split.num_stages:
             size, dtype = model.local_vocab_size, logits_dtype
             positions = model.loss_positions(shape[1])
             if positions is not None:  # context parallelism: the logits of its positions

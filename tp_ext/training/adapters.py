@@ -96,10 +96,10 @@ def trained_model(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]
     whose parameters it trains (the same object, unless adapted)."""
     if isinstance(model, ParallelModel):
         if model.parallel is not parallel:
-            how = "without parallel=" if model.parallel is None else "with another layout"
+            how = "without parallel=" if model.parallel is None else "with another state"
             given = "none" if parallel is None else "a ParallelState"
             raise ValueError(
-                f"Trainer(parallel=...) needs the model built with the same layout "
+                f"Trainer(parallel=...) needs the model built with the same ParallelState "
                 f"({type(model).__name__}(config, parallel=state)); this one was built {how}, "
                 f"and the Trainer was given {given}"
             )

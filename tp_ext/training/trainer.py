@@ -160,7 +160,7 @@ class Trainer:
         else:
             if dp_group is not None or tp_group is not None:
                 raise ValueError(
-                    "with parallel=, the TP and DP groups are the layout's; drop dp_group= / "
+                    "with parallel=, the TP and DP groups are the ParallelState's; drop dp_group= / "
                     "tp_group="
                 )
             self.core, self.optimizer = assemble(

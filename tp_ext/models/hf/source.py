@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tp_ext.checkpoint import load_hf_checkpoint
+from tp_ext.checkpoint.checkpoint_map import own_names_map
 from tp_ext.checkpoint.hf_conversions import converted_files
-from tp_ext.checkpoint.layout import own_names_map
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles
 from tp_ext.models.hf.config import load_hf_config, max_positions, tp_problem
 from tp_ext.models.hf.shards import expert_count, full_plan, meta_model, model_shards

@@ -2,7 +2,7 @@
 only), the model, and its Hugging Face checkpoint layout."""
 
 from tp_ext.models.qwen2.config import Qwen2Config
-from tp_ext.models.qwen2.hf_layout import checkpoint_map, hf_to_tp_ext_names
+from tp_ext.models.qwen2.hf_checkpoint_map import checkpoint_map, hf_to_tp_ext_names
 from tp_ext.models.qwen2.model import Qwen2ForCausalLM
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
 

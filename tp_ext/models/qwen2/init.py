@@ -16,7 +16,7 @@ from torch import nn
 
 from tp_ext.layers import RMSNorm, RMSNorm2D, init_from_full_tensors
 from tp_ext.models.qwen2.config import Qwen2Config
-from tp_ext.models.qwen2.hf_layout import checkpoint_map
+from tp_ext.models.qwen2.hf_checkpoint_map import checkpoint_map
 
 __all__ = ["draw_seed", "init_weights"]
 

@@ -3,7 +3,7 @@
 Module names follow Hugging Face's Qwen2 where the layers are not fused: ``model.embed_tokens``,
 ``model.layers.N.{input_layernorm, post_attention_layernorm}``, ``model.norm``, ``lm_head``; the
 fused projections are ``self_attn.qkv_proj`` (q; k; v stacked) and ``mlp.gate_up_proj`` (gate;
-up). Where they live in Hugging Face checkpoints: :mod:`tp_ext.models.qwen2.hf_layout`.
+up). Where they live in Hugging Face checkpoints: :mod:`tp_ext.models.qwen2.hf_checkpoint_map`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from tp_ext import checkpoint
+from tp_ext.checkpoint.checkpoint_map import detect_checkpoint_map, expected_shapes
 from tp_ext.checkpoint.hf import model_group
-from tp_ext.checkpoint.layout import detect_checkpoint_map, expected_shapes
 from tp_ext.checkpoint.safetensors_io import SafetensorsFiles, check_names_and_shapes
 from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed import comm
@@ -34,7 +34,7 @@ from tp_ext.layers import (
     tensor_specs,
 )
 from tp_ext.layers.context import CP_MODES, cp_positions
-from tp_ext.models.qwen2 import hf_layout
+from tp_ext.models.qwen2 import hf_checkpoint_map
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
@@ -110,7 +110,7 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
 
     @classmethod
     def from_config(cls, config: Qwen2Config, *, parallel=None, **kwargs):
-        """The model for ``parallel``'s layout: :class:`Qwen2ForCausalLM2D` on a P x Q grid
+        """The model for ``parallel``'s dims: :class:`Qwen2ForCausalLM2D` on a P x Q grid
         (``tp_ext.init_parallel(tp=(P, Q))``), else this class (1D TP x PP x DP, or ``tp_group``
         alone). ``kwargs`` are the constructor's (``tp_group``, ``device``, ``dtype``, the
         pipeline options)."""
@@ -318,17 +318,17 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
         checkpoint code gathers stages over."""
         return self.parallel.pp_group if self.is_pipelined else None
 
-    # -- what the checkpoint code reads (tp_ext.checkpoint.layout) ------------------------------
+    # -- what the checkpoint code reads (tp_ext.checkpoint.checkpoint_map) ---------------------
 
     # "qwen2": transformers' Qwen2 names (what saves write); "qwen": the original Qwen's.
-    checkpoint_formats = hf_layout.FORMATS
+    checkpoint_formats = hf_checkpoint_map.FORMATS
 
     def checkpoint_map(self, fmt: Optional[str] = None):
         """This model's tensors in a Hugging Face checkpoint of format ``fmt`` (None: "qwen2")."""
-        return hf_layout.checkpoint_map(self.config, fmt or self.checkpoint_formats[0])
+        return hf_checkpoint_map.checkpoint_map(self.config, fmt or self.checkpoint_formats[0])
 
     def hf_config(self, dtype: torch.dtype) -> dict:
-        return hf_layout.hf_config(self.config, dtype)
+        return hf_checkpoint_map.hf_config(self.config, dtype)
 
     def forward(
         self, input_ids: torch.Tensor, local_logits: bool = False, kv_caches=None
@@ -360,11 +360,11 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
         batch of left-padded prompts (:func:`tp_ext.generate`): ``position_ids`` [batch, seq],
         ``key_mask`` [batch, cached + seq] (False at padding), and ``last_only`` (the logits of
         the last position only)."""
-        layout = self.stage_split
+        split = self.stage_split
         if stage not in self.stage_ids:
             raise ValueError(
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
-                f"{layout.num_stages}"
+                f"{split.num_stages}"
             )
         positions, seq_len = position_ids, None
         if self.cp_group is not None and position_ids is not None:
@@ -382,7 +382,7 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
                 x = x[:, order]
         if stage == 0:
             x = self.model.embed_tokens(x)
-        for i in layout.layers_of(stage):
+        for i in split.layers_of(stage):
             layer, cache = self.model.layers[i], None if kv_caches is None else kv_caches[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # recomputed in backward; the TP random stream is derived from torch's, which
@@ -390,7 +390,7 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
                 x = recompute(layer, x, positions, cache, seq_len, key_mask, use_reentrant=False)
             else:
                 x = layer(x, positions, cache, seq_len, key_mask)
-        if stage == layout.last_stage:
+        if stage == split.last_stage:
             x = self.lm_head(self.model.norm(x[:, -1:] if last_only else x))
         return x
 
@@ -448,13 +448,13 @@ class _Stage(nn.Module):
         super().__init__()
         object.__setattr__(self, "_model", model)  # not a child: its other stages are not ours
         self.stage = stage
-        layout = model.stage_split
+        split = model.stage_split
         if stage == 0:
             self.embed_tokens = model.model.embed_tokens
         self.layers = nn.ModuleDict(
-            {str(i): model.model.layers[i] for i in layout.layers_of(stage)}
+            {str(i): model.model.layers[i] for i in split.layers_of(stage)}
         )
-        if stage == layout.last_stage:
+        if stage == split.last_stage:
             self.norm, self.lm_head = model.model.norm, model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -473,7 +473,7 @@ def _check_checkpoint(model: Qwen2ForCausalLM, path: str, strict: bool) -> None:
 
     def check():
         files = SafetensorsFiles(path)
-        layout = detect_checkpoint_map(model, files.names())
-        check_names_and_shapes(files, expected_shapes(entries, layout), strict)
+        mapping = detect_checkpoint_map(model, files.names())
+        check_names_and_shapes(files, expected_shapes(entries, mapping), strict)
 
     comm.everywhere(group, f"checking {path}", check, checkpoint.CheckpointError)

@@ -35,7 +35,7 @@ from tp_ext.layers.summa_blocks import (
     cross_entropy_2d,
     kv_head_sizes,
 )
-from tp_ext.models.qwen2 import hf_layout
+from tp_ext.models.qwen2 import hf_checkpoint_map
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.sharding import StageSplit, shard_range, shard_sizes
@@ -191,7 +191,7 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
     def checkpoint_map(self, fmt: Optional[str] = None):
         """The 1D model's fusions of these tensors (q, k, v; gate, up): what keeps training
         checkpoints of the two interchangeable (:mod:`tp_ext.checkpoint.dcp`)."""
-        return hf_layout.checkpoint_map(self.config, fmt or "qwen2")
+        return hf_checkpoint_map.checkpoint_map(self.config, fmt or "qwen2")
 
     def load_full_state_dict(self, full, strict: bool = True) -> None:
         load_full_state_dict(self, full, strict)
@@ -240,7 +240,7 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
             {k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors")
         )
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf_layout.hf_config(self.config, dtype), f, indent=2)
+            json.dump(hf_checkpoint_map.hf_config(self.config, dtype), f, indent=2)
 
 
 class _Stage2D(nn.Module):

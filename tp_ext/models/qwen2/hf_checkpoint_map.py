@@ -1,12 +1,12 @@
 """Where a Qwen2 model's tensors live in Hugging Face checkpoints (transformers' Qwen2 names, or
 the original Qwen's fused names), and the config.json of a merged export. The model declares
-these to the generic checkpoint code (:mod:`tp_ext.checkpoint.layout`)."""
+these to the generic checkpoint code (:mod:`tp_ext.checkpoint.checkpoint_map`)."""
 
 from __future__ import annotations
 
 import torch
 
-from tp_ext.checkpoint.layout import Piece
+from tp_ext.checkpoint.checkpoint_map import Piece
 from tp_ext.models.qwen2.config import Qwen2Config
 
 __all__ = ["FORMATS", "checkpoint_map", "hf_to_tp_ext_names", "hf_config"]
@@ -34,7 +34,7 @@ def checkpoint_map(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list[Pi
     def whole(name, rows):
         return [Piece(name, 0, rows)]
 
-    layout = {}
+    mapping = {}
     for i in range(config.num_hidden_layers):
         ours = f"model.layers.{i}."
         if fmt == "qwen2":
@@ -64,29 +64,29 @@ def checkpoint_map(config: Qwen2Config, fmt: str = "qwen2") -> dict[str, list[Pi
                 "up": theirs + "mlp.w1",
             }
         for leaf in ("weight", "bias"):
-            layout[f"{ours}self_attn.qkv_proj.{leaf}"] = [
+            mapping[f"{ours}self_attn.qkv_proj.{leaf}"] = [
                 Piece(f"{name}.{leaf}", start, rows) for name, start, rows in qkv
             ]
-        layout[ours + "input_layernorm.weight"] = whole(names["input_layernorm"] + ".weight", h)
-        layout[ours + "post_attention_layernorm.weight"] = whole(
+        mapping[ours + "input_layernorm.weight"] = whole(names["input_layernorm"] + ".weight", h)
+        mapping[ours + "post_attention_layernorm.weight"] = whole(
             names["post_attention_layernorm"] + ".weight", h
         )
-        layout[ours + "self_attn.o_proj.weight"] = whole(names["o_proj"] + ".weight", h)
-        layout[ours + "mlp.gate_up_proj.weight"] = [
+        mapping[ours + "self_attn.o_proj.weight"] = whole(names["o_proj"] + ".weight", h)
+        mapping[ours + "mlp.gate_up_proj.weight"] = [
             Piece(names["gate"] + ".weight", 0, inter),
             Piece(names["up"] + ".weight", 0, inter),
         ]
-        layout[ours + "mlp.down_proj.weight"] = whole(names["down_proj"] + ".weight", h)
+        mapping[ours + "mlp.down_proj.weight"] = whole(names["down_proj"] + ".weight", h)
     embed = "model.embed_tokens.weight" if fmt == "qwen2" else "transformer.wte.weight"
-    layout["model.embed_tokens.weight"] = whole(embed, vocab)
-    layout["model.norm.weight"] = whole(
+    mapping["model.embed_tokens.weight"] = whole(embed, vocab)
+    mapping["model.norm.weight"] = whole(
         "model.norm.weight" if fmt == "qwen2" else "transformer.ln_f.weight", h
     )
     # A tied head has no tensor of its own in Hugging Face checkpoints.
-    layout["lm_head.weight"] = whole(
+    mapping["lm_head.weight"] = whole(
         embed if config.tie_word_embeddings else "lm_head.weight", vocab
     )
-    return layout
+    return mapping
 
 
 def hf_to_tp_ext_names(
