@@ -160,8 +160,8 @@ class Trainer:
         else:
             if dp_group is not None or tp_group is not None:
                 raise ValueError(
-                    "with parallel=, the TP and DP groups are the ParallelState's; drop dp_group= / "
-                    "tp_group="
+                    "with parallel=, the TP and DP groups are the ParallelState's; drop "
+                    "dp_group= / tp_group="
                 )
             self.core, self.optimizer = assemble(
                 contract, module, parallel, settings, lambda m: built_optimizer(optimizer, m)

@@ -451,9 +451,7 @@ class _Stage(nn.Module):
         split = model.stage_split
         if stage == 0:
             self.embed_tokens = model.model.embed_tokens
-        self.layers = nn.ModuleDict(
-            {str(i): model.model.layers[i] for i in split.layers_of(stage)}
-        )
+        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in split.layers_of(stage)})
         if stage == split.last_stage:
             self.norm, self.lm_head = model.model.norm, model.lm_head
 
