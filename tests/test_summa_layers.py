@@ -6,6 +6,8 @@ vocabularies and hidden sizes that no grid dimension divides)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -265,6 +267,43 @@ def test_qwen2_2d_matches_transformers(rows, cols, tmp_path):
     )
 
 
+def _pipelined_2d_model(rows: int, cols: int, pp: int, tmp: str):
+    """A 2D model over ``pp`` pipeline stages (one decoder layer each) read from a transformers
+    checkpoint: its logits (the stages run one after another) equal transformers', and its
+    merged save loads back into transformers bitwise."""
+    import transformers
+
+    import tp_ext
+    from tp_ext.models import Qwen2ForCausalLM, Qwen2ForCausalLM2D
+
+    config = _tiny_config()
+    reference = hf_qwen2(config, seed=3)
+    source, saved = os.path.join(tmp, "source"), os.path.join(tmp, "saved")
+    if dist.get_rank() == 0:
+        reference.save_pretrained(source)
+    dist.barrier()
+    state = tp_ext.init_parallel(tp=(rows, cols), pp=pp)
+    model = Qwen2ForCausalLM.from_pretrained(source, parallel=state)
+    assert isinstance(model, Qwen2ForCausalLM2D) and len(model.model.layers) == 2 // pp
+    ids = torch.randint(0, config.vocab_size, (5, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert_rel(model(ids), reference(ids).logits, "logits against transformers")
+    model.save_pretrained(saved)
+    dist.barrier()
+    back = transformers.Qwen2ForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    return model.stage_ids
+
+
+@pytest.mark.parametrize("rows, cols, pp", [(2, 1, 2), (1, 2, 2), (2, 2, 1)])
+def test_a_2d_model_in_pipeline_stages_loads_runs_and_saves(rows, cols, pp, tmp_path):
+    stages = run_distributed(
+        _pipelined_2d_model, rows * cols * pp, rows, cols, pp, str(tmp_path), timeout=300
+    )
+    assert sorted({tuple(s) for s in stages}) == [(s,) for s in range(pp)]
+
+
 def test_the_2d_model_refuses_what_it_cannot_do():
     from tp_ext.distributed.grid import make_tp_grid
     from tp_ext.models import Qwen2ForCausalLM2D
@@ -285,7 +324,7 @@ def _train_steps(layout, path: str, load: bool):
     from tp_ext.training import Trainer
 
     torch.manual_seed(5)
-    state = tp_ext.init_parallel(tp=layout)
+    state = tp_ext.init_parallel(**_degrees(layout))
     model = Qwen2ForCausalLM.from_config(_tiny_config(), parallel=state)
     trainer = Trainer(
         model,
@@ -306,16 +345,33 @@ def _train_steps(layout, path: str, load: bool):
     return losses
 
 
+def _degrees(dims) -> dict:
+    """``init_parallel``'s keywords: a TP degree, a grid, or ``(grid, pp)``."""
+    if isinstance(dims, tuple) and isinstance(dims[0], tuple):
+        return {"tp": dims[0], "pp": dims[1]}
+    return {"tp": dims}
+
+
+def _world(dims) -> int:
+    degrees = _degrees(dims)
+    tp = degrees["tp"] if isinstance(degrees["tp"], int) else degrees["tp"][0] * degrees["tp"][1]
+    return tp * degrees.get("pp", 1)
+
+
 @pytest.mark.parametrize(
-    "saved_at, resumed_at", [((2, 2), [(1, 4), (4, 1), 4, 2]), (2, [(2, 2), (1, 2)])], ids=str
+    "saved_at, resumed_at",
+    [
+        ((2, 2), [(1, 4), (4, 1), 4, 2]),
+        (2, [(2, 2), (1, 2)]),
+        (((2, 1), 2), [(2, 2), 2, ((1, 2), 2)]),  # a grid in pipeline stages
+    ],
+    ids=str,
 )
 def test_training_checkpoints_reshard_between_2d_and_1d(tmp_path, saved_at, resumed_at):
     path = str(tmp_path / "ckpt")
-    world = saved_at if isinstance(saved_at, int) else saved_at[0] * saved_at[1]
-    losses = run_distributed(_train_steps, world, saved_at, path, False)[0]
+    losses = run_distributed(_train_steps, _world(saved_at), saved_at, path, False)[0]
     for layout in resumed_at:
-        ranks = layout if isinstance(layout, int) else layout[0] * layout[1]
-        resumed = run_distributed(_train_steps, ranks, layout, path, True)[0]
+        resumed = run_distributed(_train_steps, _world(layout), layout, path, True)[-1]
         assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
         for step in resumed:
             assert resumed[step] == pytest.approx(losses[step], rel=RTOL, abs=0), (layout, step)

@@ -94,12 +94,11 @@ class ParallelModel(Protocol):
         this rank, in order (context parallelism); None: all of them, in order."""
         ...
 
-    @property
-    def local_vocab_size(self) -> int:
-        """The vocabulary columns of the last stage's output on this rank."""
+    def activation_shape(self, batch: int, length: int) -> tuple:
+        """The shape of the hidden states a stage of this rank passes on, for a micro-batch of
+        ``batch`` sequences of ``length`` tokens (what the pipeline sends between stages)."""
         ...
 
-    @property
-    def hidden_size(self) -> int:
-        """The width of the hidden states passed between stages."""
+    def output_shape(self, batch: int, length: int) -> tuple:
+        """The shape of the last stage's output on this rank for such a micro-batch."""
         ...

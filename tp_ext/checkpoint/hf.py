@@ -30,6 +30,7 @@ from tp_ext.checkpoint.checkpoint_map import (
     detect_checkpoint_map,
     expected_shapes,
     model_checkpoint_map,
+    own_names_map,
     tied_names,
 )
 from tp_ext.checkpoint.errors import CheckpointError
@@ -53,7 +54,7 @@ from tp_ext.layers import (
     iter_full_tensors,
     tensor_specs,
 )
-from tp_ext.sharding import Partition
+from tp_ext.sharding import GridBlock, Partition
 from tp_ext.validation import as_torch_dtype, check_int
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "model_group", "tp_size"]
@@ -189,8 +190,12 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
 
     def describe():
         check_int("max_shard_bytes", max_shard_bytes, 1, why="bytes per file")
-        layout = model_checkpoint_map(model)
         entries = list(tensor_specs(model))
+        # a 2D model's entries carry the checkpoint's names already (as tp_ext.checkpoint.dcp
+        # reads them); its declared map is the 1D model's fusions, for training checkpoints
+        own = any(isinstance(spec, GridBlock) for _, _, spec, _ in entries)
+        own = own or declared_map(model) is None
+        layout = own_names_map(model) if own else model_checkpoint_map(model)
         if not entries:
             raise CheckpointError(f"{type(model).__name__} has no tensors on this rank to save")
         unknown = [name for name, *_ in entries if name not in layout]
@@ -198,16 +203,16 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
             raise CheckpointError(
                 f"{type(model).__name__}.checkpoint_map() has no place for {unknown[:5]}"
             )
-        return layout, entries, _describe_entries(model, entries, pipeline)
+        return layout, entries, _describe_entries(model, entries, pipeline), own
 
-    layout, entries, mine = comm.everywhere(group, what, describe, CheckpointError)
+    layout, entries, mine, own = comm.everywhere(group, what, describe, CheckpointError)
     me = group.rank
     if pipeline is None:
         sources = [(me, mine)]
     else:  # every stage's names and sizes, so that the writer plans the whole model's files
         texts = comm.all_gather_text(json.dumps(mine), group)
         sources = [(r, json.loads(texts[r])) for r in dist.get_process_group_ranks(pipeline)]
-        if declared_map(model) is None:  # own names: other stages' tensors are theirs too
+        if own:  # own names: other stages' tensors are theirs too
             aliases = getattr(model, "checkpoint_aliases", None) or {}  # (as own_names_map)
             for _, described in sources:
                 for name, _, shape, _ in described:

@@ -254,10 +254,6 @@ class StagedCausalLM(nn.Module, ParallelModel):
         return None if cp is None else cp_positions(length, group=cp)
 
     @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
     def sequence_parallel(self) -> bool:
         return self._sequence_shards is not None
 
@@ -276,10 +272,14 @@ class StagedCausalLM(nn.Module, ParallelModel):
             return length
         return len(cp_positions(length, group=self.cp_group))
 
-    @property
-    def local_vocab_size(self) -> int:
-        tp = self.parallel.tp
-        return shard_sizes(self.config.vocab_size, tp)[self.parallel.tp_rank]
+    def activation_shape(self, batch: int, length: int) -> tuple:
+        return (batch, self.local_sequence(length), self.config.hidden_size)
+
+    def output_shape(self, batch: int, length: int) -> tuple:
+        positions = self.loss_positions(length)
+        rows = length if positions is None else len(positions)
+        vocab = shard_sizes(self.config.vocab_size, self.parallel.tp)[self.parallel.tp_rank]
+        return (batch, rows, vocab)
 
     def tied_weights(self) -> list[torch.Tensor]:
         """The copies of a tied embedding this rank holds (see the native model's)."""
@@ -466,9 +466,9 @@ def tied_copies_group(model):
     return tied_embedding_group(model.parallel)
 
 
-def _run_stages(model, input_ids, stage_forward, local: int):
+def _run_stages(model, input_ids, stage_forward):
     """This rank's stages of ``model`` on ``input_ids``, in order, receiving each from and
-    sending it to the neighbour ranks (``local``: the positions a stage sends); the last
+    sending it to the neighbour ranks (shaped as the model's ``activation_shape``); the last
     stage's output where this rank holds it."""
     split, group, me = model.stage_split, model.parallel.pp_group, model.parallel.pp_rank
     param = next(model.parameters())
@@ -477,7 +477,7 @@ def _run_stages(model, input_ids, stage_forward, local: int):
         if split.rank_of(stage) != me:
             continue
         if stage > 0 and split.rank_of(stage - 1) != me:
-            shape = (input_ids.size(0), local, model.config.hidden_size)
+            shape = model.activation_shape(*input_ids.shape)
             h = torch.empty(shape, device=param.device, dtype=param.dtype)
             dist.recv(h, dist.get_global_rank(group, split.rank_of(stage - 1)), group=group)
         h = stage_forward(stage, input_ids if stage == 0 else h)
@@ -491,9 +491,9 @@ def _run_stages(model, input_ids, stage_forward, local: int):
 def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gather_logits):
     """Run ``model``'s stages one after another over its pipeline group for inference (the
     hidden states sent to the next stage's rank) and return the last stage's logits on every
-    rank of the pipeline (full, or this rank's vocabulary shard with ``local_logits``).
-    ``stage_forward(stage, x)`` runs one stage; ``gather_logits`` (on the last stage's rank)
-    gathers the vocabulary shards into full logits."""
+    rank of the pipeline (full, or this rank's part of them with ``local_logits``: the model's
+    ``output_shape``). ``stage_forward(stage, x)`` runs one stage; ``gather_logits`` (on the
+    last stage's rank) gathers the parts into full logits."""
     if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
         raise RuntimeError(
             "forward of a pipelined model runs the stages for inference only (no autograd "
@@ -504,19 +504,19 @@ def pipelined_forward(model, input_ids, local_logits: bool, stage_forward, gathe
     batch, seq = input_ids.shape
     param = next(model.parameters())
     model.sequence_length = seq  # what the stages after the first cannot see
-    local = model.local_sequence(seq)  # a sequence- or context-parallel stage: its rows
     try:
-        h = _run_stages(model, input_ids, stage_forward, local)
+        h = _run_stages(model, input_ids, stage_forward)
     finally:
         model.sequence_length = None  # this forward's, not the next one's
     owner = split.rank_of(split.last_stage)
     if me == owner and not local_logits:
         h = gather_logits(h)
-    vocab = model.config.vocab_size if not local_logits else model.local_vocab_size
-    if me != owner:  # context parallelism: the logits of this rank's positions
+    if me != owner:  # under CP: the logits of this rank's positions
         positions = model.loss_positions(seq)
         rows = seq if positions is None else len(positions)
-        h = torch.empty(batch, rows, vocab, device=input_ids.device, dtype=param.dtype)
+        whole = (batch, rows, model.config.vocab_size)
+        shape = model.output_shape(batch, seq) if local_logits else whole
+        h = torch.empty(shape, device=input_ids.device, dtype=param.dtype)
     h = h.contiguous()
     dist.broadcast(h, dist.get_global_rank(group, owner), group=group)
     return h

@@ -308,17 +308,13 @@ class PipelineRunner:
         output, this rank's vocabulary shard of the logits). Floating activations carry
         ``requires_grad``: torch reads from it which ones get gradients sent back."""
         model = self.model
-        dtype = next(model.parameters()).dtype
         if stage == 0:
             return torch.empty(shape, dtype=torch.long, device="meta")
-        if stage == self.stage_split.num_stages:
-            size, dtype = model.local_vocab_size, logits_dtype
-            positions = model.loss_positions(shape[1])
-            if positions is not None:  # context parallelism: the logits of its positions
-                shape = (shape[0], len(positions))
-        else:  # this rank's positions (context parallelism), its sequence shard of them (SP)
-            size, shape = model.hidden_size, (shape[0], model.local_sequence(shape[1]))
-        return torch.empty(*shape, size, dtype=dtype, device="meta", requires_grad=True)
+        if stage == self.stage_split.num_stages:  # the model's: its shard of the logits
+            shape, dtype = model.output_shape(*shape), logits_dtype
+        else:
+            shape, dtype = model.activation_shape(*shape), next(model.parameters()).dtype
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
 
 
 def _model_error(error: RuntimeError) -> BaseException:

@@ -82,12 +82,10 @@ class WholeModel(ParallelModel):
     def named_parameters(self, *args, **kwargs):
         return self.module.named_parameters(*args, **kwargs)
 
-    @property
-    def local_vocab_size(self) -> int:
+    def activation_shape(self, batch: int, length: int) -> tuple:
         raise NotImplementedError("a whole model runs without a pipeline")
 
-    @property
-    def hidden_size(self) -> int:
+    def output_shape(self, batch: int, length: int) -> tuple:
         raise NotImplementedError("a whole model runs without a pipeline")
 
 

@@ -8,14 +8,14 @@ data-parallel group) and ``train.grad_norm`` (one per step when clipping at TP >
     trainer = Trainer(model, max_grad_norm=1.0, dp_group=state.dp_group)
     loss = trainer.step([ids_0, ids_1])          # two micro-batches, one optimizer step
 
-With ``parallel=`` (a model built with ``parallel=state``) the step runs on a pipeline instead
-(:mod:`tp_ext.pipeline`: torch's schedules, DDP or FSDP2 on the DP dimension); its collectives
-add ``train.loss`` (the global loss, one all-reduce) and ``train.tied`` (a tied embedding's
-gradient, summed between the first and last stage).
+With ``parallel=`` (a model built with ``parallel=state``) its collectives add ``train.loss``
+(the global token count and loss, an all-reduce each) and ``train.tied`` (a tied embedding's
+gradient, summed between the first and last stage under pipelining).
 
-The Trainer is composed of parts chosen once, at construction: a step strategy for its
-parallel form (:mod:`tp_ext.training.steps`: the local loop, 2D, expert-parallel or pipeline),
-the precision settings, the optimizer and LR schedule. :meth:`Trainer.fit` runs the whole loop
+The Trainer is composed of parts chosen once, at construction (:mod:`tp_ext.training.core`):
+a runner (its own loop, or torch's pipeline schedule) x a gradient sync (DDP / FSDP2, sums
+over the replicas, ZeRO-2) x the model's loss kind, the precision settings, the optimizer and
+LR schedule, and a checkpointer of its Stateful parts. :meth:`Trainer.fit` runs the whole loop
 (:mod:`tp_ext.training.loop`: checkpoints in a directory, resume, metrics)::
 
     losses = trainer.fit(trainer.data, steps=1000, checkpoint_dir="ckpt", checkpoint_every=100)

@@ -38,26 +38,12 @@ from tp_ext.models.qwen2 import hf_checkpoint_map
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
+from tp_ext.models.qwen2.stages import HeldStages, Layers, Stage
 from tp_ext.parallelize.stages import pipelined_forward, tied_copies_group
-from tp_ext.sharding import StageSplit, shard_sizes
+from tp_ext.sharding import shard_sizes
 from tp_ext.validation import ConfigError, as_torch_dtype, check_int
 
 __all__ = ["Qwen2ForCausalLM"]
-
-
-class _Layers(nn.ModuleDict):
-    """Decoder layers keyed by their index in the full model, so a pipeline stage that holds
-    layers 4..7 names them ``model.layers.4`` .. ``model.layers.7`` as the checkpoint does.
-    Indexing takes the global index; iteration yields the layers in order."""
-
-    def __getitem__(self, index) -> nn.Module:
-        return super().__getitem__(str(index))
-
-    def __iter__(self):
-        return iter(self.values())
-
-    def indices(self) -> list[int]:
-        return [int(key) for key in self.keys()]
 
 
 class _Qwen2Model(ParallelModule):
@@ -70,7 +56,7 @@ class _Qwen2Model(ParallelModule):
             if embedding
             else None
         )
-        self.layers = _Layers(
+        self.layers = Layers(
             {
                 str(i): ParallelTransformerBlock(
                     config.hidden_size,
@@ -152,14 +138,12 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
         config.check_tp(tp.size)
         self.config = config
         self.parallel = parallel
-        pp, pp_rank = (1, 0) if parallel is None else (parallel.pp, parallel.pp_rank)
-        self.stage_split = StageSplit(
-            config.num_hidden_layers, pp, virtual_stages, pipeline_split, stage_order
+        held = HeldStages.of(
+            config.num_hidden_layers, parallel, virtual_stages, pipeline_split, stage_order
         )
-        self.stage_ids = self.stage_split.stages_of(pp_rank)
-        layer_ids = [i for s in self.stage_ids for i in self.stage_split.layers_of(s)]
-        has_embedding = 0 in self.stage_ids
-        has_head = self.stage_split.last_stage in self.stage_ids
+        self.stage_split, self.stage_ids = held.split, held.stage_ids
+        layer_ids, has_embedding, has_head = held.layer_ids, held.has_embedding, held.has_head
+        pp = held.split.pp
         # Under pipelining a tied head keeps its own copy, even on the rank that also holds the
         # embedding (V-shaped schedules): each stage module then owns its parameters, as DDP
         # and FSDP2 need; the Trainer sums the two gradients, so the copies stay equal.
@@ -221,9 +205,13 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
         """This CP rank's positions, whose logits the last stage gives (None without CP)."""
         return None if self.cp_group is None else cp_positions(length, group=self.cp_group)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
+    def activation_shape(self, batch: int, length: int) -> tuple:
+        return (batch, self.local_sequence(length), self.config.hidden_size)
+
+    def output_shape(self, batch: int, length: int) -> tuple:
+        positions = self.loss_positions(length)
+        rows = length if positions is None else len(positions)
+        return (batch, rows, self.local_vocab_size)
 
     def tied_weights(self) -> list[torch.Tensor]:
         """The copies of a tied embedding this rank holds under pipelining: the embedding's on
@@ -242,7 +230,7 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
         """One module per pipeline stage this rank holds, in order, each owning the
         embedding / layers / norm and head of its stage (what PipelineStage, DDP and FSDP2
         wrap; the parameters are this model's, shared)."""
-        return [_Stage(self, stage) for stage in self.stage_ids]
+        return [Stage(self, stage) for stage in self.stage_ids]
 
     @classmethod
     def from_pretrained(
@@ -271,8 +259,13 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
                 "Face checkpoint: config.json with model.safetensors or a sharded index)"
             )
         if _is_grid(parallel):  # tp=(P, Q): the 2D model
+            stages = dict(
+                virtual_stages=virtual_stages,
+                pipeline_split=pipeline_split,
+                stage_order=stage_order,
+            )
             return Qwen2ForCausalLM2D.from_pretrained(
-                path, parallel=parallel, dtype=dtype, device=device
+                path, parallel=parallel, dtype=dtype, device=device, **stages
             )
         checkpoint.import_readers()  # their code is mapped once, not counted against the load
         before = checkpoint.current_rss_bytes()
@@ -438,25 +431,6 @@ class Qwen2ForCausalLM(ParallelModule, ParallelModel):
 def _is_grid(parallel) -> bool:
     """Whether a ParallelState lays tensor parallelism out on a P x Q grid."""
     return parallel is not None and parallel.dims.grid is not None
-
-
-class _Stage(nn.Module):
-    """Pipeline stage ``stage`` of a :class:`Qwen2ForCausalLM`: ids or hidden states in, hidden
-    states or this rank's vocabulary shard of the logits out (``model.stage_forward``)."""
-
-    def __init__(self, model: Qwen2ForCausalLM, stage: int):
-        super().__init__()
-        object.__setattr__(self, "_model", model)  # not a child: its other stages are not ours
-        self.stage = stage
-        split = model.stage_split
-        if stage == 0:
-            self.embed_tokens = model.model.embed_tokens
-        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in split.layers_of(stage)})
-        if stage == split.last_stage:
-            self.norm, self.lm_head = model.model.norm, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model.stage_forward(self.stage, x)
 
 
 def _check_checkpoint(model: Qwen2ForCausalLM, path: str, strict: bool) -> None:

@@ -18,10 +18,10 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from tp_ext.checkpoint.hf import save_hf_checkpoint
 from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.distributed.state import PROCESS
@@ -38,21 +38,25 @@ from tp_ext.layers.summa_blocks import (
 from tp_ext.models.qwen2 import hf_checkpoint_map
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
-from tp_ext.sharding import StageSplit, shard_range, shard_sizes
+from tp_ext.models.qwen2.stages import HeldStages, Layers, Stage
+from tp_ext.parallelize.stages import pipelined_forward
+from tp_ext.sharding import shard_range, shard_sizes
 from tp_ext.validation import as_torch_dtype
 
 __all__ = ["Qwen2ForCausalLM2D"]
 
 
 class _Model2D(nn.Module):
-    def __init__(self, config: Qwen2Config, grid: TPGrid, device, dtype):
+    def __init__(self, config: Qwen2Config, grid: TPGrid, device, dtype, held: HeldStages):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.embed_tokens = Embedding2D(config.vocab_size, config.hidden_size, grid, **kw)
-        self.layers = nn.ModuleList(
-            DecoderLayer2D(config, grid, **kw) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm2D(config.hidden_size, config.rms_norm_eps, grid, **kw)
+        self.embed_tokens = None
+        if held.has_embedding:
+            self.embed_tokens = Embedding2D(config.vocab_size, config.hidden_size, grid, **kw)
+        self.layers = Layers({str(i): DecoderLayer2D(config, grid, **kw) for i in held.layer_ids})
+        self.norm = None
+        if held.has_head:
+            self.norm = RMSNorm2D(config.hidden_size, config.rms_norm_eps, grid, **kw)
 
 
 class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
@@ -61,12 +65,13 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
     ``local_logits=True`` this rank's block (grid row i's sequences, column j's vocabulary);
     :meth:`summed_loss` takes that block to the loss without gathering it.
 
-    As a :class:`~tp_ext.contract.ParallelModel` it is one stage whose output is its logits
-    block (``LossKind.GRID_BLOCK``); the checkpoint and gradient-norm code read the parameters'
-    ShardSpecs (grid blocks)."""
+    As a :class:`~tp_ext.contract.ParallelModel` its last stage's output is its logits block
+    (``LossKind.GRID_BLOCK``); with ``parallel.pp > 1`` it holds this rank's pipeline stages
+    (``virtual_stages`` per rank in ``stage_order``, layers split by ``pipeline_split`` or the
+    one shard policy), their hidden states grid blocks too. The checkpoint and gradient-norm
+    code read the parameters' ShardSpecs (grid blocks)."""
 
     loss_kind = LossKind.GRID_BLOCK
-    stage_ids = [0]
     sequence_length = None
 
     def __init__(
@@ -78,7 +83,9 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         *,
         parallel=None,
         grid: Optional[TPGrid] = None,
-        **unsupported,
+        virtual_stages: int = 1,
+        pipeline_split=None,
+        stage_order: str = "loop",
     ):
         super().__init__()
         dtype = as_torch_dtype(dtype)
@@ -90,17 +97,6 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
             raise ValueError(
                 "Qwen2ForCausalLM2D needs a grid: parallel=tp_ext.init_parallel(tp=(P, Q)) or grid="
             )
-        options = {k: v for k, v in unsupported.items() if v not in (None, 1, "loop")}
-        if options:
-            raise ValueError(
-                f"{sorted(options)} are pipeline options; 2D tensor parallelism runs without "
-                "pipelining (pp=1) for now"
-            )
-        if parallel is not None and parallel.pp > 1:
-            raise ValueError(
-                f"pp={parallel.pp}: 2D tensor parallelism runs without pipelining for now; use "
-                "pp=1 (TP x DP), or 1D tensor parallelism with pipelining"
-            )
         if config.tie_word_embeddings:
             raise ValueError(
                 "tie_word_embeddings=True: at 2D the embedding and the LM head hold different "
@@ -109,24 +105,48 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
             )
         kv_head_sizes(config.num_key_value_heads, grid.cols)  # Q <= KV heads, said clearly
         self.config, self.parallel, self.grid = config, parallel, grid
+        held = HeldStages.of(
+            config.num_hidden_layers, parallel, virtual_stages, pipeline_split, stage_order
+        )
+        self.stage_split, self.stage_ids = held.split, held.stage_ids
         seed = draw_seed() if PROCESS.init_weights else None  # before any layer is built
         with no_init():  # the layers' own initialisation is replaced: the 1D model's weights
-            self.model = _Model2D(config, grid, device, dtype)
-            self.lm_head = Linear2D(
-                config.hidden_size, config.vocab_size, False, grid, device=device, dtype=dtype
-            )
+            self.model = _Model2D(config, grid, device, dtype, held)
+            self.lm_head = None
+            if held.has_head:
+                self.lm_head = Linear2D(
+                    config.hidden_size, config.vocab_size, False, grid, device=device, dtype=dtype
+                )
         if seed is not None:
             init_weights(self, config, seed)
         self.activation_checkpointing = False
-        self.stage_split = StageSplit(config.num_hidden_layers)
 
     # -- the model contract ------------------------------------------------------------------------
 
     def stage_modules(self) -> list[nn.Module]:
-        return [_Stage2D(self)]
+        return [Stage(self, stage) for stage in self.stage_ids]
 
     def stage_forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
-        return self(x, local_logits=True)
+        """Stage ``stage``: the whole ids (stage 0) or this rank's block of the hidden states
+        in; the hidden states' block, or on the last stage the logits' block, out."""
+        split = self.stage_split
+        if stage not in self.stage_ids:
+            raise ValueError(
+                f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
+                f"{split.num_stages}"
+            )
+        if stage == 0:
+            x = self.model.embed_tokens(x)
+        positions = torch.arange(x.size(1), device=x.device).expand(x.size(0), x.size(1))
+        for i in split.layers_of(stage):
+            layer = self.model.layers[i]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = recompute(layer, x, positions, use_reentrant=False)
+            else:
+                x = layer(x, positions)
+        if stage == split.last_stage:
+            x = self.lm_head(self.model.norm(x))
+        return x
 
     def tied_weights(self) -> list:
         return []
@@ -140,13 +160,24 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
     def loss_positions(self, length: int):
         return None
 
-    @property
-    def local_vocab_size(self) -> int:
-        return self.lm_head.out_sizes[self.grid.col]
+    def activation_shape(self, batch: int, length: int) -> tuple:
+        """Grid row i's sequences, column j's features."""
+        rows = shard_sizes(batch, self.grid.rows)[self.grid.row]
+        return (rows, length, shard_sizes(self.config.hidden_size, self.grid.cols)[self.grid.col])
+
+    def output_shape(self, batch: int, length: int) -> tuple:
+        """Grid row i's sequences, column j's vocabulary."""
+        rows = shard_sizes(batch, self.grid.rows)[self.grid.row]
+        return (rows, length, shard_sizes(self.config.vocab_size, self.grid.cols)[self.grid.col])
 
     @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
+    def is_pipelined(self) -> bool:
+        return self.stage_split.num_stages > 1
+
+    @property
+    def pipeline_group(self):
+        """The pipeline group this rank's stages talk over (None without pipelining)."""
+        return self.parallel.pp_group if self.stage_split.pp > 1 else None
 
     # -- forward and loss -------------------------------------------------------------------------
 
@@ -156,19 +187,16 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
                 f"input_ids must be [batch, seq] (whole, the same on every rank), got shape "
                 f"{tuple(input_ids.shape)}"
             )
-        batch, seq = input_ids.shape
-        h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(seq, device=input_ids.device).expand(h.size(0), seq)
-        for layer in self.model.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = recompute(layer, h, positions, use_reentrant=False)
-            else:
-                h = layer(h, positions)
-        logits = self.lm_head(self.model.norm(h))
-        if local_logits:
-            return logits
-        rows = shard_sizes(batch, self.grid.rows)
-        return gather_2d(logits, self.grid, 0, dim_sizes=rows, feature_sizes=self.lm_head.out_sizes)
+        batch = input_ids.size(0)
+
+        def gathered(logits: torch.Tensor) -> torch.Tensor:  # every rank's block: the whole
+            rows, out = shard_sizes(batch, self.grid.rows), self.lm_head.out_sizes
+            return gather_2d(logits, self.grid, 0, dim_sizes=rows, feature_sizes=out)
+
+        if self.is_pipelined:  # the stages one after another, for inference
+            return pipelined_forward(self, input_ids, local_logits, self.stage_forward, gathered)
+        logits = self.stage_forward(0, input_ids)
+        return logits if local_logits else gathered(logits)
 
     def rows_of(self, batch: int) -> tuple[int, int]:
         """(first sequence, count) of the batch that this rank's grid row computes."""
@@ -200,14 +228,16 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         return full_state_dict(self)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, parallel=None, grid=None, dtype=None, device=None):
+    def from_pretrained(
+        cls, path: str, *, parallel=None, grid=None, dtype=None, device=None, **stages
+    ):
         """Build the model from a Hugging Face Qwen2 checkpoint directory (config.json and
         model.safetensors or a sharded index); each rank reads only its blocks."""
         from safetensors import safe_open
 
         config = Qwen2Config.from_file(path)
         files = _safetensors_files(path)
-        model = cls(config, parallel=parallel, grid=grid, device=device, dtype=dtype)
+        model = cls(config, parallel=parallel, grid=grid, device=device, dtype=dtype, **stages)
         where = {}
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -226,36 +256,13 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
                     param.copy_(_read_block(f.get_slice(name), name, param, spec, owner, path))
         return model
 
-    def save_pretrained(self, path: str) -> None:
-        """A Hugging Face checkpoint (model.safetensors + config.json) that transformers'
-        Qwen2ForCausalLM loads; every rank calls it, global rank 0 writes."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, path: str, max_shard_bytes: int = 5 * 1024**3) -> None:
+        """A Hugging Face checkpoint that transformers' Qwen2ForCausalLM loads: every stage's
+        blocks gathered (every rank calls it; global rank 0 writes)."""
+        save_hf_checkpoint(self, path, max_shard_bytes)
 
-        full = self.full_state_dict()
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        os.makedirs(path, exist_ok=True)
-        dtype = next(iter(full.values())).dtype
-        save_file(
-            {k: v.contiguous() for k, v in full.items()}, os.path.join(path, "model.safetensors")
-        )
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf_checkpoint_map.hf_config(self.config, dtype), f, indent=2)
-
-
-class _Stage2D(nn.Module):
-    """The one stage of a :class:`Qwen2ForCausalLM2D` (what DDP and FSDP2 wrap): the model's
-    modules, its decoder layers by index; ids in, this rank's logits block out."""
-
-    def __init__(self, model: Qwen2ForCausalLM2D):
-        super().__init__()
-        object.__setattr__(self, "_model", model)  # the modules below are its own
-        self.embed_tokens, self.norm = model.model.embed_tokens, model.model.norm
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(model.model.layers)})
-        self.lm_head = model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model(x, local_logits=True)
+    def hf_config(self, dtype: torch.dtype) -> dict:
+        return hf_checkpoint_map.hf_config(self.config, dtype)
 
 
 def _read_block(piece, name: str, param, spec, owner, path: str) -> torch.Tensor:
