@@ -271,16 +271,32 @@ def test_a_model_trained_at_pp1_still_runs_as_itself():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def _router_loss_refusal():
+def _router_loss_training(dp: int, cp: int, ep: int):
+    """Mixtral with its load-balancing loss (config.output_router_logits, coefficient 0.1) at
+    pp = 1: the Trainer adds it per micro-batch, its router statistics over the CP ranks'
+    positions; three steps."""
     config = _hf_config("mixtral")
-    config.output_router_logits = True
-    state = tp_ext.init_parallel(tp=1)
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.1
+    state = tp_ext.init_parallel(tp=1, dp=dp, cp=cp, ep=ep)
+    torch.manual_seed(0)
     model = tp_ext.parallelize(
-        transformers.AutoModelForCausalLM.from_config(config), "auto", parallel=state
+        transformers.AutoModelForCausalLM.from_config(config).float(), "auto", parallel=state
     )
-    with pytest.raises(ValueError, match="router loss .* would be dropped") as refusal:
-        Trainer(model, optimizer=_optimizer, parallel=state)
-    return str(refusal.value)
+    trainer = Trainer(model, optimizer=_optimizer, parallel=state, max_grad_norm=MAX_NORM)
+    batches = _micro_batches(2 * dp)
+    mine = batches[state.dp_rank * 2 : (state.dp_rank + 1) * 2]
+    return [trainer.step(mine) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def _router_loss_reference(dp: int) -> list:
+    """transformers' own training: its loss adds coef x its aux loss (output_router_logits)."""
+    config = _hf_config("mixtral")
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.1
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    optimizer = _optimizer(model.parameters())
+    return train_in_one_process(model, _micro_batches(2 * dp), STEPS, optimizer, MAX_NORM)[0]
 
 
 def _unconverted_refusal():
@@ -290,9 +306,18 @@ def _unconverted_refusal():
     return str(refusal.value)
 
 
-def test_a_router_loss_is_not_dropped_at_pp1():
-    (message,) = run_distributed(_router_loss_refusal, 1)
-    assert "output_router_logits=False" in message
+@pytest.mark.parametrize(
+    "dp, cp, ep", [(1, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 2)], ids=lambda v: str(v)
+)
+def test_the_router_loss_trains_like_transformers(dp, cp, ep):
+    """The load-balancing loss is kept (whole model, full logits and router logits), equal to
+    transformers' own loss with it, also with its statistics over context-parallel ranks."""
+    want = _router_loss_reference(dp)
+    for losses in run_distributed(_router_loss_training, dp * cp, dp, cp, ep, timeout=600):
+        torch.testing.assert_close(losses, want, rtol=1e-5, atol=0)
+
+
+def test_an_unconverted_model_is_refused():
     assert "tp=2" in run_distributed(_unconverted_refusal, 2)[0]
 
 

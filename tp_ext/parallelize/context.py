@@ -59,12 +59,6 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
         )
     if cp_mode not in CP_MODES:
         raise ValueError(f"parallelize: cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError(
-            f"parallelize: cp={cp} with the router's load-balancing loss "
-            "(config.output_router_logits=True) is not supported yet: each CP rank sees its "
-            "positions' routing only; set output_router_logits=False"
-        )
     if getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(
             f"parallelize: attention dropout ({model.config.attention_dropout}) under context "

@@ -6,7 +6,8 @@ pp > 1 declare the contract themselves. Two other kinds of model are adapted, on
 - a transformers causal LM that ``tp_ext.parallelize(model, "auto", parallel=state)``
   converted at pp = 1 becomes its one pipeline stage (``single_stage``), so DDP or FSDP2,
   recompute, compression and resharding checkpoints apply as at pp > 1; with expert
-  parallelism it runs whole (:class:`WholeModel`, full logits and its router loss);
+  parallelism, or a router loss to add, it runs whole (:class:`WholeModel`: full logits, its
+  router logits);
 - any other module (plain, or 1D tensor parallel through a ``tp_group``) runs whole.
 """
 
@@ -23,6 +24,7 @@ from tp_ext.layers import ParallelModule, expert_parameters
 from tp_ext.layers.context import cp_positions
 from tp_ext.parallelize.stages import is_transformers_model, single_stage
 from tp_ext.sharding import StageSplit
+from tp_ext.training.losses import router_loss_of
 
 __all__ = ["WholeModel", "trained_model"]
 
@@ -123,15 +125,9 @@ def _converted(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]:
             "tp_ext layers; convert it first with tp_ext.parallelize(model, 'auto', "
             "parallel=state)"
         )
-    if expert_parameters(model)[0]:  # experts run as the model runs them: whole
+    # experts run as the model runs them, whole, and a router loss needs its router logits
+    if expert_parameters(model)[0] or router_loss_of(model) is not None:
         cp = parallel.cp_group if parallel.dims.cp_enabled else None
         return WholeModel(model, parallel, LossKind.FULL_LOGITS, cp), model
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError(
-            f"Trainer(parallel=...) trains {type(model).__name__} as a pipeline stage, whose "
-            "loss is the tokens' alone: its router loss (config.output_router_logits=True) "
-            "would be dropped. Set output_router_logits=False, or train it with "
-            "Trainer(model, dp_group=state.dp_group) (full logits and the router loss)"
-        )
     staged = single_stage(model, parallel)
     return staged, staged

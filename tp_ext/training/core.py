@@ -30,7 +30,7 @@ from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, check_schedule
 from tp_ext.pipeline.data_parallel import Replicas
 from tp_ext.pipeline.schedules import prepare_stages
 from tp_ext.training.grad_norm import clip_grad_norm_, parallel_grad_norm, scale_grads_
-from tp_ext.training.losses import Loss
+from tp_ext.training.losses import Loss, router_loss_of
 from tp_ext.training.runners import LocalRunner, PipelinedRunner
 from tp_ext.training.sync import EngineSync, GradientSync, ReduceScatterSync, ReplicaSums
 from tp_ext.training.zero import ZERO_STAGES, sharded_optimizer_for
@@ -218,8 +218,7 @@ def assemble(model: ParallelModel, module, parallel, settings: StepSettings, mak
     runner = RUNNERS[dims.pp_enabled]
     runner = runner(model, sync, settings.schedule) if dims.pp_enabled else runner(model, sync)
     tp = comm.resolve_group(parallel.tp_group)
-    aux = _aux_loss_coef(module) if model.loss_kind is LossKind.FULL_LOGITS else 0.0
-    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, aux)
+    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, _router_loss(model, module))
     dp = comm.resolve_group(parallel.dp_group)
     engine = settings.data_parallel if dims.replicas > 1 else None
     return TrainingCore(model, module, runner, sync, loss, parallel, dp, engine), optimizer
@@ -242,8 +241,7 @@ def assemble_plain(model: ParallelModel, module, tp, dp_group, settings: StepSet
     dp = None if dp_group is None else comm.resolve_group(dp_group)
     groups = [] if dp is None else [(list(module.parameters()), dp)]
     sync = ReplicaSums(stages, groups)
-    aux = _aux_loss_coef(module) if model.loss_kind is LossKind.FULL_LOGITS else 0.0
-    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, aux)
+    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, _router_loss(model, module))
     return TrainingCore(model, module, LocalRunner(model, sync), sync, loss, None, dp, None)
 
 
@@ -277,7 +275,9 @@ def _check_row(row: SyncRow, settings: StepSettings, dims) -> None:
         )
 
 
-def _aux_loss_coef(module) -> float:
-    """A transformers mixture-of-experts model's router-loss weight (0: none, or not asked)."""
-    config = getattr(module, "config", None)
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+def _router_loss(model, module):
+    """A whole-logits model's load-balancing loss, its statistics over its CP positions' group
+    (the other loss kinds' models score their tokens alone)."""
+    if model.loss_kind is not LossKind.FULL_LOGITS:
+        return None
+    return router_loss_of(module, model.cp_group)

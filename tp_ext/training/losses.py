@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from tp_ext.contract import LossKind
+from tp_ext.distributed import comm
 from tp_ext.layers import vocab_parallel_cross_entropy
+from tp_ext.layers.moe import expert_count, experts_per_token
 
-__all__ = ["Loss", "loss_for"]
+__all__ = ["Loss", "RouterLoss", "router_loss_of"]
 
 
 def _targets(labels: torch.Tensor, positions: Optional[torch.Tensor], ignore_index: int):
@@ -35,11 +37,47 @@ def _scored(output: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Te
     return output if positions is not None else output[:, :-1]
 
 
+class RouterLoss:
+    """A mixture-of-experts model's load-balancing loss (Switch Transformer's, as transformers'
+    ``load_balancing_loss_func`` computes it over every layer's router logits): ``num_experts``
+    times the sum over experts of (the share of top-``top_k`` choices it got) x (its mean router
+    probability), weighted by ``coef``.
+
+    Under context parallelism each CP rank routes its own positions: the counts and probability
+    sums are summed over ``group`` (the CP group) first, so the statistics are the whole
+    sequence's, and every rank's gradient is its positions' part of the one loss; its value is
+    counted on the group's first rank only."""
+
+    def __init__(self, coef: float, num_experts: int, top_k: int, group=None) -> None:
+        self.coef, self.num_experts, self.top_k = coef, num_experts, top_k
+        self.group = None if group is None else comm.resolve_group(group)
+
+    def __call__(self, router_logits) -> torch.Tensor:
+        experts = self.num_experts
+        choices = torch.zeros(experts, device=router_logits[0].device)
+        probs = torch.zeros(experts, device=router_logits[0].device)
+        rows = torch.zeros((), device=router_logits[0].device)
+        for layer in router_logits:
+            weights = F.softmax(layer.float(), dim=-1)
+            chosen = torch.topk(weights, self.top_k, dim=-1).indices.reshape(-1)
+            choices = choices + torch.bincount(chosen, minlength=experts).float()
+            probs, rows = probs + weights.sum(dim=0), rows + weights.size(0)
+        if self.group is not None and self.group.size > 1:  # the whole sequence's statistics
+            counted = comm.all_reduce(torch.cat([choices, rows.view(1)]), "sum", group=self.group)
+            choices, rows = counted[:experts], counted[experts]
+            probs = comm.reduce_from_tp(probs, self.group)  # summed; each rank's gradient its own
+        loss = self.coef * experts * torch.sum((choices / rows) * (probs / rows))
+        if self.group is not None and self.group.rank != 0:
+            loss = loss - loss.detach()  # its gradient, not its value a second time
+        return loss
+
+
 class Loss:
     """``summed(output, labels, positions)``: the summed token loss of one micro-batch from the
     last stage's ``output``. ``kind`` says what that output is; ``model`` (the 2D model)
     scores its grid block; ``tp_group`` is the vocabulary's for the vocabulary shard;
-    ``aux_loss_coef``: a mixture-of-experts model's router-loss weight (full logits)."""
+    ``router``: a mixture-of-experts model's load-balancing loss (full logits; its router
+    logits in the output), added per counted token as the model's own loss adds it."""
 
     def __init__(
         self,
@@ -47,10 +85,10 @@ class Loss:
         ignore_index: int,
         tp_group=None,
         model=None,
-        aux_loss_coef: float = 0.0,
+        router: Optional[RouterLoss] = None,
     ) -> None:
         self.kind, self.ignore_index = kind, ignore_index
-        self.tp, self.model, self.aux_loss_coef = tp_group, model, aux_loss_coef
+        self.tp, self.model, self.router = tp_group, model, router
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         """The tokens of a micro-batch that count (its targets not ``ignore_index``)."""
@@ -68,26 +106,28 @@ class Loss:
                 ignore_index=self.ignore_index,
                 reduction="sum",
             )
-        return self._full_logits(output, targets, positions)
+        loss = self._full_logits(output, targets, positions)
+        if self.router is not None:  # per counted token of the whole micro-batch
+            loss = loss + self.router(output.router_logits) * self.count(labels)
+        return loss
 
     def _full_logits(self, output, targets, positions) -> torch.Tensor:
-        """Whole logits (a transformers output, or the tensor itself); a mixture-of-experts
-        model's load-balancing loss is added as its own loss adds it: ``coef * aux_loss`` per
-        counted token."""
+        """Whole logits (a transformers output, or the tensor itself)."""
         logits = output if isinstance(output, torch.Tensor) else output.logits
         logits = _scored(logits, positions).flatten(0, 1)
-        loss = F.cross_entropy(
+        return F.cross_entropy(
             logits.to(torch.promote_types(logits.dtype, torch.float32)),  # fp64 stays fp64
             targets.flatten(),
             ignore_index=self.ignore_index,
             reduction="sum",
         )
-        aux = None if isinstance(output, torch.Tensor) else output.get("aux_loss")
-        if aux is not None and self.aux_loss_coef:
-            loss = loss + self.aux_loss_coef * aux.float() * (targets != self.ignore_index).sum()
-        return loss
 
 
-def loss_for(model, ignore_index: int, tp_group, aux_loss_coef: float = 0.0) -> Loss:
-    """The loss of a :class:`~tp_ext.contract.ParallelModel` (its declared loss kind)."""
-    return Loss(model.loss_kind, ignore_index, tp_group, model, aux_loss_coef)
+def router_loss_of(module, cp_group=None) -> Optional[RouterLoss]:
+    """The load-balancing loss a transformers mixture-of-experts model asks for
+    (``config.output_router_logits`` with a ``router_aux_loss_coef``), or None."""
+    config = getattr(module, "config", None)  # (a plain module has none)
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if not getattr(config, "output_router_logits", False) or not coef:
+        return None
+    return RouterLoss(coef, expert_count(config), experts_per_token(config), cp_group)
