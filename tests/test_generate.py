@@ -122,6 +122,37 @@ def test_mixtral_greedy_equals_transformers(tp, pp, ep, dp):
     run_distributed(_greedy_case, tp * pp * dp, tp, pp, ep, dp, ["mixtral"])
 
 
+def _grid_case(grid, pp, directory):
+    """tp_ext's 2D Qwen2 (a P x Q grid, in pipeline stages at pp > 1): greedy tokens equal
+    transformers'; sampled ones the single-process rule's with the same draws."""
+    state = tp_ext.init_parallel(tp=grid, pp=pp)
+    reference = _reference("qwen2")
+    ids, mask = _prompts()
+    model = _native(reference, state, directory)
+    assert model.loss_kind is tp_ext.contract.LossKind.GRID_BLOCK  # the 2D model
+    want = reference.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0
+    )
+    got, report = tp_ext.generate(model, ids, mask, max_new_tokens=NEW, return_report=True)
+    assert torch.equal(got, want), (got, want)
+    assert report["kv_cache_bytes"] > 0
+    rule = RULES[3]
+    want = _reference_sample(reference, ids, mask, NEW, seed=7, **rule)
+    got = tp_ext.generate(model, ids, mask, NEW, do_sample=True, seed=7, **rule)
+    assert torch.equal(got, want), (rule, got, want)
+    return state.tp_grid.shape
+
+
+@pytest.mark.parametrize(
+    "grid, pp",
+    [((2, 1), 1), ((1, 2), 2), pytest.param((2, 2), 1, marks=pytest.mark.full_matrix)],
+    ids=str,
+)
+def test_the_2d_model_decodes_like_transformers(grid, pp, tmp_path):
+    world = grid[0] * grid[1] * pp
+    assert run_distributed(_grid_case, world, grid, pp, str(tmp_path))[0] == grid
+
+
 def _virtual_stages_case(order, micro_batches):
     """Two stages on each of 2 ranks ("loop": 0, 2 and 1, 3; "v": 0, 3 and 1, 2): each stage's
     own KV cache, messages in both directions between the two ranks."""

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from tp_ext.contract import LossKind, ParallelModel
+from tp_ext.distributed import comm
 from tp_ext.distributed.mesh import parallel_state
 from tp_ext.parallelize.stages import StagedCausalLM, is_transformers_model, single_stage
-from tp_ext.sharding import StageSplit
+from tp_ext.sharding import StageSplit, shard_sizes
 
 __all__ = ["Decoder", "as_decoder"]
 
@@ -30,11 +31,21 @@ class Decoder:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.vocab_size = config.vocab_size
-        self.hidden_size = config.hidden_size
 
     @property
     def tp_group(self):
+        """Every rank holding a part of this model replica's stage (they agree on the inputs)."""
         return self.parallel.tp_group if self.parallel is not None else self.model.tp
+
+    @property
+    def vocab_group(self):
+        """The ranks holding the vocabulary's shards of the same rows' logits (merged to pick a
+        token without gathering the logits)."""
+        return self.tp_group
+
+    def activation_shape(self, rows: int, length: int) -> tuple:
+        """The hidden states a stage sends on for ``rows`` sequences of ``length`` new tokens."""
+        return self.model.activation_shape(rows, length)
 
     @property
     def pp_group(self):
@@ -96,6 +107,45 @@ class NativeDecoder(Decoder):
             last_only=True,
         )
         return out[:, -1] if stage == self.stage_split.last_stage else out
+
+
+class GridDecoder(Decoder):
+    """tp_ext's 2D (SUMMA) Qwen2 (a P x Q grid, with PP): a KV cache per decoder layer, of this
+    rank's grid row's sequences and grid column's KV heads. The last stage's logits block (its
+    rows, its column's vocabulary) is gathered over the grid column into every row's logits of
+    that vocabulary shard, which the grid row's ranks merge into tokens."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, model.parallel, model.stage_split, model.stage_ids, model.config)
+        self.grid = model.grid
+
+    @property
+    def tp_group(self):
+        return self.grid.tp_group
+
+    @property
+    def vocab_group(self):
+        return self.grid.row_group
+
+    def new_cache(self, batch: int, length: int, stage: int):
+        return self.model.new_kv_caches(batch, length, stage)
+
+    def cache_bytes(self, cache) -> int:
+        return sum(c.nbytes() for c in cache if c is not None)
+
+    def run(self, stage, x, cache, key_mask, position_ids, cache_position):
+        out = self.model.stage_forward(
+            stage,
+            x,
+            cache,
+            position_ids=position_ids,
+            key_mask=key_mask.bool(),
+            last_only=True,
+        )
+        if stage != self.stage_split.last_stage:
+            return out
+        rows = shard_sizes(key_mask.size(0), self.grid.rows)  # every grid row's sequences
+        return comm.all_gather(out[:, -1].contiguous(), 0, rows, group=self.grid.col_group)
 
 
 class HFDecoder(Decoder):
@@ -184,10 +234,7 @@ def as_decoder(model: nn.Module, parallel=None) -> Decoder:
             )
         return NativeDecoder(model)
     if isinstance(model, ParallelModel) and model.loss_kind is LossKind.GRID_BLOCK:
-        raise ValueError(
-            f"generate: {type(model).__name__} (a 2D tensor-parallel grid) has no KV-cache "
-            "decoding; build the model with a 1D tp for generation"
-        )
+        return GridDecoder(model)
     staged = model if isinstance(model, StagedCausalLM) else _one_stage(model, parallel)
     if staged.sequence_parallel:
         raise ValueError(

@@ -168,12 +168,12 @@ def _chooser(decoder: Decoder, batch: int, generator, temperature, top_k, top_p)
 
     def choose(t: int, mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         if generator is None:
-            return vocab_parallel_argmax(logits, decoder.vocab_size, decoder.tp_group)
+            return vocab_parallel_argmax(logits, decoder.vocab_size, decoder.vocab_group)
         if t not in draws:  # steps come in order: the generator advances once per step
             draws[t] = torch.rand(batch, dtype=torch.float64, generator=generator)
         uniform = draws[t][mb.rows].to(logits.device)
         return vocab_parallel_sample(
-            logits, uniform, decoder.vocab_size, temperature, top_k, top_p, decoder.tp_group
+            logits, uniform, decoder.vocab_size, temperature, top_k, top_p, decoder.vocab_group
         )
 
     return choose
@@ -274,7 +274,7 @@ class _Runner:
         if int(header.item()) == 0:
             return _STOP
         rows, width = mb.prompt.shape
-        shape = (rows, width if t == 0 else 1, self.decoder.hidden_size)
+        shape = self.decoder.activation_shape(rows, width if t == 0 else 1)
         return self._recv(shape, self.decoder.dtype, stage - 1, stage)
 
     def _task(self, t: int, mb: _MicroBatch, stage: int, choose) -> None:

@@ -20,7 +20,29 @@ from tp_ext.layers.context import context_attention
 from tp_ext.layers.linear import QKVParallelLinear, RowParallelLinear
 from tp_ext.layers.rotary import RotaryEmbedding
 
-__all__ = ["KVCache", "ParallelAttention"]
+__all__ = ["KVCache", "ParallelAttention", "decoding_mask"]
+
+
+def decoding_mask(q: torch.Tensor, k: torch.Tensor, past: int, key_mask=None):
+    """``(attn_mask, is_causal)`` for scaled dot-product attention of ``q`` (the queries at
+    positions past .. past + n) over ``k`` (every key so far): causal alone without a cache or
+    padding; else query i sees keys 0..past + i, and with ``key_mask`` ([batch, past + n], bool:
+    False at the left padding of a batch of prompts) no padding key, though each query keeps
+    its own key, so a padding row is not empty (an empty row's softmax is NaN, which its
+    values would carry onwards)."""
+    if past == 0 and key_mask is None:
+        return None, True
+    rows = torch.arange(q.size(2), device=q.device).unsqueeze(1) + past
+    keys = torch.arange(k.size(2), device=q.device)
+    mask = keys <= rows
+    if key_mask is not None:
+        if tuple(key_mask.shape) != (q.size(0), k.size(2)):
+            raise ValueError(
+                f"key_mask must be [batch, past + seq] = [{q.size(0)}, {k.size(2)}], got shape "
+                f"{tuple(key_mask.shape)}"
+            )
+        mask = (mask & key_mask.bool()[:, None, None, :]) | (keys == rows)
+    return mask, False
 
 
 class KVCache:
@@ -195,21 +217,7 @@ class ParallelAttention(ParallelModule):
 
     def _attend(self, q, k, v, past: int, key_mask: Optional[torch.Tensor] = None):
         dropout = self.dropout if self.training else 0.0
-        if past == 0 and key_mask is None:
-            mask, causal = None, True
-        else:  # query i sits at position past + i and sees keys 0..past + i
-            rows = torch.arange(q.size(2), device=q.device).unsqueeze(1) + past
-            keys = torch.arange(k.size(2), device=q.device)
-            mask, causal = keys <= rows, False
-            if key_mask is not None:
-                if tuple(key_mask.shape) != (q.size(0), k.size(2)):
-                    raise ValueError(
-                        f"key_mask must be [batch, past + seq] = [{q.size(0)}, {k.size(2)}], "
-                        f"got shape {tuple(key_mask.shape)}"
-                    )
-                # padding keys hidden; each query keeps its own key, so a padding row is not
-                # empty (an empty row's softmax is NaN, which its values would carry onwards)
-                mask = (mask & key_mask.bool()[:, None, None, :]) | (keys == rows)
+        mask, causal = decoding_mask(q, k, past, key_mask)
         if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         with tp_rng():

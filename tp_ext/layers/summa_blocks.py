@@ -18,6 +18,7 @@ from torch import nn
 from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.grid import TPGrid
+from tp_ext.layers.attention import KVCache, decoding_mask
 from tp_ext.layers.base import check_int
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.rotary import RotaryEmbedding
@@ -203,20 +204,39 @@ class Attention2D(GridModule):
         self.num_heads_local = kv[grid.col] * group
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def new_kv_cache(self, rows: int, max_length: int) -> KVCache:
+        """A cache of this rank's KV heads for ``rows`` sequences (its grid row's)."""
+        weight = self.k_proj.weight
+        return KVCache(
+            rows, max_length, self.num_kv_heads_local, self.head_dim, weight.device, weight.dtype
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        key_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``x``: this rank's block (its grid row's sequences); ``position_ids``, ``key_mask``
+        ([rows, past + seq]) and ``kv_cache`` those sequences' (decoding)."""
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = linear_2d_shared_input(x, [self.q_proj, self.k_proj, self.v_proj])
         q = q.view(batch, seq, self.num_heads_local, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.num_kv_heads_local, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads_local, self.head_dim).transpose(1, 2)
+        past = 0 if kv_cache is None else kv_cache.length
         if position_ids is None:
-            position_ids = torch.arange(seq, device=x.device).expand(batch, seq)
+            position_ids = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
         q, k = self.rotary.rotate(q, k, position_ids)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         groups = self.num_heads_local // self.num_kv_heads_local
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask, causal = decoding_mask(q, k, past, key_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads_local * self.head_dim)
         return self.o_proj(out)
 
@@ -268,6 +288,12 @@ class DecoderLayer2D(GridModule):
         self.input_layernorm = RMSNorm2D(h, config.rms_norm_eps, grid, **kw)
         self.post_attention_layernorm = RMSNorm2D(h, config.rms_norm_eps, grid, **kw)
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), position_ids)
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        key_mask=None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), position_ids, kv_cache, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))

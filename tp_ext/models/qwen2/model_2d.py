@@ -126,9 +126,22 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
     def stage_modules(self) -> list[nn.Module]:
         return [Stage(self, stage) for stage in self.stage_ids]
 
-    def stage_forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+    def stage_forward(
+        self,
+        stage: int,
+        x: torch.Tensor,
+        kv_caches=None,
+        *,
+        position_ids: Optional[torch.Tensor] = None,
+        key_mask: Optional[torch.Tensor] = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Stage ``stage``: the whole ids (stage 0) or this rank's block of the hidden states
-        in; the hidden states' block, or on the last stage the logits' block, out."""
+        in; the hidden states' block, or on the last stage the logits' block, out. For decoding
+        a batch of left-padded prompts (:func:`tp_ext.generate`): ``kv_caches`` (one per decoder
+        layer of the full model, by global index: :meth:`new_kv_caches`), ``position_ids`` and
+        ``key_mask`` of the whole batch ([batch, seq], [batch, cached + seq]; this grid row's
+        sequences are taken), ``last_only`` (the logits of the last position only)."""
         split = self.stage_split
         if stage not in self.stage_ids:
             raise ValueError(
@@ -137,16 +150,36 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
             )
         if stage == 0:
             x = self.model.embed_tokens(x)
-        positions = torch.arange(x.size(1), device=x.device).expand(x.size(0), x.size(1))
+        positions, mask = self._rows(position_ids), self._rows(key_mask)
+        if positions is None:
+            past = 0 if kv_caches is None else kv_caches[split.layers_of(stage)[0]].length
+            positions = torch.arange(past, past + x.size(1), device=x.device)
+            positions = positions.expand(x.size(0), x.size(1))
         for i in split.layers_of(stage):
-            layer = self.model.layers[i]
+            layer, cache = self.model.layers[i], None if kv_caches is None else kv_caches[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = recompute(layer, x, positions, use_reentrant=False)
+                x = recompute(layer, x, positions, cache, mask, use_reentrant=False)
             else:
-                x = layer(x, positions)
+                x = layer(x, positions, cache, mask)
         if stage == split.last_stage:
-            x = self.lm_head(self.model.norm(x))
+            x = self.lm_head(self.model.norm(x[:, -1:] if last_only else x))
         return x
+
+    def _rows(self, whole: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This grid row's sequences of a tensor over the whole batch (None stays None)."""
+        if whole is None:
+            return None
+        start, count = self.rows_of(whole.size(0))
+        return whole.narrow(0, start, count)
+
+    def new_kv_caches(self, batch: int, max_length: int, stage: int) -> list:
+        """KV caches of ``stage``'s decoder layers (by global index; None elsewhere) for a batch
+        of ``batch`` sequences, of which this rank keeps its grid row's."""
+        rows = self.rows_of(batch)[1]
+        caches = [None] * self.config.num_hidden_layers
+        for i in self.stage_split.layers_of(stage):
+            caches[i] = self.model.layers[i].self_attn.new_kv_cache(rows, max_length)
+        return caches
 
     def tied_weights(self) -> list:
         return []
