@@ -109,14 +109,14 @@ class NativeDecoder(Decoder):
         return out[:, -1] if stage == self.stage_split.last_stage else out
 
 
-class GridDecoder(Decoder):
+class GridDecoder(NativeDecoder):
     """tp_ext's 2D (SUMMA) Qwen2 (a P x Q grid, with PP): a KV cache per decoder layer, of this
     rank's grid row's sequences and grid column's KV heads. The last stage's logits block (its
     rows, its column's vocabulary) is gathered over the grid column into every row's logits of
     that vocabulary shard, which the grid row's ranks merge into tokens."""
 
     def __init__(self, model: nn.Module):
-        super().__init__(model, model.parallel, model.stage_split, model.stage_ids, model.config)
+        super().__init__(model)
         self.grid = model.grid
 
     @property
@@ -130,22 +130,12 @@ class GridDecoder(Decoder):
     def new_cache(self, batch: int, length: int, stage: int):
         return self.model.new_kv_caches(batch, length, stage)
 
-    def cache_bytes(self, cache) -> int:
-        return sum(c.nbytes() for c in cache if c is not None)
-
     def run(self, stage, x, cache, key_mask, position_ids, cache_position):
-        out = self.model.stage_forward(
-            stage,
-            x,
-            cache,
-            position_ids=position_ids,
-            key_mask=key_mask.bool(),
-            last_only=True,
-        )
+        out = super().run(stage, x, cache, key_mask, position_ids, cache_position)
         if stage != self.stage_split.last_stage:
             return out
         rows = shard_sizes(key_mask.size(0), self.grid.rows)  # every grid row's sequences
-        return comm.all_gather(out[:, -1].contiguous(), 0, rows, group=self.grid.col_group)
+        return comm.all_gather(out.contiguous(), 0, rows, group=self.grid.col_group)
 
 
 class HFDecoder(Decoder):
