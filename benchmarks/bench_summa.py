@@ -110,7 +110,7 @@ def _model_worker(layout, steps: int, path: str):
     def loss_of():
         logits = model(ids, local_logits=True)
         if grid is not None:
-            return model.summed_loss(logits, ids)
+            return model.summed_loss(logits[:, :-1], ids[:, 1:])
         return tp_ext.layers.vocab_parallel_cross_entropy(
             logits[:, :-1], ids[:, 1:], reduction="sum"
         )

@@ -230,7 +230,6 @@ def refusal(case: Case) -> Optional[str]:
     rules = [
         (case.world > 8, "more than 8 ranks"),
         (grid and hf, "2D grids are tp_ext's Qwen2's"),
-        (grid and case.cp > 1, "a 2D grid runs without context parallelism yet"),
         (case.sp and (not hf or tp == 1), "sequence parallelism: parallelize's, at tp > 1"),
         (case.ep > 1 and case.arch != "mixtral", "expert parallelism needs experts"),
         (case.ep > 1 and case.ep not in _ep_choices(case.dp, tp), "ep does not fit dp x tp"),

@@ -16,6 +16,7 @@ from tp_ext.sharding import cp_chunks, shard_sizes
 
 from .common import WORLD_SIZES, full
 from .dist_utils import run_distributed
+from .reference import hf_qwen2
 from .test_models import _TINY as MODEL_TINY
 
 
@@ -261,9 +262,29 @@ def test_expert_groups_form_at_each_cp_position_and_expert_dp_spans_them():
     assert got == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])], got
 
 
-def test_cp_with_a_2d_grid_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"cp=2 with a 2D grid \(tp=\(P, Q\)\) is not supported"):
-        tp_ext.init_parallel(tp=(2, 1), cp=2)
+def _grid_under_cp(mode):
+    """The 2D model on a (2, 1) grid at cp 2: its logits are the unsharded model's at this CP
+    rank's positions (the whole logits gathered over the grid)."""
+    from tp_ext.models import Qwen2Config, Qwen2ForCausalLM
+
+    state = tp_ext.init_parallel(tp=(2, 1), cp=2)
+    config = Qwen2Config(**{**_TINY, "tie_word_embeddings": False})
+    torch.manual_seed(0)
+    reference = hf_qwen2(config)
+    model = Qwen2ForCausalLM.from_config(config, parallel=state, cp_mode=mode)
+    model.load_full_state_dict(reference.state_dict())
+    ids = torch.randint(0, config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(2))
+    mine = tp_ext.cp_positions(13, parallel=state)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits[:, mine], rtol=1e-5, atol=1e-5)
+    return mine.tolist()
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_a_2d_grid_under_cp_gives_the_logits_of_its_positions(mode):
+    held = run_distributed(_grid_under_cp, 4, mode)
+    assert held[0] == held[1]  # ranks 0 and 1: the grid of CP rank 0; 2 and 3: CP rank 1's
+    assert sorted(held[0] + held[2]) == list(range(13))
 
 
 # the model tests' tiny Qwen2, with 2 layers

@@ -258,11 +258,6 @@ def _dims_from(tp, pp, dp, ep, cp) -> ParallelDims:
                 "changes one)"
             )
         dims = tp
-    if dims.cp > 1 and dims.grid is not None:
-        raise ValueError(
-            f"init_parallel: cp={dims.cp} with a 2D grid (tp=(P, Q)) is not supported yet; use "
-            "cp=1 with it, or 1D tensor parallelism with cp"
-        )
     return dims
 
 

@@ -20,6 +20,7 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.layers.attention import KVCache, decoding_mask
 from tp_ext.layers.base import check_int
+from tp_ext.layers.context import context_attention
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.rotary import RotaryEmbedding
 from tp_ext.layers.summa import GridModule, Linear2D, linear_2d_shared_input
@@ -203,6 +204,8 @@ class Attention2D(GridModule):
         self.num_kv_heads_local = kv[grid.col]
         self.num_heads_local = kv[grid.col] * group
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
+        # context parallelism: the ranks sharing each sequence, and how attention runs over them
+        self.cp, self.cp_mode = None, "ring"
 
     def new_kv_cache(self, rows: int, max_length: int) -> KVCache:
         """A cache of this rank's KV heads for ``rows`` sequences (its grid row's)."""
@@ -217,9 +220,12 @@ class Attention2D(GridModule):
         position_ids: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         key_mask: Optional[torch.Tensor] = None,
+        seq_len: Optional[int] = None,
     ) -> torch.Tensor:
         """``x``: this rank's block (its grid row's sequences); ``position_ids``, ``key_mask``
-        ([rows, past + seq]) and ``kv_cache`` those sequences' (decoding)."""
+        ([rows, past + seq]) and ``kv_cache`` those sequences' (decoding). Under context
+        parallelism ``x`` holds this CP rank's positions (``position_ids``) of sequences of
+        ``seq_len`` tokens, attended over the CP group."""
         batch, seq = x.shape[0], x.shape[1]
         q, k, v = linear_2d_shared_input(x, [self.q_proj, self.k_proj, self.v_proj])
         q = q.view(batch, seq, self.num_heads_local, self.head_dim).transpose(1, 2)
@@ -231,12 +237,15 @@ class Attention2D(GridModule):
         q, k = self.rotary.rotate(q, k, position_ids)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        groups = self.num_heads_local // self.num_kv_heads_local
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        mask, causal = decoding_mask(q, k, past, key_mask)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        if self.cp is not None:  # (grouped heads: the ring and the all-to-all take them)
+            out = context_attention(self.cp_mode, q, k, v, seq_len, self.cp)
+        else:
+            groups = self.num_heads_local // self.num_kv_heads_local
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            mask, causal = decoding_mask(q, k, past, key_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads_local * self.head_dim)
         return self.o_proj(out)
 
@@ -294,6 +303,10 @@ class DecoderLayer2D(GridModule):
         position_ids: Optional[torch.Tensor] = None,
         kv_cache=None,
         key_mask=None,
+        seq_len: Optional[int] = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), position_ids, kv_cache, key_mask)
+        attended = self.self_attn(
+            self.input_layernorm(x), position_ids, kv_cache, key_mask, seq_len
+        )
+        x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -95,9 +95,9 @@ class Loss:
         return (labels[:, 1:] != self.ignore_index).sum()
 
     def summed(self, output, labels: torch.Tensor, positions=None) -> torch.Tensor:
-        if self.kind is LossKind.GRID_BLOCK:  # the whole batch's sum, on every grid rank
-            return self.model.summed_loss(output, labels, self.ignore_index)
         targets = _targets(labels, positions, self.ignore_index)
+        if self.kind is LossKind.GRID_BLOCK:  # the whole batch's sum, on every grid rank
+            return self.model.summed_loss(_scored(output, positions), targets, self.ignore_index)
         if self.kind is LossKind.VOCAB_SHARD:
             return vocab_parallel_cross_entropy(
                 _scored(output, positions),

@@ -24,8 +24,10 @@ from torch.utils.checkpoint import checkpoint as recompute
 from tp_ext.checkpoint.hf import save_hf_checkpoint
 from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed.grid import TPGrid
+from tp_ext.distributed.groups import resolve_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.base import no_init
+from tp_ext.layers.context import CP_MODES, cp_positions
 from tp_ext.layers.state_dict import full_state_dict, load_full_state_dict, tensor_specs
 from tp_ext.layers.summa import Linear2D, gather_2d
 from tp_ext.layers.summa_blocks import (
@@ -86,6 +88,7 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         virtual_stages: int = 1,
         pipeline_split=None,
         stage_order: str = "loop",
+        cp_mode: str = "ring",
     ):
         super().__init__()
         dtype = as_torch_dtype(dtype)
@@ -120,6 +123,18 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         if seed is not None:
             init_weights(self, config, seed)
         self.activation_checkpointing = False
+        self.cp_group = None  # context parallelism: the ranks that share each sequence
+        if parallel is not None and parallel.dims.cp_enabled:
+            self._use_context_parallel(parallel, cp_mode)
+
+    def _use_context_parallel(self, parallel, cp_mode: str) -> None:
+        """Every attention runs over the CP group, as a ring or by all-to-all; the model takes
+        this CP rank's positions of each whole sequence (tp_ext.cp_positions)."""
+        if cp_mode not in CP_MODES:
+            raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
+        self.cp_group = resolve_group(parallel.cp_group)
+        for layer in self.model.layers:
+            layer.self_attn.cp, layer.self_attn.cp_mode = self.cp_group, cp_mode
 
     # -- the model contract ------------------------------------------------------------------------
 
@@ -148,19 +163,30 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
                 f"{split.num_stages}"
             )
+        seq_len, order = None, None
+        if self.cp_group is not None:  # this CP rank's positions of the whole sequence
+            if kv_caches is not None or position_ids is not None:
+                raise ValueError(
+                    "stage_forward: decoding under context parallelism is not supported yet"
+                )
+            seq_len = x.size(1) if stage == 0 else self.sequence_length
+            order = cp_positions(seq_len, group=self.cp_group).to(x.device)
+            x = x[:, order] if stage == 0 else x  # later stages receive our positions
         if stage == 0:
             x = self.model.embed_tokens(x)
         positions, mask = self._rows(position_ids), self._rows(key_mask)
-        if positions is None:
+        if order is not None:
+            positions = order.expand(x.size(0), order.numel())
+        elif positions is None:
             past = 0 if kv_caches is None else kv_caches[split.layers_of(stage)[0]].length
             positions = torch.arange(past, past + x.size(1), device=x.device)
             positions = positions.expand(x.size(0), x.size(1))
         for i in split.layers_of(stage):
             layer, cache = self.model.layers[i], None if kv_caches is None else kv_caches[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = recompute(layer, x, positions, cache, mask, use_reentrant=False)
+                x = recompute(layer, x, positions, cache, mask, seq_len, use_reentrant=False)
             else:
-                x = layer(x, positions, cache, mask)
+                x = layer(x, positions, cache, mask, seq_len)
         if stage == split.last_stage:
             x = self.lm_head(self.model.norm(x[:, -1:] if last_only else x))
         return x
@@ -188,20 +214,23 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         return None
 
     def local_sequence(self, length: int) -> int:
-        return length
+        """This CP rank's positions of a ``length``-token sequence (all of them without CP)."""
+        return length if self.cp_group is None else len(self.loss_positions(length))
 
     def loss_positions(self, length: int):
-        return None
+        return None if self.cp_group is None else cp_positions(length, group=self.cp_group)
 
     def activation_shape(self, batch: int, length: int) -> tuple:
-        """Grid row i's sequences, column j's features."""
+        """Grid row i's sequences (this CP rank's positions of them), column j's features."""
         rows = shard_sizes(batch, self.grid.rows)[self.grid.row]
-        return (rows, length, shard_sizes(self.config.hidden_size, self.grid.cols)[self.grid.col])
+        features = shard_sizes(self.config.hidden_size, self.grid.cols)[self.grid.col]
+        return (rows, self.local_sequence(length), features)
 
     def output_shape(self, batch: int, length: int) -> tuple:
-        """Grid row i's sequences, column j's vocabulary."""
+        """Grid row i's sequences (this CP rank's positions of them), column j's vocabulary."""
         rows = shard_sizes(batch, self.grid.rows)[self.grid.row]
-        return (rows, length, shard_sizes(self.config.vocab_size, self.grid.cols)[self.grid.col])
+        vocab = shard_sizes(self.config.vocab_size, self.grid.cols)[self.grid.col]
+        return (rows, self.local_sequence(length), vocab)
 
     @property
     def is_pipelined(self) -> bool:
@@ -236,16 +265,14 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         return shard_range(batch, self.grid.rows, self.grid.row)
 
     def summed_loss(
-        self, local_logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+        self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
     ) -> torch.Tensor:
-        """The sum of the token losses of the whole batch (position t predicts
-        ``labels[:, t + 1]``), the same on every rank, from this rank's logits block;
-        ``labels`` is the whole ``[batch, seq]``."""
-        start, count = self.rows_of(labels.size(0))
-        mine = labels.narrow(0, start, count)
-        return cross_entropy_2d(
-            local_logits[:, :-1], mine[:, 1:], self.grid, ignore_index, reduction="sum"
-        )
+        """The sum of the token losses of the whole batch, the same on every rank of the grid,
+        from this rank's ``logits`` block of the scored positions; ``targets`` is the whole
+        ``[batch, positions]`` of those positions' next tokens."""
+        start, count = self.rows_of(targets.size(0))
+        mine = targets.narrow(0, start, count)
+        return cross_entropy_2d(logits, mine, self.grid, ignore_index, reduction="sum")
 
     # -- state -------------------------------------------------------------------------------------
 
