@@ -1,8 +1,9 @@
 """The planner: which parallel degrees and run settings to train a model with. It ranks
 candidates (:class:`Candidate`: a :class:`~tp_ext.ParallelDims` and the run settings) by a
-memory, communication and time model of tp_ext's own layers (:mod:`.cost`, :mod:`.cost_2d`,
-from the counts of :mod:`.counts`) on a hardware table or this machine measured
-(:mod:`.hardware`), every candidate with a reason (:mod:`.search`).
+memory, communication and time model of tp_ext's own layers (:mod:`.cost`: a 1D step
+(:mod:`.step`) and its :mod:`.memory`, :mod:`.traffic` and :mod:`.timing`; a 2D grid's
+:mod:`.cost_2d`; from the counts of :mod:`.counts`) on a hardware table or this machine
+measured (:mod:`.hardware`), every candidate with a reason (:mod:`.search`).
 
     from tp_ext.planner import plan
     for est in plan(config, gpus=64, gpus_per_node=8, gpu_memory="80GiB", seq_len=4096,

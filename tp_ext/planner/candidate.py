@@ -75,7 +75,7 @@ class Candidate:
         if dims.pp > 1:
             v = f" v={dims.virtual_stages}" if dims.virtual_stages > 1 else ""
             parts.append(f"{self.schedule}{v}")
-        if dims.dp > 1:
+        if dims.replicas > 1:  # the DP engine runs over the DP x CP ranks
             parts.append(self.data_parallel)
         if dims.cp > 1:
             parts.append(self.cp_mode)

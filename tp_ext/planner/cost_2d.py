@@ -1,7 +1,7 @@
 """What one training candidate on a P x Q grid of 2D tensor parallelism (SUMMA) costs per rank:
-tp_ext's 2D Qwen2 (:mod:`tp_ext.models.qwen2.model_2d`) run by the Trainer's own loop (no
-pipeline: pp = 1) with its DP gradients all-reduced once per step (DDP, ZeRO-1) or
-reduce-scattered in buckets during the backward (ZeRO-2); under ZeRO each DP rank steps its
+tp_ext's 2D Qwen2 (:mod:`tp_ext.models.qwen2.model_2d`) run by the Trainer's local loop (no
+pipeline: pp = 1) with its DP gradients summed by DDP in the last micro-batch's backward (DDP,
+ZeRO-1) or reduce-scattered in buckets during it (ZeRO-2); under ZeRO each DP rank steps its
 rows of every grid block and all-gathers the updated rows.
 
 As for 1D (:mod:`tp_ext.planner.cost`), the counts follow tp_ext's code: parameters are grid
@@ -156,16 +156,11 @@ class _GridStep:
         self.master_bytes = 8 if self.e == 8 else 4
         self.zero_rows = _zero_rows(config, self.rows, self.cols, self.dp)[0] if self.zero else 0
 
-    def flat_gradients(self) -> int:
-        """Bytes of the DP all-reduce's gradients, flattened in fp32 (fp64 for fp64
-        parameters)."""
-        return (self.g.numel + 2) * (8 if self.e == 8 else 4) if self.dp > 1 else 0
-
     def memory(self) -> dict:
-        """As the 1D model at pp = 1 (phases A, C, D), and E: the DP all-reduce of the flat
-        gradients beside its result (DDP, ZeRO-1). ZeRO keeps AdamW state (and fp32 master rows
-        for non-fp32 parameters) for DP rank 0's rows only, and ZeRO-2 gradients of those rows
-        at the step; its phases after the backward are :meth:`zero_phases`."""
+        """As the 1D model at pp = 1 (phases A, C, D); DDP (ZeRO-1's too) keeps a copy of the
+        gradients in its buckets. ZeRO keeps AdamW state (and fp32 master rows for non-fp32
+        parameters) for DP rank 0's rows only, and ZeRO-2 gradients of those rows at the step;
+        its phases after the backward are :meth:`zero_phases`."""
         g, c, e, config = self.g, self.e, self.e, self.config
         layers = config.num_hidden_layers
         params = g.numel * e
@@ -179,9 +174,11 @@ class _GridStep:
         ids = self.candidate.micro_batch * self.seq_len * 8  # whole on every rank
         head = 2 * self.block + self.tokens * g.vocab * c + 8 * self.b * (self.seq_len - 1)
         acts = held + head + 4 * self.cols + ids
-        transient = (
-            self.tokens * g.vocab + g.vocab * config.hidden_size // self.rows + self.block // c
-        ) * c
+        # the logits' gradient beside the logits, then (the logits freed by the loss's backward)
+        # the head's weight gradient and the hidden states' gradient
+        logits = self.tokens * g.vocab * c
+        head_grads = g.vocab * config.hidden_size // self.rows * c + self.block
+        transient = logits + max(0, head_grads - logits)
         # whole gradients from the first backward on (ZeRO-2's too: its buckets go in the last)
         grads_before = params if self.m > 1 else 0
         rebuilt = layers * self.block if self.recompute else 0
@@ -194,13 +191,12 @@ class _GridStep:
         else:
             opt_temp = 0 if self.hardware.fused_optimizer else 2 * g.largest * e
             after = [2 * params + optimizer + opt_temp]
-        if self.zero != 2 and self.dp > 1:  # the flat all-reduce (DDP, ZeRO-1)
-            after.append(2 * params + optimizer + 2 * self.flat_gradients())
+        buckets = params if self.zero != 2 and self.dp > 1 else 0  # DDP's (DDP, ZeRO-1)
         return memory_breakdown(
             params,
             optimizer,
             max(acts + transient, rebuilt + self.act_layer + self.block),
-            max(*backward, *after),
+            max(*backward, *after) + buckets,
             grads=grads,
         )
 
@@ -232,15 +228,13 @@ class _GridStep:
         return phases
 
     def dp_bytes(self) -> int:
-        """DP bytes per step as track() counts them: DDP's and ZeRO-1's flat all-reduce; ZeRO-2's
-        reduce-scatter of every gradient (in buckets) and the global token count's all-reduce
-        (fp32) before it; under ZeRO the updated rows' all-gather."""
+        """DP bytes per step: DDP's all-reduce of every gradient (DDP, ZeRO-1) or ZeRO-2's
+        reduce-scatter (in buckets), in the parameters' dtype; under ZeRO the updated rows'
+        all-gather."""
         if self.dp == 1:
             return 0
         gathered = self.g.numel * self.e if self.zero else 0
-        if self.zero == 2:
-            return self.g.numel * self.e + 4 + gathered
-        return self.flat_gradients() + gathered
+        return self.g.numel * self.e + gathered
 
     def summa(self, k: int, n: int) -> int:
         """summa_linear forward + backward: per panel of K, x's panel broadcast along the
@@ -279,10 +273,11 @@ class _GridStep:
         return self.m * (per_micro_batch + loss)
 
     def dp_seconds(self, dp_bytes: int, crosses: bool, compute: float) -> tuple[float, float]:
-        """(DP seconds, the part not hidden): the flat all-reduce (DDP, ZeRO-1) hidden behind the
-        last backward where collectives overlap compute, as DDP's; ZeRO-2's reduce-scatter of
-        one call per 25 MiB bucket the same; ZeRO's all-gather of the updated rows after the
-        optimizer step, with nothing to hide behind."""
+        """(DP seconds, the part not hidden): DDP's all-reduce (DDP, ZeRO-1; one call per 25 MB
+        bucket, per parameter above 2 replicas) and ZeRO-2's reduce-scatter (one per 25 MiB
+        bucket), both in the last backward, hidden behind it where collectives overlap
+        compute; ZeRO's all-gather of the updated rows after the optimizer step, with nothing
+        to hide behind."""
         hw, dp = self.hardware, self.dp
         if dp == 1:
             return 0.0, 0.0
@@ -290,13 +285,14 @@ class _GridStep:
         hide = (1.0 if hw.overlap else 0.0) * compute * 2 / 3
         gathered = self.g.numel * self.e if self.zero else 0
         gather = (dp - 1) / dp * gathered / link + hw.latency if self.zero else 0.0
+        nbytes = self.g.numel * self.e
         if self.zero == 2:
-            buckets = math.ceil(self.g.numel * self.e / ZERO2_BUCKET_BYTES)
-            scattered = dp_bytes - gathered
-            reduce = (dp - 1) / dp * scattered / (hw.reduce_scatter or link)
-            reduce += (buckets + 1) * hw.latency  # and the token count's all-reduce
+            buckets = math.ceil(nbytes / ZERO2_BUCKET_BYTES)
+            reduce = (dp - 1) / dp * nbytes / (hw.reduce_scatter or link)
         else:
-            reduce = 2 * (dp - 1) / dp * (dp_bytes - gathered) / link + hw.latency
+            buckets = self.g.tensors if dp > 2 else math.ceil(nbytes / (25 * 2**20))
+            reduce = 2 * (dp - 1) / dp * nbytes / link
+        reduce += buckets * hw.latency
         return reduce + gather, max(0.0, reduce - hide) + gather
 
     def compute(self) -> float:

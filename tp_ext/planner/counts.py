@@ -5,6 +5,7 @@ these counts; this module imports none of them."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -60,6 +61,21 @@ class RankShapes:
     # parameters each token's matmuls run through, where not all of ``layer`` (an MoE layer:
     # the dense part and its top-k experts); 0: all of them
     layer_flop_params: int = 0
+    # (dim 0, numel) of the layer's expert tensors (among ``layer_rows``): their replicas are
+    # the ranks holding the same experts, not the DP ranks
+    expert_rows: tuple = ()
+
+    @property
+    def dense_layer_rows(self) -> tuple:
+        """``layer_rows`` without the expert tensors."""
+        experts = collections.Counter(self.expert_rows)
+        dense = []
+        for row in self.layer_rows:
+            if experts[row]:
+                experts[row] -= 1
+            else:
+                dense.append(row)
+        return tuple(dense)
 
 
 @functools.lru_cache(maxsize=64)

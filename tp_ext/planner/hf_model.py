@@ -10,9 +10,9 @@ widths, the TP sizes it takes), and :func:`hf_rank_shapes`, :func:`hf_op_counts`
 - dispatched operators: counted on the narrow copy's forward and backward (the backward's split
   between embedding, layers and head taken as the forward's).
 
-The training step it costs is the Trainer's for a converted model: one pipeline stage per rank at
-pp = 1 too (vocabulary-parallel loss), or, with EP at pp = 1, the Trainer's own loop (full
-logits)."""
+The training step it costs is the Trainer's for a converted model: at pp = 1 the local loop over
+one stage (vocabulary-parallel loss), or with EP the whole model (full logits); pipeline stages
+under torch's schedule at pp > 1."""
 
 from __future__ import annotations
 
@@ -127,6 +127,7 @@ def hf_rank_shapes(model: HFModel, tp: int, ep: int = 1) -> RankShapes:
         intermediate=max(inter, default=0),
         vocab=vocab,
         layer_flop_params=_active_layer_params(model, held, layer_names, ep),
+        expert_rows=_rows(held, [n for n in layer_names if ".experts." in n]),
     )
 
 

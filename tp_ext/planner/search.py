@@ -97,7 +97,7 @@ def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) worth trying: 1F1B and GPipe; interleaved and the V with two
     stages per rank where the layers split evenly."""
     if pp == 1:
-        return [("1F1B", 1)]  # the Trainer runs a schedule at pp=1 too: one stage
+        return [("1F1B", 1)]  # one stage: the local loop (the schedule is not used)
     schedules = [("1F1B", 1), ("GPipe", 1)]
     if config.num_hidden_layers % (2 * pp) == 0 and m % pp == 0:
         schedules.append(("Interleaved1F1B", 2))
@@ -106,26 +106,28 @@ def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
     return schedules
 
 
+def _engines(dims: ParallelDims) -> tuple:
+    """The DP engines worth costing on these dims: none to choose with one replica of the
+    dense weights (DP x CP ranks); DDP, ZeRO-1 and ZeRO-2 always; FSDP2 but on a 2D grid (it
+    does not shard grid blocks) and with experts (their replicas are not the DP ranks)."""
+    if dims.replicas == 1:
+        return ("ddp",)
+    if dims.grid is not None or dims.ep > 1:
+        return ("ddp", "zero1", "zero2")
+    return ("ddp", "fsdp", "zero1", "zero2")
+
+
 def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch,
                 grids: bool, cp: int = 1, cp_mode: str = "ring"):  # fmt: skip
+    # context parallelism runs with 1D TP (no grids), pipelining, EP and every DP engine
     for dims in _dims(config, gpus // cp, global_batch, grids and cp == 1):
-        if cp > 1:  # context parallelism runs with 1D TP, pipelining and DDP (no EP)
-            if dims.ep > 1 or dims.grid is not None:
-                continue
-            dims = dims.replace(cp=cp)
+        dims = dims.replace(cp=cp)
         per_replica = global_batch // dims.dp
         for mb in (1, 2, 4, 8) if micro_batch is None else (micro_batch,):
             m = per_replica // mb
             if per_replica % mb or (dims.pp > 1 and m < dims.pp):
                 continue  # torch's schedules need at least pp micro-batches
-            # EP and CP synchronise DP by all-reduce (DDP): no FSDP2, and no ZeRO; 2D grids run
-            # ZeRO-1/2 but not FSDP2 (nor does an MoE model ZeRO: the Trainer runs it on dense
-            # models only)
-            plain = dims.grid is None and dims.ep == 1 and dims.cp == 1
-            engines = ("ddp", "fsdp") if dims.dp > 1 and plain else ("ddp",)
-            zero = plain or dims.grid is not None
-            if dims.dp > 1 and zero and not getattr(config, "is_moe", False):
-                engines += ("zero1", "zero2")
+            engines = _engines(dims)
             for schedule, v in _schedules(config, dims.pp, m):
                 for checkpointing in (False, True):
                     for engine in engines:
@@ -154,9 +156,12 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
         where.append(f"TP {tp} {'across nodes' if d['tp_crosses_nodes'] else 'inside a node'}")
     if lay.pp > 1:
         where.append(f"PP {lay.pp} {'across nodes' if d['pp_crosses_nodes'] else 'in a node'}")
-    if lay.dp > 1:
+    if lay.cp > 1:
+        where.append(f"CP {lay.cp} ({est.candidate.cp_mode})")
+    if lay.replicas > 1:  # the DP engine runs over the DP x CP ranks
+        ranks = f"{lay.dp}" if lay.cp == 1 else f"{lay.dp} x CP {lay.cp}"
         where.append(
-            f"DP {lay.dp} ({est.candidate.data_parallel}"
+            f"DP {ranks} ({est.candidate.data_parallel}"
             f"{', across nodes' if d['dp_crosses_nodes'] else ''})"
         )
     head = ", ".join(where) or "one rank"
@@ -173,7 +178,7 @@ def _reason(est: Estimate, best: Optional[Estimate], gpus_per_node: int) -> str:
         + (f"of {_gib(usable)} usable per rank" if limit else "per rank (no memory limit given)"),
         f"step {est.step_time_s:.3g} s (compute {d['compute_s']:.3g} s, TP comm {d['tp_s']:.3g} s"
         + (f", bubble {est.bubble:.1%}" if lay.pp > 1 else "")
-        + (f", DP exposed {d['dp_exposed_s']:.3g} s" if lay.dp > 1 else "")
+        + (f", DP exposed {d['dp_exposed_s']:.3g} s" if lay.replicas > 1 else "")
         + ")",
     ]
     if est.candidate.activation_checkpointing:

@@ -27,6 +27,7 @@ from tp_ext.models.hf.shards import (
     model_shards,
     narrow_config,
 )
+from tp_ext.parallelize.modules import fuse_rms_norms
 
 __all__ = ["ActivationFit", "fit_layer_activations"]
 
@@ -189,6 +190,7 @@ def _saved_bytes_per_layer(config, point: dict, fields, dtype: torch.dtype) -> f
         for buf in model.buffers():
             if buf.is_floating_point():
                 buf.zero_()
+    fuse_rms_norms(model)  # the norms as parallelize runs them (the fused op saves less)
     layers = model.get_submodule(model_shards(config).structure.layers_path)
     # parameters and buffers (a causal-mask table) are the model's, not activations
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}

@@ -1,0 +1,257 @@
+"""One training step of a 1D candidate as the cost model sees it (:class:`Step`): the quantities
+an estimate derives once from its arguments, how the Trainer synchronises the gradients, and what
+each pipeline rank r holds (its layers, parameter shards, ZeRO rows, activations). The costs read
+it: memory (:mod:`.memory`), bytes (:mod:`.traffic`), time (:mod:`.timing`).
+
+The counts follow tp_ext's own code, not a textbook formula: parameters per rank are those of
+the real layers built on the meta device (the one shard policy), the activation bytes are what
+tp_ext's decoder layer saves for backward (fused QKV and gate/up, flash-style attention saving
+its output and log-sum-exp)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tp_ext.models.qwen2 import Qwen2Config
+from tp_ext.planner.candidate import Candidate
+from tp_ext.planner.counts import ZERO_STAGES, padded_pieces, rank_shapes, shard_numel
+from tp_ext.planner.hf_model import HFModel, hf_layer_activation_bytes, hf_rank_shapes
+from tp_ext.sharding import StageSplit, cp_chunks
+from tp_ext.validation import dtype_bytes
+
+__all__ = ["Step", "V_SCHEDULES", "gradient_sync", "in_flight", "rows_of"]
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
+
+
+def gradient_sync(data_parallel: str, replicas: int, experts: bool) -> Optional[str]:
+    """How the Trainer finishes a step's gradients (the rows of tp_ext.training.core.SYNCS; the
+    planner may not import the trainer, one floor): "ddp" or "fsdp" (the engine wrapping the
+    stages sums them; ZeRO-1 runs under DDP), "sums" (tp_ext's flat all-reduce per replica
+    group: models with experts), "reduce_scatter" (ZeRO-2), None (nothing to sum)."""
+    if replicas == 1:
+        return "sums" if experts else None
+    if data_parallel == "zero2":
+        return "reduce_scatter"
+    if experts:
+        return "sums"
+    return "fsdp" if data_parallel == "fsdp" else "ddp"
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
+    its whole stage set: one in the local loop (pp = 1); GPipe all of them; 1F1B pp - rank (its
+    warm-up forwards); interleaved 1F1B Megatron's (1 + (p-1)/(p v)) x that (a rank runs ahead
+    on its later stages); the zero-bubble schedules hold inputs for the weight gradients they
+    defer (measured: two micro-batches more for InterleavedZeroBubble; the V schedules stay
+    within 1F1B's)."""
+    if pp == 1:
+        return 1
+    if schedule == "GPipe":
+        return m
+    ahead = min(m, pp - rank)
+    if schedule == "Interleaved1F1B":
+        return ahead * (1 + (pp - 1) / (pp * v))
+    if schedule == "InterleavedZeroBubble":  # and two more, whose weight gradients wait
+        return ahead * (1 + (pp - 1) / (pp * v)) + 2
+    return ahead
+
+
+def layer_activation_bytes(s, config: Qwen2Config, b: int, seq: int, c: int) -> int:
+    """What one tp_ext decoder layer saves for backward for ``b`` sequences of ``seq`` tokens in
+    a dtype of ``c`` bytes (counted from its code): the two norms' inputs and outputs (4 x
+    [T, hidden], replicated over TP), q / k / v after RoPE, attention's output twice (its own
+    copy and o_proj's input), gate/up's output and SwiGLU's, the log-sum-exp (fp32) and RoPE's
+    cos / sin."""
+    t, h, hd = b * seq, config.hidden_size, s.head_dim
+    per_token = 4 * h + s.q_heads * hd + 2 * s.kv_heads * hd + 2 * s.q_heads * hd
+    per_token += 3 * s.intermediate
+    return t * per_token * c + b * s.q_heads * seq * 4 + 2 * b * seq * hd * c
+
+
+def _expert_replicas(dims) -> int:
+    """Ranks holding the same experts (tp_ext.distributed.mesh.expert_groups): the DP ranks of
+    a stage not in this rank's EP group (ep dividing dp), or the TP ranks it leaves (ep = dp x a
+    divisor of tp); at every CP position."""
+    per_position = dims.dp // dims.ep if dims.dp % dims.ep == 0 else dims.tp * dims.dp // dims.ep
+    return per_position * dims.cp
+
+
+class Step:
+    """One training step of a 1D candidate: the estimate's quantities derived once from its
+    arguments, and what each pipeline rank r holds."""
+
+    def __init__(self, config, candidate: Candidate, seq_len, hardware, gpus_per_node):
+        dims = candidate.dims
+        self.config, self.candidate, self.hardware = config, candidate, hardware
+        self.seq_len, self.gpus_per_node = seq_len, gpus_per_node
+        self.tp, self.pp, self.dp, self.v = dims.tp, dims.pp, dims.dp, dims.virtual_stages
+        self.ep = dims.ep
+        # context parallelism: each rank holds two of 2 cp chunks of every sequence; the
+        # busiest holds the most positions (tp_ext.sharding.cp_chunks)
+        self.cp = dims.cp
+        self.local_seq = max(
+            sum(n for _, _, n in cp_chunks(seq_len, self.cp, r)) for r in range(self.cp)
+        )
+        # the ranks holding the same dense weights (DP x CP: each CP rank scores its own
+        # positions of the same sequences), which the gradient sync sums over; the experts'
+        self.replicas = dims.replicas
+        self.expert_replicas = _expert_replicas(dims) if dims.ep > 1 else 1
+        self.sync = gradient_sync(candidate.data_parallel, self.replicas, dims.ep > 1)
+        self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
+        self.recompute = candidate.activation_checkpointing
+        self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
+        # what tp_ext's own flat gradient buffers take per element (fp32; fp64 for fp64)
+        self.flat_bytes = 8 if self.e == 8 else 4
+        hf = isinstance(config, HFModel)
+        self.s = hf_rank_shapes(config, self.tp, dims.ep) if hf else rank_shapes(config, self.tp)
+        # a model with experts runs whole at pp = 1: its loss on full logits (a pipeline: on its
+        # vocabulary shard)
+        self.logits_vocab = config.vocab_size if dims.ep > 1 and self.pp == 1 else self.s.vocab
+        order = "v" if candidate.schedule in V_SCHEDULES else "loop"
+        # the layers placed as the model places them (a transformers model: by cost)
+        default_split = getattr(config, "default_pipeline_split", None)
+        split = default_split(self.pp * self.v) if default_split else None
+        self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, split, order)
+        self.shard = self.replicas if self.sync == "fsdp" else 1
+        # ZeRO (over more than one replica; else the Trainer steps a plain optimizer): 1 or 2,
+        # else 0; its master rows and AdamW state are fp32 (fp64 for fp64 parameters)
+        self.zero = ZERO_STAGES.get(candidate.data_parallel, 0) if self.replicas > 1 else 0
+        self.master_bytes = 8 if self.e == 8 else 4
+        self._zero_rows: dict = {}
+        self.tokens = self.b * self.local_seq
+        # the tokens the loss scores on this rank (each CP rank its positions: the last
+        # position's target is ignored, on the rank holding it)
+        self.loss_tokens = self.b * (seq_len - 1) if self.cp == 1 else self.tokens
+        # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send
+        self.hidden_bytes = self.tokens * config.hidden_size * self.e
+        if hf:  # measured on the architecture itself
+            self.act_layer = hf_layer_activation_bytes(
+                self.s, config, self.b, self.local_seq, self.e, self.tp, dims.ep, candidate.dtype
+            )
+        else:
+            self.act_layer = layer_activation_bytes(self.s, config, self.b, self.local_seq, self.e)
+
+    # ---- what rank r holds ---------------------------------------------------------------
+
+    def layers_on(self, r: int) -> int:
+        return sum(len(self.stages.layers_of(st)) for st in self.stages.stages_of(r))
+
+    def first_on(self, r: int) -> bool:
+        return 0 in self.stages.stages_of(r)
+
+    def last_on(self, r: int) -> bool:
+        return self.stages.last_stage in self.stages.stages_of(r)
+
+    def params_on(self, r: int) -> tuple[int, int]:
+        """(parameters, tensors) of rank r's TP-rank-0 shards (exact: rank 0's are the
+        largest); with tied embeddings the head is the last stage's own copy."""
+        s, layers = self.s, self.layers_on(r)
+        n, t = layers * s.layer, layers * s.layer_tensors
+        if self.first_on(r):
+            n, t = n + s.embedding, t + s.embedding_tensors
+        if self.last_on(r):
+            n, t = n + s.final, t + s.final_tensors
+        return n, t
+
+    def held_params_on(self, r: int) -> tuple[int, int]:
+        """(parameters, tensors) rank r trains: :meth:`params_on`, a tied embedding at pp = 1
+        counted once (one tensor)."""
+        numel, tensors = self.params_on(r)
+        if self.config.tie_word_embeddings and self.pp == 1:
+            return numel - self.s.embedding, tensors - self.s.embedding_tensors
+        return numel, tensors
+
+    def row_shapes_on(self, r: int) -> list[tuple[tuple, int]]:
+        """Rank r's TP-rank-0 dense parameter tensors (the experts' are :meth:`expert_shapes_on`)
+        as (their (dim 0, numel) pairs, how many times they occur): a layer's per decoder
+        layer, the embedding's (tied at pp = 1: one tensor, the head's) and the final norm and
+        head's."""
+        s = self.s
+        parts = [(s.dense_layer_rows, self.layers_on(r))]
+        if self.first_on(r) and not (self.config.tie_word_embeddings and self.pp == 1):
+            parts.append((s.embedding_rows, 1))
+        if self.last_on(r):
+            parts.append((s.final_rows, 1))
+        return [(shapes, times) for shapes, times in parts if times]
+
+    def expert_shapes_on(self, r: int) -> list[tuple[tuple, int]]:
+        """Rank r's expert tensors, as :meth:`row_shapes_on` gives the dense ones."""
+        if not self.s.expert_rows or not self.layers_on(r):
+            return []
+        return [(self.s.expert_rows, self.layers_on(r))]
+
+    def replica_groups(self, r: int) -> list[tuple[list, int]]:
+        """Rank r's parameter tensors by replica group, in the order the Trainer sums and
+        buckets them: (the dense ones, the DP x CP ranks), then (the experts', their
+        replicas); the tensors as :meth:`row_shapes_on` gives them."""
+        return [
+            (self.row_shapes_on(r), self.replicas),
+            (self.expert_shapes_on(r), self.expert_replicas),
+        ]
+
+    def sync_groups(self, r: int) -> list[tuple[int, int]]:
+        """(parameters, replicas) of each of rank r's :meth:`replica_groups`."""
+        return [(rows_of(parts, 1), size) for parts, size in self.replica_groups(r)]
+
+    def zero_rows_on(self, r: int, rank: int = 0) -> int:
+        """Elements of replica ``rank``'s rows of rank r's parameters: what ZeRO steps there
+        (each group's split over its replicas; rank 0 holds the most)."""
+        key = (r, rank)  # asked by several costs; the search builds thousands of steps
+        if key not in self._zero_rows:
+            groups = self.replica_groups(r)
+            self._zero_rows[key] = sum(rows_of(parts, size, rank) for parts, size in groups)
+        return self._zero_rows[key]
+
+    def padded_rows(self, parts, size: int) -> int:
+        """Elements the asynchronous reduce-scatter of these tensors' whole gradients adds when
+        the ``size`` replicas' rows differ in size
+        (:func:`~tp_ext.planner.counts.padded_pieces`)."""
+        if not parts or size == 1:
+            return 0
+        return padded_pieces([rows_of(parts, size, q) for q in range(size)])
+
+    def in_flight(self, r: int) -> float:
+        return in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
+
+    def head_bytes(self) -> int:
+        """What the head saves for backward per micro-batch on the last stage: the final norm's
+        input and output, the logits, the loss's per-token statistics."""
+        logits = self.tokens * self.logits_vocab * self.e
+        return 2 * self.hidden_bytes + logits + 8 * self.loss_tokens + 4 * self.tp
+
+    def activations_on(self, r: int) -> tuple[int, int]:
+        """(activations held at rank r's peak, the transient tensors of the backward that
+        starts there): every in-flight micro-batch's saved tensors (with activation
+        checkpointing: each layer's input only) and the input ids; on the last stage the head's
+        (:meth:`head_bytes`), the logits' gradient, then the head's weight gradient and the
+        hidden states' gradient; on the first the embedding's weight gradient; on every other
+        stage each in-flight micro-batch's output, kept until its gradient arrives."""
+        s, c = self.s, self.e
+        held = self.layers_on(r) * (self.hidden_bytes if self.recompute else self.act_layer)
+        acts = self.in_flight(r) * held + self.ids_on(r)
+        if self.last_on(r):
+            acts += self.in_flight(r) * self.head_bytes()
+            logits = self.tokens * self.logits_vocab * c
+            head = s.vocab * self.config.hidden_size * c + self.hidden_bytes
+            # torch's schedule keeps its stage's output (the logits) until the stage's backward
+            # ends; the local loop frees them with the loss's backward, before the head's
+            if self.pp == 1:
+                return acts, logits + max(0, head - logits)
+            return acts, logits + head
+        transient = s.embedding * self.e + self.hidden_bytes if self.first_on(r) else 0
+        if self.pp > 1:
+            acts += self.in_flight(r) * self.hidden_bytes
+        return acts, transient
+
+    def ids_on(self, r: int) -> int:
+        """The input ids (every CP rank gets whole sequences, and keeps its positions)."""
+        if not self.first_on(r):
+            return 0
+        return self.b * self.seq_len * 8 + (self.tokens * 8 if self.cp > 1 else 0)
+
+
+def rows_of(parts, size: int, rank: int = 0) -> int:
+    """Elements of replica ``rank``'s rows (of ``size`` replicas; size 1: all of them) of
+    ``parts`` ((shapes, times) pairs)."""
+    return sum(times * shard_numel(shapes, size, rank) for shapes, times in parts)
