@@ -642,24 +642,6 @@ def test_search_offers_zero_where_it_offers_fsdp():
             )
 
 
-def test_the_planners_gradient_sync_is_the_trainers():
-    """The planner's mirror of the Trainer's sync table (it may not import the trainer: one
-    floor) gives the row tp_ext.training.core.choose_sync picks, for every DP engine, replica
-    count and experts or not that the Trainer runs."""
-    from tp_ext.planner.step import gradient_sync
-    from tp_ext.training.core import choose_sync
-
-    for engine in ("ddp", "fsdp", "zero1", "zero2"):
-        for replicas in (1, 2, 4):
-            for experts in (False, True):
-                if engine == "fsdp" and experts and replicas > 1:
-                    continue  # refused by both
-                row = choose_sync(engine, replicas, replicas, experts)
-                trainers = row.engine if row.sync == "engine" else row.sync
-                trainers = None if trainers == "none" else trainers
-                assert gradient_sync(engine, replicas, experts) == trainers, (engine, replicas)
-
-
 def test_zero_rows_split_as_torch_chunk_splits_them():
     """The planner's rows per DP rank (ZeRO's and FSDP2's shards) are torch.chunk's, uneven
     splits and ranks left without rows included; its ZeRO constants are the Trainer's."""
@@ -673,7 +655,6 @@ def test_zero_rows_split_as_torch_chunk_splits_them():
         by_rank = [sum(c[r] if r < len(c) else 0 for c in chunks) for r in range(dp)]
         assert [shard_numel(shapes, dp, r) for r in range(dp)] == by_rank, dp
         assert fsdp_numel(shapes, dp) == dp * by_rank[0]
-    assert cost.ZERO_STAGES == zero.ZERO_STAGES
     assert cost.ZERO2_BUCKET_BYTES == zero.DEFAULT_BUCKET_BYTES
 
 

@@ -30,9 +30,9 @@ from tp_ext.layers.context import CP_MODES
 from tp_ext.models import Qwen2Config
 from tp_ext.models.hf.source import HFModelSource
 from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES
+from tp_ext.pipeline.data_parallel import ZERO_STAGES
 from tp_ext.pipeline.schedules import check_micro_batches, check_weight_split_supported
 from tp_ext.training import OptimizerSettings
-from tp_ext.training.zero import ZERO_STAGES
 from tp_ext.validation import (
     DTYPE_NAMES,
     JOB_DEFAULT_DTYPE,

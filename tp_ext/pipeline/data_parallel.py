@@ -27,6 +27,10 @@ from tp_ext.distributed import comm
 from tp_ext.sharding import shard_sizes
 
 __all__ = [
+    "SyncRow",
+    "SYNCS",
+    "ZERO_STAGES",
+    "choose_sync",
     "Replicas",
     "DATA_PARALLEL",
     "wrap_data_parallel",
@@ -37,6 +41,60 @@ __all__ = [
 ]
 
 DATA_PARALLEL = ("ddp", "fsdp")
+
+
+# the distributed optimizer's stages (tp_ext.training.zero), named as data_parallel names them
+ZERO_STAGES = {"zero1": 1, "zero2": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRow:
+    """One row of :data:`SYNCS`: ``engine`` wraps the stage modules ("ddp", "fsdp"; None:
+    unwrapped), ``sync`` finishes the gradients ("engine", "sums", "reduce_scatter", "none"),
+    ``zero`` is the optimizer's ZeRO stage (None: the optimizer as given)."""
+
+    engine: Optional[str]
+    sync: str
+    zero: Optional[int] = None
+
+
+# (data_parallel, the model has experts) -> row. data_parallel is None when there is one
+# replica of the dense weights (experts may still have replicas: over TP ranks, or the CP ranks).
+SYNCS = {
+    (None, False): SyncRow(None, "none"),
+    (None, True): SyncRow(None, "sums"),
+    ("ddp", False): SyncRow("ddp", "engine"),
+    ("ddp", True): SyncRow(None, "sums"),
+    ("fsdp", False): SyncRow("fsdp", "engine"),
+    ("fsdp", True): SyncRow("fsdp", "engine"),  # the experts' units on their own replicas
+    ("zero1", False): SyncRow("ddp", "engine", zero=1),
+    ("zero1", True): SyncRow(None, "sums", zero=1),
+    ("zero2", False): SyncRow(None, "reduce_scatter", zero=2),
+    ("zero2", True): SyncRow(None, "reduce_scatter", zero=2),
+}
+
+# combinations that are not rows, and why
+REFUSED: dict = {}
+
+
+def choose_sync(data_parallel: Optional[str], dp: int, replicas: int, experts: bool) -> SyncRow:
+    """The row of :data:`SYNCS` for these settings, or an error naming the argument."""
+    known = (None, *DATA_PARALLEL, *ZERO_STAGES)
+    if data_parallel not in known:
+        raise ValueError(f"data_parallel must be one of {list(known)}, got {data_parallel!r}")
+    if data_parallel is None and dp > 1:
+        raise ValueError(
+            f"data_parallel=None with dp={dp}: the replicas would drift apart; use one of "
+            f"{list(known[1:])}"
+        )
+    if replicas == 1:
+        data_parallel = None  # nothing to shard or average over
+    elif data_parallel is None:  # cp > 1 at dp = 1: the CP ranks' gradients still add up
+        data_parallel = "ddp"
+    key = (data_parallel, experts)
+    if key in REFUSED:
+        raise ValueError(f"data_parallel={data_parallel!r}: {REFUSED[key]}")
+    return SYNCS[key]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Optional
 
 from tp_ext.models.qwen2 import Qwen2Config
+from tp_ext.pipeline.data_parallel import ZERO_STAGES
 from tp_ext.planner.candidate import Candidate, Estimate, usable_memory
 from tp_ext.planner.cost_2d import estimate_2d
-from tp_ext.planner.counts import ZERO2_BUCKET_BYTES, ZERO_STAGES
+from tp_ext.planner.counts import ZERO2_BUCKET_BYTES
 from tp_ext.planner.hardware import Hardware
 from tp_ext.planner.memory import memory_on
 from tp_ext.planner.step import Step

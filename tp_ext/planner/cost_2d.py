@@ -20,10 +20,10 @@ from tp_ext.distributed import ResolvedGroup
 from tp_ext.distributed.grid import TPGrid
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.models.qwen2.model_2d import Qwen2ForCausalLM2D
+from tp_ext.pipeline.data_parallel import ZERO_STAGES
 from tp_ext.planner.candidate import Candidate, Estimate, memory_breakdown, usable_memory
 from tp_ext.planner.counts import (
     ZERO2_BUCKET_BYTES,
-    ZERO_STAGES,
     op_counts,
     padded_pieces,
     shard_numel,

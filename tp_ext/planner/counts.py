@@ -27,13 +27,11 @@ __all__ = [
     "fsdp_numel",
     "shard_numel",
     "padded_pieces",
-    "ZERO_STAGES",
     "ZERO2_BUCKET_BYTES",
 ]
 
 # tp_ext.training.zero's stages (the planner may not import the trainer: one floor) and its
 # ZeRO-2 gradient bucket cap (DEFAULT_BUCKET_BYTES there); the 1D and 2D cost models share them
-ZERO_STAGES = {"zero1": 1, "zero2": 2}
 ZERO2_BUCKET_BYTES = 25 * 1024 * 1024
 
 

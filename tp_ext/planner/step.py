@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Optional
 
 from tp_ext.models.qwen2 import Qwen2Config
+from tp_ext.pipeline.data_parallel import ZERO_STAGES, choose_sync
 from tp_ext.planner.candidate import Candidate
-from tp_ext.planner.counts import ZERO_STAGES, padded_pieces, rank_shapes, shard_numel
+from tp_ext.planner.counts import padded_pieces, rank_shapes, shard_numel
 from tp_ext.planner.hf_model import HFModel, hf_layer_activation_bytes, hf_rank_shapes
 from tp_ext.sharding import StageSplit, cp_chunks
 from tp_ext.validation import dtype_bytes
@@ -25,17 +26,15 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r an
 
 
 def gradient_sync(data_parallel: str, replicas: int, experts: bool) -> Optional[str]:
-    """How the Trainer finishes a step's gradients (the rows of tp_ext.training.core.SYNCS; the
-    planner may not import the trainer, one floor): "ddp" or "fsdp" (the engine wrapping the
-    stages sums them; ZeRO-1 runs under DDP), "sums" (tp_ext's flat all-reduce per replica
-    group: models with experts), "reduce_scatter" (ZeRO-2), None (nothing to sum)."""
-    if replicas == 1:
-        return "sums" if experts else None
-    if data_parallel == "zero2":
-        return "reduce_scatter"
-    if experts:
-        return "sums"
-    return "fsdp" if data_parallel == "fsdp" else "ddp"
+    """How the Trainer finishes a step's gradients: its row of the one sync table
+    (:data:`tp_ext.pipeline.data_parallel.SYNCS`), named as the planner costs it: "ddp" or
+    "fsdp" (the engine wrapping the stages sums them; ZeRO-1 runs under DDP), "sums" (tp_ext's
+    flat all-reduce per replica group: models with experts), "reduce_scatter" (ZeRO-2), None
+    (nothing to sum)."""
+    row = choose_sync(data_parallel, replicas, replicas, experts)
+    if row.sync == "engine":
+        return row.engine
+    return None if row.sync == "none" else row.sync
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:

@@ -4,9 +4,10 @@ contract (:class:`~tp_ext.contract.ParallelModel`).
 
 - :data:`RUNNERS` (``dims.pp_enabled``): the local loop over the micro-batches, or torch's
   pipeline schedule over the stages (:mod:`tp_ext.training.runners`);
-- :data:`SYNCS` (``data_parallel`` x whether the model has experts): what wraps the stage
-  modules (DDP, FSDP2, nothing), which :mod:`~tp_ext.training.sync` finishes the gradients,
-  and the optimizer's ZeRO stage;
+- :data:`~tp_ext.pipeline.data_parallel.SYNCS` (``data_parallel`` x whether the model has
+  experts): what wraps the stage modules (DDP, FSDP2, nothing), which
+  :mod:`~tp_ext.training.sync` finishes the gradients, and the optimizer's ZeRO stage (one
+  table, which the planner reads too);
 - the loss kind is the model's own (:mod:`tp_ext.training.losses`).
 
 No class stands for one parallel form: TP (1D or a 2D grid), sequence and context
@@ -26,71 +27,21 @@ from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed import comm
 from tp_ext.distributed.dtensors import local_tensor
 from tp_ext.layers import expert_parameters
-from tp_ext.pipeline import DATA_PARALLEL, SCHEDULES, check_schedule
-from tp_ext.pipeline.data_parallel import Replicas
+from tp_ext.pipeline import SCHEDULES, check_schedule
+from tp_ext.pipeline.data_parallel import Replicas, SyncRow, choose_sync
 from tp_ext.pipeline.schedules import prepare_stages
 from tp_ext.training.grad_norm import clip_grad_norm_, parallel_grad_norm, scale_grads_
 from tp_ext.training.losses import Loss, router_loss_of
 from tp_ext.training.runners import LocalRunner, PipelinedRunner
 from tp_ext.training.sync import EngineSync, GradientSync, ReduceScatterSync, ReplicaSums
-from tp_ext.training.zero import ZERO_STAGES, sharded_optimizer_for
+from tp_ext.training.zero import sharded_optimizer_for
 
-__all__ = ["RUNNERS", "SYNCS", "SyncRow", "TrainingCore", "choose_sync"]
+__all__ = ["RUNNERS", "TrainingCore", "assemble", "assemble_plain"]
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # dims.pp_enabled -> the runner
 RUNNERS = {False: LocalRunner, True: PipelinedRunner}
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncRow:
-    """One row of :data:`SYNCS`: ``engine`` wraps the stage modules ("ddp", "fsdp"; None:
-    unwrapped), ``sync`` finishes the gradients ("engine", "sums", "reduce_scatter", "none"),
-    ``zero`` is the optimizer's ZeRO stage (None: the optimizer as given)."""
-
-    engine: Optional[str]
-    sync: str
-    zero: Optional[int] = None
-
-
-# (data_parallel, the model has experts) -> row. data_parallel is None when there is one
-# replica of the dense weights (experts may still have replicas: over TP ranks, or the CP ranks).
-SYNCS = {
-    (None, False): SyncRow(None, "none"),
-    (None, True): SyncRow(None, "sums"),
-    ("ddp", False): SyncRow("ddp", "engine"),
-    ("ddp", True): SyncRow(None, "sums"),
-    ("fsdp", False): SyncRow("fsdp", "engine"),
-    ("fsdp", True): SyncRow("fsdp", "engine"),  # the experts' units on their own replicas
-    ("zero1", False): SyncRow("ddp", "engine", zero=1),
-    ("zero1", True): SyncRow(None, "sums", zero=1),
-    ("zero2", False): SyncRow(None, "reduce_scatter", zero=2),
-    ("zero2", True): SyncRow(None, "reduce_scatter", zero=2),
-}
-
-# combinations that are not rows, and why
-REFUSED: dict = {}
-
-
-def choose_sync(data_parallel: Optional[str], dp: int, replicas: int, experts: bool) -> SyncRow:
-    """The row of :data:`SYNCS` for these settings, or an error naming the argument."""
-    known = (None, *DATA_PARALLEL, *ZERO_STAGES)
-    if data_parallel not in known:
-        raise ValueError(f"data_parallel must be one of {list(known)}, got {data_parallel!r}")
-    if data_parallel is None and dp > 1:
-        raise ValueError(
-            f"data_parallel=None with dp={dp}: the replicas would drift apart; use one of "
-            f"{list(known[1:])}"
-        )
-    if replicas == 1:
-        data_parallel = None  # nothing to shard or average over
-    elif data_parallel is None:  # cp > 1 at dp = 1: the CP ranks' gradients still add up
-        data_parallel = "ddp"
-    key = (data_parallel, experts)
-    if key in REFUSED:
-        raise ValueError(f"data_parallel={data_parallel!r}: {REFUSED[key]}")
-    return SYNCS[key]
 
 
 class TrainingCore:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tp_ext.pipeline.data_parallel import ZERO_STAGES
 from tp_ext.training.adapters import WholeModel
 from tp_ext.training.optimizer import build_optimizer
-from tp_ext.training.zero import ZERO_STAGES
 from tp_ext.validation import is_number
 
 __all__ = [

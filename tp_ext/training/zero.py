@@ -53,9 +53,8 @@ from tp_ext.training.zero_rows import (
     rows_of,
 )
 
-__all__ = ["ZERO_STAGES", "ShardedOptimizer"]
+__all__ = ["ShardedOptimizer"]
 
-ZERO_STAGES = {"zero1": 1, "zero2": 2}
 # ZeRO-2's gradient buckets (DDP's default cap); the first step builds them from the attribute
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # optimizers whose update of an element reads that element's gradient and state alone, so
