@@ -307,7 +307,14 @@ def _unconverted_refusal():
 
 
 @pytest.mark.parametrize(
-    "dp, cp, ep", [(1, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 2)], ids=lambda v: str(v)
+    "dp, cp, ep",
+    [
+        (1, 1, 1),
+        pytest.param(2, 1, 2, marks=pytest.mark.full_matrix),
+        pytest.param(1, 2, 1, marks=pytest.mark.full_matrix),
+        (2, 2, 2),
+    ],
+    ids=lambda v: str(v),
 )
 def test_the_router_loss_trains_like_transformers(dp, cp, ep):
     """The load-balancing loss is kept (whole model, full logits and router logits), equal to

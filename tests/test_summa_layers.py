@@ -296,7 +296,14 @@ def _pipelined_2d_model(rows: int, cols: int, pp: int, tmp: str):
     return model.stage_ids
 
 
-@pytest.mark.parametrize("rows, cols, pp", [(2, 1, 2), (1, 2, 2), (2, 2, 1)])
+@pytest.mark.parametrize(
+    "rows, cols, pp",
+    [
+        (2, 1, 2),
+        pytest.param(1, 2, 2, marks=pytest.mark.full_matrix),
+        pytest.param(2, 2, 1, marks=pytest.mark.full_matrix),
+    ],
+)
 def test_a_2d_model_in_pipeline_stages_loads_runs_and_saves(rows, cols, pp, tmp_path):
     stages = run_distributed(
         _pipelined_2d_model, rows * cols * pp, rows, cols, pp, str(tmp_path), timeout=300
