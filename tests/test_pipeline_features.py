@@ -97,7 +97,7 @@ def test_balanced_split_makes_the_costliest_stage_cheapest():
         ({"num_layers": 8, "pp": 2, "order": "zigzag"}, "stage_order must be one of"),
     ],
 )
-def test_stage_layout_errors(kwargs, message):
+def test_stage_split_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StageSplit(**kwargs)
 

@@ -597,7 +597,7 @@ def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
                     ["run", "configs/qwen2-72b.yaml"]):  # fmt: skip
         status, _, err = tp_ext_here(*command, "--auto", "--tp", 2)
         assert status == 2, err
-        assert "--auto chooses the layout itself; drop --tp" in err
+        assert "--auto chooses the dims itself; drop --tp" in err
 
 
 def test_search_offers_zero_where_it_offers_fsdp():

@@ -165,13 +165,13 @@ def _same_layout(tmp_path, layout, schedule, data_parallel, dropout, tie, async_
 
 
 @pytest.mark.parametrize("case", SAME, ids=str)
-def test_resume_at_the_same_layout_is_bitwise(tmp_path, case):
+def test_resume_at_the_same_dims_is_bitwise(tmp_path, case):
     _same_layout(tmp_path, *case)
 
 
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("case", SAME_FULL, ids=str)
-def test_resume_at_the_same_layout_is_bitwise_full(tmp_path, case):
+def test_resume_at_the_same_dims_is_bitwise_full(tmp_path, case):
     _same_layout(tmp_path, *case)
 
 

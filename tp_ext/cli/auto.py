@@ -1,6 +1,7 @@
-"""``--auto`` for ``tp-ext run`` and ``tp-ext train``: the layout of the planner's best
-training layout that fits this job's ranks (WORLD_SIZE, LOCAL_WORLD_SIZE per node), this
-machine's devices and the job's batch, as the overrides the layout flags would give."""
+"""``--auto`` for ``tp-ext run`` and ``tp-ext train``: the dims and run settings of the
+planner's best training candidate that fits this job's ranks (WORLD_SIZE, LOCAL_WORLD_SIZE
+per node), this machine's devices and the job's batch, as the overrides those flags would
+give."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 from tp_ext.cli.logs import LOG
 from tp_ext.planner import plan
 
-__all__ = ["auto_overrides", "LAYOUT_FLAGS"]
+__all__ = ["auto_overrides", "CHOSEN_FLAGS"]
 
 # what --auto decides, so a flag may not also give it
-LAYOUT_FLAGS = (
+CHOSEN_FLAGS = (
     "tp",
     "pp",
     "dp",
@@ -41,14 +42,14 @@ def _this_machine(local_ranks: int) -> tuple[str, int]:
 
 
 def auto_overrides(model_config, data, overrides: dict, dtype: str, parallel=None) -> dict:
-    """``overrides`` with the planner's layout for ``model_config`` trained on ``data``'s
-    batches (seq_len, global_batch, micro_batch_size). Refuses layout flags given beside
+    """``overrides`` with the planner's choice for ``model_config`` trained on ``data``'s
+    batches (seq_len, global_batch, micro_batch_size). Refuses those flags given beside
     --auto, and says what was chosen and why (logged). The CP degree (``--cp``, else the job's
     ``parallel.cp``: ``parallel``, its parallel section) is kept: every candidate takes it."""
-    given = [f"--{k.replace('_', '-')}" for k in LAYOUT_FLAGS if overrides.get(k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in CHOSEN_FLAGS if overrides.get(k) is not None]
     if given:
         raise ValueError(
-            f"--auto chooses the layout itself; drop {', '.join(given)} (or drop --auto)"
+            f"--auto chooses the dims itself; drop {', '.join(given)} (or drop --auto)"
         )
     cp = overrides.get("cp") or (parallel.cp if parallel is not None else 1)
     cp_mode = overrides.get("cp_mode") or (parallel.cp_mode if parallel is not None else "ring")
@@ -73,7 +74,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str, parallel=Non
     best = next((e for e in ranked if e.fits), None)
     if best is None:
         closest = ranked[0].reason
-        raise ValueError(f"--auto: no layout of {world} ranks fits; the closest: {closest}")
+        raise ValueError(f"--auto: no candidate of {world} ranks fits; the closest: {closest}")
     chosen = best.candidate
     LOG.info(f"tp-ext: --auto chose {chosen.describe()} ({best.reason})")
     dims = chosen.dims

@@ -36,11 +36,11 @@ BETA = Field("float", 0, 1, high_open=True)  # one of --betas' two values
 
 # The config fields that tp-ext run and train take as flags, in the order --help lists them
 # (--auto, which is no field, comes after micro_batches and activation_checkpointing).
-_LAYOUT_OVERRIDES = ("tp", "pp", "dp", "ep", "cp", "cp_mode", "schedule", "virtual_stages")
-_LAYOUT_OVERRIDES += ("data_parallel", "grad_reduce_dtype", "overlap_param_gather")
-_LAYOUT_OVERRIDES += ("micro_batches", "activation_checkpointing")
+_PARALLEL_OVERRIDES = ("tp", "pp", "dp", "ep", "cp", "cp_mode", "schedule", "virtual_stages")
+_PARALLEL_OVERRIDES += ("data_parallel", "grad_reduce_dtype", "overlap_param_gather")
+_PARALLEL_OVERRIDES += ("micro_batches", "activation_checkpointing")
 OVERRIDE_FIELDS = {
-    **{name: PARALLEL_FIELDS[name] for name in (*_LAYOUT_OVERRIDES, "dtype", "seed")},
+    **{name: PARALLEL_FIELDS[name] for name in (*_PARALLEL_OVERRIDES, "dtype", "seed")},
     **{name: OPTIMIZER_FIELDS[name] for name in ("lr", "weight_decay", "betas")},
 }
 

@@ -1,6 +1,6 @@
 """``tp-ext plan CONFIG``: the footprint of a config per pipeline stage and per (pp, tp) rank
 (parameters, bytes, what is replicated, KV cache and communication), on the meta device.
-``tp-ext plan CONFIG --auto --gpus N``: the planner ranks the training layouts of N devices by
+``tp-ext plan CONFIG --auto --gpus N``: the planner ranks the training candidates of N devices by
 memory and step time (``--calibrate`` first measures this machine as the "cpu" hardware)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PLANNER_FIELDS = {
     "gpus_per_node": Field("int", 1, 2**20, help="devices per node", why="a million devices"),
     "seq_len": DATA_FIELDS["seq_len"],
     "global_batch": DATA_FIELDS["global_batch"],
-    "top": Field("int", 1, help="print the best N layouts"),
+    "top": Field("int", 1, help="print the best N candidates"),
 }
 
 
@@ -66,7 +66,7 @@ def add_arguments(parser) -> None:
         "checkpoint directory or config.json (counted as parallelize would shard it)",
     )
     auto = parser.add_argument_group(
-        "the planner (--auto): training layouts ranked by memory and step time, with reasons"
+        "the planner (--auto): training candidates ranked by memory and step time, with reasons"
     )
     auto.add_argument("--auto", action="store_true", help="rank the TP x PP x DP layouts")
     add_field_flag(auto, "gpus", PLANNER_FIELDS["gpus"])
