@@ -1,10 +1,10 @@
 """Context parallelism for Hugging Face decoders (tp_ext/parallelize/context.py): Qwen2, Llama,
-Mistral and Qwen3 converted by ``parallelize(model, "auto", parallel=state, cp_mode=...)`` give
-the logits of this rank's positions and, summed over CP, every gradient of the unsharded
-transformers model, at cp 2, 3, 4 and (tp, cp) = (2, 2), ring and all-to-all, at a length (11)
-that no 2C divides, with sequence parallelism and inside pipeline stages; the Trainer trains
-them (and Mixtral with expert parallelism) as one process does; what is not supported is
-refused by name."""
+Mistral, Qwen3 and GPT-2 (learned positions) converted by
+``parallelize(model, "auto", parallel=state, cp_mode=...)`` give the logits of this rank's
+positions and, summed over CP, every gradient of the unsharded transformers model, at cp 2, 3, 4
+and (tp, cp) = (2, 2), ring and all-to-all, at a length (11) that no 2C divides, with sequence
+parallelism and inside pipeline stages; the Trainer trains them (and Mixtral with expert
+parallelism) as one process does; what is not supported is refused by name."""
 
 import copy
 
@@ -29,11 +29,21 @@ ARCHS = {  # architecture: (config class, model class, extra config)
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
 }
+# learned absolute positions, Conv1D projections, a tied head; its own config fields
+GPT2 = dict(
+    vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=6, n_positions=64,
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+)  # fmt: skip
+OTHERS = {"gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT2)}
 
 
 def _model(arch: str, dtype=torch.float64, **extra):
-    config_class, model_class, arch_extra = ARCHS[arch]
-    config = getattr(transformers, config_class)(**{**COMMON, **arch_extra, **extra})
+    if arch in OTHERS:
+        config_class, model_class, fields = OTHERS[arch]
+    else:
+        config_class, model_class, arch_extra = ARCHS[arch]
+        fields = {**COMMON, **arch_extra}
+    config = getattr(transformers, config_class)(**{**fields, **extra})
     torch.manual_seed(0)  # the same full weights on every rank
     return getattr(transformers, model_class)(config).to(dtype)
 
@@ -79,7 +89,7 @@ FULL = [
     pytest.param(
         arch, tp, cp, mode, marks=pytest.mark.full_matrix, id=f"{arch}-tp{tp}-cp{cp}-{mode}"
     )
-    for arch in ARCHS
+    for arch in [*ARCHS, *OTHERS]
     for tp, cp in LAYOUTS
     for mode in ("ring", "all_to_all")
 ]
@@ -90,6 +100,8 @@ SUBSET = [
     ("mistral", 1, 4, "ring"),
     ("qwen2", 2, 2, "all_to_all"),
     ("llama", 2, 2, "ring"),
+    ("gpt2", 1, 2, "all_to_all"),
+    ("gpt2", 1, 3, "ring"),
 ]
 
 
@@ -154,11 +166,14 @@ def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
         ("mistral", 2, 2, 1, "all_to_all", 1, False),
         ("llama", 1, 2, 1, "ring", 2, False),  # inside pipeline stages
         ("qwen2", 2, 2, 1, "ring", 1, True),  # with sequence parallelism
+        ("gpt2", 1, 2, 1, "ring", 1, False),  # learned positions, tied head
+        ("gpt2", 1, 3, 1, "all_to_all", 1, False),
         pytest.param("llama", 2, 2, 2, "ring", 1, False, marks=pytest.mark.full_matrix),
         pytest.param("qwen3", 2, 2, 2, "all_to_all", 1, False, marks=pytest.mark.full_matrix),
         pytest.param("qwen3", 1, 2, 1, "all_to_all", 2, False, marks=pytest.mark.full_matrix),
         pytest.param("mistral", 2, 2, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
         pytest.param("llama", 2, 2, 1, "all_to_all", 2, True, marks=pytest.mark.full_matrix),
+        pytest.param("gpt2", 2, 2, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
     ],
     ids=[
         "llama-cp2",
@@ -167,11 +182,14 @@ def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
         "mistral-tp2-cp2-a2a",
         "llama-pp2-cp2",
         "qwen2-tp2-cp2-sp",
+        "gpt2-cp2",
+        "gpt2-cp3-a2a",
         "llama-222",
         "qwen3-222-a2a",
         "qwen3-pp2-cp2-a2a",
         "mistral-tp2-pp2-cp2",
         "llama-tp2-pp2-cp2-sp-a2a",
+        "gpt2-tp2-pp2-cp2",
     ],  # fmt: skip
 )
 def test_the_trainer_trains_hugging_face_decoders_under_cp_like_one_process(
@@ -254,6 +272,7 @@ def _refusals():
     refused(
         lambda: tp_ext.parallelize(_model("llama", attention_dropout=0.1), "auto", parallel=state)
     )
+    refused(lambda: tp_ext.parallelize(_model("gpt2", attn_pdrop=0.1), "auto", parallel=state))
     model = tp_ext.parallelize(_model("llama"), "auto", parallel=state)
     ids = _ids()
     refused(lambda: model(ids, labels=ids))
@@ -281,10 +300,13 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
     errors = run_distributed(_refusals, 2)[0]
     expected = [
         "cp=2 (context parallelism) supports Hugging Face qwen2, llama, mistral, qwen3, "
-        "mixtral, qwen2_moe, qwen3_moe decoders; "
+        "gpt2, mixtral, qwen2_moe, qwen3_moe decoders; "
         "GemmaForCausalLM (model_type 'gemma') is not one of them",
         "cp_mode must be 'ring' or 'all_to_all', got 'ulysses'",
-        "attention dropout (0.1) under context parallelism is not supported yet",
+        "attention dropout (0.1) under context parallelism is not supported yet; set "
+        "config.attention_dropout=0",
+        "attention dropout (0.1) under context parallelism is not supported yet; set "
+        "config.attn_pdrop=0",
         "labels= is not supported: the loss spans the CP ranks",
         "attention_mask with padding (zeros) or of shape (2, 11) is not supported yet",
         "use_cache=True are not supported",

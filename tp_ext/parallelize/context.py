@@ -1,18 +1,19 @@
-"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, and the MoE
-Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, GPT-2, and the
+MoE Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Every CP rank is called with the whole sequence's token ids, as the native Qwen2 is. A forward
 pre-hook on the model keeps this rank's positions (:func:`tp_ext.cp_positions`: chunks r and
-2C-1-r of 2C, the causal load balance) with their true position ids, so rotary embeddings are
-right for each chunk; every attention then runs over the CP group through transformers' own
-attention interface (``config._attn_implementation``), as a ring or by all-to-all
-(:mod:`tp_ext.layers.context`). The model returns the logits of this rank's positions, in
-``cp_positions`` order; :class:`tp_ext.training.Trainer` scores them against the next tokens of the
-whole sequence and sums the gradients over CP with DP.
+2C-1-r of 2C, the causal load balance) with their true position ids, so rotary embeddings (and
+GPT-2's learned position embedding, read at those ids) are right for each chunk; every
+attention then runs over the CP group through transformers' own attention interface
+(``config._attn_implementation``), as a ring or by all-to-all (:mod:`tp_ext.layers.context`).
+The model returns the logits of this rank's positions, in ``cp_positions`` order;
+:class:`tp_ext.training.Trainer` scores them against the next tokens of the whole sequence and
+sums the gradients over CP with DP.
 
-Only these architectures: their attention is plain causal softmax attention over
-rotary-embedded heads (a sliding window only where it covers the whole sequence), which is what
-the ring and the all-to-all compute. Others are refused by name.
+Only these architectures: their attention is plain causal softmax attention (over rotary-embedded
+heads, or GPT-2's heads after its learned positions; a sliding window only where it covers the
+whole sequence), which is what the ring and the all-to-all compute. Others are refused by name.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ __all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of"]
 
 # config.model_type; the MoE ones (with expert parallelism too) share their dense cousins'
 # attention
-CP_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+CP_ARCHITECTURES = (
+    "qwen2", "llama", "mistral", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
+# per-position inputs a decoder takes beside the token ids: cut to this rank's positions too
+_PER_POSITION = ("input_ids", "inputs_embeds", "token_type_ids")
 ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
 # the models parallelize converted to context parallelism, and their positions hook (a record
@@ -65,10 +70,16 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
             "(config.output_router_logits=True) is not supported yet: each CP rank sees its "
             "positions' routing only; set output_router_logits=False"
         )
-    if getattr(model.config, "attention_dropout", 0.0):
+    for field in ("attention_dropout", "attn_pdrop"):  # GPT-2 names it attn_pdrop
+        if getattr(model.config, field, 0.0):
+            raise ValueError(
+                f"parallelize: attention dropout ({getattr(model.config, field)}) under context "
+                f"parallelism is not supported yet; set config.{field}=0"
+            )
+    if getattr(model.config, "add_cross_attention", False):
         raise ValueError(
-            f"parallelize: attention dropout ({model.config.attention_dropout}) under context "
-            "parallelism is not supported yet; set config.attention_dropout=0"
+            f"parallelize: cp={cp} with cross-attention (config.add_cross_attention=True) is not "
+            "supported: its keys are the encoder's, not this sequence's positions"
         )
 
 
@@ -183,7 +194,7 @@ class _PositionsOfThisRank:
             raise ValueError("context parallelism: pass input_ids (or inputs_embeds)")
         seq_len = tokens.size(1) if self.whole_length is None else self.whole_length
         mine = cp_positions(seq_len, group=self.group).to(tokens.device)
-        for name in ("input_ids", "inputs_embeds"):
+        for name in _PER_POSITION:
             if call.get(name) is not None and self.whole_length is None:
                 call[name] = call[name][:, mine]
         given = call.get("position_ids")
