@@ -102,7 +102,16 @@ def _ring_without_overlap(*args, **kwargs):
     return ring_attention(*args, overlap=False, **kwargs)
 
 
-def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention):
+def _key_mask() -> torch.Tensor:
+    """Row 0 left-padded (its first queries see no key at all), row 1 right-padded with a hole."""
+    mask = torch.ones(2, SEQ, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[1, 7:] = False
+    mask[1, 2] = False
+    return mask
+
+
+def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=False):
     g = tp_ext.comm.resolve_group(None)
     torch.manual_seed(0)
     q_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
@@ -111,10 +120,22 @@ def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention):
     grad_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
     mine = cp_positions(SEQ)
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q_full, k_full, v_full))
-    out = attend(q, k, v, SEQ, causal=causal)
+    keys = _key_mask() if padded else None
+    extra = {} if keys is None else {"key_mask": keys[:, mine]}
+    out = attend(q, k, v, SEQ, causal=causal, **extra)
     out.backward(grad_full[:, :, mine])
     refs = [t.clone().requires_grad_() for t in (q_full, k_full, v_full)]
-    expected = F.scaled_dot_product_attention(*refs, is_causal=causal, enable_gqa=heads != kv_heads)
+    mask = None
+    if keys is not None:  # torch's attention: zeros for a query that sees no key
+        mask = keys[:, None, None, :] & torch.ones(SEQ, SEQ, dtype=torch.bool).tril(
+            0 if causal else SEQ
+        )
+    expected = F.scaled_dot_product_attention(
+        *refs,
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        enable_gqa=heads != kv_heads,
+    )
     expected.backward(grad_full)
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(out, expected[:, :, mine].detach(), **tol)
@@ -137,6 +158,18 @@ def test_all_to_all_attention_equals_the_unsplit_attention(world, heads, kv_head
         run_distributed(
             _check_ring, world, causal, heads, kv_heads, torch.float64, all_to_all_attention
         )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_padded_keys_are_seen_by_no_query_of_any_rank(world, mode, dtype):
+    """A key mask per rank (padding, either side, and a hole): it travels round the ring with
+    its keys, or is all-gathered for the all-to-all; a query that sees no key gets zeros and
+    no gradient, as torch's attention gives."""
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    for causal in (True, False):
+        run_distributed(_check_ring, world, causal, 4, 2, dtype, attend, True)
 
 
 @pytest.mark.parametrize("world", [2, 3])

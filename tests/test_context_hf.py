@@ -7,6 +7,7 @@ parallelism and inside pipeline stages; the Trainer trains them (and Mixtral wit
 parallelism) as one process does; what is not supported is refused by name."""
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -52,7 +53,27 @@ def _ids(batch=2, seed=1):
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _check_exact(arch, tp, cp, mode, sp=False):
+def _padding(ids: torch.Tensor) -> torch.Tensor:
+    """A padding mask for ``ids`` (2 rows): row 0 left-padded (its first positions see no key),
+    row 1 right-padded."""
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, SEQ - 4 :] = 0
+    return mask
+
+
+def _inputs(ids: torch.Tensor, padding: Optional[str]) -> dict:
+    """What the model is called with: the ids, and for a padded batch its mask ("mask"), and the
+    position ids generation derives from it ("mask+positions")."""
+    if padding is None:
+        return {}
+    mask = _padding(ids)
+    if padding == "mask":
+        return {"attention_mask": mask}
+    return {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+
+
+def _check_exact(arch, tp, cp, mode, sp=False, padding=None):
     import torch.distributed as dist
 
     reference = _model(arch)
@@ -68,11 +89,15 @@ def _check_exact(arch, tp, cp, mode, sp=False):
     assert report[""].startswith(f"context parallel over {cp} ranks ({mode})"), report[""]
     assert context_of(model).group.size == cp
     ids = _ids()
+    extra = _inputs(ids, padding)
     mine = tp_ext.cp_positions(SEQ, parallel=state)
-    logits = model(ids).logits
-    expected = reference(ids).logits
+    logits = model(ids, **extra).logits
+    expected = reference(ids, **extra).logits
     torch.testing.assert_close(logits, expected[:, mine].detach(), rtol=1e-9, atol=1e-9)
     targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    if padding is not None:  # a padded position predicts nothing and is not predicted
+        real = extra["attention_mask"].bool()
+        targets = targets.masked_fill(~(real & torch.cat([real[:, 1:], real[:, :1]], 1)), -100)
     F.cross_entropy(logits.flatten(0, 1), targets[:, mine].flatten(), reduction="sum").backward()
     F.cross_entropy(expected.flatten(0, 1), targets.flatten(), reduction="sum").backward()
     want = tp_ext.layers.local_shards(model, {n: p.grad for n, p in reference.named_parameters()})
@@ -113,6 +138,26 @@ SUBSET = [
 def test_hugging_face_decoders_under_context_parallelism_are_exact(arch, tp, cp, mode):
     held = run_distributed(_check_exact, tp * cp, arch, tp, cp, mode, timeout=300)
     assert sorted(p for positions in held[::tp] for p in positions) == list(range(SEQ))
+
+
+@pytest.mark.parametrize(
+    "arch, tp, cp, mode, padding",
+    [
+        ("llama", 1, 2, "ring", "mask"),
+        ("qwen3", 1, 3, "all_to_all", "mask+positions"),
+        ("gpt2", 1, 3, "ring", "mask+positions"),  # learned positions at the given ids
+        ("gpt2", 1, 2, "all_to_all", "mask"),
+        pytest.param("mistral", 2, 2, "ring", "mask", marks=pytest.mark.full_matrix),
+        pytest.param("qwen2", 1, 4, "all_to_all", "mask", marks=pytest.mark.full_matrix),
+        pytest.param("llama", 1, 3, "ring", "mask+positions", marks=pytest.mark.full_matrix),
+        pytest.param("gpt2", 2, 2, "all_to_all", "mask", marks=pytest.mark.full_matrix),
+    ],
+    ids=lambda v: str(v),
+)
+def test_padded_batches_under_context_parallelism_are_exact(arch, tp, cp, mode, padding):
+    """A padded batch (left and right padding): no query of any rank sees a padded key; the
+    position ids are the model's own, or the ones given (here generation's, from the mask)."""
+    run_distributed(_check_exact, tp * cp, arch, tp, cp, mode, False, padding, timeout=300)
 
 
 @pytest.mark.parametrize("arch, mode", [("llama", "ring"), ("qwen3", "all_to_all")])
@@ -276,9 +321,7 @@ def _refusals():
     model = tp_ext.parallelize(_model("llama"), "auto", parallel=state)
     ids = _ids()
     refused(lambda: model(ids, labels=ids))
-    refused(
-        lambda: model(ids, attention_mask=torch.ones_like(ids).index_fill(1, torch.tensor([0]), 0))
-    )
+    refused(lambda: model(ids, attention_mask=torch.ones(2, 1, SEQ, SEQ)))  # padding masks only
     refused(lambda: model(ids, use_cache=True))
     refused(lambda: model.generate(ids, max_new_tokens=2))
     refused(lambda: model(ids, logits_to_keep=1))
@@ -308,7 +351,7 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "attention dropout (0.1) under context parallelism is not supported yet; set "
         "config.attn_pdrop=0",
         "labels= is not supported: the loss spans the CP ranks",
-        "attention_mask with padding (zeros) or of shape (2, 11) is not supported yet",
+        "attention_mask of shape (2, 1, 11, 11) is not supported: pass a padding mask",
         "use_cache=True are not supported",
         "generation under context parallelism is not supported yet",
         "logits_to_keep=1 is not supported",

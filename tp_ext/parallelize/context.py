@@ -11,6 +11,12 @@ The model returns the logits of this rank's positions, in ``cp_positions`` order
 :class:`tp_ext.training.Trainer` scores them against the next tokens of the whole sequence and
 sums the gradients over CP with DP.
 
+A padded batch (``attention_mask`` [batch, seq], 0 at padding, on any side) is run as the
+unsplit model runs it: no query of any rank attends to a padded key (each rank's keys' part of
+the mask travels with them, :mod:`tp_ext.layers.context`), and the position ids are the model's
+own (transformers' forward does not derive them from the mask; ``position_ids=`` given are cut
+like the ids).
+
 Only these architectures: their attention is plain causal softmax attention (over rotary-embedded
 heads, or GPT-2's heads after its learned positions; a sliding window only where it covers the
 whole sequence), which is what the ring and the all-to-all compute. Others are refused by name.
@@ -39,6 +45,7 @@ CP_ARCHITECTURES = (
 _PER_POSITION = ("input_ids", "inputs_embeds", "token_type_ids")
 ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
+_KEY_MASK = "tp_ext_key_mask"  # and this rank's key mask (padding), when the batch is padded
 # the models parallelize converted to context parallelism, and their positions hook (a record
 # kept here rather than attributes set on the user's model)
 _CONVERTED: "weakref.WeakKeyDictionary[nn.Module, _PositionsOfThisRank]" = (
@@ -139,7 +146,7 @@ def _context_attention(
         )
     group, mode = setting
     attend = ring_attention if mode == "ring" else all_to_all_attention
-    out = attend(query, key, value, seq_len, group, scale=scaling)
+    out = attend(query, key, value, seq_len, group, scale=scaling, key_mask=kwargs.get(_KEY_MASK))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -197,11 +204,19 @@ class _PositionsOfThisRank:
         for name in _PER_POSITION:
             if call.get(name) is not None and self.whole_length is None:
                 call[name] = call[name][:, mine]
+        # the position ids the unsplit model would use: its default (0, 1, ...: transformers
+        # does not derive them from a padding mask in a forward) or the ones given, at mine
         given = call.get("position_ids")
         call["position_ids"] = (
             mine.unsqueeze(0).expand(tokens.size(0), -1) if given is None else given[..., mine]
         )
-        call.pop("attention_mask", None)  # all ones (checked): the attention is causal
+        # no mask is built (a custom attention gets none): a padded batch's key mask goes to
+        # every attention call instead, this rank's keys' part of it
+        mask = call.pop("attention_mask", None)
+        if mask is not None:
+            _check_mask(mask, tokens.size(0), seq_len)
+            if not bool(mask.all()):
+                call[_KEY_MASK] = mask[:, mine].bool()
         call["use_cache"] = False
         call[_SEQ_LEN] = seq_len
         return (), call
@@ -219,8 +234,18 @@ class _PositionsOfThisRank:
                 "context parallelism is not supported yet)"
             )
         mask = call.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not (mask.dim() == 2 and bool(mask.all())):
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(
-                "context parallelism: attention_mask with padding (zeros) or of shape "
-                f"{tuple(mask.shape)} is not supported yet; pass unpadded sequences"
+                f"context parallelism: attention_mask of shape {shape} is not supported: pass "
+                "a padding mask [batch, seq] (1: a token, 0: padding); the attention is causal"
             )
+
+
+def _check_mask(mask: torch.Tensor, batch: int, seq_len: int) -> None:
+    """A padding mask must cover the whole sequence (every CP rank is given all of it)."""
+    if tuple(mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"context parallelism: attention_mask has shape {tuple(mask.shape)}; it must be "
+            f"[batch, seq] = {(batch, seq_len)}: the whole sequence's padding mask"
+        )
