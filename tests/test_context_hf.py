@@ -167,19 +167,50 @@ def test_sequence_parallelism_composes_with_context_parallelism(arch, mode):
     run_distributed(_check_exact, 4, arch, 2, 2, mode, True, timeout=300)
 
 
-def _three_steps(trainer, ref_trainer, state) -> list:
+def _padded(ids: torch.Tensor, gen: torch.Generator, sides: str) -> tuple:
+    """``(ids, labels, attention_mask)``: each row padded by 1 to SEQ // 2 positions, on the left
+    or the right (``sides`` "both"), or on the right only ("right")."""
+    mask = torch.ones_like(ids)
+    for row in range(ids.size(0)):
+        n = int(torch.randint(1, SEQ // 2 + 1, (1,), generator=gen))
+        left = sides == "both" and bool(torch.randint(0, 2, (1,), generator=gen))
+        mask[row, :n] = 0 if left else 1
+        mask[row, SEQ - n :] = 1 if left else 0
+    return ids, ids, mask
+
+
+def _masked_loss(model, batches) -> float:
+    """transformers' own mean token loss of padded micro-batches (padding never a target)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, labels, mask in batches:
+            logits = model(ids, attention_mask=mask).logits[:, :-1]
+            targets = labels.masked_fill(mask == 0, -100)[:, 1:]
+            total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            count += int((targets != -100).sum())
+    return float(total) / count
+
+
+def _three_steps(trainer, ref_trainer, state, padding=None, reference=None) -> list:
     """Three steps: each DP replica its two micro-batches of the step's global batch, the
-    reference all of them; their losses, step by step."""
+    reference all of them; their losses, step by step. ``padding``: padded micro-batches
+    (``(ids, labels, attention_mask)``, see :func:`_padded`), the first step's loss checked
+    against ``reference``'s own forward with the masks."""
     gen = torch.Generator().manual_seed(5)
     losses = []
-    for _ in range(3):
+    for step in range(3):
         batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(state.dp * 2)]
+        if padding is not None:
+            batches = [_padded(ids, gen, padding) for ids in batches]
+        direct = _masked_loss(reference, batches) if padding is not None and step == 0 else None
         mine = batches[2 * state.dp_rank : 2 * state.dp_rank + 2]
         losses.append((trainer.step(mine), ref_trainer.step(batches)))
+        if direct is not None:
+            assert abs(losses[0][1] - direct) <= 1e-6 * abs(direct), (losses[0][1], direct)
     return losses
 
 
-def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
+def _train(arch, tp, cp, dp, mode, pp=1, sp=False, padding=None):
     """Three SGD steps at (tp, cp, dp), each DP replica its own micro-batches (whole sequences
     on every CP rank), against one process training the unsharded model on all of them."""
     from tp_ext.training import Trainer
@@ -197,7 +228,7 @@ def _train(arch, tp, cp, dp, mode, pp=1, sp=False):
 
     trainer = Trainer(model, optimizer=sgd, parallel=state, max_grad_norm=1.0)
     ref_trainer = Trainer(reference, optimizer=sgd, max_grad_norm=1.0)
-    losses = _three_steps(trainer, ref_trainer, state)
+    losses = _three_steps(trainer, ref_trainer, state, padding, reference)
     assert_same_weights(tp_ext.layers.full_state_dict(model), reference.state_dict())
     return losses
 
@@ -242,6 +273,37 @@ def test_the_trainer_trains_hugging_face_decoders_under_cp_like_one_process(
 ):
     world = tp * cp * dp * pp
     for losses in run_distributed(_train, world, arch, tp, cp, dp, mode, pp, sp, timeout=600):
+        for got, want in losses:
+            assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize(
+    "arch, tp, cp, dp, mode, pp, sp",
+    [
+        ("llama", 1, 2, 1, "ring", 1, False),
+        ("gpt2", 1, 3, 1, "all_to_all", 1, False),
+        ("qwen2", 1, 2, 1, "ring", 2, False),  # every pipeline stage given the masks
+        pytest.param("qwen3", 1, 2, 2, "all_to_all", 1, False, marks=pytest.mark.full_matrix),
+        pytest.param("llama", 2, 2, 1, "all_to_all", 1, True, marks=pytest.mark.full_matrix),
+        pytest.param("gpt2", 1, 2, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
+        pytest.param("mistral", 2, 1, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
+    ],
+    ids=[
+        "llama-cp2",
+        "gpt2-cp3-a2a",
+        "qwen2-pp2-cp2",
+        "qwen3-cp2-dp2-a2a",
+        "llama-tp2-cp2-sp-a2a",
+        "gpt2-pp2-cp2",
+        "mistral-tp2-pp2",
+    ],  # fmt: skip
+)
+def test_the_trainer_trains_padded_batches_like_one_process(arch, tp, cp, dp, mode, pp, sp):
+    """Micro-batches as (input_ids, labels, attention_mask), padded on either side: the mask
+    reaches the model's forward (every pipeline stage's), labels at padding are ignored."""
+    world = tp * cp * dp * pp
+    args = (arch, tp, cp, dp, mode, pp, sp, "both")
+    for losses in run_distributed(_train, world, *args, timeout=600):
         for got, want in losses:
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
@@ -336,6 +398,14 @@ def _refusals():
         )
     )  # fmt: skip
     refused(lambda: tp_ext.parallelize(router, "auto", parallel=state))
+    from tp_ext.models import Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    from .test_pipeline import _config
+
+    native = Qwen2ForCausalLM.from_config(_config(1, False), parallel=state)
+    trainer = Trainer(native, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), parallel=state)
+    refused(lambda: trainer.step([(ids, ids, torch.ones_like(ids))]))
     return errors
 
 
@@ -358,6 +428,8 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "a sliding window of 8 positions shorter than the sequence (11) is not supported yet",
         "cp=2 with the router's load-balancing loss (config.output_router_logits=True) is not "
         "supported yet",
+        "a padded micro-batch (input_ids, labels, attention_mask): Qwen2ForCausalLM's stages "
+        "take no attention mask",
     ]
     assert len(errors) == len(expected), errors
     for got, want in zip(errors, expected):
