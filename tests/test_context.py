@@ -111,7 +111,7 @@ def _key_mask() -> torch.Tensor:
     return mask
 
 
-def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=False):
+def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=False, window=None):
     g = tp_ext.comm.resolve_group(None)
     torch.manual_seed(0)
     q_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
@@ -122,14 +122,15 @@ def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=Fa
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q_full, k_full, v_full))
     keys = _key_mask() if padded else None
     extra = {} if keys is None else {"key_mask": keys[:, mine]}
+    extra.update({} if window is None else {"window": window})
     out = attend(q, k, v, SEQ, causal=causal, **extra)
     out.backward(grad_full[:, :, mine])
     refs = [t.clone().requires_grad_() for t in (q_full, k_full, v_full)]
     mask = None
-    if keys is not None:  # torch's attention: zeros for a query that sees no key
-        mask = keys[:, None, None, :] & torch.ones(SEQ, SEQ, dtype=torch.bool).tril(
-            0 if causal else SEQ
-        )
+    if keys is not None or window is not None:  # torch's attention: zeros where no key is seen
+        back = torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]
+        mask = (back >= 0 if causal else back == back) & (back < (window or SEQ + 1))
+        mask = mask if keys is None else keys[:, None, None, :] & mask
     expected = F.scaled_dot_product_attention(
         *refs,
         attn_mask=mask,
@@ -170,6 +171,26 @@ def test_padded_keys_are_seen_by_no_query_of_any_rank(world, mode, dtype):
     attend = ring_attention if mode == "ring" else all_to_all_attention
     for causal in (True, False):
         run_distributed(_check_ring, world, causal, 4, 2, dtype, attend, True)
+
+
+def test_the_ring_skips_the_chunks_a_window_leaves_out():
+    """16 positions in 4 chunks over 2 ranks (rank 1: positions 4-7 and 8-11), window 2: of rank
+    0's block (0-3, 12-15) only chunk 0 against 4-7 is computed, partly (masked)."""
+    pairs = context._pairs(16, 2, 1, 0, True, window=2)
+    assert [(p.q_start, p.k_start, p.diagonal) for p in pairs] == [(4, 0, False)]
+    assert context._allowed(pairs[0], None, 2, "cpu").sum() == 1  # 4 sees 3
+    assert len(context._pairs(16, 2, 1, 0, True)) == 2  # without a window: 0 before both
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("window", [1, 2, 4, 6])
+def test_a_sliding_window_shorter_than_the_sequence(world, mode, window):
+    """Each query sees the keys less than ``window`` positions back: a pair of chunks wholly
+    outside the window is skipped, one partly inside masked; with padded keys too."""
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    for padded in (False, True):
+        run_distributed(_check_ring, world, True, 4, 2, torch.float64, attend, padded, window)
 
 
 @pytest.mark.parametrize("world", [2, 3])

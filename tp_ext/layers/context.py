@@ -76,6 +76,7 @@ def ring_attention(
     overlap: bool = True,
     *,
     key_mask: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of the whole sequence, whose positions are
     split over the CP ``group`` as :func:`cp_positions` says (``seq_len``: the whole length).
@@ -88,14 +89,17 @@ def ring_attention(
     block to arrive before computing with the one it holds (the benchmark's baseline).
     ``key_mask`` [batch, local] (bool): which of this rank's keys may be attended to (False: a
     padded position, seen by no query of any rank); it travels round the ring with its keys. A
-    query that sees no key at all gets zeros (as torch's attention gives a fully masked row)."""
+    query that sees no key at all gets zeros (as torch's attention gives a fully masked row).
+    ``window`` (causal only): a query at position p sees the keys after p - window (a sliding
+    window, as transformers' ``sliding_window``); each pair of chunks is skipped when the window
+    holds none of it, masked when it holds part."""
     g = cp_group(group)
-    _check(q, k, v, seq_len, g, key_mask=key_mask)
+    _check(q, k, v, seq_len, g, key_mask=key_mask, causal=causal, window=window)
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
     with comm.tag(CP_TAG):
         return _RingAttention.apply(
-            q, k, v, key_mask, seq_len, g, bool(causal), float(scale), bool(overlap)
+            q, k, v, key_mask, seq_len, g, bool(causal), float(scale), bool(overlap), window
         )
 
 
@@ -109,6 +113,7 @@ def all_to_all_attention(
     scale: Optional[float] = None,
     *,
     key_mask: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """:func:`ring_attention`'s result by all-to-all (DeepSpeed's Ulysses): each rank sends every
     other rank that rank's share of the heads at its own positions, attends over the whole
@@ -116,14 +121,17 @@ def all_to_all_attention(
     differentiable). Heads are split whole, unevenly where they do not divide; with grouped-
     query heads, whole KV groups per rank when the KV heads divide by the CP size, else the keys
     and values are repeated to every query head first (fewer KV heads than ranks).
-    ``key_mask``: as :func:`ring_attention`'s; every rank's are all-gathered."""
+    ``key_mask``: as :func:`ring_attention`'s; every rank's are all-gathered. ``window``: as
+    :func:`ring_attention`'s."""
     g = cp_group(group)
-    _check(q, k, v, seq_len, g, "all_to_all_attention", key_mask)
+    _check(q, k, v, seq_len, g, "all_to_all_attention", key_mask, causal, window)
     with comm.tag(CP_TAG):
-        return _all_to_all_attention(q, k, v, seq_len, g, causal, scale, key_mask)
+        return _all_to_all_attention(q, k, v, seq_len, g, causal, scale, key_mask, window)
 
 
-def _all_to_all_attention(q, k, v, seq_len, g, causal, scale, key_mask=None) -> torch.Tensor:
+def _all_to_all_attention(
+    q, k, v, seq_len, g, causal, scale, key_mask=None, window=None
+) -> torch.Tensor:
     groups = q.size(1) // k.size(1)
     if k.size(1) % g.size:  # KV heads do not split whole: give every query head its own
         k, v, groups = _repeat(k, groups), _repeat(v, groups), 1
@@ -137,12 +145,16 @@ def _all_to_all_attention(q, k, v, seq_len, g, causal, scale, key_mask=None) -> 
     qh = _heads_of_every_position(q, q_heads, lengths, g, natural)
     kh = _heads_of_every_position(k, kv_heads, lengths, g, natural)
     vh = _heads_of_every_position(v, kv_heads, lengths, g, natural)
-    mask = None
+    mask = _window_mask(seq_len, window, q.device)
     if key_mask is not None:  # every position's: [batch, 1, 1, seq_len], with causality
         every = comm.all_gather(key_mask.to(q.dtype), 1, lengths, g).index_select(1, natural)
-        mask = every.bool()[:, None, None, :]
-        if causal:
-            mask = mask & torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        mask = every.bool()[:, None, None, :] & (
+            torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril(
+                0 if causal else seq_len
+            )
+            if mask is None
+            else mask
+        )
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
         enable_gqa=groups > 1,
@@ -214,7 +226,18 @@ def context_attention(mode: str, q, k, v, seq_len: int, group=None) -> torch.Ten
     raise ValueError(f"cp_mode must be one of {list(CP_MODES)}, got {mode!r}")
 
 
-def _check(q, k, v, seq_len, g, fn: str = "ring_attention", key_mask=None) -> None:
+def _window_mask(seq_len: int, window: Optional[int], device) -> Optional[torch.Tensor]:
+    """[seq, seq]: whom each query sees under causality and a ``window`` (None: no window)."""
+    if window is None:
+        return None
+    pos = torch.arange(seq_len, device=device)
+    back = pos[:, None] - pos[None, :]
+    return (back >= 0) & (back < window)
+
+
+def _check(
+    q, k, v, seq_len, g, fn: str = "ring_attention", key_mask=None, causal=True, window=None
+) -> None:
     check_int("seq_len", seq_len, 0)
     local = sum(n for _, _, n in cp_chunks(seq_len, g.size, g.rank))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -233,6 +256,11 @@ def _check(q, k, v, seq_len, g, fn: str = "ring_attention", key_mask=None) -> No
         raise ValueError(
             f"{fn}: {q.size(1)} query heads are not a multiple of {k.size(1)} key/value "
             "heads (grouped-query attention needs whole groups)"
+        )
+    if window is not None and (not causal or isinstance(window, bool) or window < 1):
+        raise ValueError(
+            f"{fn}: window={window!r}: a sliding window is a number of positions >= 1, of a "
+            "causal attention"
         )
     if key_mask is not None and (
         key_mask.dtype != torch.bool or tuple(key_mask.shape) != (k.size(0), k.size(2))
@@ -257,28 +285,36 @@ class _Pair(NamedTuple):
     diagonal: bool
 
 
-def _pairs(seq_len: int, size: int, rank: int, held: int, causal: bool) -> list:
+def _pairs(seq_len: int, size: int, rank: int, held: int, causal: bool, window=None) -> list:
     """Which of this rank's query chunks attend to which chunks of rank ``held``'s block (a
     :class:`_Pair` each); a chunk sees the chunks before it whole and its own causally (the
-    chunks after it not at all)."""
+    chunks after it not at all), and under a ``window`` not the chunks wholly before it."""
     found, q_off = [], 0
     theirs = cp_chunks(seq_len, size, held)
     for qc, q_start, qn in cp_chunks(seq_len, size, rank):
         k_off = 0
         for kc, k_start, kn in theirs:
-            if qn and kn and (not causal or kc <= qc):
+            seen = window is None or q_start - (k_start + kn - 1) < window  # the nearest pair
+            if qn and kn and (not causal or kc <= qc) and seen:
                 found.append(_Pair(q_off, qn, k_off, kn, q_start, k_start, causal and kc == qc))
             k_off += kn
         q_off += qn
     return found
 
 
-def _allowed(pair: _Pair, key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Which keys of ``pair``'s block each query may see beyond causality (None: all): the held
-    block's key mask, [batch, 1, 1, kn]."""
-    if key_mask is None:
-        return None
-    return key_mask[:, None, None, pair.k_off : pair.k_off + pair.kn]
+def _allowed(pair: _Pair, key_mask, window: Optional[int], device) -> Optional[torch.Tensor]:
+    """Which keys of ``pair``'s block each query may see beyond causality (None: all): inside
+    the ``window`` (where the farthest pair is outside it), and the held block's key mask;
+    broadcast to [batch, 1, qn, kn]."""
+    allowed = None
+    if window is not None and pair.q_start + pair.qn - 1 - pair.k_start >= window:
+        q = torch.arange(pair.q_start, pair.q_start + pair.qn, device=device)
+        k = torch.arange(pair.k_start, pair.k_start + pair.kn, device=device)
+        allowed = (q[:, None] - k[None, :]) < window
+    if key_mask is not None:
+        keys = key_mask[:, None, None, pair.k_off : pair.k_off + pair.kn]
+        allowed = keys if allowed is None else keys & allowed
+    return allowed
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -415,7 +451,7 @@ def _shapes(k, seq_len: int, size: int, held: int, masked: bool) -> list:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, seq_len, g, causal, scale, overlap):
+    def forward(ctx, q, k, v, key_mask, seq_len, g, causal, scale, overlap, window):
         size, rank = g.size, g.rank
         groups = q.size(1) // k.size(1)
         masked = key_mask is not None
@@ -431,7 +467,7 @@ class _RingAttention(torch.autograd.Function):
                 shift = _Shift(block, shapes, g, "ring_attention", wait=not overlap)
             kr, vr = _repeat(block[0], groups), _repeat(block[1], groups)
             masks[held] = block[2].bool() if masked else None
-            for pair in _pairs(seq_len, size, rank, held, causal):
+            for pair in _pairs(seq_len, size, rank, held, causal, window):
                 rows = slice(pair.q_off, pair.q_off + pair.qn)
                 keys = slice(pair.k_off, pair.k_off + pair.kn)
                 o_b, l_b = _block(
@@ -440,7 +476,7 @@ class _RingAttention(torch.autograd.Function):
                     vr[:, :, keys].contiguous(),
                     pair.diagonal,
                     scale,
-                    _allowed(pair, masks[held]),
+                    _allowed(pair, masks[held], window, q.device),
                 )
                 out[:, :, rows], lse[..., rows] = ops.attention_merge(
                     out[:, :, rows], lse[..., rows], o_b, l_b.to(lse.dtype)
@@ -449,7 +485,7 @@ class _RingAttention(torch.autograd.Function):
                 block = tuple(shift.finish())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.seq_len, ctx.g, ctx.causal, ctx.scale = seq_len, g, causal, scale
-        ctx.overlap, ctx.masks = overlap, masks
+        ctx.overlap, ctx.masks, ctx.window = overlap, masks, window
         return out
 
     @staticmethod
@@ -477,7 +513,7 @@ class _RingAttention(torch.autograd.Function):
             kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
             dk = torch.zeros(kr.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vr.shape, dtype=acc, device=q.device)
-            for pair in _pairs(seq_len, size, rank, held, causal):
+            for pair in _pairs(seq_len, size, rank, held, causal, ctx.window):
                 rows = slice(pair.q_off, pair.q_off + pair.qn)
                 keys = slice(pair.k_off, pair.k_off + pair.kn)
                 gq, gk, gv = _block_backward(
@@ -489,7 +525,7 @@ class _RingAttention(torch.autograd.Function):
                     lse[..., rows].contiguous(),
                     pair.diagonal,
                     scale,
-                    _allowed(pair, ctx.masks[held]),
+                    _allowed(pair, ctx.masks[held], ctx.window, q.device),
                 )
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
@@ -508,4 +544,4 @@ class _RingAttention(torch.autograd.Function):
                 travelling = _Shift((dk, dv), [shape, shape], g, "ring_attention_backward", wait)
         if size > 1:
             dk, dv = travelling.finish()
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 7

@@ -1,5 +1,5 @@
-"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, GPT-2, and the
-MoE Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, GPT-2, Gemma 2,
+and the MoE Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Every CP rank is called with the whole sequence's token ids, as the native Qwen2 is. A forward
 pre-hook on the model keeps this rank's positions (:func:`tp_ext.cp_positions`: chunks r and
@@ -17,9 +17,14 @@ the mask travels with them, :mod:`tp_ext.layers.context`), and the position ids 
 own (transformers' forward does not derive them from the mask; ``position_ids=`` given are cut
 like the ids).
 
-Only these architectures: their attention is plain causal softmax attention (over rotary-embedded
-heads, or GPT-2's heads after its learned positions; a sliding window only where it covers the
-whole sequence), which is what the ring and the all-to-all compute. Others are refused by name.
+A layer's sliding window (transformers' ``sliding_window``: a query sees the keys less than that
+many positions back; Mistral's, Gemma 2's every other layer) shorter than the sequence is a
+window of the ring (a pair of chunks outside it skipped, one partly inside masked) or of the
+all-to-all's attention.
+
+Only these architectures: their attention is causal softmax attention (over rotary-embedded
+heads, or GPT-2's heads after its learned positions), which is what the ring and the all-to-all
+compute. Others are refused by name.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ __all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of"]
 # config.model_type; the MoE ones (with expert parallelism too) share their dense cousins'
 # attention
 CP_ARCHITECTURES = (
-    "qwen2", "llama", "mistral", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
+    "qwen2", "llama", "mistral", "qwen3", "gpt2", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 # per-position inputs a decoder takes beside the token ids: cut to this rank's positions too
 _PER_POSITION = ("input_ids", "inputs_embeds", "token_type_ids")
@@ -83,6 +88,12 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
                 f"parallelize: attention dropout ({getattr(model.config, field)}) under context "
                 f"parallelism is not supported yet; set config.{field}=0"
             )
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"parallelize: cp={cp} with attention logit soft-capping (config."
+            f"attn_logit_softcapping={model.config.attn_logit_softcapping}) is not supported "
+            "yet; set it to None"
+        )
     if getattr(model.config, "add_cross_attention", False):
         raise ValueError(
             f"parallelize: cp={cp} with cross-attention (config.add_cross_attention=True) is not "
@@ -137,16 +148,24 @@ def _context_attention(
         )
     if dropout:
         raise ValueError("context parallelism: attention dropout is not supported yet")
-    window = kwargs.get("sliding_window")
-    if window is not None and seq_len > window:
+    if kwargs.get("softcap") is not None:
         raise ValueError(
-            f"context parallelism: a sliding window of {window} positions shorter than the "
-            f"sequence ({seq_len}) is not supported yet; use sequences of at most {window} "
-            "tokens, or config.sliding_window=None"
+            f"context parallelism: attention logit soft-capping ({kwargs['softcap']}) is not "
+            "supported yet; set config.attn_logit_softcapping=None"
         )
+    window = kwargs.get("sliding_window")  # this layer's (None: full attention)
     group, mode = setting
     attend = ring_attention if mode == "ring" else all_to_all_attention
-    out = attend(query, key, value, seq_len, group, scale=scaling, key_mask=kwargs.get(_KEY_MASK))
+    out = attend(
+        query,
+        key,
+        value,
+        seq_len,
+        group,
+        scale=scaling,
+        key_mask=kwargs.get(_KEY_MASK),
+        window=window if window is not None and window < seq_len else None,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
