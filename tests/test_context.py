@@ -111,7 +111,23 @@ def _key_mask() -> torch.Tensor:
     return mask
 
 
-def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=False, window=None):
+def _capped_reference(q, k, v, mask, causal, softcap):
+    """Attention over soft-capped scores, as Gemma 2's eager attention (its softmax in the
+    inputs' dtype here): zeros for a query that sees no key."""
+    groups = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and causal:
+        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch._safe_softmax(scores, -1) @ v
+
+
+def _check_ring(
+    causal, heads, kv_heads, dtype, attend=ring_attention, padded=False, window=None, softcap=None
+):
     g = tp_ext.comm.resolve_group(None)
     torch.manual_seed(0)
     q_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
@@ -123,6 +139,7 @@ def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=Fa
     keys = _key_mask() if padded else None
     extra = {} if keys is None else {"key_mask": keys[:, mine]}
     extra.update({} if window is None else {"window": window})
+    extra.update({} if softcap is None else {"softcap": softcap})
     out = attend(q, k, v, SEQ, causal=causal, **extra)
     out.backward(grad_full[:, :, mine])
     refs = [t.clone().requires_grad_() for t in (q_full, k_full, v_full)]
@@ -131,12 +148,15 @@ def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention, padded=Fa
         back = torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]
         mask = (back >= 0 if causal else back == back) & (back < (window or SEQ + 1))
         mask = mask if keys is None else keys[:, None, None, :] & mask
-    expected = F.scaled_dot_product_attention(
-        *refs,
-        attn_mask=mask,
-        is_causal=causal and mask is None,
-        enable_gqa=heads != kv_heads,
-    )
+    if softcap is None:
+        expected = F.scaled_dot_product_attention(
+            *refs,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            enable_gqa=heads != kv_heads,
+        )
+    else:
+        expected = _capped_reference(*refs, mask, causal, softcap)
     expected.backward(grad_full)
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(out, expected[:, :, mine].detach(), **tol)
@@ -191,6 +211,19 @@ def test_a_sliding_window_shorter_than_the_sequence(world, mode, window):
     attend = ring_attention if mode == "ring" else all_to_all_attention
     for padded in (False, True):
         run_distributed(_check_ring, world, True, 4, 2, torch.float64, attend, padded, window)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_soft_capped_scores_inside_the_online_softmax(world, mode, dtype):
+    """``softcap`` (Gemma 2's attention logit soft-capping, small here so that it bends): the
+    capped scores in the ring's merged softmax and its backward, or the all-to-all's; with a
+    window and padded keys too, and without causality."""
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    run_distributed(_check_ring, world, True, 4, 2, dtype, attend, False, None, 0.7)
+    run_distributed(_check_ring, world, False, 6, 3, dtype, attend, False, None, 0.7)
+    run_distributed(_check_ring, world, True, 4, 1, dtype, attend, True, 3, 1.5)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,10 +1,12 @@
 """Context parallelism for Hugging Face decoders (tp_ext/parallelize/context.py): Qwen2, Llama,
-Mistral, Qwen3 and GPT-2 (learned positions) converted by
-``parallelize(model, "auto", parallel=state, cp_mode=...)`` give the logits of this rank's
+Mistral, Qwen3, GPT-2 (learned positions) and Gemma 2 (sliding windows shorter than the
+sequence, attention logit soft-capping, query_pre_attn_scalar, final-logit soft-capping) converted
+by ``parallelize(model, "auto", parallel=state, cp_mode=...)`` give the logits of this rank's
 positions and, summed over CP, every gradient of the unsharded transformers model, at cp 2, 3, 4
 and (tp, cp) = (2, 2), ring and all-to-all, at a length (11) that no 2C divides, with sequence
-parallelism and inside pipeline stages; the Trainer trains them (and Mixtral with expert
-parallelism) as one process does; what is not supported is refused by name."""
+parallelism and inside pipeline stages, on padded batches too; the Trainer trains them (and
+Mixtral with expert parallelism, and padded micro-batches) as one process does; what is not
+supported is refused by name."""
 
 import copy
 from typing import Optional
@@ -30,12 +32,20 @@ ARCHS = {  # architecture: (config class, model class, extra config)
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
     # sliding windows shorter than the sequence: every layer's, or every other layer's (Gemma 2:
-    # query_pre_attn_scalar's scaling, the final logits soft-capped)
+    # attention logit soft-capping, query_pre_attn_scalar's scaling, the final logits capped)
     "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        {"head_dim": 8, "sliding_window": 4, "attn_logit_softcapping": None},
+        # a small cap and scale, so that the capping bends the scores (at the defaults, 50 and
+        # 256, it changes these tiny models' logits by less than 1e-7)
+        {
+            "head_dim": 8,
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 2,
+            "attn_logit_softcapping": 0.05,
+            "final_logit_softcapping": 1.0,
+        },
     ),
 }
 # learned absolute positions, Conv1D projections, a tied head; its own config fields
@@ -61,22 +71,26 @@ def _ids(batch=2, seed=1):
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _padding(ids: torch.Tensor) -> torch.Tensor:
+def _padding(ids: torch.Tensor, right_only: bool = False) -> torch.Tensor:
     """A padding mask for ``ids`` (2 rows): row 0 left-padded (its first positions see no key),
-    row 1 right-padded."""
+    row 1 right-padded; ``right_only``: both rows right-padded by 3, fewer than a window of 4
+    (Gemma 2: transformers' eager attention gives a query that sees no key NaN in fp64)."""
     mask = torch.ones_like(ids)
+    if right_only:
+        mask[:, SEQ - 3 :] = 0
+        return mask
     mask[0, :3] = 0
     mask[1, SEQ - 4 :] = 0
     return mask
 
 
 def _inputs(ids: torch.Tensor, padding: Optional[str]) -> dict:
-    """What the model is called with: the ids, and for a padded batch its mask ("mask"), and the
-    position ids generation derives from it ("mask+positions")."""
+    """What the model is called with: the ids, and for a padded batch its mask ("mask"; "right":
+    right-padded only), and the position ids generation derives from it ("mask+positions")."""
     if padding is None:
         return {}
-    mask = _padding(ids)
-    if padding == "mask":
+    mask = _padding(ids, padding == "right")
+    if padding in ("mask", "right"):
         return {"attention_mask": mask}
     return {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)}
 
@@ -169,6 +183,8 @@ def test_hugging_face_decoders_under_context_parallelism_are_exact(arch, tp, cp,
         ("gpt2", 1, 3, "ring", "mask+positions"),  # learned positions at the given ids
         ("gpt2", 1, 2, "all_to_all", "mask"),
         ("mistral_window", 1, 3, "all_to_all", "mask"),  # windows of padded keys only
+        ("gemma2", 1, 2, "ring", "right"),
+        pytest.param("gemma2", 1, 3, "all_to_all", "right", marks=pytest.mark.full_matrix),
         pytest.param("mistral_window", 1, 2, "ring", "mask", marks=pytest.mark.full_matrix),
         pytest.param("mistral", 2, 2, "ring", "mask", marks=pytest.mark.full_matrix),
         pytest.param("qwen2", 1, 4, "all_to_all", "mask", marks=pytest.mark.full_matrix),
@@ -192,10 +208,12 @@ def test_sequence_parallelism_composes_with_context_parallelism(arch, mode):
 
 def _padded(ids: torch.Tensor, gen: torch.Generator, sides: str) -> tuple:
     """``(ids, labels, attention_mask)``: each row padded by 1 to SEQ // 2 positions, on the left
-    or the right (``sides`` "both"), or on the right only ("right")."""
+    or the right (``sides`` "both"), or on the right only by 1 to 3 ("right": see
+    :func:`_padding`)."""
     mask = torch.ones_like(ids)
     for row in range(ids.size(0)):
-        n = int(torch.randint(1, SEQ // 2 + 1, (1,), generator=gen))
+        most = 3 if sides == "right" else SEQ // 2
+        n = int(torch.randint(1, most + 1, (1,), generator=gen))
         left = sides == "both" and bool(torch.randint(0, 2, (1,), generator=gen))
         mask[row, :n] = 0 if left else 1
         mask[row, SEQ - n :] = 1 if left else 0
@@ -309,31 +327,42 @@ def test_the_trainer_trains_hugging_face_decoders_under_cp_like_one_process(
 
 
 @pytest.mark.parametrize(
-    "arch, tp, cp, dp, mode, pp, sp",
+    "arch, tp, cp, dp, mode, pp, sp, sides",
     [
-        ("llama", 1, 2, 1, "ring", 1, False),
-        ("gpt2", 1, 3, 1, "all_to_all", 1, False),
-        ("qwen2", 1, 2, 1, "ring", 2, False),  # every pipeline stage given the masks
-        pytest.param("qwen3", 1, 2, 2, "all_to_all", 1, False, marks=pytest.mark.full_matrix),
-        pytest.param("llama", 2, 2, 1, "all_to_all", 1, True, marks=pytest.mark.full_matrix),
-        pytest.param("gpt2", 1, 2, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
-        pytest.param("mistral", 2, 1, 1, "ring", 2, False, marks=pytest.mark.full_matrix),
+        ("llama", 1, 2, 1, "ring", 1, False, "both"),
+        ("gpt2", 1, 3, 1, "all_to_all", 1, False, "both"),
+        ("qwen2", 1, 2, 1, "ring", 2, False, "both"),  # every pipeline stage given the masks
+        ("gemma2", 1, 3, 1, "ring", 1, False, "right"),  # windows, soft-capping, padding
+        pytest.param(
+            "qwen3", 1, 2, 2, "all_to_all", 1, False, "both", marks=pytest.mark.full_matrix
+        ),
+        pytest.param(
+            "llama", 2, 2, 1, "all_to_all", 1, True, "both", marks=pytest.mark.full_matrix
+        ),
+        pytest.param("gpt2", 1, 2, 1, "ring", 2, False, "both", marks=pytest.mark.full_matrix),
+        pytest.param("mistral", 2, 1, 1, "ring", 2, False, "both", marks=pytest.mark.full_matrix),
+        pytest.param(
+            "gemma2", 1, 2, 1, "all_to_all", 2, False, "right", marks=pytest.mark.full_matrix
+        ),
     ],
     ids=[
         "llama-cp2",
         "gpt2-cp3-a2a",
         "qwen2-pp2-cp2",
+        "gemma2-cp3",
         "qwen3-cp2-dp2-a2a",
         "llama-tp2-cp2-sp-a2a",
         "gpt2-pp2-cp2",
         "mistral-tp2-pp2",
+        "gemma2-pp2-cp2-a2a",
     ],  # fmt: skip
 )
-def test_the_trainer_trains_padded_batches_like_one_process(arch, tp, cp, dp, mode, pp, sp):
-    """Micro-batches as (input_ids, labels, attention_mask), padded on either side: the mask
-    reaches the model's forward (every pipeline stage's), labels at padding are ignored."""
+def test_the_trainer_trains_padded_batches_like_one_process(arch, tp, cp, dp, mode, pp, sp, sides):
+    """Micro-batches as (input_ids, labels, attention_mask), padded on either side (Gemma 2: on
+    the right, see :func:`_padding`): the mask reaches the model's forward (every pipeline
+    stage's), labels at padding are ignored."""
     world = tp * cp * dp * pp
-    args = (arch, tp, cp, dp, mode, pp, sp, "both")
+    args = (arch, tp, cp, dp, mode, pp, sp, sides)
     for losses in run_distributed(_train, world, *args, timeout=600):
         for got, want in losses:
             assert abs(got - want) <= 1e-6 * abs(want), (got, want)
@@ -419,11 +448,6 @@ def _refusals():
     refused(lambda: model.generate(ids, max_new_tokens=2))
     refused(lambda: model(ids, logits_to_keep=1))
     model(ids, attention_mask=torch.ones_like(ids))  # no padding: fine
-    refused(
-        lambda: tp_ext.parallelize(
-            _model("gemma2", attn_logit_softcapping=50.0), "auto", parallel=state
-        )
-    )
     router = transformers.MixtralForCausalLM(
         transformers.MixtralConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
@@ -459,7 +483,6 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "use_cache=True are not supported",
         "generation under context parallelism is not supported yet",
         "logits_to_keep=1 is not supported",
-        "attention logit soft-capping (config.attn_logit_softcapping=50.0) is not supported yet",
         "cp=2 with the router's load-balancing loss (config.output_router_logits=True) is not "
         "supported yet",
         "a padded micro-batch (input_ids, labels, attention_mask): Qwen2ForCausalLM's stages "

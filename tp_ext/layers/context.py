@@ -77,6 +77,7 @@ def ring_attention(
     *,
     key_mask: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of the whole sequence, whose positions are
     split over the CP ``group`` as :func:`cp_positions` says (``seq_len``: the whole length).
@@ -92,14 +93,17 @@ def ring_attention(
     query that sees no key at all gets zeros (as torch's attention gives a fully masked row).
     ``window`` (causal only): a query at position p sees the keys after p - window (a sliding
     window, as transformers' ``sliding_window``); each pair of chunks is skipped when the window
-    holds none of it, masked when it holds part."""
+    holds none of it, masked when it holds part. ``softcap``: the scores soft-capped before the
+    softmax, ``softcap * tanh(score / softcap)`` (Gemma 2's attention logit soft-capping),
+    inside the online softmax and its backward."""
     g = cp_group(group)
-    _check(q, k, v, seq_len, g, key_mask=key_mask, causal=causal, window=window)
+    _check(q, k, v, seq_len, g, key_mask=key_mask, causal=causal, window=window, softcap=softcap)
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
+    limits = _Limits(window, None if softcap is None else float(softcap))
     with comm.tag(CP_TAG):
         return _RingAttention.apply(
-            q, k, v, key_mask, seq_len, g, bool(causal), float(scale), bool(overlap), window
+            q, k, v, key_mask, seq_len, g, bool(causal), float(scale), bool(overlap), limits
         )
 
 
@@ -114,6 +118,7 @@ def all_to_all_attention(
     *,
     key_mask: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """:func:`ring_attention`'s result by all-to-all (DeepSpeed's Ulysses): each rank sends every
     other rank that rank's share of the heads at its own positions, attends over the whole
@@ -121,17 +126,19 @@ def all_to_all_attention(
     differentiable). Heads are split whole, unevenly where they do not divide; with grouped-
     query heads, whole KV groups per rank when the KV heads divide by the CP size, else the keys
     and values are repeated to every query head first (fewer KV heads than ranks).
-    ``key_mask``: as :func:`ring_attention`'s; every rank's are all-gathered. ``window``: as
-    :func:`ring_attention`'s."""
+    ``key_mask``: as :func:`ring_attention`'s; every rank's are all-gathered. ``window`` and
+    ``softcap``: as :func:`ring_attention`'s (soft-capped scores are attended by matmuls)."""
     g = cp_group(group)
-    _check(q, k, v, seq_len, g, "all_to_all_attention", key_mask, causal, window)
+    _check(q, k, v, seq_len, g, "all_to_all_attention", key_mask, causal, window, softcap)
+    limits = _Limits(window, None if softcap is None else float(softcap))
     with comm.tag(CP_TAG):
-        return _all_to_all_attention(q, k, v, seq_len, g, causal, scale, key_mask, window)
+        return _all_to_all_attention(q, k, v, seq_len, g, causal, scale, key_mask, limits)
 
 
 def _all_to_all_attention(
-    q, k, v, seq_len, g, causal, scale, key_mask=None, window=None
+    q, k, v, seq_len, g, causal, scale, key_mask=None, limits=None
 ) -> torch.Tensor:
+    limits = limits or _Limits()
     groups = q.size(1) // k.size(1)
     if k.size(1) % g.size:  # KV heads do not split whole: give every query head its own
         k, v, groups = _repeat(k, groups), _repeat(v, groups), 1
@@ -145,7 +152,7 @@ def _all_to_all_attention(
     qh = _heads_of_every_position(q, q_heads, lengths, g, natural)
     kh = _heads_of_every_position(k, kv_heads, lengths, g, natural)
     vh = _heads_of_every_position(v, kv_heads, lengths, g, natural)
-    mask = _window_mask(seq_len, window, q.device)
+    mask = _window_mask(seq_len, limits.window, q.device)
     if key_mask is not None:  # every position's: [batch, 1, 1, seq_len], with causality
         every = comm.all_gather(key_mask.to(q.dtype), 1, lengths, g).index_select(1, natural)
         mask = every.bool()[:, None, None, :] & (
@@ -155,11 +162,31 @@ def _all_to_all_attention(
             if mask is None
             else mask
         )
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-        enable_gqa=groups > 1,
-    )  # fmt: skip
+    if limits.softcap is not None:
+        if mask is None and causal:
+            mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        out = _capped_attention(qh, kh, vh, mask, scale, limits.softcap, groups)
+    else:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=groups > 1,
+        )  # fmt: skip
     return _positions_of_every_head(out, q_heads, lengths, g, held)
+
+
+def _capped_attention(q, k, v, mask, scale, softcap: float, groups: int) -> torch.Tensor:
+    """Attention with soft-capped scores (which torch's kernels do not take), by matmuls in fp32
+    (fp64 for fp64), differentiated by autograd; ``mask`` (None: every key) as SDPA's; a query
+    that sees no key gets zeros."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.size(-1))
+    acc = _acc(q.dtype)
+    k, v = _repeat(k, groups).to(acc), _repeat(v, groups).to(acc)
+    with torch.autocast(q.device.type, enabled=False):
+        scores = softcap * torch.tanh((q.to(acc) @ k.transpose(-1, -2)) * scale / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (torch._safe_softmax(scores, -1) @ v).to(q.dtype)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -235,8 +262,25 @@ def _window_mask(seq_len: int, window: Optional[int], device) -> Optional[torch.
     return (back >= 0) & (back < window)
 
 
+class _Limits(NamedTuple):
+    """What limits or bends the scores beyond causality: a sliding ``window`` (positions), the
+    ``softcap`` of soft-capped scores."""
+
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+
+
 def _check(
-    q, k, v, seq_len, g, fn: str = "ring_attention", key_mask=None, causal=True, window=None
+    q,
+    k,
+    v,
+    seq_len,
+    g,
+    fn: str = "ring_attention",
+    key_mask=None,
+    causal=True,
+    window=None,
+    softcap=None,
 ) -> None:
     check_int("seq_len", seq_len, 0)
     local = sum(n for _, _, n in cp_chunks(seq_len, g.size, g.rank))
@@ -262,6 +306,8 @@ def _check(
             f"{fn}: window={window!r}: a sliding window is a number of positions >= 1, of a "
             "causal attention"
         )
+    if softcap is not None and (isinstance(softcap, bool) or not softcap > 0):
+        raise ValueError(f"{fn}: softcap={softcap!r}: the cap must be a number > 0")
     if key_mask is not None and (
         key_mask.dtype != torch.bool or tuple(key_mask.shape) != (k.size(0), k.size(2))
     ):
@@ -330,20 +376,21 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
 
 
-def _block(q, k, v, diagonal: bool, scale: float, allowed=None):
+def _block(q, k, v, diagonal: bool, scale: float, allowed=None, softcap=None):
     """(out, lse) of q over one key block: flash attention on CPU, matmuls elsewhere and where
-    ``allowed`` (a bool mask broadcast to [batch, heads, q, k]) limits the keys."""
-    if q.device.type == "cpu" and allowed is None:
+    ``allowed`` (a bool mask broadcast to [batch, heads, q, k]) limits the keys or ``softcap``
+    caps the scores."""
+    if q.device.type == "cpu" and allowed is None and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, diagonal, scale=scale
         )
         return out, lse
     with torch.autocast(q.device.type, enabled=False):  # fp32 scores, as backward recomputes
-        return _block_by_matmuls(q, k, v, diagonal, scale, allowed)
+        return _block_by_matmuls(q, k, v, diagonal, scale, allowed, softcap)
 
 
-def _block_by_matmuls(q, k, v, diagonal: bool, scale: float, allowed=None):
-    scores = _scores(q, k, diagonal, scale, allowed)
+def _block_by_matmuls(q, k, v, diagonal: bool, scale: float, allowed=None, softcap=None):
+    scores, _ = _scores(q, k, diagonal, scale, allowed, softcap)
     lse = torch.logsumexp(scores, -1)
     out = torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v.to(scores.dtype)
     return out.to(q.dtype), lse
@@ -354,9 +401,16 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _scores(q, k, diagonal: bool, scale: float, allowed=None) -> torch.Tensor:
+def _scores(q, k, diagonal: bool, scale: float, allowed=None, softcap=None) -> tuple:
+    """(scores, slope): the block's scores in fp32 (fp64 for fp64), soft-capped by ``softcap``
+    (``softcap * tanh(s / softcap)``), -inf where a key is not seen; ``slope``: the capping's
+    derivative, 1 - tanh^2 (None without a cap)."""
     acc = _acc(q.dtype)
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    slope = None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores, slope = softcap * tanh, 1 - tanh * tanh
     if diagonal:
         n = scores.size(-1)
         scores = scores.masked_fill(
@@ -364,27 +418,35 @@ def _scores(q, k, diagonal: bool, scale: float, allowed=None) -> torch.Tensor:
         )
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    return scores
+    return scores, slope
 
 
-def _block_backward(grad, q, k, v, out, lse, diagonal: bool, scale: float, allowed=None):
+def _block_backward(
+    grad, q, k, v, out, lse, diagonal: bool, scale: float, allowed=None, softcap=None
+):
     """(dq, dk, dv): one key block's share of the gradients, given the attention's merged output
     and log-sum-exp over every block."""
-    if q.device.type == "cpu" and allowed is None:
+    if q.device.type == "cpu" and allowed is None and softcap is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, diagonal, scale=scale
         )
     with torch.autocast(q.device.type, enabled=False):  # the forward's fp32 scores again
-        return _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal, scale, allowed)
+        return _block_backward_by_matmuls(
+            grad, q, k, v, out, lse, diagonal, scale, allowed, softcap
+        )
 
 
-def _block_backward_by_matmuls(grad, q, k, v, out, lse, diagonal: bool, scale: float, allowed=None):
+def _block_backward_by_matmuls(
+    grad, q, k, v, out, lse, diagonal: bool, scale: float, allowed=None, softcap=None
+):
     acc = _acc(q.dtype)
-    scores = _scores(q, k, diagonal, scale, allowed)
+    scores, slope = _scores(q, k, diagonal, scale, allowed, softcap)
     probs = torch.exp(scores - _finite(lse.to(acc)).unsqueeze(-1))
     grad, out, v_acc = grad.to(acc), out.to(acc), v.to(acc)
     dv = probs.transpose(-1, -2) @ grad
     ds = probs * (grad @ v_acc.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+    if slope is not None:  # through the cap: d(c tanh(s / c)) = (1 - tanh^2) ds
+        ds = ds * slope
     dq = (ds @ k.to(acc)) * scale
     dk = (ds.transpose(-1, -2) @ q.to(acc)) * scale
     return dq, dk, dv
@@ -451,7 +513,7 @@ def _shapes(k, seq_len: int, size: int, held: int, masked: bool) -> list:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, seq_len, g, causal, scale, overlap, window):
+    def forward(ctx, q, k, v, key_mask, seq_len, g, causal, scale, overlap, limits):
         size, rank = g.size, g.rank
         groups = q.size(1) // k.size(1)
         masked = key_mask is not None
@@ -467,7 +529,7 @@ class _RingAttention(torch.autograd.Function):
                 shift = _Shift(block, shapes, g, "ring_attention", wait=not overlap)
             kr, vr = _repeat(block[0], groups), _repeat(block[1], groups)
             masks[held] = block[2].bool() if masked else None
-            for pair in _pairs(seq_len, size, rank, held, causal, window):
+            for pair in _pairs(seq_len, size, rank, held, causal, limits.window):
                 rows = slice(pair.q_off, pair.q_off + pair.qn)
                 keys = slice(pair.k_off, pair.k_off + pair.kn)
                 o_b, l_b = _block(
@@ -476,7 +538,8 @@ class _RingAttention(torch.autograd.Function):
                     vr[:, :, keys].contiguous(),
                     pair.diagonal,
                     scale,
-                    _allowed(pair, masks[held], window, q.device),
+                    _allowed(pair, masks[held], limits.window, q.device),
+                    limits.softcap,
                 )
                 out[:, :, rows], lse[..., rows] = ops.attention_merge(
                     out[:, :, rows], lse[..., rows], o_b, l_b.to(lse.dtype)
@@ -485,7 +548,7 @@ class _RingAttention(torch.autograd.Function):
                 block = tuple(shift.finish())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.seq_len, ctx.g, ctx.causal, ctx.scale = seq_len, g, causal, scale
-        ctx.overlap, ctx.masks, ctx.window = overlap, masks, window
+        ctx.overlap, ctx.masks, ctx.limits = overlap, masks, limits
         return out
 
     @staticmethod
@@ -513,7 +576,7 @@ class _RingAttention(torch.autograd.Function):
             kr, vr = _repeat(kv[0], groups), _repeat(kv[1], groups)
             dk = torch.zeros(kr.shape, dtype=acc, device=q.device)
             dv = torch.zeros(vr.shape, dtype=acc, device=q.device)
-            for pair in _pairs(seq_len, size, rank, held, causal, ctx.window):
+            for pair in _pairs(seq_len, size, rank, held, causal, ctx.limits.window):
                 rows = slice(pair.q_off, pair.q_off + pair.qn)
                 keys = slice(pair.k_off, pair.k_off + pair.kn)
                 gq, gk, gv = _block_backward(
@@ -525,7 +588,8 @@ class _RingAttention(torch.autograd.Function):
                     lse[..., rows].contiguous(),
                     pair.diagonal,
                     scale,
-                    _allowed(pair, ctx.masks[held], ctx.window, q.device),
+                    _allowed(pair, ctx.masks[held], ctx.limits.window, q.device),
+                    ctx.limits.softcap,
                 )
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk

@@ -20,7 +20,9 @@ like the ids).
 A layer's sliding window (transformers' ``sliding_window``: a query sees the keys less than that
 many positions back; Mistral's, Gemma 2's every other layer) shorter than the sequence is a
 window of the ring (a pair of chunks outside it skipped, one partly inside masked) or of the
-all-to-all's attention.
+all-to-all's attention. Gemma 2's attention logit soft-capping (``softcap``) caps the scores
+inside the ring's online softmax and its backward (the all-to-all: by matmuls); its final-logit
+soft-capping is the model's own, on this rank's logits.
 
 Only these architectures: their attention is causal softmax attention (over rotary-embedded
 heads, or GPT-2's heads after its learned positions), which is what the ring and the all-to-all
@@ -88,12 +90,6 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
                 f"parallelize: attention dropout ({getattr(model.config, field)}) under context "
                 f"parallelism is not supported yet; set config.{field}=0"
             )
-    if getattr(model.config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"parallelize: cp={cp} with attention logit soft-capping (config."
-            f"attn_logit_softcapping={model.config.attn_logit_softcapping}) is not supported "
-            "yet; set it to None"
-        )
     if getattr(model.config, "add_cross_attention", False):
         raise ValueError(
             f"parallelize: cp={cp} with cross-attention (config.add_cross_attention=True) is not "
@@ -148,11 +144,6 @@ def _context_attention(
         )
     if dropout:
         raise ValueError("context parallelism: attention dropout is not supported yet")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"context parallelism: attention logit soft-capping ({kwargs['softcap']}) is not "
-            "supported yet; set config.attn_logit_softcapping=None"
-        )
     window = kwargs.get("sliding_window")  # this layer's (None: full attention)
     group, mode = setting
     attend = ring_attention if mode == "ring" else all_to_all_attention
@@ -165,6 +156,7 @@ def _context_attention(
         scale=scaling,
         key_mask=kwargs.get(_KEY_MASK),
         window=window if window is not None and window < seq_len else None,
+        softcap=kwargs.get("softcap"),  # Gemma 2's attention logit soft-capping
     )
     return out.transpose(1, 2).contiguous(), None
 
