@@ -10,7 +10,11 @@ which every rank adds to as the block passes, and one last hop hands them to the
 
 A block's attention is torch's flash attention on CPU; its backward, given the merged output and
 log-sum-exp, is exactly that block's share of the gradients. Elsewhere it is computed with plain
-matmuls in fp32 (fp64 for fp64), until a GPU pass gives it flash kernels there.
+matmuls in fp32 (fp64 for fp64), until a GPU pass gives it flash kernels there; so is a block
+whose keys are limited (a padded batch's key mask, which travels with its block; a sliding
+window that holds part of the block, where a block it holds none of is skipped) or whose scores
+are soft-capped (the cap's slope inside its backward). A query that sees no key at all (left
+padding) gets zeros and no gradient, as torch's attention gives a fully masked row.
 """
 
 from __future__ import annotations
