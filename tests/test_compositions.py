@@ -192,6 +192,8 @@ SAMPLED = [
     Case("gpt2", pp=2, dp=2, data_parallel="fsdp"),
     Case("gemma2", tp=2, dp=2, sp=True, data_parallel="zero1"),
     Case("mixtral", pp=2, dp=2, cp=2, ep=2, schedule="GPipe"),
+    # CP through sliding windows and soft-capped scores
+    Case("gemma2", pp=2, cp=2, schedule="Interleaved1F1B", data_parallel="fsdp"),
 ]
 
 
@@ -234,7 +236,6 @@ def refusal(case: Case) -> Optional[str]:
         (case.ep > 1 and case.arch != "mixtral", "expert parallelism needs experts"),
         (case.ep > 1 and case.ep not in _ep_choices(case.dp, tp), "ep does not fit dp x tp"),
         (case.arch == "mixtral" and case.sp, "experts with sequence parallelism: not yet"),
-        (case.cp > 1 and case.arch in ("gpt2", "gemma2"), "CP for this architecture: not yet"),
         (case.dp * case.cp == 1 and case.data_parallel != "ddp", "one replica: no DP engine"),
         (
             case.pipeline_weight_split and case.data_parallel == "fsdp",

@@ -103,7 +103,32 @@ def _ring_without_overlap(*args, **kwargs):
     return ring_attention(*args, overlap=False, **kwargs)
 
 
-def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention):
+def _key_mask() -> torch.Tensor:
+    """Row 0 left-padded (its first queries see no key at all), row 1 right-padded with a hole."""
+    mask = torch.ones(2, SEQ, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[1, 7:] = False
+    mask[1, 2] = False
+    return mask
+
+
+def _capped_reference(q, k, v, mask, causal, softcap):
+    """Attention over soft-capped scores, as Gemma 2's eager attention (its softmax in the
+    inputs' dtype here): zeros for a query that sees no key."""
+    groups = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and causal:
+        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch._safe_softmax(scores, -1) @ v
+
+
+def _check_ring(
+    causal, heads, kv_heads, dtype, attend=ring_attention, padded=False, window=None, softcap=None
+):
     g = tp_ext.comm.resolve_group(None)
     torch.manual_seed(0)
     q_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
@@ -112,10 +137,27 @@ def _check_ring(causal, heads, kv_heads, dtype, attend=ring_attention):
     grad_full = torch.randn(2, heads, SEQ, 8, dtype=dtype)
     mine = cp_positions(SEQ)
     q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q_full, k_full, v_full))
-    out = attend(q, k, v, SEQ, causal=causal)
+    keys = _key_mask() if padded else None
+    extra = {} if keys is None else {"key_mask": keys[:, mine]}
+    extra.update({} if window is None else {"window": window})
+    extra.update({} if softcap is None else {"softcap": softcap})
+    out = attend(q, k, v, SEQ, causal=causal, **extra)
     out.backward(grad_full[:, :, mine])
     refs = [t.clone().requires_grad_() for t in (q_full, k_full, v_full)]
-    expected = F.scaled_dot_product_attention(*refs, is_causal=causal, enable_gqa=heads != kv_heads)
+    mask = None
+    if keys is not None or window is not None:  # torch's attention: zeros where no key is seen
+        back = torch.arange(SEQ)[:, None] - torch.arange(SEQ)[None, :]
+        mask = (back >= 0 if causal else back == back) & (back < (window or SEQ + 1))
+        mask = mask if keys is None else keys[:, None, None, :] & mask
+    if softcap is None:
+        expected = F.scaled_dot_product_attention(
+            *refs,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            enable_gqa=heads != kv_heads,
+        )
+    else:
+        expected = _capped_reference(*refs, mask, causal, softcap)
     expected.backward(grad_full)
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(out, expected[:, :, mine].detach(), **tol)
@@ -138,6 +180,51 @@ def test_all_to_all_attention_equals_the_unsplit_attention(world, heads, kv_head
         run_distributed(
             _check_ring, world, causal, heads, kv_heads, torch.float64, all_to_all_attention
         )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_padded_keys_are_seen_by_no_query_of_any_rank(world, mode, dtype):
+    """A key mask per rank (padding, either side, and a hole): it travels round the ring with
+    its keys, or is all-gathered for the all-to-all; a query that sees no key gets zeros and
+    no gradient, as torch's attention gives."""
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    for causal in (True, False):
+        run_distributed(_check_ring, world, causal, 4, 2, dtype, attend, True)
+
+
+def test_the_ring_skips_the_chunks_a_window_leaves_out():
+    """16 positions in 4 chunks over 2 ranks (rank 1: positions 4-7 and 8-11), window 2: of rank
+    0's block (0-3, 12-15) only chunk 0 against 4-7 is computed, partly (masked)."""
+    pairs = context._pairs(16, 2, 1, 0, True, window=2)
+    assert [(p.q_start, p.k_start, p.diagonal) for p in pairs] == [(4, 0, False)]
+    assert context._allowed(pairs[0], None, 2, "cpu").sum() == 1  # 4 sees 3
+    assert len(context._pairs(16, 2, 1, 0, True)) == 2  # without a window: 0 before both
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("window", [1, 2, 4, 6])
+def test_a_sliding_window_shorter_than_the_sequence(world, mode, window):
+    """Each query sees the keys less than ``window`` positions back: a pair of chunks wholly
+    outside the window is skipped, one partly inside masked; with padded keys too."""
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    for padded in (False, True):
+        run_distributed(_check_ring, world, True, 4, 2, torch.float64, attend, padded, window)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_soft_capped_scores_inside_the_online_softmax(world, mode, dtype):
+    """``softcap`` (Gemma 2's attention logit soft-capping, small here so that it bends): the
+    capped scores in the ring's merged softmax and its backward, or the all-to-all's; with a
+    window and padded keys too, and without causality."""
+    attend = ring_attention if mode == "ring" else all_to_all_attention
+    run_distributed(_check_ring, world, True, 4, 2, dtype, attend, False, None, 0.7)
+    run_distributed(_check_ring, world, False, 6, 3, dtype, attend, False, None, 0.7)
+    run_distributed(_check_ring, world, True, 4, 1, dtype, attend, True, 3, 1.5)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -54,7 +54,11 @@ class ParallelModel(Protocol):
     - ``loss_kind``: what the last stage's output is (:class:`LossKind`);
     - ``activation_checkpointing``: recompute each decoder layer in backward;
     - ``sequence_length``: the whole sequence's length while a step runs (set by the runner),
-      which a stage after the first cannot see under sequence or context parallelism.
+      which a stage after the first cannot see under sequence or context parallelism;
+    - ``takes_attention_mask``: whether every stage module's forward takes a padding mask,
+      ``forward(x, attention_mask=mask)`` (``mask`` [batch, seq] of the micro-batch's whole
+      sequence, 0 at padding), which the runner passes with a padded micro-batch (default:
+      False, and a padded micro-batch is refused).
     """
 
     parallel: Optional["ParallelState"]
@@ -63,6 +67,7 @@ class ParallelModel(Protocol):
     loss_kind: LossKind
     activation_checkpointing: bool
     sequence_length: Optional[int]
+    takes_attention_mask: bool = False
 
     def stage_modules(self) -> list[nn.Module]:
         """One module per stage this rank holds, in order, owning that stage's parameters (what

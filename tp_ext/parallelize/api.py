@@ -113,9 +113,10 @@ def parallelize(
     ``decoder_parts`` (:func:`~tp_ext.parallelize.decoder_parts.decoder_parts_by_name`) gives
     them instead, for a model on the meta device (which cannot run).
 
-    With ``parallel.cp > 1`` (a Hugging Face Qwen2, Llama, Mistral or Qwen3) every CP rank is
-    called with the whole sequence and computes its positions (:func:`tp_ext.cp_positions`),
-    each attention over the CP group by ``cp_mode`` ("ring" or "all_to_all"); the model returns
+    With ``parallel.cp > 1`` (a Hugging Face Qwen2, Llama, Mistral, Qwen3, GPT-2 or Gemma 2, or
+    their MoE kin) every CP rank is called with the whole sequence (and its padding mask) and
+    computes its positions (:func:`tp_ext.cp_positions`), each attention over the CP group by
+    ``cp_mode`` ("ring" or "all_to_all"); the model returns
     the logits of this rank's positions, in that order (:mod:`tp_ext.parallelize.context`), and
     gets ``cp_group``, as the native model has, for :class:`tp_ext.training.Trainer`.
 

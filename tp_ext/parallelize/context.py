@@ -1,18 +1,32 @@
-"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, and the MoE
-Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""Context parallelism for Hugging Face decoders (Qwen2, Llama, Mistral, Qwen3, GPT-2, Gemma 2,
+and the MoE Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 Every CP rank is called with the whole sequence's token ids, as the native Qwen2 is. A forward
 pre-hook on the model keeps this rank's positions (:func:`tp_ext.cp_positions`: chunks r and
-2C-1-r of 2C, the causal load balance) with their true position ids, so rotary embeddings are
-right for each chunk; every attention then runs over the CP group through transformers' own
-attention interface (``config._attn_implementation``), as a ring or by all-to-all
-(:mod:`tp_ext.layers.context`). The model returns the logits of this rank's positions, in
-``cp_positions`` order; :class:`tp_ext.training.Trainer` scores them against the next tokens of the
-whole sequence and sums the gradients over CP with DP.
+2C-1-r of 2C, the causal load balance) with their true position ids, so rotary embeddings (and
+GPT-2's learned position embedding, read at those ids) are right for each chunk; every
+attention then runs over the CP group through transformers' own attention interface
+(``config._attn_implementation``), as a ring or by all-to-all (:mod:`tp_ext.layers.context`).
+The model returns the logits of this rank's positions, in ``cp_positions`` order;
+:class:`tp_ext.training.Trainer` scores them against the next tokens of the whole sequence and
+sums the gradients over CP with DP.
 
-Only these architectures: their attention is plain causal softmax attention over
-rotary-embedded heads (a sliding window only where it covers the whole sequence), which is what
-the ring and the all-to-all compute. Others are refused by name.
+A padded batch (``attention_mask`` [batch, seq], 0 at padding, on any side) is run as the
+unsplit model runs it: no query of any rank attends to a padded key (each rank's keys' part of
+the mask travels with them, :mod:`tp_ext.layers.context`), and the position ids are the model's
+own (transformers' forward does not derive them from the mask; ``position_ids=`` given are cut
+like the ids).
+
+A layer's sliding window (transformers' ``sliding_window``: a query sees the keys less than that
+many positions back; Mistral's, Gemma 2's every other layer) shorter than the sequence is a
+window of the ring (a pair of chunks outside it skipped, one partly inside masked) or of the
+all-to-all's attention. Gemma 2's attention logit soft-capping (``softcap``) caps the scores
+inside the ring's online softmax and its backward (the all-to-all: by matmuls); its final-logit
+soft-capping is the model's own, on this rank's logits.
+
+Only these architectures: their attention is causal softmax attention (over rotary-embedded
+heads, or GPT-2's heads after its learned positions), which is what the ring and the all-to-all
+compute. Others are refused by name.
 """
 
 from __future__ import annotations
@@ -31,9 +45,14 @@ __all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of"]
 
 # config.model_type; the MoE ones (with expert parallelism too) share their dense cousins'
 # attention
-CP_ARCHITECTURES = ("qwen2", "llama", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+CP_ARCHITECTURES = (
+    "qwen2", "llama", "mistral", "qwen3", "gpt2", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
+# per-position inputs a decoder takes beside the token ids: cut to this rank's positions too
+_PER_POSITION = ("input_ids", "inputs_embeds", "token_type_ids")
 ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
+_KEY_MASK = "tp_ext_key_mask"  # and this rank's key mask (padding), when the batch is padded
 # the models parallelize converted to context parallelism, and their positions hook (a record
 # kept here rather than attributes set on the user's model)
 _CONVERTED: "weakref.WeakKeyDictionary[nn.Module, _PositionsOfThisRank]" = (
@@ -59,10 +78,16 @@ def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
         )
     if cp_mode not in CP_MODES:
         raise ValueError(f"parallelize: cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
-    if getattr(model.config, "attention_dropout", 0.0):
+    for field in ("attention_dropout", "attn_pdrop"):  # GPT-2 names it attn_pdrop
+        if getattr(model.config, field, 0.0):
+            raise ValueError(
+                f"parallelize: attention dropout ({getattr(model.config, field)}) under context "
+                f"parallelism is not supported yet; set config.{field}=0"
+            )
+    if getattr(model.config, "add_cross_attention", False):
         raise ValueError(
-            f"parallelize: attention dropout ({model.config.attention_dropout}) under context "
-            "parallelism is not supported yet; set config.attention_dropout=0"
+            f"parallelize: cp={cp} with cross-attention (config.add_cross_attention=True) is not "
+            "supported: its keys are the encoder's, not this sequence's positions"
         )
 
 
@@ -113,16 +138,20 @@ def _context_attention(
         )
     if dropout:
         raise ValueError("context parallelism: attention dropout is not supported yet")
-    window = kwargs.get("sliding_window")
-    if window is not None and seq_len > window:
-        raise ValueError(
-            f"context parallelism: a sliding window of {window} positions shorter than the "
-            f"sequence ({seq_len}) is not supported yet; use sequences of at most {window} "
-            "tokens, or config.sliding_window=None"
-        )
+    window = kwargs.get("sliding_window")  # this layer's (None: full attention)
     group, mode = setting
     attend = ring_attention if mode == "ring" else all_to_all_attention
-    out = attend(query, key, value, seq_len, group, scale=scaling)
+    out = attend(
+        query,
+        key,
+        value,
+        seq_len,
+        group,
+        scale=scaling,
+        key_mask=kwargs.get(_KEY_MASK),
+        window=window if window is not None and window < seq_len else None,
+        softcap=kwargs.get("softcap"),  # Gemma 2's attention logit soft-capping
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -177,14 +206,22 @@ class _PositionsOfThisRank:
             raise ValueError("context parallelism: pass input_ids (or inputs_embeds)")
         seq_len = tokens.size(1) if self.whole_length is None else self.whole_length
         mine = cp_positions(seq_len, group=self.group).to(tokens.device)
-        for name in ("input_ids", "inputs_embeds"):
+        for name in _PER_POSITION:
             if call.get(name) is not None and self.whole_length is None:
                 call[name] = call[name][:, mine]
+        # the position ids the unsplit model would use: its default (0, 1, ...: transformers
+        # does not derive them from a padding mask in a forward) or the ones given, at mine
         given = call.get("position_ids")
         call["position_ids"] = (
             mine.unsqueeze(0).expand(tokens.size(0), -1) if given is None else given[..., mine]
         )
-        call.pop("attention_mask", None)  # all ones (checked): the attention is causal
+        # no mask is built (a custom attention gets none): a padded batch's key mask goes to
+        # every attention call instead, this rank's keys' part of it
+        mask = call.pop("attention_mask", None)
+        if mask is not None:
+            _check_mask(mask, tokens.size(0), seq_len)
+            if not bool(mask.all()):
+                call[_KEY_MASK] = mask[:, mine].bool()
         call["use_cache"] = False
         call[_SEQ_LEN] = seq_len
         return (), call
@@ -202,8 +239,18 @@ class _PositionsOfThisRank:
                 "context parallelism is not supported yet)"
             )
         mask = call.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not (mask.dim() == 2 and bool(mask.all())):
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(
-                "context parallelism: attention_mask with padding (zeros) or of shape "
-                f"{tuple(mask.shape)} is not supported yet; pass unpadded sequences"
+                f"context parallelism: attention_mask of shape {shape} is not supported: pass "
+                "a padding mask [batch, seq] (1: a token, 0: padding); the attention is causal"
             )
+
+
+def _check_mask(mask: torch.Tensor, batch: int, seq_len: int) -> None:
+    """A padding mask must cover the whole sequence (every CP rank is given all of it)."""
+    if tuple(mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"context parallelism: attention_mask has shape {tuple(mask.shape)}; it must be "
+            f"[batch, seq] = {(batch, seq_len)}: the whole sequence's padding mask"
+        )

@@ -241,6 +241,7 @@ class StagedCausalLM(nn.Module, ParallelModel):
         return True
 
     loss_kind = LossKind.VOCAB_SHARD  # the last stage's head is split by vocabulary
+    takes_attention_mask = True  # a padded batch's mask goes to the model's own forward
 
     @property
     def cp_group(self):
@@ -313,12 +314,16 @@ class StagedCausalLM(nn.Module, ParallelModel):
 
     # -- running a stage --------------------------------------------------------------------------
 
-    def stage_forward(self, stage: int, x: torch.Tensor, **decode) -> torch.Tensor:
+    def stage_forward(
+        self, stage: int, x: torch.Tensor, attention_mask=None, **decode
+    ) -> torch.Tensor:
         """Stage ``stage``: token ids (first stage) or the previous stage's hidden states in;
         hidden states, or this rank's vocabulary shard of the logits (last stage), out.
-        ``decode``: what :func:`tp_ext.generate` passes the model's own forward for one step of
-        decoding (``attention_mask``, ``position_ids``, ``cache_position``, ``past_key_values``);
-        the last stage then gives the logits of the last position only."""
+        ``attention_mask``: a padded batch's mask [batch, seq] (every stage is given the whole
+        sequence's), for the model's own forward. ``decode``: what :func:`tp_ext.generate`
+        passes the model's own forward for one step of decoding (with ``attention_mask``:
+        ``position_ids``, ``cache_position``, ``past_key_values``); the last stage then gives
+        the logits of the last position only."""
         if stage not in self.stage_ids:
             raise ValueError(
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
@@ -326,6 +331,8 @@ class StagedCausalLM(nn.Module, ParallelModel):
             )
         # a later stage's zero input only carries the shape (see the module's docstring)
         inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": self._zero_input(x)}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
         inputs.update(decode, use_cache=bool(decode))
         with self._running(stage, None if stage == 0 else x), self._context_positions(stage):
             if stage == self.stage_split.last_stage:
@@ -442,8 +449,8 @@ class _Stage(nn.Module):
         for name, module in model.stage_parts(stage):
             self.add_module(name.replace(".", "_"), module)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model.stage_forward(self.stage, x)
+    def forward(self, x: torch.Tensor, attention_mask=None) -> torch.Tensor:
+        return self._model.stage_forward(self.stage, x, attention_mask)
 
 
 def _takes(module: nn.Module, argument: str) -> bool:

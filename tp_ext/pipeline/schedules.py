@@ -239,10 +239,13 @@ class PipelineRunner:
         n: int,
         loss_fn: Callable,
         logits_dtype: torch.dtype,
+        attention_mask: Optional[torch.Tensor] = None,
     ):
         """One forward and backward of ``n`` micro-batches cut from ``input_ids`` / ``labels``
         (``[n * micro_batch, seq]``: torch's schedules split along dim 0). ``logits_dtype``:
-        the last stage's output dtype (the autocast dtype under autocast)."""
+        the last stage's output dtype (the autocast dtype under autocast). ``attention_mask``
+        (padded micro-batches, the ids' shape): cut the same way and given to every stage's
+        forward as ``attention_mask=`` (torch hands a step's keyword arguments to each stage)."""
         check_micro_batches(self.schedule, self.stage_split, n)
         if input_ids.size(0) % n:
             raise ValueError(f"{input_ids.size(0)} rows do not split into {n} micro-batches")
@@ -256,8 +259,9 @@ class PipelineRunner:
         first = 0 in self.model.stage_ids
         args = (input_ids,) if first else ()
         target = labels if self.holds_last_stage else None
+        padding = {} if attention_mask is None else {"attention_mask": attention_mask}
         try:
-            schedule.step(*args, target=target, return_outputs=False)
+            schedule.step(*args, target=target, return_outputs=False, **padding)
         except RuntimeError as e:
             inner = _model_error(e)
             if inner is e:

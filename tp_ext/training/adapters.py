@@ -59,6 +59,10 @@ class WholeModel(ParallelModel):
         )
         self.stage_split = StageSplit(1)
         self._stage = module if loss_kind is LossKind.FULL_LOGITS else _LocalLogits(module)
+        # a padded batch's mask goes to the module's own forward when it takes one
+        self.takes_attention_mask = loss_kind is LossKind.FULL_LOGITS and (
+            "attention_mask" in inspect.signature(module.forward).parameters
+        )
 
     def stage_modules(self) -> list[nn.Module]:
         return [self._stage]

@@ -38,7 +38,7 @@ from tp_ext.training.zero import sharded_optimizer_for
 
 __all__ = ["RUNNERS", "TrainingCore", "assemble", "assemble_plain"]
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Batches = list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]  # ids, labels, mask
 
 # dims.pp_enabled -> the runner
 RUNNERS = {False: LocalRunner, True: PipelinedRunner}
@@ -74,7 +74,13 @@ class TrainingCore:
     def forward_backward(self, batches: Batches, precision) -> torch.Tensor:
         """Every micro-batch forward and backward, the gradients synchronised; returns the
         step's mean loss (the same on every rank)."""
-        count = torch.stack([self.loss.count(labels) for _, labels in batches]).sum().float()
+        if not self.model.takes_attention_mask and any(b[2] is not None for b in batches):
+            raise ValueError(
+                f"a padded micro-batch (input_ids, labels, attention_mask): "
+                f"{type(self.model).__name__}'s stages take no attention mask; padded batches "
+                "train transformers models (tp_ext.parallelize) and plain ones that take one"
+            )
+        count = torch.stack([self.loss.count(labels) for _, labels, _ in batches]).sum().float()
         if self.dp_group is not None and self.dp_group.size > 1:
             with comm.tag("train.loss"):
                 count = comm.all_reduce(count, "sum", group=self.dp_group)

@@ -7,12 +7,13 @@ runs, and it has two cases (as torchtitan's ``pp_enabled``):
 - :class:`PipelinedRunner`: torch.distributed.pipelining's schedule over the stages.
 
 Both call ``loss_fn(output, labels)`` on the last stage's output of each micro-batch and
-backpropagate what it returns.
+backpropagate what it returns. A padded micro-batch's mask goes to every stage module's forward
+as ``attention_mask=`` (the model's ``takes_attention_mask``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -20,7 +21,7 @@ from tp_ext.pipeline import PipelineRunner
 
 __all__ = ["LocalRunner", "PipelinedRunner"]
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
+Batches = list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]  # ids, labels, mask
 
 
 class LocalRunner:
@@ -36,10 +37,11 @@ class LocalRunner:
 
     def run(self, batches: Batches, loss_fn: Callable, precision) -> None:
         last = len(batches) - 1
-        for i, (ids, labels) in enumerate(batches):
+        for i, (ids, labels, mask) in enumerate(batches):
+            padding = {} if mask is None else {"attention_mask": mask}
             with self.sync.accumulating(self.module, last=i == last):
                 with precision.autocast(ids.device):
-                    loss = loss_fn(self.module(ids), labels)
+                    loss = loss_fn(self.module(ids, **padding), labels)
                 loss.backward()
 
 
@@ -56,7 +58,7 @@ class PipelinedRunner:
         return self.pipeline.schedule.name
 
     def run(self, batches: Batches, loss_fn: Callable, precision) -> None:
-        shapes = {tuple(ids.shape) for ids, _ in batches}
+        shapes = {tuple(ids.shape) for ids, _, _ in batches}
         if len(shapes) > 1:
             raise ValueError(
                 f"under pipelining every micro-batch must have one shape (the stages exchange "
@@ -64,7 +66,10 @@ class PipelinedRunner:
             )
         ids = torch.cat([b[0] for b in batches])
         labels = torch.cat([b[1] for b in batches])
+        padded = any(b[2] is not None for b in batches)  # then every stage gets every mask
+        masks = [torch.ones_like(ids) if m is None else m for ids, _, m in batches]
+        mask = torch.cat(masks) if padded else None
         device = ids.device
         with precision.autocast(device):
             logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
-            self.pipeline.step(ids, labels, len(batches), loss_fn, logits_dtype)
+            self.pipeline.step(ids, labels, len(batches), loss_fn, logits_dtype, mask)

@@ -63,7 +63,9 @@ from tp_ext.validation import as_torch_dtype
 
 __all__ = ["Trainer"]
 
-MicroBatch = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+MicroBatch = Union[
+    torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
 
 class Trainer:
@@ -276,11 +278,13 @@ class Trainer:
     def step(self, micro_batches: list[MicroBatch]) -> float:
         """Forward and backward every micro-batch (``input_ids`` ``[batch, seq]``, or
         ``(input_ids, labels)`` with labels of the same shape, Hugging Face style: position t
-        predicts ``labels[:, t + 1]``; without labels, the ids themselves), then one DP
+        predicts ``labels[:, t + 1]``; without labels, the ids themselves; a padded batch as
+        ``(input_ids, labels, attention_mask)``, 0 at padding, which is never a target and which
+        the model's forward is given: a model that declares ``takes_attention_mask``), then one DP
         synchronisation, clipping and ``optimizer.step()``. Gradients already on the parameters
         are discarded first. Returns the step's mean loss, the same on every rank; the norm
         before clipping is left in ``last_grad_norm``."""
-        batches = micro_batches_of(micro_batches, self._device)
+        batches = micro_batches_of(micro_batches, self._device, self.ignore_index)
         self.checkpointer.publish_finished()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.core.forward_backward(batches, self.precision)
