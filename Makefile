@@ -2,7 +2,7 @@
 # what it needs first, so both work on a fresh machine. `make test` runs the linters first
 # (`make lint` alone: ruff, clang-format, import layers) and checks that the CUDA sources
 # compile (nvcc, beside the tests). `make demo` runs the collectives demo.
-# `make test-all` also runs the whole layout x schedule matrix of the pipeline tests.
+# `make test-all` also runs the whole dims x schedule matrix of the pipeline tests.
 PY ?= python3
 NPROC ?= 8
 # extra pytest arguments, e.g. `make test PYTEST_ARGS=--durations=30`
@@ -27,6 +27,6 @@ lint: install
 test: install
 	PY=$(PY) bash scripts/test.sh $(PYTEST_ARGS)
 
-# every combination of the layout x schedule matrices (`make test` runs a subset covering every path)
+# every combination of the dims x schedule matrices (`make test` runs a subset covering every path)
 test-all: install
 	PY=$(PY) bash scripts/test.sh --full-matrix $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""``--full-matrix`` runs every combination of the layout x schedule matrices (``make
+"""``--full-matrix`` runs every combination of the dims x schedule matrices (``make
 test-all``); without it, tests marked ``full_matrix`` are deselected (not skipped), and the
 representative subset that covers every code path runs (``make test``)."""
 
@@ -13,7 +13,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--full-matrix",
         action="store_true",
-        help="run the whole layout x schedule matrix (tests marked full_matrix)",
+        help="run the whole dims x schedule matrix (tests marked full_matrix)",
     )
 
 

@@ -4,7 +4,7 @@ weights at every layout and schedule (fp32, 1e-5 relative); tied embeddings acro
 and fp16 (an overflow on one rank skips the step everywhere), per-layer recompute with dropout,
 generation under TP x PP, and the errors of impossible combinations.
 
-``make test`` runs a subset of the layout x schedule matrix that covers every path (each
+``make test`` runs a subset of the dims x schedule matrix that covers every path (each
 schedule, each data-parallel kind, TP inside PP, uneven layer splits, tied and untied, 8 ranks);
 ``make test-all`` (``pytest --full-matrix``) runs all of it.
 """
