@@ -68,7 +68,7 @@ def add_arguments(parser) -> None:
     auto = parser.add_argument_group(
         "the planner (--auto): training candidates ranked by memory and step time, with reasons"
     )
-    auto.add_argument("--auto", action="store_true", help="rank the TP x PP x DP layouts")
+    auto.add_argument("--auto", action="store_true", help="rank the TP x PP x DP candidates")
     add_field_flag(auto, "gpus", PLANNER_FIELDS["gpus"])
     add_field_flag(auto, "gpus_per_node", PLANNER_FIELDS["gpus_per_node"], "all in one node")
     auto.add_argument(

@@ -2,7 +2,7 @@
 whose ``model:`` names one), under torchrun. The steps of :mod:`tp_ext.cli.run` for any decoder
 ``parallelize(model, "auto")`` converts, against transformers itself:
 
-1. The full-size model's footprint at this layout (built on the meta device).
+1. The full-size model's footprint at these dims (built on the meta device).
 2. Rank 0 writes a small random checkpoint of the same family (the narrow copy's widths and
    counts, a layer or more per stage, no dropout) with transformers' ``save_pretrained``, in
    several safetensors files.
@@ -65,9 +65,9 @@ class HFSelfCheck(SelfCheck):
 
     def build_model(self):
         """This rank's shards of the small model (random weights: a checkpoint is read after)."""
-        return self.source().build(self.state, **self.layout())
+        return self.source().build(self.state, **self.build_options())
 
-    def layout(self) -> dict:
+    def build_options(self) -> dict:
         p = self.inputs.job.parallel
         return {
             "dtype": self.dtype,
@@ -141,7 +141,7 @@ class HFSelfCheck(SelfCheck):
     # -- the steps ------------------------------------------------------------------------------
 
     def show_footprint(self) -> None:
-        """[1] The full-size model's footprint at this layout, on the meta device."""
+        """[1] The full-size model's footprint at these dims, on the meta device."""
         state, inputs = self.state, self.inputs
         full = inputs.job.model
         REPORT.info(
@@ -151,7 +151,7 @@ class HFSelfCheck(SelfCheck):
         )
         REPORT.info(f"  {inputs.job.parallel.describe(inputs.dims)}")
         REPORT.info(
-            f"\n[1] footprint of {full.path} (transformers {full.architecture}) at this layout, "
+            f"\n[1] footprint of {full.path} (transformers {full.architecture}) at these dims, "
             "on the meta device:"
         )
         if REPORT.isEnabledFor(logging.INFO):  # rank 0: the full model built on meta
@@ -192,7 +192,8 @@ class HFSelfCheck(SelfCheck):
         """[3] This rank's shards read from the files; logits and greedy tokens against
         transformers' single-process model."""
         t0, rss = time.perf_counter(), current_rss_bytes()
-        model, report = self.source().build_and_load(self.state, weights=hf_dir, **self.layout())
+        options = self.build_options()
+        model, report = self.source().build_and_load(self.state, weights=hf_dir, **options)
         load_s = time.perf_counter() - t0
         self.load_report = dict(
             report,

@@ -149,9 +149,10 @@ def _full_shape(tensor: torch.Tensor, spec, expert, owner, leaf: str) -> tuple[i
 def init_from_full_tensors(module: nn.Module, draw) -> None:
     """Set every parameter of ``module`` to this rank's block of the full tensor that
     ``draw(name, full_shape, owner)`` returns (``name`` as in ``module.state_dict()``, ``owner``
-    the module holding it). When ``draw`` depends only on its arguments, every layout (TP degree,
-    grid, pipeline stage, expert split) holds blocks of the same full model. A parameter held
-    under two names (a tied head) is set once; parameters on the meta device are skipped."""
+    the module holding it). When ``draw`` depends only on its arguments, every set of dims (TP
+    degree, grid, pipeline stage, expert split) holds blocks of the same full model. A parameter
+    held under two names (a tied head) is set once; parameters on the meta device are
+    skipped."""
     done = set()
     for name, tensor, owner, leaf in _owned_tensors(module):
         if (

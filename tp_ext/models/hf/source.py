@@ -1,7 +1,7 @@
 """A Hugging Face model a job trains (``tp-ext train --model DIR_OR_CONFIG``, or a job config whose
 ``model:`` is such a path): its config, and the checkpoint its weights come from, if any. Built
 on every rank by :meth:`HFModelSource.build`: the model of the config (the same random weights
-on every rank for a seed, so at every layout), converted by ``parallelize(model, "auto",
+on every rank for a seed, so at any dims), converted by ``parallelize(model, "auto",
 parallel=state)`` into this rank's shards (its pipeline stages at pp > 1), then, from a
 checkpoint directory, each rank's own slices read from the safetensors files
 (:func:`tp_ext.checkpoint.load_hf_checkpoint`)."""
@@ -83,8 +83,8 @@ class HFModelSource:
     def build(self, parallel, *, dtype: torch.dtype, seed: int, **stage_options) -> nn.Module:
         """This rank's part of the model (``stage_options``: virtual_stages, stage_order,
         pipeline_split), its weights the checkpoint's or, without one, drawn from ``seed`` as
-        transformers initialises them (the whole model on every rank, so equal at every
-        layout)."""
+        transformers initialises them (the whole model on every rank, so equal at any
+        dims)."""
         return self.build_and_load(parallel, dtype=dtype, seed=seed, **stage_options)[0]
 
     def build_and_load(

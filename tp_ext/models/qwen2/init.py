@@ -2,7 +2,7 @@
 Qwen2's: linear and embedding weights from N(0, initializer_range), biases zero, norm weights
 one. Each tensor of transformers' layout (q_proj, k_proj, ...) comes from a generator seeded by
 the model's seed and that tensor's name, and a fused tensor (qkv_proj, gate_up_proj) stacks its
-pieces' draws, so every layout (TP degree, 2D grid, pipeline stages) holds blocks of the same
+pieces' draws, so every set of dims (TP degree, 2D grid, pipeline stages) holds blocks of the same
 model, whichever layers a rank builds. The layers' own initialisation (torch.nn's, drawn from
 the default stream in construction order) could not give that under pipelining.
 """
