@@ -1,8 +1,9 @@
 """2D tensor parallelism (SUMMA) layers on P x Q grids against their unsharded references: the
 grid groups of ``init_parallel(tp=(P, Q))``, ``Linear2D`` with ``split_2d`` / ``gather_2d``, the
-2D embedding, RMSNorm and cross-entropy, and the 2D Qwen2 against transformers (logits, loss and
-a Trainer step). fp32, 1e-5 relative; uneven sizes everywhere (T = 7 tokens, 13 -> 11 features,
-vocabularies and hidden sizes that no grid dimension divides)."""
+2D embedding (and the LM head tied to it), RMSNorm and cross-entropy, and the 2D Qwen2 against
+transformers (logits, loss and a Trainer step). fp32, 1e-5 relative; uneven sizes everywhere
+(T = 7 tokens, 13 -> 11 features, vocabularies and hidden sizes that no grid dimension
+divides)."""
 
 from __future__ import annotations
 
@@ -141,7 +142,14 @@ def test_bad_grids_are_refused():
 
 
 def _blocks_parity(rows: int, cols: int):
-    from tp_ext.layers import Embedding2D, RMSNorm2D, cross_entropy_2d, gather_2d, split_2d
+    from tp_ext.layers import (
+        Embedding2D,
+        RMSNorm2D,
+        TiedLMHead2D,
+        cross_entropy_2d,
+        gather_2d,
+        split_2d,
+    )
     from tp_ext.sharding import shard_range
 
     grid = _grid(rows, cols)
@@ -160,6 +168,22 @@ def _blocks_parity(rows: int, cols: int):
     assert_rel(gather_2d(out.detach(), grid), ref, "embedding output")
     block = emb.grid_block("weight")
     assert_rel(emb.weight.grad, block.take(ref_table.grad, grid.row, grid.col), "embedding grad")
+
+    # the LM head tied to it: one parameter, its gradient summed from both uses
+    head = TiedLMHead2D(vocab, hidden, grid, tie_to=emb)
+    assert head.weight is emb.weight
+    emb.weight.grad = ref_table.grad = None
+    logits = head(emb(ids) * 0.5)
+    dlogits = full((batch, seq, vocab), 12)
+    (gather_2d(logits, grid) * dlogits).sum().backward()
+    ((ref_table[ids] * 0.5) @ ref_table.t() * dlogits).sum().backward()
+    ref = (table[ids] * 0.5) @ table.t()
+    assert_rel(gather_2d(logits.detach(), grid), ref, "tied logits")
+    assert_rel(emb.weight.grad, block.take(ref_table.grad, grid.row, grid.col), "tied grad")
+    with torch.no_grad():
+        plain = head(emb(ids))
+        with head.held():  # decoding: the exchanged blocks kept, the same logits
+            assert torch.equal(head(emb(ids)), plain)
 
     # RMSNorm on feature blocks (Hugging Face's formula)
     x = full((batch, seq, hidden), 8).requires_grad_()
