@@ -162,8 +162,11 @@ def _tied_checkpoint_case(grid, pp: int, tmp: str):
     want = reference.generate(
         ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0
     )
-    got = tp_ext.generate(model, ids, mask, max_new_tokens=NEW)
+    with tp_ext.comm.track() as stats:
+        got = tp_ext.generate(model, ids, mask, max_new_tokens=NEW)
     assert torch.equal(got, want), (got, want)
+    exchanges = stats.count(collective="all_to_all_v")  # the head's blocks: once, not per token
+    assert exchanges == (1 if model.lm_head is not None else 0), exchanges
     model.save_pretrained(saved)
     dist.barrier()
     with safe_open(os.path.join(saved, "model.safetensors"), framework="pt") as f:
