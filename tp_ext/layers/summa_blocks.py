@@ -102,8 +102,9 @@ class TiedLMHead2D(GridModule):
 
     Why an exchange of blocks: it is the cheapest exact read. One all-to-all over the grid moves
     each element once, V * H / (P * Q) per rank (on a square grid: the swap of blocks (i, j) and
-    (j, i)); an all-gather along a grid row or column moves P or Q times that and covers only
-    square grids. The product itself already brings V * H / Q of panels to each rank.
+    (j, i)). The blocks a rank needs lie in other grid rows and columns, so no all-gather along
+    one grid axis reaches them, and one over the whole grid moves P * Q times as much. The
+    product itself already brings V * H / Q of weight panels to each rank.
 
     ``tie_to``: the embedding whose parameter it shares; None: a parameter of its own in the
     same blocks (a pipeline's last stage without the embedding, kept equal to it by summing
