@@ -77,14 +77,16 @@ def _virtual(schedule: str) -> int:
 def _build(config, tp, pp, dp, schedule, split=None):
     state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp)
     hf = hf_qwen2(config)
-    model = Qwen2ForCausalLM(
+    model = Qwen2ForCausalLM.from_config(  # a grid tp=(P, Q): the 2D model
         config,
         parallel=state,
         virtual_stages=_virtual(schedule),
         pipeline_split=split,
         stage_order=_stage_order(schedule),
     )
-    model.load_full_state_dict(hf_to_tp_ext_names(hf.state_dict(), config), strict=False)
+    full = hf.state_dict()  # the 2D model keeps transformers' names; the 1D one fuses some
+    full = full if isinstance(tp, tuple) else hf_to_tp_ext_names(full, config)
+    model.load_full_state_dict(full, strict=False)
     return state, model
 
 

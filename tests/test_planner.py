@@ -549,7 +549,7 @@ def test_plan_costs_2d_grids_beside_1d():
                  grids=False)  # fmt: skip
     assert len(one_d) == len(ranked) - len(grids)
     assert all(e.candidate.dims.grid is None for e in one_d)
-    # a tied model has no 2D candidates (the 2D model refuses tied embeddings)
+    # a tied model has no 2D candidates (the 2D cost model does not count the tie yet)
     tied = plan(_config(tie_word_embeddings=True), gpus=4, seq_len=SEQ, global_batch=8,
                 hardware="cpu", top=None)  # fmt: skip
     assert all(e.candidate.dims.grid is None for e in tied)

@@ -1,8 +1,9 @@
 """2D tensor parallelism (SUMMA) layers on P x Q grids against their unsharded references: the
 grid groups of ``init_parallel(tp=(P, Q))``, ``Linear2D`` with ``split_2d`` / ``gather_2d``, the
-2D embedding, RMSNorm and cross-entropy, and the 2D Qwen2 against transformers (logits, loss and
-a Trainer step). fp32, 1e-5 relative; uneven sizes everywhere (T = 7 tokens, 13 -> 11 features,
-vocabularies and hidden sizes that no grid dimension divides)."""
+2D embedding (and the LM head tied to it), RMSNorm and cross-entropy, and the 2D Qwen2 against
+transformers (logits, loss and a Trainer step). fp32, 1e-5 relative; uneven sizes everywhere
+(T = 7 tokens, 13 -> 11 features, vocabularies and hidden sizes that no grid dimension
+divides)."""
 
 from __future__ import annotations
 
@@ -141,7 +142,14 @@ def test_bad_grids_are_refused():
 
 
 def _blocks_parity(rows: int, cols: int):
-    from tp_ext.layers import Embedding2D, RMSNorm2D, cross_entropy_2d, gather_2d, split_2d
+    from tp_ext.layers import (
+        Embedding2D,
+        RMSNorm2D,
+        TiedLMHead2D,
+        cross_entropy_2d,
+        gather_2d,
+        split_2d,
+    )
     from tp_ext.sharding import shard_range
 
     grid = _grid(rows, cols)
@@ -160,6 +168,22 @@ def _blocks_parity(rows: int, cols: int):
     assert_rel(gather_2d(out.detach(), grid), ref, "embedding output")
     block = emb.grid_block("weight")
     assert_rel(emb.weight.grad, block.take(ref_table.grad, grid.row, grid.col), "embedding grad")
+
+    # the LM head tied to it: one parameter, its gradient summed from both uses
+    head = TiedLMHead2D(vocab, hidden, grid, tie_to=emb)
+    assert head.weight is emb.weight
+    emb.weight.grad = ref_table.grad = None
+    logits = head(emb(ids) * 0.5)
+    dlogits = full((batch, seq, vocab), 12)
+    (gather_2d(logits, grid) * dlogits).sum().backward()
+    ((ref_table[ids] * 0.5) @ ref_table.t() * dlogits).sum().backward()
+    ref = (table[ids] * 0.5) @ table.t()
+    assert_rel(gather_2d(logits.detach(), grid), ref, "tied logits")
+    assert_rel(emb.weight.grad, block.take(ref_table.grad, grid.row, grid.col), "tied grad")
+    with torch.no_grad():
+        plain = head(emb(ids))
+        with head.held():  # decoding: the exchanged blocks kept, the same logits
+            assert torch.equal(head(emb(ids)), plain)
 
     # RMSNorm on feature blocks (Hugging Face's formula)
     x = full((batch, seq, hidden), 8).requires_grad_()
@@ -311,32 +335,30 @@ def test_a_2d_model_in_pipeline_stages_loads_runs_and_saves(rows, cols, pp, tmp_
     assert sorted({tuple(s) for s in stages}) == [(s,) for s in range(pp)]
 
 
-def test_the_2d_model_refuses_what_it_cannot_do():
-    from tp_ext.distributed.grid import make_tp_grid
-    from tp_ext.models import Qwen2ForCausalLM2D
-
-    grid = make_tp_grid(1, 1)
-    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
-        Qwen2ForCausalLM2D(_tiny_config().replace(tie_word_embeddings=True), grid=grid)
-
-
 # ---- training checkpoints: 2D <-> 2D at another grid, and 2D <-> 1D -----------------------------
 
 STEPS, SAVE_AT = 4, 2
 
 
-def _train_steps(layout, path: str, load: bool):
+def _train_steps(layout, path: str, load: bool, changes: dict):
     import tp_ext
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
 
+    from .test_pipeline import _stage_order, _virtual
+
     torch.manual_seed(5)
-    state = tp_ext.init_parallel(**_degrees(layout))
-    model = Qwen2ForCausalLM.from_config(_tiny_config(), parallel=state)
+    degrees = _degrees(layout)
+    schedule = degrees.pop("schedule", "1F1B")
+    state = tp_ext.init_parallel(**degrees)
+    config = _tiny_config().replace(**changes)
+    stages = dict(virtual_stages=_virtual(schedule), stage_order=_stage_order(schedule))
+    model = Qwen2ForCausalLM.from_config(config, parallel=state, **stages)
     trainer = Trainer(
         model,
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
         parallel=state,
+        schedule=schedule,
         max_grad_norm=1.0,
     )
     if load:
@@ -346,14 +368,18 @@ def _train_steps(layout, path: str, load: bool):
         step = trainer.steps + 1
         g = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(0, 301, (4, 8), generator=g)
-        losses[step] = trainer.step([ids[:2], ids[2:]])
+        micro = 2 * stages["virtual_stages"]  # a micro-batch per stage at least
+        losses[step] = trainer.step(list(ids.split(4 // micro)))
         if not load and trainer.steps == SAVE_AT:
             trainer.save_checkpoint(path)
     return losses
 
 
 def _degrees(dims) -> dict:
-    """``init_parallel``'s keywords: a TP degree, a grid, or ``(grid, pp)``."""
+    """``init_parallel``'s keywords (and a ``schedule``): a TP degree, a grid, ``(grid, pp)``,
+    or the keywords themselves."""
+    if isinstance(dims, dict):
+        return dict(dims)
     if isinstance(dims, tuple) and isinstance(dims[0], tuple):
         return {"tp": dims[0], "pp": dims[1]}
     return {"tp": dims}
@@ -363,6 +389,19 @@ def _world(dims) -> int:
     degrees = _degrees(dims)
     tp = degrees["tp"] if isinstance(degrees["tp"], int) else degrees["tp"][0] * degrees["tp"][1]
     return tp * degrees.get("pp", 1)
+
+
+def check_resharding(tmp_path, saved_at, resumed_at, **changes) -> None:
+    """Trained at ``saved_at`` (a checkpoint after SAVE_AT steps), then resumed from it at each
+    layout of ``resumed_at``: the same losses as the uninterrupted run. ``changes``: to the
+    tiny config."""
+    path = str(tmp_path / "ckpt")
+    losses = run_distributed(_train_steps, _world(saved_at), saved_at, path, False, changes)[0]
+    for layout in resumed_at:
+        resumed = run_distributed(_train_steps, _world(layout), layout, path, True, changes)[-1]
+        assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+        for step in resumed:
+            assert resumed[step] == pytest.approx(losses[step], rel=RTOL, abs=0), (layout, step)
 
 
 @pytest.mark.parametrize(
@@ -375,10 +414,4 @@ def _world(dims) -> int:
     ids=str,
 )
 def test_training_checkpoints_reshard_between_2d_and_1d(tmp_path, saved_at, resumed_at):
-    path = str(tmp_path / "ckpt")
-    losses = run_distributed(_train_steps, _world(saved_at), saved_at, path, False)[0]
-    for layout in resumed_at:
-        resumed = run_distributed(_train_steps, _world(layout), layout, path, True)[-1]
-        assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
-        for step in resumed:
-            assert resumed[step] == pytest.approx(losses[step], rel=RTOL, abs=0), (layout, step)
+    check_resharding(tmp_path, saved_at, resumed_at)

@@ -265,7 +265,8 @@ def _grid_checkpoint_tensors(
     replicated over a grid axis are equal chunks, which DCP writes once). The keys are those
     of a 1D model's checkpoint, so the two load each other's: a scalar (an optimizer's step
     count) goes under the first piece of the tensor the model's declared layout fuses it into
-    (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it. A DTensor
+    (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it, as is a
+    tied head's copy of the embedding (named in ``checkpoint_aliases``). A DTensor
     (ZeRO's optimizer state, Shard(0) on the DP mesh) holds rows of this rank's block: they go
     in at the block's offsets moved down by the first of them."""
     first_piece = {}
@@ -273,21 +274,26 @@ def _grid_checkpoint_tensors(
         for pieces in model_checkpoint_map(model).values():
             for piece in pieces:
                 first_piece[piece.name] = pieces[0].name
+    aliases = getattr(model, "checkpoint_aliases", None) or {}  # a tied head: the embedding
     state: dict[str, torch.Tensor] = {}
+    saved: dict[str, torch.Tensor] = {}  # key -> the tensor saved under it
     for name, tensor, block, owner in entries:
         if tensor_of is not None:
             tensor = tensor_of(tensor)
             if tensor is None:
                 continue
+        name = aliases.get(name, name)
         # rows [first_row, first_row + n) of this rank's block (of `shape`): all of it but
         # for ZeRO's state
         local, first_row, shape = _data_parallel_slice(tensor, name)
+        key = prefix + (first_piece.get(name, name) if local.dim() == 0 else name)
+        if key in saved:  # one tensor under two names, or a copy of the one saved
+            if saved[key] is not tensor and tied_copies is not None:
+                tied_copies.append((tensor, saved[key]))
+            continue
+        saved[key] = tensor
         if local.dim() == 0:
-            key = prefix + first_piece.get(name, name)
-            if key not in state:
-                state[key] = local
-            elif tied_copies is not None:
-                tied_copies.append((tensor, state[key]))
+            state[key] = local
             continue
         if block is None:  # whole on every rank
             offsets, full_shape = (0,) * local.dim(), shape
@@ -298,9 +304,9 @@ def _grid_checkpoint_tensors(
             continue  # an empty block (more grid rows or columns than entries), or no DP rows
         offsets = (offsets[0] + first_row, *offsets[1:])
         if tuple(local.shape) == tuple(full_shape):
-            state[prefix + name] = local
+            state[key] = local
         else:
-            _add_chunk(state, prefix + name, local, offsets, full_shape)
+            _add_chunk(state, key, local, offsets, full_shape)
     return state
 
 

@@ -8,6 +8,7 @@ rank's vocabulary shard of the last position's logits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -73,6 +74,11 @@ class Decoder:
         settings = getattr(self.model, "generation_config", None) or self.config
         return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
 
+    def decoding(self):
+        """A context around the whole decoding loop (entered by every rank together): what the
+        model keeps while no weight changes."""
+        return contextlib.nullcontext()
+
     def run(self, stage: int, x, cache, key_mask, position_ids, cache_position) -> torch.Tensor:
         """Stage ``stage`` on ``x`` (ids or hidden states, ``[batch, new]``): hidden states, or on
         the last stage this rank's vocabulary shard of the last position's logits
@@ -129,6 +135,9 @@ class GridDecoder(NativeDecoder):
 
     def new_cache(self, batch: int, length: int, stage: int):
         return self.model.new_kv_caches(batch, length, stage)
+
+    def decoding(self):
+        return self.model.decoding()  # a tied head's blocks exchanged once
 
     def run(self, stage, x, cache, key_mask, position_ids, cache_position):
         out = super().run(stage, x, cache, key_mask, position_ids, cache_position)

@@ -134,7 +134,8 @@ def generate(
     mbs = _micro_batches(decoder, ids, mask, groups, max_new_tokens, length)
     runner = _Runner(decoder, mbs, max_new_tokens, eos, pad, _early_stop(decoder))
     choose = _chooser(decoder, ids.size(0), generator, temperature, top_k, top_p)
-    first_token_s = runner.run(choose, start)
+    with decoder.decoding():
+        first_token_s = runner.run(choose, start)
     out = _collect(decoder, mbs, ids, eos, pad)
     if not return_report:
         return out

@@ -40,13 +40,14 @@ from tp_ext.layers.state_dict import (
     state_entries,
     tensor_specs,
 )
-from tp_ext.layers.summa import GridModule, Linear2D, gather_2d, split_2d
+from tp_ext.layers.summa import GridModule, Linear2D, gather_2d, regrid, split_2d
 from tp_ext.layers.summa_blocks import (
     MLP2D,
     Attention2D,
     DecoderLayer2D,
     Embedding2D,
     RMSNorm2D,
+    TiedLMHead2D,
     cross_entropy_2d,
 )
 
@@ -94,7 +95,9 @@ __all__ = [
     "Linear2D",
     "split_2d",
     "gather_2d",
+    "regrid",
     "Embedding2D",
+    "TiedLMHead2D",
     "RMSNorm2D",
     "cross_entropy_2d",
     "Attention2D",

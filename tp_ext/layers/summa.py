@@ -17,6 +17,7 @@ gradients are summed over it in backward, so every copy takes the same update.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Callable, Optional
 
@@ -33,6 +34,8 @@ __all__ = [
     "Linear2D",
     "split_2d",
     "gather_2d",
+    "regrid",
+    "summa_product",
     "default_grid",
 ]
 
@@ -103,6 +106,60 @@ def _sizes_of(local: int, group, device) -> list[int]:
         return [local]
     mine = torch.tensor([local], dtype=torch.long, device=device)
     return comm.all_gather(mine, 0, group=group).tolist()
+
+
+def regrid(block: torch.Tensor, src: GridBlock, dst: GridBlock, grid: TPGrid) -> torch.Tensor:
+    """This rank's ``dst`` block of the tensor whose ``src`` blocks the grid's ranks hold
+    (``block``: this rank's), by one all-to-all over the grid: each rank sends every rank the
+    part of its block that the other's ``dst`` block holds. Each element is held by one rank
+    of ``src`` (no replicated axis), so each moves once. Differentiable: the backward sends the
+    gradient back the same way."""
+    me = (grid.row, grid.col)
+    ranks = [divmod(r, grid.cols) for r in range(grid.size)]  # TP rank r sits at (r // Q, r % Q)
+    mine, want = src.ranges(*me), dst.ranges(*me)
+    sent = [_overlap(mine, dst.ranges(*r)) for r in ranks]
+    came = [_overlap(src.ranges(*r), want) for r in ranks]
+    pieces = [_narrow(block, box, mine).reshape(-1) for box in sent]
+    flat = comm.all_to_all_single(
+        torch.cat(pieces), [p.numel() for p in pieces], [_numel(b) for b in came], grid.tp_group
+    )
+    parts = flat.split([_numel(b) for b in came])
+    tiles: dict = {}  # the pieces that arrived, by their first row, then their first column
+    for box, part in zip(came, parts):
+        if _numel(box):
+            tiles.setdefault(box[0][0], []).append((box[1][0], part.view(box[0][1], box[1][1])))
+    if not tiles:  # an empty block (as many grid rows or columns as entries, or more)
+        return flat.view(dst.shape(*me))
+    rows = [torch.cat([t for _, t in sorted(row)], 1) for _, row in sorted(tiles.items())]
+    return torch.cat(rows, 0)
+
+
+def _overlap(a, b) -> list[tuple[int, int]]:
+    """The box where boxes ``a`` and ``b`` ((offset, length) per dimension) meet."""
+    out = []
+    for (a0, an), (b0, bn) in zip(a, b):
+        start = max(a0, b0)
+        out.append((start, max(0, min(a0 + an, b0 + bn) - start)))
+    return out
+
+
+def _narrow(block: torch.Tensor, box, held) -> torch.Tensor:
+    """The part of ``block`` (which holds box ``held`` of the full tensor) in ``box``."""
+    for d, ((start, length), (offset, _)) in enumerate(zip(box, held)):
+        block = block.narrow(d, start - offset if length else 0, length)
+    return block
+
+
+def _numel(box) -> int:
+    return math.prod(length for _, length in box)
+
+
+def summa_product(x: torch.Tensor, weight: torch.Tensor, in_sizes, weight_in_sizes, grid):
+    """``x @ weight.T`` of blocks on ``grid``: ``weight`` this rank's ``[out, in]`` block in
+    :class:`Linear2D`'s layout (the SUMMA op; a plain product on a grid of one)."""
+    if grid.size == 1:
+        return ops.linear(x, weight, None)
+    return comm.summa_linear(x, weight, in_sizes, weight_in_sizes, grid.row_group, grid.col_group)
 
 
 # ---- the linear layer ----------------------------------------------------------------------------
@@ -210,9 +267,7 @@ def linear_2d_shared_input(x: torch.Tensor, linears: Sequence[Linear2D]) -> list
     if grid.size == 1:
         return [ops.linear(x, lin.weight, lin.bias) for lin in linears]
     weight = first.weight if len(linears) == 1 else torch.cat([lin.weight for lin in linears])
-    y = comm.summa_linear(
-        x, weight, first.in_sizes, first.weight_in_sizes, grid.row_group, grid.col_group
-    )
+    y = summa_product(x, weight, first.in_sizes, first.weight_in_sizes, grid)
     outs = y.split([lin.local_out_features for lin in linears], dim=-1)
     return [
         out if lin.bias is None else out + comm.copy_to_tp(lin.bias, group=grid.col_group)

@@ -1,6 +1,6 @@
 """The 2D (SUMMA) layers of a decoder on a P x Q grid, built on :class:`Linear2D`: embedding,
-RMSNorm, the vocab-parallel cross-entropy on 2D logits, grouped-query attention, the SwiGLU MLP
-and the decoder layer (Qwen2's).
+the LM head tied to it, RMSNorm, the vocab-parallel cross-entropy on 2D logits, grouped-query
+attention, the SwiGLU MLP and the decoder layer (Qwen2's).
 
 Activations are ``[batch, seq, hidden]`` blocks: sequences over the P grid rows (so attention
 needs no communication: every rank holds whole sequences), features over the Q columns
@@ -9,6 +9,7 @@ needs no communication: every rank holds whole sequences), features over the Q c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -23,11 +24,19 @@ from tp_ext.layers.base import check_int
 from tp_ext.layers.context import context_attention
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.rotary import RotaryEmbedding
-from tp_ext.layers.summa import GridModule, Linear2D, linear_2d_shared_input
+from tp_ext.layers.summa import (
+    GridModule,
+    Linear2D,
+    linear_2d_shared_input,
+    regrid,
+    summa_product,
+)
 from tp_ext.sharding import GridBlock, shard_sizes
 
 __all__ = [
     "Embedding2D",
+    "TiedLMHead2D",
+    "table_block",
     "RMSNorm2D",
     "cross_entropy_2d",
     "Attention2D",
@@ -56,11 +65,8 @@ class Embedding2D(GridModule):
         grid = self._setup_grid(grid)
         self.num_embeddings = check_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_int("embedding_dim", embedding_dim)
-        self.vocab_sizes = tuple(shard_sizes(num_embeddings, grid.rows))
-        self.feature_sizes = tuple(shard_sizes(embedding_dim, grid.cols))
-        block = GridBlock(
-            (num_embeddings, embedding_dim), [("P", self.vocab_sizes), ("Q", self.feature_sizes)]
-        )
+        block = table_block(num_embeddings, embedding_dim, grid)
+        self.vocab_sizes, self.feature_sizes = (split[1] for split in block.splits)
         self._new_param("weight", block, device, dtype)
         self.vocab_start = sum(self.vocab_sizes[: grid.row])
         self._init_from_full("weight", nn.init.normal_)  # torch.nn.Embedding's
@@ -77,6 +83,102 @@ class Embedding2D(GridModule):
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         rows = shard_sizes(ids.size(0), self.grid.rows)
         return comm.reduce_scatter_to_sp(out, 0, rows, group=self.grid.col_group)
+
+
+def table_block(vocab_size: int, hidden_size: int, grid: TPGrid) -> GridBlock:
+    """The blocks of an embedding table ``[vocab, hidden]``: vocabulary over the grid rows,
+    features over the columns (:class:`Embedding2D`'s, and a tied LM head's)."""
+    vocab, features = shard_sizes(vocab_size, grid.rows), shard_sizes(hidden_size, grid.cols)
+    return GridBlock((vocab_size, hidden_size), [("P", vocab), ("Q", features)])
+
+
+class TiedLMHead2D(GridModule):
+    """The LM head of a tied embedding on a grid: the logits block ``x @ E.T`` of ``x``'s block
+    (i, j), with ``E`` the ``[vocab, hidden]`` table held in :class:`Embedding2D`'s blocks
+    (rank (i, j): vocabulary i of P, features j of Q). The SUMMA product takes the transposed
+    layout (:class:`Linear2D`'s: vocabulary j of Q, features i of P), which :func:`regrid`
+    gives each forward, its backward bringing the head's gradient back to the table's blocks,
+    where autograd sums it with the embedding's.
+
+    Why an exchange of blocks: it is the cheapest exact read. One all-to-all over the grid moves
+    each element once, V * H / (P * Q) per rank (on a square grid: the swap of blocks (i, j) and
+    (j, i)). The blocks a rank needs lie in other grid rows and columns, so no all-gather along
+    one grid axis reaches them, and one over the whole grid moves P * Q times as much. The
+    product itself already brings V * H / Q of weight panels to each rank.
+
+    ``tie_to``: the embedding whose parameter it shares; None: a parameter of its own in the
+    same blocks (a pipeline's last stage without the embedding, kept equal to it by summing
+    the two gradients). Within :meth:`held` (decoding: no gradient, fixed weights) the
+    exchanged blocks are kept instead of exchanged at every step."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        grid: Optional[TPGrid] = None,
+        *,
+        tie_to: Optional[Embedding2D] = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        grid = self._setup_grid(grid)
+        self.in_features = check_int("hidden_size", hidden_size)
+        self.out_features = check_int("vocab_size", vocab_size)
+        self.in_sizes = tuple(shard_sizes(hidden_size, grid.cols))
+        self.out_sizes = tuple(shard_sizes(vocab_size, grid.cols))
+        self.weight_in_sizes = tuple(shard_sizes(hidden_size, grid.rows))
+        stored = table_block(vocab_size, hidden_size, grid)
+        self.product_block = GridBlock(
+            stored.full_shape, [("Q", self.out_sizes), ("P", self.weight_in_sizes)]
+        )
+        self._held: Optional[torch.Tensor] = None
+        if tie_to is None:
+            self._new_param("weight", stored, device, dtype)
+            self._init_from_full("weight", nn.init.normal_)  # the embedding's
+            return
+        if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, hidden_size):
+            raise ValueError(
+                f"TiedLMHead2D: tie_to has shape ({tie_to.num_embeddings}, "
+                f"{tie_to.embedding_dim}); a tied head of ({vocab_size}, {hidden_size}) needs "
+                "an embedding of that shape"
+            )
+        if tie_to.grid is not grid:
+            raise ValueError("TiedLMHead2D: tie_to is on another grid; build both on one grid")
+        self.weight = tie_to.weight
+        self._set_block("weight", stored)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.in_sizes[self.grid.col]
+        if x.dim() == 0 or x.size(-1) != local:
+            raise ValueError(
+                f"TiedLMHead2D: input block has shape {tuple(x.shape)}; its last dimension must "
+                f"be {local} (this grid column's features)"
+            )
+        weight = self._held if self._held is not None else self._product_weight()
+        return summa_product(x, weight, self.in_sizes, self.weight_in_sizes, self.grid)
+
+    def _product_weight(self) -> torch.Tensor:
+        stored = self.grid_block("weight")
+        return regrid(self.weight, stored, self.product_block, self.grid)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Within: the product's blocks exchanged once and kept (every rank of the grid enters
+        it together: the exchange is a collective). For decoding: no gradient flows, and the
+        weights must not change inside."""
+        with torch.no_grad():
+            self._held = self._product_weight()
+        try:
+            yield
+        finally:
+            self._held = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"vocab_size={self.out_features}, hidden_size={self.in_features}, "
+            f"grid={self.grid.rows}x{self.grid.cols}"
+        )
 
 
 class RMSNorm2D(GridModule):

@@ -38,8 +38,8 @@ __all__ = ["grid_problem", "estimate_2d"]
 
 def grid_problem(config: Qwen2Config, candidate: Candidate) -> str:
     """Why tp_ext cannot train ``config`` with this 2D candidate ("" when it can): the 2D
-    model's own limits (no pipeline, no FSDP2, no tied embeddings, whole KV heads per grid
-    column)."""
+    model's own limits (no pipeline, no FSDP2, whole KV heads per grid column) and the cost
+    model's (no tied embeddings)."""
     dims = candidate.dims
     if dims.grid is None:
         return f"tp={dims.tp!r} is one degree, not a grid (P, Q): the 1D cost model's case"
@@ -52,7 +52,10 @@ def grid_problem(config: Qwen2Config, candidate: Candidate) -> str:
             "(FSDP2 does not shard 2D blocks); use 'ddp', 'zero1' or 'zero2'"
         )
     if config.tie_word_embeddings:
-        return "tie_word_embeddings=True: the 2D model does not support tied embeddings"
+        return (
+            "tie_word_embeddings=True: the 2D cost model does not count a tied embedding (its "
+            "exchange of blocks) yet"
+        )
     if cols > config.num_key_value_heads:
         return (
             f"a grid of {cols} columns splits {config.num_key_value_heads} KV heads: every column "

@@ -7,12 +7,15 @@ over the columns and ``in`` over the rows. Parameter names are transformers' (``
 embed_tokens``, ``model.layers.N.self_attn.q_proj`` ..., ``lm_head``), so a Hugging Face
 checkpoint loads by name, each rank reading only its blocks.
 
-Not (yet) at 2D: tied embeddings (the embedding and the LM head hold different blocks of the
-one matrix), pipeline parallelism (pp > 1), FSDP2, KV-cache decoding; each is refused by name.
+Tied embeddings (``tie_word_embeddings=True``): one parameter in the embedding's blocks, which
+the LM head reads in its own layout by an exchange of blocks over the grid
+(:class:`~tp_ext.layers.summa_blocks.TiedLMHead2D`); under pipelining the last stage holds a
+copy in the same blocks, its gradient summed with the first stage's (``tied_weights``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Optional
@@ -34,6 +37,7 @@ from tp_ext.layers.summa_blocks import (
     DecoderLayer2D,
     Embedding2D,
     RMSNorm2D,
+    TiedLMHead2D,
     cross_entropy_2d,
     kv_head_sizes,
 )
@@ -41,7 +45,7 @@ from tp_ext.models.qwen2 import hf_checkpoint_map
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.init import draw_seed, init_weights
 from tp_ext.models.qwen2.stages import HeldStages, Layers, Stage
-from tp_ext.parallelize.stages import pipelined_forward
+from tp_ext.parallelize.stages import pipelined_forward, tied_copies_group
 from tp_ext.sharding import shard_range, shard_sizes
 from tp_ext.validation import as_torch_dtype
 
@@ -100,32 +104,37 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
             raise ValueError(
                 "Qwen2ForCausalLM2D needs a grid: parallel=tp_ext.init_parallel(tp=(P, Q)) or grid="
             )
-        if config.tie_word_embeddings:
-            raise ValueError(
-                "tie_word_embeddings=True: at 2D the embedding and the LM head hold different "
-                "blocks of the one matrix, which is not supported yet; use 1D tensor "
-                "parallelism (tp=N) for tied models"
-            )
         kv_head_sizes(config.num_key_value_heads, grid.cols)  # Q <= KV heads, said clearly
         self.config, self.parallel, self.grid = config, parallel, grid
         held = HeldStages.of(
             config.num_hidden_layers, parallel, virtual_stages, pipeline_split, stage_order
         )
         self.stage_split, self.stage_ids = held.split, held.stage_ids
+        # Under pipelining a tied head keeps its own copy (in the embedding's blocks), as the
+        # 1D model's does: each stage module owns its parameters; the Trainer sums the grads.
+        self.tied_across_stages = config.tie_word_embeddings and held.split.pp > 1
+        # the checkpoint holds the tie once, under the embedding's name
+        tied = {"lm_head.weight": "model.embed_tokens.weight"}
+        self.checkpoint_aliases = tied if config.tie_word_embeddings else {}
         seed = draw_seed() if PROCESS.init_weights else None  # before any layer is built
         with no_init():  # the layers' own initialisation is replaced: the 1D model's weights
             self.model = _Model2D(config, grid, device, dtype, held)
-            self.lm_head = None
-            if held.has_head:
-                self.lm_head = Linear2D(
-                    config.hidden_size, config.vocab_size, False, grid, device=device, dtype=dtype
-                )
+            self.lm_head = self._head(device, dtype) if held.has_head else None
         if seed is not None:
             init_weights(self, config, seed)
         self.activation_checkpointing = False
         self.cp_group = None  # context parallelism: the ranks that share each sequence
         if parallel is not None and parallel.dims.cp_enabled:
             self._use_context_parallel(parallel, cp_mode)
+
+    def _head(self, device, dtype) -> nn.Module:
+        """The LM head: a Linear2D, or one reading the tied embedding's blocks (or its copy)."""
+        config, kw = self.config, {"device": device, "dtype": dtype}
+        vocab, hidden = config.vocab_size, config.hidden_size
+        if not config.tie_word_embeddings:
+            return Linear2D(hidden, vocab, False, self.grid, **kw)
+        tie_to = None if self.tied_across_stages else self.model.embed_tokens
+        return TiedLMHead2D(vocab, hidden, self.grid, tie_to=tie_to, **kw)
 
     def _use_context_parallel(self, parallel, cp_mode: str) -> None:
         """Every attention runs over the CP group, as a ring or by all-to-all; the model takes
@@ -208,10 +217,22 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
         return caches
 
     def tied_weights(self) -> list:
-        return []
+        """The copies of a tied embedding this rank holds under pipelining (the embedding's on
+        the first stage, the head's on the last, both in the embedding's blocks); [] else."""
+        if not self.tied_across_stages:
+            return []
+        return [m.weight for m in (self.model.embed_tokens, self.lm_head) if m is not None]
 
     def tied_group(self):
-        return None
+        """The group joining the first and last stage's ranks at this grid place, else None."""
+        return tied_copies_group(self)
+
+    def decoding(self):
+        """A context for decoding (no gradient, fixed weights): a tied head's blocks exchanged
+        once, not at every step (every rank of the grid enters it together)."""
+        if self.lm_head is None or not self.config.tie_word_embeddings:
+            return contextlib.nullcontext()
+        return self.lm_head.held()
 
     def local_sequence(self, length: int) -> int:
         """This CP rank's positions of a ``length``-token sequence (all of them without CP)."""
@@ -303,15 +324,19 @@ class Qwen2ForCausalLM2D(nn.Module, ParallelModel):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     where[name] = file
-        entries = list(tensor_specs(model))
-        missing = sorted({name for name, *_ in entries} - set(where))
+        # a tied head is read from the embedding's tensor, and a tensor under two names once
+        entries = {
+            id(t): (model.checkpoint_aliases.get(n, n), t, *rest)
+            for n, t, *rest in tensor_specs(model)
+        }
+        missing = sorted({name for name, *_ in entries.values()} - set(where))
         if missing:
             raise KeyError(
                 f"{path}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                 "(2D loads transformers' Qwen2 names)"
             )
         with torch.no_grad():
-            for name, param, spec, owner in entries:
+            for name, param, spec, owner in entries.values():
                 with safe_open(where[name], framework="pt") as f:
                     param.copy_(_read_block(f.get_slice(name), name, param, spec, owner, path))
         return model
