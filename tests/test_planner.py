@@ -630,11 +630,6 @@ def test_search_offers_zero_where_it_offers_fsdp():
             "data_parallel='fsdp': a 2D model's DP replicas run under DDP, ZeRO-1 or ZeRO-2 "
             r"\(FSDP2 does not shard 2D blocks\); use 'ddp', 'zero1' or 'zero2'",
         ),
-        (
-            ParallelDims(tp=1, dp=2, ep=2),
-            "fsdp",
-            "data_parallel='fsdp' with expert parallelism is not supported",
-        ),
     ):
         with pytest.raises(ValueError, match=message):
             estimate(

@@ -51,12 +51,6 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
             f"estimate: cp={dims.cp} with a 2D grid is not supported; context parallelism runs "
             "with 1D TP (tp=N)"
         )
-    if candidate.data_parallel == "fsdp" and dims.ep > 1:
-        raise ValueError(
-            "estimate: data_parallel='fsdp' with expert parallelism is not supported: FSDP2 "
-            "averages every parameter over one mesh, while an expert's replicas are the ranks "
-            "holding the same experts; use 'ddp', 'zero1' or 'zero2'"
-        )
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
             f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "

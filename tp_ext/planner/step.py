@@ -95,7 +95,7 @@ class Step:
         # the ranks holding the same dense weights (DP x CP: each CP rank scores its own
         # positions of the same sequences), which the gradient sync sums over; the experts'
         self.replicas = dims.replicas
-        self.expert_replicas = _expert_replicas(dims) if dims.ep > 1 else 1
+        self.expert_replicas = _expert_replicas(dims)  # (at ep = 1: the dense weights')
         self.sync = gradient_sync(candidate.data_parallel, self.replicas, dims.ep > 1)
         self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
         self.recompute = candidate.activation_checkpointing
@@ -112,7 +112,11 @@ class Step:
         default_split = getattr(config, "default_pipeline_split", None)
         split = default_split(self.pp * self.v) if default_split else None
         self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, split, order)
+        # FSDP2 shards every tensor along dim 0 over its replicas (the experts' over theirs)
         self.shard = self.replicas if self.sync == "fsdp" else 1
+        # its units: each decoder layer and the stage (a transformers model with experts run
+        # whole at pp = 1, tp_ext.training.adapters.WholeModel: the stage alone)
+        self.layer_units = not (dims.ep > 1 and self.pp == 1)
         # ZeRO (over more than one replica; else the Trainer steps a plain optimizer): 1 or 2,
         # else 0; its master rows and AdamW state are fp32 (fp64 for fp64 parameters)
         self.zero = ZERO_STAGES.get(candidate.data_parallel, 0) if self.replicas > 1 else 0
@@ -188,6 +192,22 @@ class Step:
             (self.row_shapes_on(r), self.replicas),
             (self.expert_shapes_on(r), self.expert_replicas),
         ]
+
+    def layer_groups(self) -> list[tuple[list, int]]:
+        """One decoder layer's tensors by replica group, as :meth:`replica_groups` gives a
+        rank's."""
+        experts = [(self.s.expert_rows, 1)] if self.s.expert_rows else []
+        return [([(self.s.dense_layer_rows, 1)], self.replicas), (experts, self.expert_replicas)]
+
+    @staticmethod
+    def fsdp_groups(groups) -> list[tuple[list, int]]:
+        """Those of ``groups`` (as :meth:`replica_groups` gives them) that FSDP2 shards: every
+        one with replicas (where each rank holds its own experts, they stay out of FSDP2)."""
+        return [(parts, size) for parts, size in groups if parts and size > 1]
+
+    def alone_numel_on(self, r: int) -> int:
+        """Elements of rank r's tensors that no other rank holds (experts left out of FSDP2)."""
+        return sum(rows_of(parts, 1) for parts, size in self.replica_groups(r) if size == 1)
 
     def sync_groups(self, r: int) -> list[tuple[int, int]]:
         """(parameters, replicas) of each of rank r's :meth:`replica_groups`."""
