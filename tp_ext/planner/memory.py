@@ -1,7 +1,8 @@
-"""What one pipeline rank of a 1D candidate holds at its peak (:func:`memory_on`): parameters,
-gradients, optimizer state, activations and the gradient sync's buffers, over the phases of a
-Trainer step (:class:`~tp_ext.planner.step.Step`). The tests hold it within 5% of the measured
-peak of a Trainer step, and parameters, gradients and optimizer state exact."""
+"""What one pipeline rank of a candidate (1D TP or a 2D grid) holds at its peak
+(:func:`memory_on`): parameters, gradients, optimizer state, activations and the gradient sync's
+buffers, over the phases of a Trainer step (:class:`~tp_ext.planner.step.Step`). The tests hold
+it within 5% of the measured peak of a Trainer step, and parameters, gradients and optimizer
+state exact."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
        logits' gradient, the head's weight gradient and the hidden states' gradient beside the
        activations; on other stages the embedding's gradient or nothing);
     B: the stage's last decoder layer's backward, every layer's activations still held: inside
-       its MLP (:func:`layer_backward_bytes`), the head's gradients made;
+       its MLP (:meth:`~tp_ext.planner.step.Step.layer_backward_bytes`), the head's gradients made;
     C: the stage's first layer's backward: every gradient but that layer's and the embedding's
        (they come after it), that layer's activations (with activation checkpointing rebuilt
        from its input) and temporaries; under pipelining also the stage's output and its
@@ -79,11 +80,11 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
     grads = params if whole else alone
     # B: the head's saved tensors freed by its backward; the layer recomputed for its backward
     rebuilt = step.act_layer if step.recompute else 0
-    held_b = acts - (step.head_bytes() if last else 0) + rebuilt + layer_backward_bytes(step)
+    held_b = acts - (step.head_bytes() if last else 0) + rebuilt + step.layer_backward_bytes()
     grads_b = params if whole else alone + (s.final * e if last else 0)
     # C: that layer's input, kept by its checkpoint, and its activations (rebuilt)
     held_c = (step.hidden_bytes if step.recompute else 0) + step.act_layer
-    held_c += layer_backward_bytes(step) + step.ids_on(r)
+    held_c += step.layer_backward_bytes() + step.ids_on(r)
     own = s.layer * e + (s.embedding * e if step.first_on(r) else 0)
     grads_c = params if whole else params - min(own, params)
     if step.pp > 1:
@@ -102,13 +103,6 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
         params + optimizer + grads_c + held_c,
     ]
     return phases, int(max(acts + transient, held_b, held_c))
-
-
-def layer_backward_bytes(step: Step) -> int:
-    """The temporaries of a decoder layer's backward at its peak, inside the MLP: the gradient
-    of SwiGLU's input ([T, 2 x intermediate]) made beside the gradient of its output (which
-    replaces the output down_proj saved), and the hidden states' gradient flowing back."""
-    return 2 * step.tokens * step.s.intermediate * step.e + step.hidden_bytes
 
 
 def sums_buffers(step: Step, r: int) -> int:

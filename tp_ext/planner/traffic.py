@@ -1,8 +1,8 @@
-"""The bytes one pipeline rank of a 1D candidate (:class:`~tp_ext.planner.step.Step`)
-communicates per step over TP, CP, PP and DP, counted as the tests count them: tp_ext's
-collectives as ``tp_ext.comm.track()`` records them (an all-reduce's tensor, an all-gather's
-gathered output, a reduce-scatter's full input), torch's own (pipelining's sends, DDP's and
-FSDP2's collectives) by their tensors."""
+"""The bytes one pipeline rank of a candidate (:class:`~tp_ext.planner.step.Step`) communicates
+per step over CP, PP and DP (over TP: the model's own, ``Step.tp_bytes_on``), counted as the
+tests count them: tp_ext's collectives as ``tp_ext.comm.track()`` records them (an all-reduce's
+tensor, an all-gather's gathered output, a reduce-scatter's full input), torch's own
+(pipelining's sends, DDP's and FSDP2's collectives) by their tensors."""
 
 from __future__ import annotations
 
@@ -11,22 +11,7 @@ from tp_ext.planner.counts import fsdp_numel
 from tp_ext.planner.step import Step
 from tp_ext.sharding import cp_chunks, shard_sizes
 
-__all__ = ["tp_bytes_on", "cp_bytes_on", "pp_bytes_on", "dp_bytes_on"]
-
-
-def tp_bytes_on(step: Step, r: int) -> int:
-    """Forward: each layer's two row-parallel all-reduces and the vocab-parallel embedding's;
-    backward: the column-parallel inputs' gradients and the LM head's (non-reentrant
-    checkpointing stops recomputing after the last saved tensor it needs, before the MLP's
-    all-reduce: one more per layer); the loss's max and shard sizes, then 3 sums per token."""
-    if step.tp == 1:
-        return 0
-    layers, last = step.layers_on(r), step.last_on(r)
-    fwd = (3 if step.recompute else 2) * layers + step.first_on(r)
-    bwd = 2 * layers + last
-    n = step.loss_tokens
-    loss = (n + step.tp) * 4 + 3 * n * 4 if last else 0
-    return step.m * ((fwd + bwd) * step.hidden_bytes + loss)
+__all__ = ["cp_bytes_on", "pp_bytes_on", "dp_bytes_on"]
 
 
 def cp_bytes_on(step: Step, r: int) -> int:
