@@ -350,10 +350,10 @@ def test_cli_auto_ranks_layouts_of_a_transformers_model(tmp_path, capsys):
     layouts = {(c["tp"], c["pp"], c["dp"], c["ep"]) for c in cands}
     assert {(1, 1, 4, 4), (1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 1), (4, 1, 1, 1)} <= layouts
     assert (1, 2, 2, 2) in layouts  # EP inside pipeline stages
-    # experts run with DDP and ZeRO (their rows over the ranks holding the same experts), not
-    # FSDP2 (one mesh for every parameter)
+    # experts run with DDP, FSDP2 (their units on the ranks holding the same experts) and ZeRO
+    # (their rows over those ranks)
     engines = {c["data_parallel"] for c in cands if c["ep"] > 1}
-    assert engines == {"ddp", "zero1", "zero2"}, engines
+    assert engines == {"ddp", "fsdp", "zero1", "zero2"}, engines
     times = [r["step_time_s"] for r in ranked if r["fits"]]
     assert times == sorted(times) and ranked[0]["reason"]
     assert {c["dtype"] for c in cands} == {"float32"}  # the config's own

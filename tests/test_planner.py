@@ -671,10 +671,11 @@ def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
         assert "--auto chooses the layout itself; drop --tp" in err
 
 
-def test_search_offers_zero_where_it_offers_fsdp():
-    """ZeRO-1 and ZeRO-2 are DP engines beside DDP wherever there are replicas: 1D layouts (with
-    FSDP2), 2D grids (the search does not offer FSDP2 there yet) and context parallelism, where
-    the engines run over the DP x CP ranks (at dp = 1 too)."""
+def test_search_offers_every_engine_wherever_there_are_replicas():
+    """DDP, FSDP2, ZeRO-1 and ZeRO-2 are DP engines wherever there are replicas: 1D layouts, 2D
+    grids (FSDP2 shards each rank's grid blocks) and context parallelism, where the engines run
+    over the DP x CP ranks (at dp = 1 too); grids come with pipelines and with context
+    parallelism as 1D TP does."""
     from tp_ext.planner import plan
 
     ranked = plan(_config(), gpus=8, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
@@ -683,14 +684,19 @@ def test_search_offers_zero_where_it_offers_fsdp():
         dims = e.candidate.dims
         kind = "dp1" if dims.dp == 1 else "grid" if dims.grid is not None else "1d"
         engines.setdefault(kind, set()).add(e.candidate.data_parallel)
-    assert engines == {
-        "1d": {"ddp", "fsdp", "zero1", "zero2"}, "grid": {"ddp", "zero1", "zero2"}, "dp1": {"ddp"}
-    }  # fmt: skip
+    every = {"ddp", "fsdp", "zero1", "zero2"}
+    assert engines == {"1d": every, "grid": every, "dp1": {"ddp"}}
+    assert {e.candidate.dims.pp for e in ranked if e.candidate.dims.grid == (2, 2)} == {1, 2}
     with_cp = plan(_config(), gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None, cp=2)
-    assert all(e.candidate.dims.cp == 2 and e.candidate.dims.grid is None for e in with_cp)
+    assert all(e.candidate.dims.cp == 2 for e in with_cp)
     for dp in (1, 2):  # cp = 2 alone is two replicas already
         offered = {e.candidate.data_parallel for e in with_cp if e.candidate.dims.dp == dp}
-        assert offered == {"ddp", "fsdp", "zero1", "zero2"}, (dp, offered)
+        assert offered == every, (dp, offered)
+    grids = plan(_config(), gpus=8, seq_len=SEQ, global_batch=8, hardware="cpu", top=None, cp=2)
+    grids = [e for e in grids if e.candidate.dims.grid is not None]
+    assert {e.candidate.dims.grid for e in grids} == {(2, 2)}
+    assert {e.candidate.data_parallel for e in grids} == every  # over the CP ranks
+    assert all(e.comm_bytes["cp"] > 0 and "CP 2" in e.reason for e in grids)
 
 
 def test_zero_rows_split_as_torch_chunk_splits_them():
