@@ -724,8 +724,11 @@ def test_split_backwards_follow_torchs_schedules():
 
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from tp_ext.pipeline.schedules import SCHEDULES
+    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
     from tp_ext.planner.step import split_backwards
+
+    if not weight_split_supported():  # (the generators of a torch tp_ext refuses them on)
+        pytest.skip(f"tp_ext refuses the zero-bubble schedules on torch {torch.__version__}")
 
     for name, v in (("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)):
         for pp in (2, 3, 4):
