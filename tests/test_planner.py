@@ -1,9 +1,10 @@
 """tp_ext.planner against what tp_ext does: parameters per rank equal to the real layers', the
 estimated peak memory per rank within 5% of the measured peak of a Trainer step (CPU, every
-schedule, recompute, DDP, FSDP2 and ZeRO-1/2, with and without context parallelism, 1 to 8
-ranks), parameter / gradient / optimizer bytes exact, TP bytes equal to tp_ext.comm.track()'s
-and PP / DP bytes to torch's own sends and collectives (tests/comm_count.py; ZeRO's tp_ext
-collectives by track()), the Qwen2-72B recommendations, the CLI and bad input."""
+schedule, recompute, DDP, FSDP2 and ZeRO-1/2, with and without context parallelism, 1D TP and
+2D grids, 1 to 8 ranks), parameter / gradient / optimizer bytes exact, TP bytes equal to
+tp_ext.comm.track()'s and PP / DP bytes to torch's own sends and collectives
+(tests/comm_count.py; ZeRO's tp_ext collectives by track()), the Qwen2-72B recommendations, the
+CLI and bad input."""
 
 from __future__ import annotations
 
@@ -323,6 +324,75 @@ CANDIDATES = [
     pytest.param(
         _candidate(1, 2, 2, 4, engine="zero2"), marks=pytest.mark.full_matrix, id="pp2-dp2-zero2"
     ),
+    # 2D grids in pipeline stages (their hidden states grid blocks between stages), under FSDP2
+    # (each rank's grid blocks sharded along dim 0 over the DP x CP replicas) and under context
+    # parallelism (each CP rank its positions of the grid row's sequences)
+    pytest.param(_candidate((2, 1), 2, 1, 4), id="grid2x1-pp2"),
+    pytest.param(_candidate((2, 1), 1, 1, 2, cp=2, engine="fsdp"), id="grid2x1-cp2-fsdp"),
+    pytest.param(_candidate((1, 2), 2, 1, 4), marks=pytest.mark.full_matrix, id="grid1x2-pp2"),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 4, "Interleaved1F1B", 2),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-interleaved",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 4, recompute=True),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-recompute",
+    ),
+    # the zero-bubble schedules run each SUMMA product's backward in both passes (input, then
+    # weight) of a split backward: every one of ZBV's, DualPipeV's few
+    pytest.param(
+        _candidate((2, 1), 2, 1, 4, "ZBVZeroBubble", 2),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-zbv",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 4, "DualPipeV", 2),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-dualpipev",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 2, 4, engine="fsdp"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-dp2-fsdp",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 4, cp=2), marks=pytest.mark.full_matrix, id="grid2x1-pp2-cp2"
+    ),
+    pytest.param(
+        _candidate((2, 1), 1, 2, 2, engine="fsdp"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-dp2-fsdp",
+    ),
+    pytest.param(
+        _candidate((2, 2), 1, 2, 2, engine="fsdp"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x2-dp2-fsdp",
+    ),
+    pytest.param(
+        _candidate((2, 1), 1, 3, 2, engine="fsdp"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-dp3-fsdp-uneven",
+    ),
+    pytest.param(
+        _candidate((1, 2), 1, 1, 2, cp=2, mode="all_to_all"),
+        marks=pytest.mark.full_matrix,
+        id="grid1x2-cp2-a2a",
+    ),
+    pytest.param(
+        _candidate((2, 1), 1, 1, 2, cp=2, recompute=True),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-cp2-recompute",
+    ),
+    pytest.param(
+        _candidate((2, 1), 1, 1, 2, cp=2, engine="zero2"),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-cp2-zero2",
+    ),
+    pytest.param(
+        _candidate((2, 1), 1, 1, 1, cp=3), marks=pytest.mark.full_matrix, id="grid2x1-cp3-uneven"
+    ),
 ]
 
 
@@ -510,8 +580,9 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="not a whole number of nodes"):
         plan(config, gpus=12, gpus_per_node=8, seq_len=64)
     hw = load_hardware("cpu")
-    with pytest.raises(ValueError, match="pp=2: 2D tensor parallelism runs without pipelining"):
-        estimate(config, Candidate(ParallelDims((2, 2), 2, 1), 1, 2), seq_len=64, hardware=hw)
+    tied = _config(tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="the 2D model does not support tied embeddings"):
+        estimate(tied, Candidate(ParallelDims((2, 2), 2, 1), 1, 2), seq_len=64, hardware=hw)
     with pytest.raises(ValueError, match="a grid of 8 columns splits 4 KV heads"):
         estimate(config, Candidate(ParallelDims((1, 8), 1, 1), 1, 1), seq_len=64, hardware=hw)
     # the one check of the degrees, ParallelDims's (was the planner's own "must be an int or a
@@ -535,8 +606,8 @@ def test_plan_takes_a_config_files_path(tmp_path):
 
 
 def test_plan_costs_2d_grids_beside_1d():
-    """2D grids (P, Q >= 2, pp = 1, DDP) are candidates with their own reason; grids=False
-    (what --auto asks for: the commands build 1D models) leaves them out."""
+    """2D grids (P, Q >= 2) are candidates with their own reason; grids=False (what --auto asks
+    for: the commands build 1D models) leaves them out."""
     from tp_ext.planner import plan
 
     config = _config()
@@ -600,13 +671,12 @@ def test_train_and_run_take_the_planners_layout(tmp_path, tp_ext_here):
         assert "--auto chooses the dims itself; drop --tp" in err
 
 
-def test_search_offers_zero_where_it_offers_fsdp():
-    """ZeRO-1 and ZeRO-2 are DP engines beside DDP wherever there are replicas: 1D layouts (with
-    FSDP2), 2D grids (without: FSDP2 does not shard grid blocks) and context parallelism, where
-    the engines run over the DP x CP ranks (at dp = 1 too); estimate() refuses what the Trainer
-    does not run by name."""
-    from tp_ext import ParallelDims
-    from tp_ext.planner import Candidate, estimate, load_hardware, plan
+def test_search_offers_every_engine_wherever_there_are_replicas():
+    """DDP, FSDP2, ZeRO-1 and ZeRO-2 are DP engines wherever there are replicas: 1D layouts, 2D
+    grids (FSDP2 shards each rank's grid blocks) and context parallelism, where the engines run
+    over the DP x CP ranks (at dp = 1 too); grids come with pipelines and with context
+    parallelism as 1D TP does."""
+    from tp_ext.planner import plan
 
     ranked = plan(_config(), gpus=8, seq_len=SEQ, global_batch=8, hardware="cpu", top=None)
     engines = {}
@@ -614,32 +684,19 @@ def test_search_offers_zero_where_it_offers_fsdp():
         dims = e.candidate.dims
         kind = "dp1" if dims.dp == 1 else "grid" if dims.grid is not None else "1d"
         engines.setdefault(kind, set()).add(e.candidate.data_parallel)
-    assert engines == {
-        "1d": {"ddp", "fsdp", "zero1", "zero2"}, "grid": {"ddp", "zero1", "zero2"}, "dp1": {"ddp"}
-    }  # fmt: skip
+    every = {"ddp", "fsdp", "zero1", "zero2"}
+    assert engines == {"1d": every, "grid": every, "dp1": {"ddp"}}
+    assert {e.candidate.dims.pp for e in ranked if e.candidate.dims.grid == (2, 2)} == {1, 2}
     with_cp = plan(_config(), gpus=4, seq_len=SEQ, global_batch=8, hardware="cpu", top=None, cp=2)
-    assert all(e.candidate.dims.cp == 2 and e.candidate.dims.grid is None for e in with_cp)
+    assert all(e.candidate.dims.cp == 2 for e in with_cp)
     for dp in (1, 2):  # cp = 2 alone is two replicas already
         offered = {e.candidate.data_parallel for e in with_cp if e.candidate.dims.dp == dp}
-        assert offered == {"ddp", "fsdp", "zero1", "zero2"}, (dp, offered)
-    hw = load_hardware("cpu")
-    for dims, engine, message in (
-        (
-            ParallelDims(tp=(2, 1), dp=2),
-            "fsdp",
-            "data_parallel='fsdp': a 2D model's DP replicas run under DDP, ZeRO-1 or ZeRO-2 "
-            r"\(FSDP2 does not shard 2D blocks\); use 'ddp', 'zero1' or 'zero2'",
-        ),
-        (
-            ParallelDims(tp=1, dp=2, ep=2),
-            "fsdp",
-            "data_parallel='fsdp' with expert parallelism is not supported",
-        ),
-    ):
-        with pytest.raises(ValueError, match=message):
-            estimate(
-                _config(), Candidate(dims, 1, 1, data_parallel=engine), seq_len=SEQ, hardware=hw
-            )
+        assert offered == every, (dp, offered)
+    grids = plan(_config(), gpus=8, seq_len=SEQ, global_batch=8, hardware="cpu", top=None, cp=2)
+    grids = [e for e in grids if e.candidate.dims.grid is not None]
+    assert {e.candidate.dims.grid for e in grids} == {(2, 2)}
+    assert {e.candidate.data_parallel for e in grids} == every  # over the CP ranks
+    assert all(e.comm_bytes["cp"] > 0 and "CP 2" in e.reason for e in grids)
 
 
 def test_zero_rows_split_as_torch_chunk_splits_them():
@@ -658,14 +715,40 @@ def test_zero_rows_split_as_torch_chunk_splits_them():
     assert cost.ZERO2_BUCKET_BYTES == zero.DEFAULT_BUCKET_BYTES
 
 
-def test_estimate_refuses_what_context_parallelism_does_not_run():
-    from tp_ext import ParallelDims
-    from tp_ext.planner import Candidate, estimate, load_hardware
+def test_split_backwards_follow_torchs_schedules():
+    """The micro-batches whose backward torch's zero-bubble schedules split into an input and a
+    weight pass (a 2D grid's SUMMA products then run their backward twice): the planner's count
+    per stage against the actions torch's own schedule generators give (every backward of
+    InterleavedZeroBubble and ZBVZeroBubble, DualPipeV's zero-bubble steps only)."""
+    import collections
 
-    hw = load_hardware("h100")
-    dims = ParallelDims(tp=(2, 2), cp=2, dp=1)
-    with pytest.raises(ValueError, match="cp=2 with a 2D grid is not supported"):
-        estimate(_config(), Candidate(dims, 1, 1), seq_len=SEQ, hardware=hw)
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
+    from tp_ext.planner.step import split_backwards
+
+    if not weight_split_supported():  # (the generators of a torch tp_ext refuses them on)
+        pytest.skip(f"tp_ext refuses the zero-bubble schedules on torch {torch.__version__}")
+
+    for name, v in (("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)):
+        for pp in (2, 3, 4):
+            for m in (2 * pp, 2 * pp + 2, 4 * pp):
+                # the generator alone, without stages or process groups
+                generator = object.__new__(SCHEDULES[name].torch_class)
+                generator.pp_group_size, generator._n_microbatches = pp, m
+                generator.n_local_stages, generator.num_stages = v, pp * v
+                generator.number_of_rounds = max(1, m // pp)
+                generator.microbatches_per_round = m // generator.number_of_rounds
+                inputs = collections.Counter(
+                    action.stage_index
+                    for rank in range(pp)
+                    for action in generator._calculate_single_rank_operations(rank)
+                    if action is not None
+                    and action.computation_type == torch_schedules.BACKWARD_INPUT
+                )
+                for stage in range(1, pp * v):  # the first stage's split is one backward
+                    assert split_backwards(name, pp, m, stage) == inputs[stage], (name, pp, m)
+    assert split_backwards("1F1B", 2, 4, 1) == split_backwards("ZBVZeroBubble", 2, 4, 0) == 0
 
 
 def test_cp_gradient_sync_is_ddps_in_the_parameters_dtype():

@@ -1,8 +1,8 @@
 """The planner: which parallel degrees and run settings to train a model with. It ranks
 candidates (:class:`Candidate`: a :class:`~tp_ext.ParallelDims` and the run settings) by a
-memory, communication and time model of tp_ext's own layers (:mod:`.cost`: a 1D step
-(:mod:`.step`) and its :mod:`.memory`, :mod:`.traffic` and :mod:`.timing`; a 2D grid's
-:mod:`.cost_2d`; from the counts of :mod:`.counts`) on a hardware table or this machine
+memory, communication and time model of tp_ext's own layers (:mod:`.cost`: a step
+(:mod:`.step`; a 2D grid's model in :mod:`.cost_2d`) and its :mod:`.memory`, :mod:`.traffic`
+and :mod:`.timing`; from the counts of :mod:`.counts`) on a hardware table or this machine
 measured (:mod:`.hardware`), every candidate with a reason (:mod:`.search`).
 
     from tp_ext.planner import plan

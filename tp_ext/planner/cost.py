@@ -1,12 +1,12 @@
 """What one training candidate (:class:`~tp_ext.planner.candidate.Candidate`) of tp_ext's Qwen2
-(or a transformers decoder) costs per rank: memory (parameters, gradients, optimizer state,
-activations), bytes communicated per step over TP, CP, PP and DP, the pipeline bubble and the
-step time on a :class:`~tp_ext.planner.hardware.Hardware`.
+(1D or on a 2D grid, or a transformers decoder) costs per rank: memory (parameters, gradients,
+optimizer state, activations), bytes communicated per step over TP, CP, PP and DP, the pipeline
+bubble and the step time on a :class:`~tp_ext.planner.hardware.Hardware`.
 
-:func:`estimate` checks the candidate and puts together the parts: a 1D candidate's step
-(:mod:`.step`) and its memory (:mod:`.memory`), bytes (:mod:`.traffic`) and time
-(:mod:`.timing`); a 2D grid's own model (:mod:`.cost_2d`). The tests hold them to the measured
-numbers of a Trainer step."""
+:func:`estimate` checks the candidate and puts together the parts: its step (:mod:`.step`; a 2D
+grid's: :class:`~tp_ext.planner.cost_2d.GridStep`, the model's part its own) and that step's
+memory (:mod:`.memory`), bytes (:mod:`.traffic`) and time (:mod:`.timing`), the same for both
+as the Trainer's one core is. The tests hold them to the measured numbers of a Trainer step."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from typing import Optional
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.pipeline.data_parallel import ZERO_STAGES
 from tp_ext.planner.candidate import Candidate, Estimate, usable_memory
-from tp_ext.planner.cost_2d import estimate_2d
+from tp_ext.planner.cost_2d import GridStep, grid_problem
 from tp_ext.planner.counts import ZERO2_BUCKET_BYTES
 from tp_ext.planner.hardware import Hardware
 from tp_ext.planner.memory import memory_on
 from tp_ext.planner.step import Step
 from tp_ext.planner.timing import bubble_fraction, step_timing
-from tp_ext.planner.traffic import cp_bytes_on, dp_bytes_on, pp_bytes_on, tp_bytes_on
+from tp_ext.planner.traffic import cp_bytes_on, dp_bytes_on, pp_bytes_on
 from tp_ext.validation import DTYPE_BYTES
 
 __all__ = [
@@ -46,17 +46,8 @@ def _check_candidate(config: Qwen2Config, candidate: Candidate) -> None:
     dims = candidate.dims
     if dims.grid is None:
         config.check_tp(dims.tp)
-    elif dims.cp > 1:
-        raise ValueError(
-            f"estimate: cp={dims.cp} with a 2D grid is not supported; context parallelism runs "
-            "with 1D TP (tp=N)"
-        )
-    if candidate.data_parallel == "fsdp" and dims.ep > 1:
-        raise ValueError(
-            "estimate: data_parallel='fsdp' with expert parallelism is not supported: FSDP2 "
-            "averages every parameter over one mesh, while an expert's replicas are the ranks "
-            "holding the same experts; use 'ddp', 'zero1' or 'zero2'"
-        )
+    elif grid_problem(config, candidate):
+        raise ValueError(grid_problem(config, candidate))
     if dims.stages > config.num_hidden_layers:
         raise ValueError(
             f"pp={dims.pp} x virtual_stages={dims.virtual_stages} = {dims.stages} stages, more "
@@ -76,16 +67,8 @@ def estimate(
     """The cost of training ``config`` with ``candidate`` on ``hardware`` (a step of
     ``dp x num_micro_batches x micro_batch`` sequences of ``seq_len`` tokens)."""
     _check_candidate(config, candidate)
-    if candidate.dims.grid is not None:  # a 2D grid: its own model
-        return estimate_2d(
-            config,
-            candidate,
-            seq_len=seq_len,
-            hardware=hardware,
-            gpu_memory=gpu_memory,
-            gpus_per_node=gpus_per_node,
-        )
-    step = Step(config, candidate, seq_len, hardware, gpus_per_node)
+    kind = Step if candidate.dims.grid is None else GridStep
+    step = kind(config, candidate, seq_len, hardware, gpus_per_node)
     pp_ranks = range(step.pp)
     ranks = [memory_on(step, r) for r in pp_ranks]
     busiest = max(pp_ranks, key=lambda r: ranks[r][0]["total"])
@@ -93,7 +76,7 @@ def estimate(
     numel = max(n for _, n in ranks)
     dp_traffic = max((dp_bytes_on(step, r) for r in pp_ranks), key=lambda t: t[0])
     comm = {
-        "tp": max(tp_bytes_on(step, r) for r in pp_ranks),
+        "tp": max(step.tp_bytes_on(r) for r in pp_ranks),
         "cp": max(cp_bytes_on(step, r) for r in pp_ranks),
         "pp": max(pp_bytes_on(step, r) for r in pp_ranks),
         "dp": dp_traffic[0],

@@ -1,7 +1,7 @@
 """What tp_ext's own Qwen2 is made of, counted on the meta device (no memory, no time): rank 0's
-parameter shards at a TP degree, and the operators a forward + backward dispatches. The 1D and
-2D cost models (:mod:`.cost`, :mod:`.cost_2d`) and the calibration (:mod:`.hardware`) all read
-these counts; this module imports none of them."""
+parameter shards at a TP degree, and the operators a forward + backward dispatches. The cost
+model (:mod:`.step`, :mod:`.cost_2d`) and the calibration (:mod:`.hardware`) read these counts;
+this module imports none of them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # tp_ext.training.zero's stages (the planner may not import the trainer: one floor) and its
-# ZeRO-2 gradient bucket cap (DEFAULT_BUCKET_BYTES there); the 1D and 2D cost models share them
+# ZeRO-2 gradient bucket cap (DEFAULT_BUCKET_BYTES there)
 ZERO2_BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -63,7 +63,7 @@ class RankShapes:
     # the ranks holding the same experts, not the DP ranks
     expert_rows: tuple = ()
 
-    @property
+    @functools.cached_property
     def dense_layer_rows(self) -> tuple:
         """``layer_rows`` without the expert tensors."""
         experts = collections.Counter(self.expert_rows)

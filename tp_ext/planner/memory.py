@@ -1,7 +1,8 @@
-"""What one pipeline rank of a 1D candidate holds at its peak (:func:`memory_on`): parameters,
-gradients, optimizer state, activations and the gradient sync's buffers, over the phases of a
-Trainer step (:class:`~tp_ext.planner.step.Step`). The tests hold it within 5% of the measured
-peak of a Trainer step, and parameters, gradients and optimizer state exact."""
+"""What one pipeline rank of a candidate (1D TP or a 2D grid) holds at its peak
+(:func:`memory_on`): parameters, gradients, optimizer state, activations and the gradient sync's
+buffers, over the phases of a Trainer step (:class:`~tp_ext.planner.step.Step`). The tests hold
+it within 5% of the measured peak of a Trainer step, and parameters, gradients and optimizer
+state exact."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def memory_on(step: Step, r: int) -> tuple[dict, int]:
     gradients in its buckets; FSDP2 its gathered layers (:func:`fsdp_buffers`)."""
     e = step.e
     numel, tensors = step.held_params_on(r)
-    params = math.ceil(numel / step.shard) * e
+    # FSDP2: this rank's shard of every tensor (dim 0 split as torch.chunk splits it, padded to
+    # rank 0's rows; the experts' over their own replicas)
+    params = (step.zero_rows_on(r) if step.shard > 1 else numel) * e
     optimizer, grads = 2 * params + 4 * tensors, params
     if step.zero:
         rows = step.zero_rows_on(r)
@@ -46,7 +49,7 @@ def memory_on(step: Step, r: int) -> tuple[dict, int]:
     # the weight-split schedules write gradients outside DDP's hooks: not wrapped, no buckets
     weight_split = SCHEDULES[step.candidate.schedule].weight_split
     buckets = params if step.sync == "ddp" and not weight_split else 0
-    fsdp = fsdp_buffers(step, numel)
+    fsdp = fsdp_buffers(step, r)
     peak = max(phases) + buckets + fsdp
     return memory_breakdown(params, optimizer, activations, peak, fsdp, grads), numel
 
@@ -58,27 +61,32 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
        logits' gradient, the head's weight gradient and the hidden states' gradient beside the
        activations; on other stages the embedding's gradient or nothing);
     B: the stage's last decoder layer's backward, every layer's activations still held: inside
-       its MLP (:func:`layer_backward_bytes`), the head's gradients made;
+       its MLP (:meth:`~tp_ext.planner.step.Step.layer_backward_bytes`), the head's gradients made;
     C: the stage's first layer's backward: every gradient but that layer's and the embedding's
        (they come after it), that layer's activations (with activation checkpointing rebuilt
        from its input) and temporaries; under pipelining also the stage's output and its
        gradient and the other in-flight micro-batches' tensors.
     Gradients are all there from the start when an earlier micro-batch's backward came before
-    (the local loop's micro-batches after the first; a pipeline rank's warm-up shorter than m).
+    (the local loop's micro-batches after the first; a pipeline rank's warm-up shorter than m);
+    under FSDP2 only those of the experts it leaves alone.
     """
     s, e, last = step.s, step.e, step.last_on(r)
     acts, transient = step.activations_on(r)
-    earlier = step.m > math.ceil(step.in_flight(r)) and step.shard == 1
-    grads = params if earlier else 0
+    earlier = step.m > math.ceil(step.in_flight(r))
+    # under FSDP2 the gradients of what it shards are its unsharded buffers (fsdp_buffers); of
+    # the experts each rank holds alone, the rank's own
+    alone = step.alone_numel_on(r) * e if earlier and step.shard > 1 else 0
+    whole = earlier and step.shard == 1
+    grads = params if whole else alone
     # B: the head's saved tensors freed by its backward; the layer recomputed for its backward
     rebuilt = step.act_layer if step.recompute else 0
-    held_b = acts - (step.head_bytes() if last else 0) + rebuilt + layer_backward_bytes(step)
-    grads_b = params if earlier else (s.final * e if last else 0)
+    held_b = acts - (step.head_bytes() if last else 0) + rebuilt + step.layer_backward_bytes()
+    grads_b = params if whole else alone + (s.final * e if last else 0)
     # C: that layer's input, kept by its checkpoint, and its activations (rebuilt)
     held_c = (step.hidden_bytes if step.recompute else 0) + step.act_layer
-    held_c += layer_backward_bytes(step) + step.ids_on(r)
+    held_c += step.layer_backward_bytes() + step.ids_on(r)
     own = s.layer * e + (s.embedding * e if step.first_on(r) else 0)
-    grads_c = params if earlier else params - min(own, params)
+    grads_c = params if whole else params - min(own, params)
     if step.pp > 1:
         # torch's schedule holds each stage's output (the logits on the last stage) until the
         # stage's backward ends, and on the other stages the gradient it received; the
@@ -97,13 +105,6 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
     return phases, int(max(acts + transient, held_b, held_c))
 
 
-def layer_backward_bytes(step: Step) -> int:
-    """The temporaries of a decoder layer's backward at its peak, inside the MLP: the gradient
-    of SwiGLU's input ([T, 2 x intermediate]) made beside the gradient of its output (which
-    replaces the output down_proj saved), and the hidden states' gradient flowing back."""
-    return 2 * step.tokens * step.s.intermediate * step.e + step.hidden_bytes
-
-
 def sums_buffers(step: Step, r: int) -> int:
     """tp_ext's flat all-reduce of each replica group's gradients (a model with experts): the
     group's gradients flattened in fp32 (fp64 for fp64 parameters) and the all-reduce's result
@@ -117,17 +118,21 @@ def sums_buffers(step: Step, r: int) -> int:
     return peak * step.flat_bytes
 
 
-def fsdp_buffers(step: Step, numel: int) -> int:
-    """FSDP2's unsharded buffers beside the shards."""
+def fsdp_buffers(step: Step, r: int) -> int:
+    """FSDP2's unsharded buffers beside the shards (of the tensors it shards: not the experts
+    each rank holds alone)."""
     if step.shard == 1:
         return 0
-    if step.m > 1:
+    layer = sum(rows_of(parts, 1) for parts, _ in step.fsdp_groups(step.layer_groups()))
+    if step.m > 1 or not step.layer_units:
         # accumulating without syncing (the local loop, and torch's pipelining) keeps FSDP2's
         # parameters unsharded between micro-batches and the gradients unsharded until the
         # last: both in full, and the last backward's all-gather buffer of a layer beside them
-        return 2 * numel * step.e + step.s.layer * step.e
+        # (a stage that is one unit: its tensors gathered from its first forward on)
+        numel = sum(rows_of(parts, 1) for parts, _ in step.fsdp_groups(step.replica_groups(r)))
+        return (2 * numel + layer) * step.e
     # one layer gathered, the next prefetched, and one layer's gradient to scatter
-    return 3 * step.s.layer * step.e
+    return 3 * layer * step.e
 
 
 def zero_phases(step: Step, r: int, params: int, grads: int, optimizer: int, backward: int):

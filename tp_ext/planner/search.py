@@ -1,5 +1,5 @@
 """The candidates worth running, best first: every (tp, pp, dp) that multiplies to the GPU count
-and that the model accepts (tp a TP degree, or a 2D grid (P, Q) at pp = 1), with each
+and that the model accepts (tp a TP degree, or a 2D grid (P, Q) of tp_ext's Qwen2), with each
 micro-batch size, schedule, activation checkpointing setting and DP engine (DDP, FSDP2, ZeRO-1,
 ZeRO-2), costed by :func:`tp_ext.planner.cost.estimate`; the ones that fit ranked by step time,
 then the ones that do not by how far over they are; each with a sentence saying why."""
@@ -70,15 +70,15 @@ def _grids(config: Qwen2Config, gpus: int):
 
 def _dims(config: Qwen2Config, gpus: int, global_batch: int, grids: bool):
     """Every ParallelDims of ``gpus`` ranks the model accepts whose dp divides the batch: a TP
-    degree the model takes, or a 2D grid (pp = 1), times a pipeline degree of at most one
-    stage per decoder layer."""
+    degree the model takes, or a 2D grid, times a pipeline degree of at most one stage per
+    decoder layer."""
     valid_tp = set(config.valid_tp_sizes())
     tps = [tp for tp in divisors(gpus) if tp in valid_tp]
     if grids and isinstance(config, Qwen2Config):  # 2D TP is the native model's
         tps += list(_grids(config, gpus))
     for tp in tps:
         size = tp if isinstance(tp, int) else tp[0] * tp[1]
-        for pp in divisors(gpus // size) if isinstance(tp, int) else [1]:
+        for pp in divisors(gpus // size):
             dims = ParallelDims(tp=tp, pp=pp).resolve(gpus)
             if pp <= config.num_hidden_layers and global_batch % dims.dp == 0:
                 yield dims
@@ -108,19 +108,17 @@ def _schedules(config: Qwen2Config, pp: int, m: int) -> list[tuple[str, int]]:
 
 def _engines(dims: ParallelDims) -> tuple:
     """The DP engines worth costing on these dims: none to choose with one replica of the
-    dense weights (DP x CP ranks); DDP, ZeRO-1 and ZeRO-2 always; FSDP2 but on a 2D grid (it
-    does not shard grid blocks) and with experts (their replicas are not the DP ranks)."""
+    dense weights (DP x CP ranks); else DDP, FSDP2, ZeRO-1 and ZeRO-2 (on 2D grids, with
+    experts and with context parallelism too)."""
     if dims.replicas == 1:
         return ("ddp",)
-    if dims.grid is not None or dims.ep > 1:
-        return ("ddp", "zero1", "zero2")
     return ("ddp", "fsdp", "zero1", "zero2")
 
 
 def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch,
                 grids: bool, cp: int = 1, cp_mode: str = "ring"):  # fmt: skip
-    # context parallelism runs with 1D TP (no grids), pipelining, EP and every DP engine
-    for dims in _dims(config, gpus // cp, global_batch, grids and cp == 1):
+    # context parallelism runs with 1D TP and 2D grids, pipelining, EP and every DP engine
+    for dims in _dims(config, gpus // cp, global_batch, grids):
         dims = dims.replace(cp=cp)
         per_replica = global_batch // dims.dp
         for mb in (1, 2, 4, 8) if micro_batch is None else (micro_batch,):
@@ -252,9 +250,10 @@ def plan(
     the hardware's), for steps of ``global_batch`` sequences of ``seq_len`` tokens, best first:
     candidates that fit ranked by estimated step time, then those that do not by how much they
     miss. ``top``: how many (None: all); ``micro_batch``: sequences per micro-batch (None: 1,
-    2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) among the candidates
-    (pp = 1; DDP, ZeRO-1 or ZeRO-2). ``cp``: the context-parallel degree every candidate
-    takes (``gpus`` split into tp x cp x pp x dp; no grids), its attention by ``cp_mode``.
+    2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) of tp_ext's Qwen2 among the
+    candidates (with pipelining, every DP engine and context parallelism, as 1D TP). ``cp``:
+    the context-parallel degree every candidate takes (``gpus`` split into tp x cp x pp x
+    dp), its attention by ``cp_mode``.
     ``dtype``: the parameters' (None: a job file's ``parallel.dtype``, float32 when it names
     none, as the job trains; a Hugging Face config's ``torch_dtype``; else bfloat16)."""
     config, dtype = _model_config(config, dtype)

@@ -1,12 +1,14 @@
-"""One training step of a 1D candidate as the cost model sees it (:class:`Step`): the quantities
-an estimate derives once from its arguments, how the Trainer synchronises the gradients, and what
+"""One training step of a candidate as the cost model sees it (:class:`Step`): the quantities an
+estimate derives once from its arguments, how the Trainer synchronises the gradients, and what
 each pipeline rank r holds (its layers, parameter shards, ZeRO rows, activations). The costs read
 it: memory (:mod:`.memory`), bytes (:mod:`.traffic`), time (:mod:`.timing`).
 
-The counts follow tp_ext's own code, not a textbook formula: parameters per rank are those of
-the real layers built on the meta device (the one shard policy), the activation bytes are what
-tp_ext's decoder layer saves for backward (fused QKV and gate/up, flash-style attention saving
-its output and log-sum-exp)."""
+The step is the Trainer's one core (runner, gradient sync, optimizer); what depends on the
+model (its shards, what a layer saves, its TP bytes and FLOPs) is a few methods: 1D TP's here,
+a 2D grid's in :class:`~tp_ext.planner.cost_2d.GridStep`. The counts follow tp_ext's own code,
+not a textbook formula: parameters per rank are those of the real layers built on the meta
+device (the one shard policy), the activation bytes are what tp_ext's decoder layer saves for
+backward (fused QKV and gate/up, flash-style attention saving its output and log-sum-exp)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,27 @@ from typing import Optional
 
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.pipeline.data_parallel import ZERO_STAGES, choose_sync
+from tp_ext.pipeline.schedules import SCHEDULES
 from tp_ext.planner.candidate import Candidate
-from tp_ext.planner.counts import padded_pieces, rank_shapes, shard_numel
-from tp_ext.planner.hf_model import HFModel, hf_layer_activation_bytes, hf_rank_shapes
+from tp_ext.planner.counts import (
+    RankShapes,
+    head_flops,
+    layer_flops,
+    op_counts,
+    padded_pieces,
+    rank_shapes,
+    shard_numel,
+)
+from tp_ext.planner.hf_model import (
+    HFModel,
+    hf_layer_activation_bytes,
+    hf_op_counts,
+    hf_rank_shapes,
+)
 from tp_ext.sharding import StageSplit, cp_chunks
 from tp_ext.validation import dtype_bytes
 
-__all__ = ["Step", "V_SCHEDULES", "gradient_sync", "in_flight", "rows_of"]
+__all__ = ["Step", "V_SCHEDULES", "gradient_sync", "in_flight", "rows_of", "split_backwards"]
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
 
@@ -56,6 +72,24 @@ def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     return ahead
 
 
+def split_backwards(schedule: str, pp: int, m: int, stage: int) -> int:
+    """Micro-batches whose backward on ``stage`` torch's schedule splits into an input pass and
+    a weight pass: none outside the weight-split (zero-bubble) schedules; all m in
+    InterleavedZeroBubble and ZBVZeroBubble (every backward action an input one); in DualPipeV
+    (torch's ScheduleDualPipeV, rank r holding stages r and 2 pp - 1 - r) only its zero-bubble
+    steps': r // 2 + 1 (step 6) and pp - r - 1 (step 7) of stage r, pp - r - 1 (step 3) and
+    (r + 1) // 2 (step 6) of stage 2 pp - 1 - r; the rest are full backwards (the overlapped
+    F&B steps). The first stage's split runs as one backward (its input takes no gradient)."""
+    if not SCHEDULES[schedule].weight_split or stage == 0:
+        return 0
+    if schedule != "DualPipeV":
+        return m
+    rank = min(stage, 2 * pp - 1 - stage)
+    if stage == rank:
+        return rank // 2 + 1 + pp - rank - 1
+    return pp - rank - 1 + (rank + 1) // 2
+
+
 def layer_activation_bytes(s, config: Qwen2Config, b: int, seq: int, c: int) -> int:
     """What one tp_ext decoder layer saves for backward for ``b`` sequences of ``seq`` tokens in
     a dtype of ``c`` bytes (counted from its code): the two norms' inputs and outputs (4 x
@@ -77,14 +111,15 @@ def _expert_replicas(dims) -> int:
 
 
 class Step:
-    """One training step of a 1D candidate: the estimate's quantities derived once from its
+    """One training step of a candidate (1D TP): the estimate's quantities derived once from its
     arguments, and what each pipeline rank r holds."""
 
     def __init__(self, config, candidate: Candidate, seq_len, hardware, gpus_per_node):
         dims = candidate.dims
         self.config, self.candidate, self.hardware = config, candidate, hardware
         self.seq_len, self.gpus_per_node = seq_len, gpus_per_node
-        self.tp, self.pp, self.dp, self.v = dims.tp, dims.pp, dims.dp, dims.virtual_stages
+        # tp: the ranks of the TP group (a grid's P x Q)
+        self.tp, self.pp, self.dp, self.v = dims.tp_size, dims.pp, dims.dp, dims.virtual_stages
         self.ep = dims.ep
         # context parallelism: each rank holds two of 2 cp chunks of every sequence; the
         # busiest holds the most positions (tp_ext.sharding.cp_chunks)
@@ -95,15 +130,15 @@ class Step:
         # the ranks holding the same dense weights (DP x CP: each CP rank scores its own
         # positions of the same sequences), which the gradient sync sums over; the experts'
         self.replicas = dims.replicas
-        self.expert_replicas = _expert_replicas(dims) if dims.ep > 1 else 1
+        self.expert_replicas = _expert_replicas(dims)  # (at ep = 1: the dense weights')
         self.sync = gradient_sync(candidate.data_parallel, self.replicas, dims.ep > 1)
-        self.m, self.b = candidate.num_micro_batches, candidate.micro_batch
+        self.m, self.micro_batch = candidate.num_micro_batches, candidate.micro_batch
+        self.b = self._sequences()  # the sequences of a micro-batch this rank computes
         self.recompute = candidate.activation_checkpointing
         self.e = dtype_bytes(candidate.dtype)  # activations take the parameters' dtype too
         # what tp_ext's own flat gradient buffers take per element (fp32; fp64 for fp64)
         self.flat_bytes = 8 if self.e == 8 else 4
-        hf = isinstance(config, HFModel)
-        self.s = hf_rank_shapes(config, self.tp, dims.ep) if hf else rank_shapes(config, self.tp)
+        self.s = self._shapes()
         # a model with experts runs whole at pp = 1: its loss on full logits (a pipeline: on its
         # vocabulary shard)
         self.logits_vocab = config.vocab_size if dims.ep > 1 and self.pp == 1 else self.s.vocab
@@ -112,7 +147,14 @@ class Step:
         default_split = getattr(config, "default_pipeline_split", None)
         split = default_split(self.pp * self.v) if default_split else None
         self.stages = StageSplit(config.num_hidden_layers, self.pp, self.v, split, order)
+        # (decoder layers, the first stage, the last stage) of each pipeline rank (asked by
+        # every cost; the search builds thousands of steps)
+        self._held = [self._holds(self.stages.stages_of(r)) for r in range(self.pp)]
+        # FSDP2 shards every tensor along dim 0 over its replicas (the experts' over theirs)
         self.shard = self.replicas if self.sync == "fsdp" else 1
+        # its units: each decoder layer and the stage (a transformers model with experts run
+        # whole at pp = 1, tp_ext.training.adapters.WholeModel: the stage alone)
+        self.layer_units = not (dims.ep > 1 and self.pp == 1)
         # ZeRO (over more than one replica; else the Trainer steps a plain optimizer): 1 or 2,
         # else 0; its master rows and AdamW state are fp32 (fp64 for fp64 parameters)
         self.zero = ZERO_STAGES.get(candidate.data_parallel, 0) if self.replicas > 1 else 0
@@ -122,25 +164,112 @@ class Step:
         # the tokens the loss scores on this rank (each CP rank its positions: the last
         # position's target is ignored, on the rank holding it)
         self.loss_tokens = self.b * (seq_len - 1) if self.cp == 1 else self.tokens
-        # one [micro_batch, seq, hidden] activation: a layer's input, a stage boundary's send
-        self.hidden_bytes = self.tokens * config.hidden_size * self.e
-        if hf:  # measured on the architecture itself
-            self.act_layer = hf_layer_activation_bytes(
-                self.s, config, self.b, self.local_seq, self.e, self.tp, dims.ep, candidate.dtype
-            )
-        else:
-            self.act_layer = layer_activation_bytes(self.s, config, self.b, self.local_seq, self.e)
+        # one hidden state of a micro-batch on this rank ([sequences, positions, features]): a
+        # layer's input, a stage boundary's send
+        self.hidden_bytes = self.tokens * self._hidden_features() * self.e
+        self.act_layer = self._layer_activations()
+
+    # ---- the model: what the 1D layers hold and do (a 2D grid's: cost_2d.GridStep) ---------
+
+    def _sequences(self) -> int:
+        """The sequences of a micro-batch each rank computes (1D TP: all of them)."""
+        return self.micro_batch
+
+    def _shapes(self) -> RankShapes:
+        dims, config = self.candidate.dims, self.config
+        if isinstance(config, HFModel):
+            return hf_rank_shapes(config, self.tp, dims.ep)
+        return rank_shapes(config, self.tp)
+
+    def _hidden_features(self) -> int:
+        """The features of a hidden state each rank holds (1D TP: all of them)."""
+        return self.config.hidden_size
+
+    def _layer_activations(self) -> int:
+        """What one decoder layer saves for backward per micro-batch."""
+        if isinstance(self.config, HFModel):  # measured on the architecture itself
+            return hf_layer_activation_bytes(self.s, self.config, self.b, self.local_seq, self.e,
+                                             self.tp, self.ep, self.candidate.dtype)  # fmt: skip
+        return layer_activation_bytes(self.s, self.config, self.b, self.local_seq, self.e)
+
+    def head_bytes(self) -> int:
+        """What the head saves for backward per micro-batch on the last stage: the final norm's
+        input and output, the logits, the loss's per-token statistics."""
+        logits = self.tokens * self.logits_vocab * self.e
+        return 2 * self.hidden_bytes + logits + 8 * self.loss_tokens + 4 * self.tp
+
+    def head_weight_numel(self) -> int:
+        """Elements of this rank's LM head weight (its gradient is made in the head's
+        backward)."""
+        return self.s.vocab * self.config.hidden_size
+
+    def layer_backward_bytes(self) -> int:
+        """The temporaries of a decoder layer's backward at its peak, inside the MLP: the
+        gradient of SwiGLU's input ([T, 2 x intermediate]) made beside the gradient of its
+        output (which replaces the output down_proj saved), and the hidden states' gradient
+        flowing back."""
+        return 2 * self.tokens * self.s.intermediate * self.e + self.hidden_bytes
+
+    def ids_on(self, r: int) -> int:
+        """The input ids (every CP rank gets whole sequences, and keeps its positions)."""
+        if not self.first_on(r):
+            return 0
+        return self.b * self.seq_len * 8 + (self.tokens * 8 if self.cp > 1 else 0)
+
+    def tp_bytes_on(self, r: int) -> int:
+        """TP bytes per step of rank r. Forward: each layer's two row-parallel all-reduces and
+        the vocab-parallel embedding's; backward: the column-parallel inputs' gradients and the
+        LM head's (non-reentrant checkpointing stops recomputing after the last saved tensor it
+        needs, before the MLP's all-reduce: one more per layer); the loss's max and shard
+        sizes, then 3 sums per token."""
+        if self.tp == 1:
+            return 0
+        layers, last = self.layers_on(r), self.last_on(r)
+        fwd = (3 if self.recompute else 2) * layers + self.first_on(r)
+        bwd = 2 * layers + last
+        n = self.loss_tokens
+        loss = (n + self.tp) * 4 + 3 * n * 4 if last else 0
+        return self.m * ((fwd + bwd) * self.hidden_bytes + loss)
+
+    def flops_on(self, r: int) -> float:
+        """FLOPs of one micro-batch's forward + backward on rank r (each CP rank: its share of
+        the positions and, balanced chunks, of attention's pairs)."""
+        recompute = 4 / 3 if self.recompute else 1
+        flops = self.layers_on(r) * layer_flops(self.s, self.b, self.seq_len) * recompute
+        if self.last_on(r):
+            flops += head_flops(self.s, self.config, self.b, self.seq_len)
+        return flops / self.cp
+
+    def op_counts(self) -> dict:
+        """Operators a micro-batch dispatches (per layer, its forward, embedding, head)."""
+        config = self.config
+        return hf_op_counts(config) if isinstance(config, HFModel) else op_counts(config)
+
+    def tp_seconds(self, tp_bytes: float, layers: int, crosses: bool) -> float:
+        """Seconds of one micro-batch's TP collectives (``tp_bytes`` of them, ``layers``
+        decoder layers): a ring's bus bytes at the link's rate and each collective's
+        latency."""
+        if self.tp == 1:
+            return 0.0
+        hw, recompute = self.hardware, 1 if self.recompute else 0
+        collectives = (4 + recompute) * layers + 2
+        bus = 2 * (self.tp - 1) / self.tp
+        return tp_bytes * bus / hw.link(crosses) + collectives * hw.latency
 
     # ---- what rank r holds ---------------------------------------------------------------
 
+    def _holds(self, stages: list) -> tuple[int, bool, bool]:
+        layers = sum(len(self.stages.layers_of(st)) for st in stages)
+        return layers, 0 in stages, self.stages.last_stage in stages
+
     def layers_on(self, r: int) -> int:
-        return sum(len(self.stages.layers_of(st)) for st in self.stages.stages_of(r))
+        return self._held[r][0]
 
     def first_on(self, r: int) -> bool:
-        return 0 in self.stages.stages_of(r)
+        return self._held[r][1]
 
     def last_on(self, r: int) -> bool:
-        return self.stages.last_stage in self.stages.stages_of(r)
+        return self._held[r][2]
 
     def params_on(self, r: int) -> tuple[int, int]:
         """(parameters, tensors) of rank r's TP-rank-0 shards (exact: rank 0's are the
@@ -189,6 +318,22 @@ class Step:
             (self.expert_shapes_on(r), self.expert_replicas),
         ]
 
+    def layer_groups(self) -> list[tuple[list, int]]:
+        """One decoder layer's tensors by replica group, as :meth:`replica_groups` gives a
+        rank's."""
+        experts = [(self.s.expert_rows, 1)] if self.s.expert_rows else []
+        return [([(self.s.dense_layer_rows, 1)], self.replicas), (experts, self.expert_replicas)]
+
+    @staticmethod
+    def fsdp_groups(groups) -> list[tuple[list, int]]:
+        """Those of ``groups`` (as :meth:`replica_groups` gives them) that FSDP2 shards: every
+        one with replicas (where each rank holds its own experts, they stay out of FSDP2)."""
+        return [(parts, size) for parts, size in groups if parts and size > 1]
+
+    def alone_numel_on(self, r: int) -> int:
+        """Elements of rank r's tensors that no other rank holds (experts left out of FSDP2)."""
+        return sum(rows_of(parts, 1) for parts, size in self.replica_groups(r) if size == 1)
+
     def sync_groups(self, r: int) -> list[tuple[int, int]]:
         """(parameters, replicas) of each of rank r's :meth:`replica_groups`."""
         return [(rows_of(parts, 1), size) for parts, size in self.replica_groups(r)]
@@ -213,12 +358,6 @@ class Step:
     def in_flight(self, r: int) -> float:
         return in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
 
-    def head_bytes(self) -> int:
-        """What the head saves for backward per micro-batch on the last stage: the final norm's
-        input and output, the logits, the loss's per-token statistics."""
-        logits = self.tokens * self.logits_vocab * self.e
-        return 2 * self.hidden_bytes + logits + 8 * self.loss_tokens + 4 * self.tp
-
     def activations_on(self, r: int) -> tuple[int, int]:
         """(activations held at rank r's peak, the transient tensors of the backward that
         starts there): every in-flight micro-batch's saved tensors (with activation
@@ -232,7 +371,7 @@ class Step:
         if self.last_on(r):
             acts += self.in_flight(r) * self.head_bytes()
             logits = self.tokens * self.logits_vocab * c
-            head = s.vocab * self.config.hidden_size * c + self.hidden_bytes
+            head = self.head_weight_numel() * c + self.hidden_bytes
             # torch's schedule keeps its stage's output (the logits) until the stage's backward
             # ends; the local loop frees them with the loss's backward, before the head's
             if self.pp == 1:
@@ -242,12 +381,6 @@ class Step:
         if self.pp > 1:
             acts += self.in_flight(r) * self.hidden_bytes
         return acts, transient
-
-    def ids_on(self, r: int) -> int:
-        """The input ids (every CP rank gets whole sequences, and keeps its positions)."""
-        if not self.first_on(r):
-            return 0
-        return self.b * self.seq_len * 8 + (self.tokens * 8 if self.cp > 1 else 0)
 
 
 def rows_of(parts, size: int, rank: int = 0) -> int:

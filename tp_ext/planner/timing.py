@@ -1,4 +1,4 @@
-"""How long one step of a 1D candidate (:class:`~tp_ext.planner.step.Step`) takes on a
+"""How long one step of a candidate (:class:`~tp_ext.planner.step.Step`) takes on a
 :class:`~tp_ext.planner.hardware.Hardware`: each micro-batch's compute (FLOPs at the device's
 rate and a fixed cost per dispatched operator), its TP, CP and PP communication, the pipeline
 bubble, the DP traffic not hidden behind compute and the optimizer step (:func:`step_timing`)."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 
 from tp_ext.pipeline.schedules import SCHEDULES
-from tp_ext.planner.counts import ZERO2_BUCKET_BYTES, head_flops, layer_flops, op_counts
-from tp_ext.planner.hf_model import HFModel, hf_op_counts
+from tp_ext.planner.counts import ZERO2_BUCKET_BYTES
 from tp_ext.planner.step import Step
 
 __all__ = ["bubble_fraction", "step_timing"]
@@ -26,10 +25,6 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
     if schedule == "Interleaved1F1B":
         return (pp - 1) / (v * m + pp - 1)
     return (pp - 1) / (3 * v * m + pp - 1)
-
-
-def _op_counts(config) -> dict:
-    return hf_op_counts(config) if isinstance(config, HFModel) else op_counts(config)
 
 
 def crosses_nodes(step: Step) -> tuple[bool, bool, bool]:
@@ -50,18 +45,13 @@ def compute_on(step: Step, r: int) -> float:
     """Seconds of one micro-batch's forward + backward on pipeline rank r: its FLOPs at the
     device's rate, and its operators' fixed cost (dispatch, launch: what dominates small
     shapes)."""
-    layers, hw = step.layers_on(r), step.hardware
-    ops, recompute = _op_counts(step.config), 1 if step.recompute else 0
-    # each CP rank: its share of the positions and (balanced chunks) of attention's pairs
-    flops = layers * layer_flops(step.s, step.b, step.seq_len) * (4 / 3 if recompute else 1)
-    flops /= step.cp
-    n_ops = layers * (ops["layer"] + recompute * ops["layer_forward"])
+    ops, recompute = step.op_counts(), 1 if step.recompute else 0
+    n_ops = step.layers_on(r) * (ops["layer"] + recompute * ops["layer_forward"])
     if step.last_on(r):
-        flops += head_flops(step.s, step.config, step.b, step.seq_len) / step.cp
         n_ops += ops["head"]
     if step.first_on(r):
         n_ops += ops["embedding"]
-    return flops / hw.flops + n_ops * hw.op_overhead
+    return step.flops_on(r) / step.hardware.flops + n_ops * step.hardware.op_overhead
 
 
 def cp_seconds(step: Step, comm: dict, layers_max: int, compute: float) -> float:
@@ -81,15 +71,12 @@ def cp_seconds(step: Step, comm: dict, layers_max: int, compute: float) -> float
 
 
 def micro_batch_seconds(step: Step, comm: dict, layers_max: int) -> tuple:
-    """(TP seconds, PP seconds) of one micro-batch: a ring's bus bytes at the link's rate and
-    each collective's latency; each stage boundary a rank crosses: a send and a receive
-    forward, the same backward."""
-    hw, tp, pp, m = step.hardware, step.tp, step.pp, step.m
+    """(TP seconds, PP seconds) of one micro-batch: the model's TP collectives
+    (:meth:`~tp_ext.planner.step.Step.tp_seconds`); each stage boundary a rank crosses: a send
+    and a receive forward, the same backward."""
+    hw, pp, m = step.hardware, step.pp, step.m
     tp_cross, pp_cross, _ = crosses_nodes(step)
-    recompute = 1 if step.recompute else 0
-    bus = 2 * (tp - 1) / tp if tp > 1 else 0
-    collectives = ((4 + recompute) * layers_max + 2) if tp > 1 else 0
-    tp_time = (comm["tp"] / m) * bus / hw.link(tp_cross) + collectives * hw.latency
+    tp_time = step.tp_seconds(comm["tp"] / m, layers_max, tp_cross)
     if pp == 1:
         return tp_time, 0.0
     boundaries = 2 * step.v

@@ -1,8 +1,8 @@
-"""The bytes one pipeline rank of a 1D candidate (:class:`~tp_ext.planner.step.Step`)
-communicates per step over TP, CP, PP and DP, counted as the tests count them: tp_ext's
-collectives as ``tp_ext.comm.track()`` records them (an all-reduce's tensor, an all-gather's
-gathered output, a reduce-scatter's full input), torch's own (pipelining's sends, DDP's and
-FSDP2's collectives) by their tensors."""
+"""The bytes one pipeline rank of a candidate (:class:`~tp_ext.planner.step.Step`) communicates
+per step over CP, PP and DP (over TP: the model's own, ``Step.tp_bytes_on``), counted as the
+tests count them: tp_ext's collectives as ``tp_ext.comm.track()`` records them (an all-reduce's
+tensor, an all-gather's gathered output, a reduce-scatter's full input), torch's own
+(pipelining's sends, DDP's and FSDP2's collectives) by their tensors."""
 
 from __future__ import annotations
 
@@ -11,22 +11,7 @@ from tp_ext.planner.counts import fsdp_numel
 from tp_ext.planner.step import Step
 from tp_ext.sharding import cp_chunks, shard_sizes
 
-__all__ = ["tp_bytes_on", "cp_bytes_on", "pp_bytes_on", "dp_bytes_on"]
-
-
-def tp_bytes_on(step: Step, r: int) -> int:
-    """Forward: each layer's two row-parallel all-reduces and the vocab-parallel embedding's;
-    backward: the column-parallel inputs' gradients and the LM head's (non-reentrant
-    checkpointing stops recomputing after the last saved tensor it needs, before the MLP's
-    all-reduce: one more per layer); the loss's max and shard sizes, then 3 sums per token."""
-    if step.tp == 1:
-        return 0
-    layers, last = step.layers_on(r), step.last_on(r)
-    fwd = (3 if step.recompute else 2) * layers + step.first_on(r)
-    bwd = 2 * layers + last
-    n = step.loss_tokens
-    loss = (n + step.tp) * 4 + 3 * n * 4 if last else 0
-    return step.m * ((fwd + bwd) * step.hidden_bytes + loss)
+__all__ = ["cp_bytes_on", "pp_bytes_on", "dp_bytes_on"]
 
 
 def cp_bytes_on(step: Step, r: int) -> int:
@@ -85,24 +70,34 @@ def pp_bytes_on(step: Step, r: int) -> int:
 
 def fsdp_bytes_on(step: Step, r: int) -> tuple[int, int]:
     """(all-gather bytes, reduce-scatter bytes) of FSDP2 per stage (each its own root unit): a
-    layer is gathered for each forward that finds it resharded (non-root units reshard after
-    forward) and for each backward after a forward (accumulating micro-batches keep it
-    unsharded after a backward until the last), which for a stage's F...B sequence of m
-    micro-batches is m + 1 times; the root unit (embedding, final norm, head) keeps its
-    parameters from its first forward to the step's end: once. Then one reduce-scatter of
-    every gradient."""
+    unit that is not the root (a decoder layer's dense tensors; the experts', their own units
+    on their replicas, none where each rank holds its own) is gathered for each forward that
+    finds it resharded (non-root units reshard after forward) and for each backward after a
+    forward (accumulating micro-batches keep it unsharded after a backward until the last),
+    which for a stage's F...B sequence of m micro-batches is m + 1 times; the root unit
+    (embedding, final norm, head; a transformers model run whole at pp = 1: its decoder layers'
+    dense tensors too, no unit of their own) keeps its parameters from its first forward to
+    the step's end: once. Then one reduce-scatter of every gradient."""
     s, size, stages = step.s, step.shard, step.stages
+    dense, experts = (_fsdp_elements(step.fsdp_groups([group])) for group in step.layer_groups())
     gathered = scattered = 0
     for st in stages.stages_of(r):
-        layers = len(stages.layers_of(st)) * fsdp_numel(s.layer_rows, size)
+        layers = len(stages.layers_of(st))
         root = fsdp_numel(s.embedding_rows, size) if st == 0 else 0
         if st == stages.last_stage:
             root += fsdp_numel(s.final_rows, size)
             if step.config.tie_word_embeddings and step.pp == 1:  # one tensor, once
                 root -= fsdp_numel(s.embedding_rows, size)
-        gathered += (step.m + 1) * layers + root
-        scattered += layers + root
+        units = layers * experts + (layers * dense if step.layer_units else 0)
+        root += 0 if step.layer_units else layers * dense
+        gathered += (step.m + 1) * units + root
+        scattered += units + root
     return gathered * step.e, scattered * step.e
+
+
+def _fsdp_elements(groups) -> int:
+    """Elements of FSDP2's unsharded buffers of these replica groups' tensors."""
+    return sum(n * fsdp_numel(shapes, size) for parts, size in groups for shapes, n in parts)
 
 
 def dp_bytes_on(step: Step, r: int) -> tuple[int, int, int]:
@@ -114,19 +109,20 @@ def dp_bytes_on(step: Step, r: int) -> tuple[int, int, int]:
     all-reduces after the step, flattened in fp32 (fp64 for fp64 parameters);
     sums (experts): tp_ext's flat all-reduce of each replica group's gradients, in fp32;
     ZeRO-2: the reduce-scatter of every gradient (in buckets); FSDP2: :func:`fsdp_bytes_on`;
-    under ZeRO then the all-gather of every updated row (every parameter, once)."""
+    under ZeRO then the all-gather of every updated row (every parameter, once). ZeRO and the
+    sums leave out the experts each rank holds alone (no replicas to sum or gather over)."""
     numel = step.held_params_on(r)[0]
-    gathered = numel * step.e if step.zero else 0
+    synced = sum(n for n, size in step.sync_groups(r) if size > 1)
+    gathered = synced * step.e if step.zero else 0
     if step.sync is None:
         return 0, 0, 0
     if step.sync == "fsdp":
         gathered, scattered = fsdp_bytes_on(step, r)
         return gathered + scattered, gathered, scattered
     if step.sync == "reduce_scatter":
-        return numel * step.e + gathered, gathered, numel * step.e
+        return synced * step.e + gathered, gathered, synced * step.e
     if step.sync == "sums":
-        summed = sum(n for n, size in step.sync_groups(r) if size > 1)
-        return summed * step.flat_bytes + gathered, gathered, 0
+        return synced * step.flat_bytes + gathered, gathered, 0
     if SCHEDULES[step.candidate.schedule].weight_split:
         return numel * step.flat_bytes + gathered, gathered, 0
     return numel * step.e + gathered, gathered, 0
