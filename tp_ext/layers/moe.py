@@ -261,9 +261,11 @@ class ExpertParallelMoE(ParallelModule):
 
     ``sequence`` (a :class:`~tp_ext.layers.sequence.SequenceShards`): sequence parallelism; the
     layer takes and returns this TP rank's sequence shard (:meth:`_forward_shard`), the router's
-    and shared-expert gate's gradients summed over TP (:func:`sequence_parallel_router`). With
-    the EP group across TP ranks the shard is this rank's share of the tokens, and
-    ``tokens_per_expert`` counts its own.
+    and shared-expert gate's gradients summed over TP (:func:`sequence_parallel_router`). A
+    shared expert must then give this rank's partial sum (its row-parallel linear built with
+    ``reduce_output=False``, as parallelize does): the layer reduce-scatters it with the routed
+    experts'. With the EP group across TP ranks the shard is this rank's share of the tokens,
+    and ``tokens_per_expert`` counts its own.
     """
 
     def __init__(
