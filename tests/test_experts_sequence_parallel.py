@@ -1,10 +1,10 @@
-"""Experts with sequence parallelism: transformers' Mixtral and Qwen2-MoE (routed experts and a
-gated shared expert) under ``parallelize("auto", sequence_parallel=True)``, their experts split
-over TP (ep 1: the block's own forward between one gather and one reduce-scatter) or spread over
-an EP group (ep 2: ExpertParallelMoE, the EP group from DP ranks or across TP ranks). In fp64:
-the logits, loss, the model's own load-balancing loss and every gradient equal the unsharded
-model's, on sequences split unevenly too; and Trainer steps (with DDP, FSDP2, ZeRO) equal one
-process training on every replica's micro-batches."""
+"""Experts with sequence parallelism: transformers' Mixtral, Qwen2-MoE (routed experts and a
+gated shared expert) and Qwen3-MoE under ``parallelize("auto", sequence_parallel=True)``, their
+experts split over TP (ep 1: the block's own forward between one gather and one
+reduce-scatter) or spread over an EP group (ep > 1: ExpertParallelMoE, the EP group from DP
+ranks or across TP ranks). In fp64: the logits, loss, the model's own load-balancing loss and
+every gradient equal the unsharded model's, on sequences split unevenly too; and Trainer steps
+(with DDP, FSDP2, ZeRO) equal one process training on every replica's micro-batches."""
 
 from __future__ import annotations
 
@@ -76,12 +76,11 @@ SMALL = [("mixtral", (2, 1, 1)), ("qwen2_moe", (3, 1, 1)), ("qwen2_moe", (2, 1, 
 
 
 def _cases():
-    for kind in ("mixtral", "qwen2_moe"):
-        for layout in LAYOUTS:
-            marks = () if (kind, layout) in SMALL else (pytest.mark.full_matrix,)
-            yield pytest.param(
-                kind, layout, marks=marks, id="{}-tp{}-dp{}-ep{}".format(kind, *layout)
-            )
+    qwen3 = [("qwen3_moe", layout) for layout in [(2, 1, 1), (3, 1, 1), (2, 1, 2), (2, 2, 2)]]
+    every = [(kind, layout) for kind in ("mixtral", "qwen2_moe") for layout in LAYOUTS] + qwen3
+    for kind, layout in every:
+        marks = () if (kind, layout) in SMALL else (pytest.mark.full_matrix,)
+        yield pytest.param(kind, layout, marks=marks, id="{}-tp{}-dp{}-ep{}".format(kind, *layout))
 
 
 @pytest.mark.parametrize("kind,layout", _cases())
@@ -99,7 +98,7 @@ def test_experts_with_sequence_parallelism_equal_transformers(kind, layout):
     # attention reduce-scatters, and each MoE block gathers once and reduce-scatters once, but
     # not with an EP group across TP ranks and no shared expert (each rank's shard routed as it
     # is); the final norm gathers for the head. No all-reduce but the embedding's.
-    per_block = 0 if ep > dp and kind == "mixtral" else 1
+    per_block = 0 if ep > dp and kind != "qwen2_moe" else 1
     assert counts == [2 + 2 * per_block + 1, 2 + 2 * per_block, 1], counts
 
 
@@ -177,6 +176,8 @@ TRAIN = [
     pytest.param("mixtral", (2, 2, 4), "fsdp", id="mixtral-tp2-dp2-ep4-fsdp",
                  marks=pytest.mark.full_matrix),
     pytest.param("qwen2_moe", (2, 2, 1), "zero1", id="qwen2_moe-tp2-dp2-zero1",
+                 marks=pytest.mark.full_matrix),
+    pytest.param("qwen3_moe", (2, 1, 2), "ddp", id="qwen3_moe-tp2-ep2",
                  marks=pytest.mark.full_matrix),
 ]  # fmt: skip
 

@@ -250,17 +250,22 @@ def _config(kind):
             norm_topk_prob=False,
             **common,
         )
+    elif kind == "qwen3_moe":  # per-head q/k norms, top-k renormalised
+        cfg = transformers.Qwen3MoeConfig(
+            num_experts=EXPERTS, moe_intermediate_size=24, norm_topk_prob=True, **common
+        )
     else:
         cfg = transformers.MixtralConfig(num_local_experts=EXPERTS, **common)
     cfg._attn_implementation = "eager"
     return cfg
 
 
+_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def _model(kind):
     torch.manual_seed(0)
-    cls = (
-        transformers.Qwen2MoeForCausalLM if kind == "qwen2_moe" else transformers.MixtralForCausalLM
-    )
+    cls = getattr(transformers, _CLASSES.get(kind, "MixtralForCausalLM"))
     return cls(_config(kind)).eval()
 
 
