@@ -60,9 +60,13 @@ def _reusing_meshes(init_device_mesh):
 
 def _destroy_test_groups():
     """Destroy the process groups a test made with new_group (EP, 2D grids, checkpoint groups),
-    keeping the world group and the reused meshes' groups (see _reusing_meshes)."""
+    keeping the world group and the reused meshes' groups (see _reusing_meshes). DTensor's
+    sharding-propagation caches go too: a mesh made from such a group (DeviceMesh.from_group:
+    FSDP2 over DP x CP or expert-DP ranks) equals a later test's mesh of the same ranks, and a
+    cached plan would hand that test the destroyed group's name."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     if not dist.is_initialized():
         return
@@ -70,6 +74,7 @@ def _destroy_test_groups():
     for group in list(c10d._world.pg_map):
         if group is not world and not getattr(group, "group_desc", "").startswith("mesh_"):
             dist.destroy_process_group(group)
+    _clear_sharding_prop_cache()
 
 
 def _reset_tp_ext_state():

@@ -235,7 +235,6 @@ def refusal(case: Case) -> Optional[str]:
         (case.sp and (not hf or tp == 1), "sequence parallelism: parallelize's, at tp > 1"),
         (case.ep > 1 and case.arch != "mixtral", "expert parallelism needs experts"),
         (case.ep > 1 and case.ep not in _ep_choices(case.dp, tp), "ep does not fit dp x tp"),
-        (case.arch == "mixtral" and case.sp, "experts with sequence parallelism: not yet"),
         (case.dp * case.cp == 1 and case.data_parallel != "ddp", "one replica: no DP engine"),
         (
             case.pipeline_weight_split and case.data_parallel == "fsdp",

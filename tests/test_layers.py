@@ -140,6 +140,31 @@ def _check_linears():
             )
             assert_rel(x.grad, expected_dx, f"{what}: input gradient")
             _check_param_grads(layer, ref, what)
+    for bias in (True, False):
+        _check_unreduced_row(bias)
+
+
+def _check_unreduced_row(bias):
+    """reduce_output=False: each rank's output a partial sum (the bias in rank 0's only), which
+    the caller reduces; every rank's gradients as the reduced layer's."""
+    from tp_ext.distributed import comm
+
+    what = f"row(10->6, bias={bias}, reduce_output=False)"
+    layer, ref = _loaded(
+        RowParallelLinear(10, 6, bias, reduce_output=False), nn.Linear(10, 6, bias), 4
+    )
+    x_full = full((2, 3, 10), 13)
+    x = layer.partition.local(x_full, -1, rank()).clone().requires_grad_()
+    xr = x_full.clone().requires_grad_()
+    y, ref_y = comm.reduce_from_tp(layer(x), layer.tp), ref(xr)
+    assert_rel(y, ref_y, f"{what}: output")
+    g = full(ref_y.shape, 14)
+    y.backward(g)
+    ref_y.backward(g)
+    assert_rel(x.grad, layer.partition.local(xr.grad, -1, rank()), f"{what}: input gradient")
+    _check_param_grads(layer, ref, what)
+    with pytest.raises(ValueError, match="give one of them"):
+        RowParallelLinear(10, 6, sequence_parallel=True, reduce_output=False)
 
 
 def _maybe_compiled(layer, backend):

@@ -235,9 +235,8 @@ def test_auto_on_the_decoders_users_bring(ws):
     assert seen == {arch: ("exact" if e == "exact" else "refused") for arch, _, _, e in CASES}
 
 
-# split experts do not take a sequence-split stream yet, and OPT flattens batch and sequence
-# before its MLP's norm: both refused with the reason
-SP_REFUSED = ("mixtral", "qwen2-moe", "opt")
+# OPT flattens batch and sequence before its MLP's norm: refused with the reason
+SP_REFUSED = ("opt",)
 
 
 @pytest.mark.parametrize("ws", [2, 3])  # 3: 7 tokens split unevenly along the sequence

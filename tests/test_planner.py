@@ -581,7 +581,7 @@ def test_bad_input_is_refused_clearly():
         plan(config, gpus=12, gpus_per_node=8, seq_len=64)
     hw = load_hardware("cpu")
     tied = _config(tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="the 2D model does not support tied embeddings"):
+    with pytest.raises(ValueError, match="the 2D cost model does not count a tied embedding"):
         estimate(tied, Candidate(ParallelDims((2, 2), 2, 1), 1, 2), seq_len=64, hardware=hw)
     with pytest.raises(ValueError, match="a grid of 8 columns splits 4 KV heads"):
         estimate(config, Candidate(ParallelDims((1, 8), 1, 1), 1, 1), seq_len=64, hardware=hw)

@@ -310,7 +310,10 @@ class RowParallelLinear(_ParallelLinear):
     The input is this rank's slice of the input features (``input_is_parallel=True``, the output
     of a column-parallel layer), or the full input, sliced here. Partial products are all-reduced
     (with ``sequence_parallel``: reduce-scattered into sequence shards), then the bias is added
-    once. ``skip_bias_add`` returns ``(output, bias)``.
+    once. ``skip_bias_add`` returns ``(output, bias)``. ``reduce_output=False`` leaves the output
+    this rank's partial sum, for a caller that reduces it with others (a sparse-MoE block under
+    sequence parallelism: its shared and routed experts' sums in one reduce-scatter); the bias
+    is then added on TP rank 0 only.
     """
 
     def __init__(
@@ -326,6 +329,7 @@ class RowParallelLinear(_ParallelLinear):
         dtype=None,
         init_method: Optional[InitFn] = None,
         partition: Optional[Partition] = None,
+        reduce_output: bool = True,
     ):
         super().__init__()
         self._setup_linear(in_features, out_features, tp_group)
@@ -334,8 +338,13 @@ class RowParallelLinear(_ParallelLinear):
                 "sequence_parallel=True needs input_is_parallel=True (the input "
                 "comes from a column-parallel layer)"
             )
+        if sequence_parallel and not reduce_output:
+            raise ValueError(
+                "RowParallelLinear: sequence_parallel=True reduce-scatters the output, "
+                "reduce_output=False leaves it unreduced; give one of them"
+            )
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.reduce_output = sequence_parallel, reduce_output
         if partition is None:
             partition = Partition.split(in_features, self.tp_size)
         if partition.full != in_features or partition.replicated:
@@ -378,6 +387,10 @@ class RowParallelLinear(_ParallelLinear):
             # The bias now meets only this rank's tokens: its gradient is partial.
             if bias is not None:
                 bias = comm.copy_to_tp(bias, self.tp)
+        elif not self.reduce_output:
+            y = ops.linear(x, self.weight)
+            if bias is not None:  # counted once in the caller's sum; every rank's gradient
+                bias = comm.copy_to_tp(bias, self.tp) * float(self.tp_rank == 0)
         else:
             y = comm.reduce_from_tp(ops.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
@@ -389,6 +402,7 @@ class RowParallelLinear(_ParallelLinear):
             f"in_features={self.in_features} (local {self.in_features_local}), "
             f"out_features={self.out_features}, bias={self.bias is not None}, "
             f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+            + ("" if self.reduce_output else ", output unreduced")
         )
 
 

@@ -44,12 +44,14 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup, resolve_group
 from tp_ext.distributed.state import PROCESS
 from tp_ext.layers.base import ParallelModule, no_init
+from tp_ext.layers.sequence import SequenceShards, sum_gradients_over
 from tp_ext.sharding import Partition, shard_sizes
 
 __all__ = [
     "ExpertParallelMoE",
     "ParallelExperts",
     "is_sparse_moe_block",
+    "sequence_parallel_router",
     "expert_parameters",
     "expert_count",
     "experts_per_token",
@@ -90,6 +92,37 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
         and up.shape[0] == down.shape[0] == weight.shape[0]
         and up.shape[1] == 2 * down.shape[2]
     )
+
+
+def sequence_parallel_router(block: nn.Module, sequence: SequenceShards, routes_shard: bool):
+    """A sparse-MoE block's router and shared-expert gate under sequence parallelism (the block
+    gathers the sequence and reduce-scatters its output): they run in full on every TP rank, on
+    the whole sequence, or (``routes_shard``) the router on this rank's shard only.
+
+    Their gradients are this rank's part (its tokens' or its experts' slices'): summed over TP.
+    The router's logits, which transformers records for its load-balancing loss, are made every
+    token's on every rank, with each rank's gradient through them its own tokens' part, so the
+    loss is the one process's (statistics over all tokens) and counted once."""
+
+    def whole_logits(module, args, output):
+        if not isinstance(output, tuple):
+            raise TypeError(
+                f"{type(module).__name__}: a sparse-MoE router returns (logits, weights, "
+                f"expert ids), got {type(output).__name__}"
+            )
+        logits = sequence.tokens(output[0], whole=not routes_shard)
+        if routes_shard:
+            logits = sequence.gather_replicated(logits)
+        else:
+            logits = sequence.own_gradient(logits)
+        return (logits.reshape(-1, logits.size(-1)), *output[1:])
+
+    # first: transformers' recorder may have hooked the router already (a traced forward)
+    block.gate.register_forward_hook(whole_logits, prepend=True)
+    for name in ("gate", "shared_expert_gate"):
+        part = getattr(block, name, None)
+        if part is not None:
+            sum_gradients_over(part, sequence.tp)
 
 
 def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], Optional[ResolvedGroup]]:
@@ -225,6 +258,14 @@ class ExpertParallelMoE(ParallelModule):
     forward's routing counts on this rank (``[E]``, before drops). With the EP group across TP
     ranks (``tokens_split_over_tp``), T is this TP rank's share of the tokens for the capacity
     and ``dropped_tokens``; ``tokens_per_expert`` counts all of them.
+
+    ``sequence`` (a :class:`~tp_ext.layers.sequence.SequenceShards`): sequence parallelism; the
+    layer takes and returns this TP rank's sequence shard (:meth:`_forward_shard`), the router's
+    and shared-expert gate's gradients summed over TP (:func:`sequence_parallel_router`). A
+    shared expert must then give this rank's partial sum (its row-parallel linear built with
+    ``reduce_output=False``, as parallelize does): the layer reduce-scatters it with the routed
+    experts'. With the EP group across TP ranks the shard is this rank's share of the tokens,
+    and ``tokens_per_expert`` counts its own.
     """
 
     def __init__(
@@ -237,6 +278,7 @@ class ExpertParallelMoE(ParallelModule):
         shared_expert_gate: Optional[nn.Module] = None,
         jitter_noise: float = 0.0,
         capacity_factor: Optional[float] = None,
+        sequence: Optional[SequenceShards] = None,
     ) -> None:
         super().__init__()
         tp = self._setup_tp(tp_group)
@@ -274,16 +316,20 @@ class ExpertParallelMoE(ParallelModule):
             "tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False
         )
         self.dropped_tokens = 0
+        self.sequence = sequence if tp.size > 1 else None  # (no sequence split at TP 1)
+        if self.sequence is not None:
+            sequence_parallel_router(self, self.sequence, self.tokens_split_over_tp)
 
     # -- construction from a Hugging Face block ---------------------------------------------------
 
     @classmethod
     @torch.no_grad()
     def from_block(
-        cls, block: nn.Module, ep_group=None, tp_group=None, capacity_factor=None
+        cls, block: nn.Module, ep_group=None, tp_group=None, capacity_factor=None, sequence=None
     ) -> "ExpertParallelMoE":
         """The block's router, shared expert and gate are kept (the same modules); its experts
-        are replaced by this rank's share of them (copied from the block's full weights)."""
+        are replaced by this rank's share of them (copied from the block's full weights).
+        ``sequence``: as in the constructor."""
         if not is_sparse_moe_block(block):
             raise ValueError(
                 f"ExpertParallelMoE.from_block: {type(block).__name__} is not a sparse-MoE block "
@@ -321,6 +367,7 @@ class ExpertParallelMoE(ParallelModule):
             getattr(block, "shared_expert_gate", None),
             float(getattr(block, "jitter_noise", 0.0) or 0.0),
             capacity_factor,
+            sequence,
         )
         layer.train(block.training)
         return layer
@@ -328,22 +375,64 @@ class ExpertParallelMoE(ParallelModule):
     # -- forward -----------------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None:
+            return self._forward_shard(hidden_states)
         shape = hidden_states.shape
-        if self.training and self.jitter_noise > 0:  # Mixtral's router noise, as its block
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - self.jitter_noise, 1.0 + self.jitter_noise
-            )
-        x = hidden_states.reshape(-1, shape[-1])
+        x = self._jitter(hidden_states).reshape(-1, shape[-1])
         _, weights, expert_ids = self.gate(x)
         out = self._routed(x, expert_ids, weights)
+        shared = self._shared(x)
+        return (out if shared is None else out + shared).reshape(shape)
+
+    def _forward_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism: ``x`` is this TP rank's sequence shard ``[..., seq_r,
+        hidden]``, and so is the result.
+
+        Experts split over TP: the whole sequence is gathered once (for the shared expert too)
+        and every TP rank routes all of it. Routing the gathered sequence, not each shard and
+        then gathering the choices: the router's matmul (hidden x experts a token) is small
+        next to the experts', and every TP rank gets the same choices from the same tokens with
+        no collective of its own. The routed and shared experts' partial sums are then
+        reduce-scattered back to the shards in one collective, where without sequence
+        parallelism each is all-reduced. With the EP group across TP ranks the shard is this
+        rank's share of the tokens: it is routed as it is, through whole experts, and only the
+        shared expert (if any) needs the whole sequence."""
+        x = self._jitter(x)  # each rank its own positions: the gathered tokens agree
+        hidden, has_shared = x.size(-1), getattr(self, "shared_expert", None) is not None
+        whole = None
+        if has_shared or not self.tokens_split_over_tp:
+            whole = self.sequence.gather(x, type(self).__name__)
+        out = partial = None
+        if self.tokens_split_over_tp:
+            mine = x.reshape(-1, hidden)
+            _, weights, expert_ids = self.gate(mine)
+            out = self._routed_tokens(mine, expert_ids, weights).view_as(x)
+        else:
+            tokens = whole.reshape(-1, hidden)
+            _, weights, expert_ids = self.gate(tokens)
+            partial = self._routed_tokens(tokens, expert_ids, weights, reduce=False)
+        if has_shared:
+            shared = self._shared(whole.reshape(-1, hidden))
+            partial = shared if partial is None else partial + shared
+        if partial is not None:
+            reduced = self.sequence.scatter(partial.view_as(whole))
+            out = reduced if out is None else out + reduced
+        return out
+
+    def _jitter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.jitter_noise > 0:  # Mixtral's router noise, as its block
+            noise = torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            return x * noise
+        return x
+
+    def _shared(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared expert's output on ``x`` (None without one), through its sigmoid gate."""
         shared = getattr(self, "shared_expert", None)
-        if shared is not None:
-            s = shared(x)
-            gate = getattr(self, "shared_expert_gate", None)
-            if gate is not None:
-                s = torch.sigmoid(gate(x)) * s
-            out = out + s
-        return out.reshape(shape)
+        if shared is None:
+            return None
+        out = shared(x)
+        gate = getattr(self, "shared_expert_gate", None)
+        return out if gate is None else torch.sigmoid(gate(x)) * out
 
     def _routed(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor):
         if not self.tokens_split_over_tp:
@@ -362,7 +451,10 @@ class ExpertParallelMoE(ParallelModule):
         out = self._routed_tokens(mine, my_ids, my_weights, count=False)
         return comm.gather_from_tp(out, 0, sizes, self.tp)
 
-    def _routed_tokens(self, x, expert_ids, weights, count: bool = True):
+    def _routed_tokens(self, x, expert_ids, weights, count: bool = True, reduce: bool = True):
+        """The routed experts' output for tokens ``x``. Experts split over TP: the TP ranks'
+        sums reduced, or (``reduce=False``, sequence parallelism) left this rank's partial sum,
+        ``x`` and ``weights`` the whole sequence's, their gradients partial sums too."""
         tokens, top_k = expert_ids.shape
         with torch.no_grad():
             row_map, counts = ops.moe_route(expert_ids, self.num_experts)
@@ -370,7 +462,7 @@ class ExpertParallelMoE(ParallelModule):
                 self.tokens_per_expert.copy_(counts)
             if self.capacity_factor is not None:
                 row_map, counts = self._drop_over_capacity(expert_ids, row_map, counts)
-        split_experts = self.tp_size > 1 and not self.tokens_split_over_tp
+        split_experts = self.tp_size > 1 and not self.tokens_split_over_tp and reduce
         if split_experts:  # replicated over TP; the experts' slices give partial sums
             x = comm.copy_to_tp(x, self.tp)
             weights = comm.copy_to_tp(weights, self.tp)

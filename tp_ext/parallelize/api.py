@@ -46,7 +46,11 @@ from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.decoder_parts import default_pipeline_split, find_decoder_parts
 from tp_ext.parallelize.modules import attention_heads, fuse_rms_norms, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
-from tp_ext.parallelize.sequence_parallel import SequenceShards, sum_gradients_over
+from tp_ext.parallelize.sequence_parallel import (
+    SequenceShards,
+    gather_in_moe_blocks,
+    sum_gradients_over,
+)
 from tp_ext.parallelize.stages import StagedCausalLM
 from tp_ext.parallelize.styles import (
     Colwise,
@@ -190,12 +194,16 @@ def _convert(module, decided, parts, tp, ep_group, capacity_factor):
         n for n, s in decided.items() if isinstance(s, SequenceParallel) and s.gather_output
     ]
     sp = bool(sp_norms) and tp.size > 1
-    if ep_group is not None:
-        _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor)
     shards = SequenceShards(tp)
+    blocks = [n for n, m in module.named_modules() if is_sparse_moe_block(m)]
+    if ep_group is not None:
+        spread = shards if sp else None
+        _spread_experts(module, blocks, decided, report, ep_group, tp, spread, capacity_factor)
     if sp:
         _split_sequence_from(module, sp_norms[0], shards, report)
-    _apply_styles(module, decided, tp, sp, shards, parts, report)
+    _apply_styles(module, decided, tp, shards if sp else None, parts, report, blocks)
+    if sp:
+        gather_in_moe_blocks(module, blocks, shards, report)
     _run_attention_on_local_heads(module, tp, report)
     return report, shards if sp else None
 
@@ -222,8 +230,11 @@ def _finish_report(report: dict, fused, reasons: dict, tp, verbose: bool, explai
         _print_report(report, tp)
 
 
-def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
-    """Replace every module the plan covers by its style's layer (this rank's slice)."""
+def _apply_styles(module, decided, tp, shards, parts, report, blocks) -> None:
+    """Replace every module the plan covers by its style's layer (this rank's slice).
+    ``shards``: the sequence shards under sequence parallelism, else None; ``blocks``: the
+    names of the sparse-MoE blocks (which gather the sequence for the modules in them)."""
+    sp = shards is not None
     shared = _shared_parameters(module)
     _check_ties(module, decided, shared)
     _check_shared_readers(decided)
@@ -235,7 +246,8 @@ def _apply_styles(module, decided, tp, sp, shards, parts, report) -> None:
         parent = module.get_submodule(parent_name) if parent_name else module
         child = getattr(parent, leaf)
         tie_to = _tied_embedding(child, shared, converted)
-        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name))
+        block = next((b for b in blocks if name.startswith(f"{b}.")), None) if sp else None
+        target = StyleTarget(name, parent, tp, sp, shards, tie_to, parts.get(name), block)
         new, what = style.apply(child, target)
         if new is not child:
             for param in child.parameters(recurse=False):
@@ -374,26 +386,22 @@ def _run_attention_on_local_heads(module: nn.Module, tp, report: dict) -> None:
             )
 
 
-def _spread_experts(module, decided, report, ep_group, tp, sp, capacity_factor) -> None:
-    """Swap every sparse-MoE block for an ExpertParallelMoE (this rank's experts, split over TP
-    inside); the plan's entries for the experts go, the shared expert keeps its styles (its
-    modules keep their names under the new block)."""
-    blocks = [(n, m) for n, m in module.named_modules() if is_sparse_moe_block(m)]
+def _spread_experts(module, blocks, decided, report, ep_group, tp, shards, capacity_factor):
+    """Swap every sparse-MoE block (``blocks``: their names) for an ExpertParallelMoE (this
+    rank's experts, split over TP inside; ``shards``: the sequence shards under sequence
+    parallelism, else None); the plan's entries for the experts go, the shared expert keeps its
+    styles (its modules keep their names under the new block)."""
     if not blocks:
         raise ValueError(
             f"parallelize: parallel.ep={resolve_group(ep_group).size} asks for expert "
             f"parallelism, but {type(module).__name__} has no sparse-MoE block (a `gate` router "
             "and `experts` with 3-D gate_up_proj / down_proj); use ep=1 for a dense model"
         )
-    if sp:
-        raise ValueError(
-            "parallelize: expert parallelism does not support sequence_parallel=True yet; "
-            "parallelize this model with sequence_parallel=False"
-        )
-    for name, block in blocks:
+    for name in blocks:
+        block = module.get_submodule(name)
         for key in [k for k in decided if k == name or k.startswith(f"{name}.experts")]:
             del decided[key]
-        layer = ExpertParallelMoE.from_block(block, ep_group, tp, capacity_factor)
+        layer = ExpertParallelMoE.from_block(block, ep_group, tp, capacity_factor, shards)
         parent_name, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, leaf, layer)
         report[name] = f"expert parallel: {layer.extra_repr()}"

@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tp_ext.layers.moe import is_sparse_moe_block
+
 __all__ = ["LinearFlow", "Flow", "trace_flow"]
 
 aten = torch.ops.aten
@@ -80,6 +82,7 @@ class Flow:
         default_factory=set
     )  # called on [tokens, hidden], batch and sequence merged
     norm_readers: dict = field(default_factory=dict)  # norm -> the linears reading its output
+    norm_moe_blocks: dict = field(default_factory=dict)  # norm -> sparse-MoE blocks reading it
     # norms whose output (through casts and views) also reaches an op outside the linears
     norms_read_elsewhere: set = field(default_factory=set)
     tokens: int = 0
@@ -274,7 +277,7 @@ def example_token_inputs(model: nn.Module, tokens: int = 5):
 class _FlowHooks:
     """The module hooks that record, while the traced forward runs, which linears are called
     and what their inputs were computed from, which embeddings read the token ids, and which
-    norms are called and feed a linear."""
+    norms are called and feed a linear or a sparse-MoE block."""
 
     def __init__(self, flow: Flow, tracer: _Tracer, linears: dict) -> None:
         self.flow, self.tracer = flow, tracer
@@ -290,7 +293,17 @@ class _FlowHooks:
         for name, module in model.named_modules():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_after(name)))
+            elif is_sparse_moe_block(module):
+                handles.append(module.register_forward_pre_hook(self.moe_block_before(name)))
         return handles
+
+    def moe_block_before(self, name):
+        def hook(module, inputs):
+            prov = self.tracer.get(inputs[0]) if inputs else None
+            if prov is not None and prov.norm is not None:
+                self.flow.norm_moe_blocks.setdefault(prov.norm, set()).add(name)
+
+        return hook
 
     def linear_before(self, module, inputs):
         name = self.by_module[id(module)]

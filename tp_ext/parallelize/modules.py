@@ -198,11 +198,13 @@ def is_fused_experts(module: nn.Module) -> bool:
     )
 
 
-def shard_experts(experts: nn.Module, tp: ResolvedGroup) -> str:
+def shard_experts(experts: nn.Module, tp: ResolvedGroup, partial: bool = False) -> str:
     """Split every expert's MLP in place: gate and up rows, down columns (the intermediate dim
     over the TP group). The module's own forward runs on the local slices; its output is
-    all-reduced. Its class becomes a ParallelModule subclass of the original, so state dicts,
-    checkpoints and local_shards see the shard specs under the same names."""
+    all-reduced, or with ``partial`` left this rank's partial sum (under sequence parallelism
+    the sparse-MoE block around it gathers its input and reduce-scatters its output). Its class
+    becomes a ParallelModule subclass of the original, so state dicts, checkpoints and
+    local_shards see the shard specs under the same names."""
     cls = type(experts)
     inter = experts.down_proj.shape[2]
     gate_up, down = Partition.merged([inter, inter], tp.size), Partition.split(inter, tp.size)
@@ -221,6 +223,8 @@ def shard_experts(experts: nn.Module, tp: ResolvedGroup) -> str:
         experts.config = config
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if partial:  # the block's gather and reduce-scatter sum the gradients and outputs
+            return cls.forward(self, hidden_states, top_k_index, top_k_weights)
         # Both inputs are replicated: their gradients are summed over the ranks' slices.
         hidden_states = comm.copy_to_tp(hidden_states, self.tp)
         top_k_weights = comm.copy_to_tp(top_k_weights, self.tp)
@@ -234,7 +238,8 @@ def shard_experts(experts: nn.Module, tp: ResolvedGroup) -> str:
     experts._set_shard("gate_up_proj", 1, gate_up)
     experts._set_shard("down_proj", 2, down)
     local = down.local_size(tp.rank)
-    return f"experts split by intermediate dim, local {local} of {inter}, output all-reduced"
+    output = "output left a partial sum for its block" if partial else "output all-reduced"
+    return f"experts split by intermediate dim, local {local} of {inter}, {output}"
 
 
 def head_partition(name: str, info: AttentionHeads, tp: ResolvedGroup) -> Partition:

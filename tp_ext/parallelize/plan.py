@@ -78,7 +78,8 @@ def auto_plan(
     - with ``sequence_parallel``, every norm over the model's width gets "sequence_parallel"
       (its output gathered for the linears it feeds), or "sequence_parallel_local" when the
       trace shows its output going back to the stream with no linear reading it (Gemma 2/3's
-      norms of a row-parallel output before the residual add: they run on the shard);
+      norms of a row-parallel output before the residual add: they run on the shard) or read
+      by a sparse-MoE block (which gathers the sequence itself);
     - without it, a norm whose output only column-parallel linears read (two or more: q, k, v;
       gate, up) gets :class:`~tp_ext.parallelize.styles.SharedInput` naming them: one
       all-reduce of their summed input gradient instead of one each.
@@ -155,6 +156,24 @@ def _sequence_parallel_norm(module: nn.Module, name: str, norm: nn.Module, flow)
             "states flattened to [tokens, hidden] in the traced forward, so there is no "
             "sequence dimension to split there; use sequence_parallel=False for "
             f"{type(module).__name__}"
+        )
+    blocks = flow.norm_moe_blocks.get(name)
+    if blocks:
+        outside = [
+            r
+            for r in flow.norm_readers.get(name, ())
+            if not any(r.startswith(f"{b}.") for b in blocks)
+        ]
+        if outside:
+            raise ValueError(
+                f"sequence_parallel=True: {name} feeds the sparse-MoE block {min(blocks)}, which "
+                f"takes its sequence shard, and also {outside[0]} outside it, which needs the "
+                f"whole sequence; auto does not split that: use sequence_parallel=False for "
+                f"{type(module).__name__}"
+            )
+        return "sequence_parallel_local", (
+            f"a norm over the model's width read by the sparse-MoE block {min(blocks)}, which "
+            "gathers the sequence itself (once for its router and experts): left split"
         )
     if name in flow.norms_feeding_linears or name not in flow.norms_called:
         return "sequence_parallel", "a norm over the model's width"

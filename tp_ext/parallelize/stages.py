@@ -35,7 +35,7 @@ from tp_ext.layers.context import cp_positions
 from tp_ext.parallelize.context import context_of
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.decoder_parts import DecoderParts, find_decoder_parts
-from tp_ext.sharding import StageSplit, shard_offsets, shard_sizes, uneven_sizes
+from tp_ext.sharding import StageSplit, shard_offsets, shard_sizes
 
 __all__ = [
     "is_transformers_model",
@@ -370,7 +370,7 @@ class StagedCausalLM(nn.Module, ParallelModel):
                 f"sequence_length={whole}: set the stages' sequence_length to the token count "
                 "(tp_ext's pipeline runner and forward do)"
             )
-        self._sequence_shards.sizes = uneven_sizes(shard_sizes(length, self.parallel.tp))
+        self._sequence_shards.set_length(length, received.shape[:-2])
         shape = (*received.shape[:-2], length, received.size(-1))
         return received.new_zeros(shape)
 

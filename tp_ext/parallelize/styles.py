@@ -72,7 +72,10 @@ class StyleTarget:
     ``sequence_parallel``: the residual stream is split along the sequence (the plan has a
     gathering sequence-parallel norm and TP > 1). ``shards``: the sequence shards' hooks.
     ``tie_to``: the converted embedding an LM head shares its weight with. ``parts``: the widths
-    auto traced a column's output being cut into."""
+    auto traced a column's output being cut into. ``moe_block``: under sequence parallelism, the
+    sparse-MoE block the module sits in (None outside one): the block gathers the sequence on
+    entry and reduce-scatters once on exit, so row-parallel and expert outputs in it stay
+    partial sums."""
 
     name: str
     parent: nn.Module
@@ -81,6 +84,7 @@ class StyleTarget:
     shards: Optional[SequenceShards] = None
     tie_to: Optional[VocabParallelEmbedding] = None
     parts: Optional[tuple[int, ...]] = None
+    moe_block: Optional[str] = None
 
 
 class ParallelStyle(ABC):
@@ -226,16 +230,20 @@ class Rowwise(_Swap):
         partition = None
         if info is not None and target.name.rpartition(".")[2] == info.out:
             partition = info.layout(target.tp).q_partition(info.head_dim)
+        partial = target.sequence_parallel and target.moe_block is not None
         new = RowParallelLinear(
             in_features,
             out_features,
             module.bias is not None,
             input_is_parallel=self.input_is_parallel,
             partition=partition,
-            sequence_parallel=target.sequence_parallel,
+            sequence_parallel=target.sequence_parallel and not partial,
+            reduce_output=not partial,
             **_factory(module, target),
         )
         sp = ", output reduce-scattered" if target.sequence_parallel else ""
+        if partial:
+            sp = f", output left a partial sum for {target.moe_block}"
         return new, f"row-parallel, local inputs {new.in_features_local}{sp}"
 
 
@@ -302,8 +310,10 @@ class VocabParallel(_Swap):
 @dataclass(frozen=True)
 class Experts(ParallelStyle):
     """Mixtral-style MoE experts (3D ``gate_up_proj``/``down_proj``), split in place: every
-    expert's intermediate dim over the ranks, the output all-reduced. (Expert parallelism,
-    ``parallel.ep > 1``, replaces the whole sparse-MoE block instead: see parallelize.)"""
+    expert's intermediate dim over the ranks, the output all-reduced (under sequence
+    parallelism left a partial sum, which the sparse-MoE block around it reduce-scatters).
+    (Expert parallelism, ``parallel.ep > 1``, replaces the whole sparse-MoE block instead: see
+    parallelize.)"""
 
     name: ClassVar[str] = "experts"
 
@@ -313,12 +323,14 @@ class Experts(ParallelStyle):
                 f"{target.name}: style 'experts' applies to Mixtral-style experts (3D "
                 f"gate_up_proj and down_proj parameters), not {type(module).__name__}"
             )
-        if target.sequence_parallel:
+        if target.sequence_parallel and target.moe_block is None:
             raise ValueError(
-                f"{target.name}: split experts do not support sequence_parallel=True yet; "
-                "parallelize this model with sequence_parallel=False"
+                f"{target.name}: under sequence_parallel=True split experts must sit in a "
+                "sparse-MoE block (a module with a `gate` router of an [experts, hidden] weight "
+                "and these experts), which gathers the sequence for them; "
+                f"{type(target.parent).__name__} is not one: use sequence_parallel=False"
             )
-        return module, shard_experts(module, target.tp)
+        return module, shard_experts(module, target.tp, partial=target.sequence_parallel)
 
 
 @dataclass(frozen=True)
