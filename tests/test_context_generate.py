@@ -219,6 +219,25 @@ def test_mixtral_generation_under_cp(ep, mode):
     run_distributed(_moe_case, 2 * ep, ep, mode)
 
 
+def _sequence_parallel_case(mode):
+    """tp2 x cp2 with sequence parallelism (a decoded token's one position split over the TP
+    ranks too): transformers' generate gives the unsplit model's tokens."""
+    reference = _model("qwen2").eval()
+    state = tp_ext.init_parallel(tp=2, cp=2)
+    model = tp_ext.parallelize(
+        copy.deepcopy(reference), "auto", parallel=state, cp_mode=mode, sequence_parallel=True
+    )
+    ids, mask = _prompts(True)
+    settings = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **settings), reference.generate(ids, **settings))
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_generation_under_cp_with_sequence_parallelism(mode):
+    run_distributed(_sequence_parallel_case, 4, mode)
+
+
 def _refusals():
     state = tp_ext.init_parallel(tp=1, cp=2, pp=2)
     model = tp_ext.parallelize(_model("llama", num_hidden_layers=4), "auto", parallel=state)
