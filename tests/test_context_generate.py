@@ -168,9 +168,12 @@ def _without_cache_case(mode):
     with torch.no_grad():  # a plain forward still gives this rank's positions
         logits = model(ids, attention_mask=mask).logits
     assert logits.size(1) == len(tp_ext.cp_positions(WIDTH, parallel=state))
+    rows = [1, 0, 2] if state.cp_rank else [0, 1, 2]  # the CP ranks must pass the same prompts
+    with pytest.raises(ValueError, match="different prompts"):
+        tp_ext.generate(model, ids[rows], mask[rows], NEW)
 
 
-def test_generation_without_a_cache_under_cp():
+def test_generation_without_a_cache_and_prompts_checked_over_cp():
     run_distributed(_without_cache_case, 2, "all_to_all")
 
 
