@@ -141,15 +141,22 @@ def _tolerances(arch: str) -> tuple:
     return dict(rtol=1e-9, atol=1e-9), 1e-6
 
 
-LAYOUTS = [(1, 2), (1, 3), (1, 4), (2, 2)]
-FULL = [
-    pytest.param(
-        arch, tp, cp, mode, marks=pytest.mark.full_matrix, id=f"{arch}-tp{tp}-cp{cp}-{mode}"
-    )
-    for arch in [*ARCHS, *OTHERS]
-    for tp, cp in LAYOUTS
-    for mode in ("ring", "all_to_all")
-]
+def cp_matrix(layouts, subset) -> list:
+    """pytest params ``(arch, tp, cp, mode)``: the ``subset`` (make test), then every other
+    architecture x ``layouts`` ((tp, cp) pairs) x mode case, marked full_matrix."""
+    every = [
+        (arch, tp, cp, mode)
+        for arch in [*ARCHS, *OTHERS]
+        for tp, cp in layouts
+        for mode in ("ring", "all_to_all")
+    ]
+    return [pytest.param(*case, id="-".join(map(str, case))) for case in subset] + [
+        pytest.param(*c, marks=pytest.mark.full_matrix, id=f"{c[0]}-tp{c[1]}-cp{c[2]}-{c[3]}")
+        for c in every
+        if c not in subset
+    ]
+
+
 # make test: every architecture and layout, both modes
 SUBSET = [
     ("llama", 1, 2, "ring"),
@@ -165,11 +172,7 @@ SUBSET = [
 ]
 
 
-@pytest.mark.parametrize(
-    "arch, tp, cp, mode",
-    [pytest.param(*case, id="-".join(map(str, case))) for case in SUBSET]
-    + [p for p in FULL if tuple(p.values) not in SUBSET],
-)
+@pytest.mark.parametrize("arch, tp, cp, mode", cp_matrix([(1, 2), (1, 3), (1, 4), (2, 2)], SUBSET))
 def test_hugging_face_decoders_under_context_parallelism_are_exact(arch, tp, cp, mode):
     held = run_distributed(_check_exact, tp * cp, arch, tp, cp, mode, timeout=300)
     assert sorted(p for positions in held[::tp] for p in positions) == list(range(SEQ))
@@ -444,9 +447,13 @@ def _refusals():
     ids = _ids()
     refused(lambda: model(ids, labels=ids))
     refused(lambda: model(ids, attention_mask=torch.ones(2, 1, SEQ, SEQ)))  # padding masks only
-    refused(lambda: model(ids, use_cache=True))
-    refused(lambda: model.generate(ids, max_new_tokens=2))
-    refused(lambda: model(ids, logits_to_keep=1))
+    refused(lambda: model(ids, use_cache=True))  # generation's forwards: inference only
+    refused(lambda: model(ids, logits_to_keep=2))
+    with torch.no_grad():  # a filled cache takes one token per forward; a foreign one none
+        cache = model(ids[:, :5], use_cache=True).past_key_values
+        refused(lambda: model(ids[:, 5:7], past_key_values=cache))
+        filled = _model("llama")(ids, use_cache=True).past_key_values
+        refused(lambda: model(ids, past_key_values=filled))
     model(ids, attention_mask=torch.ones_like(ids))  # no padding: fine
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
@@ -472,9 +479,11 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "config.attn_pdrop=0",
         "labels= is not supported: the loss spans the CP ranks",
         "attention_mask of shape (2, 1, 11, 11) is not supported: pass a padding mask",
-        "use_cache=True are not supported",
-        "generation under context parallelism is not supported yet",
-        "logits_to_keep=1 is not supported",
+        "a forward with a KV cache (use_cache=True, past_key_values=) is inference only: run "
+        "it under torch.no_grad()",
+        "logits_to_keep=2 is not supported",
+        "a filled KV cache (5 positions) takes one new token per forward (decoding), got 2",
+        "past_key_values=DynamicCache is not supported: pass an empty transformers Cache",
         "a padded micro-batch (input_ids, labels, attention_mask): Qwen2ForCausalLM's stages "
         "take no attention mask",
     ]

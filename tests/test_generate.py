@@ -423,6 +423,9 @@ PROMPTS = ["w5 w6 w7", "w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20", "w40"]
     "nproc,flags",
     [
         (2, ["--pp", "2"]),
+        pytest.param(  # the prefill over CP, a split cache
+            2, ["--cp", "2", "--cp-mode", "all_to_all"], marks=pytest.mark.full_matrix
+        ),
         pytest.param(4, ["--tp", "2", "--pp", "2"], marks=pytest.mark.full_matrix),
     ],
 )
@@ -440,8 +443,19 @@ def test_generate_command_prints_transformers_text(tmp_path, nproc, flags):
     out = reference.generate(**batch, max_new_tokens=6, do_sample=False)
     width = batch["input_ids"].size(1)
     assert result["outputs"] == tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    assert result["dims"]["pp"] == 2 and result["tokens_per_s"] > 0
+    given = dict(zip(flags[::2], flags[1::2]))
+    assert result["dims"]["pp"] == int(given.get("--pp", 1)) and result["tokens_per_s"] > 0
+    assert result["dims"]["cp"] == int(given.get("--cp", 1))
     assert len(result["memory"]) == nproc and result["kv_cache_bytes_rank0"] > 0
+
+
+def test_generate_command_refuses_cp_with_pipeline_stages(tmp_path, tp_ext_here):
+    path = _checkpoint_with_tokenizer(tmp_path)
+    status, _, err = tp_ext_here(
+        "generate", "--model", path, "--cp", 2, "--pp", 2, "--prompt", "w5"
+    )
+    assert status == 2, err
+    assert "--cp 2 with --pp 2: generation under context parallelism runs without pipeline" in err
 
 
 def test_generate_command_reads_token_ids_and_samples(tmp_path):

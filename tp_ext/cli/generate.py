@@ -26,13 +26,15 @@ from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.config import GENERATION_FIELDS, PARALLEL_FIELDS, GenerationSettings
 from tp_ext.distributed import comm, destroy_parallel, init_parallel
 from tp_ext.generation import generate
-from tp_ext.validation import as_torch_dtype
+from tp_ext.parallelize.context import CP_ARCHITECTURES
+from tp_ext.validation import ConfigError, as_torch_dtype
 
 __all__ = ["add_arguments", "main"]
 
 HELP = (
-    "batched, greedy or sampled generation from a transformers checkpoint under TP x PP (x EP): "
-    "the text or token ids, tokens per second, time to first token and memory per rank"
+    "batched, greedy or sampled generation from a transformers checkpoint under TP x PP (x EP) "
+    "or TP x CP: the text or token ids, tokens per second, time to first token and memory per "
+    "rank"
 )
 
 # a directory holding one of these has a tokenizer
@@ -42,8 +44,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="a transformers checkpoint directory")
     dims = parser.add_argument_group("dims (the ranks left over are data replicas)")
-    for name in ("tp", "pp", "ep"):
-        add_field_flag(dims, name, PARALLEL_FIELDS[name], "" if name == "ep" else "1", default=1)
+    for name in ("tp", "pp", "ep", "cp"):
+        add_field_flag(
+            dims, name, PARALLEL_FIELDS[name], "" if name in ("ep", "cp") else "1", default=1
+        )
+    add_field_flag(dims, "cp_mode", PARALLEL_FIELDS["cp_mode"], default="ring")
     prompts = parser.add_argument_group("prompts")
     prompts.add_argument("--prompt-file", help="one prompt per line (text, or token ids)")
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -121,22 +126,39 @@ def _check(args) -> None:
         raise FileNotFoundError(f"--model {args.model!r} is not a checkpoint directory")
 
 
+def _check_context_parallel(args, kind: str) -> None:
+    """--cp > 1: an architecture context parallelism runs, without pipeline stages."""
+    if args.cp == 1:
+        return
+    if kind not in CP_ARCHITECTURES:
+        raise ConfigError(
+            f"--cp {args.cp}: context parallelism runs transformers' "
+            f"{', '.join(CP_ARCHITECTURES)} decoders; this model is {kind!r}: use --cp 1 with it"
+        )
+    if args.pp > 1:
+        raise ConfigError(
+            f"--cp {args.cp} with --pp {args.pp}: generation under context parallelism runs "
+            "without pipeline stages: use --pp 1 with --cp"
+        )
+
+
 def main(args) -> int:
     from tp_ext.models.hf.source import HFModelSource
 
     _check(args)
     settings = settings_of(args)
     source = HFModelSource.from_path(args.model)
+    _check_context_parallel(args, source.hf_config.model_type)
     tokenizer = _tokenizer(args.model)
     ids, mask, lines = _prompts(args, tokenizer)
     eos = args.eos_token_id  # None: the checkpoint's generation config's, as transformers'
     pad = None if tokenizer is None else tokenizer.pad_token_id
     one_process_unless_launched("generate")
-    state = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
+    state = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     try:
         dtype = as_torch_dtype(args.dtype) if args.dtype else _checkpoint_dtype(source)
         started = time.perf_counter()
-        model, _ = source.build_and_load(state, dtype=dtype, seed=0)
+        model, _ = source.build_and_load(state, dtype=dtype, seed=0, cp_mode=args.cp_mode)
         model.eval()
         load_s = time.perf_counter() - started
         out, report = generate(

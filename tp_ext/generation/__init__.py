@@ -1,6 +1,7 @@
 """Generation: ``tp_ext.generate`` (batched, left-padded, greedy or sampled decoding with a KV
 cache under TP x PP x EP, for tp_ext's Qwen2 and Hugging Face models converted by
-``parallelize``) and the adapters it runs models through."""
+``parallelize``, those also under context parallelism at pp = 1) and the adapters it runs
+models through."""
 
 from tp_ext.generation.decoders import Decoder, as_decoder
 from tp_ext.generation.loop import generate

@@ -2,8 +2,9 @@
 (:class:`NativeDecoder`, its own KV caches) and a Hugging Face causal LM converted by
 ``parallelize`` (:class:`HFDecoder`, a transformers ``StaticCache`` and the model's own forward,
 which keeps what each architecture does around its layers: masks, rotary tables, sliding
-windows, soft-capping). Both run one pipeline stage at a time; the last stage gives this TP
-rank's vocabulary shard of the last position's logits.
+windows, soft-capping; under context parallelism the cache split over the CP ranks instead).
+Both run one pipeline stage at a time; the last stage gives this TP rank's vocabulary shard of
+the last position's logits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed import comm
 from tp_ext.distributed.mesh import parallel_state
+from tp_ext.parallelize.context import new_context_cache
 from tp_ext.parallelize.stages import StagedCausalLM, is_transformers_model, single_stage
 from tp_ext.sharding import StageSplit, shard_sizes
 
@@ -37,6 +39,11 @@ class Decoder:
     def tp_group(self):
         """Every rank holding a part of this model replica's stage (they agree on the inputs)."""
         return self.parallel.tp_group if self.parallel is not None else self.model.tp
+
+    @property
+    def cp_group(self):
+        """The CP ranks sharing each sequence (they agree on the inputs), or None."""
+        return None
 
     @property
     def vocab_group(self):
@@ -157,7 +164,13 @@ class HFDecoder(Decoder):
             staged, staged.parallel, staged.stage_split, staged.stage_ids, staged.config
         )
 
+    @property
+    def cp_group(self):
+        return self.model.cp_group
+
     def new_cache(self, batch: int, length: int, stage: int):
+        if self.model.cp_group is not None:  # each CP rank its share of the positions
+            return new_context_cache(self.model.hf_model)
         return _stage_cache_class()(config=self.config, max_cache_len=length)
 
     def generation_defaults(self) -> tuple:
@@ -241,10 +254,11 @@ def as_decoder(model: nn.Module, parallel=None) -> Decoder:
             "the TP ranks, which one decoded token cannot be; convert it without sequence "
             "parallelism for generation"
         )
-    if staged.cp_group is not None:
+    if staged.cp_group is not None and staged.stage_split.pp > 1:
         raise ValueError(
-            f"generate: context parallelism (cp={staged.cp_group.size}) does not decode; "
-            "convert the model with cp=1 for generation"
+            f"generate: context parallelism (cp={staged.cp_group.size}) inside pipeline stages "
+            f"(pp={staged.stage_split.pp}) does not decode yet; convert the model with pp=1 "
+            "for generation (cp > 1 decodes there)"
         )
     return HFDecoder(staged)
 

@@ -1,6 +1,7 @@
 """``tp_ext.generate``: batched, left-padded, greedy or sampled decoding with a KV cache, for
 tp_ext's Qwen2 and for Hugging Face causal LMs converted by ``parallelize``, under TP x PP
-(and EP).
+(and EP; and CP at pp = 1: each CP rank runs every step on its share of the KV cache, see
+:mod:`tp_ext.parallelize.context`).
 
 The batch is split into micro-batches that are in flight together: each rank runs its stages'
 tasks in the order (step, micro-batch, stage), receiving a task's input from the previous
@@ -103,11 +104,12 @@ def generate(
 
     ``model``: tp_ext's Qwen2 (``parallel=state``: TP x PP) or a Hugging Face causal LM converted
     by ``tp_ext.parallelize(..., parallel=state)`` (at pp > 1 this rank's stages; any (tp, pp,
-    ep)). ``attention_mask``: 1 at real tokens, 0 at the left padding of shorter prompts (as a
-    tokenizer with ``padding_side="left"`` gives). Greedy, or with ``do_sample=True`` drawn by
-    ``temperature``, ``top_k`` and ``top_p`` (:mod:`tp_ext.layers.sampling`: the logits are never
-    gathered); step t draws ``torch.rand(batch, dtype=float64)`` from a generator seeded with
-    ``seed`` (None: a seed from global rank 0), one number per row. A sequence ends at any of
+    ep), or (tp, cp, ep) at pp = 1). ``attention_mask``: 1 at real tokens, 0 at the left
+    padding of shorter prompts (as a tokenizer with ``padding_side="left"`` gives). Greedy, or
+    with ``do_sample=True`` drawn by ``temperature``, ``top_k`` and ``top_p``
+    (:mod:`tp_ext.layers.sampling`: the logits are never gathered); step t draws
+    ``torch.rand(batch, dtype=float64)`` from a generator seeded with ``seed`` (None: a seed
+    from global rank 0), one number per row. A sequence ends at any of
     ``eos_token_id`` (None: the model's generation config's, as transformers' generate reads
     it); after it its row holds ``pad_token_id`` (None: the model's, else the first EOS), and
     generation stops when every row has ended.
@@ -513,8 +515,9 @@ def _check_agreement(decoder: Decoder, world, ids, mask, arguments: dict) -> Non
     everywhere = zlib.crc32(repr(sorted(settings.items())).encode())
     checks = [("generation settings", everywhere, world)]
     checks += [("prompts, EOS and pad ids", replica, decoder.tp_group)]
-    if decoder.pp_group is not None:
-        checks.append(("prompts, EOS and pad ids", replica, decoder.pp_group))
+    for group in (decoder.pp_group, decoder.cp_group):
+        if group is not None:
+            checks.append(("prompts, EOS and pad ids", replica, group))
     for what, digest, group in checks:
         mine = torch.tensor([[digest]], dtype=torch.long, device=decoder.device)
         seen = comm.all_gather(mine, dim=0, group=group)

@@ -24,6 +24,15 @@ all-to-all's attention. Gemma 2's attention logit soft-capping (``softcap``) cap
 inside the ring's online softmax and its backward (the all-to-all: by matmuls); its final-logit
 soft-capping is the model's own, on this rank's logits.
 
+Generation (transformers' ``generate``, ``use_cache=True``, a ``past_key_values`` cache, and
+:func:`tp_ext.generate`): the prompt's forward (the prefill) runs over the CP group as above,
+each rank keeping its positions' keys and values in a :class:`~tp_ext.parallelize.
+context_cache.ContextCache` (which takes the place of the cache transformers made); the model
+then returns the last position's logits on every rank (its hidden state broadcast by the rank
+holding it). Each later forward takes one new token, the same on every rank: each rank attends
+its share of the cache and the partial results merge by log-sum-exp over the CP group
+(:mod:`tp_ext.layers.context_decode`); the new token's keys stay on one rank, round-robin.
+
 Only these architectures: their attention is causal softmax attention (over rotary-embedded
 heads, or GPT-2's heads after its learned positions), which is what the ring and the all-to-all
 compute. Others are refused by name.
@@ -33,15 +42,23 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from tp_ext.distributed import comm
 from tp_ext.distributed.groups import resolve_group
-from tp_ext.layers.context import CP_MODES, all_to_all_attention, cp_positions, ring_attention
+from tp_ext.layers.context import (
+    CP_MODES,
+    CP_TAG,
+    all_to_all_attention,
+    cp_positions,
+    ring_attention,
+)
+from tp_ext.layers.context_decode import position_owner, split_kv_attention
 
-__all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of"]
+__all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of", "new_context_cache"]
 
 # config.model_type; the MoE ones (with expert parallelism too) share their dense cousins'
 # attention
@@ -53,6 +70,7 @@ _PER_POSITION = ("input_ids", "inputs_embeds", "token_type_ids")
 ATTENTION = "tp_ext_context"  # the name it is registered under in transformers' interface
 _SEQ_LEN = "tp_ext_seq_len"  # the keyword the pre-hook hands every attention call
 _KEY_MASK = "tp_ext_key_mask"  # and this rank's key mask (padding), when the batch is padded
+_DECODE = "tp_ext_decode"  # a decoding step's positions (a _Decoding) for every attention call
 # the models parallelize converted to context parallelism, and their positions hook (a record
 # kept here rather than attributes set on the user's model)
 _CONVERTED: "weakref.WeakKeyDictionary[nn.Module, _PositionsOfThisRank]" = (
@@ -64,6 +82,14 @@ def context_of(model: nn.Module) -> Optional["_PositionsOfThisRank"]:
     """The context parallelism ``parallelize`` gave ``model`` (its hook: ``group``, and
     ``whole_length`` for pipeline stages after the first), or None."""
     return _CONVERTED.get(model)
+
+
+def new_context_cache(model: nn.Module):
+    """An empty KV cache for ``model`` (converted with cp > 1), split over its CP group: what
+    :func:`tp_ext.generate` passes each forward (:mod:`tp_ext.parallelize.context_cache`)."""
+    from tp_ext.parallelize.context_cache import ContextCache
+
+    return ContextCache(_CONVERTED[model].group)
 
 
 def check_context_parallel(model: nn.Module, parallel, cp_mode: str) -> None:
@@ -104,7 +130,8 @@ def use_context_parallel(model: nn.Module, parallel, cp_mode: str, attentions) -
     base = getattr(model, model.base_model_prefix)
     positions = _PositionsOfThisRank(base, group)
     base.register_forward_pre_hook(positions, with_kwargs=True)
-    model.register_forward_pre_hook(_refuse_causal_lm_arguments, with_kwargs=True)
+    base.register_forward_hook(positions.last_position)
+    model.register_forward_pre_hook(positions.causal_lm_arguments, with_kwargs=True)
     _CONVERTED[model] = positions
     return (
         f"context parallel over {group.size} ranks ({cp_mode}): this rank's positions "
@@ -122,11 +149,11 @@ def _context_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
 ):
     """transformers' attention interface: ``query`` [batch, heads, local, dim], ``key`` and
-    ``value`` [batch, kv heads, local, dim] at this rank's positions; returns [batch, local,
-    heads, dim] and no weights."""
-    seq_len = kwargs.get(_SEQ_LEN)
+    ``value`` [batch, kv heads, local, dim] at this rank's positions (decoding: the new token's
+    query, the keys this rank holds); returns [batch, local, heads, dim] and no weights."""
+    seq_len, decoding = kwargs.get(_SEQ_LEN), kwargs.get(_DECODE)
     setting = getattr(module, "cp_attention", None)
-    if setting is None or seq_len is None:
+    if setting is None or (seq_len is None and decoding is None):
         raise RuntimeError(
             f"{type(module).__name__}: attention {ATTENTION!r} runs inside a model converted by "
             "tp_ext.parallelize with cp > 1, called through that model's forward"
@@ -139,7 +166,14 @@ def _context_attention(
     if dropout:
         raise ValueError("context parallelism: attention dropout is not supported yet")
     window = kwargs.get("sliding_window")  # this layer's (None: full attention)
+    softcap = kwargs.get("softcap")  # Gemma 2's attention logit soft-capping
     group, mode = setting
+    if decoding is not None:
+        out = split_kv_attention(
+            query, key, value, decoding.query_positions, decoding.key_positions, group,
+            scaling, key_mask=decoding.key_mask, window=window, softcap=softcap,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
     attend = ring_attention if mode == "ring" else all_to_all_attention
     out = attend(
         query,
@@ -150,7 +184,7 @@ def _context_attention(
         scale=scaling,
         key_mask=kwargs.get(_KEY_MASK),
         window=window if window is not None and window < seq_len else None,
-        softcap=kwargs.get("softcap"),  # Gemma 2's attention logit soft-capping
+        softcap=softcap,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -164,37 +198,49 @@ def _call_arguments(signature: inspect.Signature, args, kwargs) -> dict:
     return call
 
 
-def _refuse_causal_lm_arguments(model, args, kwargs):
-    """The causal LM's forward pre-hook: what its own forward would do wrong under CP."""
-    call = _call_arguments(inspect.signature(model.forward), args, kwargs)
-    if call.get("past_key_values") is not None or call.get("use_cache"):
-        raise ValueError(
-            "context parallelism: past_key_values= / use_cache=True are not supported: "
-            "generation under context parallelism is not supported yet"
-        )
-    if call.get("labels") is not None:
-        raise ValueError(
-            "context parallelism: labels= is not supported: the loss spans the CP ranks: score "
-            "the returned logits (this rank's positions, tp_ext.cp_positions order) or train "
-            "with tp_ext.training.Trainer"
-        )
-    keep = call.get("logits_to_keep", 0)
-    if not (isinstance(keep, int) and keep == 0):
-        raise ValueError(
-            f"context parallelism: logits_to_keep={keep!r} is not supported; every rank "
-            "returns the logits of its own positions"
-        )
+class _Decoding(NamedTuple):
+    """What every attention call of a decoding step needs: the new token's position, the
+    positions of the keys this rank holds (the new one's too when it keeps it) and their
+    padding mask (None: no padding)."""
+
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    key_mask: Optional[torch.Tensor]
 
 
 class _PositionsOfThisRank:
-    """The decoder's forward pre-hook: the whole sequence in, this rank's positions on.
-    ``whole_length``: set while a pipeline stage after the first runs (its input already holds
-    this rank's positions; the stages runner knows the whole sequence's length)."""
+    """The decoder's forward pre-hook: the whole sequence in, this rank's positions on; with a
+    KV cache, the prefill's or a decoding step's inputs. ``whole_length``: set while a pipeline
+    stage after the first runs (its input already holds this rank's positions; the stages
+    runner knows the whole sequence's length). Its :meth:`last_position` (the decoder's
+    forward hook) hands a prefill's last hidden state to every rank."""
 
     def __init__(self, base: nn.Module, group) -> None:
         self.group = group
         self.signature = inspect.signature(base.forward)
         self.whole_length = None
+        self.adopted = weakref.WeakKeyDictionary()  # a caller's empty cache -> the one in use
+        self.keep_last = False  # the causal LM's logits_to_keep=1: the last position's only
+        self.last: Optional[tuple] = None  # then (rank, index) of the last position
+
+    def causal_lm_arguments(self, model, args, kwargs):
+        """The causal LM's forward pre-hook: what its own forward would do wrong under CP, and
+        whether it wants the last position's logits only (``logits_to_keep=1``, as generation
+        asks: then on every rank)."""
+        call = _call_arguments(inspect.signature(model.forward), args, kwargs)
+        if call.get("labels") is not None:
+            raise ValueError(
+                "context parallelism: labels= is not supported: the loss spans the CP ranks: "
+                "score the returned logits (this rank's positions, tp_ext.cp_positions order) "
+                "or train with tp_ext.training.Trainer"
+            )
+        keep = call.get("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep in (0, 1)):
+            raise ValueError(
+                f"context parallelism: logits_to_keep={keep!r} is not supported; every rank "
+                "returns the logits of its own positions (0), or of the last position (1)"
+            )
+        self.keep_last = keep == 1
 
     def __call__(self, base, args, kwargs):
         call = _call_arguments(self.signature, args, kwargs)
@@ -204,6 +250,12 @@ class _PositionsOfThisRank:
             tokens = call.get("inputs_embeds")
         if tokens is None:
             raise ValueError("context parallelism: pass input_ids (or inputs_embeds)")
+        self.last, keep_last, self.keep_last = None, self.keep_last, False
+        cache = self._cache(call)
+        if keep_last:
+            _check_inference("logits_to_keep=1")
+        if cache is not None and cache.seen:
+            return (), self._decoding(call, tokens, cache)
         seq_len = tokens.size(1) if self.whole_length is None else self.whole_length
         mine = cp_positions(seq_len, group=self.group).to(tokens.device)
         for name in _PER_POSITION:
@@ -222,22 +274,75 @@ class _PositionsOfThisRank:
             _check_mask(mask, tokens.size(0), seq_len)
             if not bool(mask.all()):
                 call[_KEY_MASK] = mask[:, mine].bool()
-        call["use_cache"] = False
+        call["use_cache"] = cache is not None
+        if cache is not None:  # the prefill: this rank's keys kept here
+            cache.prefill(seq_len, tokens.device)
+            call["past_key_values"] = cache
+        if cache is not None or keep_last:  # the last position's hidden state on every rank
+            self.last = position_owner(seq_len - 1, seq_len, self.group.size)
         call[_SEQ_LEN] = seq_len
         return (), call
 
-    def _refuse(self, call: dict) -> None:
-        for name, why in (
-            ("past_key_values", "generation under context parallelism is not supported yet"),
-            ("cache_position", "generation under context parallelism is not supported yet"),
-        ):  # fmt: skip
-            if call.get(name) is not None:
-                raise ValueError(f"context parallelism: {name}= is not supported: {why}")
-        if call.get("use_cache"):
+    def _cache(self, call: dict):
+        """The :class:`ContextCache` this forward fills (None without a cache): the one given,
+        or the one that took the place of a caller's empty cache, or a new one."""
+        given = call.get("past_key_values")
+        if given is None and not call.get("use_cache"):
+            return None
+        if self.whole_length is not None:
             raise ValueError(
-                "context parallelism: use_cache=True is not supported (generation under "
-                "context parallelism is not supported yet)"
+                "context parallelism: a KV cache inside pipeline stages is not supported yet: "
+                "generate with pp=1"
             )
+        _check_inference("a KV cache (use_cache=True, past_key_values=)")
+        from tp_ext.parallelize.context_cache import held_cache
+
+        return held_cache(given, self.group, self.adopted)
+
+    def _decoding(self, call: dict, tokens: torch.Tensor, cache) -> dict:
+        """A decoding step's inputs: one new token (every rank's), its position in the cache."""
+        batch, new = tokens.shape[:2]
+        if new != 1:
+            raise ValueError(
+                f"context parallelism: a filled KV cache ({cache.seen} positions) takes one new "
+                f"token per forward (decoding), got {new}: prefill the whole prompt in one "
+                "forward (chunked prefill and continuing a cache by several tokens are not "
+                "supported)"
+            )
+        position = cache.decode(tokens.device)
+        if call.get("position_ids") is None:  # the model's own default
+            call["position_ids"] = torch.full((batch, 1), position, device=tokens.device)
+        mask = call.pop("attention_mask", None)
+        key_mask = None
+        if mask is not None:
+            _check_mask(mask, batch, position + 1)
+            key_mask = None if bool(mask.all()) else mask[:, cache.held].bool()
+        query = torch.tensor([position], device=tokens.device)
+        call[_DECODE] = _Decoding(query, cache.held, key_mask)
+        call["use_cache"], call["past_key_values"] = True, cache
+        return call
+
+    def last_position(self, base, args, output):
+        """The decoder's forward hook: after a prefill (or for ``logits_to_keep=1``), the last
+        position's hidden state [batch, 1, hidden] on every rank (broadcast by the rank holding
+        it) in place of this rank's positions', so that the model returns the logits
+        generation needs."""
+        if self.last is None:
+            return output
+        rank, index = self.last
+        self.last = None
+        hidden = output[0]
+        mine = hidden[:, index : index + 1]
+        if rank != self.group.rank:
+            mine = hidden.new_empty(hidden.size(0), 1, hidden.size(-1))
+        with comm.tag(CP_TAG):
+            last = comm.broadcast(mine.contiguous(), rank, self.group)
+        if isinstance(output, tuple):  # return_dict=False
+            return (last, *output[1:])
+        output["last_hidden_state"] = last
+        return output
+
+    def _refuse(self, call: dict) -> None:
         mask = call.get("attention_mask")
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
@@ -245,6 +350,16 @@ class _PositionsOfThisRank:
                 f"context parallelism: attention_mask of shape {shape} is not supported: pass "
                 "a padding mask [batch, seq] (1: a token, 0: padding); the attention is causal"
             )
+
+
+def _check_inference(what: str) -> None:
+    """The decoding attention and the last position's hand-over have no backward: refused
+    (on every rank alike) where autograd would need one."""
+    if torch.is_grad_enabled():
+        raise ValueError(
+            f"context parallelism: a forward with {what} is inference only: run it under "
+            "torch.no_grad() (generate does)"
+        )
 
 
 def _check_mask(mask: torch.Tensor, batch: int, seq_len: int) -> None:
