@@ -359,7 +359,7 @@ def test_parallel_section_holds_its_degrees_as_parallel_dims():
     assert PARALLEL_FIELDS["virtual_stages"].high == MAX_VIRTUAL_STAGES
     dims = settings.dims.resolve(8)
     assert settings.describe(dims) == (
-        "layout tp=2 x pp=2 x dp=2 on 8 ranks; pipeline schedule Interleaved1F1B, 4 stages "
+        "dims tp=2 x pp=2 x dp=2 on 8 ranks; pipeline schedule Interleaved1F1B, 4 stages "
         "(2 per rank, loop order), 4 micro-batches per step; data parallel ddp over 2 replicas; "
         "activation checkpointing off"
     )

@@ -58,7 +58,7 @@ def _assert_passed(out: str, err: str, world: int, layout: str) -> None:
     for line in CHECKS:
         assert line in out, out[-4000:] + err[-3000:]
     assert "FAIL" not in out
-    assert f"all checks passed on {world} ranks (layout {layout}" in out, out[-3000:]
+    assert f"all checks passed on {world} ranks (dims {layout}" in out, out[-3000:]
 
 
 # -- the job under torchrun ----------------------------------------------------------------------

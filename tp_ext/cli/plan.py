@@ -18,7 +18,7 @@ from tp_ext.models.footprint import format_pipeline_footprint, pipeline_footprin
 from tp_ext.models.hf import load_hf_config
 from tp_ext.models.hf.footprint import hf_pipeline_footprint
 from tp_ext.models.hf.source import HFModelSource
-from tp_ext.planner import calibrate, plan, plan_layout
+from tp_ext.planner import calibrate, plan, plan_dims
 from tp_ext.planner.candidate import usable_memory
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
@@ -127,7 +127,7 @@ def main(args) -> int:
         return refuse("plan", "argument config: give a config file or --model DIR_OR_CONFIG")
     if (args.cp or 1) > 1:
         return _context_plan(args)
-    layout = dict(
+    stages = dict(
         virtual_stages=args.virtual_stages,
         pipeline_split=args.pipeline_split,
         stage_order=args.stage_order,
@@ -145,7 +145,7 @@ def main(args) -> int:
                 dp=args.dp or 1,
                 ep=args.ep or (job.parallel.ep if job is not None else 1),
                 dtype=args.dtype or "bfloat16",
-                **layout,
+                **stages,
             )
         else:
             par = job.parallel
@@ -155,7 +155,7 @@ def main(args) -> int:
                 pp=args.pp if args.pp is not None else par.pp,
                 dp=args.dp if args.dp is not None else (par.dp or 1),
                 dtype=args.dtype or par.dtype,
-                **layout,
+                **stages,
             )
     except ArgumentError as e:
         return refuse("plan", f"argument --{e.argument.replace('_', '-')}: {e}")
@@ -164,7 +164,7 @@ def main(args) -> int:
 
 
 def _auto_plan(args) -> int:
-    """``--auto``: the planner's layouts, best first, as a table or JSON on stdout."""
+    """``--auto``: the planner's candidates, best first, as a table or JSON on stdout."""
     if args.calibrate:
         hw = calibrate()
         LOG.info(
@@ -214,9 +214,9 @@ def _auto_plan(args) -> int:
 def _context_plan(args) -> int:
     """``--cp C`` without ``--auto``: what a training step of ``--seq-len`` sequences (one per
     micro-batch; as many micro-batches as pipeline stages need, at least one) per DP rank needs
-    per rank at the layout given (flags, else the config's tp, pp, dp and ep) with cp = C and
+    per rank at the dims given (flags, else the config's tp, pp, dp and ep) with cp = C and
     with cp = 1, with and without activation checkpointing, against the device's memory."""
-    layout = {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
+    degrees = {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
     if args.model is not None:
         model, dtype = args.model, args.dtype
     else:
@@ -224,13 +224,13 @@ def _context_plan(args) -> int:
         model = getattr(job.model, "hf_config", job.model)
         dtype = args.dtype or job.parallel.dtype
         settings = dataclasses.asdict(job.parallel)
-        layout.update({k: settings[k] or 1 for k in layout})
-    layout.update({k: getattr(args, k) for k in layout if getattr(args, k) is not None})
+        degrees.update({k: settings[k] or 1 for k in degrees})
+    degrees.update({k: getattr(args, k) for k in degrees if getattr(args, k) is not None})
     rows = []
     try:
         for cp in (1, args.cp):
-            dims = ParallelDims(cp=cp, **layout)
-            rows += plan_layout(
+            dims = ParallelDims(cp=cp, **degrees)
+            rows += plan_dims(
                 model,
                 dims,
                 args.seq_len,
@@ -238,7 +238,7 @@ def _context_plan(args) -> int:
                 gpu_memory=args.gpu_memory,
                 dtype=dtype,
                 cp_mode=args.cp_mode,
-                micro_batches=layout["pp"],  # torch's schedules need one per stage at least
+                micro_batches=degrees["pp"],  # torch's schedules need one per stage at least
             )
     except ValueError as e:
         return refuse("plan", str(e))
@@ -247,12 +247,12 @@ def _context_plan(args) -> int:
         return 0
     gib = 1024**3
     limit = rows[0].memory_limit
-    sequences = "one" if layout["pp"] == 1 else str(layout["pp"])
+    sequences = "one" if degrees["pp"] == 1 else str(degrees["pp"])
     print(
         f"{sequences} {args.seq_len}-token sequence(s) per DP rank, a training step's peak per "
         f"rank (device: {limit / gib:.0f} GiB, {usable_memory(limit) / gib:.1f} usable)"
     )
-    print(f"{'layout':<48} {'activations':>12} {'total':>9} {'fits':>5} {'step s':>8}")
+    print(f"{'dims':<48} {'activations':>12} {'total':>9} {'fits':>5} {'step s':>8}")
     for est in rows:
         mem = est.memory_bytes
         print(

@@ -1,10 +1,10 @@
 """``tp-ext train CONFIG --data TOKENS.bin --steps N --checkpoint-dir DIR`` under torchrun: train
-the config's model on a token file at any TP x PP x DP layout, saving resumable checkpoints.
+the config's model on a token file at any TP x PP x DP dims, saving resumable checkpoints.
 
 - ``--model DIR_OR_CONFIG`` (or a job config whose ``model:`` is such a path) trains any
   transformers decoder ``parallelize(model, "auto")`` converts instead of tp_ext's Qwen2: from a
   checkpoint directory its weights (each rank reading its slices), from a config.json random
-  weights drawn from the seed (equal at every layout); after the last step the trained model is
+  weights drawn from the seed (equal at any dims); after the last step the trained model is
   written merged to ``DIR/export`` (config.json + safetensors: ``from_pretrained`` loads it).
 - The model is built from the config's seed; the data is :class:`tp_ext.data.TokenBatches`
   (``data:`` section: sequence length, global batch, micro-batch size, seed), the optimizer
@@ -15,7 +15,7 @@ the config's model on a token file at any TP x PP x DP layout, saving resumable 
   ``keep_last`` are kept.
 - If DIR holds a complete checkpoint, the run continues from the newest one when ``--resume``
   is given or torchrun restarted a run that had started (its agent store remembers); otherwise
-  it refuses to start, so nothing is overwritten. Saved at another layout, it is resharded.
+  it refuses to start, so nothing is overwritten. Saved at other dims, it is resharded.
   A checkpoint already at ``--steps`` ends the run at once; one beyond it is refused.
 - Rank 0 appends ``{"step", "loss", "grad_norm", "lr", "tokens_per_s"}`` per step to
   ``DIR/metrics.jsonl`` (on resume the lines after the checkpoint's step are dropped first, so
@@ -181,16 +181,16 @@ def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _R
 
 def _build(state, run: _Run):
     job, p = run.job, run.job.parallel
-    torch.manual_seed(p.seed)  # the same initial weights at every layout
+    torch.manual_seed(p.seed)  # the same initial weights at any dims
     tp_ext.random.manual_seed(p.seed)
-    layout = dict(virtual_stages=p.virtual_stages, stage_order=p.stage_order)
+    options = dict(virtual_stages=p.virtual_stages, stage_order=p.stage_order)
     if isinstance(job.model, HFModelSource):  # parallelize("auto") of the transformers model
-        layout["cp_mode"] = p.cp_mode
-        model = job.model.build(state, dtype=as_torch_dtype(p.dtype), seed=p.seed, **layout)
+        options["cp_mode"] = p.cp_mode
+        model = job.model.build(state, dtype=as_torch_dtype(p.dtype), seed=p.seed, **options)
     else:
         dtype = as_torch_dtype(p.dtype)
         model = Qwen2ForCausalLM(
-            job.model, parallel=state, dtype=dtype, cp_mode=p.cp_mode, **layout
+            job.model, parallel=state, dtype=dtype, cp_mode=p.cp_mode, **options
         )
     batches = TokenBatches(
         run.tokens,
@@ -314,7 +314,7 @@ def _progress(state, total: int):
 
 HELP = (
     "train the config's model on a token file (launch with torchrun), saving resumable "
-    "checkpoints; resumes after a kill, at any layout"
+    "checkpoints; resumes after a kill, at any dims"
 )
 _SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr", "decay_steps")
 
@@ -331,7 +331,7 @@ def add_arguments(parser) -> None:
         metavar="DIR_OR_CONFIG",
         help="train this transformers model (any architecture parallelize('auto') converts): a "
         "checkpoint directory (its weights, each rank reading its slices) or a config.json "
-        "(random weights, equal at every layout); the trained model goes to "
+        "(random weights, equal at any dims); the trained model goes to "
         "CHECKPOINT_DIR/export",
     )
     parser.add_argument(
@@ -372,7 +372,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     overrides = {**overrides_of(args), **{f: getattr(args, f) for f in _SCHEDULE_FIELDS}}
-    if args.auto:  # the planner's layout for the config's model
+    if args.auto:  # the planner's dims for the config's model
         job = JobConfig.for_command(args.config, args.model)
         dtype = overrides["dtype"] or job.parallel.dtype
         model = getattr(job.model, "hf_config", job.model)

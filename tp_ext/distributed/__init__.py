@@ -1,4 +1,4 @@
-"""Everything that talks across ranks: the parallel layout on DeviceMesh (:mod:`.mesh`), the one
+"""Everything that talks across ranks: the parallel groups on DeviceMesh (:mod:`.mesh`), the one
 group resolver (:mod:`.groups`), every collective called from Python (:mod:`.comm`), the TP random
 streams (:mod:`.rng`) and the accounting and settings of the C++ communication layer
 (:mod:`.accounting`). The one process-wide state is :mod:`.state`."""

@@ -1,6 +1,6 @@
 """Process groups for TP x CP x PP x DP on torch's DeviceMesh.
 
-Rank layout: mesh shape ``(pp, dp, cp, tp)`` with ``tp`` innermost, so the ranks of one TP group
+Rank order: mesh shape ``(pp, dp, cp, tp)`` with ``tp`` innermost, so the ranks of one TP group
 are adjacent (``0..tp-1``, ``tp..2tp-1``, ...) and sit inside one node under torchrun, where TP's
 frequent all-reduces belong; context parallelism (CP, its ring) comes next, DP groups stride by
 ``cp * tp``, and PP is outermost. This is Megatron's order.
@@ -110,7 +110,7 @@ class ParallelState:
 
 
 def parallel_state() -> ParallelState:
-    """The layout made by :func:`init_parallel` in this process."""
+    """The parallel state made by :func:`init_parallel` in this process."""
     if PROCESS.parallel is None:
         raise RuntimeError("tp_ext.init_parallel(tp=...) has not been called in this process")
     return PROCESS.parallel

@@ -1,4 +1,4 @@
-"""The one piece of process-wide state tp_ext keeps: the parallel layout made by
+"""The one piece of process-wide state tp_ext keeps: the parallel groups made by
 :func:`tp_ext.init_parallel`, the TP random streams, and whether layers initialise their weights
 while being built. Everything else is passed explicitly (groups, plans, configs).
 
@@ -25,7 +25,7 @@ class ProcessState:
     init_weights: bool = True
     # every rank's (pid, host) per group name, to name dead ranks (tp_ext.distributed.peers)
     peers: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
-    # groups of the first and last pipeline rank, per layout (tp_ext.distributed.mesh)
+    # groups of the first and last pipeline rank, per dims (tp_ext.distributed.mesh)
     tied_groups: dict[int, dict] = dataclasses.field(default_factory=dict)
     # the gloo group of DCP's background checkpoint writes (tp_ext.checkpoint.dcp)
     async_checkpoint_group: Optional[Any] = None

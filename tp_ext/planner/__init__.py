@@ -14,11 +14,11 @@ measured (:mod:`.hardware`), every candidate with a reason (:mod:`.search`).
 from tp_ext.planner.candidate import Candidate, Estimate
 from tp_ext.planner.cost import bubble_fraction, estimate
 from tp_ext.planner.hardware import HARDWARE, Hardware, calibrate, load_hardware
-from tp_ext.planner.search import parse_bytes, plan, plan_layout
+from tp_ext.planner.search import parse_bytes, plan, plan_dims
 
 __all__ = [
     "plan",
-    "plan_layout",
+    "plan_dims",
     "estimate",
     "Candidate",
     "Estimate",

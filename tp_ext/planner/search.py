@@ -28,7 +28,7 @@ from tp_ext.validation import (
     read_mapping,
 )
 
-__all__ = ["plan", "plan_layout", "parse_bytes"]
+__all__ = ["plan", "plan_dims", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 1024,
           "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}  # fmt: skip
@@ -298,7 +298,7 @@ def plan(
     return ranked[:top] if top else ranked
 
 
-def plan_layout(
+def plan_dims(
     config: Union[Qwen2Config, str, os.PathLike],
     dims: ParallelDims,
     seq_len: int,
@@ -309,7 +309,7 @@ def plan_layout(
     micro_batch: int = 1,
     micro_batches: int = 1,
 ) -> list[Estimate]:
-    """What one given layout costs (``dims`` resolved: tp, cp, pp, dp), for a step of
+    """What the given dims cost (``dims`` resolved: tp, cp, pp, dp), for a step of
     ``micro_batches`` micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens per DP
     rank (under pipelining at least ``pp``, as torch's schedules need): its estimates
     without and with activation checkpointing (``fits`` against ``gpu_memory``, default the
@@ -319,7 +319,7 @@ def plan_layout(
     check_int("micro_batches", micro_batches)
     if dims.pp > micro_batches:
         raise ValueError(
-            f"plan_layout: micro_batches={micro_batches} with pp={dims.pp}: torch's schedules "
+            f"plan_dims: micro_batches={micro_batches} with pp={dims.pp}: torch's schedules "
             f"need at least {dims.pp} micro-batches"
         )
     if seq_len > config.max_position_embeddings:
