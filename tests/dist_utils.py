@@ -41,7 +41,7 @@ class DistributedTestError(AssertionError):
 def _reusing_meshes(init_device_mesh):
     """init_device_mesh that hands back the worker's earlier mesh of the same shape and names.
     Workers outlive tests, and every live gloo group costs idle CPU (measured: a worker after a
-    dozen layouts idled at 4-5% instead of 0.5%, slowing every later test), but a mesh's groups
+    dozen meshes idled at 4-5% instead of 0.5%, slowing every later test), but a mesh's groups
     cannot be destroyed after its test: DTensor caches sharding plans keyed by mesh equality
     (ranks and dim names, not groups), so a later equal mesh may be handed the earlier one. Equal
     meshes are therefore one mesh here, and its groups live as long as the worker."""

@@ -37,7 +37,7 @@ def _ids(config, seed=1, shape=(2, 9)):
 
 
 def _write_original_qwen(hf_model, config: Qwen2Config, path: str) -> None:
-    """The same weights in the original Qwen-72B layout (QWenLMHeadModel names, fused c_attn,
+    """The same weights in the original Qwen-72B format (QWenLMHeadModel names, fused c_attn,
     w2 the gate), with its config.json."""
     os.makedirs(path, exist_ok=True)
     sd = hf_model.state_dict()

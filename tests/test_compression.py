@@ -338,7 +338,7 @@ def test_powersgd_through_the_same_switch(world):
 
 
 RESUME = [
-    # layout (tp, pp, dp), schedule, method
+    # dims (tp, pp, dp), schedule, method
     ((1, 2, 2), "1F1B", "int8"),  # DDP per pipeline stage
     ((2, 1, 2), "1F1B", "1bit"),  # TP inside, DP over the compressed hook
     ((1, 1, 3), "1F1B", "int8"),  # 3 ranks: uneven segments, DDP re-bucketing
@@ -355,9 +355,9 @@ def _onebit_adam(params):
 def test_trainer_resume_with_onebit_adam_is_bitwise(tmp_path):
     """1-bit Adam saved at step 2, its last uncompressed one: the resumed run compresses the
     momentum from the frozen variance on, bitwise as the uninterrupted run."""
-    from tests.test_training_state import _same_layout
+    from tests.test_training_state import _same_dims
 
-    _same_layout(
+    _same_dims(
         tmp_path, (1, 1, 2), "1F1B", "ddp", 0.0, False, False,
         gradient_compression="1bit", optimizer=_onebit_adam,
     )  # fmt: skip
@@ -422,10 +422,10 @@ def test_trainer_resumes_powersgd(tmp_path):
 def test_trainer_resume_with_compression_is_bitwise(tmp_path, case):
     """The residuals travel with the checkpoint: the resumed run's losses and gradient norms
     are bitwise the uninterrupted compressed run's."""
-    from tests.test_training_state import _same_layout
+    from tests.test_training_state import _same_dims
 
-    layout, schedule, method = case
-    _same_layout(tmp_path, layout, schedule, "ddp", 0.0, False, False, gradient_compression=method)
+    dims, schedule, method = case
+    _same_dims(tmp_path, dims, schedule, "ddp", 0.0, False, False, gradient_compression=method)
 
 
 def _compressed_losses(method, steps=6):

@@ -584,7 +584,7 @@ def test_zero_under_context_parallelism_trains_like_one_process(tp, cp, dp, pp, 
 
 
 def _checkpoint_across_cp(path, save_cp, data_parallel="ddp"):
-    """Trained 2 steps at (cp=save_cp), saved; loaded at cp = world / save_cp's other layout
+    """Trained 2 steps at (cp=save_cp), saved; loaded at cp = world / save_cp's other dims
     (cp=2 <-> dp=2): the same weights, and the next step's loss equal to the saver's."""
     from tp_ext.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
     from tp_ext.training import Trainer

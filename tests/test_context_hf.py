@@ -141,13 +141,13 @@ def _tolerances(arch: str) -> tuple:
     return dict(rtol=1e-9, atol=1e-9), 1e-6
 
 
-def cp_matrix(layouts, subset) -> list:
+def cp_matrix(dims_cases, subset) -> list:
     """pytest params ``(arch, tp, cp, mode)``: the ``subset`` (make test), then every other
-    architecture x ``layouts`` ((tp, cp) pairs) x mode case, marked full_matrix."""
+    architecture x ``dims_cases`` ((tp, cp) pairs) x mode case, marked full_matrix."""
     every = [
         (arch, tp, cp, mode)
         for arch in [*ARCHS, *OTHERS]
-        for tp, cp in layouts
+        for tp, cp in dims_cases
         for mode in ("ring", "all_to_all")
     ]
     return [pytest.param(*case, id="-".join(map(str, case))) for case in subset] + [
@@ -157,7 +157,7 @@ def cp_matrix(layouts, subset) -> list:
     ]
 
 
-# make test: every architecture and layout, both modes
+# make test: every architecture and dims, both modes
 SUBSET = [
     ("llama", 1, 2, "ring"),
     ("qwen3", 1, 3, "all_to_all"),

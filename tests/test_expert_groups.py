@@ -1,5 +1,5 @@
 """Expert-parallel groups (init_parallel(ep=E)): the EP and expert-DP groups against the rule
-written out here rank by rank, at (tp, pp, dp, ep) layouts from 3 to 8 ranks, and the error for
+written out here rank by rank, at (tp, pp, dp, ep) dims from 3 to 8 ranks, and the error for
 a degree that does not fit."""
 
 import pytest
@@ -39,15 +39,15 @@ def _groups(tp, pp, dp, ep):
     )
 
 
-# (world, tp, pp, dp, ep). Every layout makes process groups that live as long as the test
+# (world, tp, pp, dp, ep). Every case makes process groups that live as long as the test
 # pool's processes (and keep costing them a little CPU), so `make test` takes one of each path
 # and `make test-all` the rest.
-LAYOUTS = [
+DIMS = [
     (4, 1, 1, 4, 2),  # from the DP ranks, replicas over DP
     (4, 2, 1, 2, 4),  # ep > dp: the TP ranks join the expert group
     (3, 1, 1, 3, 3),  # every rank its own experts
 ]
-LAYOUTS_FULL = [
+DIMS_FULL = [
     (4, 1, 1, 4, 4),
     (4, 2, 1, 2, 2),
     (4, 1, 1, 4, 1),
@@ -56,18 +56,18 @@ LAYOUTS_FULL = [
 ]
 
 
-@pytest.mark.parametrize("case", LAYOUTS, ids=str)
+@pytest.mark.parametrize("case", DIMS, ids=str)
 def test_expert_groups_follow_the_rule(case):
-    _check_layout(case)
+    _check_dims(case)
 
 
 @pytest.mark.full_matrix
-@pytest.mark.parametrize("case", LAYOUTS_FULL, ids=str)
+@pytest.mark.parametrize("case", DIMS_FULL, ids=str)
 def test_expert_groups_follow_the_rule_full(case):
-    _check_layout(case)
+    _check_dims(case)
 
 
-def _check_layout(case):
+def _check_dims(case):
     world, tp, pp, dp, ep = case
     for rank, (group, replicas, ep_rank, degree) in enumerate(
         run_distributed(_groups, world, tp, pp, dp, ep)

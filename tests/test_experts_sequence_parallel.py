@@ -69,23 +69,23 @@ def _parity(kind, tp, dp, ep, length):
 
 # (tp, dp, ep): split experts (ep 1); EP across the TP ranks (tp2-ep2: each rank routes its own
 # shard); EP from DP ranks (tp2-dp2-ep2: experts split over TP inside); across TP and DP
-LAYOUTS = [(2, 1, 1), (3, 1, 1), (2, 1, 2), (2, 2, 2), (3, 2, 2), (2, 2, 4), (3, 1, 3)]
+DIMS = [(2, 1, 1), (3, 1, 1), (2, 1, 2), (2, 2, 2), (3, 2, 2), (2, 2, 4), (3, 1, 3)]
 # make test: each path once (the rest in make test-all)
 SMALL = [("mixtral", (2, 1, 1)), ("qwen2_moe", (3, 1, 1)), ("qwen2_moe", (2, 1, 2)),
          ("mixtral", (2, 2, 2))]  # fmt: skip
 
 
 def _cases():
-    qwen3 = [("qwen3_moe", layout) for layout in [(2, 1, 1), (3, 1, 1), (2, 1, 2), (2, 2, 2)]]
-    every = [(kind, layout) for kind in ("mixtral", "qwen2_moe") for layout in LAYOUTS] + qwen3
-    for kind, layout in every:
-        marks = () if (kind, layout) in SMALL else (pytest.mark.full_matrix,)
-        yield pytest.param(kind, layout, marks=marks, id="{}-tp{}-dp{}-ep{}".format(kind, *layout))
+    qwen3 = [("qwen3_moe", dims) for dims in [(2, 1, 1), (3, 1, 1), (2, 1, 2), (2, 2, 2)]]
+    every = [(kind, dims) for kind in ("mixtral", "qwen2_moe") for dims in DIMS] + qwen3
+    for kind, dims in every:
+        marks = () if (kind, dims) in SMALL else (pytest.mark.full_matrix,)
+        yield pytest.param(kind, dims, marks=marks, id="{}-tp{}-dp{}-ep{}".format(kind, *dims))
 
 
-@pytest.mark.parametrize("kind,layout", _cases())
-def test_experts_with_sequence_parallelism_equal_transformers(kind, layout):
-    tp, dp, ep = layout
+@pytest.mark.parametrize("kind,dims", _cases())
+def test_experts_with_sequence_parallelism_equal_transformers(kind, dims):
+    tp, dp, ep = dims
     # 9 positions: uneven over 2 ranks (5, 4); 10 over 3 (4, 3, 3)
     length = 9 if tp == 2 else 10
     results = run_distributed(_parity, tp * dp, kind, tp, dp, ep, length, timeout=300)
@@ -182,7 +182,7 @@ TRAIN = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind,layout,data_parallel", TRAIN)
-def test_trainer_steps_equal_one_process(kind, layout, data_parallel):
-    tp, dp, ep = layout
+@pytest.mark.parametrize("kind,dims,data_parallel", TRAIN)
+def test_trainer_steps_equal_one_process(kind, dims, data_parallel):
+    tp, dp, ep = dims
     run_distributed(_train, tp * dp, kind, tp, dp, ep, data_parallel, timeout=400)

@@ -45,11 +45,9 @@ def _plain_trainer(directory: str, tp: int) -> Trainer:
     )
 
 
-def _new_trainer(directory: str, layout, pipeline: bool) -> Trainer:
+def _new_trainer(directory: str, dims, pipeline: bool) -> Trainer:
     trainer = (
-        _trainer(directory, layout, dropout=0.1)
-        if pipeline
-        else _plain_trainer(directory, layout[0])
+        _trainer(directory, dims, dropout=0.1) if pipeline else _plain_trainer(directory, dims[0])
     )
     # streams unlike the stopped run's at its checkpoint: the checkpoint must restore them
     torch.manual_seed(987)
@@ -61,10 +59,10 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in trainer.model.state_dict().items()}
 
 
-def _fit(directory, layout, pipeline: bool, source: str, stop: bool):
+def _fit(directory, dims, pipeline: bool, source: str, stop: bool):
     """(losses fit returned, this rank's weights) of a fit to STEPS in ``directory``; ``stop``:
     the run fails after step FAIL_AT (its checkpoint after step EVERY stays)."""
-    trainer = _new_trainer(directory, layout, pipeline)
+    trainer = _new_trainer(directory, dims, pipeline)
     if source == "loader":
         batches = trainer.data
     else:  # the same steps as a plain list: step s is item s - 1
@@ -86,7 +84,7 @@ def _fit(directory, layout, pipeline: bool, source: str, stop: bool):
     return losses, _weights(trainer)
 
 
-CASES = [  # layout (tp, pp, dp), through a pipeline (parallel=), batches
+CASES = [  # dims (tp, pp, dp), through a pipeline (parallel=), batches
     ((1, 1, 1), False, "list"),
     ((1, 1, 1), True, "loader"),
     ((2, 1, 1), False, "loader"),
@@ -97,14 +95,14 @@ CASES = [  # layout (tp, pp, dp), through a pipeline (parallel=), batches
 ]
 
 
-@pytest.mark.parametrize("layout, pipeline, source", CASES)
+@pytest.mark.parametrize("dims, pipeline, source", CASES)
 def test_a_stopped_fit_resumed_in_a_new_trainer_is_the_straight_run_bitwise(
-    tmp_path, layout, pipeline, source
+    tmp_path, dims, pipeline, source
 ):
-    world = layout[0] * layout[1] * layout[2]
+    world = dims[0] * dims[1] * dims[2]
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
     _tokens(straight)  # beside both directories
-    args = (layout, pipeline, source)
+    args = (dims, pipeline, source)
     runs = run_distributed(_fit, world, straight, *args, False, timeout=300)
     losses, weights = runs[0]
     assert len(losses) == STEPS and all(isinstance(x, float) for x in losses)

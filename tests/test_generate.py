@@ -2,8 +2,8 @@
 gives transformers' own greedy tokens at TP = 1..4, (tp, pp) = (2, 2) and (1, 3), for Hugging
 Face Llama, Qwen2 and Mixtral (with expert parallelism) converted by ``parallelize`` and for
 tp_ext's native Qwen2; each row stops at its EOS (then padded) as transformers' rows do; sampled
-tokens equal a single-process reference applying the same rule with the same draws, at any
-layout; the KV cache's bytes per rank are as its shape says; bad arguments fail on every rank.
+tokens equal a single-process reference applying the same rule with the same draws, at all
+dims; the KV cache's bytes per rank are as its shape says; bad arguments fail on every rank.
 """
 
 import copy
@@ -95,10 +95,7 @@ FAST = {(2, 1), (3, 1), (2, 2), (1, 3)}
 
 @pytest.mark.parametrize(
     "tp,pp",
-    [
-        pytest.param(*layout, marks=() if layout in FAST else pytest.mark.full_matrix)
-        for layout in GREEDY
-    ],
+    [pytest.param(*dims, marks=() if dims in FAST else pytest.mark.full_matrix) for dims in GREEDY],
 )
 def test_greedy_equals_transformers(tp, pp, tmp_path):
     archs = ["llama", "qwen2"]
@@ -114,7 +111,7 @@ def test_greedy_equals_transformers(tp, pp, tmp_path):
         pytest.param(1, 1, 2, 2, marks=pytest.mark.full_matrix),
         pytest.param(2, 2, 2, 1, marks=pytest.mark.full_matrix),
     ]
-    + [  # without expert parallelism, every layout of the dense models
+    + [  # without expert parallelism, all dims of the dense models
         pytest.param(tp, pp, 1, 1, marks=pytest.mark.full_matrix) for tp, pp in GREEDY
     ],
 )

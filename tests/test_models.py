@@ -210,7 +210,7 @@ def test_from_pretrained_names_a_missing_checkpoint_directory(tmp_path):
 
 
 def _initial_weights(tp, pp, tied):
-    """This rank's stages of a model built from a config at the layout, gathered over TP (a
+    """This rank's stages of a model built from a config at the dims, gathered over TP (a
     grid when ``tp`` is a (P, Q) pair), and the single-process model built from the same seed."""
     import tp_ext
     from tp_ext.distributed import ResolvedGroup
@@ -253,7 +253,7 @@ _TINY = dict(
 )
 
 
-# every layout holds blocks of the one model the seed gives: TP degrees (uneven at 3), pipeline
+# all dims hold blocks of the one model the seed gives: TP degrees (uneven at 3), pipeline
 # stages (a stage builds only its layers; a tied head on the last stage copies the embedding's
 # draw), both, and a 2D grid
 @pytest.mark.parametrize(
@@ -261,7 +261,7 @@ _TINY = dict(
     [(1, 1, True), (2, 1, False), (3, 1, True), (1, 2, True), (2, 2, True), ((2, 2), 1, False)],
     ids=["tp1-tied", "tp2", "tp3-tied", "pp2-tied", "tp2-pp2-tied", "grid2x2"],
 )
-def test_initial_weights_are_the_same_at_every_layout(tp, pp, tied):
+def test_initial_weights_are_the_same_at_all_dims(tp, pp, tied):
     world = (tp[0] * tp[1] if isinstance(tp, tuple) else tp) * pp
     results = run_distributed(_initial_weights, world, tp, pp, tied)
     for held, single in results:

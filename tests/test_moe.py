@@ -1,6 +1,6 @@
 """Expert parallelism: the token permutation ops (opcheck, against eager PyTorch, errors), the
 uneven all-to-all (against the routing it implements, its backward, its bytes), and
-ExpertParallelMoE in transformers' Qwen2-MoE (shared expert) and Mixtral at (tp, dp, ep) layouts:
+ExpertParallelMoE in transformers' Qwen2-MoE (shared expert) and Mixtral at (tp, dp, ep) dims:
 logits, loss and the model's own aux loss on each rank's batch against transformers, every
 gradient against the unsharded model, the bytes of the dispatch and combine against the routing,
 each rank's expert parameters its share, and the capacity factor's drops."""
@@ -380,13 +380,13 @@ def _parity(kind, tp, dp, ep):
 
 # the issue's five, then EP groups across TP ranks (ep > dp): all of a TP group's ranks, a
 # part of them (tp4-ep2), and with DP (tp2-dp2-ep4); 18 tokens over 4 TP ranks are uneven
-LAYOUTS = [(1, 2, 2), (1, 4, 4), (1, 4, 2), (2, 2, 2), (1, 3, 3), (2, 1, 2), (4, 1, 2), (2, 2, 4)]
+DIMS = [(1, 2, 2), (1, 4, 4), (1, 4, 2), (2, 2, 2), (1, 3, 3), (2, 1, 2), (4, 1, 2), (2, 2, 4)]
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "tp{}-dp{}-ep{}".format(*t))
-def test_expert_parallel_moe_equals_transformers(kind, layout):
-    tp, dp, ep = layout
+@pytest.mark.parametrize("dims", DIMS, ids=lambda t: "tp{}-dp{}-ep{}".format(*t))
+def test_expert_parallel_moe_equals_transformers(kind, dims):
+    tp, dp, ep = dims
     routed = run_distributed(_parity, tp * dp, kind, tp, dp, ep, timeout=240)
     assert routed == [2 * 9 * TOP_K] * (tp * dp)  # tokens_per_expert counts every choice
 
@@ -551,9 +551,9 @@ TRAIN_CASES = [("qwen2_moe", (1, 2, 2), False), ("mixtral", (2, 2, 2), False),
                ("qwen2_moe", (4, 1, 2), True), ("mixtral", (2, 2, 4), False)]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind,layout,with_aux", TRAIN_CASES, ids=str)
-def test_trainer_steps_equal_single_process_training_on_the_global_batch(kind, layout, with_aux):
-    tp, dp, ep = layout
+@pytest.mark.parametrize("kind,dims,with_aux", TRAIN_CASES, ids=str)
+def test_trainer_steps_equal_single_process_training_on_the_global_batch(kind, dims, with_aux):
+    tp, dp, ep = dims
     run_distributed(_train, tp * dp, kind, tp, dp, ep, with_aux, timeout=300)
 
 
@@ -571,13 +571,13 @@ ZERO_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind,layout,with_aux,data_parallel", ZERO_CASES)
-def test_zero_with_experts_equals_single_process_training(kind, layout, with_aux, data_parallel):
-    tp, dp, ep = layout
+@pytest.mark.parametrize("kind,dims,with_aux,data_parallel", ZERO_CASES)
+def test_zero_with_experts_equals_single_process_training(kind, dims, with_aux, data_parallel):
+    tp, dp, ep = dims
     run_distributed(_train, tp * dp, kind, tp, dp, ep, with_aux, data_parallel, timeout=300)
 
 
-# ---- checkpoints: the Hugging Face layout, loaded at another EP degree ---------------------------
+# ---- checkpoints in the Hugging Face format, loaded at another EP degree ------------------------
 
 
 def _reshard(path):
@@ -684,7 +684,7 @@ def _load_by_slices(path, kind, tp, pp, dp, ep):
 
 
 @pytest.mark.parametrize(
-    "kind, form, layout",
+    "kind, form, dims",
     [
         ("mixtral", "fused", (1, 1, 2, 2)),  # four experts each
         ("mixtral", "per_expert", (2, 1, 2, 2)),  # and each expert split over TP
@@ -694,15 +694,15 @@ def _load_by_slices(path, kind, tp, pp, dp, ep):
         pytest.param("qwen2_moe", "fused", (2, 2, 1, 2), marks=pytest.mark.full_matrix),
     ],
 )
-def test_expert_ranks_read_their_experts_from_a_checkpoint(tmp_path, kind, form, layout):
+def test_expert_ranks_read_their_experts_from_a_checkpoint(tmp_path, kind, form, dims):
     """Each EP rank reads only its experts' rows of the files (and its TP columns of them), from
     the fused tensors or from transformers' one tensor per expert: the unsharded model's
     logits, and less than the whole checkpoint read."""
     _checkpoint(str(tmp_path), kind, form)
     with torch.no_grad():
         expected = _model(kind)(_batch(7)).logits
-    tp, pp, dp, ep = layout
-    results = run_distributed(_load_by_slices, tp * pp * dp, str(tmp_path), kind, *layout)
+    tp, pp, dp, ep = dims
+    results = run_distributed(_load_by_slices, tp * pp * dp, str(tmp_path), kind, *dims)
     for logits, held, report in results:
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
         assert not report.get("read_whole") and report["read_bytes"] < report["checkpoint_bytes"]
@@ -713,7 +713,7 @@ def test_expert_ranks_read_their_experts_from_a_checkpoint(tmp_path, kind, form,
 # ---- Trainer checkpoints: resumed at another EP degree ----------------------------------------
 
 
-def _resume_at_other_layouts(path, saved=(1, 4, 4, "ddp"), loads=None):
+def _resume_at_other_dims(path, saved=(1, 4, 4, "ddp"), loads=None):
     """One step of SGD with momentum at (tp, dp, ep) = (1, 4, 4), saved with
     Trainer.save_checkpoint; loaded at (1, 4, 2), (2, 2, 2) and (2, 2, 4) (EP across TP ranks),
     the next step equals single-process training on the global batch (the experts and their
@@ -774,12 +774,12 @@ def _resume_at_other_layouts(path, saved=(1, 4, 4, "ddp"), loads=None):
 
 
 def test_trainer_checkpoint_saved_at_ep4_resumes_at_ep2_and_with_tp(tmp_path):
-    run_distributed(_resume_at_other_layouts, 4, str(tmp_path / "ckpt"), timeout=300)
+    run_distributed(_resume_at_other_dims, 4, str(tmp_path / "ckpt"), timeout=300)
 
 
-def test_zero_checkpoint_with_experts_resumes_under_ddp_and_zero_at_other_layouts(tmp_path):
+def test_zero_checkpoint_with_experts_resumes_under_ddp_and_zero_at_other_dims(tmp_path):
     """Saved under ZeRO-2 with each expert's momentum in rows over 2 ranks (dp 4, ep 2); loaded
     by DDP at (2, 2, 2) and by ZeRO-1 at (1, 4, 4) and ZeRO-2 at (2, 2, 2)."""
     loads = ((2, 2, 2, "ddp"), (1, 4, 4, "zero1"), (2, 2, 2, "zero2"))
     path = str(tmp_path / "ckpt")
-    run_distributed(_resume_at_other_layouts, 4, path, (1, 4, 2, "zero2"), loads, timeout=300)
+    run_distributed(_resume_at_other_dims, 4, path, (1, 4, 2, "zero2"), loads, timeout=300)

@@ -1,6 +1,6 @@
 """3D training (TP x PP x DP) on torch's pipelining and DDP/FSDP2, against single-process
 transformers training: five AdamW steps with clipping give the same losses, gradient norms and
-weights at every layout and schedule (fp32, 1e-5 relative); tied embeddings across stages, bf16
+weights at all dims and schedules (fp32, 1e-5 relative); tied embeddings across stages, bf16
 and fp16 (an overflow on one rank skips the step everywhere), per-layer recompute with dropout,
 generation under TP x PP, and the errors of impossible combinations.
 
@@ -160,15 +160,15 @@ SUBSET = [
     ((1, 2, 2), "ZBVZeroBubble", "zero2", 4, True, 4, None),  # weight split, both ties on rank 0
     ((1, 2, 3), "ZBVZeroBubble", "zero2", 4, False, 4, None),  # weight split at DP 3: one sum
 ]
-LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (3, 1, 1), (1, 4, 1)]
+DIMS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (3, 1, 1), (1, 4, 1)]
 FULL = [
-    (layout, schedule, data_parallel, 8, tie, 8, None)
-    for layout, schedule, data_parallel, tie in itertools.product(
-        LAYOUTS, SCHEDULES, ("ddp", "fsdp", "zero1", "zero2"), (False, True)
+    (dims, schedule, data_parallel, 8, tie, 8, None)
+    for dims, schedule, data_parallel, tie in itertools.product(
+        DIMS, SCHEDULES, ("ddp", "fsdp", "zero1", "zero2"), (False, True)
     )
-    if (layout, schedule, data_parallel, 8, tie, 8, None) not in SUBSET
-    and (layout[2] > 1 or data_parallel == "ddp")  # without DP the kinds are one case
-    and not (layout[2] > 1 and data_parallel == "fsdp" and schedule in ZERO_BUBBLE)  # refused
+    if (dims, schedule, data_parallel, 8, tie, 8, None) not in SUBSET
+    and (dims[2] > 1 or data_parallel == "ddp")  # without DP the kinds are one case
+    and not (dims[2] > 1 and data_parallel == "fsdp" and schedule in ZERO_BUBBLE)  # refused
 ]
 
 

@@ -43,13 +43,13 @@ def _source(tmp_path, config):
 # ---- on the ranks --------------------------------------------------------------------------------
 
 
-def _load_train_save(source, out, layout, build, train, max_shard_bytes):
+def _load_train_save(source, out, dims, build, train, max_shard_bytes):
     """Load ``source`` into this rank's stages, optionally train one step, save to ``out``."""
     import tp_ext
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
 
-    tp, pp, dp = layout
+    tp, pp, dp = dims
     state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp)
     model = Qwen2ForCausalLM.from_pretrained(source, parallel=state, progress=False, **build)
     assert model.is_pipelined and model.pipeline_group is not None
@@ -155,20 +155,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipelined_save_is_the_whole_model(tmp_path, case):
-    ws, layout, layers, tie, build, train, shard_bytes = CASES[case]
+    ws, dims, layers, tie, build, train, shard_bytes = CASES[case]
     config = _config(layers, tie)
     source, hf = _source(tmp_path, config)
     out = str(tmp_path / "export")
     shard_bytes = shard_bytes or 5 * 1024**3
     names = run_distributed(
-        _load_train_save, ws, source, out, layout, build, train, shard_bytes, timeout=180
+        _load_train_save, ws, source, out, dims, build, train, shard_bytes, timeout=180
     )
     # Published once, by one writer: one version behind the path.
     versions = os.listdir(out + ".versions")
     assert [v for v in versions if not v.endswith(".lock")] == [os.path.basename(os.readlink(out))]
     # Each rank held only its own stages' tensors, yet the export has them all.
     assert all(len(n) < len(hf.state_dict()) for n in names)
-    expected = hf if train is None else _hf_trained(config, train, layout[2])
+    expected = hf if train is None else _hf_trained(config, train, dims[2])
     where = _check_export(out, expected, exact=train is None, tie=tie)
     if train is not None:  # the step changed the weights: the export holds the new ones
         moved = expected.state_dict()["model.norm.weight"] - hf.state_dict()["model.norm.weight"]

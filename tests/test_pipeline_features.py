@@ -1,4 +1,4 @@
-"""Around 3D training: the stage layout, generation under TP x PP against transformers, bf16 and
+"""Around 3D training: the stage split, generation under TP x PP against transformers, bf16 and
 fp16 (one rank's overflow skips the step on every rank), per-layer recompute exact with
 dropout, and clear errors at construction for what cannot run (never a hang)."""
 
@@ -24,24 +24,24 @@ from .dist_utils import run_distributed
 from .reference import hf_qwen2
 from .test_pipeline import MAX_NORM, _config, _micro_batches, _optimizer, _reference
 
-# ---- the stage layout ---------------------------------------------------------------------------
+# ---- the stage split ----------------------------------------------------------------------------
 
 
-def test_stage_layout_splits_layers_by_the_shard_policy():
-    layout = StageSplit(10, pp=4)
-    assert layout.layer_counts == [3, 3, 2, 2]
-    assert [list(layout.layers_of(s)) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
-    assert [layout.stages_of(r) for r in range(4)] == [[0], [1], [2], [3]]
+def test_stage_split_divides_layers_by_the_shard_policy():
+    split = StageSplit(10, pp=4)
+    assert split.layer_counts == [3, 3, 2, 2]
+    assert [list(split.layers_of(s)) for s in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert [split.stages_of(r) for r in range(4)] == [[0], [1], [2], [3]]
 
 
-def test_stage_layout_orders():
+def test_stage_split_orders():
     loop = StageSplit(8, pp=2, virtual_stages=2)
     assert [loop.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
     v = StageSplit(8, pp=2, virtual_stages=2, order="v")
     assert [v.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
-    for layout in (loop, v, StageSplit(9, pp=3, virtual_stages=3)):
-        for stage in range(layout.num_stages):
-            assert stage in layout.stages_of(layout.rank_of(stage))
+    for stage_split in (loop, v, StageSplit(9, pp=3, virtual_stages=3)):
+        for stage in range(stage_split.num_stages):
+            assert stage in stage_split.stages_of(stage_split.rank_of(stage))
     split = StageSplit(5, pp=2, split=[1, 4])
     assert [list(split.layers_of(s)) for s in range(2)] == [[0], [1, 2, 3, 4]]
 
@@ -358,13 +358,13 @@ def _held(tp, pp, tie):
 def test_each_rank_holds_only_its_stages(tp, pp, tie):
     config = _config(5, tie)
     full = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(config).named_parameters()}
-    layout = StageSplit(5, pp)
+    split = StageSplit(5, pp)
     held = run_distributed(_held, tp * pp, tp, pp, tie)
     union = set()
     for rank, (names, stages) in enumerate(held):
         pp_rank = rank // tp
         assert stages == [pp_rank]
-        layers = {f"model.layers.{i}." for i in layout.layers_of(pp_rank)}
+        layers = {f"model.layers.{i}." for i in split.layers_of(pp_rank)}
         for name in names:
             first, last = name.startswith("model.embed_tokens"), not name.startswith("model.")
             assert (

@@ -7,7 +7,7 @@ weights at (tp, pp, dp) = (1,2,1), (2,2,1), (1,2,2), (2,2,2), (1,3,1) for Llama,
 EP=2 ranks of each stage (taken from DP, or across TP). What cannot be split is refused before
 anything runs.
 
-``make test`` runs a subset that covers every path (each architecture, each layout, the V order
+``make test`` runs a subset that covers every path (each architecture, all dims, the V order
 with both ends of a tied model on one rank, FSDP2, recompute); ``make test-all`` all of it.
 """
 
@@ -143,7 +143,7 @@ def _train(
 
 
 # arch, (tp, pp, dp[, ep]), schedule, data_parallel, micro-batches per replica, recompute
-LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1)]
+DIMS = [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1)]
 ARCHS = ["llama", "qwen3", "gemma2", "gpt2"]
 SUBSET = [
     ("llama", (2, 2, 1), "1F1B", "ddp", 2, False),
@@ -161,9 +161,9 @@ SUBSET = [
     ("mixtral", (1, 2, 2, 2), "1F1B", "zero2", 2, False),
 ]
 FULL = [  # 1F1B needs a micro-batch per stage
-    (arch, layout, "1F1B", "ddp", max(2, layout[1]), False)
-    for arch, layout in itertools.product(ARCHS, LAYOUTS)
-    if (arch, layout, "1F1B", "ddp", max(2, layout[1]), False) not in SUBSET
+    (arch, dims, "1F1B", "ddp", max(2, dims[1]), False)
+    for arch, dims in itertools.product(ARCHS, DIMS)
+    if (arch, dims, "1F1B", "ddp", max(2, dims[1]), False) not in SUBSET
 ] + [
     ("llama", (1, 2, 1), "Interleaved1F1B", "ddp", 4, False),
     ("gemma2", (1, 2, 1), "DualPipeV", "ddp", 4, False),
@@ -462,10 +462,10 @@ def test_the_default_split_weighs_the_lm_head_and_the_planner_places_layers_alik
     assert est.detail["layers_per_rank"] == 3
 
 
-def _steps_with_checkpoint(arch, layout, path, steps, save: bool):
-    """``steps`` steps at ``layout`` on the same global batch (after loading ``path`` unless
+def _steps_with_checkpoint(arch, dims, path, steps, save: bool):
+    """``steps`` steps at ``dims`` on the same global batch (after loading ``path`` unless
     ``save``; saving it after them if ``save``): the losses."""
-    tp, pp, dp = layout
+    tp, pp, dp = dims
     state = tp_ext.init_parallel(tp=tp, pp=pp, dp=dp)
     stages = tp_ext.parallelize(_hf_model(arch), "auto", parallel=state)
     trainer = Trainer(stages, optimizer=_optimizer, parallel=state, max_grad_norm=MAX_NORM)
@@ -479,7 +479,7 @@ def _steps_with_checkpoint(arch, layout, path, steps, save: bool):
     return losses
 
 
-def test_a_checkpoint_of_the_stages_resumes_at_another_layout(tmp_path):
+def test_a_checkpoint_of_the_stages_resumes_at_other_dims(tmp_path):
     """The Trainer's checkpoint of a Hugging Face model's stages (transformers' names, layers by
     global index) loads at another (tp, pp, dp) and training goes on as if never stopped."""
     path = str(tmp_path / "ckpt")

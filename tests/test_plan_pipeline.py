@@ -41,7 +41,7 @@ def q72():
 @pytest.fixture(scope="module")
 def tp_only_tp8(q72):
     """TP rank 0's shard of the whole model (no pipeline): numel per layer index (None for the
-    embedding, norm and head), summed later over whatever stages a layout makes."""
+    embedding, norm and head), summed later over whatever stages a stage split makes."""
     model = Qwen2ForCausalLM(q72, ResolvedGroup.virtual(8, 0), device="meta")
     per = {}
     for name, p in model.named_parameters():

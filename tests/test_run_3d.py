@@ -1,4 +1,4 @@
-"""``tp-ext run`` laid out TP x PP x DP: the layout flags and config fields with their rules
+"""``tp-ext run`` laid out TP x PP x DP: the parallel flags and config fields with their rules
 (checked before torch.distributed starts), the job on 8 local ranks (tp=2 x pp=2 x dp=2), on
 4 ranks with FSDP2 and a V-shaped schedule, and on two torchrun "nodes" of one host."""
 
@@ -54,27 +54,27 @@ def _finish(proc, timeout: int = 400) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def _assert_passed(out: str, err: str, world: int, layout: str) -> None:
+def _assert_passed(out: str, err: str, world: int, dims: str) -> None:
     for line in CHECKS:
         assert line in out, out[-4000:] + err[-3000:]
     assert "FAIL" not in out
-    assert f"all checks passed on {world} ranks (dims {layout}" in out, out[-3000:]
+    assert f"all checks passed on {world} ranks (dims {dims}" in out, out[-3000:]
 
 
 # -- the job under torchrun ----------------------------------------------------------------------
 
 
-# in `make test-all` (40 s on 2 cores): the two-node job below runs the same 8-rank layout
+# in `make test-all` (40 s on 2 cores): the two-node job below runs the same 8-rank dims
 @pytest.mark.full_matrix
 def test_3d_job_on_8_local_ranks():
     proc = _torchrun(["--standalone", "--nproc-per-node", "8"], "--tp 2 --pp 2 --dp 2".split())
     code, out, err = _finish(proc)
     assert code == 0, out[-4000:] + err[-4000:]
-    layout = (
+    dims = (
         "tp=2 x pp=2 x dp=2 on 8 ranks; pipeline schedule 1F1B, 2 stages (1 per rank), "
         "2 micro-batches per step; data parallel ddp over 2 replicas"
     )
-    _assert_passed(out, err, 8, layout)
+    _assert_passed(out, err, 8, dims)
     assert "tp-ext run: 8 ranks (tp=2, pp=2, dp=2)" in out
     assert "pp rank 0: stage 0 (layers 0-0, embedding); pp rank 1: stage 1 (layers 1-1, " in out
     assert "2 replicas, clip 1.0" in out
@@ -93,12 +93,12 @@ def test_fsdp_and_an_interleaved_schedule_with_recompute_on_4_ranks():
     )
     code, out, err = _finish(_torchrun(["--standalone", "--nproc-per-node", "4"], flags.split()))
     assert code == 0, out[-4000:] + err[-4000:]
-    layout = (
+    dims = (
         "tp=1 x pp=2 x dp=2 on 4 ranks; pipeline schedule Interleaved1F1B, 4 stages (2 per rank, "
         "loop order), 4 micro-batches per step; data parallel fsdp over 2 replicas; activation "
         "checkpointing on"
     )
-    _assert_passed(out, err, 4, layout)
+    _assert_passed(out, err, 4, dims)
     # the tiny model gets a layer per stage; the loop order deals them out in turn
     assert "4 layers" in out
     assert "pp rank 0: stage 0 (layers 0-0, embedding), stage 2 (layers 2-2); pp rank 1" in out
@@ -156,8 +156,8 @@ def test_two_nodes_on_one_host(tmp_path, per_node):
     assert [code for code, _, _ in results] == [0, 0], both[-6000:]
     out = "".join(out for _, out, _ in results)  # global rank 0 prints, on either node
     world = 2 * per_node
-    layout = f"tp=2 x pp=2 x dp={dp} on {world} ranks; pipeline schedule DualPipeV, 4 stages"
-    _assert_passed(out, "", world, layout)
+    dims = f"tp=2 x pp=2 x dp={dp} on {world} ranks; pipeline schedule DualPipeV, 4 stages"
+    _assert_passed(out, "", world, dims)
     assert f"tp-ext run: {world} ranks (tp=2, pp=2, dp={dp})" in out
     assert "pp rank 0: stage 0 (layers 0-0, embedding), stage 3 (layers 3-3, norm + lm_head)" in out
     if dp > 1:
@@ -183,7 +183,7 @@ def test_two_nodes_on_one_host(tmp_path, per_node):
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )
-def test_bad_layout_flag_values_exit_2(flags, message, capsys):
+def test_bad_parallel_flag_values_exit_2(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", MINI, *flags])
     assert e.value.code == 2
@@ -258,7 +258,7 @@ def test_bad_layout_flag_values_exit_2(flags, message, capsys):
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else "" if isinstance(x, str) else f"world{x}",
 )
-def test_layouts_that_cannot_run_exit_2_naming_the_flag(world, flags, message, capsys, monkeypatch):
+def test_dims_that_cannot_run_exit_2_naming_the_flag(world, flags, message, capsys, monkeypatch):
     """Values each flag allows alone, wrong together or for the world size: exit 2 before
     torch.distributed starts (which would fail here: WORLD_SIZE is set, torchrun is not)."""
     monkeypatch.setenv("WORLD_SIZE", str(world))

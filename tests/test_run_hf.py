@@ -84,7 +84,7 @@ def _torchrun(nproc, *argv) -> str:
 
 
 # make test: GPT-2 over a pipeline (Conv1D weights, fused q|k|v, a tied head whose checkpoint
-# tensor is the embedding's); test-all: the other architectures and layouts
+# tensor is the embedding's); test-all: the other architectures and dims
 RUN_CASES = [
     ("gpt2", 2, ["--pp", "2"]),
     pytest.param("llama", 4, ["--tp", "2", "--pp", "2"], marks=pytest.mark.full_matrix),

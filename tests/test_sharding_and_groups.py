@@ -1,4 +1,4 @@
-"""The shard-size policy, split_tensor views, and init_parallel's TP x PP x DP layout."""
+"""The shard-size policy, split_tensor views, and init_parallel's TP x PP x DP rank order."""
 
 import pytest
 import torch
@@ -40,7 +40,7 @@ def test_split_tensor_returns_views_that_cover_the_tensor(dim):
     assert t.narrow(dim, 0, shards[0].size(dim)).abs().sum() == 0
 
 
-def _layout(tp, pp):
+def _rank_groups(tp, pp):
     state = tp_ext.init_parallel(tp=tp, pp=pp)
     assert tp_ext.init_parallel(tp=tp, pp=pp) is state  # idempotent
     ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
@@ -56,9 +56,9 @@ def _layout(tp, pp):
 
 
 @pytest.mark.parametrize("ws,tp,pp", [(8, 2, 2), (8, 8, 1), (4, 2, 1), (3, 3, 1), (1, 1, 1)])
-def test_init_parallel_layout_tp_innermost(ws, tp, pp):
+def test_init_parallel_rank_order_tp_innermost(ws, tp, pp):
     dp = ws // (tp * pp)
-    for r, got in enumerate(run_distributed(_layout, ws, tp, pp)):
+    for r, got in enumerate(run_distributed(_rank_groups, ws, tp, pp)):
         tp_rank, dp_rank, pp_rank = r % tp, (r // tp) % dp, r // (tp * dp)
         base = pp_rank * tp * dp + dp_rank * tp
         assert got["tp"] == list(range(base, base + tp))  # adjacent ranks
@@ -67,7 +67,7 @@ def test_init_parallel_layout_tp_innermost(ws, tp, pp):
         assert got["ranks"] == (tp_rank, dp_rank, pp_rank) and got["dp_size"] == dp
 
 
-def _bad_layouts():
+def _bad_dims():
     w = world_size()
     errors = {}
     for kwargs in (dict(tp=3), dict(tp=2, pp=1, dp=3), dict(tp=0), dict(tp=2, pp="2")):
@@ -79,7 +79,7 @@ def _bad_layouts():
 
 
 def test_init_parallel_bad_sizes_say_what_fits():
-    w, errors = run_distributed(_bad_layouts, 4)[0]
+    w, errors = run_distributed(_bad_dims, 4)[0]
     assert (
         "tp 3 does not fit the 4 ranks (world size): tp x pp x dp must equal 4"
         in errors["{'tp': 3}"]
@@ -91,7 +91,7 @@ def test_init_parallel_bad_sizes_say_what_fits():
     assert "pp must be an int >= 1, got '2'" in errors["{'tp': 2, 'pp': '2'}"]
 
 
-def _dims_layout(dims):
+def _dims_groups(dims):
     """init_parallel given a ParallelDims: its groups, and the same state for the same dims
     given as keywords."""
     state = tp_ext.init_parallel(dims)
@@ -124,7 +124,7 @@ def _dims_layout(dims):
 )
 def test_init_parallel_takes_a_parallel_dims(ws, dims, want):
     tp, pp, dp = want.tp_size, want.pp, want.dp
-    for r, got in enumerate(run_distributed(_dims_layout, ws, dims)):
+    for r, got in enumerate(run_distributed(_dims_groups, ws, dims)):
         assert got["dims"] == want and got["same"], got
         assert got["degrees"] == (tp, pp, dp, want.ep) and got["grid"] == want.grid
         tp_rank, dp_rank, pp_rank = r % tp, (r // tp) % dp, r // (tp * dp)

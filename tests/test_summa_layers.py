@@ -106,7 +106,7 @@ def _grid_of_init_parallel(rows: int, cols: int, dp: int):
     tp_ranks = dist.get_process_group_ranks(state.tp_group)
     assert row_ranks == [tp_ranks[grid.row * cols + c] for c in range(cols)]
     assert col_ranks == [tp_ranks[r * cols + grid.col] for r in range(rows)]
-    assert tp_ext.init_parallel(tp=(rows, cols), dp=dp) is state  # same layout: same groups
+    assert tp_ext.init_parallel(tp=(rows, cols), dp=dp) is state  # same dims: same groups
     return grid.row_group.rank, grid.col_group.rank
 
 
@@ -340,7 +340,7 @@ def test_a_2d_model_in_pipeline_stages_loads_runs_and_saves(rows, cols, pp, tmp_
 STEPS, SAVE_AT = 4, 2
 
 
-def _train_steps(layout, path: str, load: bool, changes: dict):
+def _train_steps(dims, path: str, load: bool, changes: dict):
     import tp_ext
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
@@ -348,7 +348,7 @@ def _train_steps(layout, path: str, load: bool, changes: dict):
     from .test_pipeline import _stage_order, _virtual
 
     torch.manual_seed(5)
-    degrees = _degrees(layout)
+    degrees = _degrees(dims)
     schedule = degrees.pop("schedule", "1F1B")
     state = tp_ext.init_parallel(**degrees)
     config = _tiny_config().replace(**changes)
@@ -393,15 +393,15 @@ def _world(dims) -> int:
 
 def check_resharding(tmp_path, saved_at, resumed_at, **changes) -> None:
     """Trained at ``saved_at`` (a checkpoint after SAVE_AT steps), then resumed from it at each
-    layout of ``resumed_at``: the same losses as the uninterrupted run. ``changes``: to the
+    entry of ``resumed_at``: the same losses as the uninterrupted run. ``changes``: to the
     tiny config."""
     path = str(tmp_path / "ckpt")
     losses = run_distributed(_train_steps, _world(saved_at), saved_at, path, False, changes)[0]
-    for layout in resumed_at:
-        resumed = run_distributed(_train_steps, _world(layout), layout, path, True, changes)[-1]
+    for dims in resumed_at:
+        resumed = run_distributed(_train_steps, _world(dims), dims, path, True, changes)[-1]
         assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
         for step in resumed:
-            assert resumed[step] == pytest.approx(losses[step], rel=RTOL, abs=0), (layout, step)
+            assert resumed[step] == pytest.approx(losses[step], rel=RTOL, abs=0), (dims, step)
 
 
 @pytest.mark.parametrize(

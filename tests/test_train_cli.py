@@ -1,7 +1,7 @@
 """``tp-ext train``: flags and config sections checked before torch.distributed starts, the LR
 schedule, the checkpoint directory (only published checkpoints count), and the command under
 torchrun: a run stopped and resumed (``--resume``) equals a straight run bitwise at the same
-layout and within 1e-5 at another; under ``torchrun --max-restarts 3`` a worker SIGKILLed in the
+dims and within 1e-5 at other dims; under ``torchrun --max-restarts 3`` a worker SIGKILLed in the
 middle of training is restarted with its group and the whole run's losses equal an uninterrupted
 run's, bitwise."""
 
@@ -236,7 +236,7 @@ def _train_here(capsys, *flags) -> tuple[int, str]:
     return status, capsys.readouterr().err
 
 
-LAYOUTS = {  # name: (ranks, flags); 0 ranks: one rank in this process
+DIMS = {  # name: (ranks, flags); 0 ranks: one rank in this process
     "here": (0, []),
     "single": (1, []),
     "tp2": (2, ["--tp", "2"]),
@@ -254,35 +254,35 @@ SCHEDULE = ["--warmup-steps", "2", "--decay-steps", str(STEPS)]
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, tokens):
-    """The metrics of the uninterrupted run at a layout, trained once for all the tests that
+    """The metrics of the uninterrupted run at the given dims, trained once for all the tests that
     compare with it (each run is a torchrun of its own: ~10 s on 2 cores)."""
     runs = {}
 
-    def metrics_of(layout: str) -> dict[int, dict]:
-        if layout not in runs:
-            nproc, flags = LAYOUTS[layout]
-            directory = tmp_path_factory.mktemp(f"straight-{layout}")
+    def metrics_of(dims: str) -> dict[int, dict]:
+        if dims not in runs:
+            nproc, flags = DIMS[dims]
+            directory = tmp_path_factory.mktemp(f"straight-{dims}")
             _train(nproc, tokens, directory, STEPS, *flags, *SCHEDULE)
-            runs[layout] = _metrics(directory)
-        return runs[layout]
+            runs[dims] = _metrics(directory)
+        return runs[dims]
 
     return metrics_of
 
 
 # `make test` stops and resumes the command in this process (the killed-worker test resumes it
-# under torchrun at tp2, and the pipeline's resume is bitwise in Python at every layout:
+# under torchrun at tp2, and the pipeline's resume is bitwise in Python at all dims:
 # test_fit, test_training_state); `make test-all` also under torchrun, at tp2 and pp2 x dp2
 @pytest.mark.parametrize(
-    "layout",
+    "dims",
     ["here"] + [pytest.param(name, marks=pytest.mark.full_matrix) for name in ("tp2", "pp2-dp2")],
 )
-def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_run, layout):
-    nproc, flags = LAYOUTS[layout]
+def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_run, dims):
+    nproc, flags = DIMS[dims]
     flags = [*flags, *SCHEDULE]
     _train(nproc, tokens, tmp_path / "stopped", 4, *flags, "--async-save")
     err = _train(nproc, tokens, tmp_path / "stopped", STEPS, *flags, "--resume", "--async-save")
     assert "resumed from" in err and "(step 4," in err
-    straight, resumed = straight_run(layout), _metrics(tmp_path / "stopped")
+    straight, resumed = straight_run(dims), _metrics(tmp_path / "stopped")
     assert sorted(straight) == sorted(resumed) == list(range(1, 9))
     for step in straight:
         assert resumed[step]["loss"] == straight[step]["loss"], f"step {step} (bitwise)"
@@ -299,7 +299,7 @@ def test_zero_and_a_bfloat16_gradient_sum_train_as_ddp(tmp_path, tokens, straigh
     """--data-parallel zero2 (its parameter gathers overlapped with the next forward) gives
     DDP's losses; zero1 with --grad-reduce-dtype bfloat16 stays within 0.5% of them."""
     ddp = straight_run("dp2")
-    nproc, flags = LAYOUTS["dp2"]
+    nproc, flags = DIMS["dp2"]
     runs = {
         "zero2": ["--data-parallel", "zero2", "--overlap-param-gather"],
         "zero1-bf16": ["--data-parallel", "zero1", "--grad-reduce-dtype", "bfloat16"],
@@ -315,13 +315,13 @@ def test_zero_and_a_bfloat16_gradient_sum_train_as_ddp(tmp_path, tokens, straigh
 
 
 # in `make test-all` (a 4-rank torchrun, 23 s on 2 cores): `make test` resumes the CLI's runs at
-# their own layout here, and the Trainer's at other layouts in test_training_state
+# their own dims here, and the Trainer's at other dims in test_training_state
 @pytest.mark.full_matrix
-def test_resume_at_another_layout(tmp_path, tokens, capsys):
+def test_resume_at_other_dims(tmp_path, tokens, capsys):
     for name, steps in (("straight", 6), ("moved", 4)):
         flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path / name), "--save-every", "2"]
         assert _train_here(capsys, *flags, "--steps", str(steps))[0] == 0
-    _, flags = LAYOUTS["pp2-dp2"]
+    _, flags = DIMS["pp2-dp2"]
     err = _train(4, tokens, tmp_path / "moved", 6, *flags, "--resume")
     assert "saved at tp=1 pp=1 dp=1" in err
     straight, moved = _metrics(tmp_path / "straight"), _metrics(tmp_path / "moved")
@@ -468,11 +468,11 @@ def _kill_a_worker_after(proc, directory, step: int, timeout: float = 120) -> in
 
 # killed after step 3: the restarted group resumes from the checkpoint of step 2 and trains
 # steps 3 to 8 again
-@pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-dp2", marks=pytest.mark.full_matrix)])
+@pytest.mark.parametrize("dims", ["tp2", pytest.param("pp2-dp2", marks=pytest.mark.full_matrix)])
 def test_a_killed_worker_is_restarted_and_the_run_is_bitwise_the_same(
-    tmp_path, tokens, straight_run, layout
+    tmp_path, tokens, straight_run, dims
 ):
-    nproc, flags = LAYOUTS[layout]
+    nproc, flags = DIMS[dims]
     directory = tmp_path / "elastic"
     proc = _torchrun(
         nproc,
@@ -483,7 +483,7 @@ def test_a_killed_worker_is_restarted_and_the_run_is_bitwise_the_same(
     _kill_a_worker_after(proc, directory, 3)
     err = _finish(proc)
     assert "resumed from" in err, "the restarted group continued from a checkpoint"
-    straight, elastic = straight_run(layout), _metrics(directory)
+    straight, elastic = straight_run(dims), _metrics(directory)
     assert sorted(elastic) == list(range(1, STEPS + 1))
     assert [elastic[s]["loss"] for s in elastic] == [straight[s]["loss"] for s in elastic]
 

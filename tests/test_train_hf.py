@@ -1,6 +1,6 @@
 """``tp-ext train --model DIR_OR_CONFIG``: any transformers decoder parallelize("auto") converts,
 trained by the command with no job config (or a job config whose ``model:`` names it): from a
-config alone (random weights equal at every layout), or from a checkpoint directory (each rank
+config alone (random weights equal at all dims), or from a checkpoint directory (each rank
 reading its slices), with checkpoints that resume and a merged export transformers loads."""
 
 from __future__ import annotations
@@ -196,9 +196,9 @@ def _torchrun(nproc, *argv) -> str:
 
 
 @pytest.mark.full_matrix
-def test_every_layout_trains_the_same_model(tmp_path, tokens):
+def test_all_dims_train_the_same_model(tmp_path, tokens):
     """From a config alone: tp=2 x pp=2 under torchrun equals one rank (losses and the export
-    within 1e-5): the random weights are equal at every layout."""
+    within 1e-5): the random weights are equal at all dims."""
     model = _model_dir(tmp_path, weights=False)
     run = ["--model", model, "--data", tokens, "--steps", "3"]
     _train_here(*run, "--checkpoint-dir", tmp_path / "one")
@@ -305,7 +305,7 @@ def test_context_parallel_trains_a_transformers_model_like_one_rank(tmp_path, to
 
 
 @pytest.mark.full_matrix  # make test: the native model's checkpoints across CP (test_context)
-def test_a_context_parallel_checkpoint_resumes_at_another_layout(tmp_path, tokens):
+def test_a_context_parallel_checkpoint_resumes_at_other_dims(tmp_path, tokens):
     """`tp-ext train --model DIR --cp 2` stopped after 2 steps (its checkpoint saved) and
     resumed with --dp 2 instead: the 3rd step's loss and the export equal one rank's straight
     run (the CP ranks hold the same parameters; the checkpoint reshards like any other)."""

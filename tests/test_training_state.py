@@ -5,7 +5,7 @@ differs); asynchronous saves; a rank SIGKILLed during a save, an asynchronous sa
 leaves the last committed checkpoint loadable; clear errors for what cannot be restored.
 
 ``make test`` runs a subset covering every path; ``make test-all`` (``--full-matrix``) adds the
-other layout pairs.
+other pairs of dims.
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ def _warmup(optimizer):
 
 
 def _trainer(
-    checkpoint, layout, schedule="1F1B", data_parallel="ddp", dropout=0.0, tie=False, **kwargs
+    checkpoint, dims, schedule="1F1B", data_parallel="ddp", dropout=0.0, tie=False, **kwargs
 ):
-    tp, pp, dp = layout
+    tp, pp, dp = dims
     config = _config(4, tie, dropout)
     state, model = _build(config, tp, pp, dp, schedule)
-    torch.manual_seed(11)  # dropout's streams, the same at every layout
+    torch.manual_seed(11)  # dropout's streams, the same at all dims
     import tp_ext
 
     tp_ext.random.manual_seed(11)
@@ -93,7 +93,7 @@ def _trainer(
 
 
 def _train(
-    layout,
+    dims,
     schedule="1F1B",
     data_parallel="ddp",
     dropout=0.0,
@@ -107,7 +107,7 @@ def _train(
 ):
     """Losses and norms per step of a run that saves at SAVE_AT (``save``) or starts from a
     checkpoint (``load``)."""
-    trainer = _trainer(save or load, layout, schedule, data_parallel, dropout, tie, **kwargs)
+    trainer = _trainer(save or load, dims, schedule, data_parallel, dropout, tie, **kwargs)
     if load is not None:
         info = trainer.load_checkpoint(load)
         assert info["step"] == trainer.steps == SAVE_AT
@@ -122,22 +122,22 @@ def _train(
     return losses, norms
 
 
-def _world(layout) -> int:
-    return layout[0] * layout[1] * layout[2]
+def _world(dims) -> int:
+    return dims[0] * dims[1] * dims[2]
 
 
-def _run(layout, *args, **kwargs):
+def _run(dims, *args, **kwargs):
     _tokens(kwargs.get("save") or kwargs["load"])
-    results = run_distributed(_train, _world(layout), layout, *args, timeout=300, **kwargs)
+    results = run_distributed(_train, _world(dims), dims, *args, timeout=300, **kwargs)
     for rank, result in enumerate(results):
         assert result == results[0], f"rank {rank}'s losses differ from rank 0's"
     return results[0]
 
 
-# ---- the same layout: bitwise -------------------------------------------------------------------
+# ---- the same dims: bitwise ---------------------------------------------------------------------
 
 SAME = [
-    # layout, schedule, data parallel, dropout, tied, async
+    # dims, schedule, data parallel, dropout, tied, async
     ((1, 1, 1), "1F1B", "ddp", 0.1, True, False),
     ((2, 2, 1), "1F1B", "ddp", 0.1, True, True),  # TP streams, tied across stages
     ((1, 2, 2), "1F1B", "fsdp", 0.1, False, True),  # FSDP2's sharded optimizer state
@@ -152,9 +152,9 @@ SAME_FULL = [
 ]
 
 
-def _same_layout(tmp_path, layout, schedule, data_parallel, dropout, tie, async_save, **kwargs):
+def _same_dims(tmp_path, dims, schedule, data_parallel, dropout, tie, async_save, **kwargs):
     path = str(tmp_path / "ckpt")
-    args = (layout, schedule, data_parallel, dropout, tie)
+    args = (dims, schedule, data_parallel, dropout, tie)
     losses, norms = _run(*args, save=path, async_save=async_save, **kwargs)
     assert complete_checkpoint(path)
     resumed, resumed_norms = _run(*args, load=path, **kwargs)
@@ -166,21 +166,19 @@ def _same_layout(tmp_path, layout, schedule, data_parallel, dropout, tie, async_
 
 @pytest.mark.parametrize("case", SAME, ids=str)
 def test_resume_at_the_same_dims_is_bitwise(tmp_path, case):
-    _same_layout(tmp_path, *case)
+    _same_dims(tmp_path, *case)
 
 
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("case", SAME_FULL, ids=str)
 def test_resume_at_the_same_dims_is_bitwise_full(tmp_path, case):
-    _same_layout(tmp_path, *case)
+    _same_dims(tmp_path, *case)
 
 
 def test_the_loss_scale_is_restored(tmp_path):
     """fp16 autocast: the dynamic loss scale (and its growth tracker) continue where they were;
     another scale rounds the fp16 gradients differently, so the losses would not be bitwise."""
-    _same_layout(
-        tmp_path, (1, 2, 1), "1F1B", "ddp", 0.0, False, False, autocast_dtype=torch.float16
-    )
+    _same_dims(tmp_path, (1, 2, 1), "1F1B", "ddp", 0.0, False, False, autocast_dtype=torch.float16)
 
 
 def _train_1d(path: str, load: bool):
@@ -224,7 +222,7 @@ def test_resume_without_a_pipeline(tmp_path):
     assert resumed == {s: losses[s] for s in range(SAVE_AT + 1, STEPS + 1)}
 
 
-# ---- another layout: within 1e-5 ----------------------------------------------------------------
+# ---- other dims: within 1e-5 --------------------------------------------------------------------
 
 # saved at, data parallel there, resumed at
 RESHARD = [
@@ -241,16 +239,16 @@ RESHARD_FULL = [
 def _reshard(tmp_path, saved_at, data_parallel, resumed_at, tie):
     path = str(tmp_path / "ckpt")
     losses, norms = _run(saved_at, "1F1B", data_parallel, 0.0, tie, save=path)
-    for layout in resumed_at:
-        kind = data_parallel if layout[2] > 1 else "ddp"
-        resumed, resumed_norms = _run(layout, "1F1B", kind, 0.0, tie, load=path)
+    for dims in resumed_at:
+        kind = data_parallel if dims[2] > 1 else "ddp"
+        resumed, resumed_norms = _run(dims, "1F1B", kind, 0.0, tie, load=path)
         assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
         torch.testing.assert_close(
             [resumed[s] for s in sorted(resumed)],
             [losses[s] for s in sorted(resumed)],
             rtol=RTOL,
             atol=0,
-            msg=lambda m, layout=layout: f"resumed at {layout}: {m}",
+            msg=lambda m, dims=dims: f"resumed at {dims}: {m}",
         )
         torch.testing.assert_close(
             [resumed_norms[s] for s in sorted(resumed)],
@@ -261,21 +259,21 @@ def _reshard(tmp_path, saved_at, data_parallel, resumed_at, tie):
 
 
 @pytest.mark.parametrize("case", RESHARD, ids=str)
-def test_resume_at_another_layout(tmp_path, case):
+def test_resume_at_other_dims(tmp_path, case):
     saved_at, data_parallel, resumed_at = case
     _reshard(tmp_path, saved_at, data_parallel, resumed_at, tie=saved_at[1] > 1)
 
 
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("case", RESHARD_FULL, ids=str)
-def test_resume_at_another_layout_full(tmp_path, case):
+def test_resume_at_other_dims_full(tmp_path, case):
     saved_at, data_parallel, resumed_at = case
     _reshard(tmp_path, saved_at, data_parallel, resumed_at, tie=True)
 
 
 # ---- a rank killed during a save, an asynchronous save or a load --------------------------------
 
-KILL_LAYOUT = (1, 2, 1)
+KILL_DIMS = (1, 2, 1)
 
 
 def _die_after(cls, method: str) -> None:
@@ -296,7 +294,7 @@ def _killed(path: str, where: str):
     ``where``: a save of step 4 over the same path, an asynchronous one, or a load."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-    trainer = _trainer(path, KILL_LAYOUT, dropout=0.1)
+    trainer = _trainer(path, KILL_DIMS, dropout=0.1)
     for _ in range(SAVE_AT):
         trainer.step(next(trainer.data))
     trainer.save_checkpoint(path)
@@ -320,13 +318,13 @@ def _killed(path: str, where: str):
 def test_a_rank_killed_mid_checkpoint_leaves_the_last_committed_one(tmp_path, where):
     path = str(tmp_path / "ckpt")
     _tokens(path)
-    outcome, report = launch_once(_killed, _world(KILL_LAYOUT), path, where, timeout=120)
+    outcome, report = launch_once(_killed, _world(KILL_DIMS), path, where, timeout=120)
     assert outcome[1] == (False, "process died (exit code -9)"), report
     assert outcome[0][0] is False, f"rank 0 went on without rank 1:\n{report}"
     directory = complete_checkpoint(path)  # the save of step 2, complete
     assert json.load(open(os.path.join(directory, MANIFEST)))["step"] == SAVE_AT
-    losses, _ = _run(KILL_LAYOUT, "1F1B", "ddp", 0.1, save=str(tmp_path / "reference"))
-    resumed, _ = _run(KILL_LAYOUT, "1F1B", "ddp", 0.1, load=path)
+    losses, _ = _run(KILL_DIMS, "1F1B", "ddp", 0.1, save=str(tmp_path / "reference"))
+    resumed, _ = _run(KILL_DIMS, "1F1B", "ddp", 0.1, load=path)
     assert resumed == {s: losses[s] for s in resumed}, "the resumed run is not bitwise the same"
 
 
@@ -394,7 +392,7 @@ def test_what_cannot_be_restored_is_refused(tmp_path, change, message):
     assert error is not None and re.search(message, error), error
 
 
-# ---- a Hugging Face model sharded by tp_ext.parallelize (no declared checkpoint layout) ---------
+# ---- a Hugging Face model sharded by tp_ext.parallelize (no declared checkpoint map) ------------
 
 
 def _hf_dense_resumed_unsharded(path):

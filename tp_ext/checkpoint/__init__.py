@@ -3,8 +3,8 @@
 - :mod:`.hf`: Hugging Face safetensors in (each rank reads its own slices) and merged out;
 - :mod:`.dcp`: sharded training checkpoints through torch.distributed.checkpoint, resharding
   between any two TP degrees;
-- :mod:`.layout`: how a model declares where its tensors live in a checkpoint (the checkpoint
-  code never imports a model);
+- :mod:`.checkpoint_map`: how a model declares where its tensors live in a checkpoint (the
+  checkpoint code never imports a model);
 - :mod:`.safetensors_io`, :mod:`.atomic`, :mod:`.memory`: slice reads, atomic directories with
   manifests, host-memory measurement for load reports.
 """

@@ -17,7 +17,7 @@ A model that the checkpoint code can load and save (any model, not only Qwen2) p
   is a collective of the world, written by global rank 0 from what the ranks of its pipeline
   send it, and a load reads each rank's own stages.
 
-A model that declares no layout is saved under its own state-dict names
+A model that declares no checkpoint map is saved under its own state-dict names
 (:func:`own_names_map`). The checkpoint code never imports a model: it reads these, and the
 layers' shard specs for which rows each rank holds. A tensor whose pieces all belong to an
 earlier entry is tied to it (a tied LM head): it is read from that entry's tensors and never
@@ -67,7 +67,7 @@ def model_checkpoint_map(model, fmt=None) -> dict[str, list[Piece]]:
 
 def own_names_map(model) -> dict[str, list[Piece]]:
     """Every entry of ``model.state_dict()`` as one checkpoint tensor of its own name and full
-    shape: the layout of a model whose names are already the checkpoint's, such as a Hugging
+    shape: the checkpoint map of a model whose names are already the checkpoint's, such as a Hugging
     Face model that ``tp_ext.parallelize`` sharded in place (it keeps its module names). A tied
     tensor (one object under two names, or a copy the model lists in ``checkpoint_aliases``,
     e.g. a pipeline's last stage's LM head) lives under its first name, as transformers saves
@@ -85,32 +85,32 @@ def own_names_map(model) -> dict[str, list[Piece]]:
 
 
 def detect_checkpoint_map(model, names) -> dict[str, list[Piece]]:
-    """The layout of the first of the model's formats whose tensors are all among ``names`` (a
-    checkpoint's tensor names); the default format's when none is complete (its check then says
-    what is missing)."""
+    """The checkpoint map of the first of the model's formats whose tensors are all among
+    ``names`` (a checkpoint's tensor names); the default format's when none is complete (its
+    check then says what is missing)."""
     for fmt in getattr(model, "checkpoint_formats", (None,)):
         try:
-            layout = model_checkpoint_map(model, fmt)
+            cmap = model_checkpoint_map(model, fmt)
         except ValueError:  # a format this model's config cannot have
             continue
-        if {p.name for pieces in layout.values() for p in pieces} <= set(names):
-            return layout
+        if {p.name for pieces in cmap.values() for p in pieces} <= set(names):
+            return cmap
     return model_checkpoint_map(model)
 
 
-def tied_names(entries, layout) -> set[str]:
+def tied_names(entries, cmap) -> set[str]:
     """Names of ``entries`` (in state_dict order) whose pieces all belong to earlier entries."""
     seen, tied = set(), set()
     for name, *_ in entries:
-        pieces = {p.name for p in layout[name]}
+        pieces = {p.name for p in cmap[name]}
         if pieces <= seen:
             tied.add(name)
         seen |= pieces
     return tied
 
 
-def expected_shapes(entries, layout) -> dict[str, tuple[int, ...]]:
-    """Full shape each checkpoint tensor must have, from the model's full shapes and layout.
+def expected_shapes(entries, cmap) -> dict[str, tuple[int, ...]]:
+    """Full shape each checkpoint tensor must have, from the model's full shapes and checkpoint map.
     ``entries``: :func:`tp_ext.layers.tensor_specs` of the model."""
     shapes: dict[str, list[int]] = {}
     for name, tensor, spec, owner in entries:
@@ -119,7 +119,7 @@ def expected_shapes(entries, layout) -> dict[str, tuple[int, ...]]:
         full = list(tensor.shape if spec is None else spec.full_shape_of(tensor.shape))
         if is_full_transposed(owner, name.rpartition(".")[2]):
             full.reverse()
-        for piece in layout[name]:
+        for piece in cmap[name]:
             rows = max(shapes.get(piece.name, [0])[0], piece.start + piece.rows)
             shapes[piece.name] = [rows] + full[1:]
     return {name: tuple(shape) for name, shape in shapes.items()}

@@ -67,7 +67,7 @@ def _world():
 class _Chunk(torch.Tensor):
     """A DCP-checkpointable view of this rank's block of one unsharded tensor: DCP sees the
     global size and one chunk at ``offsets`` (the protocol DTensor implements), so the planner
-    reshards between any two TP layouts. Blocks held by several ranks (replicated KV heads) are
+    reshards between any two TP degrees. Blocks held by several ranks (replicated KV heads) are
     written once: DCP de-duplicates equal chunks."""
 
     @staticmethod
@@ -129,8 +129,8 @@ def checkpoint_tensors(
     if any(isinstance(spec, GridBlock) for _, _, spec, _ in entries):
         # a 2D model: its entries carry the checkpoint's names already, each a grid block
         return _grid_checkpoint_tensors(model, entries, prefix, tensor_of, tied_copies)
-    layout = model_checkpoint_map(model)
-    tied = tied_names(entries, layout)
+    cmap = model_checkpoint_map(model)
+    tied = tied_names(entries, cmap)
     state: dict[str, torch.Tensor] = {}
     holder: dict[str, torch.Tensor] = {}  # checkpoint name -> the tensor saved under it
     for name, tensor, spec, owner in entries:
@@ -139,17 +139,17 @@ def checkpoint_tensors(
             if tensor is None:
                 continue
         if name in tied:
-            original = holder.get(layout[name][0].name)
+            original = holder.get(cmap[name][0].name)
             if tied_copies is not None and original is not None and original is not tensor:
                 tied_copies.append((tensor, original))
             continue
-        pieces = layout[name]
+        pieces = cmap[name]
         for piece in pieces:
             holder[piece.name] = tensor
         local, first_row, shape = _data_parallel_slice(tensor, name)
         if is_full_transposed(owner, name.rpartition(".")[2]):
-            # the layout counts the rows of transformers' [in, out] form (Conv1D); the sharded
-            # checkpoint holds the layer's own [out, in] form, whole rows of it
+            # the checkpoint map counts the rows of transformers' [in, out] form (Conv1D); the
+            # sharded checkpoint holds the layer's own [out, in] form, whole rows of it
             (piece,) = pieces
             pieces = [Piece(piece.name, 0, _full_rows(local, shape, spec))]
         if local.numel() == 0:  # FSDP2 gave this rank no rows of it (or EP no experts)
@@ -208,7 +208,7 @@ def _blocks(pieces, local, first_row, shape, spec, owner):
     tensor that one holds."""
     rows = local.shape[0] if local.dim() else 0
     if local.dim() == 0:  # one number per tensor (an optimizer's step count): under the name
-        yield pieces[0].name, local, (), ()  # of its first piece, the same at every layout
+        yield pieces[0].name, local, (), ()  # of its first piece, the same at all dims
         return
     if spec is not None and spec.dim != 0:  # split along another dim: one checkpoint tensor
         dim, partition = spec.dim, spec
@@ -264,8 +264,8 @@ def _grid_checkpoint_tensors(
     names already, and each rank's block goes in at its offsets in both dimensions (copies
     replicated over a grid axis are equal chunks, which DCP writes once). The keys are those
     of a 1D model's checkpoint, so the two load each other's: a scalar (an optimizer's step
-    count) goes under the first piece of the tensor the model's declared layout fuses it into
-    (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it, as is a
+    count) goes under the first piece of the tensor the model's declared checkpoint map fuses it
+    into (q for k and v, gate for up), once; its other holders are ``tied_copies`` of it, as is a
     tied head's copy of the embedding (named in ``checkpoint_aliases``). A DTensor
     (ZeRO's optimizer state, Shard(0) on the DP mesh) holds rows of this rank's block: they go
     in at the block's offsets moved down by the first of them."""
@@ -461,7 +461,7 @@ TRAINING_FORMATS = ("tp_ext-train-v2", "tp_ext-train-v1")
 
 def load_sharded(model, path: str) -> dict:
     """Load a checkpoint written by :func:`save_sharded` (or the model of a Trainer's) at any
-    TP x PP (x DP) layout into ``model`` (at its own). Checks the manifest (sizes, sha256s,
+    TP x PP (x DP) dims into ``model`` (at its own). Checks the manifest (sizes, sha256s,
     dtypes) and model config first, on every rank; reads only the files the manifest lists.
     Returns the manifest (``tp`` it was saved at, ``step``)."""
 

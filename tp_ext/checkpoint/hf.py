@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, for any model that declares its layout
+"""Hugging Face checkpoints in and out, for any model that declares its checkpoint map
 (:mod:`tp_ext.checkpoint.checkpoint_map`); nothing is ever unpickled.
 
 - **In** (:func:`load_hf_checkpoint`): ``model.safetensors`` or a sharded
@@ -112,21 +112,21 @@ def _load(
             check_files(directory, info, hashes=True, group=group)
         if files_view is not None:
             files = files_view(files)
-        layout = (
+        cmap = (
             detect_checkpoint_map(model, files.names())
             if fmt is None
             else model_checkpoint_map(model, fmt)
         )
-        check_names_and_shapes(files, expected_shapes(entries, layout), strict, elsewhere)
+        check_names_and_shapes(files, expected_shapes(entries, cmap), strict, elsewhere)
         for name, tensor, *_ in entries:
             if tensor.device.type == "meta":
                 raise CheckpointError(
                     f"{name} is on the meta device; build the model on a real "
                     "device (or call to_empty) before loading"
                 )
-        return files, layout
+        return files, cmap
 
-    files, layout = comm.everywhere(group, f"loading {path}", prepare, CheckpointError)
+    files, cmap = comm.everywhere(group, f"loading {path}", prepare, CheckpointError)
 
     def read():
         read_bytes = 0
@@ -141,7 +141,7 @@ def _load(
             experts = expert_rows(owner, name)  # (first, count) of the experts this rank holds
             if experts is not None:
                 experts = (experts[0], tensor.shape[0])
-            read_bytes += load_local(files, layout[name], rows, rank, dest, lossy_dtypes, experts)
+            read_bytes += load_local(files, cmap[name], rows, rank, dest, lossy_dtypes, experts)
             bar.update(1)
         bar.close()
         return read_bytes
@@ -195,17 +195,17 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
         # reads them); its declared map is the 1D model's fusions, for training checkpoints
         own = any(isinstance(spec, GridBlock) for _, _, spec, _ in entries)
         own = own or declared_map(model) is None
-        layout = own_names_map(model) if own else model_checkpoint_map(model)
+        cmap = own_names_map(model) if own else model_checkpoint_map(model)
         if not entries:
             raise CheckpointError(f"{type(model).__name__} has no tensors on this rank to save")
-        unknown = [name for name, *_ in entries if name not in layout]
+        unknown = [name for name, *_ in entries if name not in cmap]
         if unknown:
             raise CheckpointError(
                 f"{type(model).__name__}.checkpoint_map() has no place for {unknown[:5]}"
             )
-        return layout, entries, _describe_entries(model, entries, pipeline), own
+        return cmap, entries, _describe_entries(model, entries, pipeline), own
 
-    layout, entries, mine, own = comm.everywhere(group, what, describe, CheckpointError)
+    cmap, entries, mine, own = comm.everywhere(group, what, describe, CheckpointError)
     me = group.rank
     if pipeline is None:
         sources = [(me, mine)]
@@ -217,9 +217,9 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
             for _, described in sources:
                 for name, _, shape, _ in described:
                     piece = Piece(aliases.get(name, name), 0, shape[0] if shape else 1)
-                    layout.setdefault(name, [piece])
+                    cmap.setdefault(name, [piece])
     plan = comm.everywhere(
-        group, what, lambda: _plan_files(sources, layout, max_shard_bytes), CheckpointError
+        group, what, lambda: _plan_files(sources, cmap, max_shard_bytes), CheckpointError
     )
     writer = me == 0
     # The stages of global rank 0's pipeline send their tensors to it; every other rank only
@@ -231,7 +231,7 @@ def save_hf_checkpoint(model, path: str, max_shard_bytes: int = 5 * 1024**3) -> 
 
         def write_all():
             if writer:
-                _write(model, entries, directory, layout, plan, me, pipeline)
+                _write(model, entries, directory, cmap, plan, me, pipeline)
                 return
             for name, full in iter_full_tensors(model):  # a collective: every rank iterates
                 if sending and name in plan.file_of:
@@ -293,7 +293,7 @@ class _Plan:
         self.shapes = shapes  # name -> (full shape, dtype)
 
 
-def _plan_files(sources, layout, max_shard_bytes) -> _Plan:
+def _plan_files(sources, cmap, max_shard_bytes) -> _Plan:
     """Files from shapes alone, so each file is written as soon as it is full. ``sources``:
     ``(rank, described entries)`` per stage-holding rank; the entries are merged in stage order
     (within a rank, its own order), so the plan is the whole model's, as without pipelining."""
@@ -307,7 +307,7 @@ def _plan_files(sources, layout, max_shard_bytes) -> _Plan:
         if name in seen:
             raise CheckpointError(f"{name} is held by more than one pipeline rank")
         seen.add(name)
-    tied = tied_names([(m[4],) for m in merged], layout)
+    tied = tied_names([(m[4],) for m in merged], cmap)
     sizes, shapes = {}, {}
     for *_, name, shape, dtype in merged:
         shapes[name] = (shape, dtype)
@@ -333,7 +333,7 @@ def _plan_files(sources, layout, max_shard_bytes) -> _Plan:
     return _Plan(order, sizes, files, names, shapes)
 
 
-def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
+def _write(model, entries, directory, cmap, plan, me, pipeline) -> None:
     """The writer's part: its own tensors (gathered with its TP/DP peers, in its own order) and
     the other stages' (received in theirs), merged in the plan's order; each file is written as
     soon as its tensors are all in. A failed write still receives everything the others send
@@ -342,7 +342,7 @@ def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
 
     pending = {file: {} for file in plan.names}  # tensors of each file not yet written
     needed = {
-        file: sum(len(layout[n]) for n in group_names)
+        file: sum(len(cmap[n]) for n in group_names)
         for file, group_names in zip(plan.names, plan.files)
     }
     weight_map, failure = {}, None
@@ -363,7 +363,7 @@ def _write(model, entries, directory, layout, plan, me, pipeline) -> None:
             continue
         file = plan.file_of[name]
         start = 0
-        for piece in layout[name]:
+        for piece in cmap[name]:
             pending[file][piece.name] = full[start : start + piece.rows].contiguous()
             weight_map[piece.name] = file
             start += piece.rows

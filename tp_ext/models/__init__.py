@@ -1,4 +1,4 @@
-"""Models on tp_ext layers. Each model declares its checkpoint layout to the generic checkpoint
+"""Models on tp_ext layers. Each model declares its checkpoint map to the generic checkpoint
 code; :mod:`.footprint` sizes a model per rank on the meta device."""
 
 from tp_ext.models.qwen2 import (

@@ -113,7 +113,7 @@ def _argument(name: str, check, *args):
         raise ArgumentError(name, str(e)) from None
 
 
-def check_layout_arguments(config, tp, pp, dp, virtual_stages, split, order, dtype):
+def check_dims_arguments(config, tp, pp, dp, virtual_stages, split, order, dtype):
     """Every value checked before anything is built; errors (ArgumentError) name the argument,
     the value and what works. ``config``: anything with ``num_hidden_layers`` and
     ``check_tp(tp)`` (the Hugging Face footprint passes a stand-in)."""
@@ -258,7 +258,7 @@ def pipeline_footprint(
     ``parameters_all_shards == parameters_total + replicated.parameters``. Data parallelism
     replicates all of it ``dp`` times (DDP; FSDP2 shards each replica's tensors over ``dp``).
     """
-    check_layout_arguments(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
+    check_dims_arguments(config, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
     split = list(pipeline_split) if pipeline_split is not None else None
     placement = StageSplit(config.num_hidden_layers, pp, virtual_stages, split, stage_order)
     element = DTYPE_BYTES[dtype]

@@ -189,10 +189,11 @@ def _upgraded(info: dict) -> dict:
     same state."""
     if info.get("format") != _V1:
         return info
-    layout = info.get("layout", {})
+    # v1 wrote the stage split (beside the degrees) under the key "layout": read as written
+    v1_split = info.get("layout", {})
     stages = None
-    if "stage_layers" in layout:
-        stages = {k: layout[k] for k in ("stage_layers", "stage_order", "schedule")}
+    if "stage_layers" in v1_split:
+        stages = {k: v1_split[k] for k in ("stage_layers", "stage_order", "schedule")}
     return {
         **info,
         "stages": stages,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 
 from tp_ext.models.footprint import (
-    check_layout_arguments,
+    check_dims_arguments,
     layer_pattern,
     rank_entry,
     stage_entry,
@@ -150,7 +150,7 @@ def hf_pipeline_footprint(
     stand_in = types.SimpleNamespace(
         num_hidden_layers=shards.num_layers, check_tp=lambda tp: None
     )  # TP sizes are checked by converting (parallelize names what does not split)
-    check_layout_arguments(stand_in, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
+    check_dims_arguments(stand_in, tp, pp, dp, virtual_stages, pipeline_split, stage_order, dtype)
     _check_ep(shards, ep, pp, dp)
     split = list(pipeline_split) if pipeline_split is not None else None
     stages = pp * virtual_stages

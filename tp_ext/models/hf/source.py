@@ -150,8 +150,8 @@ class HFModelSource:
         """(the checkpoint names the whole model's tensors are read from, its state_dict keys),
         from one build on the meta device (shared by the checks of a load)."""
         model = meta_model(self.hf_config)
-        layout = own_names_map(model)
-        pieces = frozenset(piece.name for pieces in layout.values() for piece in pieces)
+        cmap = own_names_map(model)
+        pieces = frozenset(piece.name for pieces in cmap.values() for piece in pieces)
         return pieces, frozenset(model.state_dict().keys())
 
     def _files_view(self, path: str):

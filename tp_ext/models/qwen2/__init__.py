@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5 (and the original Qwen) on tp_ext layers: the model config (architecture
-only), the model, and its Hugging Face checkpoint layout."""
+only), the model, and its Hugging Face checkpoint map."""
 
 from tp_ext.models.qwen2.config import Qwen2Config
 from tp_ext.models.qwen2.hf_checkpoint_map import checkpoint_map, hf_to_tp_ext_names

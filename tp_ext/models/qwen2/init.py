@@ -1,6 +1,6 @@
 """Random initial weights of a Qwen2 model built from its config, as transformers draws its
 Qwen2's: linear and embedding weights from N(0, initializer_range), biases zero, norm weights
-one. Each tensor of transformers' layout (q_proj, k_proj, ...) comes from a generator seeded by
+one. Each of transformers' tensors (q_proj, k_proj, ...) comes from a generator seeded by
 the model's seed and that tensor's name, and a fused tensor (qkv_proj, gate_up_proj) stacks its
 pieces' draws, so every set of dims (TP degree, 2D grid, pipeline stages) holds blocks of the same
 model, whichever layers a rank builds. The layers' own initialisation (torch.nn's, drawn from
