@@ -182,6 +182,8 @@ def _measure(candidate, changes=None):
     # torch's own communication (pipelining's sends, DDP's and FSDP2's collectives) by group;
     # the DP engines run over the DP x CP ranks (state.dp_group when cp == 1)
     groups = {"pp": state.pp_group, "dp": state.dp_cp_group, "cp": state.cp_group}
+    if model.tied_group() is not None:  # a tied embedding's two copies (not costed, as in 1D)
+        groups["tied"] = model.tied_group()
     with tp_ext.comm.track() as stats, CommCount(groups) as torch_comm:
         with PeakMemory(model.parameters(), trainer.optimizer) as memory:
             trainer.step(batches)
@@ -341,7 +343,7 @@ CANDIDATES = [
         id="grid2x1-pp2-recompute",
     ),
     # the zero-bubble schedules run each SUMMA product's backward in both passes (input, then
-    # weight) of a split backward: every one of ZBV's, DualPipeV's few
+    # weight) of a split backward: every one of ZBV's and InterleavedZeroBubble's, DualPipeV's few
     pytest.param(
         _candidate((2, 1), 2, 1, 4, "ZBVZeroBubble", 2),
         marks=pytest.mark.full_matrix,
@@ -351,6 +353,11 @@ CANDIDATES = [
         _candidate((2, 1), 2, 1, 4, "DualPipeV", 2),
         marks=pytest.mark.full_matrix,
         id="grid2x1-pp2-dualpipev",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 4, "InterleavedZeroBubble", 2),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-interleaved-zero-bubble",
     ),
     pytest.param(
         _candidate((2, 1), 2, 2, 4, engine="fsdp"),
@@ -398,10 +405,44 @@ CANDIDATES = [
 
 @pytest.mark.parametrize("candidate", CANDIDATES)
 def test_estimates_match_a_measured_training_step(candidate):
+    _check_against_a_measured_step(candidate, {})
+
+
+# tied embeddings on grids: one matrix in the embedding's blocks, the head's copy exchanged
+# into its own layout (one all-to-all over the grid, its gradient back) at every micro-batch
+TIED = {"tie_word_embeddings": True}
+TIED_GRIDS = [
+    pytest.param(_candidate((2, 2), 1, 1, 2), id="tied-grid2x2"),
+    pytest.param(_candidate((2, 1), 2, 1, 4), marks=pytest.mark.full_matrix, id="tied-grid2x1-pp2"),
+    pytest.param(
+        _candidate((1, 2), 1, 2, 2, engine="fsdp"),
+        marks=pytest.mark.full_matrix,
+        id="tied-grid1x2-dp2-fsdp",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 2, 4, engine="fsdp"),
+        marks=pytest.mark.full_matrix,
+        id="tied-grid2x1-pp2-dp2-fsdp",
+    ),
+    pytest.param(
+        _candidate((2, 2), 1, 2, 2, engine="zero2"),
+        marks=pytest.mark.full_matrix,
+        id="tied-grid2x2-dp2-zero2",
+    ),
+]
+
+
+@pytest.mark.parametrize("candidate", TIED_GRIDS)
+def test_tied_grid_estimates_match_a_measured_training_step(candidate):
+    _check_against_a_measured_step(candidate, TIED)
+
+
+def _check_against_a_measured_step(candidate, changes):
     from tp_ext.planner import estimate, load_hardware
 
-    measured = run_distributed(_measure, candidate.dims.world_size, candidate, timeout=600)
-    est = estimate(_config(), candidate, seq_len=SEQ, hardware=load_hardware("cpu"))
+    world = candidate.dims.world_size
+    measured = run_distributed(_measure, world, candidate, changes, timeout=600)
+    est = estimate(_config(**changes), candidate, seq_len=SEQ, hardware=load_hardware("cpu"))
     mem = est.memory_bytes
     # the breakdown is the busiest pipeline rank's (global ranks: (pp, dp, tp) row-major)
     pp_rank = est.detail["busiest_pp_rank"]
@@ -580,9 +621,6 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="not a whole number of nodes"):
         plan(config, gpus=12, gpus_per_node=8, seq_len=64)
     hw = load_hardware("cpu")
-    tied = _config(tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="the 2D cost model does not count a tied embedding"):
-        estimate(tied, Candidate(ParallelDims((2, 2), 2, 1), 1, 2), seq_len=64, hardware=hw)
     with pytest.raises(ValueError, match="a grid of 8 columns splits 4 KV heads"):
         estimate(config, Candidate(ParallelDims((1, 8), 1, 1), 1, 1), seq_len=64, hardware=hw)
     # the one check of the degrees, ParallelDims's (was the planner's own "must be an int or a
@@ -620,10 +658,16 @@ def test_plan_costs_2d_grids_beside_1d():
                  grids=False)  # fmt: skip
     assert len(one_d) == len(ranked) - len(grids)
     assert all(e.candidate.dims.grid is None for e in one_d)
-    # a tied model has no 2D candidates (the 2D cost model does not count the tie yet)
+    # a tied model's grids too, holding one matrix: the head's block [vocab / Q, hidden / P]
+    # fewer parameters per rank than the untied model's
     tied = plan(_config(tie_word_embeddings=True), gpus=4, seq_len=SEQ, global_batch=8,
                 hardware="cpu", top=None)  # fmt: skip
-    assert all(e.candidate.dims.grid is None for e in tied)
+    tied_grids = {e.candidate: e for e in tied if e.candidate.dims.grid is not None}
+    assert tied_grids.keys() == {e.candidate for e in grids}
+    head = CFG["vocab_size"] // 2 * CFG["hidden_size"] // 2
+    for e in grids:
+        numel = tied_grids[e.candidate].detail["parameters_per_rank"]
+        assert numel == e.detail["parameters_per_rank"] - head
 
 
 def test_cli_plan_auto(tp_ext_here):
@@ -733,22 +777,63 @@ def test_split_backwards_follow_torchs_schedules():
     for name, v in (("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)):
         for pp in (2, 3, 4):
             for m in (2 * pp, 2 * pp + 2, 4 * pp):
-                # the generator alone, without stages or process groups
-                generator = object.__new__(SCHEDULES[name].torch_class)
-                generator.pp_group_size, generator._n_microbatches = pp, m
-                generator.n_local_stages, generator.num_stages = v, pp * v
-                generator.number_of_rounds = max(1, m // pp)
-                generator.microbatches_per_round = m // generator.number_of_rounds
                 inputs = collections.Counter(
                     action.stage_index
                     for rank in range(pp)
-                    for action in generator._calculate_single_rank_operations(rank)
-                    if action is not None
-                    and action.computation_type == torch_schedules.BACKWARD_INPUT
+                    for action in _torch_actions(SCHEDULES[name], pp, m, v, rank)
+                    if action.computation_type == torch_schedules.BACKWARD_INPUT
                 )
                 for stage in range(1, pp * v):  # the first stage's split is one backward
                     assert split_backwards(name, pp, m, stage) == inputs[stage], (name, pp, m)
     assert split_backwards("1F1B", 2, 4, 1) == split_backwards("ZBVZeroBubble", 2, 4, 0) == 0
+
+
+def _torch_actions(schedule, pp: int, m: int, v: int, rank: int) -> list:
+    """The actions torch's generator of ``schedule`` orders on ``rank`` (the generator alone,
+    without stages or process groups)."""
+    generator = object.__new__(schedule.torch_class)
+    generator.pp_group_size, generator._n_microbatches = pp, m
+    generator.n_local_stages, generator.num_stages = v, pp * v
+    generator.number_of_rounds = max(1, m // pp)
+    generator.microbatches_per_round = m // generator.number_of_rounds
+    actions = generator._calculate_single_rank_operations(rank)
+    return [action for action in actions if action is not None]
+
+
+def test_interleaved_zero_bubble_in_flight_follows_torchs_schedule():
+    """InterleavedZeroBubble's micro-batches in flight per rank (each stage holds one from its
+    forward to its weight pass; the planner's count in units of the rank's v stages) and the
+    input passes whose weight passes wait at that peak, against torch's
+    generator, every count of micro-batches tp_ext accepts."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
+    from tp_ext.planner.step import deferred_weight_passes, in_flight
+
+    if not weight_split_supported():  # (the generators of a torch tp_ext refuses them on)
+        pytest.skip(f"tp_ext refuses the zero-bubble schedules on torch {torch.__version__}")
+    kinds = torch_schedules
+    for pp in (2, 3, 4, 5):
+        for v in (2, 3):
+            for m in range(1, 4 * pp + 1):
+                if m % max(1, m // pp):
+                    continue  # (tp_ext refuses these counts)
+                for rank in range(pp):
+                    held = waiting = 0
+                    peak = (0, 0)
+                    for action in _torch_actions(
+                        SCHEDULES["InterleavedZeroBubble"], pp, m, v, rank
+                    ):
+                        kind = action.computation_type
+                        held += kind == kinds.FORWARD
+                        if kind == kinds.BACKWARD_WEIGHT:
+                            held, waiting = held - 1, waiting - 1
+                        if kind == kinds.BACKWARD_INPUT:
+                            peak = max(peak, (held, waiting))
+                            waiting += 1
+                    counted = in_flight("InterleavedZeroBubble", pp, m, v, rank) * v
+                    waits = deferred_weight_passes(pp, m, v, rank)
+                    assert (counted, waits) == peak, (pp, m, v, rank, counted, waits, peak)
 
 
 def test_cp_gradient_sync_is_ddps_in_the_parameters_dtype():

@@ -30,19 +30,13 @@ __all__ = ["grid_problem", "grid_rank_shapes", "GridStep"]
 
 def grid_problem(config, candidate: Candidate) -> str:
     """Why tp_ext cannot train ``config`` with this 2D candidate ("" when it can): the 2D
-    model's own limits (tp_ext's Qwen2 only, whole KV heads per grid column) and the cost
-    model's (no tied embeddings yet)."""
+    model's own limits (tp_ext's Qwen2 only, whole KV heads per grid column)."""
     dims = candidate.dims
     if dims.grid is None:
         return f"tp={dims.tp!r} is one degree, not a grid (P, Q): the 1D cost model's case"
     if not isinstance(config, Qwen2Config):
         return "a 2D grid runs tp_ext's own Qwen2 (Qwen2ForCausalLM2D); use 1D TP (tp=N)"
     cols = dims.grid[1]
-    if config.tie_word_embeddings:
-        return (
-            "tie_word_embeddings=True: the 2D cost model does not count a tied embedding (its "
-            "exchange of blocks) yet"
-        )
     if cols > config.num_key_value_heads:
         return (
             f"a grid of {cols} columns splits {config.num_key_value_heads} KV heads: every column "
@@ -59,7 +53,8 @@ def grid_rank_shapes(config: Qwen2Config, rows: int, cols: int) -> RankShapes:
     virtual = ResolvedGroup.virtual
     grid = TPGrid(rows, cols, 0, 0, virtual(cols, 0), virtual(rows, 0), virtual(rows * cols, 0))
     one = Qwen2ForCausalLM2D(config.replace(num_hidden_layers=1), grid=grid, device="meta")
-    named = list(one.named_parameters())
+    # a tied head counted as its own tensor (the last stage's copy), as 1D's rank_shapes does
+    named = list(one.named_parameters(remove_duplicate=False))
 
     def part(*prefixes):
         return [p for n, p in named if n.startswith(prefixes)]
@@ -85,8 +80,30 @@ def grid_rank_shapes(config: Qwen2Config, rows: int, cols: int) -> RankShapes:
         kv_heads=attn.num_kv_heads_local,
         head_dim=attn.head_dim,
         intermediate=mlp.gate_proj.local_out_features,
-        vocab=one.lm_head.local_out_features,
+        vocab=one.lm_head.out_sizes[0],  # column 0's vocabulary
     )
+
+
+def regrid_numel(vocab: int, hidden: int, rows: int, cols: int) -> int:
+    """Elements a tied head's exchange of blocks (:func:`tp_ext.layers.summa.regrid`) sends
+    per micro-batch on the grid rank sending the most: forward, the part of its table block
+    ``[vocab i of P, features j of Q]`` outside its product block ``[vocab j of Q, features i
+    of P]``; backward, the product block's gradient outside the table block, sent back."""
+    table = shard_sizes(vocab, rows), shard_sizes(hidden, cols)
+    product = shard_sizes(vocab, cols), shard_sizes(hidden, rows)
+
+    def box(sizes, index):
+        return sum(sizes[:index]), sizes[index]
+
+    most = 0
+    for i in range(rows):
+        for j in range(cols):
+            (v0, vn), (f0, fn) = box(table[0], i), box(table[1], j)
+            (w0, wn), (g0, gn) = box(product[0], j), box(product[1], i)
+            vs = max(0, min(v0 + vn, w0 + wn) - max(v0, w0))
+            fs = max(0, min(f0 + fn, g0 + gn) - max(f0, g0))
+            most = max(most, vn * fn + wn * gn - 2 * vs * fs)
+    return most
 
 
 class GridStep(Step):
@@ -133,8 +150,16 @@ class GridStep(Step):
         return (t * per_token + rope + weights + norm_weights) * self.e + fp32
 
     def head_bytes(self) -> int:
+        """1D's, and a tied head's exchanged blocks (the product keeps its weight operand)."""
         logits = self.tokens * self.logits_vocab * self.e
-        return 2 * self.hidden_bytes + logits + 8 * self.loss_tokens + 4 * self.cols
+        saved = 2 * self.hidden_bytes + logits + 8 * self.loss_tokens + 4 * self.cols
+        return saved + (self.head_weight_numel() * self.e if self.config.tie_word_embeddings else 0)
+
+    def head_gradient_bytes(self) -> int:
+        """The product's weight gradient and, tied, that gradient exchanged back into the
+        table's blocks (before it is summed into the embedding's)."""
+        tied = self.s.embedding * self.e if self.config.tie_word_embeddings else 0
+        return self.head_weight_numel() * self.e + tied
 
     def head_weight_numel(self) -> int:
         """The head's block: column 0's vocabulary, row 0's features."""
@@ -213,6 +238,8 @@ class GridStep(Step):
             loss = (n + self.cols) * 4 + 3 * n * 4 if self.cols > 1 else 0
             loss += 4 if self.rows > 1 else 0
             head = self._norm() + sends * self._panels(h, s.vocab) + loss
+            if config.tie_word_embeddings:  # the table's blocks exchanged, their gradient back
+                head += regrid_numel(config.vocab_size, h, self.rows, self.cols) * e
             self._tp_parts[twice] = (layer, embedding, head)
         return self._tp_parts[twice]
 

@@ -97,12 +97,10 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
         per_layer = step.hidden_bytes if step.recompute else step.act_layer
         saved = step.layers_on(r) * per_layer + (0 if last else output)
         held_c += output + received + int(max(0.0, step.in_flight(r) - 1) * saved)
-    phases = [
-        params + optimizer + grads + acts + transient,
-        params + optimizer + grads_b + held_b,
-        params + optimizer + grads_c + held_c,
-    ]
-    return phases, int(max(acts + transient, held_b, held_c))
+    deferred = step.deferred_on(r)  # beside every phase: the peak is in an input pass
+    held = [acts + transient + deferred, held_b + deferred, held_c + deferred]
+    phases = [params + optimizer + g + h for g, h in zip((grads, grads_b, grads_c), held)]
+    return phases, int(max(held))
 
 
 def sums_buffers(step: Step, r: int) -> int:

@@ -36,7 +36,15 @@ from tp_ext.planner.hf_model import (
 from tp_ext.sharding import StageSplit, cp_chunks
 from tp_ext.validation import dtype_bytes
 
-__all__ = ["Step", "V_SCHEDULES", "gradient_sync", "in_flight", "rows_of", "split_backwards"]
+__all__ = [
+    "Step",
+    "V_SCHEDULES",
+    "deferred_weight_passes",
+    "gradient_sync",
+    "in_flight",
+    "rows_of",
+    "split_backwards",
+]
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank in a V: r and 2 pp - 1 - r
 
@@ -57,9 +65,8 @@ def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of
     its whole stage set: one in the local loop (pp = 1); GPipe all of them; 1F1B pp - rank (its
     warm-up forwards); interleaved 1F1B Megatron's (1 + (p-1)/(p v)) x that (a rank runs ahead
-    on its later stages); the zero-bubble schedules hold inputs for the weight gradients they
-    defer (measured: two micro-batches more for InterleavedZeroBubble; the V schedules stay
-    within 1F1B's)."""
+    on its later stages); InterleavedZeroBubble holds each until its deferred weight pass
+    (:func:`_zero_bubble_in_flight`); the V schedules stay within 1F1B's."""
     if pp == 1:
         return 1
     if schedule == "GPipe":
@@ -67,9 +74,27 @@ def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     ahead = min(m, pp - rank)
     if schedule == "Interleaved1F1B":
         return ahead * (1 + (pp - 1) / (pp * v))
-    if schedule == "InterleavedZeroBubble":  # and two more, whose weight gradients wait
-        return ahead * (1 + (pp - 1) / (pp * v)) + 2
+    if schedule == "InterleavedZeroBubble":
+        return _zero_bubble_in_flight(pp, m, v)
     return ahead
+
+
+def _zero_bubble_in_flight(pp: int, m: int, v: int) -> float:
+    """InterleavedZeroBubble's micro-batches in flight on every rank, as torch's generator
+    orders them: a stage holds a micro-batch's tensors from its forward to its weight pass; at
+    the peak every stage holds all m (m < pp) or pp, and v - 1 of its stages one more per
+    micro-batch a round has beyond pp (m // rounds, rounds = max(1, m // pp))."""
+    if m < pp:
+        return m
+    per_round = m // max(1, m // pp)
+    return pp + (per_round - pp) * (v - 1) / v
+
+
+def deferred_weight_passes(pp: int, m: int, v: int, rank: int) -> int:
+    """Input passes whose weight passes wait on ``rank`` at its peak of micro-batches in flight
+    under InterleavedZeroBubble (torch's generator): one per rank before it, at most every
+    micro-batch of its v stages but the one running."""
+    return min(rank, m * v - 1)
 
 
 def split_backwards(schedule: str, pp: int, m: int, stage: int) -> int:
@@ -203,12 +228,24 @@ class Step:
         backward)."""
         return self.s.vocab * self.config.hidden_size
 
+    def head_gradient_bytes(self) -> int:
+        """The LM head weight's gradient, made in the head's backward."""
+        return self.head_weight_numel() * self.e
+
     def layer_backward_bytes(self) -> int:
         """The temporaries of a decoder layer's backward at its peak, inside the MLP: the
         gradient of SwiGLU's input ([T, 2 x intermediate]) made beside the gradient of its
         output (which replaces the output down_proj saved), and the hidden states' gradient
         flowing back."""
         return 2 * self.tokens * self.s.intermediate * self.e + self.hidden_bytes
+
+    def weight_pass_bytes(self) -> int:
+        """What a decoder layer's input pass keeps for its deferred weight pass (torch's
+        stage_backward_input: the gradients at the nodes where the input's and the weights'
+        paths meet): the gradients of each linear's and each norm's output."""
+        s, h = self.s, self._hidden_features()
+        per_token = s.q_heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.intermediate
+        return self.tokens * (per_token + 4 * h) * self.e
 
     def ids_on(self, r: int) -> int:
         """The input ids (every CP rank gets whole sequences, and keeps its positions)."""
@@ -358,6 +395,16 @@ class Step:
     def in_flight(self, r: int) -> float:
         return in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
 
+    def deferred_on(self, r: int) -> int:
+        """Bytes rank r's deferred weight passes wait on at its peak under InterleavedZeroBubble
+        (:func:`deferred_weight_passes`, and the input pass running): each its stage's layers'
+        :meth:`weight_pass_bytes`, its output's gradient received and its input's."""
+        if self.candidate.schedule != "InterleavedZeroBubble" or self.pp == 1:
+            return 0
+        layers = max(len(self.stages.layers_of(st)) for st in self.stages.stages_of(r))
+        waiting = deferred_weight_passes(self.pp, self.m, self.v, r) + 1
+        return waiting * (layers * self.weight_pass_bytes() + 2 * self.hidden_bytes)
+
     def activations_on(self, r: int) -> tuple[int, int]:
         """(activations held at rank r's peak, the transient tensors of the backward that
         starts there): every in-flight micro-batch's saved tensors (with activation
@@ -371,7 +418,7 @@ class Step:
         if self.last_on(r):
             acts += self.in_flight(r) * self.head_bytes()
             logits = self.tokens * self.logits_vocab * c
-            head = self.head_weight_numel() * c + self.hidden_bytes
+            head = self.head_gradient_bytes() + self.hidden_bytes
             # torch's schedule keeps its stage's output (the logits) until the stage's backward
             # ends; the local loop frees them with the loss's backward, before the head's
             if self.pp == 1:
