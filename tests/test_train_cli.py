@@ -295,23 +295,31 @@ def test_stop_and_resume_is_the_straight_run_bitwise(tmp_path, tokens, straight_
     assert [s for s, _ in published(str(tmp_path / "stopped"))] == [4, 6, 8], "keep_last 3"
 
 
-def test_zero_and_a_bfloat16_gradient_sum_train_as_ddp(tmp_path, tokens, straight_run):
+# make test: ZeRO-2 with overlapped gathers through the command (the Trainer's bfloat16 sums are
+# in test_zero); make test-all: ZeRO-1 with a bfloat16 gradient sum through it too
+@pytest.mark.parametrize(
+    "name, extra, tolerance",
+    [
+        ("zero2", ["--data-parallel", "zero2", "--overlap-param-gather"], 1e-5),
+        pytest.param(
+            "zero1-bf16",
+            ["--data-parallel", "zero1", "--grad-reduce-dtype", "bfloat16"],
+            5e-3,
+            marks=pytest.mark.full_matrix,
+        ),
+    ],
+)
+def test_zero_and_a_bfloat16_gradient_sum_train_as_ddp(
+    tmp_path, tokens, straight_run, name, extra, tolerance
+):
     """--data-parallel zero2 (its parameter gathers overlapped with the next forward) gives
     DDP's losses; zero1 with --grad-reduce-dtype bfloat16 stays within 0.5% of them."""
     ddp = straight_run("dp2")
     nproc, flags = DIMS["dp2"]
-    runs = {
-        "zero2": ["--data-parallel", "zero2", "--overlap-param-gather"],
-        "zero1-bf16": ["--data-parallel", "zero1", "--grad-reduce-dtype", "bfloat16"],
-    }
-    for name, extra in runs.items():
-        _train(nproc, tokens, tmp_path / name, STEPS, *flags, *extra, *SCHEDULE)
-        got, tolerance = _metrics(tmp_path / name), 1e-5 if name == "zero2" else 5e-3
-        for step in ddp:
-            assert abs(got[step]["loss"] - ddp[step]["loss"]) <= tolerance * ddp[step]["loss"], (
-                name,
-                step,
-            )
+    _train(nproc, tokens, tmp_path / name, STEPS, *flags, *extra, *SCHEDULE)
+    got = _metrics(tmp_path / name)
+    for step in ddp:
+        assert abs(got[step]["loss"] - ddp[step]["loss"]) <= tolerance * ddp[step]["loss"], step
 
 
 # in `make test-all` (a 4-rank torchrun, 23 s on 2 cores): `make test` resumes the CLI's runs at
@@ -495,15 +503,23 @@ def test_context_parallel_training_matches_one_rank(tmp_path, tokens, capsys):
     one = tmp_path / "one"
     assert _train_here(capsys, *flags, "--steps", "3", "--checkpoint-dir", str(one))[0] == 0
     _train(2, tokens, tmp_path / "cp", 3, "--seq-len", "30", "--tp", "1", "--cp", "2")
-    # --auto with --cp: the planner keeps the cp given and places the rest (here tp = dp = 1;
-    # the gradient sync over the 2 CP ranks is its choice)
+    single, split = _metrics(one), _metrics(tmp_path / "cp")
+    for step in (1, 2, 3):
+        assert split[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0)
+
+
+# make test: --auto's choice at cp 1 (test_planner) and the planner at a given cp (test_plan_hf)
+@pytest.mark.full_matrix
+def test_auto_keeps_the_cp_given(tmp_path, tokens, capsys):
+    """--auto with --cp: the planner keeps the cp given and places the rest (here tp = dp = 1;
+    the gradient sync over the 2 CP ranks is its choice); one rank's loss."""
+    one = tmp_path / "one"
+    flags = ["--data", tokens, "--seq-len", "30", "--steps", "1"]
+    assert _train_here(capsys, *flags, "--checkpoint-dir", str(one))[0] == 0
     err = _train(2, tokens, tmp_path / "auto", 1, "--seq-len", "30", "--auto", "--cp", "2")
     chosen = re.search(r"--auto chose tp=1 pp=1 dp=1 cp=2 (\w+ )?ring ", err)
     assert chosen, err[-2000:]
     assert _metrics(tmp_path / "auto")[1]["loss"] == pytest.approx(_metrics(one)[1]["loss"])
-    single, split = _metrics(one), _metrics(tmp_path / "cp")
-    for step in (1, 2, 3):
-        assert split[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0)
 
 
 @pytest.mark.full_matrix
