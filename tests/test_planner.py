@@ -74,6 +74,7 @@ def test_candidate_holds_dims_and_the_run_settings():
         "tp": 2, "pp": 2, "dp": 2, "ep": 1, "virtual_stages": 2, "cp": 1, "micro_batch": 2,
         "num_micro_batches": 4, "schedule": "Interleaved1F1B", "activation_checkpointing": True,
         "data_parallel": "fsdp", "dtype": "float32", "cp_mode": "ring",
+        "routing_imbalance": 1.25,
     }  # fmt: skip
     zero = Candidate(ParallelDims(tp=2, dp=2), 1, 2, data_parallel="zero2")
     assert zero.describe() == "tp=2 pp=1 dp=2 zero2 2x1 seq"

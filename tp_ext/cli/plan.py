@@ -19,7 +19,7 @@ from tp_ext.models.hf import load_hf_config
 from tp_ext.models.hf.footprint import hf_pipeline_footprint
 from tp_ext.models.hf.source import HFModelSource
 from tp_ext.planner import calibrate, plan, plan_dims
-from tp_ext.planner.candidate import usable_memory
+from tp_ext.planner.candidate import ROUTING_IMBALANCE, check_imbalance, usable_memory
 from tp_ext.planner.hardware import HARDWARE as HARDWARE_NAMES
 from tp_ext.sharding import STAGE_ORDERS
 from tp_ext.validation import ArgumentError, Field
@@ -55,6 +55,18 @@ def _layer_counts(text: str) -> list[int]:
     return counts
 
 
+def _imbalance(text: str) -> float:
+    """``--routing-imbalance``: a number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = text
+    try:
+        return check_imbalance(value, "routing_imbalance")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(parser) -> None:
     parser.add_argument(
         "config", nargs="?", help="tp_ext YAML/JSON config or a Hugging Face config.json"
@@ -83,6 +95,15 @@ def add_arguments(parser) -> None:
         help="device and link speeds (default h100); cpu: this machine once --calibrate ran",
     )
     add_field_flag(auto, "top", PLANNER_FIELDS["top"], "10", default=10)
+    auto.add_argument(
+        "--routing-imbalance",
+        type=_imbalance,
+        default=ROUTING_IMBALANCE,
+        metavar="F",
+        help="with experts (EP): the busiest EP rank's routed rows over its even share, which "
+        f"its activations scale with (default {ROUTING_IMBALANCE}, Switch's capacity factor; "
+        "exact for MoE layers dropping beyond capacity_factor=F; 1: balanced)",
+    )
     auto.add_argument(
         "--calibrate",
         action="store_true",
@@ -197,6 +218,7 @@ def _auto_plan(args) -> int:
         hardware=args.hardware,
         dtype=dtype,
         top=args.top,
+        routing_imbalance=args.routing_imbalance,
     )
     if args.json:
         print(json.dumps([est.as_dict() for est in ranked], indent=2))
@@ -239,6 +261,7 @@ def _context_plan(args) -> int:
                 dtype=dtype,
                 cp_mode=args.cp_mode,
                 micro_batches=degrees["pp"],  # torch's schedules need one per stage at least
+                routing_imbalance=args.routing_imbalance,
             )
     except ValueError as e:
         return refuse("plan", str(e))

@@ -13,13 +13,39 @@ from tp_ext.layers.context import CP_MODES
 from tp_ext.pipeline.schedules import SCHEDULES
 from tp_ext.validation import check_dtype_name, check_int
 
-__all__ = ["Candidate", "Estimate", "memory_breakdown", "usable_memory"]
+__all__ = [
+    "Candidate",
+    "Estimate",
+    "memory_breakdown",
+    "usable_memory",
+    "check_imbalance",
+    "ROUTING_IMBALANCE",
+]
 
 # how DP replicas synchronise: DDP, FSDP2, or ZeRO-1 / ZeRO-2 (tp_ext.training.zero)
 DATA_PARALLEL = ("ddp", "fsdp", "zero1", "zero2")
 # Of a device's memory, what tensors may take: 5% goes to the caching allocator's fragmentation
 # and kernels' workspaces, and 1 GiB to the CUDA context and NCCL's buffers.
 USABLE_FRACTION, RESERVED_BYTES = 0.95, 1024**3
+
+
+# The busiest EP rank's routed rows over its even share that a plan assumes: Switch
+# Transformer's training capacity factor, an exact bound when the MoE layers drop beyond it
+# (parallelize(capacity_factor=1.25)); dropless routing may exceed it (an untrained router on
+# the tests' tiny Mixtral: up to 1.33 over a micro-batch's layers)
+ROUTING_IMBALANCE = 1.25
+
+
+def check_imbalance(value, name: str = "routing_imbalance") -> float:
+    """``value`` as a routing imbalance (a real number >= 1), or a ValueError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 1 <= value < float("inf"):
+        raise ValueError(
+            f"{name}={value!r}: must be a number >= 1, the busiest EP rank's routed rows over "
+            f"its even share (1: balanced routing; default {ROUTING_IMBALANCE}, Switch's capacity "
+            f"factor; with parallelize(capacity_factor=c) c is an exact bound)"
+        )
+    return float(value)
 
 
 def usable_memory(device_bytes: int) -> int:
@@ -33,7 +59,9 @@ class Candidate:
     ``micro_batch`` sequences per DP rank and step under ``schedule``, DP replicas synchronised
     by ``data_parallel`` ("ddp", "fsdp", "zero1" or "zero2"), ``activation_checkpointing`` per
     decoder layer (the config's and the CLI's name), and ``dtype``: the parameters' dtype
-    (gradients and AdamW state take it too; ZeRO keeps fp32 master rows and state)."""
+    (gradients and AdamW state take it too; ZeRO keeps fp32 master rows and state).
+    ``routing_imbalance``: with experts (EP), the busiest EP rank's routed rows over its even
+    share, which its experts' saved activations scale with (:data:`ROUTING_IMBALANCE`)."""
 
     dims: ParallelDims
     micro_batch: int
@@ -43,6 +71,7 @@ class Candidate:
     data_parallel: str = "ddp"
     dtype: str = "bfloat16"
     cp_mode: str = "ring"  # with dims.cp > 1: "ring" or "all_to_all"
+    routing_imbalance: float = ROUTING_IMBALANCE
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ParallelDims) or not self.dims.resolved:
@@ -67,6 +96,7 @@ class Candidate:
         check_dtype_name(self.dtype)
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {self.cp_mode!r}")
+        check_imbalance(self.routing_imbalance)
 
     def describe(self) -> str:
         """``tp=2 pp=2 dp=2 1F1B ddp 4x2 seq`` (virtual stages beside the schedule)."""

@@ -28,7 +28,13 @@ from tp_ext.planner.counts import CountOps, RankShapes
 from tp_ext.sharding import shard_sizes
 from tp_ext.validation import as_torch_dtype
 
-__all__ = ["HFModel", "hf_rank_shapes", "hf_op_counts", "hf_layer_activation_bytes"]
+__all__ = [
+    "HFModel",
+    "hf_rank_shapes",
+    "hf_op_counts",
+    "hf_layer_activation_bytes",
+    "routed_rows_bytes",
+]
 
 MAX_TP = 64
 
@@ -149,18 +155,50 @@ def hf_activation_fit(model: HFModel, dtype: str):
     return fit_layer_activations(model.config, as_torch_dtype(dtype))
 
 
-def hf_layer_activation_bytes(s: RankShapes, model: HFModel, b, seq, c, tp, ep, dtype) -> int:
+def hf_layer_activation_bytes(s: RankShapes, model: HFModel, b, seq, c, tp, ep, dtype,
+                              dp=1, imbalance=1.0) -> int:  # fmt: skip
     """What one converted decoder layer saves for backward on TP rank 0 (the fit, with this
-    rank's query and KV heads and MLP widths, and what tp_ext's TP and EP layers add)."""
+    rank's query and KV heads and MLP widths, and what tp_ext's EP layer saves instead of the
+    block's routed rows: :func:`routed_rows_bytes`)."""
     fit = hf_activation_fit(model, dtype)
     local = {"H": s.q_heads, "KV": s.kv_heads}
     local.update({f: shard_sizes(v, tp)[0] for f, v in mlp_widths(model.config).items()})
     saved = fit.bytes(b, seq, local)
-    if ep > 1 and shard_sizes(model.shards.num_experts, ep)[0] > 1:
-        # ExpertParallelMoE regroups the rows it received by local expert: one more copy of the
-        # routed tokens (tokens x top-k rows, balanced routing assumed) for the experts' GEMMs
-        saved += b * seq * model.experts_per_token * model.hidden_size * c
+    if ep > 1:
+        saved += routed_rows_bytes(s, model, b * seq, c, tp, dp, ep, imbalance)
     return int(round(saved))
+
+
+def routed_rows_bytes(s: RankShapes, model: HFModel, tokens, c, tp, dp, ep, imbalance) -> float:
+    """What ExpertParallelMoE saves for the rows its experts receive, beyond what the fit (the
+    block unconverted, every routed row of this rank's tokens through its experts) counts.
+
+    The rank's experts (L of E) get ``imbalance`` x their even share of the EP group's routed
+    rows: tokens x top-k x L x ep / E (the busiest rank's over its share; a capacity factor
+    bounds it). Per row its experts save their input, gate/up's output and the activation's
+    tensors (with a fused SiLU one, else two of [row, inter]) and down_proj's input; with more
+    than one local expert the regroup's permute and unpermute save the received rows and the
+    experts' output too, and its int64 row map. EP across TP ranks (ep > dp): each TP rank
+    routes its share of the tokens through whole experts."""
+    experts, k, h = model.shards.num_experts, model.experts_per_token, model.hidden_size
+    local = shard_sizes(experts, ep)[0]
+    across_tp = dp % ep != 0
+    routed = tokens / tp if across_tp else tokens
+    rows = imbalance * routed * k * local * ep / experts
+    acts = 3 if _fused_swiglu(model.config) else 4
+    inter = max(mlp_widths(model.config).values()) if across_tp else s.intermediate
+    extra = rows * (h + acts * inter) * c - tokens * k * (h + acts * s.intermediate) * c
+    if local > 1:
+        extra += rows * (2 * h * c + 8)
+    return extra
+
+
+def _fused_swiglu(config) -> bool:
+    """ParallelExperts runs SiLU fused with the product (saving gate/up's output alone) when
+    the block's activation is torch's nn.SiLU."""
+    from transformers.activations import ACT2FN
+
+    return isinstance(ACT2FN[getattr(config, "hidden_act", "silu")], torch.nn.SiLU)
 
 
 @functools.lru_cache(maxsize=16)

@@ -14,7 +14,13 @@ from tp_ext.layers.context import CP_MODES
 from tp_ext.models.hf import is_hf_config_dict, load_hf_config
 from tp_ext.models.qwen2 import Qwen2Config
 from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
-from tp_ext.planner.candidate import Candidate, Estimate, usable_memory
+from tp_ext.planner.candidate import (
+    ROUTING_IMBALANCE,
+    Candidate,
+    Estimate,
+    check_imbalance,
+    usable_memory,
+)
 from tp_ext.planner.cost import estimate
 from tp_ext.planner.cost_2d import grid_problem
 from tp_ext.planner.hardware import Hardware, load_hardware
@@ -116,7 +122,8 @@ def _engines(dims: ParallelDims) -> tuple:
 
 
 def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, micro_batch,
-                grids: bool, cp: int = 1, cp_mode: str = "ring"):  # fmt: skip
+                grids: bool, cp: int = 1, cp_mode: str = "ring",
+                routing_imbalance: float = ROUTING_IMBALANCE):  # fmt: skip
     # context parallelism runs with 1D TP and 2D grids, pipelining, EP and every DP engine
     for dims in _dims(config, gpus // cp, global_batch, grids):
         dims = dims.replace(cp=cp)
@@ -141,6 +148,7 @@ def _candidates(config: Qwen2Config, gpus: int, global_batch: int, dtype: str, m
                             data_parallel=engine,
                             dtype=dtype,
                             cp_mode=cp_mode,
+                            routing_imbalance=routing_imbalance,
                         )
 
 
@@ -244,6 +252,7 @@ def plan(
     grids: bool = True,
     cp: int = 1,
     cp_mode: str = "ring",
+    routing_imbalance: float = ROUTING_IMBALANCE,
 ) -> list[Estimate]:
     """The candidates for training ``config`` (a Qwen2Config, or a config file's path) on
     ``gpus`` devices (``gpus_per_node`` per node, ``gpu_memory`` each: bytes or "80GiB"; default
@@ -253,7 +262,8 @@ def plan(
     2, 4 or 8, whichever ranks best); ``grids``: 2D TP grids (P, Q) of tp_ext's Qwen2 among the
     candidates (with pipelining, every DP engine and context parallelism, as 1D TP). ``cp``:
     the context-parallel degree every candidate takes (``gpus`` split into tp x cp x pp x
-    dp), its attention by ``cp_mode``.
+    dp), its attention by ``cp_mode``. ``routing_imbalance``: with experts, the busiest EP
+    rank's routed rows over its even share (:class:`Candidate`).
     ``dtype``: the parameters' (None: a job file's ``parallel.dtype``, float32 when it names
     none, as the job trains; a Hugging Face config's ``torch_dtype``; else bfloat16)."""
     config, dtype = _model_config(config, dtype)
@@ -264,6 +274,7 @@ def plan(
         raise ValueError(f"cp={cp} does not divide gpus={gpus}: use a divisor of {gpus}")
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be 'ring' or 'all_to_all', got {cp_mode!r}")
+    check_imbalance(routing_imbalance)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     gpus_per_node = _check_nodes(gpus, gpus_per_node)
     if micro_batch is not None:
@@ -285,7 +296,7 @@ def plan(
             gpus_per_node=gpus_per_node,
         )
         for candidate in _candidates(
-            config, gpus, global_batch, dtype, micro_batch, grids, cp, cp_mode
+            config, gpus, global_batch, dtype, micro_batch, grids, cp, cp_mode, routing_imbalance
         )
     ]
     if not estimates:
@@ -308,6 +319,7 @@ def plan_dims(
     cp_mode: str = "ring",
     micro_batch: int = 1,
     micro_batches: int = 1,
+    routing_imbalance: float = ROUTING_IMBALANCE,
 ) -> list[Estimate]:
     """What the given dims cost (``dims`` resolved: tp, cp, pp, dp), for a step of
     ``micro_batches`` micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens per DP
@@ -339,6 +351,7 @@ def plan_dims(
                 activation_checkpointing=checkpointing,
                 dtype=dtype,
                 cp_mode=cp_mode,
+                routing_imbalance=routing_imbalance,
             ),
             seq_len=seq_len,
             hardware=hw,

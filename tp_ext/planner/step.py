@@ -213,8 +213,10 @@ class Step:
     def _layer_activations(self) -> int:
         """What one decoder layer saves for backward per micro-batch."""
         if isinstance(self.config, HFModel):  # measured on the architecture itself
+            c = self.candidate
             return hf_layer_activation_bytes(self.s, self.config, self.b, self.local_seq, self.e,
-                                             self.tp, self.ep, self.candidate.dtype)  # fmt: skip
+                                             self.tp, self.ep, c.dtype, self.dp,
+                                             c.routing_imbalance)  # fmt: skip
         return layer_activation_bytes(self.s, self.config, self.b, self.local_seq, self.e)
 
     def head_bytes(self) -> int:
