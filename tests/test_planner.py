@@ -230,6 +230,11 @@ CANDIDATES = [
     pytest.param(_candidate(1, 2, 1, 4, "Interleaved1F1B", 2), id="pp2-interleaved"),
     pytest.param(_candidate(1, 1, 2, 2), id="dp2-ddp"),
     pytest.param(_candidate(1, 1, 2, 2, engine="fsdp"), id="dp2-fsdp"),
+    # FSDP2 with one micro-batch: the peak at a layer's backward, beside the stage unit's
+    # gathered embedding and head, the next layer's all-gather and the later one's
+    # reduce-scatter
+    pytest.param(_candidate(1, 1, 2, 1, engine="fsdp"), id="dp2-fsdp-m1"),
+    pytest.param(_candidate((2, 1), 1, 2, 1, engine="fsdp"), id="grid2x1-dp2-fsdp-m1"),
     pytest.param(_candidate(1, 1, 2, 2, engine="zero1"), id="dp2-zero1"),
     pytest.param(_candidate(1, 1, 2, 2, engine="zero2"), id="dp2-zero2"),
     pytest.param(_candidate(1, 2, 1, 4), marks=pytest.mark.full_matrix, id="pp2-1f1b"),
