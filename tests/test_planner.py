@@ -245,6 +245,8 @@ CANDIDATES = [
     pytest.param(
         _candidate(1, 2, 1, 4, "DualPipeV", 2), marks=pytest.mark.full_matrix, id="dualpipev"
     ),
+    # DualPipeV beyond 2 pp micro-batches: 2 pp - r on rank r's first stage, r + 1 on its second
+    pytest.param(_candidate(1, 2, 1, 6, "DualPipeV", 2), id="dualpipev-6"),
     pytest.param(
         _candidate(1, 2, 1, 4, "InterleavedZeroBubble", 2),
         marks=pytest.mark.full_matrix,
@@ -356,6 +358,11 @@ CANDIDATES = [
         _candidate((2, 1), 2, 1, 4, "DualPipeV", 2),
         marks=pytest.mark.full_matrix,
         id="grid2x1-pp2-dualpipev",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 6, "DualPipeV", 2),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-dualpipev-6",
     ),
     pytest.param(
         _candidate((2, 1), 2, 2, 4, engine="fsdp"),
@@ -720,6 +727,22 @@ def test_zero_rows_split_as_torch_chunk_splits_them():
     assert cost.ZERO2_BUCKET_BYTES == zero.DEFAULT_BUCKET_BYTES
 
 
+def _torch_actions(name: str, pp: int, m: int, v: int = 2) -> dict:
+    """Each pipeline rank's compute actions from torch's own schedule generator (without stages
+    or process groups)."""
+    from tp_ext.pipeline.schedules import SCHEDULES
+
+    generator = object.__new__(SCHEDULES[name].torch_class)
+    generator.pp_group_size, generator._n_microbatches = pp, m
+    generator.n_local_stages, generator.num_stages = v, pp * v
+    generator.number_of_rounds = max(1, m // pp)
+    generator.microbatches_per_round = m // generator.number_of_rounds
+    return {
+        rank: [a for a in generator._calculate_single_rank_operations(rank) if a is not None]
+        for rank in range(pp)
+    }
+
+
 def test_split_backwards_follow_torchs_schedules():
     """The micro-batches whose backward torch's zero-bubble schedules split into an input and a
     weight pass (a 2D grid's SUMMA products then run their backward twice): the planner's count
@@ -729,7 +752,7 @@ def test_split_backwards_follow_torchs_schedules():
 
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
+    from tp_ext.pipeline.schedules import weight_split_supported
     from tp_ext.planner.step import split_backwards
 
     if not weight_split_supported():  # (the generators of a torch tp_ext refuses them on)
@@ -738,22 +761,46 @@ def test_split_backwards_follow_torchs_schedules():
     for name, v in (("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)):
         for pp in (2, 3, 4):
             for m in (2 * pp, 2 * pp + 2, 4 * pp):
-                # the generator alone, without stages or process groups
-                generator = object.__new__(SCHEDULES[name].torch_class)
-                generator.pp_group_size, generator._n_microbatches = pp, m
-                generator.n_local_stages, generator.num_stages = v, pp * v
-                generator.number_of_rounds = max(1, m // pp)
-                generator.microbatches_per_round = m // generator.number_of_rounds
                 inputs = collections.Counter(
                     action.stage_index
-                    for rank in range(pp)
-                    for action in generator._calculate_single_rank_operations(rank)
-                    if action is not None
-                    and action.computation_type == torch_schedules.BACKWARD_INPUT
+                    for actions in _torch_actions(name, pp, m, v).values()
+                    for action in actions
+                    if action.computation_type == torch_schedules.BACKWARD_INPUT
                 )
                 for stage in range(1, pp * v):  # the first stage's split is one backward
                     assert split_backwards(name, pp, m, stage) == inputs[stage], (name, pp, m)
     assert split_backwards("1F1B", 2, 4, 1) == split_backwards("ZBVZeroBubble", 2, 4, 0) == 0
+
+
+def test_dualpipev_in_flight_follows_torchs_schedule():
+    """The micro-batches DualPipeV's rank holds on each of its two stages at its peak, against
+    torch's generator: a forward saves a micro-batch's activations on its stage, a full
+    backward or a weight pass frees them (an overlapped F&B step: the forward first); the most
+    held on the rank (both stages together) once each stage has made its gradients."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from tp_ext.pipeline.schedules import weight_split_supported
+    from tp_ext.planner.step import dualpipev_in_flight
+
+    if not weight_split_supported():
+        pytest.skip(f"tp_ext refuses the zero-bubble schedules on torch {torch.__version__}")
+    frees = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_WEIGHT)
+    for pp in (2, 3, 4):
+        for m in (2 * pp, 2 * pp + 1, 2 * pp + 2, 4 * pp):
+            for rank, actions in _torch_actions("DualPipeV", pp, m).items():
+                stages = (rank, 2 * pp - 1 - rank)
+                held, made, most = {st: set() for st in stages}, set(), (0, 0)
+                for action in actions:
+                    for a in action.sub_actions or [action]:
+                        if a.computation_type == torch_schedules.FORWARD:
+                            held[a.stage_index].add(a.microbatch_index)
+                        elif a.computation_type in frees:
+                            held[a.stage_index].discard(a.microbatch_index)
+                            made.add(a.stage_index)
+                        counts = tuple(len(held[st]) for st in stages)
+                        if len(made) == 2 and sum(counts) > sum(most):
+                            most = counts
+                assert dualpipev_in_flight(pp, m, rank) == most, (pp, m, rank)
 
 
 def test_cp_gradient_sync_is_ddps_in_the_parameters_dtype():
