@@ -110,6 +110,52 @@ def test_shard_balance_counts_each_rank_and_flags_the_heavy_one():
         assert flagged[1] == "rank 0: bytes 40 is 50% above the mean 27"
 
 
+def _fsdp_peaks():
+    """PeakMemory and torch's MemTracker over the same FSDP2 Trainer step (one micro-batch:
+    MemTracker refuses a module called twice). FSDP2 frees each unit's gathered parameters by
+    resizing their storage to 0 after its forward and backward."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tp_ext.debug.memory import PeakMemory
+    from tp_ext.models import Qwen2ForCausalLM
+    from tp_ext.training import Trainer
+
+    from .test_planner import _config
+
+    state = tp_ext.init_parallel(tp=1, pp=1, dp=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM.from_config(_config(), parallel=state)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    trainer = Trainer(model, optimizer=adamw, parallel=state, data_parallel="fsdp")
+    batches = [torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))]
+    trainer.step(batches)  # the optimizer state and FSDP2's buffers exist from here on
+    with PeakMemory(model.parameters(), trainer.optimizer) as memory:
+        trainer.step(batches)
+    tracker = MemTracker()
+    tracker.track_external(model, trainer.optimizer)
+    with tracker:
+        trainer.step(batches)
+    return memory.peak, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_peak_memory_sees_fsdp2_free_its_gathered_parameters():
+    """A storage resized in place counts at its new size (UntypedStorage.resize_ is not
+    dispatched): on an FSDP2 step the peak equals MemTracker's, which tracks resizes too."""
+    from tp_ext.debug.memory import PeakMemory
+
+    for peak, tracked in run_distributed(_fsdp_peaks, 2):
+        assert peak == tracked
+    t = torch.empty(1000)
+    with PeakMemory() as memory:
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(4000)
+        u = torch.empty(500)
+    assert memory.peak == 4000 + 2000 and memory.live == 6000
+    del u
+    assert memory.live == 4000
+    assert torch.UntypedStorage.resize_ is type(t.untyped_storage()).resize_  # restored
+
+
 def _share():
     from tp_ext.debug import comm_share
     from tp_ext.layers import ParallelMLP

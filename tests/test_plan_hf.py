@@ -285,8 +285,7 @@ PLANNER_CASES = [
     # EP and CP together, ZeRO-2's rows: the dense over DP x CP, the experts' over theirs
     ("mixtral", _hf_candidate(1, 1, 2, 2, ep=2, cp=2, engine="zero2", mode="all_to_all")),
     # FSDP2 with experts: each rank holds its own experts (expert-DP 1), left out of FSDP2; the
-    # dense rest sharded over DP (the model runs whole: one unit). 1.002x / 0.958x of the two
-    # EP ranks' peaks (the second's experts got more rows), as under DDP
+    # dense rest sharded over DP (the model runs whole: one unit)
     ("mixtral", _hf_candidate(1, 1, 2, 2, ep=2, engine="fsdp")),
     pytest.param("llama", _hf_candidate(1, 1, 1, 1), marks=pytest.mark.full_matrix),
     pytest.param("llama", _hf_candidate(1, 1, 2, 2, engine="fsdp"), marks=pytest.mark.full_matrix),
@@ -315,8 +314,8 @@ PLANNER_CASES = [
         "llama", _hf_candidate(1, 1, 1, 2, cp=2, engine="fsdp"), marks=pytest.mark.full_matrix
     ),
     # FSDP2 with experts: the experts' units on the ranks holding the same experts (expert-DP
-    # 2: 1.015x / 0.967x), with CP beside (the dense over DP x CP, the experts over their
-    # replicas at every CP position: 1.002x / 0.974x)
+    # 2), with CP beside (the dense over DP x CP, the experts over their replicas at every CP
+    # position)
     pytest.param(
         "mixtral", _hf_candidate(1, 1, 4, 2, ep=2, engine="fsdp"), marks=pytest.mark.full_matrix
     ),

@@ -233,6 +233,11 @@ CANDIDATES = [
     pytest.param(_candidate(1, 2, 1, 4, "Interleaved1F1B", 2), id="pp2-interleaved"),
     pytest.param(_candidate(1, 1, 2, 2), id="dp2-ddp"),
     pytest.param(_candidate(1, 1, 2, 2, engine="fsdp"), id="dp2-fsdp"),
+    # FSDP2 with one micro-batch: the peak at a layer's backward, beside the stage unit's
+    # gathered embedding and head, the next layer's all-gather and the later one's
+    # reduce-scatter
+    pytest.param(_candidate(1, 1, 2, 1, engine="fsdp"), id="dp2-fsdp-m1"),
+    pytest.param(_candidate((2, 1), 1, 2, 1, engine="fsdp"), id="grid2x1-dp2-fsdp-m1"),
     pytest.param(_candidate(1, 1, 2, 2, engine="zero1"), id="dp2-zero1"),
     pytest.param(_candidate(1, 1, 2, 2, engine="zero2"), id="dp2-zero2"),
     pytest.param(_candidate(1, 2, 1, 4), marks=pytest.mark.full_matrix, id="pp2-1f1b"),
@@ -243,6 +248,8 @@ CANDIDATES = [
     pytest.param(
         _candidate(1, 2, 1, 4, "DualPipeV", 2), marks=pytest.mark.full_matrix, id="dualpipev"
     ),
+    # DualPipeV beyond 2 pp micro-batches: 2 pp - r on rank r's first stage, r + 1 on its second
+    pytest.param(_candidate(1, 2, 1, 6, "DualPipeV", 2), id="dualpipev-6"),
     pytest.param(
         _candidate(1, 2, 1, 4, "InterleavedZeroBubble", 2),
         marks=pytest.mark.full_matrix,
@@ -359,6 +366,11 @@ CANDIDATES = [
         _candidate((2, 1), 2, 1, 4, "InterleavedZeroBubble", 2),
         marks=pytest.mark.full_matrix,
         id="grid2x1-pp2-interleaved-zero-bubble",
+    ),
+    pytest.param(
+        _candidate((2, 1), 2, 1, 6, "DualPipeV", 2),
+        marks=pytest.mark.full_matrix,
+        id="grid2x1-pp2-dualpipev-6",
     ),
     pytest.param(
         _candidate((2, 1), 2, 2, 4, engine="fsdp"),
@@ -760,6 +772,22 @@ def test_zero_rows_split_as_torch_chunk_splits_them():
     assert cost.ZERO2_BUCKET_BYTES == zero.DEFAULT_BUCKET_BYTES
 
 
+def _torch_actions(name: str, pp: int, m: int, v: int = 2) -> dict:
+    """Each pipeline rank's compute actions from torch's own schedule generator (without stages
+    or process groups)."""
+    from tp_ext.pipeline.schedules import SCHEDULES
+
+    generator = object.__new__(SCHEDULES[name].torch_class)
+    generator.pp_group_size, generator._n_microbatches = pp, m
+    generator.n_local_stages, generator.num_stages = v, pp * v
+    generator.number_of_rounds = max(1, m // pp)
+    generator.microbatches_per_round = m // generator.number_of_rounds
+    return {
+        rank: [a for a in generator._calculate_single_rank_operations(rank) if a is not None]
+        for rank in range(pp)
+    }
+
+
 def test_split_backwards_follow_torchs_schedules():
     """The micro-batches whose backward torch's zero-bubble schedules split into an input and a
     weight pass (a 2D grid's SUMMA products then run their backward twice): the planner's count
@@ -769,7 +797,7 @@ def test_split_backwards_follow_torchs_schedules():
 
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
+    from tp_ext.pipeline.schedules import weight_split_supported
     from tp_ext.planner.step import split_backwards
 
     if not weight_split_supported():  # (the generators of a torch tp_ext refuses them on)
@@ -780,25 +808,13 @@ def test_split_backwards_follow_torchs_schedules():
             for m in (2 * pp, 2 * pp + 2, 4 * pp):
                 inputs = collections.Counter(
                     action.stage_index
-                    for rank in range(pp)
-                    for action in _torch_actions(SCHEDULES[name], pp, m, v, rank)
+                    for actions in _torch_actions(name, pp, m, v).values()
+                    for action in actions
                     if action.computation_type == torch_schedules.BACKWARD_INPUT
                 )
                 for stage in range(1, pp * v):  # the first stage's split is one backward
                     assert split_backwards(name, pp, m, stage) == inputs[stage], (name, pp, m)
     assert split_backwards("1F1B", 2, 4, 1) == split_backwards("ZBVZeroBubble", 2, 4, 0) == 0
-
-
-def _torch_actions(schedule, pp: int, m: int, v: int, rank: int) -> list:
-    """The actions torch's generator of ``schedule`` orders on ``rank`` (the generator alone,
-    without stages or process groups)."""
-    generator = object.__new__(schedule.torch_class)
-    generator.pp_group_size, generator._n_microbatches = pp, m
-    generator.n_local_stages, generator.num_stages = v, pp * v
-    generator.number_of_rounds = max(1, m // pp)
-    generator.microbatches_per_round = m // generator.number_of_rounds
-    actions = generator._calculate_single_rank_operations(rank)
-    return [action for action in actions if action is not None]
 
 
 def test_interleaved_zero_bubble_in_flight_follows_torchs_schedule():
@@ -808,7 +824,7 @@ def test_interleaved_zero_bubble_in_flight_follows_torchs_schedule():
     generator, every count of micro-batches tp_ext accepts."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    from tp_ext.pipeline.schedules import SCHEDULES, weight_split_supported
+    from tp_ext.pipeline.schedules import weight_split_supported
     from tp_ext.planner.step import deferred_weight_passes, in_flight
 
     if not weight_split_supported():  # (the generators of a torch tp_ext refuses them on)
@@ -822,9 +838,7 @@ def test_interleaved_zero_bubble_in_flight_follows_torchs_schedule():
                 for rank in range(pp):
                     held = waiting = 0
                     peak = (0, 0)
-                    for action in _torch_actions(
-                        SCHEDULES["InterleavedZeroBubble"], pp, m, v, rank
-                    ):
+                    for action in _torch_actions("InterleavedZeroBubble", pp, m, v)[rank]:
                         kind = action.computation_type
                         held += kind == kinds.FORWARD
                         if kind == kinds.BACKWARD_WEIGHT:
@@ -835,6 +849,37 @@ def test_interleaved_zero_bubble_in_flight_follows_torchs_schedule():
                     counted = in_flight("InterleavedZeroBubble", pp, m, v, rank) * v
                     waits = deferred_weight_passes(pp, m, v, rank)
                     assert (counted, waits) == peak, (pp, m, v, rank, counted, waits, peak)
+
+
+def test_dualpipev_in_flight_follows_torchs_schedule():
+    """The micro-batches DualPipeV's rank holds on each of its two stages at its peak, against
+    torch's generator: a forward saves a micro-batch's activations on its stage, a full
+    backward or a weight pass frees them (an overlapped F&B step: the forward first); the most
+    held on the rank (both stages together) once each stage has made its gradients."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from tp_ext.pipeline.schedules import weight_split_supported
+    from tp_ext.planner.step import dualpipev_in_flight
+
+    if not weight_split_supported():
+        pytest.skip(f"tp_ext refuses the zero-bubble schedules on torch {torch.__version__}")
+    frees = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_WEIGHT)
+    for pp in (2, 3, 4):
+        for m in (2 * pp, 2 * pp + 1, 2 * pp + 2, 4 * pp):
+            for rank, actions in _torch_actions("DualPipeV", pp, m).items():
+                stages = (rank, 2 * pp - 1 - rank)
+                held, made, most = {st: set() for st in stages}, set(), (0, 0)
+                for action in actions:
+                    for a in action.sub_actions or [action]:
+                        if a.computation_type == torch_schedules.FORWARD:
+                            held[a.stage_index].add(a.microbatch_index)
+                        elif a.computation_type in frees:
+                            held[a.stage_index].discard(a.microbatch_index)
+                            made.add(a.stage_index)
+                        counts = tuple(len(held[st]) for st in stages)
+                        if len(made) == 2 and sum(counts) > sum(most):
+                            most = counts
+                assert dualpipev_in_flight(pp, m, rank) == most, (pp, m, rank)
 
 
 def test_cp_gradient_sync_is_ddps_in_the_parameters_dtype():

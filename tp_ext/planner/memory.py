@@ -39,6 +39,9 @@ def memory_on(step: Step, r: int) -> tuple[dict, int]:
         optimizer = 2 * rows * step.master_bytes + 4 * tensors + masters
         grads = rows * e if step.zero == 2 else params
     phases, activations = backward_phases(step, r, params, optimizer)
+    # FSDP2's unsharded buffers at the head's backward (phase A) and at a layer's (B, C)
+    at_head, at_layer = fsdp_buffers(step, r)
+    phases = [phases[0] + at_head] + [phase + at_layer for phase in phases[1:]]
     if step.zero:
         phases += zero_phases(step, r, params, grads, optimizer, max(phases))
     else:
@@ -49,8 +52,8 @@ def memory_on(step: Step, r: int) -> tuple[dict, int]:
     # the weight-split schedules write gradients outside DDP's hooks: not wrapped, no buckets
     weight_split = SCHEDULES[step.candidate.schedule].weight_split
     buckets = params if step.sync == "ddp" and not weight_split else 0
-    fsdp = fsdp_buffers(step, r)
-    peak = max(phases) + buckets + fsdp
+    peak = max(phases) + buckets
+    fsdp = max(at_head, at_layer)
     return memory_breakdown(params, optimizer, activations, peak, fsdp, grads), numel
 
 
@@ -73,20 +76,22 @@ def backward_phases(step: Step, r: int, params: int, optimizer: int) -> tuple[li
     s, e, last = step.s, step.e, step.last_on(r)
     acts, transient = step.activations_on(r)
     earlier = step.m > math.ceil(step.in_flight(r))
-    # under FSDP2 the gradients of what it shards are its unsharded buffers (fsdp_buffers); of
-    # the experts each rank holds alone, the rank's own
-    alone = step.alone_numel_on(r) * e if earlier and step.shard > 1 else 0
+    # under FSDP2 the gradients of what it shards are its unsharded buffers (fsdp_buffers: the
+    # head's too); of the experts each rank holds alone, the rank's own
+    sharded = earlier and step.shard > 1
+    alone = step.alone_numel_on(r) * e if sharded else 0
     whole = earlier and step.shard == 1
     grads = params if whole else alone
+    head_grads = s.final * e if last and not sharded else 0
     # B: the head's saved tensors freed by its backward; the layer recomputed for its backward
     rebuilt = step.act_layer if step.recompute else 0
     held_b = acts - (step.head_bytes() if last else 0) + rebuilt + step.layer_backward_bytes()
-    grads_b = params if whole else alone + (s.final * e if last else 0)
+    grads_b = params if whole else alone + head_grads
     # C: that layer's input, kept by its checkpoint, and its activations (rebuilt)
     held_c = (step.hidden_bytes if step.recompute else 0) + step.act_layer
     held_c += step.layer_backward_bytes() + step.ids_on(r)
     own = s.layer * e + (s.embedding * e if step.first_on(r) else 0)
-    grads_c = params if whole else params - min(own, params)
+    grads_c = params if whole else (alone if sharded else params - min(own, params))
     if step.pp > 1:
         # torch's schedule holds each stage's output (the logits on the last stage) until the
         # stage's backward ends, and on the other stages the gradient it received; the
@@ -116,21 +121,32 @@ def sums_buffers(step: Step, r: int) -> int:
     return peak * step.flat_bytes
 
 
-def fsdp_buffers(step: Step, r: int) -> int:
+def fsdp_buffers(step: Step, r: int) -> tuple[int, int]:
     """FSDP2's unsharded buffers beside the shards (of the tensors it shards: not the experts
-    each rank holds alone)."""
+    each rank holds alone) in rank r's backward: (at the head's backward, at a layer's). The
+    stage's own unit (embedding, final norm, head; a model run whole: all its dense tensors)
+    stays gathered from its forward to the end of its backward (FSDP2 does not reshard the root
+    after its forward), a layer's unit from its all-gather until its forward or backward ends;
+    the backward prefetches the next layer's all-gather (the head's: the last layer's)."""
     if step.shard == 1:
-        return 0
-    layer = sum(rows_of(parts, 1) for parts, _ in step.fsdp_groups(step.layer_groups()))
-    if step.m > 1 or not step.layer_units:
-        # accumulating without syncing (the local loop, and torch's pipelining) keeps FSDP2's
-        # parameters unsharded between micro-batches and the gradients unsharded until the
-        # last: both in full, and the last backward's all-gather buffer of a layer beside them
-        # (a stage that is one unit: its tensors gathered from its first forward on)
-        numel = sum(rows_of(parts, 1) for parts, _ in step.fsdp_groups(step.replica_groups(r)))
-        return (2 * numel + layer) * step.e
-    # one layer gathered, the next prefetched, and one layer's gradient to scatter
-    return 3 * layer * step.e
+        return 0, 0
+    dense, experts = step.layer_groups()
+    units = step.fsdp_groups([dense, experts] if step.layer_units else [experts])
+    unit = sum(rows_of(parts, 1) for parts, _ in units)
+    numel = sum(rows_of(parts, 1) for parts, _ in step.fsdp_groups(step.replica_groups(r)))
+    root = numel - step.layers_on(r) * unit
+    # accumulating without syncing (the local loop, and torch's pipelining) keeps every
+    # gradient unsharded until the last backward
+    whole = numel if step.m > 1 else 0
+    e = step.e
+    at_head, at_layer = (root + unit + whole) * e, (root + 2 * unit + whole) * e
+    if step.m == 1 and unit:
+        # from the second-to-last layer on, the later layer's reduce-scatter too (its flat
+        # gradients and this rank's rows of the sum, which FSDP2 holds until the next one),
+        # while that later layer's saved tensors are freed
+        scatter = (unit + sum(rows_of(parts, size) for parts, size in units)) * e
+        at_layer += max(0, scatter - (step.hidden_bytes if step.recompute else step.act_layer))
+    return at_head, at_layer
 
 
 def zero_phases(step: Step, r: int, params: int, grads: int, optimizer: int, backward: int):

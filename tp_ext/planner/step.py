@@ -40,6 +40,7 @@ __all__ = [
     "Step",
     "V_SCHEDULES",
     "deferred_weight_passes",
+    "dualpipev_in_flight",
     "gradient_sync",
     "in_flight",
     "rows_of",
@@ -95,6 +96,16 @@ def deferred_weight_passes(pp: int, m: int, v: int, rank: int) -> int:
     under InterleavedZeroBubble (torch's generator): one per rank before it, at most every
     micro-batch of its v stages but the one running."""
     return min(rank, m * v - 1)
+
+
+def dualpipev_in_flight(pp: int, m: int, rank: int) -> tuple[int, int]:
+    """Micro-batches whose activations DualPipeV's pipeline rank ``rank`` holds on its two
+    stages (rank and 2 pp - 1 - rank) at its peak, once both have made their gradients (torch's
+    ScheduleDualPipeV; the tests count them from its generator): 2 pp - rank on the first (its
+    warm-up forwards, and each overlapped F&B step's forward runs before its backward) and
+    rank + 1 on the second; at m = 2 pp rank 0's first backward comes after its last forward
+    (one fewer by then). m >= 2 pp (tp_ext's check)."""
+    return 2 * pp - rank - (1 if rank == 0 and m == 2 * pp else 0), rank + 1
 
 
 def split_backwards(schedule: str, pp: int, m: int, stage: int) -> int:
@@ -395,7 +406,20 @@ class Step:
         return padded_pieces([rows_of(parts, size, q) for q in range(size)])
 
     def in_flight(self, r: int) -> float:
-        return in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)
+        """Micro-batches in flight on rank r, in units of its whole stage set."""
+        counts = self.stage_in_flight(r)
+        return sum(n for _, n in counts) / len(counts)
+
+    def stage_in_flight(self, r: int) -> list[tuple[int, float]]:
+        """(stage, micro-batches whose activations it holds at rank r's peak) of each of rank
+        r's stages: DualPipeV's own per stage (a V's two stages differ), else
+        :func:`in_flight` on each."""
+        stages = self.stages.stages_of(r)
+        if self.candidate.schedule == "DualPipeV" and self.pp > 1:
+            return list(zip(stages, dualpipev_in_flight(self.pp, self.m, r)))
+        return [
+            (st, in_flight(self.candidate.schedule, self.pp, self.m, self.v, r)) for st in stages
+        ]
 
     def deferred_on(self, r: int) -> int:
         """Bytes rank r's deferred weight passes wait on at its peak under InterleavedZeroBubble
@@ -409,26 +433,32 @@ class Step:
 
     def activations_on(self, r: int) -> tuple[int, int]:
         """(activations held at rank r's peak, the transient tensors of the backward that
-        starts there): every in-flight micro-batch's saved tensors (with activation
+        starts there): each stage's in-flight micro-batches' saved tensors (with activation
         checkpointing: each layer's input only) and the input ids; on the last stage the head's
         (:meth:`head_bytes`), the logits' gradient, then the head's weight gradient and the
-        hidden states' gradient; on the first the embedding's weight gradient; on every other
-        stage each in-flight micro-batch's output, kept until its gradient arrives."""
-        s, c = self.s, self.e
-        held = self.layers_on(r) * (self.hidden_bytes if self.recompute else self.act_layer)
-        acts = self.in_flight(r) * held + self.ids_on(r)
+        hidden states' gradient; on the first the embedding's weight gradient; under pipelining
+        the other stages' outputs."""
+        counts = self.stage_in_flight(r)
+        per_layer = self.hidden_bytes if self.recompute else self.act_layer
+        layers = sum(n * len(self.stages.layers_of(st)) for st, n in counts)
+        acts = layers * per_layer + self.ids_on(r)
+        last = self.stages.last_stage
+        # each stage's output (not the logits) kept until its gradient arrives: per stage where
+        # the counts are (DualPipeV's), else per in-flight micro-batch of a rank without the head
+        if self.candidate.schedule == "DualPipeV" and self.pp > 1:
+            acts += sum(n for st, n in counts if st != last) * self.hidden_bytes
+        elif self.pp > 1 and not self.last_on(r):
+            acts += self.in_flight(r) * self.hidden_bytes
         if self.last_on(r):
-            acts += self.in_flight(r) * self.head_bytes()
-            logits = self.tokens * self.logits_vocab * c
+            acts += dict(counts)[last] * self.head_bytes()
+            logits = self.tokens * self.logits_vocab * self.e
             head = self.head_gradient_bytes() + self.hidden_bytes
             # torch's schedule keeps its stage's output (the logits) until the stage's backward
             # ends; the local loop frees them with the loss's backward, before the head's
             if self.pp == 1:
                 return acts, logits + max(0, head - logits)
             return acts, logits + head
-        transient = s.embedding * self.e + self.hidden_bytes if self.first_on(r) else 0
-        if self.pp > 1:
-            acts += self.in_flight(r) * self.hidden_bytes
+        transient = self.s.embedding * self.e + self.hidden_bytes if self.first_on(r) else 0
         return acts, transient
 
 
