@@ -183,7 +183,7 @@ def _measure(candidate, changes=None):
     # torch's own communication (pipelining's sends, DDP's and FSDP2's collectives) by group;
     # the DP engines run over the DP x CP ranks (state.dp_group when cp == 1)
     groups = {"pp": state.pp_group, "dp": state.dp_cp_group, "cp": state.cp_group}
-    if model.tied_group() is not None:  # a tied embedding's two copies (not costed, as in 1D)
+    if model.tied_group() is not None:  # a tied embedding's two copies' gradient sum
         groups["tied"] = model.tied_group()
     with tp_ext.comm.track() as stats, CommCount(groups) as torch_comm:
         with PeakMemory(model.parameters(), trainer.optimizer) as memory:
@@ -208,6 +208,7 @@ def _measure(candidate, changes=None):
         "cp": stats.bytes(tag="cp"),
         "pp": torch_comm.bytes["pp"],
         "dp": torch_comm.bytes["dp"],
+        "tied": torch_comm.bytes.get("tied", 0),
         "other": [call for call in torch_comm.calls if call[0] == "other"],
     }
 
@@ -421,10 +422,16 @@ def test_estimates_match_a_measured_training_step(candidate):
     _check_against_a_measured_step(candidate, {})
 
 
-# tied embeddings on grids: one matrix in the embedding's blocks, the head's copy exchanged
-# into its own layout (one all-to-all over the grid, its gradient back) at every micro-batch
+# tied embeddings: in pipeline stages a copy on the first and last stage, their gradients summed
+# once a step (on one rank in a V: nothing sent); on grids one matrix in the embedding's blocks,
+# the head's copy exchanged into its own layout (one all-to-all over the grid, its gradient
+# back) at every micro-batch
 TIED = {"tie_word_embeddings": True}
-TIED_GRIDS = [
+TIED_CASES = [
+    pytest.param(_candidate(1, 2, 1, 2), id="tied-pp2"),
+    pytest.param(
+        _candidate(1, 2, 1, 4, "ZBVZeroBubble", 2), marks=pytest.mark.full_matrix, id="tied-pp2-zbv"
+    ),
     pytest.param(_candidate((2, 2), 1, 1, 2), id="tied-grid2x2"),
     pytest.param(_candidate((2, 1), 2, 1, 4), marks=pytest.mark.full_matrix, id="tied-grid2x1-pp2"),
     pytest.param(
@@ -445,8 +452,8 @@ TIED_GRIDS = [
 ]
 
 
-@pytest.mark.parametrize("candidate", TIED_GRIDS)
-def test_tied_grid_estimates_match_a_measured_training_step(candidate):
+@pytest.mark.parametrize("candidate", TIED_CASES)
+def test_tied_estimates_match_a_measured_training_step(candidate):
     _check_against_a_measured_step(candidate, TIED)
 
 
@@ -463,7 +470,7 @@ def _check_against_a_measured_step(candidate, changes):
     same = measured[pp_rank * group : (pp_rank + 1) * group]
     for key in ("params", "grads", "optimizer"):
         assert mem[key] == max(m[key] for m in same), (key, mem[key], [m[key] for m in same])
-    for kind in ("tp", "cp", "pp", "dp"):
+    for kind in ("tp", "cp", "pp", "dp", "tied"):
         counted = [m[kind] for m in measured]
         if kind == "dp":
             # torch's DDP / FSDP2 collectives over DP x CP, tp_ext's own sums (ZeRO-2's
@@ -694,7 +701,7 @@ def test_cli_plan_auto(tp_ext_here):
     assert set(first["memory_bytes"]) >= {
         "params", "grads", "optimizer", "activations", "kv_cache", "total"
     }  # fmt: skip
-    assert set(first["comm_bytes"]) == {"tp", "cp", "pp", "dp"}
+    assert set(first["comm_bytes"]) == {"tp", "cp", "pp", "dp", "tied"}
     for key in ("tp", "pp", "dp", "micro_batch", "num_micro_batches", "schedule",
                 "activation_checkpointing", "data_parallel"):  # fmt: skip
         assert key in first["candidate"]

@@ -21,7 +21,7 @@ from tp_ext.planner.hardware import Hardware
 from tp_ext.planner.memory import memory_on
 from tp_ext.planner.step import Step
 from tp_ext.planner.timing import bubble_fraction, step_timing
-from tp_ext.planner.traffic import cp_bytes_on, dp_bytes_on, pp_bytes_on
+from tp_ext.planner.traffic import cp_bytes_on, dp_bytes_on, pp_bytes_on, tied_bytes_on
 from tp_ext.validation import DTYPE_BYTES
 
 __all__ = [
@@ -80,6 +80,7 @@ def estimate(
         "cp": max(cp_bytes_on(step, r) for r in pp_ranks),
         "pp": max(pp_bytes_on(step, r) for r in pp_ranks),
         "dp": dp_traffic[0],
+        "tied": max(tied_bytes_on(step, r) for r in pp_ranks),
     }
     detail = step_timing(step, comm, dp_traffic, memory, numel)
     detail.update(

@@ -173,8 +173,10 @@ def step_timing(step: Step, comm: dict, dp_traffic: tuple, memory: dict, numel: 
     dp_time, dp_exposed = dp_seconds(step, dp_traffic, numel, tensors, compute)
     pp_runtime, optimizer_time = runtime_seconds(step, memory)
     tp_cross, pp_cross, dp_cross = crosses_nodes(step)
+    # the tied embedding's gradient sum runs after the pipeline, before the optimizer
+    tied_time = comm["tied"] / step.hardware.link(pp_cross) if comm["tied"] else 0.0
     return {
-        "step_s": pipeline + pp_runtime + dp_exposed + optimizer_time,
+        "step_s": pipeline + pp_runtime + dp_exposed + tied_time + optimizer_time,
         "layers_per_rank": layers_max,
         "in_flight_micro_batches": step.in_flight(0),
         "compute_s": m * compute,

@@ -7,11 +7,11 @@ tensor, an all-gather's gathered output, a reduce-scatter's full input), torch's
 from __future__ import annotations
 
 from tp_ext.pipeline.schedules import SCHEDULES
-from tp_ext.planner.counts import fsdp_numel
+from tp_ext.planner.counts import fsdp_numel, shard_numel
 from tp_ext.planner.step import Step
 from tp_ext.sharding import cp_chunks, shard_sizes
 
-__all__ = ["cp_bytes_on", "pp_bytes_on", "dp_bytes_on"]
+__all__ = ["cp_bytes_on", "pp_bytes_on", "dp_bytes_on", "tied_bytes_on"]
 
 
 def cp_bytes_on(step: Step, r: int) -> int:
@@ -66,6 +66,19 @@ def pp_bytes_on(step: Step, r: int) -> int:
         if 0 <= other < stages.num_stages and stages.rank_of(other) != r
     )
     return step.m * 2 * crossed * step.hidden_bytes
+
+
+def tied_bytes_on(step: Step, r: int) -> int:
+    """A tied embedding split by pipelining has a copy on the first stage and one on the last;
+    the Trainer sums their gradients once a step, one all-reduce between the two ranks
+    ("train.tied"; under FSDP2 of each rank's shard): none where one rank holds both (a V's
+    first and last stage)."""
+    if not step.config.tie_word_embeddings or step.pp == 1:
+        return 0
+    ends = {step.stages.rank_of(0), step.stages.rank_of(step.stages.last_stage)}
+    if len(ends) == 1 or r not in ends:
+        return 0
+    return shard_numel(step.s.embedding_rows, step.shard) * step.e
 
 
 def fsdp_bytes_on(step: Step, r: int) -> tuple[int, int]:
