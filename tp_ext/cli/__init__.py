@@ -10,6 +10,7 @@ and dispatches.
     torchrun --standalone --nproc-per-node 4 -m tp_ext generate --model DIR --tp 2 --pp 2 \
         --prompt-file prompts.txt --max-new-tokens 64
     torchrun --standalone --nproc-per-node 4 -m tp_ext demo
+    torchrun --standalone --nproc-per-node 2 -m tp_ext serve --model DIR --tp 2 --port 8000
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tp_ext.cli import demo, doctor, generate, plan, run, train
+from tp_ext.cli import demo, doctor, generate, plan, run, serve, train
 from tp_ext.cli.launch import refuse, run_command
 from tp_ext.cli.logs import add_log_level, configure
 
@@ -31,8 +32,9 @@ COMMANDS = {
     "doctor": doctor,
     "train": train,
     "generate": generate,
+    "serve": serve,
 }
-_STARTS_PROCESS_GROUPS = ("demo", "run", "train", "generate")
+_STARTS_PROCESS_GROUPS = ("demo", "run", "train", "generate", "serve")
 
 
 def _check_variables(command: str) -> int:

@@ -86,6 +86,16 @@ class Decoder:
         model keeps while no weight changes."""
         return contextlib.nullcontext()
 
+    def step_cache(self, store, past: int, length: int):
+        """The cache this model's forward takes for one step over a paged KV cache
+        (:mod:`tp_ext.serving.kv_cache`): ``store(layer, k, v)`` keeps the step's keys and values
+        of decoder layer ``layer`` and returns every row's, ``[rows, heads, length, head_dim]``;
+        ``past``: the key columns before the step's first query."""
+        raise ValueError(
+            f"a paged KV cache does not serve {type(self.model).__name__} yet: serve tp_ext's "
+            "Qwen2 or a transformers decoder converted by parallelize (1D TP)"
+        )
+
     def run(self, stage: int, x, cache, key_mask, position_ids, cache_position) -> torch.Tensor:
         """Stage ``stage`` on ``x`` (ids or hidden states, ``[batch, new]``): hidden states, or on
         the last stage this rank's vocabulary shard of the last position's logits
@@ -109,6 +119,13 @@ class NativeDecoder(Decoder):
 
     def cache_bytes(self, cache) -> int:
         return sum(c.nbytes() for c in cache if c is not None)
+
+    def step_cache(self, store, past: int, length: int):
+        caches = [None] * self.config.num_hidden_layers
+        for stage in self.stage_ids:
+            for i in self.stage_split.layers_of(stage):
+                caches[i] = _PagedLayer(i, store, past)
+        return caches
 
     def run(self, stage, x, cache, key_mask, position_ids, cache_position):
         out = self.model.stage_forward(
@@ -173,6 +190,11 @@ class HFDecoder(Decoder):
             return new_context_cache(self.model.hf_model)
         return _stage_cache_class()(config=self.config, max_cache_len=length)
 
+    def step_cache(self, store, past: int, length: int):
+        if self.model.cp_group is not None:
+            super().step_cache(store, past, length)  # its cache is split over the CP ranks
+        return _paged_cache_class()(store, past, length, self.config.num_hidden_layers)
+
     def generation_defaults(self) -> tuple:
         settings = getattr(self.model.hf_model, "generation_config", None) or self.config
         return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
@@ -196,6 +218,60 @@ class HFDecoder(Decoder):
             past_key_values=cache,
         )
         return out[:, -1] if stage == self.stage_split.last_stage else out
+
+
+class _PagedLayer:
+    """One layer of tp_ext's attention over a paged cache: what its ``KVCache`` answers."""
+
+    def __init__(self, layer: int, store, past: int):
+        self.layer, self.store, self.length = layer, store, past
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        return self.store(self.layer, k, v)
+
+
+_PAGED_CACHE: list = []
+
+
+def _paged_cache_class():
+    """A transformers ``Cache`` over a paged cache for one step: each layer stores through
+    ``store`` and reports ``length`` key columns (the step's rows left-padded alike), so the
+    model's causal and sliding-window masks from ``cache_position`` and the key mask are each
+    row's own."""
+    if _PAGED_CACHE:
+        return _PAGED_CACHE[0]
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class PagedLayer(CacheLayerMixin):
+        is_compileable = False
+        is_sliding = False
+
+        def __init__(self, layer: int, store, past: int, length: int):
+            super().__init__()
+            self.layer, self.store, self.past, self.length = layer, store, past, length
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return self.store(self.layer, key_states, value_states)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length, 0
+
+        def get_seq_length(self) -> int:
+            return self.past
+
+        def get_max_length(self) -> int:
+            return -1
+
+    class PagedCache(Cache):
+        def __init__(self, store, past: int, length: int, layers: int):
+            super().__init__(layers=[PagedLayer(i, store, past, length) for i in range(layers)])
+
+    _PAGED_CACHE.append(PagedCache)
+    return PagedCache
 
 
 _STAGE_CACHE: list = []

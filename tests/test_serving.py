@@ -1,0 +1,183 @@
+"""The serving engine (tp_ext/serving/): requests of prompt lengths 1 to 40 that join and leave
+the running batch, read in chunks, preempted when the paged KV cache runs out and sharing
+cached prompt prefixes, each give transformers' greedy tokens of that prompt alone, at TP 1 to
+4, for Hugging Face Llama, Qwen2 and Mixtral (experts over the TP ranks) converted by
+``parallelize`` and for tp_ext's native Qwen2; a seeded sampled request gives the same tokens at
+any TP and whatever runs beside it; a cancelled request frees its blocks at once; the block pool
+and bad requests."""
+
+import copy
+
+import pytest
+import torch
+
+import tp_ext
+from tp_ext.serving import Engine, FinishReason, SamplingParams
+from tp_ext.serving.kv_cache import BlockPool
+
+from .dist_utils import run_distributed
+from .test_generate import _native, _reference
+from .test_parallelize_models import VOCAB
+
+NEW = 8
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # a prefix two prompts share (two full blocks of 4)
+
+
+def _prompts(seed: int = 1) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (3, 40, 1, 17)]
+    return [SHARED + [20, 21], *prompts, SHARED + [30]]  # the second joins after the first ran
+
+
+def _greedy_reference(reference, prompt: list) -> list:
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def _drain(engine: Engine) -> dict:
+    """Every request's tokens, stepping until none is left."""
+    tokens: dict = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.token is not None:
+                tokens.setdefault(out.request_id, []).append(out.token)
+    return tokens
+
+
+def _engine(model, state, **options):
+    # 3 requests at once, 16 tokens a step (prompts read in chunks), 14 blocks of 4 positions:
+    # fewer than 3 requests of 48 need, so some are preempted and recomputed
+    sizes = dict(num_blocks=14, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    return Engine(model, parallel=state, **{**sizes, **options})
+
+
+def _greedy_case(tp, ep, archs, directory=None):
+    state = tp_ext.init_parallel(tp=tp, ep=ep)
+    prompts = _prompts()
+    greedy = SamplingParams(max_tokens=NEW, temperature=0)  # to an EOS, as transformers
+    report = {}
+    for arch in archs:
+        reference = _reference("qwen2" if arch == "native" else arch)
+        if arch == "native":
+            model = _native(reference, state, directory)
+        else:
+            model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state)
+        engine = _engine(model, state)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy)
+        got = _drain(engine)
+        for i, prompt in enumerate(prompts):
+            assert got[str(i)] == _greedy_reference(reference, prompt), (arch, i)
+        assert engine.pool.used == 0 and not engine.requests  # every block back
+        report[arch] = (engine.scheduler.preemptions, engine.pool.prefix_hits)
+    return report
+
+
+@pytest.mark.parametrize(
+    "tp,ep,archs",
+    [
+        (1, 1, ["llama", "native"]),
+        (2, 1, ["llama", "qwen2", "native"]),
+        (3, 1, ["qwen2"]),  # uneven: 2 KV heads over 3 ranks, 101 vocabulary rows
+        (2, 2, ["mixtral"]),  # experts over the TP ranks
+        pytest.param(4, 1, ["llama", "native"], marks=pytest.mark.full_matrix),
+        pytest.param(3, 1, ["llama", "native"], marks=pytest.mark.full_matrix),
+    ],
+)
+def test_each_request_decodes_as_transformers_alone(tp, ep, archs, tmp_path):
+    reports = run_distributed(_greedy_case, tp, tp, ep, archs, str(tmp_path))
+    for arch, (preemptions, prefix_hits) in reports[0].items():
+        assert preemptions > 0, f"{arch}: the test meant to preempt"
+        assert prefix_hits > 0, f"{arch}: the shared prefix was not reused"
+
+
+def _sampled_case(tp):
+    state = tp_ext.init_parallel(tp=tp)
+    model = tp_ext.parallelize(copy.deepcopy(_reference("llama")), "auto", parallel=state)
+    sampled = SamplingParams(max_tokens=NEW, temperature=0.8, top_k=20, top_p=0.9, seed=7,
+                             ignore_eos=True)  # fmt: skip
+    alone = _engine(model, state)
+    alone.add_request("s", [5, 6, 7], sampled)
+    crowded = _engine(model, state)  # the same request among others, and a second seed
+    for i, prompt in enumerate(_prompts()):
+        crowded.add_request(str(i), prompt, SamplingParams(max_tokens=NEW, temperature=0))
+    crowded.add_request("s", [5, 6, 7], sampled)
+    crowded.add_request("t", [5, 6, 7], SamplingParams(**{**sampled.__dict__, "seed": 8}))
+    a, b = _drain(alone), _drain(crowded)
+    assert a["s"] == b["s"], (a["s"], b["s"])
+    return a["s"], b["t"]
+
+
+def test_a_seeded_request_samples_the_same_tokens_at_any_tp():
+    one = run_distributed(_sampled_case, 1, 1)[0]
+    for tp in (2, 3):
+        assert run_distributed(_sampled_case, tp, tp)[0] == one, tp
+    assert one[0] != one[1]  # another seed, other tokens
+
+
+def _abort_case():
+    state = tp_ext.init_parallel(tp=2)
+    model = tp_ext.parallelize(copy.deepcopy(_reference("llama")), "auto", parallel=state)
+    engine = _engine(model, state, prefix_caching=False)
+    engine.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=NEW, temperature=0))
+    engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=NEW, temperature=0))
+    assert engine.step() == []  # a's first 16 prompt tokens
+    first = [out.token for out in engine.step() if out.request_id == "b"]  # a's last 13, b's 3
+    held = engine.pool.used
+    out = engine.abort("a")
+    assert out.finish_reason is FinishReason.ABORT and engine.abort("a") is None
+    assert (held, engine.pool.used) == (8 + 1, 1)  # a's 29 positions went, b's 3 stay
+    assert first + _drain(engine)["b"] == _greedy_reference(_reference("llama"), [5, 6, 7])
+    return engine.pool.used
+
+
+def test_a_cancelled_request_frees_its_blocks_at_once():
+    assert run_distributed(_abort_case, 2) == [0, 0]
+
+
+def _refusals_case():
+    state = tp_ext.init_parallel(tp=1)
+    model = tp_ext.parallelize(copy.deepcopy(_reference("llama")), "auto", parallel=state)
+    engine = _engine(model, state, num_blocks=8)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    cases = [
+        ([], greedy, "prompt must be 1 or more token ids"),
+        ([VOCAB], greedy, f"token ids in [0, {VOCAB})"),
+        ([1] * 62, greedy, "this model's context is 64 tokens; the prompt's 62 tokens"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+        ([1], SamplingParams(max_tokens=1, top_p=1.5), "top_p must be in (0, 1]"),
+        ([1] * 60, SamplingParams(max_tokens=4), "need 16 KV-cache blocks, the cache has 8"),
+    ]
+    seen = []
+    for prompt, params, message in cases:
+        with pytest.raises(ValueError, match=None) as caught:
+            engine.add_request("x", prompt, params)
+        seen.append(message in str(caught.value) or str(caught.value))
+    engine.add_request("x", [1], greedy)
+    with pytest.raises(ValueError, match="request_id 'x' is already running"):
+        engine.add_request("x", [2], greedy)
+    return seen
+
+
+def test_bad_requests_are_refused_by_name():
+    assert run_distributed(_refusals_case, 1)[0] == [True] * 6
+
+
+def test_block_pool_shares_prefixes_and_evicts_the_oldest_unused():
+    pool = BlockPool(4, 2)
+    tokens = [1, 2, 3, 4, 5]
+    first = pool.allocate(3)
+    pool.remember(tokens, first, 4)  # two full blocks computed
+    assert pool.cached_prefix(tokens) == first[:2] and pool.prefix_hits == 2
+    pool.release(first[:2])  # the second user of the two blocks is done
+    assert pool.used == 3
+    pool.release(first)  # all done: the two cached blocks stay findable, the third is free
+    assert pool.used == 0 and pool.available == 4
+    assert pool.allocate(2) is not None  # the free ones first...
+    taken = pool.allocate(2)  # ...then the cached ones, oldest first, forgetting their prefix
+    assert taken == first[:2] and pool.cached_prefix(tokens) == []
+    assert pool.allocate(1) is None
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0, 16)
