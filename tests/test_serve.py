@@ -314,3 +314,18 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit_nonzero(tmp_path):
     assert code != 0 and time.monotonic() - started < 60, ranks[0].output()
     for server in ranks:
         server.stop()
+
+
+REFUSED = [  # (flags, a piece of the one-line refusal)
+    (["--auto", "--tp", 2], "--auto chooses the dims itself; drop --tp"),
+    (["--pp", 2], "--pp 2: pipeline stages are not served yet"),
+    (["--tp", 2], "1 processes do not make --dp 1 replicas of --tp 2"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory must be a size such as 4GiB"),
+]
+
+
+@pytest.mark.parametrize("flags,message", REFUSED)
+def test_bad_flags_are_refused_before_anything_runs(tmp_path, tp_ext_here, flags, message):
+    path = _checkpoint(tmp_path)
+    status, _, err = tp_ext_here("serve", "--model", path, *flags)
+    assert status == 2 and message in err, err

@@ -181,3 +181,95 @@ def test_block_pool_shares_prefixes_and_evicts_the_oldest_unused():
     assert pool.allocate(1) is None
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0, 16)
+
+
+def _replicas_case(tp, dp):
+    """The engine loop as ``tp-ext serve`` runs it: rank 0 hands requests out to ``dp``
+    replicas of ``tp`` ranks; each request's tokens are still transformers' greedy ones."""
+    import threading
+
+    from tp_ext.serving.coordinator import EngineLoop
+
+    state = tp_ext.init_parallel(tp=tp, dp=dp)
+    reference = _reference("llama")
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state)
+    loop = EngineLoop(_engine(model, state), replica=state.dp_rank, replicas=dp,
+                      leader=state.tp_rank == 0)  # fmt: skip
+    prompts, tokens, replicas = _prompts(), {}, set()
+    done = threading.Event()
+
+    def listener(i):
+        def on(out):
+            if out.token is not None:
+                tokens.setdefault(i, []).append(out.token)
+            if out.finish_reason is not None and len(tokens) == len(prompts) and not loop.listeners:
+                done.set()
+
+        return on
+
+    def drive():
+        for i, prompt in enumerate(prompts):
+            loop.submit(str(i), prompt, SamplingParams(max_tokens=NEW, temperature=0), listener(i))
+            replicas.add(loop.assigned[str(i)])
+        done.wait(120)
+        loop.stop()
+
+    if torch.distributed.get_rank() == 0:
+        threading.Thread(target=drive, daemon=True).start()
+    loop.run()
+    if torch.distributed.get_rank() == 0:
+        assert replicas == set(range(dp)), replicas  # every replica served some
+        for i, prompt in enumerate(prompts):
+            assert tokens[i] == _greedy_reference(reference, prompt), i
+    return loop.engine.pool.used
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 2), pytest.param(2, 2, marks=pytest.mark.full_matrix)])
+def test_data_parallel_replicas_behind_one_loop(tp, dp):
+    assert run_distributed(_replicas_case, tp * dp, tp, dp) == [0] * (tp * dp)
+
+
+def _plan_case():
+    """The planner's bytes per rank against the converted model's and the engine's cache
+    (the planner's excess over this rank's)."""
+    from tp_ext.planner.serving import plan_serving
+
+    state = tp_ext.init_parallel(tp=2)
+    reference = _reference("llama")
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state)
+    engine = _engine(model, state, num_blocks=3 * 64 // 4)  # 3 requests at the full context
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    _drain(engine)
+    slot = engine.cache.nbytes() // (engine.cache.scratch + 1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ranked = plan_serving(reference.config, world=2, memory=2**40, max_num_seqs=3, context=64,
+                          dtype="float64")  # fmt: skip
+    mine = next(e for e in ranked if e.tp == 2)
+    return mine.weight_bytes - weights, mine.kv_cache_bytes - slot * engine.cache.scratch
+
+
+def test_the_planner_counts_a_ranks_weights_and_kv_cache_exactly():
+    (weights, cache), (other, other_cache) = run_distributed(_plan_case, 2)
+    assert (weights, cache, other_cache) == (0, 0, 0)  # rank 0 holds the largest shards
+    assert other == 2 * 48 * 8  # rank 1: one vocabulary row fewer in the embedding and head
+
+
+def test_the_planner_picks_dims_that_fit_and_decode_fastest():
+    from tp_ext.planner.serving import plan_serving
+
+    config = _reference("llama").config
+    plan = lambda memory: plan_serving(config, world=2, memory=memory, max_num_seqs=4,  # noqa: E731
+                                       context=64, dtype="float64")  # fmt: skip
+    roomy = plan(2**40)
+    assert all(e.fits for e in roomy) and {(e.tp, e.dp) for e in roomy} == {(1, 2), (2, 1)}
+    assert roomy[0].tokens_per_s == max(e.tokens_per_s for e in roomy)
+    one, two = (next(e for e in roomy if e.tp == t) for t in (1, 2))
+    assert one.weight_bytes > two.weight_bytes and one.kv_cache_bytes == 2 * two.kv_cache_bytes
+    # room for tp=2's rank but not tp=1's: tp=2 first, tp=1 refused with its bytes
+    from tp_ext.planner.candidate import RESERVED_BYTES, USABLE_FRACTION
+
+    need = lambda e: e.weight_bytes + e.kv_cache_bytes  # noqa: E731
+    memory = int((need(two) + RESERVED_BYTES + 1) / USABLE_FRACTION) + 1
+    tight = plan(memory)
+    assert (tight[0].tp, tight[0].fits) == (2, True) and not tight[1].fits
+    assert "GiB a rank" in tight[1].reason

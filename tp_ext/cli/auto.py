@@ -12,7 +12,7 @@ import torch
 from tp_ext.cli.logs import LOG
 from tp_ext.planner import plan
 
-__all__ = ["auto_overrides", "CHOSEN_FLAGS"]
+__all__ = ["auto_overrides", "CHOSEN_FLAGS", "this_machine"]
 
 # what --auto decides, so a flag may not also give it
 CHOSEN_FLAGS = (
@@ -28,7 +28,7 @@ CHOSEN_FLAGS = (
 )
 
 
-def _this_machine(local_ranks: int) -> tuple[str, int]:
+def this_machine(local_ranks: int) -> tuple[str, int]:
     """The hardware table entry of this machine's devices and the memory one rank may use."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -55,7 +55,7 @@ def auto_overrides(model_config, data, overrides: dict, dtype: str, parallel=Non
     cp_mode = overrides.get("cp_mode") or (parallel.cp_mode if parallel is not None else "ring")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    hardware, memory = _this_machine(local)
+    hardware, memory = this_machine(local)
     ranked = plan(
         model_config,
         gpus=world,

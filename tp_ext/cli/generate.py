@@ -29,7 +29,7 @@ from tp_ext.generation import generate
 from tp_ext.parallelize.context import CP_ARCHITECTURES
 from tp_ext.validation import ConfigError, as_torch_dtype
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "main", "checkpoint_tokenizer", "checkpoint_dtype_of"]
 
 HELP = (
     "batched, greedy or sampled generation from a transformers checkpoint under TP x PP (x EP) "
@@ -75,7 +75,7 @@ def settings_of(args) -> GenerationSettings:
     return GenerationSettings(**{**fields, "do_sample": bool(fields["do_sample"])})
 
 
-def _tokenizer(path: str):
+def checkpoint_tokenizer(path: str):
     """The checkpoint's tokenizer (left padding), or None when the directory has none."""
     if not any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
         return None
@@ -149,14 +149,14 @@ def main(args) -> int:
     settings = settings_of(args)
     source = HFModelSource.from_path(args.model)
     _check_context_parallel(args, source.hf_config.model_type)
-    tokenizer = _tokenizer(args.model)
+    tokenizer = checkpoint_tokenizer(args.model)
     ids, mask, lines = _prompts(args, tokenizer)
     eos = args.eos_token_id  # None: the checkpoint's generation config's, as transformers'
     pad = None if tokenizer is None else tokenizer.pad_token_id
     one_process_unless_launched("generate")
     state = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     try:
-        dtype = as_torch_dtype(args.dtype) if args.dtype else _checkpoint_dtype(source)
+        dtype = as_torch_dtype(args.dtype) if args.dtype else checkpoint_dtype_of(source)
         started = time.perf_counter()
         model, _ = source.build_and_load(state, dtype=dtype, seed=0, cp_mode=args.cp_mode)
         model.eval()
@@ -178,7 +178,7 @@ def main(args) -> int:
     return 0
 
 
-def _checkpoint_dtype(source) -> torch.dtype:
+def checkpoint_dtype_of(source) -> torch.dtype:
     from tp_ext.checkpoint import checkpoint_dtype
 
     return checkpoint_dtype(source.weights) if source.weights else torch.float32

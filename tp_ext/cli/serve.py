@@ -18,11 +18,13 @@ import datetime
 import logging
 import os
 import signal
+import sys
 import threading
 
 import torch
 
 from tp_ext.cli.flags import add_field_flag
+from tp_ext.cli.generate import checkpoint_dtype_of, checkpoint_tokenizer
 from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.config import PARALLEL_FIELDS
 from tp_ext.distributed import destroy_parallel, init_parallel
@@ -55,7 +57,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="a transformers checkpoint directory")
     dims = parser.add_argument_group("dims")
     for name in ("tp", "pp", "ep"):
-        add_field_flag(dims, name, PARALLEL_FIELDS[name], "1", default=1)
+        add_field_flag(dims, name, PARALLEL_FIELDS[name], "1", default=None)
+    add_field_flag(dims, "dp", PARALLEL_FIELDS["dp"], "the processes left over", default=None)
+    dims.add_argument("--auto", action="store_true",
+                      help="the planner's (tp, dp) for the weights and a KV cache of "
+                      "--max-num-seqs requests at the full context on every rank")  # fmt: skip
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -116,6 +122,10 @@ def add_arguments(parser) -> None:
 def _check(args) -> None:
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is not a checkpoint directory")
+    given = [f"--{k}" for k in ("tp", "pp", "dp", "ep") if getattr(args, k) is not None]
+    if args.auto and given:
+        raise ConfigError(f"--auto chooses the dims itself; drop {', '.join(given)} (or --auto)")
+    args.tp, args.pp, args.ep = args.tp or 1, args.pp or 1, args.ep or 1
     if args.pp > 1:
         raise ConfigError(
             f"--pp {args.pp}: pipeline stages are not served yet; serve with --pp 1 (--tp, and "
@@ -123,27 +133,58 @@ def _check(args) -> None:
         )
     if args.kv_cache_memory is not None:
         args.kv_cache_memory = memory_size(args.kv_cache_memory)
+
+
+def _dims(args, source) -> None:
+    """--tp and --dp: the planner's (--auto), or the flags' with the replicas the processes
+    left over make."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp * args.pp:
+    if args.auto:
+        _auto(args, source, world)
+    model = args.tp * args.pp
+    dp = args.dp if args.dp is not None else max(1, world // model)
+    if world != model * dp:
         raise ConfigError(
-            f"{world} processes for --tp {args.tp} --pp {args.pp}: data replicas are not served "
-            f"yet; launch --nproc-per-node {args.tp * args.pp}"
+            f"{world} processes do not make --dp {dp} replicas of --tp {args.tp} --pp {args.pp}: "
+            f"launch --nproc-per-node {model * dp}"
         )
+    args.dp = dp
+
+
+def _auto(args, source, world: int) -> None:
+    from tp_ext.cli.auto import this_machine
+    from tp_ext.planner.serving import plan_serving
+
+    hardware, memory = this_machine(int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    if args.kv_cache_memory is not None:
+        raise ConfigError("--auto sizes the KV cache for --max-num-seqs; drop --kv-cache-memory")
+    dtype = args.dtype or str(checkpoint_dtype_of(source)).removeprefix("torch.")
+    ranked = plan_serving(
+        source.hf_config, world=world, memory=memory, max_num_seqs=args.max_num_seqs,
+        context=args.max_model_len or source.max_position_embeddings, dtype=dtype,
+        hardware=hardware,
+    )  # fmt: skip
+    best = next((e for e in ranked if e.fits), None)
+    if best is None:
+        raise ConfigError(f"--auto: nothing of {world} ranks fits; the closest: {ranked[0].reason}")
+    args.tp, args.dp = best.tp, best.dp
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tp-ext serve: --auto chose {best.describe()} ({best.reason})", file=sys.stderr)
 
 
 def main(args) -> int:
-    from tp_ext.cli.generate import _checkpoint_dtype, _tokenizer
     from tp_ext.models.hf.source import HFModelSource
 
     _check(args)
     source = HFModelSource.from_path(args.model)
+    _dims(args, source)
     source.check_tp(args.tp)
-    tokenizer = _tokenizer(args.model)
+    tokenizer = checkpoint_tokenizer(args.model)
     one_process_unless_launched("serve")
     timeout = datetime.timedelta(seconds=args.timeout)
-    state = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, timeout=timeout)
+    state = init_parallel(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, timeout=timeout)
     try:
-        dtype = as_torch_dtype(args.dtype) if args.dtype else _checkpoint_dtype(source)
+        dtype = as_torch_dtype(args.dtype) if args.dtype else checkpoint_dtype_of(source)
         model, _ = source.build_and_load(state, dtype=dtype, seed=0)
         model.eval()
         loop = _engine_loop(args, model, state)
@@ -168,7 +209,22 @@ def _engine_loop(args, model, state):
         max_model_len=args.max_model_len,
         prefix_caching=not args.no_prefix_caching,
     )
-    return EngineLoop(engine, timeout_s=args.timeout)
+    tp_ranks = set(torch.distributed.get_process_group_ranks(state.tp_group))
+    if (
+        state.dp > 1
+        and not set(torch.distributed.get_process_group_ranks(state.ep_group)) <= tp_ranks
+    ):
+        raise ConfigError(
+            f"--ep {args.ep} spreads the experts over data replicas, whose engines step apart: "
+            f"keep --ep within --tp {args.tp} (experts over the TP ranks) when --dp > 1"
+        )
+    return EngineLoop(
+        engine,
+        timeout_s=args.timeout,
+        replica=state.dp_rank,
+        replicas=state.dp,
+        leader=state.tp_rank == 0,
+    )
 
 
 def _serve(args, loop, tokenizer) -> int:

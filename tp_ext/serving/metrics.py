@@ -1,5 +1,6 @@
 """``GET /metrics``: the server's Prometheus metrics (prometheus_client, a registry per server so
-two servers in one process do not share counts). Gauges read the engine when scraped."""
+two servers in one process do not share counts). Gauges read the engines' counts (summed over
+data-parallel replicas) when scraped."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, loop):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = registry = CollectorRegistry()
@@ -25,7 +26,7 @@ class ServerMetrics:
             "tp_ext_preemptions": ("requests preempted for blocks so far", "preemptions"),
         }
         for name, (doc, key) in gauges.items():
-            Gauge(name, doc, registry=registry).set_function(lambda key=key: engine.stats()[key])
+            Gauge(name, doc, registry=registry).set_function(lambda key=key: loop.stats()[key])
         self.requests = Counter("tp_ext_requests", "requests received", registry=registry)
         self.generated = Counter("tp_ext_generated_tokens", "tokens generated", registry=registry)
         self.first_token = Histogram(

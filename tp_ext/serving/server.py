@@ -54,7 +54,7 @@ class Server:
         self.engine = loop.engine
         self.created = int(time.time())
         self.draining = False
-        self.metrics = ServerMetrics(self.engine)
+        self.metrics = ServerMetrics(loop)
         self.app = FastAPI(title="tp_ext", docs_url=None, redoc_url=None)
         self._routes()
 
@@ -131,7 +131,7 @@ class Server:
         problem = self._unavailable()
         if problem:
             raise APIError(503, problem)
-        waiting = self.engine.stats()["waiting"] + self.loop.inbox.qsize()
+        waiting = self.loop.stats()["waiting"] + self.loop.inbox.qsize()
         if waiting >= self.max_queue:
             raise APIError(429, f"{waiting} requests are waiting (at most {self.max_queue}); "
                            "retry later", kind="rate_limit_exceeded",
