@@ -180,6 +180,21 @@ def test_completions_give_transformers_text_streamed_or_whole(served):
     assert several.choices[1].text == _greedy_text(path, _ids(path, "w40"), 4)[0]
 
 
+@pytest.mark.full_matrix
+def test_pipeline_stages_serve_transformers_text(tmp_path):
+    path = _checkpoint(tmp_path)
+    server = Server(path, 2, "--pp", 2, "--block-size", 4).wait_ready()
+    try:
+        for prompt in PROMPTS:
+            want = _greedy_text(path, _ids(path, prompt), 6)[0]
+            whole = _client(server).completions.create(
+                model=path, prompt=prompt, max_tokens=6, temperature=0
+            )
+            assert whole.choices[0].text == want
+    finally:
+        server.stop()
+
+
 def test_chat_completions_use_the_chat_template(served):
     from transformers import AutoTokenizer
 
@@ -318,7 +333,7 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit_nonzero(tmp_path):
 
 REFUSED = [  # (flags, a piece of the one-line refusal)
     (["--auto", "--tp", 2], "--auto chooses the dims itself; drop --tp"),
-    (["--pp", 2], "--pp 2: pipeline stages are not served yet"),
+    (["--pp", 2], "1 processes do not make --dp 1 replicas of --tp 1 --pp 2"),
     (["--tp", 2], "1 processes do not make --dp 1 replicas of --tp 2"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory must be a size such as 4GiB"),
 ]

@@ -53,8 +53,8 @@ def _engine(model, state, **options):
     return Engine(model, parallel=state, **{**sizes, **options})
 
 
-def _greedy_case(tp, ep, archs, directory=None):
-    state = tp_ext.init_parallel(tp=tp, ep=ep)
+def _greedy_case(tp, ep, archs, directory=None, pp=1):
+    state = tp_ext.init_parallel(tp=tp, pp=pp, ep=ep)
     prompts = _prompts()
     greedy = SamplingParams(max_tokens=NEW, temperature=0)  # to an EOS, as transformers
     report = {}
@@ -91,6 +91,18 @@ def test_each_request_decodes_as_transformers_alone(tp, ep, archs, tmp_path):
     for arch, (preemptions, prefix_hits) in reports[0].items():
         assert preemptions > 0, f"{arch}: the test meant to preempt"
         assert prefix_hits > 0, f"{arch}: the shared prefix was not reused"
+
+
+@pytest.mark.parametrize(
+    "tp,pp,archs",
+    [
+        (1, 2, ["llama", "native"]),  # the stages on two ranks, tokens sent back from the last
+        pytest.param(2, 2, ["qwen2", "native"], marks=pytest.mark.full_matrix),
+    ],
+)
+def test_pipeline_stages_decode_as_transformers(tp, pp, archs, tmp_path):
+    reports = run_distributed(_greedy_case, tp * pp, tp, 1, archs, str(tmp_path), pp)
+    assert all(preempted > 0 for preempted, _ in reports[0].values())
 
 
 def _sampled_case(tp):

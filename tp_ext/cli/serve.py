@@ -126,11 +126,6 @@ def _check(args) -> None:
     if args.auto and given:
         raise ConfigError(f"--auto chooses the dims itself; drop {', '.join(given)} (or --auto)")
     args.tp, args.pp, args.ep = args.tp or 1, args.pp or 1, args.ep or 1
-    if args.pp > 1:
-        raise ConfigError(
-            f"--pp {args.pp}: pipeline stages are not served yet; serve with --pp 1 (--tp, and "
-            "--ep for MoE models)"
-        )
     if args.kv_cache_memory is not None:
         args.kv_cache_memory = memory_size(args.kv_cache_memory)
 
@@ -223,7 +218,7 @@ def _engine_loop(args, model, state):
         timeout_s=args.timeout,
         replica=state.dp_rank,
         replicas=state.dp,
-        leader=state.tp_rank == 0,
+        leader=state.tp_rank == 0 and state.pp_rank == 0,
     )
 
 

@@ -1,5 +1,5 @@
 """``tp_ext.serving.Engine``: continuous batching over a paged KV cache, for tp_ext's Qwen2 and
-transformers decoders converted by ``parallelize`` (TP; EP for MoE models).
+transformers decoders converted by ``parallelize`` (TP x PP; EP within TP for MoE models).
 
 Every rank of the model runs the same engine on the same requests in the same order (the server
 hands each step's new requests and cancellations to every rank first), so every rank schedules
@@ -9,7 +9,8 @@ the same rows, takes the same blocks and calls the same collectives. A step:
    (:mod:`tp_ext.serving.scheduler`);
 2. the rows run through the model, decode rows (one token each) in one forward and prompt
    chunks in another, each left-padded to its longest row, their keys and values stored in and
-   read from the paged cache (:mod:`tp_ext.serving.kv_cache`);
+   read from the paged cache (:mod:`tp_ext.serving.kv_cache`); at pp > 1 through the stages in
+   turn (:class:`_Stages`);
 3. each row that reached the end of its tokens gets its next token from this rank's vocabulary
    shard of the logits (:mod:`tp_ext.layers.sampling`: greedy, or drawn from the request's own
    seeded generator, so the same seed gives the same tokens at any TP);
@@ -22,6 +23,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tp_ext.generation.decoders import as_decoder
 from tp_ext.layers.sampling import check_sampling, vocab_parallel_argmax, vocab_parallel_sample
@@ -62,11 +64,7 @@ class Engine:
         prefix_caching: bool = True,
     ):
         self.decoder = as_decoder(model, parallel)
-        if self.decoder.stage_split.pp > 1:
-            raise ValueError(
-                f"Engine: pipeline stages (pp={self.decoder.stage_split.pp}) are not served yet; "
-                "serve with pp=1 (TP, and EP for MoE models)"
-            )
+        self.stages = _Stages(self.decoder)
         _positive(block_size=block_size, max_num_seqs=max_num_seqs)
         _positive(max_num_batched_tokens=max_num_batched_tokens)
         self.max_model_len = max_model_len or self.decoder.max_positions
@@ -155,15 +153,17 @@ class Engine:
         return outputs
 
     def _run(self, rows) -> list[StepOutput]:
-        logits = self._forward(rows)  # [rows, V_r]: each row's last position
+        logits = self._forward(rows)  # [rows, V_r]: each row's last position (the last stage's)
         sampling = [i for i, row in enumerate(rows) if row.samples]
         for row in rows:
             row.request.computed += row.new
             self.pool.remember(row.request.tokens, row.request.blocks, row.request.computed)
-        tokens = self._choose([rows[i].request for i in sampling], logits[sampling])
-        return [self._advance(rows[i].request, t) for i, t in zip(sampling, tokens)]
+        requests = [rows[i].request for i in sampling]
+        tokens = self._choose(requests, logits[sampling]) if logits is not None else None
+        tokens = self.stages.share(tokens, len(sampling))
+        return [self._advance(r, t) for r, t in zip(requests, tokens)]
 
-    def _forward(self, rows) -> torch.Tensor:
+    def _forward(self, rows) -> Optional[torch.Tensor]:
         requests = [row.request for row in rows]
         cached = [r.computed for r in requests]
         new = [row.new for row in rows]
@@ -179,11 +179,7 @@ class Engine:
             ids[i, width - n :] = torch.tensor(r.tokens[c : c + n])
             positions[i, width - n :] = torch.arange(c, c + n)
         store = lambda layer, k, v: self.cache.update(layer, slots, k, v)  # noqa: E731
-        cache = self.decoder.step_cache(store, slots.past, slots.length)
-        cache_position = torch.arange(slots.past, slots.length, device=device)
-        return self.decoder.run(
-            0, ids.to(device), cache, slots.key_mask, positions.to(device), cache_position
-        )
+        return self.stages.run(ids.to(device), positions.to(device), slots, store)
 
     def _choose(self, requests: list, logits: torch.Tensor) -> list[int]:
         """Each request's next token (greedy rows together; sampled rows by their rule)."""
@@ -240,16 +236,55 @@ class Engine:
         probe = PagedKV(1, 1, self.decoder.device)
         slots = StepSlots([[0]], [0], [1], 1, probe.scratch, self.decoder.device)
         store = lambda layer, k, v: probe.update(layer, slots, k, v)  # noqa: E731
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.decoder.device)
         with torch.no_grad():
-            self.decoder.run(
-                0,
-                torch.zeros(1, 1, dtype=torch.long, device=self.decoder.device),
-                self.decoder.step_cache(store, 0, 1),
-                slots.key_mask,
-                torch.zeros(1, 1, dtype=torch.long, device=self.decoder.device),
-                torch.arange(1, device=self.decoder.device),
-            )
+            self.stages.run(zero, zero, slots, store)
         return probe.nbytes() // 2  # two slots: the position and the scratch
+
+
+class _Stages:
+    """A step's rows through this rank's pipeline stages, in stage order: a stage's input from
+    the previous stage's rank (or this rank), its output on to the next; the last stage's ranks
+    choose the tokens and send them to the other stages' ranks (every rank's scheduler must see
+    them). At pp = 1: the one stage."""
+
+    def __init__(self, decoder):
+        self.decoder, self.split = decoder, decoder.stage_split
+        self.group = decoder.pp_group
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, self.split.rank_of(stage))
+
+    def run(self, ids, positions, slots: StepSlots, store) -> Optional[torch.Tensor]:
+        """This rank's vocabulary shard of each row's last logits (None off the last stage)."""
+        decoder, mine = self.decoder, set(self.decoder.stage_ids)
+        cache = decoder.step_cache(store, slots.past, slots.length)
+        where = torch.arange(slots.past, slots.length, device=ids.device)
+        x, out = ids, None
+        for stage in range(self.split.num_stages):
+            if stage not in mine:
+                continue
+            if stage > 0 and self.split.rank_of(stage - 1) != self.split.rank_of(stage):
+                shape = decoder.activation_shape(ids.size(0), ids.size(1))
+                x = torch.empty(shape, dtype=decoder.dtype, device=ids.device)
+                dist.recv(x, self._peer(stage - 1), self.group)
+            out = decoder.run(stage, x, cache, slots.key_mask, positions, where)
+            if stage < self.split.last_stage and self.split.rank_of(
+                stage + 1
+            ) != self.split.rank_of(stage):
+                dist.send(out.contiguous(), self._peer(stage + 1), self.group)
+            x = out
+        return out if self.split.last_stage in mine else None
+
+    def share(self, tokens: Optional[list], count: int) -> list:
+        """The chosen tokens on every stage's ranks (from the last stage's rank)."""
+        if self.group is None or count == 0:
+            return tokens or []
+        box = torch.zeros(count, dtype=torch.long, device=self.decoder.device)
+        if tokens is not None:
+            box.copy_(torch.tensor(tokens))
+        dist.broadcast(box, self._peer(self.split.last_stage), self.group)
+        return box.tolist()
 
 
 def _positive(**values) -> None:
