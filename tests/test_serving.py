@@ -105,6 +105,26 @@ def test_pipeline_stages_decode_as_transformers(tp, pp, archs, tmp_path):
     assert all(preempted > 0 for preempted, _ in reports[0].values())
 
 
+def _virtual_stages_case(order):
+    """Two stages on each of 2 ranks ("loop": 0, 2 and 1, 3; "v": 0, 3 and 1, 2): messages in
+    both directions, and in a V the middle stages on one rank."""
+    state = tp_ext.init_parallel(tp=1, pp=2)
+    reference = _reference("llama")
+    model = tp_ext.parallelize(copy.deepcopy(reference), "auto", parallel=state,
+                               virtual_stages=2, stage_order=order)  # fmt: skip
+    engine = _engine(model, state)
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW, temperature=0))
+    got = _drain(engine)
+    for i, prompt in enumerate(_prompts()):
+        assert got[str(i)] == _greedy_reference(reference, prompt), (order, i)
+
+
+@pytest.mark.parametrize("order", ["loop", pytest.param("v", marks=pytest.mark.full_matrix)])
+def test_virtual_stages_decode_as_transformers(order):
+    run_distributed(_virtual_stages_case, 2, order)
+
+
 def _sampled_case(tp):
     state = tp_ext.init_parallel(tp=tp)
     model = tp_ext.parallelize(copy.deepcopy(_reference("llama")), "auto", parallel=state)

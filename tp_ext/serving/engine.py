@@ -29,6 +29,7 @@ from tp_ext.generation.decoders import as_decoder
 from tp_ext.layers.sampling import check_sampling, vocab_parallel_argmax, vocab_parallel_sample
 from tp_ext.serving.kv_cache import BlockPool, PagedKV, StepSlots
 from tp_ext.serving.scheduler import FinishReason, Request, SamplingParams, Scheduler
+from tp_ext.sharding import shard_offsets, shard_sizes
 
 __all__ = ["Engine", "StepOutput"]
 
@@ -178,8 +179,7 @@ class Engine:
         for i, (r, c, n) in enumerate(zip(requests, cached, new)):
             ids[i, width - n :] = torch.tensor(r.tokens[c : c + n])
             positions[i, width - n :] = torch.arange(c, c + n)
-        store = lambda layer, k, v: self.cache.update(layer, slots, k, v)  # noqa: E731
-        return self.stages.run(ids.to(device), positions.to(device), slots, store)
+        return self.stages.run(ids.to(device), positions.to(device), slots, self.cache)
 
     def _choose(self, requests: list, logits: torch.Tensor) -> list[int]:
         """Each request's next token (greedy rows together; sampled rows by their rule)."""
@@ -235,18 +235,21 @@ class Engine:
     def _bytes_per_position(self) -> int:
         probe = PagedKV(1, 1, self.decoder.device)
         slots = StepSlots([[0]], [0], [1], 1, probe.scratch, self.decoder.device)
-        store = lambda layer, k, v: probe.update(layer, slots, k, v)  # noqa: E731
         zero = torch.zeros(1, 1, dtype=torch.long, device=self.decoder.device)
         with torch.no_grad():
-            self.stages.run(zero, zero, slots, store)
+            self.stages.run(zero, zero, slots, probe)
         return probe.nbytes() // 2  # two slots: the position and the scratch
 
 
 class _Stages:
-    """A step's rows through this rank's pipeline stages, in stage order: a stage's input from
-    the previous stage's rank (or this rank), its output on to the next; the last stage's ranks
+    """A step's rows through this rank's pipeline stages. At pp > 1 the rows go in ``pp``
+    micro-batches, each rank running its stages' tasks in the order (micro-batch, stage): a
+    stage's input from the previous stage's rank (or this rank), its output sent on without
+    waiting, so each stage works on the next micro-batch while the next stage takes the last
+    one (any such order is a topological order of the tasks, so it cannot deadlock; both sides
+    of a link see the same order, as NCCL, which ignores tags, needs). The last stage's ranks
     choose the tokens and send them to the other stages' ranks (every rank's scheduler must see
-    them). At pp = 1: the one stage."""
+    them). At pp = 1: the one stage, all rows at once."""
 
     def __init__(self, decoder):
         self.decoder, self.split = decoder, decoder.stage_split
@@ -255,26 +258,43 @@ class _Stages:
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.split.rank_of(stage))
 
-    def run(self, ids, positions, slots: StepSlots, store) -> Optional[torch.Tensor]:
+    def _moves(self, stage: int) -> bool:
+        """Whether ``stage``'s output goes to another rank."""
+        split = self.split
+        return stage < split.last_stage and split.rank_of(stage + 1) != split.rank_of(stage)
+
+    def run(self, ids, positions, slots: StepSlots, paged: PagedKV) -> Optional[torch.Tensor]:
         """This rank's vocabulary shard of each row's last logits (None off the last stage)."""
-        decoder, mine = self.decoder, set(self.decoder.stage_ids)
+        rows = ids.size(0)
+        groups = min(self.split.pp, rows)
+        sizes, offsets = shard_sizes(rows, groups), shard_offsets(rows, groups)
+        sends, outs = [], []
+        for m, (o, n) in enumerate(zip(offsets, sizes)):
+            part = slice(o, o + n)
+            out = self._micro_batch(m, ids[part], positions[part], slots.rows(part), paged, sends)
+            outs.append(out)
+        for work, _ in sends:
+            work.wait()
+        return torch.cat(outs) if self.split.last_stage in self.decoder.stage_ids else None
+
+    def _micro_batch(self, m: int, ids, positions, slots: StepSlots, paged: PagedKV, sends):
+        decoder, mine, split = self.decoder, set(self.decoder.stage_ids), self.split
+        store = lambda layer, k, v: paged.update(layer, slots, k, v)  # noqa: E731
         cache = decoder.step_cache(store, slots.past, slots.length)
         where = torch.arange(slots.past, slots.length, device=ids.device)
-        x, out = ids, None
-        for stage in range(self.split.num_stages):
-            if stage not in mine:
-                continue
-            if stage > 0 and self.split.rank_of(stage - 1) != self.split.rank_of(stage):
+        x = out = ids
+        for stage in (s for s in range(split.num_stages) if s in mine):
+            tag = m * split.num_stages + stage
+            if stage > 0 and self._moves(stage - 1):
                 shape = decoder.activation_shape(ids.size(0), ids.size(1))
                 x = torch.empty(shape, dtype=decoder.dtype, device=ids.device)
-                dist.recv(x, self._peer(stage - 1), self.group)
+                dist.recv(x, self._peer(stage - 1), self.group, tag=tag - 1)
             out = decoder.run(stage, x, cache, slots.key_mask, positions, where)
-            if stage < self.split.last_stage and self.split.rank_of(
-                stage + 1
-            ) != self.split.rank_of(stage):
-                dist.send(out.contiguous(), self._peer(stage + 1), self.group)
+            if self._moves(stage):
+                out = out.contiguous()
+                sends.append((dist.isend(out, self._peer(stage + 1), self.group, tag=tag), out))
             x = out
-        return out if self.split.last_stage in mine else None
+        return out
 
     def share(self, tokens: Optional[list], count: int) -> list:
         """The chosen tokens on every stage's ranks (from the last stage's rank)."""

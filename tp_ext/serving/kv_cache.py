@@ -20,6 +20,7 @@ table travels between ranks.
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Optional, Sequence
 
 import torch
@@ -141,6 +142,13 @@ class StepSlots:
     @property
     def length(self) -> int:
         return self.read.size(1)
+
+    def rows(self, which: slice) -> "StepSlots":
+        """The slots of some of the rows (a micro-batch): the same columns."""
+        part = copy.copy(self)
+        part.write, part.read = self.write[which], self.read[which]
+        part.key_mask = self.key_mask[which]
+        return part
 
 
 class PagedKV:
