@@ -107,6 +107,14 @@ TORCH_LIBRARY(tp_ext, m) {
       "attention_merge_backward(Tensor grad_out, Tensor grad_lse, Tensor out_a, Tensor lse_a, "
       "Tensor out_b, Tensor lse_b, Tensor out, Tensor lse) -> (Tensor, Tensor, Tensor, Tensor)");
 
+  // ---- attention over a paged KV cache (the serving engine: ops/paged_attention.cpp) ----
+  // paged_attention: q [R, Hq, S, D] over the keys and values in the pools' slots [R, L] (key
+  // column c of row r in slot slots[r, c]), each query seeing the real keys (key_mask) up to its
+  // own column past + j; no derivative.
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor key_mask, "
+      "int past, float scale) -> Tensor");
+
   // ---- the local GEMM (ops/linear.cpp) ----
   // linear: y = x W^T + b through tp_ext's GEMMs (common/gemm.h: oneDNN for float32 on CPU);
   // autograd in C++, its backward the op itself on transposed operands.

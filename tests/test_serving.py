@@ -53,13 +53,33 @@ def _engine(model, state, **options):
     return Engine(model, parallel=state, **{**sizes, **options})
 
 
+WINDOWED = {  # sliding windows shorter than the prompts, and Gemma 2's soft-capping
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(sliding_window=6, head_dim=8, attn_logit_softcapping=5.0)),
+}  # fmt: skip
+
+
+def _model_reference(arch: str):
+    if arch not in WINDOWED:
+        return _reference("qwen2" if arch == "native" else arch)
+    import transformers
+
+    from .test_generate import CONFIG
+
+    config_class, model_class, extra = WINDOWED[arch]
+    config = getattr(transformers, config_class)(**{**CONFIG, **extra})
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).double().eval()
+
+
 def _greedy_case(tp, ep, archs, directory=None, pp=1):
     state = tp_ext.init_parallel(tp=tp, pp=pp, ep=ep)
     prompts = _prompts()
     greedy = SamplingParams(max_tokens=NEW, temperature=0)  # to an EOS, as transformers
     report = {}
     for arch in archs:
-        reference = _reference("qwen2" if arch == "native" else arch)
+        reference = _model_reference(arch)
         if arch == "native":
             model = _native(reference, state, directory)
         else:
@@ -81,6 +101,7 @@ def _greedy_case(tp, ep, archs, directory=None, pp=1):
         (1, 1, ["llama", "native"]),
         (2, 1, ["llama", "qwen2", "native"]),
         (3, 1, ["qwen2"]),  # uneven: 2 KV heads over 3 ranks, 101 vocabulary rows
+        (2, 1, ["mistral", "gemma2"]),  # sliding windows, soft-capping
         (2, 2, ["mixtral"]),  # experts over the TP ranks
         pytest.param(4, 1, ["llama", "native"], marks=pytest.mark.full_matrix),
         pytest.param(3, 1, ["llama", "native"], marks=pytest.mark.full_matrix),

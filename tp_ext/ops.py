@@ -110,6 +110,8 @@ KERNEL_OPS = (
     "sampling_threshold",
     "sampling_kept_mass",
     "sampling_pick",
+    # the serving engine's attention over its paged KV cache (no derivative)
+    "paged_attention",
 )
 ALL_OPS = COLLECTIVE_OPS + KERNEL_OPS
 
@@ -179,6 +181,9 @@ sampling_kept_mass = _lib.sampling_kept_mass
 # (logits, temperature, threshold [B], row_max [B], target [B]) -> [B] int64: the first kept
 # token whose running sum of exp(s - row_max) exceeds target (else the last kept; -1: none kept)
 sampling_pick = _lib.sampling_pick
+# (q [R, Hq, S, D], k_cache, v_cache [N, Hkv, D], slots [R, L], key_mask [R, L], past, scale)
+#   -> [R, Hq, S, D]: attention over the keys in the slots, causal from column past
+paged_attention = _lib.paged_attention
 
 
 def autocast_args(*tensors):
@@ -513,6 +518,10 @@ def _sampling_pick(logits, temperature, threshold, row_max, target):
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
+def _paged_attention(q, k_cache, v_cache, slots, key_mask, past, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def _strided_like(x):
     # As the kernel: x's strides when head_dim has unit stride, else contiguous.
     out = torch.empty_like(x)
@@ -567,6 +576,7 @@ _FAKES = {
     "sampling_threshold": _sampling_threshold,
     "sampling_kept_mass": _sampling_kept_mass,
     "sampling_pick": _sampling_pick,
+    "paged_attention": _paged_attention,
 }
 assert set(_FAKES) == set(ALL_OPS), "every op in the list has exactly one fake kernel"
 

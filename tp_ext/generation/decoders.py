@@ -10,11 +10,13 @@ the last position's logits.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Optional
 
 import torch
 from torch import nn
 
+from tp_ext import ops
 from tp_ext.contract import LossKind, ParallelModel
 from tp_ext.distributed import comm
 from tp_ext.distributed.mesh import parallel_state
@@ -86,11 +88,12 @@ class Decoder:
         model keeps while no weight changes."""
         return contextlib.nullcontext()
 
-    def step_cache(self, store, past: int, length: int):
-        """The cache this model's forward takes for one step over a paged KV cache
-        (:mod:`tp_ext.serving.kv_cache`): ``store(layer, k, v)`` keeps the step's keys and values
-        of decoder layer ``layer`` and returns every row's, ``[rows, heads, length, head_dim]``;
-        ``past``: the key columns before the step's first query."""
+    def paged_step(self, step):
+        """A context giving the cache this model's forward takes for one step over a paged KV
+        cache (:class:`tp_ext.serving.kv_cache.PagedStep`: ``step.gather(layer, k, v)`` stores
+        the step's keys and values of decoder layer ``layer`` and returns every row's, ``[rows,
+        heads, length, head_dim]``; ``step.write`` stores them and returns the pools, for
+        attention reading the slots itself)."""
         raise ValueError(
             f"a paged KV cache does not serve {type(self.model).__name__} yet: serve tp_ext's "
             "Qwen2 or a transformers decoder converted by parallelize (1D TP)"
@@ -120,12 +123,13 @@ class NativeDecoder(Decoder):
     def cache_bytes(self, cache) -> int:
         return sum(c.nbytes() for c in cache if c is not None)
 
-    def step_cache(self, store, past: int, length: int):
+    @contextlib.contextmanager
+    def paged_step(self, step):
         caches = [None] * self.config.num_hidden_layers
         for stage in self.stage_ids:
             for i in self.stage_split.layers_of(stage):
-                caches[i] = _PagedLayer(i, store, past)
-        return caches
+                caches[i] = _PagedLayer(i, step.gather, step.past)
+        yield caches
 
     def run(self, stage, x, cache, key_mask, position_ids, cache_position):
         out = self.model.stage_forward(
@@ -190,10 +194,28 @@ class HFDecoder(Decoder):
             return new_context_cache(self.model.hf_model)
         return _stage_cache_class()(config=self.config, max_cache_len=length)
 
-    def step_cache(self, store, past: int, length: int):
+    @contextlib.contextmanager
+    def paged_step(self, step):
+        """On CPU the attention reads the keys from their slots (``tp_ext.ops.paged_attention``,
+        through transformers' attention interface; no dense copy, no mask to build); elsewhere
+        the model's own attention on the gathered keys."""
         if self.model.cp_group is not None:
-            super().step_cache(store, past, length)  # its cache is split over the CP ranks
-        return _paged_cache_class()(store, past, length, self.config.num_hidden_layers)
+            raise ValueError(
+                "a paged KV cache does not serve a model converted with context parallelism "
+                "(its cache is split over the CP ranks): convert it with cp=1"
+            )
+        layers = self.config.num_hidden_layers
+        if self.device.type != "cpu":
+            yield _paged_cache_class()(step.gather, step.past, step.length, layers)
+            return
+        config, before = self.model.hf_model.config, self.model.hf_model.config._attn_implementation
+        token = _PAGED_STEP.set(step)
+        config._attn_implementation = _paged_attention_name()
+        try:
+            yield _paged_cache_class()(step.write, step.past, step.length, layers)
+        finally:
+            config._attn_implementation = before
+            _PAGED_STEP.reset(token)
 
     def generation_defaults(self) -> tuple:
         settings = getattr(self.model.hf_model, "generation_config", None) or self.config
@@ -228,6 +250,66 @@ class _PagedLayer:
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         return self.store(self.layer, k, v)
+
+
+_PAGED_STEP: contextvars.ContextVar = contextvars.ContextVar("tp_ext_paged_step", default=None)
+_PAGED_ATTENTION = "tp_ext_paged"
+# attention arguments some models pass that change what attention computes in ways the paged
+# attention does not (attention sinks): refused by name
+_PAGED_UNSUPPORTED = ("s_aux",)
+
+
+def _paged_attention_name() -> str:
+    """The name of the paged attention in transformers' attention interface (registered once)."""
+    from transformers import AttentionInterface
+
+    if _PAGED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_PAGED_ATTENTION, _paged_attention_forward)
+    return _PAGED_ATTENTION
+
+
+def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' attention interface over the pools (``key``, ``value``: what the paged
+    cache's ``write`` returned) and the step's slots: decode rows through the kernel; prompt
+    chunks (many queries over the same keys: matmuls), sliding windows and soft-capping through
+    the gathered keys (:func:`paged_attention_dense`)."""
+    step = _PAGED_STEP.get()
+    if step is None:
+        raise RuntimeError("tp_ext's paged attention ran outside a serving step")
+    for name in _PAGED_UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {name} to its attention, which tp_ext's paged "
+                "KV cache does not serve yet"
+            )
+    scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is None and softcap is None and query.size(2) == 1:  # decode rows: the kernel
+        out = ops.paged_attention(query, key, value, step.read, step.key_mask, step.past, scale)
+    else:
+        out = paged_attention_dense(query, key, value, step, scale, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def paged_attention_dense(query, key, value, step, scale, window=None, softcap=None):
+    """``tp_ext.ops.paged_attention``'s rule on gathered keys, with a sliding window (a query
+    sees the ``window`` latest positions, its own included) and tanh soft-capping of the
+    scores."""
+    group = query.size(1) // key.size(1)
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    keys = key[step.read].permute(0, 2, 1, 3).repeat_interleave(group, 1).to(acc)
+    values = value[step.read].permute(0, 2, 1, 3).repeat_interleave(group, 1).to(acc)
+    columns = torch.arange(step.length, device=query.device)
+    own = (torch.arange(query.size(2), device=query.device) + step.past).unsqueeze(1)
+    allowed = columns <= own
+    if window is not None:
+        allowed = allowed & (own - columns < window)
+    allowed = (allowed.unsqueeze(0) & step.key_mask.bool().unsqueeze(1)) | (columns == own)
+    scores = query.to(acc) @ keys.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    return (torch.softmax(scores, -1) @ values).to(query.dtype)
 
 
 _PAGED_CACHE: list = []

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tp_ext.generation.decoders import as_decoder
 from tp_ext.layers.sampling import check_sampling, vocab_parallel_argmax, vocab_parallel_sample
-from tp_ext.serving.kv_cache import BlockPool, PagedKV, StepSlots
+from tp_ext.serving.kv_cache import BlockPool, PagedKV, PagedStep, StepSlots
 from tp_ext.serving.scheduler import FinishReason, Request, SamplingParams, Scheduler
 from tp_ext.sharding import shard_offsets, shard_sizes
 
@@ -279,8 +279,6 @@ class _Stages:
 
     def _micro_batch(self, m: int, ids, positions, slots: StepSlots, paged: PagedKV, sends):
         decoder, mine, split = self.decoder, set(self.decoder.stage_ids), self.split
-        store = lambda layer, k, v: paged.update(layer, slots, k, v)  # noqa: E731
-        cache = decoder.step_cache(store, slots.past, slots.length)
         where = torch.arange(slots.past, slots.length, device=ids.device)
         x = out = ids
         for stage in (s for s in range(split.num_stages) if s in mine):
@@ -289,7 +287,8 @@ class _Stages:
                 shape = decoder.activation_shape(ids.size(0), ids.size(1))
                 x = torch.empty(shape, dtype=decoder.dtype, device=ids.device)
                 dist.recv(x, self._peer(stage - 1), self.group, tag=tag - 1)
-            out = decoder.run(stage, x, cache, slots.key_mask, positions, where)
+            with decoder.paged_step(PagedStep(paged, slots)) as cache:
+                out = decoder.run(stage, x, cache, slots.key_mask, positions, where)
             if self._moves(stage):
                 out = out.contiguous()
                 sends.append((dist.isend(out, self._peer(stage + 1), self.group, tag=tag), out))

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["BlockPool", "PagedKV", "StepSlots"]
+__all__ = ["BlockPool", "PagedKV", "PagedStep", "StepSlots"]
 
 
 class BlockPool:
@@ -166,9 +166,9 @@ class PagedKV:
             t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
         )
 
-    def update(self, layer: int, slots: StepSlots, k: torch.Tensor, v: torch.Tensor):
-        """Store the step's new ``k``, ``v`` ``[rows, heads, S, head_dim]`` of ``layer`` and return
-        every row's keys and values ``[rows, heads, L, head_dim]``."""
+    def write(self, layer: int, slots: StepSlots, k: torch.Tensor, v: torch.Tensor):
+        """Store the step's new ``k``, ``v`` ``[rows, heads, S, head_dim]`` of ``layer``; return
+        the layer's pools ``[slots + 1, heads, head_dim]``."""
         if layer not in self.keys:
             shape = (self.scratch + 1, k.size(1), k.size(3))
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
@@ -177,4 +177,28 @@ class PagedKV:
         where = slots.write.reshape(-1)
         keys[where] = k.transpose(1, 2).reshape(-1, k.size(1), k.size(3))
         values[where] = v.transpose(1, 2).reshape(-1, v.size(1), v.size(3))
+        return keys, values
+
+    def update(self, layer: int, slots: StepSlots, k: torch.Tensor, v: torch.Tensor):
+        """:meth:`write`, then every row's keys and values ``[rows, heads, L, head_dim]``,
+        gathered (for attention that takes dense keys)."""
+        keys, values = self.write(layer, slots, k, v)
         return keys[slots.read].transpose(1, 2), values[slots.read].transpose(1, 2)
+
+
+class PagedStep:
+    """One step (or micro-batch) of rows over the cache, as a model's attention takes it:
+    ``gather`` (store, then dense keys) or ``write`` (store, then the pools, for attention that
+    reads the slots itself: ``tp_ext.ops.paged_attention`` with ``read``, ``key_mask``,
+    ``past``)."""
+
+    def __init__(self, cache: PagedKV, slots: StepSlots):
+        self.cache, self.slots = cache, slots
+        self.read, self.key_mask = slots.read, slots.key_mask
+        self.past, self.length = slots.past, slots.length
+
+    def gather(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.update(layer, self.slots, k, v)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.write(layer, self.slots, k, v)
