@@ -215,6 +215,7 @@ def test_chat_completions_use_the_chat_template(served):
     assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == want
 
 
+@pytest.mark.full_matrix  # a load run: make test-all
 def test_64_concurrent_streams_each_get_their_own_text(served):
     path, server = served
     prompts = [f"w{5 + i % 40} w{50 + i % 7} w{60 + i % 11}" for i in range(64)]
