@@ -496,6 +496,7 @@ def test_a_killed_worker_is_restarted_and_the_run_is_bitwise_the_same(
     assert [elastic[s]["loss"] for s in elastic] == [straight[s]["loss"] for s in elastic]
 
 
+@pytest.mark.full_matrix  # make test: test_train_hf's CP run covers the command's CP path
 def test_context_parallel_training_matches_one_rank(tmp_path, tokens, capsys):
     """`tp-ext train --cp 2` (each sequence's 30 positions over 2 ranks, ring attention) trains
     as one rank does: the same losses, step by step."""
