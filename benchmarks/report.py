@@ -156,6 +156,8 @@ TARGETS: dict[tuple[str, str], list[tuple[str, Target]]] = {
 RETIRED = {
     # its bf16 rows were relabelled per seed; --part engines and --part bf16 re-measured both parts
     "python benchmarks/bench_zero.py --steps 200 --repeats 5",
+    # before the paged-attention op; re-measured at saturating rates (8 requests/s and all at once)
+    "python benchmarks/bench_serve.py --tp 2 --rates 4 inf --requests 48",
 }
 # Series drawn by benchmarks/plot.py rather than read as figures: counted, not tabulated.
 PLOT_ONLY = {"compression_loss_curve"}
