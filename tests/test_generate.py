@@ -455,6 +455,7 @@ def test_generate_command_refuses_cp_with_pipeline_stages(tmp_path, tp_ext_here)
     assert "--cp 2 with --pp 2: generation under context parallelism runs without pipeline" in err
 
 
+@pytest.mark.full_matrix  # make test: the command by the text test, sampling by the library's
 def test_generate_command_reads_token_ids_and_samples(tmp_path):
     """No tokenizer: a prompt file of token ids; sampled tokens equal the library call's."""
     reference = _reference("qwen2")

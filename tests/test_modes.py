@@ -181,6 +181,19 @@ def _fused_op_samples():
             "sampling_pick",
             (samp_logits, 0.7, samp_cands[:, 3].contiguous(), samp_max, samp_total * 0.25),
         ),
+        # the serving engine's attention over its paged pools: 2 rows of 3 queries over 5 columns
+        (
+            "paged_attention",
+            (
+                full((2, 4, 3, 8), 50),
+                full((12, 2, 8), 51),
+                full((12, 2, 8), 52),
+                torch.tensor([[0, 3, 5, 7, 11], [2, 4, 6, 8, 10]]),
+                torch.tensor([[True, False, True, True, True], [True] * 5]),
+                2,
+                0.35,
+            ),
+        ),
     ]
 
 
