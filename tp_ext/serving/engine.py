@@ -157,8 +157,10 @@ class Engine:
         logits = self._forward(rows)  # [rows, V_r]: each row's last position (the last stage's)
         sampling = [i for i, row in enumerate(rows) if row.samples]
         for row in rows:
+            before, size = row.request.computed, self.pool.block_size
             row.request.computed += row.new
-            self.pool.remember(row.request.tokens, row.request.blocks, row.request.computed)
+            if row.request.computed // size > before // size:  # a block filled: findable now
+                self.pool.remember(row.request.tokens, row.request.blocks, row.request.computed)
         requests = [rows[i].request for i in sampling]
         tokens = self._choose(requests, logits[sampling]) if logits is not None else None
         tokens = self.stages.share(tokens, len(sampling))
