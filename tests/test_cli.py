@@ -70,10 +70,8 @@ def test_demo_without_torchrun_runs_as_one_process():
     assert "all checks passed on 1 ranks" in proc.stdout
 
 
-def test_a_bad_tp_ext_variable_or_tp_stops_a_command_with_one_line():
-    # the variable is read as the command starts, launched or not: here without torchrun (a
-    # torchrun of 2 costs ~15 s more); the bad --tp below runs under torchrun, each rank saying
-    # its one line and no rank a traceback
+def test_a_bad_tp_ext_variable_stops_a_command_with_one_line():
+    # the variable is read as the command starts, launched or not: here without torchrun
     proc = _tp_ext(["demo"], TP_EXT_SHM="maybe")
     assert proc.returncode != 0
     said = {line for line in proc.stderr.splitlines() if line.startswith("tp-ext demo:")}
@@ -82,6 +80,11 @@ def test_a_bad_tp_ext_variable_or_tp_stops_a_command_with_one_line():
         "on/off, yes/no), or unset it."
     }, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+# under torchrun (~10 s): each rank says its one line and no rank prints a traceback
+@pytest.mark.full_matrix
+def test_a_bad_tp_under_torchrun_stops_every_rank_with_one_line():
     proc = _tp_ext(["demo", "--tp", "3"], nproc=2)
     assert proc.returncode != 0
     assert (

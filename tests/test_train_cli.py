@@ -341,9 +341,8 @@ def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens, cap
     flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path)]
     assert _train_here(capsys, *flags, "--steps", "2", "--save-every", "2")[0] == 0
     saved = os.readlink(step_path(str(tmp_path), 2))
-    # refused, and the restart torchrun makes of the refused run is refused too
-    err = _finish(_torchrun(1, [*flags, "--steps", "4"], restarts=1), refused=True)
-    assert err.count("holds checkpoints (the newest after step 2): pass --resume") == 2, err
+    status, err = _train_here(capsys, *flags, "--steps", "4")
+    assert status != 0 and "holds checkpoints (the newest after step 2): pass --resume" in err
     assert newest(str(tmp_path)) == (2, step_path(str(tmp_path), 2))
     assert os.readlink(step_path(str(tmp_path), 2)) == saved, "nothing was overwritten"
     status, err = _train_here(capsys, *flags, "--steps", "1", "--resume")
@@ -357,6 +356,17 @@ def test_existing_checkpoints_need_resume_and_enough_steps(tmp_path, tokens, cap
     assert "the checkpoint's LR schedule differs from this run's: lr 0.003 there, 0.001 here" in err
     assert "give --lr 0.003, or start a new run" in err
     assert sorted(_metrics(tmp_path)) == [1, 2]
+
+
+# the refusal under torchrun, with a restart (~15 s): torchrun's restart is refused too
+@pytest.mark.full_matrix
+def test_a_restarted_run_without_resume_is_refused_again(tmp_path, tokens, capsys):
+    flags = ["--data", tokens, "--checkpoint-dir", str(tmp_path)]
+    assert _train_here(capsys, *flags, "--steps", "2", "--save-every", "2")[0] == 0
+    saved = os.readlink(step_path(str(tmp_path), 2))
+    err = _finish(_torchrun(1, [*flags, "--steps", "4"], restarts=1), refused=True)
+    assert err.count("holds checkpoints (the newest after step 2): pass --resume") == 2, err
+    assert os.readlink(step_path(str(tmp_path), 2)) == saved, "nothing was overwritten"
 
 
 def test_a_resumed_run_keeps_its_lr_schedule(tmp_path, tokens, capsys):
