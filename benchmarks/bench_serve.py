@@ -17,6 +17,10 @@ its tokens all arrive at a batch's end).
 
     python benchmarks/bench_serve.py --tp 2 --rates 4 inf
     python benchmarks/bench_serve.py --tp 4 --rates inf   # 16 cores: a core per rank
+    python benchmarks/bench_serve.py --mbit 300           # TP=2 across a throttled link (root)
+
+``--mbit`` puts the two ranks in network namespaces joined by a link of that rate
+(benchmarks/netns.py), so every collective of every side crosses it.
 """
 
 from __future__ import annotations
@@ -205,7 +209,17 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--blocks", type=int, default=256, help="KV blocks of 16 positions a rank")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    link_help = "TP=2 over a link of this many Mbit/s (needs root: netns + tc)"
+    parser.add_argument("--mbit", type=float, default=0.0, help=link_help)
     args = parser.parse_args(argv)
+    if args.mbit:
+        from benchmarks import netns
+
+        why = netns.why_not()
+        if why:
+            raise SystemExit(f"--mbit: no throttled link here: {why}")
+        if args.tp != [2]:
+            raise SystemExit(f"--mbit: the throttled link joins 2 ranks; --tp {args.tp} needs [2]")
     with tempfile.TemporaryDirectory() as d:
         path = write_checkpoint("qwen2", os.path.join(d, "model"), SHAPE)
         for tp in args.tp:
@@ -213,11 +227,33 @@ def main(argv=None) -> None:
                 _case(path, tp, rate, args)
 
 
+def _throttled_side(side: str, path: str, trace: list, blocks: int) -> dict:
+    """One side on a rank of the throttled pair (benchmarks/netns.py runs it; JSON in and out)."""
+    run = SIDES[side](path, trace, blocks)
+    if "times" in run:
+        run["times"] = {str(i): t for i, t in run["times"].items()}
+    return run
+
+
+def _run_side(side: str, path: str, tp: int, trace: list, args) -> dict:
+    """Rank 0's record of one side: its start time and each request's token times."""
+    if not args.mbit:
+        return run_ranks(SIDES[side], tp, path, trace, args.blocks)[0]
+    from benchmarks import netns
+
+    module = "benchmarks.bench_serve"
+    run = netns.run_throttled(module, "_throttled_side", args.mbit, side, path, trace, args.blocks)
+    run = run[0]
+    run["times"] = {int(i): t for i, t in run["times"].items()}
+    return run
+
+
 def _case(path: str, tp: int, rate: float, args) -> None:
     trace = make_trace(rate, args.requests)
     figures = {}
+    link = f" {args.mbit:g}mbit" if args.mbit else ""
     for side in args.sides:
-        run = run_ranks(SIDES[side], tp, path, trace, args.blocks)[0]
+        run = _run_side(side, path, tp, trace, args)
         figures[side] = _figures(trace, run)
         if side == "tp_ext":
             figures[side]["kv blocks used max"] = (run["peak_blocks"], "blocks")
@@ -225,12 +261,12 @@ def _case(path: str, tp: int, rate: float, args) -> None:
     rows = []
     for side, values in figures.items():
         for metric, (value, unit) in values.items():
-            row = dict(benchmark=BENCH, case=f"tp={tp} rate={rate:g} {side}", metric=metric,
+            row = dict(benchmark=BENCH, case=f"tp={tp}{link} rate={rate:g} {side}", metric=metric,
                        value=float(value), unit=unit)  # fmt: skip
             if side != "transformers" and metric in base:
                 row["baseline"] = float(base[metric][0])
             rows.append(row)
-            print(f"tp={tp} rate={rate:g} {side:>12} {metric:>20}: {value:10.2f} {unit}")
+            print(f"tp={tp}{link} rate={rate:g} {side:>12} {metric:>20}: {value:10.2f} {unit}")
     append_rows(rows)
 
 

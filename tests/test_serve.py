@@ -337,6 +337,10 @@ REFUSED = [  # (flags, a piece of the one-line refusal)
     (["--pp", 2], "1 processes do not make --dp 1 replicas of --tp 1 --pp 2"),
     (["--tp", 2], "1 processes do not make --dp 1 replicas of --tp 2"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory must be a size such as 4GiB"),
+    (["--max-num-seqs", 0], "argument --max-num-seqs: must be an integer in [1, 4,096], got '0'"),
+    (["--timeout", "0"], "argument --timeout: must be a finite number in (0, 86,400], got '0'"),
+    (["--block-size", "2.5"], "argument --block-size: must be an integer in [1, 1,024]"),
+    (["--port", 70000], "argument --port: must be an integer in [1, 65,535], got '70000'"),
 ]
 
 

@@ -15,6 +15,7 @@ from tp_ext.validation import Field
 __all__ = [
     "RUN_FIELDS",
     "TRAIN_FIELDS",
+    "SERVE_FIELDS",
     "BETA",
     "OVERRIDE_FIELDS",
     "flag_type",
@@ -32,6 +33,22 @@ RUN_FIELDS = {
     "max-grad-norm": Field("float", 0, low_open=True, help="clip gradients to this norm"),
 }
 TRAIN_FIELDS = {"steps": Field("int", 1, 10**9, help="train up to this step")}
+# tp-ext serve's own flags. The engine's bounds keep one step's tensors (max_num_batched_tokens
+# x the vocabulary slice) and the block tables of a typo's size out of memory.
+_CHUNK_HELP = "tokens a step computes (prompts are read in chunks of at most it)"
+SERVE_FIELDS = {
+    "port": Field("int", 1, 65535, help="port to listen on"),
+    "max_queue_len": Field("int", 1, 2**20, help="waiting requests beyond which one gets 429"),
+    "timeout": Field(
+        "float", 0, 86400, low_open=True,
+        help="seconds any collective may take before the job fails (a dead rank)",
+    ),
+    "drain_timeout": Field("float", 0, 86400, help="seconds SIGTERM lets running requests finish"),
+    "max_num_seqs": Field("int", 1, 4096, help="requests running at once"),
+    "max_num_batched_tokens": Field("int", 1, 2**20, help=_CHUNK_HELP),
+    "block_size": Field("int", 1, 1024, help="positions a KV block holds"),
+    "max_model_len": Field("int", 1, 2**24, help="prompt + output tokens"),
+}  # fmt: skip
 BETA = Field("float", 0, 1, high_open=True)  # one of --betas' two values
 
 # The config fields that tp-ext run and train take as flags, in the order --help lists them

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from tp_ext.cli.flags import add_field_flag
+from tp_ext.cli.flags import SERVE_FIELDS, add_field_flag
 from tp_ext.cli.generate import checkpoint_dtype_of, checkpoint_tokenizer
 from tp_ext.cli.launch import one_process_unless_launched
 from tp_ext.config import PARALLEL_FIELDS
@@ -64,39 +64,19 @@ def add_arguments(parser) -> None:
                       "--max-num-seqs requests at the full context on every rank")  # fmt: skip
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    add_field_flag(net, "port", SERVE_FIELDS["port"], "8000", default=8000)
     net.add_argument("--served-model-name", help="the model's name in requests (default --model)")
     net.add_argument(
         "--api-key",
         default=os.environ.get("TP_EXT_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default $TP_EXT_API_KEY)",
     )
-    net.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=256,
-        help="waiting requests beyond which a new one gets 429",
-    )
-    net.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        help="seconds any collective may take before the job fails (a dead rank)",
-    )
-    net.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds SIGTERM lets running requests finish",
-    )
+    add_field_flag(net, "max_queue_len", SERVE_FIELDS["max_queue_len"], "256", default=256)
+    add_field_flag(net, "timeout", SERVE_FIELDS["timeout"], "60", default=60.0)
+    add_field_flag(net, "drain_timeout", SERVE_FIELDS["drain_timeout"], "30", default=30.0)
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
-    engine.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=256,
-        help="tokens a step computes (prompts are read in chunks of at most it)",
-    )
+    for name, default in (("max_num_seqs", 16), ("max_num_batched_tokens", 256)):
+        add_field_flag(engine, name, SERVE_FIELDS[name], str(default), default=default)
     engine.add_argument(
         "--kv-cache-memory",
         type=str,
@@ -104,13 +84,8 @@ def add_arguments(parser) -> None:
         help="KV-cache bytes per rank, e.g. 2GiB (default: --max-num-seqs "
         "requests at the full context)",
     )
-    engine.add_argument("--block-size", type=int, default=16, help="positions a KV block holds")
-    engine.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens (default: the model's context)",
-    )
+    add_field_flag(engine, "block_size", SERVE_FIELDS["block_size"], "16", default=16)
+    add_field_flag(engine, "max_model_len", SERVE_FIELDS["max_model_len"], "the model's context")
     engine.add_argument(
         "--no-prefix-caching",
         action="store_true",
