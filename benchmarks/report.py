@@ -134,9 +134,10 @@ TARGETS: dict[tuple[str, str], list[tuple[str, Target]]] = {
     ("generate", "tp_ext_tokens_equal"): [(ALL, Target("==", 1.0, "value"))],
     ("generate", "tokens_equal"): [(ALL, Target("==", 1.0, "value"))],
     # issue 57: the serving engine >= 1.5x transformers' continuous batching's output tokens/s at
-    # TP=2 on 2 cores, its p99 time to the first token no worse
-    ("serve", "output tokens/s"): [(r"^tp=2 .* tp_ext$", Target(">=", 1.5))],
-    ("serve", "ttft p99"): [(r"^tp=2 .* tp_ext$", Target("<=", 1.0))],
+    # TP=2 on 2 cores (loopback), its p99 time to the first token no worse; TP=4 and the
+    # throttled link are measured without a target
+    ("serve", "output tokens/s"): [(r"^tp=2 rate=.* tp_ext$", Target(">=", 1.5))],
+    ("serve", "ttft p99"): [(r"^tp=2 rate=.* tp_ext$", Target("<=", 1.0))],
     # issue 38: ZeRO's optimizer state 1/dp of DDP's; the bf16 sum's loss within 0.5% of fp32's
     ("zero", "optimizer_state_bytes_rank0"): [(r"^zero", Target("==", 0.5))],
     ("zero_bf16_gradient_sum", "final loss (mean of last 20 of 200 steps) vs fp32"): [

@@ -14,6 +14,7 @@ import torch
 
 import tp_ext
 from tp_ext.layers.context_decode import decode_owner, position_owner, split_kv_attention
+from tp_ext.parallelize.transformers_names import cache_argument
 
 from .dist_utils import run_distributed
 from .test_context_hf import _model, _tolerances, cp_matrix
@@ -124,7 +125,7 @@ def _generate_case(arch, tp, cp, mode, padded=True):
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
         torch.testing.assert_close(a, b, **tol, msg=f"step {step}")
     # every position's keys on one CP rank: the prompt's and the decoded tokens' but the last
-    cache = got.past_key_values
+    cache = getattr(got, cache_argument())
     held = torch.tensor([len(cache.held)])
     assert all(layer.keys.size(2) == held for layer in cache.layers)
     covered = tp_ext.comm.all_reduce(held, group=state.cp_group)

@@ -19,6 +19,7 @@ import transformers
 import tp_ext
 from tp_ext.parallelize.context import context_of
 from tp_ext.parallelize.modules import fuse_rms_norms
+from tp_ext.parallelize.transformers_names import cache_argument
 from tp_ext.training.zero import ShardedOptimizer
 
 from .dist_utils import run_distributed
@@ -450,10 +451,11 @@ def _refusals():
     refused(lambda: model(ids, use_cache=True))  # generation's forwards: inference only
     refused(lambda: model(ids, logits_to_keep=2))
     with torch.no_grad():  # a filled cache takes one token per forward; a foreign one none
-        cache = model(ids[:, :5], use_cache=True).past_key_values
-        refused(lambda: model(ids[:, 5:7], past_key_values=cache))
-        filled = _model("llama")(ids, use_cache=True).past_key_values
-        refused(lambda: model(ids, past_key_values=filled))
+        name = cache_argument()  # past_key_values before transformers 5.24, then cache
+        cache = getattr(model(ids[:, :5], use_cache=True), name)
+        refused(lambda: model(ids[:, 5:7], **{name: cache}))
+        filled = getattr(_model("llama")(ids, use_cache=True), name)
+        refused(lambda: model(ids, **{name: filled}))
     model(ids, attention_mask=torch.ones_like(ids))  # no padding: fine
     from tp_ext.models import Qwen2ForCausalLM
     from tp_ext.training import Trainer
@@ -479,11 +481,11 @@ def test_what_cp_does_not_run_on_hugging_face_models_is_refused_by_name():
         "config.attn_pdrop=0",
         "labels= is not supported: the loss spans the CP ranks",
         "attention_mask of shape (2, 1, 11, 11) is not supported: pass a padding mask",
-        "a forward with a KV cache (use_cache=True, past_key_values=) is inference only: run "
+        f"a forward with a KV cache (use_cache=True, {cache_argument()}=) is inference only: run "
         "it under torch.no_grad()",
         "logits_to_keep=2 is not supported",
         "a filled KV cache (5 positions) takes one new token per forward (decoding), got 2",
-        "past_key_values=DynamicCache is not supported: pass an empty transformers Cache",
+        f"{cache_argument()}=DynamicCache is not supported: pass an empty transformers Cache",
         "a padded micro-batch (input_ids, labels, attention_mask): Qwen2ForCausalLM's stages "
         "take no attention mask",
     ]
@@ -510,3 +512,14 @@ def _pipelined_logits(arch, mode):
 def test_pipelined_inference_of_hugging_face_decoders_under_cp(arch, mode):
     held = run_distributed(_pipelined_logits, 4, arch, mode)
     assert sorted(held[0] + held[1]) == list(range(SEQ))  # ranks (pp, cp) = (0, 0), (0, 1)
+
+
+def test_a_cache_passed_under_either_name_reaches_the_installed_transformers_name():
+    from tp_ext.parallelize.transformers_names import take_cache
+
+    name, cache = cache_argument(), object()
+    for given in ("past_key_values", name):
+        call = {given: cache, "use_cache": True}
+        assert take_cache(call) is cache
+        assert call == {name: cache, "use_cache": True}
+    assert take_cache({"use_cache": True}) is None

@@ -22,6 +22,7 @@ from tp_ext.distributed import comm
 from tp_ext.distributed.mesh import parallel_state
 from tp_ext.parallelize.context import new_context_cache
 from tp_ext.parallelize.stages import StagedCausalLM, is_transformers_model, single_stage
+from tp_ext.parallelize.transformers_names import cache_argument
 from tp_ext.sharding import StageSplit, shard_sizes
 
 __all__ = ["Decoder", "as_decoder"]
@@ -237,7 +238,7 @@ class HFDecoder(Decoder):
             attention_mask=key_mask,
             position_ids=position_ids,
             cache_position=cache_position,
-            past_key_values=cache,
+            **{cache_argument(): cache},
         )
         return out[:, -1] if stage == self.stage_split.last_stage else out
 

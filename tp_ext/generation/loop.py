@@ -15,6 +15,14 @@ micro-batch at a time keeps a single chain of messages per step. torch.distribut
 schedules are for training (a fixed set of micro-batches through forward and backward); they
 have no KV caches, no loop fed back from the last stage and no early stop, hence this loop.
 
+The step is shared with the serving engine (:class:`tp_ext.serving.Engine`): both run a
+stage through :meth:`Decoder.run <tp_ext.generation.decoders.Decoder.run>` and choose tokens
+with the same vocabulary-parallel argmax and sampler; the engine hands the step a paged KV cache
+(:meth:`Decoder.paged_step`) where this loop hands it one contiguous cache per micro-batch. What
+this loop keeps of its own is what a fixed batch needs and a request queue does not: one
+generator's draws per step for the whole batch (the same tokens however rows are split), rows
+that end as transformers' ``generate`` pads them, and context parallelism's split cache.
+
 A micro-batch stops when each of its sequences has produced an EOS (or at ``max_new_tokens``):
 the first stage, which sees the tokens, sends a stop down the stages in place of the next
 step's input. Under expert parallelism across data-parallel replicas every EP rank must run

@@ -24,7 +24,7 @@ all-to-all's attention. Gemma 2's attention logit soft-capping (``softcap``) cap
 inside the ring's online softmax and its backward (the all-to-all: by matmuls); its final-logit
 soft-capping is the model's own, on this rank's logits.
 
-Generation (transformers' ``generate``, ``use_cache=True``, a ``past_key_values`` cache, and
+Generation (transformers' ``generate``, ``use_cache=True``, a KV cache argument, and
 :func:`tp_ext.generate`): the prompt's forward (the prefill) runs over the CP group as above,
 each rank keeping its positions' keys and values in a :class:`~tp_ext.parallelize.
 context_cache.ContextCache` (which takes the place of the cache transformers made); the model
@@ -57,6 +57,7 @@ from tp_ext.layers.context import (
     ring_attention,
 )
 from tp_ext.layers.context_decode import position_owner, split_kv_attention
+from tp_ext.parallelize.transformers_names import cache_argument, take_cache
 
 __all__ = ["CP_ARCHITECTURES", "use_context_parallel", "context_of", "new_context_cache"]
 
@@ -277,7 +278,7 @@ class _PositionsOfThisRank:
         call["use_cache"] = cache is not None
         if cache is not None:  # the prefill: this rank's keys kept here
             cache.prefill(seq_len, tokens.device)
-            call["past_key_values"] = cache
+            call[cache_argument()] = cache
         if cache is not None or keep_last:  # the last position's hidden state on every rank
             self.last = position_owner(seq_len - 1, seq_len, self.group.size)
         call[_SEQ_LEN] = seq_len
@@ -286,7 +287,7 @@ class _PositionsOfThisRank:
     def _cache(self, call: dict):
         """The :class:`ContextCache` this forward fills (None without a cache): the one given,
         or the one that took the place of a caller's empty cache, or a new one."""
-        given = call.get("past_key_values")
+        given = take_cache(call)
         if given is None and not call.get("use_cache"):
             return None
         if self.whole_length is not None:
@@ -294,7 +295,7 @@ class _PositionsOfThisRank:
                 "context parallelism: a KV cache inside pipeline stages is not supported yet: "
                 "generate with pp=1"
             )
-        _check_inference("a KV cache (use_cache=True, past_key_values=)")
+        _check_inference(f"a KV cache (use_cache=True, {cache_argument()}=)")
         from tp_ext.parallelize.context_cache import held_cache
 
         return held_cache(given, self.group, self.adopted)
@@ -319,7 +320,7 @@ class _PositionsOfThisRank:
             key_mask = None if bool(mask.all()) else mask[:, cache.held].bool()
         query = torch.tensor([position], device=tokens.device)
         call[_DECODE] = _Decoding(query, cache.held, key_mask)
-        call["use_cache"], call["past_key_values"] = True, cache
+        call["use_cache"], call[cache_argument()] = True, cache
         return call
 
     def last_position(self, base, args, output):

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers.context import cp_positions
 from tp_ext.layers.context_decode import decode_owner
+from tp_ext.parallelize.transformers_names import cache_argument
 
 __all__ = ["ContextCache", "held_cache"]
 
@@ -73,7 +74,7 @@ class ContextCache(Cache):
 
 
 def held_cache(given, group: ResolvedGroup, adopted) -> ContextCache:
-    """The :class:`ContextCache` a forward given ``past_key_values=given`` fills: ``given``
+    """The :class:`ContextCache` a forward given the KV cache ``given`` fills: ``given``
     itself, or the one that took the place of the caller's empty cache (``adopted``: a weak
     dict, so that a caller passing that cache again gets the same), or a new one. A cache
     filled without context parallelism cannot be continued under it."""
@@ -86,8 +87,8 @@ def held_cache(given, group: ResolvedGroup, adopted) -> ContextCache:
     if not isinstance(given, Cache) or given.get_seq_length() > 0:
         what = type(given).__name__
         raise ValueError(
-            f"context parallelism: past_key_values={what} is not supported: pass an empty "
-            "transformers Cache (or none, with use_cache=True), or the past_key_values a "
+            f"context parallelism: {cache_argument()}={what} is not supported: pass an empty "
+            "transformers Cache (or none, with use_cache=True), or the cache a "
             "forward under context parallelism returned"
         )
     adopted[given] = ContextCache(group)

@@ -322,7 +322,7 @@ class StagedCausalLM(nn.Module, ParallelModel):
         ``attention_mask``: a padded batch's mask [batch, seq] (every stage is given the whole
         sequence's), for the model's own forward. ``decode``: what :func:`tp_ext.generate`
         passes the model's own forward for one step of decoding (with ``attention_mask``:
-        ``position_ids``, ``cache_position``, ``past_key_values``); the last stage then gives
+        ``position_ids``, ``cache_position`` and the KV cache); the last stage then gives
         the logits of the last position only."""
         if stage not in self.stage_ids:
             raise ValueError(
