@@ -29,7 +29,13 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_rows(a.csv) if _float(r["ratio"]) is not None]
+    from benchmarks.report import RETIRED  # commands whose rows later runs replaced
+
+    rows = [
+        r
+        for r in read_rows(a.csv)
+        if _float(r["ratio"]) is not None and r.get("command") not in RETIRED
+    ]
     os.makedirs(a.out, exist_ok=True)
     for bench in sorted({r["benchmark"] for r in rows}):
         sel = [r for r in rows if r["benchmark"] == bench]
