@@ -27,7 +27,16 @@ def _default_logging():
 
 
 def test_every_command_is_a_module_with_add_arguments_and_main():
-    assert set(COMMANDS) == {"demo", "plan", "run", "doctor", "train", "generate", "serve"}
+    assert set(COMMANDS) == {
+        "demo",
+        "plan",
+        "run",
+        "doctor",
+        "train",
+        "generate",
+        "serve",
+        "tokenize",
+    }
     for module in COMMANDS.values():
         assert callable(module.add_arguments) and callable(module.main) and module.HELP
 

@@ -324,7 +324,7 @@ class DataSettings:
     step, over every DP rank, in micro-batches of ``micro_batch_size``."""
 
     path: Optional[str] = None
-    dtype: str = "uint16"
+    dtype: Optional[str] = None  # None: the token file's sidecar's, else uint16
     seq_len: int = 128
     global_batch: int = 8
     micro_batch_size: int = 1
@@ -333,7 +333,10 @@ class DataSettings:
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"data.path must be a file path (a string), got {self.path!r}")
-        check_fields("data.", dataclasses.asdict(self), DATA_FIELDS)
+        values = dataclasses.asdict(self)
+        if values["dtype"] is None:
+            del values["dtype"]
+        check_fields("data.", values, DATA_FIELDS)
 
     def micro_batches(self, dp: int, name: Callable[[str], str] = lambda f: f"data.{f}") -> int:
         """Micro-batches per step on each of ``dp`` DP ranks; an error when they cannot split."""

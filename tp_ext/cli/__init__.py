@@ -11,6 +11,7 @@ and dispatches.
         --prompt-file prompts.txt --max-new-tokens 64
     torchrun --standalone --nproc-per-node 4 -m tp_ext demo
     torchrun --standalone --nproc-per-node 2 -m tp_ext serve --model DIR --tp 2 --port 8000
+    tp-ext tokenize --tokenizer DIR --input corpus.jsonl --output tokens.bin --append-eos
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tp_ext.cli import demo, doctor, generate, plan, run, serve, train
+from tp_ext.cli import demo, doctor, generate, plan, run, serve, tokenize, train
 from tp_ext.cli.launch import refuse, run_command
 from tp_ext.cli.logs import add_log_level, configure
 
@@ -33,6 +34,7 @@ COMMANDS = {
     "train": train,
     "generate": generate,
     "serve": serve,
+    "tokenize": tokenize,
 }
 _STARTS_PROCESS_GROUPS = ("demo", "run", "train", "generate", "serve")
 

@@ -16,6 +16,7 @@ __all__ = [
     "RUN_FIELDS",
     "TRAIN_FIELDS",
     "SERVE_FIELDS",
+    "TOKENIZE_FIELDS",
     "BETA",
     "OVERRIDE_FIELDS",
     "flag_type",
@@ -49,6 +50,7 @@ SERVE_FIELDS = {
     "block_size": Field("int", 1, 1024, help="positions a KV block holds"),
     "max_model_len": Field("int", 1, 2**24, help="prompt + output tokens"),
 }  # fmt: skip
+TOKENIZE_FIELDS = {"workers": Field("int", 1, 256, help="tokenizing processes")}
 BETA = Field("float", 0, 1, high_open=True)  # one of --betas' two values
 
 # The config fields that tp-ext run and train take as flags, in the order --help lists them

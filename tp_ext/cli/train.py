@@ -121,6 +121,18 @@ def train(
         destroy_parallel(destroy_process_group=True)
 
 
+def _check_vocabulary(tokens: TokenFile, vocab_size: int) -> None:
+    """A token file whose sidecar names a vocabulary larger than the model's is refused before
+    anything runs (its ids could index past the embedding)."""
+    if tokens.meta is None or tokens.meta.get("vocab_size", 0) <= vocab_size:
+        return
+    raise ConfigError(
+        f"--data {tokens.path}: tokenized with a vocabulary of {tokens.meta['vocab_size']} ids "
+        f"({tokens.meta.get('tokenizer')}), more than the model's vocab_size {vocab_size}: "
+        "tokenize with the model's own tokenizer"
+    )
+
+
 def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _Run:
     """The run, from the config and the flags (``checkpoint``: the checkpoint section's flags,
     None where not given), every value and rule checked."""
@@ -139,6 +151,7 @@ def _check(job, overrides, data, checkpoint, steps, resume, max_grad_norm) -> _R
     if os.path.exists(job.checkpoint.dir) and not os.path.isdir(job.checkpoint.dir):
         raise ConfigError(f"--checkpoint-dir {job.checkpoint.dir} exists and is not a directory")
     tokens = TokenFile(job.data.path, job.data.dtype)
+    _check_vocabulary(tokens, job.model.vocab_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = job_dims(job.parallel, overrides, world)
     job.model.check_tp(dims.tp)

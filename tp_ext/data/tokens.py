@@ -1,16 +1,28 @@
 """Token files: a flat array of token ids (uint16 or uint32, native byte order, no header), the
 format nanoGPT's ``train.bin`` and Megatron's indexed datasets' ``.bin`` use. Read through a
-read-only memory map, so a file far larger than memory is never loaded whole."""
+read-only memory map, so a file far larger than memory is never loaded whole.
+
+A token file may have a sidecar JSON beside it (``tokens.bin.json``, written by ``tp-ext
+tokenize``) that says its dtype, the tokenizer's vocabulary size, the tokenizer and the document
+count; a file without one is read as the dtype it is given (uint16 by default)."""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
-__all__ = ["TOKEN_DTYPES", "TokenFile", "write_token_file", "byte_tokens"]
+__all__ = [
+    "TOKEN_DTYPES",
+    "TokenFile",
+    "write_token_file",
+    "byte_tokens",
+    "read_sidecar",
+    "sidecar_path",
+]
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -23,15 +35,46 @@ def _dtype(dtype: str):
     return TOKEN_DTYPES[dtype]
 
 
+def sidecar_path(path: Union[str, os.PathLike]) -> str:
+    """The sidecar JSON of token file ``path``."""
+    return os.fspath(path) + ".json"
+
+
+def read_sidecar(path: Union[str, os.PathLike]) -> Optional[dict]:
+    """The sidecar of token file ``path`` (None when it has none)."""
+    side = sidecar_path(path)
+    if not os.path.isfile(side):
+        return None
+    try:
+        with open(side, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the token file's sidecar {side!r} is not readable JSON: {e}") from e
+    if not isinstance(meta, dict) or meta.get("dtype") not in TOKEN_DTYPES:
+        raise ValueError(f"the token file's sidecar {side!r} has no dtype of {list(TOKEN_DTYPES)}")
+    return meta
+
+
 class TokenFile:
     """The token ids of file ``path``, as a read-only memory map: ``len(tokens)`` ids,
-    ``tokens.read(start, count)`` an int64 tensor of ``count`` ids from ``start``."""
+    ``tokens.read(start, count)`` an int64 tensor of ``count`` ids from ``start``. ``dtype``:
+    the ids' type (None: the sidecar's, else uint16); one that disagrees with the sidecar is an
+    error. ``meta``: the sidecar (None without one)."""
 
-    def __init__(self, path: Union[str, os.PathLike], dtype: str = "uint16") -> None:
-        np_dtype = _dtype(dtype)
-        self.path, self.dtype = os.fspath(path), dtype
+    def __init__(self, path: Union[str, os.PathLike], dtype: Optional[str] = None) -> None:
+        self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"token file {self.path!r} does not exist")
+        self.meta = read_sidecar(self.path)
+        written = None if self.meta is None else self.meta["dtype"]
+        if dtype is not None and written is not None and dtype != written:
+            raise ValueError(
+                f"token file {self.path!r} holds {written} ids (its sidecar "
+                f"{sidecar_path(self.path)!r} says so), not {dtype}: set data.dtype to {written}, "
+                "or leave it out"
+            )
+        self.dtype = dtype or written or "uint16"
+        np_dtype = _dtype(self.dtype)
         size = os.path.getsize(self.path)
         itemsize = np.dtype(np_dtype).itemsize
         if size == 0:
@@ -39,7 +82,7 @@ class TokenFile:
         if size % itemsize:
             raise ValueError(
                 f"token file {self.path!r} has {size} bytes, not a multiple of {itemsize} (the "
-                f"size of {dtype}): a truncated file, or written with another dtype"
+                f"size of {self.dtype}): a truncated file, or written with another dtype"
             )
         self._ids = np.memmap(self.path, dtype=np_dtype, mode="r")
 
