@@ -56,10 +56,22 @@ class HoldsShardSpecs(Protocol):
 
 
 def _owned_tensors(module: nn.Module):
-    """(name, tensor, owning module, leaf name) for every entry of module.state_dict()."""
+    """(name, tensor, owning module, leaf name) for every entry of module.state_dict(). A tensor
+    held under several names (a tie, as BERT's masked-LM head holds its decoder's bias) is read
+    through the parallel layer that splits it, under each of its names."""
+    entries = []
     for name, tensor in module.state_dict(keep_vars=True).items():
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
+        entries.append((name, tensor, owner, leaf))
+    splitting = {
+        id(tensor): (owner, leaf)
+        for _, tensor, owner, leaf in entries
+        if isinstance(owner, HoldsShardSpecs)
+    }
+    for name, tensor, owner, leaf in entries:
+        if not isinstance(owner, HoldsShardSpecs) and id(tensor) in splitting:
+            owner, leaf = splitting[id(tensor)]
         yield name, tensor, owner, leaf
 
 

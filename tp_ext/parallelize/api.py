@@ -238,6 +238,7 @@ def _apply_styles(module, decided, tp, shards, parts, report, blocks) -> None:
     shared = _shared_parameters(module)
     _check_ties(module, decided, shared)
     _check_shared_readers(decided)
+    ancestor_ties = _ancestor_ties(module, decided, shared)
     converted: dict[int, nn.Module] = {}  # id of a replaced module's weight -> its tp_ext layer
     # Embeddings first, so an LM head tied to one finds it converted.
     order = sorted(decided.items(), key=lambda item: not _is_embedding(module, item[0]))
@@ -254,6 +255,8 @@ def _apply_styles(module, decided, tp, shards, parts, report, blocks) -> None:
                 converted[id(param)] = new
             setattr(parent, leaf, new)
         report[name] = f"{style.name}: {what}"
+    for ancestor, attr, split, leaf in ancestor_ties:  # the tie follows the split parameter
+        setattr(module.get_submodule(ancestor), attr, getattr(module.get_submodule(split), leaf))
     for name, style in decided.items():  # their readers are converted now
         if isinstance(style, SharedInput) and tp.size > 1:
             style.share(module.get_submodule(name), module)
@@ -429,6 +432,8 @@ def _check_ties(module: nn.Module, decided: dict[str, ParallelStyle], shared) ->
         styles = {n: decided.get(n, Replicate()) for n in owners}
         if not any(style.shards_weights for style in styles.values()):
             continue
+        if _held_by_an_ancestor(module, owners, styles) is not None:
+            continue
         kinds = [type(module.get_submodule(n)).__name__ for n in owners]
         embedding_and_head = (
             len(owners) == 2
@@ -442,6 +447,37 @@ def _check_ties(module: nn.Module, decided: dict[str, ParallelStyle], shared) ->
                 f"({styles}; {kinds}): parallelize keeps a tie only between an embedding and an "
                 "LM head both given the 'vocab' style; give them that style or untie them first"
             )
+
+
+def _held_by_an_ancestor(module: nn.Module, owners: list, styles: dict):
+    """``(ancestor name, attribute, splitting module name)`` when a parameter of one split
+    module is also a plain attribute of a module above it that is not converted (BERT's
+    masked-LM head holds its decoder's bias as ``cls.predictions.bias``): the attribute then
+    follows the split parameter, and the tie holds. Else None."""
+    split = [n for n in owners if styles[n].shards_weights]
+    if len(split) != 1 or len(owners) != 2:
+        return None
+    (ancestor,) = [n for n in owners if n != split[0]]
+    if not split[0].startswith(f"{ancestor}.") and ancestor != "":
+        return None
+    holder, child = module.get_submodule(ancestor), module.get_submodule(split[0])
+    mine = {id(p): n for n, p in child.named_parameters(recurse=False)}
+    for attr, param in holder.named_parameters(recurse=False):
+        if id(param) in mine:
+            return ancestor, attr, split[0], mine[id(param)]
+    return None
+
+
+def _ancestor_ties(module: nn.Module, decided: dict, shared) -> list:
+    """Every :func:`_held_by_an_ancestor` tie of the model, found before conversion."""
+    ties = []
+    for owner_names in shared.values():
+        owners = sorted(set(owner_names))
+        styles = {n: decided.get(n, Replicate()) for n in owners}
+        held = _held_by_an_ancestor(module, owners, styles)
+        if held is not None:
+            ties.append(held)
+    return ties
 
 
 def _tied_embedding(child: nn.Module, shared, converted):

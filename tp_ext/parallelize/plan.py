@@ -117,12 +117,25 @@ def auto_plan(
             plan[name], why[name] = "colwise", _column_reason(name, columns[name], heads, f)
             if f.parts and len(f.parts) > 1 and name not in heads and parts is not None:
                 parts[name] = list(f.parts)
+        elif name in linears and _is_classifier(module, flow, name):
+            plan[name] = "replicate"
+            why[name] = (
+                f"a classifier head ({flow.linears[name].out_features} outputs, not the "
+                "vocabulary): kept whole, its matmul is small and its output whole on every rank"
+            )
         elif name in linears and flow.linears[name].makes_logits:
             f = flow.linears[name]
             plan[name] = "vocab"
             why[name] = (
                 f"makes the model's logits ({f.out_features} of them) from the residual "
                 "stream: split by vocabulary, logits gathered"
+            )
+        elif name in linears and _is_head_transform(flow, name):
+            plan[name] = "replicate"
+            why[name] = (
+                "the output head's transform (it reads the stream and feeds only the logits "
+                "projection, through a norm): kept whole, one matmul of the model's width per "
+                "token beside the layers' split ones"
             )
         elif name in linears:
             plan[name], why[name] = "replicate", _whole_reason(flow, name, blocked, linears)
@@ -277,6 +290,25 @@ def _column_reason(name: str, rows: list, heads: dict, f) -> str:
     return base
 
 
+def _is_classifier(module: nn.Module, flow, name: str) -> bool:
+    """A linear making the model's returned logits over something other than the vocabulary
+    (sequence or token classes: fewer outputs than any token embedding has rows)."""
+    f = flow.linears[name]
+    vocab = [module.get_submodule(n).num_embeddings for n in flow.token_embeddings]
+    return f.makes_logits and bool(vocab) and f.out_features < min(vocab)
+
+
+def _is_head_transform(flow, name: str) -> bool:
+    """A linear between the stream and the logits projection only (BERT's and RoBERTa's masked-LM
+    head: dense, activation, norm, then the vocabulary projection): its output is normalized
+    before the logits, so it cannot be column-parallel, and it runs once, after the layers."""
+    f = flow.linears[name]
+    consumers = flow.consumers(name)
+    return (
+        f.reads_stream and bool(consumers) and all(flow.linears[c].makes_logits for c in consumers)
+    )
+
+
 def _whole_reason(flow, name: str, blocked: dict, linears: dict) -> str:
     f = flow.linears[name]
     weight = sum(p.numel() * p.element_size() for p in linears[name].parameters(recurse=False))
@@ -327,6 +359,8 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str], flow, why: di
     for name, child in module.named_modules():
         if plan.get(name, "replicate") != "replicate" or is_norm(child):
             continue
+        if name in flow.linears and _is_head_transform(flow, name):
+            continue  # the output head's transform: whole on purpose (see auto_plan)
         if name in flow.other_embeddings:
             continue  # learned positions: indexed by position, kept whole
         for param in child.parameters(recurse=False):

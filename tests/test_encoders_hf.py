@@ -1,0 +1,115 @@
+"""parallelize(model, "auto") on transformers' bidirectional encoders with their task heads (BERT
+and RoBERTa: masked LM, sequence and token classification) at TP 2, 3 and 4: logits (padded rows
+included), loss, every gradient and the weights after an optimizer step equal the unsharded
+model's; the masked-LM head's ties (decoder weight to the word embeddings, decoder bias to the
+head's own) hold; the full state is transformers' own, and its save_pretrained export loads back
+in transformers with equal logits."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import tp_ext
+from tp_ext.layers import local_shards
+
+from .dist_utils import rank, run_distributed
+from .test_layers import assert_rel
+
+VOCAB = 101  # not divisible by 2 or 3
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=88,
+    num_hidden_layers=2,
+    num_attention_heads=12,  # 12 heads: every TP of 2, 3 and 4 splits them
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    num_labels=3,
+)
+CASES = [  # (config class, model class, labels: "tokens" or "sequence")
+    ("BertConfig", "BertForMaskedLM", "tokens"),
+    ("BertConfig", "BertForSequenceClassification", "sequence"),
+    ("BertConfig", "BertForTokenClassification", "tokens"),
+    ("RobertaConfig", "RobertaForMaskedLM", "tokens"),
+]
+
+
+def _build(config_name: str, model_name: str):
+    extra = {"pad_token_id": 1} if config_name == "RobertaConfig" else {}
+    config = getattr(transformers, config_name)(**SHAPE, **extra)
+    torch.manual_seed(0)  # the same full weights on every rank
+    return getattr(transformers, model_name)(config).float().eval()
+
+
+def _inputs(labels_kind: str, classes: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # a padded row
+    mask[2, 3:] = 0
+    if labels_kind == "sequence":
+        labels = torch.randint(0, 3, (3,), generator=g)
+    else:
+        labels = torch.randint(0, classes, (3, 9), generator=g)
+        labels[mask == 0] = -100
+    return ids, mask, labels
+
+
+def _close(got, want, tensors: dict, name: str, what: str) -> None:
+    """Within 1e-5 relative; a key projection's bias against its weight's scale (softmax
+    ignores a bias on every key alike: its true gradient is 0, both sides hold rounding noise,
+    and after a step so does the bias, which starts at 0)."""
+    if not name.endswith("key.bias"):
+        assert_rel(got, want, what)
+        return
+    scale = tensors[name.replace(".bias", ".weight")].abs().max()
+    err = ((got - want).abs().max() / scale).item()
+    assert err <= 1e-5, f"{what}: error {err:.3g} of the weight's scale"
+
+
+def _check_encoders(directory: str):
+    for config_name, model_name, labels_kind in CASES:
+        what = model_name
+        reference = _build(config_name, model_name)
+        model = tp_ext.parallelize(copy.deepcopy(reference), "auto")
+        classes = VOCAB if "MaskedLM" in model_name else 3
+        ids, mask, labels = _inputs(labels_kind, classes)
+        out = model(ids, attention_mask=mask, labels=labels)
+        want = reference(ids, attention_mask=mask, labels=labels)
+        assert_rel(out.logits.detach(), want.logits.detach(), f"{what}: logits")
+        assert_rel(out.loss.detach(), want.loss.detach(), f"{what}: loss")
+        out.loss.backward()
+        want.loss.backward()
+        grads = local_shards(model, {n: p.grad for n, p in reference.named_parameters()})
+        for name, p in model.named_parameters():
+            _close(p.grad, grads[name], grads, name, f"{what}: gradient of {name}")
+        if "MaskedLM" in model_name:  # the head's ties hold after conversion
+            head = model.cls.predictions if model_name.startswith("Bert") else model.lm_head
+            assert head.decoder.weight is model.get_input_embeddings().weight, what
+            assert head.decoder.bias is head.bias, what
+        for m in (model, reference):  # one optimizer step on each
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            opt.step()
+        full = tp_ext.layers.full_state_dict(model)
+        expected = reference.state_dict()
+        assert set(full) == set(expected), (what, set(full) ^ set(expected))
+        for name, tensor in full.items():
+            _close(tensor, expected[name], expected, name, f"{what}: {name} after a step")
+        with torch.no_grad():
+            logits = reference(ids, attention_mask=mask).logits
+        if rank() == 0:  # transformers reads the export back
+            path = f"{directory}/{model_name}"
+            reference.save_pretrained(path, state_dict=full)
+            loaded = getattr(transformers, model_name).from_pretrained(path).float().eval()
+            with torch.no_grad():
+                got = loaded(ids, attention_mask=mask).logits
+            assert_rel(got, logits, f"{what}: logits of the export, read by transformers")
+    return True
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_auto_on_encoders_with_their_task_heads(ws, tmp_path):
+    assert run_distributed(_check_encoders, ws, str(tmp_path), timeout=600) == [True] * ws
