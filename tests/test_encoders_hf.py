@@ -1,9 +1,10 @@
 """parallelize(model, "auto") on transformers' bidirectional encoders with their task heads (BERT
-and RoBERTa: masked LM, sequence and token classification) at TP 2, 3 and 4: logits (padded rows
-included), loss, every gradient and the weights after an optimizer step equal the unsharded
-model's; the masked-LM head's ties (decoder weight to the word embeddings, decoder bias to the
-head's own) hold; the full state is transformers' own, and its save_pretrained export loads back
-in transformers with equal logits."""
+and RoBERTa: masked LM, sequence and token classification; ViT: image classification, traced on
+an image its config describes) at TP 2, 3 and 4: logits (padded rows included), loss, every
+gradient and the weights after an optimizer step equal the unsharded model's; the masked-LM
+head's ties (decoder weight to the word embeddings, decoder bias to the head's own) hold; the
+full state is transformers' own, and its save_pretrained export loads back in transformers with
+equal logits."""
 
 import copy
 
@@ -34,18 +35,24 @@ CASES = [  # (config class, model class, labels: "tokens" or "sequence")
     ("BertConfig", "BertForSequenceClassification", "sequence"),
     ("BertConfig", "BertForTokenClassification", "tokens"),
     ("RobertaConfig", "RobertaForMaskedLM", "tokens"),
+    ("ViTConfig", "ViTForImageClassification", "image"),
 ]
+IMAGE = dict(image_size=16, patch_size=4, num_channels=3)
 
 
 def _build(config_name: str, model_name: str):
-    extra = {"pad_token_id": 1} if config_name == "RobertaConfig" else {}
+    extra = {"RobertaConfig": {"pad_token_id": 1}, "ViTConfig": IMAGE}.get(config_name, {})
     config = getattr(transformers, config_name)(**SHAPE, **extra)
     torch.manual_seed(0)  # the same full weights on every rank
     return getattr(transformers, model_name)(config).float().eval()
 
 
-def _inputs(labels_kind: str, classes: int):
+def _inputs(labels_kind: str, classes: int) -> tuple[dict, torch.Tensor]:
+    """The forward's inputs (token ids with a padding mask, or images) and its labels."""
     g = torch.Generator().manual_seed(1)
+    if labels_kind == "image":
+        pixels = torch.randn(3, IMAGE["num_channels"], 16, 16, generator=g)
+        return {"pixel_values": pixels}, torch.randint(0, 3, (3,), generator=g)
     ids = torch.randint(2, VOCAB, (3, 9), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # a padded row
@@ -55,14 +62,14 @@ def _inputs(labels_kind: str, classes: int):
     else:
         labels = torch.randint(0, classes, (3, 9), generator=g)
         labels[mask == 0] = -100
-    return ids, mask, labels
+    return {"input_ids": ids, "attention_mask": mask}, labels
 
 
 def _close(got, want, tensors: dict, name: str, what: str) -> None:
     """Within 1e-5 relative; a key projection's bias against its weight's scale (softmax
     ignores a bias on every key alike: its true gradient is 0, both sides hold rounding noise,
     and after a step so does the bias, which starts at 0)."""
-    if not name.endswith("key.bias"):
+    if not name.endswith(("key.bias", "k_proj.bias")):
         assert_rel(got, want, what)
         return
     scale = tensors[name.replace(".bias", ".weight")].abs().max()
@@ -76,9 +83,9 @@ def _check_encoders(directory: str):
         reference = _build(config_name, model_name)
         model = tp_ext.parallelize(copy.deepcopy(reference), "auto")
         classes = VOCAB if "MaskedLM" in model_name else 3
-        ids, mask, labels = _inputs(labels_kind, classes)
-        out = model(ids, attention_mask=mask, labels=labels)
-        want = reference(ids, attention_mask=mask, labels=labels)
+        inputs, labels = _inputs(labels_kind, classes)
+        out = model(**inputs, labels=labels)
+        want = reference(**inputs, labels=labels)
         assert_rel(out.logits.detach(), want.logits.detach(), f"{what}: logits")
         assert_rel(out.loss.detach(), want.loss.detach(), f"{what}: loss")
         out.loss.backward()
@@ -99,13 +106,13 @@ def _check_encoders(directory: str):
         for name, tensor in full.items():
             _close(tensor, expected[name], expected, name, f"{what}: {name} after a step")
         with torch.no_grad():
-            logits = reference(ids, attention_mask=mask).logits
+            logits = reference(**inputs).logits
         if rank() == 0:  # transformers reads the export back
             path = f"{directory}/{model_name}"
             reference.save_pretrained(path, state_dict=full)
             loaded = getattr(transformers, model_name).from_pretrained(path).float().eval()
             with torch.no_grad():
-                got = loaded(ids, attention_mask=mask).logits
+                got = loaded(**inputs).logits
             assert_rel(got, logits, f"{what}: logits of the export, read by transformers")
     return True
 

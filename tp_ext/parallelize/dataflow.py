@@ -252,26 +252,45 @@ def _trace_length(model: nn.Module) -> int:
 
 
 def example_token_inputs(model: nn.Module, tokens: int = 5):
-    """``(args, kwargs)`` calling ``model`` on 1 x ``tokens`` token ids (None when it has no
-    vocabulary to draw them from)."""
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    """``(args, kwargs)`` calling ``model`` on what its config describes: 1 x ``tokens`` token
+    ids (from its vocabulary), and a 1-image batch of ``pixel_values`` for a vision model
+    (``config.num_channels`` x ``config.image_size``); None when it describes neither."""
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None) or max(
-        (e.num_embeddings for e in embeddings), default=None
-    )
-    if not vocab:
-        return None
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(1, tokens + 1, device=device) * 7 % vocab).unsqueeze(0)
-    kwargs = {"input_ids": ids}
     params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    kwargs = {}
+    image = _example_image(config, device)
+    if image is not None and "pixel_values" in params:
+        kwargs["pixel_values"] = image
+    vocab = _vocabulary(model, config)
+    if vocab and ("input_ids" in params or takes_any or not kwargs):
+        ids = (torch.arange(1, tokens + 1, device=device) * 7 % vocab).unsqueeze(0)
+        if "input_ids" not in params and not takes_any:
+            return (ids,), {}
+        kwargs["input_ids"] = ids
+    if not kwargs:
+        return None
     if "use_cache" in params:
         kwargs["use_cache"] = False
-    if "input_ids" not in params and not any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-    ):
-        return (ids,), {}
     return (), kwargs
+
+
+def _vocabulary(model: nn.Module, config) -> Optional[int]:
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return getattr(config, "vocab_size", None) or max(
+        (e.num_embeddings for e in embeddings), default=None
+    )
+
+
+def _example_image(config, device) -> Optional[torch.Tensor]:
+    """One image of the size a vision config gives (values from a fixed generator)."""
+    size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
+    if not isinstance(channels, int) or size is None:
+        return None
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(1, channels, height, width, generator=g).to(device)
 
 
 class _FlowHooks:
@@ -370,8 +389,9 @@ def trace_flow(
     if call is None:
         raise ValueError(
             f"parallelize(plan='auto') traces one forward of {type(model).__name__} to see how "
-            "its linears connect, and could not make token ids for it (no config.vocab_size and "
-            "no nn.Embedding). Pass example_inputs=(args, kwargs) to call it with"
+            "its linears connect, and could not make inputs for it (no config.vocab_size, no "
+            "nn.Embedding, no config.image_size). Pass example_inputs=(args, kwargs) to call it "
+            "with"
         )
     args, kwargs = call
     tracer = _Tracer(flow, head_dims or {})

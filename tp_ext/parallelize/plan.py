@@ -292,10 +292,11 @@ def _column_reason(name: str, rows: list, heads: dict, f) -> str:
 
 def _is_classifier(module: nn.Module, flow, name: str) -> bool:
     """A linear making the model's returned logits over something other than the vocabulary
-    (sequence or token classes: fewer outputs than any token embedding has rows)."""
+    (sequence, token or image classes: as many outputs as no token embedding has rows)."""
     f = flow.linears[name]
-    vocab = [module.get_submodule(n).num_embeddings for n in flow.token_embeddings]
-    return f.makes_logits and bool(vocab) and f.out_features < min(vocab)
+    vocab = {module.get_submodule(n).num_embeddings for n in flow.token_embeddings}
+    vocab.add(getattr(getattr(module, "config", None), "vocab_size", None))
+    return f.makes_logits and f.out_features not in vocab
 
 
 def _is_head_transform(flow, name: str) -> bool:
