@@ -25,6 +25,7 @@ from tp_ext.layers.linear import (
 from tp_ext.layers.loss import vocab_parallel_cross_entropy
 from tp_ext.layers.mlp import ParallelMLP
 from tp_ext.layers.moe import ExpertParallelMoE, ParallelExperts, expert_parameters
+from tp_ext.layers.multihead import ParallelMultiheadAttention
 from tp_ext.layers.norm import FusedRMSNorm, RMSNorm
 from tp_ext.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
 from tp_ext.layers.sampling import vocab_parallel_argmax, vocab_parallel_sample
@@ -53,6 +54,7 @@ from tp_ext.layers.summa_blocks import (
 
 __all__ = [
     "ParallelModule",
+    "ParallelMultiheadAttention",
     "ResolvedGroup",
     "SEQUENCE_DIM",
     "no_init",

@@ -257,6 +257,8 @@ def _apply_styles(module, decided, tp, shards, parts, report, blocks) -> None:
         report[name] = f"{style.name}: {what}"
     for ancestor, attr, split, leaf in ancestor_ties:  # the tie follows the split parameter
         setattr(module.get_submodule(ancestor), attr, getattr(module.get_submodule(split), leaf))
+    for style in {type(s): s for s in decided.values()}.values():
+        style.finish(module)
     for name, style in decided.items():  # their readers are converted now
         if isinstance(style, SharedInput) and tp.size > 1:
             style.share(module.get_submodule(name), module)

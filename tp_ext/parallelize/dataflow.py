@@ -408,8 +408,12 @@ def trace_flow(
 
     modes = {m: m.training for m in model.modules()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    # torch's fused attention fast paths (nn.TransformerEncoderLayer in eval mode) would run the
+    # layer as one op, hiding its linears from the trace
+    fast_path = torch.backends.mha.get_fastpath_enabled()
     try:
         model.eval()
+        torch.backends.mha.set_fastpath_enabled(False)
         with torch.random.fork_rng(devices=devices), torch.no_grad(), tracer:
             output = model(*args, **kwargs)
     except Exception as e:
@@ -419,6 +423,7 @@ def trace_flow(
             f"{type(e).__name__}: {e}. Pass example_inputs=(args, kwargs) that it accepts"
         ) from e
     finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
         for handle in handles:
             handle.remove()
         for module, training in modes.items():

@@ -68,7 +68,10 @@ def auto_plan(
       output. Attention projections are split by whole heads (the head counts come from the
       attention module); a column whose output the forward cuts into parts (``[gate | up]``) is
       split part by part (``parts`` is filled with those widths);
-    - a linear that makes the model's logits from the stream is split by vocabulary;
+    - a linear that makes the model's logits over the vocabulary is split by vocabulary; one
+      over anything else (sequence, token or image classes) stays whole, as does a masked-LM
+      head's transform between the stream and the logits (BERT's ``cls.predictions.transform``);
+    - ``nn.MultiheadAttention`` (its packed ``in_proj_weight``) is split by heads ("heads");
     - an embedding indexed by the token ids is split by vocabulary; one indexed by positions
       stays whole;
     - MoE experts stored as 3D parameters get the "experts" style;
@@ -89,18 +92,25 @@ def auto_plan(
     plan: dict[str, str] = {}
     why = {} if reasons is None else reasons
     width = _width(module)
-    linears = {n: c for n, c in module.named_modules() if n and is_linear(c)}
+    attentions = {n for n, c in module.named_modules() if is_plain(c, nn.MultiheadAttention)}
+    inside = tuple(f"{n}." for n in attentions)  # their out_proj: part of the attention
+    linears = {
+        n: c for n, c in module.named_modules() if n and is_linear(c) and not n.startswith(inside)
+    }
     heads = _attention_projections(module, linears)
     head_dims = {n: info.head_dim for n, (info, _, out) in heads.items() if not out}
     norms = {n: c for n, c in module.named_modules() if n and is_norm(c)}
     flow = trace_flow(module, linears, head_dims, example_inputs, norms)
     rows, blocked = _pairs(flow)
-    columns = {c: sorted(r for r in rows if c in rows[r]) for r in rows for c in rows[r]}
-    _check_heads(heads, rows, columns)
+    _check_heads(heads, rows, _columns(rows))
 
     for name, child in module.named_modules():
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
             plan[name], why[name] = _sequence_parallel_norm(module, name, child, flow)
+        elif name in attentions:
+            plan[name], why[name] = "heads", _WHY_MHA
+        elif name.startswith(inside):
+            continue
         elif is_fused_experts(child):
             plan[name], why[name] = "experts", "MoE experts as 3D gate_up_proj/down_proj"
         elif name in flow.token_embeddings and (
@@ -110,39 +120,54 @@ def auto_plan(
         elif name in flow.other_embeddings:
             plan[name] = "replicate"
             why[name] = "an embedding indexed by positions, not tokens: kept whole"
-        elif name in rows:
-            plan[name], why[name] = "rowwise", _row_reason(name, rows[name], heads)
-        elif name in columns:
-            f = flow.linears[name]
-            plan[name], why[name] = "colwise", _column_reason(name, columns[name], heads, f)
-            if f.parts and len(f.parts) > 1 and name not in heads and parts is not None:
-                parts[name] = list(f.parts)
-        elif name in linears and _is_classifier(module, flow, name):
-            plan[name] = "replicate"
-            why[name] = (
-                f"a classifier head ({flow.linears[name].out_features} outputs, not the "
-                "vocabulary): kept whole, its matmul is small and its output whole on every rank"
-            )
-        elif name in linears and flow.linears[name].makes_logits:
-            f = flow.linears[name]
-            plan[name] = "vocab"
-            why[name] = (
-                f"makes the model's logits ({f.out_features} of them) from the residual "
-                "stream: split by vocabulary, logits gathered"
-            )
-        elif name in linears and _is_head_transform(flow, name):
-            plan[name] = "replicate"
-            why[name] = (
-                "the output head's transform (it reads the stream and feeds only the logits "
-                "projection, through a norm): kept whole, one matmul of the model's width per "
-                "token beside the layers' split ones"
-            )
         elif name in linears:
-            plan[name], why[name] = "replicate", _whole_reason(flow, name, blocked, linears)
+            plan[name], why[name] = _linear_style(module, flow, name, rows, blocked, heads, parts)
     if not sequence_parallel:
         _share_norm_outputs(plan, flow, why)
     _refuse_large_unsplit(module, plan, flow, why)
     return _called_norms_first(plan, flow)
+
+
+_WHY_MHA = (
+    "nn.MultiheadAttention: its packed q/k/v projection split by heads, its output projection "
+    "row-parallel over them"
+)
+_WHY_HEAD_TRANSFORM = (
+    "the output head's transform (it reads the stream and feeds only the logits projection, "
+    "through a norm): kept whole, one matmul of the model's width per token beside the layers' "
+    "split ones"
+)
+
+
+def _columns(rows: dict) -> dict:
+    """{column-parallel linear: the row-parallel ones it feeds}."""
+    return {c: sorted(r for r in rows if c in rows[r]) for r in rows for c in rows[r]}
+
+
+def _linear_style(module, flow, name: str, rows, blocked, heads, parts) -> tuple[str, str]:
+    """The style of linear ``name`` and why (see :func:`auto_plan`)."""
+    f = flow.linears[name]
+    columns = _columns(rows)
+    if name in rows:
+        return "rowwise", _row_reason(name, rows[name], heads)
+    if name in columns:
+        if f.parts and len(f.parts) > 1 and name not in heads and parts is not None:
+            parts[name] = list(f.parts)
+        return "colwise", _column_reason(name, columns[name], heads, f)
+    if _is_classifier(module, flow, name):
+        return "replicate", (
+            f"a classifier head ({f.out_features} outputs, not the vocabulary): kept whole, its "
+            "matmul is small and its output whole on every rank"
+        )
+    if f.makes_logits:
+        return "vocab", (
+            f"makes the model's logits ({f.out_features} of them) from the residual stream: "
+            "split by vocabulary, logits gathered"
+        )
+    if _is_head_transform(flow, name):
+        return "replicate", _WHY_HEAD_TRANSFORM
+    linears = {n: module.get_submodule(n) for n in flow.linears}
+    return "replicate", _whole_reason(flow, name, blocked, linears)
 
 
 def _share_norm_outputs(plan: dict, flow, why: dict) -> None:
@@ -362,6 +387,8 @@ def _refuse_large_unsplit(module: nn.Module, plan: dict[str, str], flow, why: di
             continue
         if name in flow.linears and _is_head_transform(flow, name):
             continue  # the output head's transform: whole on purpose (see auto_plan)
+        if any(name.startswith(f"{p}.") for p, style in plan.items() if style == "heads"):
+            continue  # inside an attention converted whole (its out_proj)
         if name in flow.other_embeddings:
             continue  # learned positions: indexed by position, kept whole
         for param in child.parameters(recurse=False):

@@ -22,6 +22,7 @@ from tp_ext.distributed.groups import ResolvedGroup
 from tp_ext.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    ParallelMultiheadAttention,
     RowParallelLinear,
     SharedColumnInput,
     VocabParallelEmbedding,
@@ -53,6 +54,7 @@ __all__ = [
     "Experts",
     "SequenceParallel",
     "Replicate",
+    "Heads",
     "ALIASES",
     "as_style",
     # moved to tp_ext.parallelize.modules; still importable from here
@@ -101,6 +103,10 @@ class ParallelStyle(ABC):
 
     @abstractmethod
     def apply(self, module: nn.Module, target: StyleTarget) -> tuple[nn.Module, str]: ...
+
+    def finish(self, root: nn.Module) -> None:
+        """After every module of the plan is converted: what the style needs of the model
+        around it (nothing, by default)."""
 
 
 class _Swap(ParallelStyle):
@@ -422,6 +428,56 @@ class SharedInput(ParallelStyle):
 
 
 @dataclass(frozen=True)
+class Heads(_Swap):
+    """``nn.MultiheadAttention`` -> :class:`~tp_ext.layers.ParallelMultiheadAttention`: its
+    packed q, k and v projection column-parallel by whole heads, its output projection
+    row-parallel over the same heads (one all-reduce). ``nn.TransformerEncoder``'s nested-tensor
+    fast path, which runs torch's fused layer on the whole projections, is turned off in the
+    stacks that hold one."""
+
+    name: ClassVar[str] = "heads"
+
+    def build(self, module, target):
+        if not isinstance(module, nn.MultiheadAttention):
+            raise ValueError(
+                f"{target.name}: style 'heads' applies to nn.MultiheadAttention, not "
+                f"{type(module).__name__}"
+            )
+        unsupported = [
+            what
+            for what, present in (
+                ("kdim/vdim other than embed_dim", not module._qkv_same_embed_dim),
+                ("add_bias_kv=True", module.bias_k is not None),
+                ("add_zero_attn=True", module.add_zero_attn),
+            )
+            if present
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{target.name}: nn.MultiheadAttention with {', '.join(unsupported)} is not "
+                "split by heads yet; give it 'replicate' in the plan"
+            )
+        new = ParallelMultiheadAttention(
+            module.embed_dim,
+            module.num_heads,
+            module.dropout,
+            bias=module.in_proj_bias is not None,
+            batch_first=module.batch_first,
+            tp_group=target.tp,
+            device=module.in_proj_weight.device,
+            dtype=module.in_proj_weight.dtype,
+        )
+        return new, f"attention by heads: {new.local_heads} of {module.num_heads} heads here"
+
+    def finish(self, root):
+        for stack in root.modules():
+            if isinstance(stack, nn.TransformerEncoder) and any(
+                isinstance(m, ParallelMultiheadAttention) for m in stack.modules()
+            ):
+                stack.use_nested_tensor = False
+
+
+@dataclass(frozen=True)
 class Replicate(ParallelStyle):
     """Left as it is: every rank holds and computes the module in full."""
 
@@ -441,9 +497,10 @@ ALIASES: dict[str, ParallelStyle] = {
     "sequence_parallel": SequenceParallel(),
     "sequence_parallel_local": SequenceParallel(gather_output=False),
     "replicate": Replicate(),
+    "heads": Heads(),
 }
 
-_CLASSES = (Colwise, Rowwise, VocabParallel, Experts, SequenceParallel, Replicate)
+_CLASSES = (Colwise, Rowwise, VocabParallel, Experts, SequenceParallel, Heads, Replicate)
 
 
 def as_style(value, where: str) -> ParallelStyle:
