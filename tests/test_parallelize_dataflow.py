@@ -256,3 +256,23 @@ def test_a_model_that_does_not_take_token_ids_needs_example_inputs():
     # given an input (whole on every rank, like the residual stream), the pair is found
     plan = auto_plan(Tabular(), example_inputs=((torch.randn(3, WIDTH),), {}))
     assert plan == {"up": "colwise", "down": "rowwise"}, plan
+
+
+def test_the_traced_forward_takes_what_the_config_describes():
+    import transformers
+
+    from tp_ext.parallelize.dataflow import example_token_inputs
+
+    small = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=16)
+    small.update(decoder_ffn_dim=16, encoder_attention_heads=2, decoder_attention_heads=2)
+    bart = transformers.BartModel(transformers.BartConfig(vocab_size=50, **small))
+    args, kwargs = example_token_inputs(bart, tokens=4)
+    assert args == () and set(kwargs) == {"input_ids", "decoder_input_ids", "use_cache"}
+    assert kwargs["input_ids"].shape == (1, 4) and int(kwargs["input_ids"].max()) < 50
+    vit = transformers.ViTModel(
+        transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=16, image_size=8, patch_size=4, num_channels=3)
+    )  # fmt: skip
+    args, kwargs = example_token_inputs(vit)
+    assert set(kwargs) == {"pixel_values"} and kwargs["pixel_values"].shape == (1, 3, 8, 8)
+    assert example_token_inputs(torch.nn.Linear(3, 3)) is None

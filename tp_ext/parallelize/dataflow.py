@@ -253,8 +253,9 @@ def _trace_length(model: nn.Module) -> int:
 
 def example_token_inputs(model: nn.Module, tokens: int = 5):
     """``(args, kwargs)`` calling ``model`` on what its config describes: 1 x ``tokens`` token
-    ids (from its vocabulary), and a 1-image batch of ``pixel_values`` for a vision model
-    (``config.num_channels`` x ``config.image_size``); None when it describes neither."""
+    ids (from its vocabulary; an encoder-decoder's decoder gets them too), and a 1-image batch
+    of ``pixel_values`` for a vision model (``config.num_channels`` x ``config.image_size``);
+    None when it describes neither."""
     config = getattr(model, "config", None)
     params = inspect.signature(model.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -269,6 +270,8 @@ def example_token_inputs(model: nn.Module, tokens: int = 5):
         if "input_ids" not in params and not takes_any:
             return (ids,), {}
         kwargs["input_ids"] = ids
+        if "decoder_input_ids" in params:  # an encoder-decoder: its decoder reads ids too
+            kwargs["decoder_input_ids"] = ids
     if not kwargs:
         return None
     if "use_cache" in params:
