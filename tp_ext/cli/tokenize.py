@@ -35,7 +35,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--append-eos", action="store_true", help="the tokenizer's EOS after each document"
     )
-    add_field_flag(parser, "workers", TOKENIZE_FIELDS["workers"], "the cores, at most 8")
+    # 1 by default: this process, with the fast tokenizer's own threads, was the fastest on 2
+    # cores (BENCHMARKS.md, bench_tokenize.py); more processes pay when the reading and JSON
+    # parsing, which hold the GIL, are the bottleneck on many cores
+    add_field_flag(parser, "workers", TOKENIZE_FIELDS["workers"], "1", default=1)
     parser.add_argument(
         "--dtype",
         choices=list(TOKEN_DTYPES),
@@ -50,7 +53,6 @@ def main(args) -> int:
 
     from tp_ext.data.corpus import tokenize_corpus
 
-    workers = args.workers or min(8, len(os.sched_getaffinity(0)))
     total = sum(os.path.getsize(p) for p in args.input if os.path.isfile(p))
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=args.quiet or None, file=sys.stderr)
     with bar:
@@ -60,7 +62,7 @@ def main(args) -> int:
             args.tokenizer,
             text_field=args.text_field,
             append_eos=args.append_eos,
-            workers=workers,
+            workers=args.workers,
             dtype=args.dtype,
             progress=bar.update,
         )
