@@ -3,6 +3,7 @@ parallelism; a rank-dependent and a run-dependent fault each found and named), s
 per-rank counts of an uneven split, the flag), comm_share (against track()'s records), trace (the
 Chrome trace holds tp_ext's ops and tag ranges), doctor and `tp-ext doctor`."""
 
+import gc
 import json
 import os
 
@@ -129,12 +130,21 @@ def _fsdp_peaks():
     trainer = Trainer(model, optimizer=adamw, parallel=state, data_parallel="fsdp")
     batches = [torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))]
     trainer.step(batches)  # the optimizer state and FSDP2's buffers exist from here on
-    with PeakMemory(model.parameters(), trainer.optimizer) as memory:
-        trainer.step(batches)
-    tracker = MemTracker()
-    tracker.track_external(model, trainer.optimizer)
-    with tracker:
-        trainer.step(batches)
+    # both count a storage freed when its Python object goes: with the cycle collector off
+    # during the steps, no collection that happens to run in one step and not in the other
+    # frees storages earlier there (the peaks then differed by a few hundred KB, now and then)
+    gc.collect()
+    gc.disable()
+    try:
+        with PeakMemory(model.parameters(), trainer.optimizer) as memory:
+            trainer.step(batches)
+        gc.collect()
+        tracker = MemTracker()
+        tracker.track_external(model, trainer.optimizer)
+        with tracker:
+            trainer.step(batches)
+    finally:
+        gc.enable()
     return memory.peak, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
