@@ -5,8 +5,8 @@ rank's heads' rows of each of q, k and v; the output projection (``out_proj``) i
 over the same heads, its all-reduce making the output whole. The forward takes what
 ``nn.MultiheadAttention.forward`` takes (``batch_first`` either way, unbatched inputs, a
 ``key_padding_mask`` and an ``attn_mask``, boolean or additive, 2-D or per head, ``is_causal``,
-cross-attention with another key and value) and returns the same, the attention weights
-averaged over every rank's heads when asked. State-dict names are torch's, so a converted
+cross-attention with another key and value) and returns the same: the attention weights when
+asked, averaged over every rank's heads or each head's. State-dict names are torch's, so a converted
 ``nn.Transformer`` saves and loads as the unconverted one does.
 """
 
@@ -84,12 +84,6 @@ class ParallelMultiheadAttention(ParallelModule):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if need_weights and not average_attn_weights:
-            raise ValueError(
-                "ParallelMultiheadAttention: average_attn_weights=False (each head's weights) "
-                "is not supported: the heads are on different ranks; pass "
-                "average_attn_weights=True or need_weights=False"
-            )
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
@@ -109,7 +103,7 @@ class ParallelMultiheadAttention(ParallelModule):
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
             probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
             probs = F.dropout(probs, dropout, self.training)
-            weights = comm.reduce_from_tp(probs.sum(1), self.tp) / self.num_heads
+            weights = self._weights(probs, average_attn_weights)
             out = probs @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
@@ -118,6 +112,14 @@ class ParallelMultiheadAttention(ParallelModule):
         if unbatched:
             return out.squeeze(1), None if weights is None else weights.squeeze(0)
         return (out.transpose(0, 1) if self.batch_first else out), weights
+
+    def _weights(self, probs: torch.Tensor, average: bool) -> torch.Tensor:
+        """Every head's attention weights from this rank's ``probs`` [batch, local heads, L, S]:
+        averaged over all heads (a sum over the ranks), or each head's (gathered in order)."""
+        if average:
+            return comm.reduce_from_tp(probs.sum(1), self.tp) / self.num_heads
+        sizes = shard_sizes(self.num_heads, self.tp_size)
+        return comm.gather_from_tp(probs.contiguous(), 1, sizes, self.tp)
 
     def _project(self, query, key, value):
         """This rank's heads of q, k and v: [batch, local heads, length, head_dim] each."""
