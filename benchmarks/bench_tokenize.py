@@ -33,7 +33,9 @@ def _paragraphs() -> list[str]:
         return [p.replace("\n", " ").strip() for p in f.read().split("\n\n") if p.strip()]
 
 
-def _tokenizer(directory: str, vocab: int) -> str:
+def byte_bpe(path: str, vocab: int, texts: list[str]) -> str:
+    """A byte-level BPE of ``vocab`` ids trained on ``texts``, saved at ``path`` as transformers
+    saves a tokenizer (EOS ``<eos>``); returns ``path``. tests/test_tokenize.py uses it too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,8 +47,7 @@ def _tokenizer(directory: str, vocab: int) -> str:
         special_tokens=["<eos>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    backend.train_from_iterator(_paragraphs(), trainer)
-    path = os.path.join(directory, "tokenizer")
+    backend.train_from_iterator(texts, trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(path)
     return path
 
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
     from tp_ext.data.corpus import tokenize_corpus
 
     with tempfile.TemporaryDirectory() as d:
-        tokenizer = _tokenizer(d, args.vocab)
+        tokenizer = byte_bpe(os.path.join(d, "tokenizer"), args.vocab, _paragraphs())
         corpus = os.path.join(d, "corpus.jsonl")
         documents = _corpus(corpus, args.mb)
         megabytes = os.path.getsize(corpus) / 2**20

@@ -24,22 +24,9 @@ def _paragraphs() -> list[str]:
 
 def _byte_bpe(directory, vocab_size: int) -> str:
     """A byte-level BPE tokenizer trained on the README, saved as transformers saves one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from benchmarks.bench_tokenize import byte_bpe
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(_paragraphs(), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
-    path = os.path.join(str(directory), f"bpe{vocab_size}")
-    tokenizer.save_pretrained(path)
-    return path
+    return byte_bpe(os.path.join(str(directory), f"bpe{vocab_size}"), vocab_size, _paragraphs())
 
 
 @pytest.fixture(scope="module")

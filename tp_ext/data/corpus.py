@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from tp_ext.data.tokens import TOKEN_DTYPES, sidecar_path
+from tp_ext.data.tokens import TOKEN_DTYPES, atomic_file, sidecar_path
 
 __all__ = ["CorpusError", "TokenizeReport", "tokenize_corpus"]
 
@@ -224,24 +224,16 @@ def tokenize_corpus(
     if vocab - 1 > limit:
         raise ValueError(f"--dtype {dtype} holds ids up to {limit}; the vocabulary has {vocab}")
     output = os.fspath(output)
-    temp = f"{output}.tmp-{os.getpid()}"
     counts = collections.Counter()
-    try:
-        chunks = _tokenized(inputs, text_field, tokenizer, here, eos, workers, progress, counts)
-        with open(temp, "wb") as out:
-            for ids in chunks:
-                out.write(ids.astype(TOKEN_DTYPES[dtype]).tobytes())
-                counts["tokens"] += ids.size
-            out.flush()
-            os.fsync(out.fileno())
+    chunks = _tokenized(inputs, text_field, tokenizer, here, eos, workers, progress, counts)
+    with atomic_file(output, "wb") as out:
+        for ids in chunks:
+            out.write(ids.astype(TOKEN_DTYPES[dtype]).tobytes())
+            counts["tokens"] += ids.size
         if counts["tokens"] == 0:
             raise CorpusError(f"--input {list(inputs)}: no documents with text in them")
         if os.path.exists(sidecar_path(output)):  # never a new file beside an old sidecar
             os.unlink(sidecar_path(output))
-        os.replace(temp, output)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
     meta = {
         "format": "tp_ext token file: flat token ids, native byte order, no header",
         "dtype": dtype,
@@ -255,7 +247,9 @@ def tokenize_corpus(
         "inputs": [os.path.abspath(p) for p in inputs],
         "text_field": text_field,
     }
-    _write_json(sidecar_path(output), meta)
+    with atomic_file(sidecar_path(output), "w") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
     return TokenizeReport(output, counts["documents"], counts["tokens"], dtype, vocab)
 
 
@@ -279,17 +273,3 @@ def _tokenized(inputs, text_field, tokenizer, loaded, eos, workers, progress, co
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-
-
-def _write_json(path: str, value: dict) -> None:
-    temp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
-            json.dump(value, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from typing import Optional, Union
 
 import numpy as np
@@ -22,6 +23,7 @@ __all__ = [
     "byte_tokens",
     "read_sidecar",
     "sidecar_path",
+    "atomic_file",
 ]
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -116,11 +118,20 @@ def write_token_file(path: Union[str, os.PathLike], ids, dtype: str = "uint16") 
             f"token id {bad} does not fit {dtype} (0..{limit}); use dtype='uint32' for "
             "vocabularies above 65536"
         )
+    with atomic_file(path, "wb") as f:
+        f.write(array.astype(np_dtype).tobytes())
+
+
+@contextmanager
+def atomic_file(path: Union[str, os.PathLike], mode: str = "wb"):
+    """A file object whose content replaces ``path`` only when the block ends without an
+    error: written to a temporary file next to it, synced, then renamed over it (an error
+    removes the temporary file and leaves ``path`` as it was)."""
     path = os.fspath(path)
     temp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(temp, "wb") as f:
-            f.write(array.astype(np_dtype).tobytes())
+        with open(temp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)

@@ -94,9 +94,8 @@ class ParallelMultiheadAttention(ParallelModule):
         length, batch, _ = query.shape
         q, k, v = self._project(query, key, value)
         mask = self._mask(attn_mask, key_padding_mask, batch, length, k.size(2), q.dtype)
-        if is_causal and mask is None:
-            mask = torch.ones(length, k.size(2), dtype=torch.bool, device=q.device).tril()
-            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+        if is_causal and attn_mask is None:  # as torch: is_causal is a hint about attn_mask
+            raise ValueError("ParallelMultiheadAttention: is_causal=True needs the attn_mask")
         dropout = self.dropout if self.training else 0.0
         weights = None
         if need_weights:  # as torch: the weights returned are those applied (after dropout)

@@ -452,15 +452,15 @@ def _check_ties(module: nn.Module, decided: dict[str, ParallelStyle], shared) ->
 
 
 def _held_by_an_ancestor(module: nn.Module, owners: list, styles: dict):
-    """``(ancestor name, attribute, splitting module name)`` when a parameter of one split
-    module is also a plain attribute of a module above it that is not converted (BERT's
-    masked-LM head holds its decoder's bias as ``cls.predictions.bias``): the attribute then
-    follows the split parameter, and the tie holds. Else None."""
+    """``(ancestor name, attribute, splitting module name, its parameter's name)`` when a
+    parameter of one split module is also a plain attribute of a module above it that is not
+    converted (BERT's masked-LM head holds its decoder's bias as ``cls.predictions.bias``): the
+    attribute then follows the split parameter, and the tie holds. Else None."""
     split = [n for n in owners if styles[n].shards_weights]
     if len(split) != 1 or len(owners) != 2:
         return None
     (ancestor,) = [n for n in owners if n != split[0]]
-    if not split[0].startswith(f"{ancestor}.") and ancestor != "":
+    if ancestor and not split[0].startswith(f"{ancestor}."):
         return None
     holder, child = module.get_submodule(ancestor), module.get_submodule(split[0])
     mine = {id(p): n for n, p in child.named_parameters(recurse=False)}

@@ -102,7 +102,8 @@ def auto_plan(
     norms = {n: c for n, c in module.named_modules() if n and is_norm(c)}
     flow = trace_flow(module, linears, head_dims, example_inputs, norms)
     rows, blocked = _pairs(flow)
-    _check_heads(heads, rows, _columns(rows))
+    pairs = (rows, _columns(rows), blocked, linears)
+    _check_heads(heads, rows, pairs[1])
 
     for name, child in module.named_modules():
         if sequence_parallel and is_norm(child) and _norms_the_residual_stream(child, width):
@@ -121,7 +122,7 @@ def auto_plan(
             plan[name] = "replicate"
             why[name] = "an embedding indexed by positions, not tokens: kept whole"
         elif name in linears:
-            plan[name], why[name] = _linear_style(module, flow, name, rows, blocked, heads, parts)
+            plan[name], why[name] = _linear_style(module, flow, name, pairs, heads, parts)
     if not sequence_parallel:
         _share_norm_outputs(plan, flow, why)
     _refuse_large_unsplit(module, plan, flow, why)
@@ -144,10 +145,12 @@ def _columns(rows: dict) -> dict:
     return {c: sorted(r for r in rows if c in rows[r]) for r in rows for c in rows[r]}
 
 
-def _linear_style(module, flow, name: str, rows, blocked, heads, parts) -> tuple[str, str]:
-    """The style of linear ``name`` and why (see :func:`auto_plan`)."""
+def _linear_style(module, flow, name: str, pairs: tuple, heads, parts) -> tuple[str, str]:
+    """The style of linear ``name`` and why (see :func:`auto_plan`). ``pairs``: the row- and
+    column-parallel linears (``(rows, columns)``), why the others could not pair, and every
+    linear by name."""
     f = flow.linears[name]
-    columns = _columns(rows)
+    rows, columns, blocked, linears = pairs
     if name in rows:
         return "rowwise", _row_reason(name, rows[name], heads)
     if name in columns:
@@ -166,7 +169,6 @@ def _linear_style(module, flow, name: str, rows, blocked, heads, parts) -> tuple
         )
     if _is_head_transform(flow, name):
         return "replicate", _WHY_HEAD_TRANSFORM
-    linears = {n: module.get_submodule(n) for n in flow.linears}
     return "replicate", _whole_reason(flow, name, blocked, linears)
 
 
