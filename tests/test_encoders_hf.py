@@ -1,6 +1,9 @@
 """parallelize(model, "auto") on transformers' bidirectional encoders with their task heads (BERT
 and RoBERTa: masked LM, sequence and token classification; ViT: image classification, traced on
-an image its config describes) at TP 2, 3 and 4: logits (padded rows included), loss, every
+an image its config describes) and encoder-decoders (T5: its per-head relative position bias
+split with the heads, uneven at TP 3 and 4; BART: learned positions, one scaled embedding shared
+by the encoder, the decoder and the LM head; both with cross-attention) at TP 2, 3 and 4:
+logits (padded rows included), loss, every
 gradient and the weights after an optimizer step equal the unsharded model's; the masked-LM
 head's ties (decoder weight to the word embeddings, decoder bias to the head's own) hold; the
 full state is transformers' own, and its save_pretrained export loads back in transformers with
@@ -36,13 +39,26 @@ CASES = [  # (config class, model class, labels: "tokens" or "sequence")
     ("BertConfig", "BertForTokenClassification", "tokens"),
     ("RobertaConfig", "RobertaForMaskedLM", "tokens"),
     ("ViTConfig", "ViTForImageClassification", "image"),
+    ("T5Config", "T5ForConditionalGeneration", "seq2seq"),
+    ("BartConfig", "BartForConditionalGeneration", "seq2seq"),
 ]
 IMAGE = dict(image_size=16, patch_size=4, num_channels=3)
+T5 = dict(  # 10 heads (uneven at TP 3, 4), a relative bias per head, a tied and scaled head
+    vocab_size=VOCAB, d_model=48, d_kv=4, d_ff=88, num_layers=2, num_heads=10,
+    dropout_rate=0.0, decoder_start_token_id=0,
+)  # fmt: skip
+BART = dict(  # learned positions, scaled embeddings shared by encoder, decoder and LM head
+    vocab_size=VOCAB, d_model=48, encoder_layers=2, decoder_layers=2, encoder_attention_heads=12,
+    decoder_attention_heads=12, encoder_ffn_dim=88, decoder_ffn_dim=88,
+    max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, scale_embedding=True,
+)  # fmt: skip
 
 
 def _build(config_name: str, model_name: str):
+    own = {"T5Config": T5, "BartConfig": BART}
     extra = {"RobertaConfig": {"pad_token_id": 1}, "ViTConfig": IMAGE}.get(config_name, {})
-    config = getattr(transformers, config_name)(**SHAPE, **extra)
+    shape = own.get(config_name) or {**SHAPE, **extra}
+    config = getattr(transformers, config_name)(**shape)
     torch.manual_seed(0)  # the same full weights on every rank
     return getattr(transformers, model_name)(config).float().eval()
 
@@ -59,6 +75,11 @@ def _inputs(labels_kind: str, classes: int) -> tuple[dict, torch.Tensor]:
     mask[2, 3:] = 0
     if labels_kind == "sequence":
         labels = torch.randint(0, 3, (3,), generator=g)
+    elif labels_kind == "seq2seq":  # the decoder's own ids, and its targets
+        decoder = torch.randint(2, VOCAB, (3, 7), generator=g)
+        labels = torch.randint(2, VOCAB, (3, 7), generator=g)
+        labels[2, 5:] = -100
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}, labels
     else:
         labels = torch.randint(0, classes, (3, 9), generator=g)
         labels[mask == 0] = -100
@@ -82,7 +103,7 @@ def _check_encoders(directory: str):
         what = model_name
         reference = _build(config_name, model_name)
         model = tp_ext.parallelize(copy.deepcopy(reference), "auto")
-        classes = VOCAB if "MaskedLM" in model_name else 3
+        classes = VOCAB if "MaskedLM" in model_name or labels_kind == "seq2seq" else 3
         inputs, labels = _inputs(labels_kind, classes)
         out = model(**inputs, labels=labels)
         want = reference(**inputs, labels=labels)

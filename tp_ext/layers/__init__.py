@@ -14,7 +14,7 @@ from tp_ext.layers.attention import KVCache, ParallelAttention
 from tp_ext.layers.base import SEQUENCE_DIM, ParallelModule, no_init
 from tp_ext.layers.block import ParallelTransformerBlock
 from tp_ext.layers.context import all_to_all_attention, cp_positions, ring_attention
-from tp_ext.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tp_ext.layers.embedding import HeadParallelEmbedding, ParallelLMHead, VocabParallelEmbedding
 from tp_ext.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -74,6 +74,7 @@ __all__ = [
     "QKVParallelLinear",
     "SharedColumnInput",
     "VocabParallelEmbedding",
+    "HeadParallelEmbedding",
     "ParallelLMHead",
     "FusedRMSNorm",
     "RMSNorm",

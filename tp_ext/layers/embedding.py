@@ -14,7 +14,7 @@ from tp_ext.layers.base import InitFn, ParallelModule, check_int
 from tp_ext.layers.linear import ColumnParallelLinear
 from tp_ext.sharding import Partition
 
-__all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "HeadParallelEmbedding"]
 
 
 class VocabParallelEmbedding(ParallelModule):
@@ -120,6 +120,38 @@ class VocabParallelEmbedding(ParallelModule):
             f"[{self.vocab_start}, {self.vocab_end})), tp={self.tp_size}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+class HeadParallelEmbedding(ParallelModule):
+    """torch.nn.Embedding whose columns are attention heads (T5's relative position bias: one
+    column per head, looked up by relative-position bucket), its columns split over the TP group
+    as the attention's heads are (``partition``, over the heads). Each rank looks up its own
+    heads' columns, which only its heads read: nothing is exchanged, and each column's gradient
+    is whole on the rank holding it."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        partition: Partition,
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self._setup_tp(tp_group)
+        self.num_embeddings = check_int("num_embeddings", num_embeddings)
+        self.embedding_dim = partition.full
+        local = partition.local_size(self.tp_rank)
+        self.weight = nn.Parameter(torch.empty(num_embeddings, local, device=device, dtype=dtype))
+        self._set_shard("weight", 1, partition)
+        self._init_from_full("weight", nn.init.normal_)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        heads, local = self.embedding_dim, self.weight.shape[1]
+        return f"{self.num_embeddings}, {heads} ({local} heads here), tp={self.tp_size}"
 
 
 class ParallelLMHead(ColumnParallelLinear):

@@ -382,12 +382,15 @@ def _run_attention_on_local_heads(module: nn.Module, tp, report: dict) -> None:
     this rank's heads."""
     for name, child in module.named_modules():
         info = attention_heads(child)
-        first = None if info is None else getattr(child, info.fused or "q_proj", None)
+        first = None if info is None else getattr(child, info.inputs[0], None)
         if isinstance(first, ColumnParallelLinear):
-            q, kv = localize_attention(child, info, tp)
+            q, kv, split = localize_attention(child, info, tp)
             per_head = _sum_gradients_over_heads(child, tp)
-            report[name] = f"attention: {q} query heads, {kv} KV heads on this rank" + (
-                f"; {', '.join(per_head)} gradients summed over TP" if per_head else ""
+            notes = split + (
+                [f"{', '.join(per_head)} gradients summed over TP"] if per_head else []
+            )
+            report[name] = "; ".join(
+                [f"attention: {q} query heads, {kv} KV heads on this rank"] + notes
             )
 
 
@@ -437,17 +440,19 @@ def _check_ties(module: nn.Module, decided: dict[str, ParallelStyle], shared) ->
         if _held_by_an_ancestor(module, owners, styles) is not None:
             continue
         kinds = [type(module.get_submodule(n)).__name__ for n in owners]
-        embedding_and_head = (
-            len(owners) == 2
-            and all(isinstance(style, VocabParallel) for style in styles.values())
-            and any(isinstance(module.get_submodule(n), nn.Embedding) for n in owners)
-            and any(isinstance(module.get_submodule(n), nn.Linear) for n in owners)
+        tables = [n for n in owners if isinstance(module.get_submodule(n), nn.Embedding)]
+        heads = [n for n in owners if isinstance(module.get_submodule(n), nn.Linear)]
+        embeddings_and_head = (
+            all(isinstance(style, VocabParallel) for style in styles.values())
+            and tables
+            and len(heads) <= 1
+            and len(tables) + len(heads) == len(owners)
         )
-        if not embedding_and_head:
+        if not embeddings_and_head:
             raise ValueError(
                 f"modules {owners} share a parameter and would be split differently "
-                f"({styles}; {kinds}): parallelize keeps a tie only between an embedding and an "
-                "LM head both given the 'vocab' style; give them that style or untie them first"
+                f"({styles}; {kinds}): parallelize keeps a tie only between embeddings and an "
+                "LM head all given the 'vocab' style; give them that style or untie them first"
             )
 
 
@@ -483,9 +488,10 @@ def _ancestor_ties(module: nn.Module, decided: dict, shared) -> list:
 
 
 def _tied_embedding(child: nn.Module, shared, converted):
-    """The converted embedding an LM head shares its weight with (see _check_ties), or None."""
+    """The converted embedding an LM head or another embedding shares its weight with (see
+    _check_ties), or None."""
     weight = getattr(child, "weight", None)
-    if isinstance(child, nn.Linear) and weight is not None and id(weight) in shared:
+    if isinstance(child, (nn.Linear, nn.Embedding)) and weight is not None and id(weight) in shared:
         return converted.get(id(weight))
     return None
 

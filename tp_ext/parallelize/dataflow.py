@@ -154,6 +154,8 @@ class _Tracer(TorchDispatchMode):
         self.outputs: dict[int, str] = {}  # id of a linear's output tensor -> the linear
         self.alive: list = []  # every tagged tensor, so no id is reused during the trace
         self.inside_linears = 0  # > 0 while a linear's own forward runs
+        # whether each lookup (aten.embedding) since an embedding module began was by token ids
+        self.lookups: list[bool] = []
 
     def tag(self, tensor, prov: _Provenance) -> None:
         self.prov[id(tensor)] = prov
@@ -167,6 +169,8 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         provs = [p for p in map(self.get, inputs) if p is not None]
+        if func is aten.embedding.default:  # what indexes it: token ids, or positions
+            self.lookups.append(bool((self.get(args[1]) or _NONE).tokens))
         if func in _SPLITS and args and id(args[0]) in self.outputs:
             self._note_split(self.outputs[id(args[0])], args, kwargs, out)
         if not provs or func.overloadpacket in _FACTORIES:
@@ -314,6 +318,7 @@ class _FlowHooks:
             handles.append(module.register_forward_hook(self.linear_after))
         for name, module in model.named_modules():
             if isinstance(module, nn.Embedding):
+                handles.append(module.register_forward_pre_hook(self.embedding_before))
                 handles.append(module.register_forward_hook(self.embedding_after(name)))
             elif is_sparse_moe_block(module):
                 handles.append(module.register_forward_pre_hook(self.moe_block_before(name)))
@@ -348,13 +353,21 @@ class _FlowHooks:
             self.tracer.tag(output, _Provenance(linears=frozenset([name])))
             self.tracer.outputs[id(output)] = name
 
+    def embedding_before(self, module, inputs):
+        self.tracer.lookups = []
+
     def embedding_after(self, name):
         flow, tracer = self.flow, self.tracer
 
         def hook(module, inputs, output):
-            prov = tracer.get(inputs[0]) if inputs else None
-            (flow.token_embeddings if prov and prov.tokens else flow.other_embeddings).add(name)
-            tracer.tag(output, _Provenance(stream=True))
+            # by what its lookup read, not its argument: BART's learned positions take the ids
+            # and look up positions made from their shape
+            if any(tracer.lookups):
+                flow.token_embeddings.add(name)
+                tracer.tag(output, _Provenance(stream=True))
+            else:  # positions, relative-position buckets: a table's rows, like a parameter
+                flow.other_embeddings.add(name)
+                tracer.tag(output, _Provenance(param=True))
 
         return hook
 

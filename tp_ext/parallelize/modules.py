@@ -15,7 +15,8 @@ from torch import nn
 from tp_ext import ops
 from tp_ext.distributed import comm
 from tp_ext.distributed.groups import ResolvedGroup
-from tp_ext.layers import FusedRMSNorm, ParallelModule
+from tp_ext.layers import FusedRMSNorm, HeadParallelEmbedding, ParallelModule
+from tp_ext.layers.base import no_init
 from tp_ext.sharding import HeadLayout, Partition
 
 __all__ = [
@@ -42,7 +43,8 @@ class AttentionHeads:
     all k, then all v: Phi-3, Falcon's multi_query) or "grouped" (one projection laid out per KV
     group as [its q heads, k, v]: GPT-NeoX and classic Falcon with one query head per group,
     Falcon's new_decoder_architecture with several). ``fused``/``out``: the fused input and the
-    output projection's attribute names."""
+    output projection's attribute names; ``separate``: the q, k and v projections' (T5's are
+    ``q``, ``k``, ``v``)."""
 
     heads: int
     kv: int
@@ -50,6 +52,12 @@ class AttentionHeads:
     qkv: str
     fused: Optional[str]
     out: str
+    separate: tuple = ("q_proj", "k_proj", "v_proj")
+
+    @property
+    def inputs(self) -> tuple:
+        """The attribute names of its input projections."""
+        return (self.fused,) if self.fused else self.separate
 
     def layout(self, tp: ResolvedGroup) -> HeadLayout:
         return HeadLayout(self.heads, self.kv, tp.size)
@@ -66,6 +74,14 @@ def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(parent, "head_dim", None)
     has = lambda *names: all(hasattr(parent, n) for n in names)  # noqa: E731
+    own = getattr(parent, "num_heads", None)  # BART's decoder may have other counts than config
+    if isinstance(own, int) and kv == heads:
+        heads = kv = own
+    if has("q", "k", "v", "o", "n_heads", "key_value_proj_dim"):  # T5
+        t5 = ("q", "k", "v")
+        return AttentionHeads(
+            parent.n_heads, parent.n_heads, parent.key_value_proj_dim, "separate", None, "o", t5
+        )
     if head_dim is not None and has("q_proj", "k_proj", "v_proj"):
         out = "o_proj" if has("o_proj") else "out_proj" if has("out_proj") else None
         return AttentionHeads(heads, kv, head_dim, "separate", None, out) if out else None
@@ -91,6 +107,18 @@ def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
             return AttentionHeads(heads, 1, head_dim, "concat", "query_key_value", "dense")
         return AttentionHeads(heads, heads, head_dim, "grouped", "query_key_value", "dense")
     return None
+
+
+def _split_by_heads(table: nn.Embedding, layout, tp: ResolvedGroup) -> HeadParallelEmbedding:
+    """T5's relative position bias (one column per head) as this rank's heads' columns."""
+    weight = table.weight
+    with no_init():
+        new = HeadParallelEmbedding(
+            table.num_embeddings, layout.q_partition(1), tp, weight.device, weight.dtype
+        )
+    new.load_full_state_dict({"weight": weight.detach()})
+    new.weight.requires_grad_(weight.requires_grad)
+    return new
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -246,9 +274,9 @@ def head_partition(name: str, info: AttentionHeads, tp: ResolvedGroup) -> Partit
     """The head-aligned rows of an attention input projection (q, k, v or fused) each rank holds."""
     leaf = name.rpartition(".")[2]
     layout, hd = info.layout(tp), info.head_dim
-    if leaf == "q_proj":
+    if info.fused is None and leaf == info.separate[0]:
         return layout.q_partition(hd)
-    if leaf in ("k_proj", "v_proj"):
+    if info.fused is None and leaf in info.separate[1:]:
         return layout.kv_partition(hd)
     if info.qkv == "concat":
         return layout.qkv_partition(hd)
@@ -265,9 +293,10 @@ def head_partition(name: str, info: AttentionHeads, tp: ResolvedGroup) -> Partit
 
 def localize_attention(
     attention: nn.Module, info: AttentionHeads, tp: ResolvedGroup
-) -> tuple[int, int]:
-    """Make ``attention``'s own forward run on this rank's heads: set the head counts it reads.
-    Returns this rank's (query heads, KV heads)."""
+) -> tuple[int, int, list]:
+    """Make ``attention``'s own forward run on this rank's heads: set the head counts it reads,
+    split its per-head tables (T5's relative position bias). Returns this rank's (query heads,
+    KV heads, what else was split)."""
     layout = info.layout(tp)
     q, kv = layout.q[tp.rank][1], layout.kv[tp.rank][1]
     local = {
@@ -278,13 +307,19 @@ def localize_attention(
     }
     if info.fused == "c_attn":
         local["split_size"] = q * info.head_dim  # GPT-2 splits c_attn's output by this width
+    local["n_heads"], local["inner_dim"] = q, q * info.head_dim  # T5
     for attr, value in local.items():
         if hasattr(attention, attr):
             setattr(attention, attr, value)
+    split = []
+    bias = getattr(attention, "relative_attention_bias", None)
+    if isinstance(bias, nn.Embedding) and bias.embedding_dim == info.heads:
+        attention.relative_attention_bias = _split_by_heads(bias, layout, tp)
+        split.append("relative position bias split by heads")
     if info.qkv == "concat" and info.fused == "qkv_proj":
         # Phi-3 finds where k begins in the fused output from config.num_attention_heads: give
         # this module its own config with the local count (the model's config stays whole).
         config = copy.copy(attention.config)
         config.num_attention_heads, config.num_key_value_heads = q, kv
         attention.config = config
-    return q, kv
+    return q, kv, split

@@ -101,6 +101,7 @@ def auto_plan(
     head_dims = {n: info.head_dim for n, (info, _, out) in heads.items() if not out}
     norms = {n: c for n, c in module.named_modules() if n and is_norm(c)}
     flow = trace_flow(module, linears, head_dims, example_inputs, norms)
+    token_tables = _token_tables(module, flow)
     rows, blocked = _pairs(flow)
     pairs = (rows, _columns(rows), blocked, linears)
     _check_heads(heads, rows, pairs[1])
@@ -114,13 +115,14 @@ def auto_plan(
             continue
         elif is_fused_experts(child):
             plan[name], why[name] = "experts", "MoE experts as 3D gate_up_proj/down_proj"
-        elif name in flow.token_embeddings and (
-            is_plain(child, nn.Embedding) or is_scaled_embedding(child)
-        ):
-            plan[name], why[name] = "vocab", "an embedding indexed by the token ids"
+        elif name in token_tables and (is_plain(child, nn.Embedding) or is_scaled_embedding(child)):
+            plan[name], why[name] = "vocab", token_tables[name]
         elif name in flow.other_embeddings:
             plan[name] = "replicate"
-            why[name] = "an embedding indexed by positions, not tokens: kept whole"
+            why[name] = (
+                "an embedding indexed by positions, not tokens: kept whole (a per-head table, "
+                "T5's relative position bias, is split with its attention's heads)"
+            )
         elif name in linears:
             plan[name], why[name] = _linear_style(module, flow, name, pairs, heads, parts)
     if not sequence_parallel:
@@ -138,6 +140,19 @@ _WHY_HEAD_TRANSFORM = (
     "through a norm): kept whole, one matmul of the model's width per token beside the layers' "
     "split ones"
 )
+
+
+def _token_tables(module: nn.Module, flow) -> dict[str, str]:
+    """{embedding: why it is split by vocabulary}: those the token ids index, and those sharing
+    their weight (T5's and BART's ``shared``, which the forward reaches through its encoder's
+    and decoder's ``embed_tokens``)."""
+    tables = {n: "an embedding indexed by the token ids" for n in flow.token_embeddings}
+    weights = {id(module.get_submodule(n).weight): n for n in flow.token_embeddings}
+    for name, child in module.named_modules():
+        user = weights.get(id(getattr(child, "weight", None)))
+        if isinstance(child, nn.Embedding) and name not in tables and user is not None:
+            tables[name] = f"shares its weight with {user}, an embedding indexed by the token ids"
+    return tables
 
 
 def _columns(rows: dict) -> dict:
@@ -242,7 +257,7 @@ def _attention_projections(module: nn.Module, linears: dict) -> dict:
         info = attention_heads(parent)
         if info is None:
             continue
-        if leaf in ("q_proj", "k_proj", "v_proj", info.fused):
+        if leaf in info.inputs:
             found[name] = (info, type(parent).__name__, False)
         elif leaf == info.out:
             found[name] = (info, type(parent).__name__, True)

@@ -179,7 +179,7 @@ class Colwise(_Swap):
         info = attention_heads(target.parent)
         parts = self.parts or target.parts
         partition = None
-        if info is not None and leaf in ("q_proj", "k_proj", "v_proj", info.fused):
+        if info is not None and leaf in info.inputs:
             if self.gather_output or self.parts is not None:
                 raise ValueError(
                     f"{target.name}: {self!r} on an attention projection: it is split by whole "
@@ -310,7 +310,12 @@ class VocabParallel(_Swap):
             **_factory(module, target),
         )
         scaled = "" if scale is None else f", output scaled by {scale:g}"
-        return new, f"vocab-parallel embedding, rows {new.vocab_start}:{new.vocab_end}{scaled}"
+        tied = ""
+        if target.tie_to is not None:  # one weight for every embedding that shared it
+            new.weight = target.tie_to.weight
+            tied = ", weight shared with the embedding converted first"
+        rows = f"rows {new.vocab_start}:{new.vocab_end}"
+        return new, f"vocab-parallel embedding, {rows}{scaled}{tied}"
 
 
 @dataclass(frozen=True)
