@@ -35,12 +35,15 @@ class LossKind(enum.Enum):
     - ``GRID_BLOCK``: a 2D model's logits block (grid row i's sequences, column j's
       vocabulary), scored by the model's own ``summed_loss``;
     - ``FULL_LOGITS``: a transformers-style output with whole ``logits`` (and, for a
-      mixture-of-experts model, its router ``aux_loss``).
+      mixture-of-experts model, its router ``aux_loss``);
+    - ``MODEL_OUTPUT``: whatever the model returns for a dict micro-batch, scored by the
+      Trainer's ``loss_fn`` (or the model's own ``loss``): masked LM, classification, seq2seq.
     """
 
     VOCAB_SHARD = "vocab_shard"
     GRID_BLOCK = "grid_block"
     FULL_LOGITS = "full_logits"
+    MODEL_OUTPUT = "model_output"
 
 
 @runtime_checkable

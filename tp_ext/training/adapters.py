@@ -8,7 +8,9 @@ pp > 1 declare the contract themselves. Two other kinds of model are adapted, on
   recompute, compression and resharding checkpoints apply as at pp > 1; with expert
   parallelism, or a router loss to add, it runs whole (:class:`WholeModel`: full logits, its
   router logits);
-- any other module (plain, or 1D tensor parallel through a ``tp_group``) runs whole.
+- any other module (plain, or 1D tensor parallel through a ``tp_group``) runs whole;
+- with a ``loss_fn`` (dict micro-batches: masked LM, classification, seq2seq), any model runs
+  whole, its output scored by the loss (``LossKind.MODEL_OUTPUT``).
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ class WholeModel(ParallelModel):
             cp_group,
         )
         self.stage_split = StageSplit(1)
-        self._stage = module if loss_kind is LossKind.FULL_LOGITS else _LocalLogits(module)
+        whole = loss_kind in (LossKind.FULL_LOGITS, LossKind.MODEL_OUTPUT)
+        self._stage = module if whole else _LocalLogits(module)
         # a padded batch's mask goes to the module's own forward when it takes one
-        self.takes_attention_mask = loss_kind is LossKind.FULL_LOGITS and (
+        self.takes_attention_mask = whole and (
             "attention_mask" in inspect.signature(module.forward).parameters
         )
 
@@ -95,9 +98,12 @@ class WholeModel(ParallelModel):
         raise NotImplementedError("a whole model runs without a pipeline")
 
 
-def trained_model(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]:
+def trained_model(model: nn.Module, parallel, loss_fn=None) -> tuple[ParallelModel, nn.Module]:
     """``(contract, module)``: the ParallelModel the Trainer runs for ``model`` and the module
-    whose parameters it trains (the same object, unless adapted)."""
+    whose parameters it trains (the same object, unless adapted); with ``loss_fn``, the model
+    whole (its stages are a causal LM's next-token machinery)."""
+    if loss_fn is not None:
+        return _scored_by(model, parallel, loss_fn), model
     if isinstance(model, ParallelModel):
         if model.parallel is not parallel:
             how = "without parallel=" if model.parallel is None else "with another state"
@@ -123,15 +129,46 @@ def _converted(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]:
             "parallel=state nor a transformers causal LM converted with tp_ext.parallelize("
             "model, 'auto', parallel=state) (at pp > 1, pass the stages it returns)"
         )
-    if parallel.tp > 1 and not any(isinstance(m, ParallelModule) for m in model.modules()):
-        raise ValueError(
-            f"Trainer(parallel=...) with tp={parallel.tp}: {type(model).__name__} holds no "
-            "tp_ext layers; convert it first with tp_ext.parallelize(model, 'auto', "
-            "parallel=state)"
-        )
+    if parallel.tp > 1:
+        _check_converted(model, parallel)
     # experts run as the model runs them, whole, and a router loss needs its router logits
     if expert_parameters(model)[0] or router_loss_of(model) is not None:
         cp = parallel.cp_group if parallel.dims.cp_enabled else None
         return WholeModel(model, parallel, LossKind.FULL_LOGITS, cp), model
     staged = single_stage(model, parallel)
     return staged, staged
+
+
+def _scored_by(model: nn.Module, parallel, loss_fn) -> WholeModel:
+    """``model`` whole, its output scored by ``loss_fn`` (a callable, or "model")."""
+    if not (callable(loss_fn) or loss_fn == "model"):
+        raise ValueError(
+            f"loss_fn must be a callable (output, batch) -> loss, 'model' (the model's own "
+            f"output.loss) or None (next-token loss over token batches), got {loss_fn!r}"
+        )
+    if parallel is not None and parallel.dims.pp_enabled:
+        raise ValueError(
+            f"Trainer(loss_fn=...) at pp={parallel.pp}: a model scored by loss_fn trains whole, "
+            "without pipelining; build the ParallelState with pp=1"
+        )
+    if parallel is not None and parallel.dims.cp_enabled:
+        raise ValueError(
+            f"Trainer(loss_fn=...) at cp={parallel.dims.cp}: context parallelism splits a causal "
+            "LM's sequence for its next-token loss; build the ParallelState with cp=1"
+        )
+    if isinstance(model, ParallelModel) and model.parallel is not parallel:
+        raise ValueError(
+            f"Trainer(parallel=...) needs {type(model).__name__} built with the same ParallelState"
+        )
+    if parallel is not None and parallel.tp > 1:
+        _check_converted(model, parallel)
+    return WholeModel(model, parallel, LossKind.MODEL_OUTPUT)
+
+
+def _check_converted(model: nn.Module, parallel) -> None:
+    if not any(isinstance(m, ParallelModule) for m in model.modules()):
+        raise ValueError(
+            f"Trainer(parallel=...) with tp={parallel.tp}: {type(model).__name__} holds no "
+            "tp_ext layers; convert it first with tp_ext.parallelize(model, 'auto', "
+            "parallel=state)"
+        )

@@ -18,7 +18,7 @@ and experts are the sync's groups. A new combination is a row of :data:`SYNCS` a
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,14 +31,13 @@ from tp_ext.pipeline import SCHEDULES, check_schedule
 from tp_ext.pipeline.data_parallel import Replicas, SyncRow, choose_sync
 from tp_ext.pipeline.schedules import prepare_stages
 from tp_ext.training.grad_norm import clip_grad_norm_, parallel_grad_norm, scale_grads_
-from tp_ext.training.losses import Loss, router_loss_of
+from tp_ext.training.losses import BatchLoss, Loss, router_loss_of
+from tp_ext.training.micro_batches import MicroBatch
 from tp_ext.training.runners import LocalRunner, PipelinedRunner
 from tp_ext.training.sync import EngineSync, GradientSync, ReduceScatterSync, ReplicaSums
 from tp_ext.training.zero import sharded_optimizer_for
 
 __all__ = ["RUNNERS", "TrainingCore", "assemble", "assemble_plain"]
-
-Batches = list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]  # ids, labels, mask
 
 # dims.pp_enabled -> the runner
 RUNNERS = {False: LocalRunner, True: PipelinedRunner}
@@ -71,25 +70,27 @@ class TrainingCore:
             parallel.tp_rank == 0 and model.stage_split.last_stage in model.stage_ids
         )
 
-    def forward_backward(self, batches: Batches, precision) -> torch.Tensor:
+    def forward_backward(self, batches: list[MicroBatch], precision) -> torch.Tensor:
         """Every micro-batch forward and backward, the gradients synchronised; returns the
         step's mean loss (the same on every rank)."""
-        if not self.model.takes_attention_mask and any(b[2] is not None for b in batches):
+        padded = any(b.attention_mask is not None for b in batches)
+        whole = self.loss.kind is LossKind.MODEL_OUTPUT  # a dict batch: the model's own keys
+        if padded and not whole and not self.model.takes_attention_mask:
             raise ValueError(
                 f"a padded micro-batch (input_ids, labels, attention_mask): "
                 f"{type(self.model).__name__}'s stages take no attention mask; padded batches "
                 "train transformers models (tp_ext.parallelize) and plain ones that take one"
             )
-        count = torch.stack([self.loss.count(labels) for _, labels, _ in batches]).sum().float()
+        count = torch.stack([self.loss.count(b.target) for b in batches]).sum().float()
         if self.dp_group is not None and self.dp_group.size > 1:
             with comm.tag("train.loss"):
                 count = comm.all_reduce(count, "sum", group=self.dp_group)
         denominator = count.clamp_min(1) / self.sync.averages_over
-        positions = self.model.loss_positions(batches[0][0].size(1))
+        positions = self._loss_positions(batches[0])
         sums: list[torch.Tensor] = []
 
-        def loss_fn(output, labels):
-            loss = self.loss.summed(output, labels, positions)
+        def loss_fn(output, target):
+            loss = self.loss.summed(output, target, positions, count)
             sums.append(loss.detach().float())
             return precision.scaled(loss / denominator)
 
@@ -105,6 +106,11 @@ class TrainingCore:
             with comm.tag("train.loss"):
                 total = comm.all_reduce(total, "sum", group=self._loss_group)
         return total / count  # nan when no target counts, as torch's mean
+
+    def _loss_positions(self, batch: MicroBatch) -> Optional[torch.Tensor]:
+        if self.loss.kind is LossKind.MODEL_OUTPUT:  # the model's own output, whole
+            return None
+        return self.model.loss_positions(batch.input_ids.size(1))
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """The gradient norm over every rank that holds part of the model, every element of
@@ -142,6 +148,7 @@ class StepSettings:
     ignore_index: int = -100
     grad_reduce_dtype: Optional[torch.dtype] = None
     overlap_param_gather: bool = False
+    loss_fn: Any = None  # a callable or "model" (dict batches); None: the model's loss kind
 
 
 def assemble(model: ParallelModel, module, parallel, settings: StepSettings, make_optimizer):
@@ -175,7 +182,7 @@ def assemble(model: ParallelModel, module, parallel, settings: StepSettings, mak
     runner = RUNNERS[dims.pp_enabled]
     runner = runner(model, sync, settings.schedule) if dims.pp_enabled else runner(model, sync)
     tp = comm.resolve_group(parallel.tp_group)
-    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, _router_loss(model, module))
+    loss = _loss(model, module, settings, tp)
     dp = comm.resolve_group(parallel.dp_group)
     engine = settings.data_parallel if dims.replicas > 1 else None
     return TrainingCore(model, module, runner, sync, loss, parallel, dp, engine), optimizer
@@ -198,7 +205,7 @@ def assemble_plain(model: ParallelModel, module, tp, dp_group, settings: StepSet
     dp = None if dp_group is None else comm.resolve_group(dp_group)
     groups = [] if dp is None else [(list(module.parameters()), dp)]
     sync = ReplicaSums(stages, groups)
-    loss = Loss(model.loss_kind, settings.ignore_index, tp, model, _router_loss(model, module))
+    loss = _loss(model, module, settings, tp)
     return TrainingCore(model, module, LocalRunner(model, sync), sync, loss, None, dp, None)
 
 
@@ -232,9 +239,13 @@ def _check_row(row: SyncRow, settings: StepSettings, dims) -> None:
         )
 
 
-def _router_loss(model, module):
-    """A whole-logits model's load-balancing loss, its statistics over its CP positions' group
-    (the other loss kinds' models score their tokens alone)."""
-    if model.loss_kind is not LossKind.FULL_LOGITS:
-        return None
-    return router_loss_of(module, model.cp_group)
+def _loss(model, module, settings: StepSettings, tp):
+    """The step's loss: the user's (``settings.loss_fn``, over dict batches) or the one of the
+    model's loss kind; a whole-logits model's load-balancing loss added, its statistics over its
+    CP positions' group (the other loss kinds' models score their tokens alone)."""
+    if model.loss_kind is LossKind.MODEL_OUTPUT:
+        return BatchLoss(settings.loss_fn, settings.ignore_index)
+    router = None
+    if model.loss_kind is LossKind.FULL_LOGITS:
+        router = router_loss_of(module, model.cp_group)
+    return Loss(model.loss_kind, settings.ignore_index, tp, model, router)

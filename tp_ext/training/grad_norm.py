@@ -250,18 +250,27 @@ def model_tp_group(model: nn.Module, tp_group) -> ResolvedGroup:
 
 def _grads_with_specs(model: nn.Module, tp: ResolvedGroup, skip=frozenset()):
     """(parameter, ShardSpec or None, this rank's place in it) for each distinct parameter with
-    a gradient, but those in ``skip`` (ids)."""
+    a gradient, but those in ``skip`` (ids). A parameter that a parallel layer shares with
+    another module (BERT's head bias, held by the head and its split decoder) has the layer's
+    spec, whichever module holds it first."""
+    split = {
+        id(param): (module, name)
+        for module in model.modules()
+        if isinstance(module, ParallelModule)
+        for name, param in module.named_parameters(recurse=False)
+    }
     seen = set(skip)
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
+    for holder in model.modules():
+        for name, param in holder.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights: counted once
                 continue
             seen.add(id(param))
             if param.grad is None:
                 continue
-            if not isinstance(module, ParallelModule):
+            if id(param) not in split:
                 yield param, None, None
                 continue
+            module, name = split[id(param)]
             spec = module.param_spec(name)
             if isinstance(spec, Partition) and spec.world_size != tp.size:
                 raise ValueError(

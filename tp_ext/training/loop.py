@@ -132,7 +132,7 @@ def _run(trainer, source, steps: int, manager, sinks) -> list[float]:
                 "loss": loss,
                 "grad_norm": trainer.last_grad_norm,
                 "lr": float(lr),
-                "tokens_per_s": _tokens(trainer, micro_batches) / seconds,
+                "tokens_per_s": _tokens(trainer) / seconds,
             }
             for f in files:
                 f.write(json.dumps(entry) + "\n")
@@ -274,9 +274,9 @@ def keep_metrics(path: str, step: int) -> None:
     os.replace(temp, path)
 
 
-def _tokens(trainer, micro_batches) -> int:
-    """The step's tokens over every DP rank (each passes as many as this one)."""
-    local = sum((b if hasattr(b, "numel") else b[0]).numel() for b in micro_batches)
+def _tokens(trainer) -> int:
+    """The last step's tokens over every DP rank (each passes as many as this one)."""
+    local = trainer.last_step_tokens
     dp = trainer.dp_group.size if trainer.dp_group is not None else 1
     return local * dp
 

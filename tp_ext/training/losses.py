@@ -9,7 +9,8 @@ last stage gives the outputs of this rank's positions only (``positions``, in th
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from tp_ext.distributed import comm
 from tp_ext.layers import vocab_parallel_cross_entropy
 from tp_ext.layers.moe import expert_count, experts_per_token
 
-__all__ = ["Loss", "RouterLoss", "router_loss_of"]
+__all__ = ["BatchLoss", "Loss", "RouterLoss", "router_loss_of"]
 
 
 def _targets(labels: torch.Tensor, positions: Optional[torch.Tensor], ignore_index: int):
@@ -94,7 +95,7 @@ class Loss:
         """The tokens of a micro-batch that count (its targets not ``ignore_index``)."""
         return (labels[:, 1:] != self.ignore_index).sum()
 
-    def summed(self, output, labels: torch.Tensor, positions=None) -> torch.Tensor:
+    def summed(self, output, labels: torch.Tensor, positions=None, step_count=None):
         targets = _targets(labels, positions, self.ignore_index)
         if self.kind is LossKind.GRID_BLOCK:  # the whole batch's sum, on every grid rank
             return self.model.summed_loss(_scored(output, positions), targets, self.ignore_index)
@@ -131,3 +132,66 @@ def router_loss_of(module, cp_group=None) -> Optional[RouterLoss]:
     if not getattr(config, "output_router_logits", False) or not coef:
         return None
     return RouterLoss(coef, expert_count(config), experts_per_token(config), cp_group)
+
+
+class BatchLoss:
+    """The loss of a dict micro-batch (:class:`~tp_ext.contract.LossKind` ``MODEL_OUTPUT``):
+    ``fn(output, batch)`` over the model's output and the whole dict, or the model's own
+    ``output.loss`` (``fn="model"``, the batch's labels given to the model, as transformers'
+    Trainer does).
+
+    Each returns the micro-batch's mean: the step's loss is the mean over every micro-batch of
+    every DP rank (torchtitan's and transformers' accumulation). A ``fn`` that takes a
+    ``num_items_in_batch`` keyword (transformers' name) gets the step's count of labels that
+    are not ``ignore_index``, over every micro-batch of every DP rank, and returns its sum
+    divided by it: then the step's loss weighs every label alike (a masked LM whose
+    micro-batches mask different numbers of tokens) and equals the one over the whole batch."""
+
+    kind = LossKind.MODEL_OUTPUT
+
+    def __init__(self, fn: Union[Callable, str], ignore_index: int = -100) -> None:
+        self.fn, self.ignore_index = fn, ignore_index
+        self.per_item = callable(fn) and "num_items_in_batch" in _keywords(fn)
+        self.labels_to_model = fn == "model"
+
+    def count(self, batch: dict) -> torch.Tensor:
+        """The micro-batch's weight in the step's mean: its counted labels (``per_item``), or 1."""
+        if not self.per_item:
+            return torch.ones((), dtype=torch.long, device=_device_of(batch))
+        labels = batch.get("labels")
+        if not isinstance(labels, torch.Tensor):
+            raise ValueError(
+                "loss_fn takes num_items_in_batch, which counts the batch's 'labels' that are not "
+                f"ignore_index; this micro-batch has no 'labels' tensor (keys {sorted(batch)})"
+            )
+        return (labels != self.ignore_index).sum()
+
+    def summed(self, output, batch: dict, positions=None, step_count=None) -> torch.Tensor:
+        """The micro-batch's loss times its weight (what the core divides by the step's)."""
+        if self.labels_to_model:
+            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+            if loss is None:
+                raise ValueError(
+                    f"loss_fn='model': the model's output ({type(output).__name__}) has no loss; "
+                    "give the batch its 'labels', or pass loss_fn=callable(output, batch)"
+                )
+        elif self.per_item:
+            loss = self.fn(output, batch, num_items_in_batch=step_count) * step_count
+        else:
+            loss = self.fn(output, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor (0-dim), got {shape}")
+        return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+
+def _keywords(fn: Callable) -> set:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return set()
+
+
+def _device_of(batch: dict) -> torch.device:
+    tensor = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+    return torch.device("cpu") if tensor is None else tensor.device

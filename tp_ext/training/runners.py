@@ -6,22 +6,23 @@ runs, and it has two cases (as torchtitan's ``pp_enabled``):
   in turn, the gradient sync's engine told which backward is the last;
 - :class:`PipelinedRunner`: torch.distributed.pipelining's schedule over the stages.
 
-Both call ``loss_fn(output, labels)`` on the last stage's output of each micro-batch and
-backpropagate what it returns. A padded micro-batch's mask goes to every stage module's forward
-as ``attention_mask=`` (the model's ``takes_attention_mask``).
+Both call ``loss_fn(output, target)`` on the last stage's output of each micro-batch (its
+labels, or a dict batch's whole dict) and backpropagate what it returns. A padded micro-batch's
+mask goes to every stage module's forward as ``attention_mask=`` (the model's
+``takes_attention_mask``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
+from tp_ext.contract import LossKind
 from tp_ext.pipeline import PipelineRunner
+from tp_ext.training.micro_batches import MicroBatch
 
 __all__ = ["LocalRunner", "PipelinedRunner"]
-
-Batches = list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]  # ids, labels, mask
 
 
 class LocalRunner:
@@ -35,13 +36,12 @@ class LocalRunner:
         self.model, self.sync = model, sync
         (self.module,) = sync.modules
 
-    def run(self, batches: Batches, loss_fn: Callable, precision) -> None:
+    def run(self, batches: list[MicroBatch], loss_fn: Callable, precision) -> None:
         last = len(batches) - 1
-        for i, (ids, labels, mask) in enumerate(batches):
-            padding = {} if mask is None else {"attention_mask": mask}
+        for i, batch in enumerate(batches):
             with self.sync.accumulating(self.module, last=i == last):
-                with precision.autocast(ids.device):
-                    loss = loss_fn(self.module(ids, **padding), labels)
+                with precision.autocast(batch.device):
+                    loss = loss_fn(self.module(*batch.args, **batch.kwargs), batch.target)
                 loss.backward()
 
 
@@ -57,17 +57,25 @@ class PipelinedRunner:
     def schedule_name(self) -> str:
         return self.pipeline.schedule.name
 
-    def run(self, batches: Batches, loss_fn: Callable, precision) -> None:
-        shapes = {tuple(ids.shape) for ids, _, _ in batches}
+    def run(self, batches: list[MicroBatch], loss_fn: Callable, precision) -> None:
+        if self.model.loss_kind is LossKind.MODEL_OUTPUT:
+            raise ValueError(
+                "Trainer(loss_fn=...) trains a model whole (dict micro-batches); its pipeline "
+                "stages are a causal LM's, trained on token micro-batches without loss_fn"
+            )
+        shapes = {tuple(b.input_ids.shape) for b in batches}
         if len(shapes) > 1:
             raise ValueError(
                 f"under pipelining every micro-batch must have one shape (the stages exchange "
                 f"fixed-size activations); got {sorted(shapes)}"
             )
-        ids = torch.cat([b[0] for b in batches])
-        labels = torch.cat([b[1] for b in batches])
-        padded = any(b[2] is not None for b in batches)  # then every stage gets every mask
-        masks = [torch.ones_like(ids) if m is None else m for ids, _, m in batches]
+        ids = torch.cat([b.input_ids for b in batches])
+        labels = torch.cat([b.target for b in batches])
+        padded = any(b.attention_mask is not None for b in batches)  # then every stage gets all
+        masks = [
+            torch.ones_like(b.input_ids) if b.attention_mask is None else b.attention_mask
+            for b in batches
+        ]
         mask = torch.cat(masks) if padded else None
         device = ids.device
         with precision.autocast(device):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tp_ext.compression import OneBitAdam
+from tp_ext.contract import LossKind
 from tp_ext.dims import ParallelDims
 from tp_ext.distributed import comm
 from tp_ext.pipeline import PipelineRunner
@@ -46,6 +47,7 @@ from tp_ext.training.checkpoint_parts import (
 from tp_ext.training.checkpointer import CheckpointManager
 from tp_ext.training.core import StepSettings, assemble, assemble_plain
 from tp_ext.training.grad_norm import model_tp_group
+from tp_ext.training.micro_batches import dict_batches, forward_keys, token_batches
 from tp_ext.training.optimizer import build_lr_scheduler, build_optimizer
 from tp_ext.training.precision import Precision
 from tp_ext.training.trainer_checks import (
@@ -54,7 +56,6 @@ from tp_ext.training.trainer_checks import (
     check_arguments,
     check_overlap,
     check_zero,
-    micro_batches_of,
     set_recompute,
     stateful_data,
 )
@@ -64,7 +65,10 @@ from tp_ext.validation import as_torch_dtype
 __all__ = ["Trainer"]
 
 MicroBatch = Union[
-    torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    torch.Tensor,
+    tuple[torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dict,  # with loss_fn
 ]
 
 
@@ -120,6 +124,20 @@ class Trainer:
     The loss is the mean token cross-entropy over every target of every micro-batch (of every
     DP rank); targets equal to ``ignore_index`` do not count.
 
+    - ``loss_fn``: any other model and loss (masked LM, classification, seq2seq, vision). Each
+      micro-batch is a dict of tensors; the model gets the keys its forward takes as keyword
+      arguments, and ``loss_fn(output, batch)`` returns the micro-batch's mean loss; the step's
+      loss is the mean over the micro-batches of every DP rank. ``labels`` is the loss's, not
+      given to the model; ``loss_fn="model"`` gives the model the whole batch and takes its own
+      ``output.loss`` (transformers' models). A ``loss_fn`` with a ``num_items_in_batch``
+      keyword gets the step's count of labels that are not ``ignore_index`` (every micro-batch,
+      every DP rank) and returns its sum divided by it: every label weighs alike, as in one big
+      batch. The model trains whole (pp = 1), under DDP, FSDP2 or ZeRO, with TP from
+      ``parallelize``::
+
+          trainer = Trainer(bert, loss_fn=lambda out, b: F.cross_entropy(out.logits, b["labels"]))
+          trainer.step([{"input_ids": ids, "attention_mask": mask, "labels": labels}])
+
     :meth:`save_checkpoint` / :meth:`load_checkpoint` save and restore all of it (model,
     optimizer state, LR schedule, loss scale, step, data position, every rank's random streams),
     resharding between any two dims (:mod:`tp_ext.training.checkpointer`).
@@ -144,16 +162,17 @@ class Trainer:
         gradient_compression: Optional[str] = None,
         grad_reduce_dtype: Optional[torch.dtype] = None,
         overlap_param_gather: bool = False,
+        loss_fn: Union[Callable, str, None] = None,
     ) -> None:
         check_arguments(max_grad_norm, autocast_dtype, activation_checkpointing)
         check_zero(data_parallel, parallel, autocast_dtype, grad_reduce_dtype, gradient_compression)
         check_overlap(overlap_param_gather, data_parallel)
-        contract, module = trained_model(model, parallel)
+        contract, module = trained_model(model, parallel, loss_fn)
         self.model, self.parallel = module, parallel
         set_recompute(contract, activation_checkpointing)
         settings = StepSettings(
             schedule, data_parallel, gradient_compression, ignore_index, grad_reduce_dtype,
-            overlap_param_gather,
+            overlap_param_gather, loss_fn,
         )  # fmt: skip
         if parallel is None:
             tp = model_tp_group(module, tp_group)
@@ -179,6 +198,8 @@ class Trainer:
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0  # steps whose gradients overflowed under fp16 (not applied)
         self.checkpointer = self._checkpointer()  # from the run's Stateful parts
+        self.last_step_tokens = 0  # this rank's tokens (a dict batch's items) of the last step
+        self._takes = forward_keys(module) if loss_fn is not None else None
 
     @classmethod
     def from_config(
@@ -284,7 +305,8 @@ class Trainer:
         synchronisation, clipping and ``optimizer.step()``. Gradients already on the parameters
         are discarded first. Returns the step's mean loss, the same on every rank; the norm
         before clipping is left in ``last_grad_norm``."""
-        batches = micro_batches_of(micro_batches, self._device, self.ignore_index)
+        batches = self._micro_batches(micro_batches)
+        self.last_step_tokens = sum(b.tokens for b in batches)
         self.checkpointer.publish_finished()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.core.forward_backward(batches, self.precision)
@@ -295,6 +317,17 @@ class Trainer:
             self.last_grad_norm = norm.item()
         self._optimizer_step()
         return loss.item()
+
+    def _micro_batches(self, micro_batches):
+        if self.core.loss.kind is not LossKind.MODEL_OUTPUT:
+            return token_batches(micro_batches, self._device, self.ignore_index)
+        return dict_batches(
+            micro_batches,
+            self._device,
+            self._takes,
+            labels_to_model=self.core.loss.labels_to_model,
+            model_name=type(self.model).__name__,
+        )
 
     def fit(
         self,

@@ -19,7 +19,6 @@ __all__ = [
     "built_optimizer",
     "built_scheduler",
     "stateful_data",
-    "micro_batches_of",
 ]
 
 
@@ -150,63 +149,3 @@ def _check_float16_parameters(optimizer: torch.optim.Optimizer) -> None:
                 "step turns the weights into NaN. Keep the parameters in float32 (or bfloat16) "
                 "and pass autocast_dtype=torch.float16 for mixed precision with a loss scale"
             )
-
-
-def micro_batches_of(micro_batches, device, ignore_index: int = -100) -> list[tuple]:
-    """``micro_batches`` as ``(input_ids, labels, attention_mask or None)`` on ``device``, each
-    checked (input ids alone: their own labels). A padded micro-batch, ``(input_ids, labels,
-    attention_mask)``, has its labels at padded positions (mask 0) set to ``ignore_index``: a
-    padded position is never a target."""
-    if isinstance(micro_batches, torch.Tensor):
-        raise ValueError(
-            f"micro_batches must be a list of micro-batches, got one tensor of "
-            f"shape {tuple(micro_batches.shape)}; pass [input_ids]"
-        )
-    if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
-        raise ValueError(
-            f"micro_batches must be a non-empty list of input_ids tensors, (input_ids, labels) "
-            f"pairs or (input_ids, labels, attention_mask) triples, got {micro_batches!r}"
-        )
-    batches = []
-    for i, item in enumerate(micro_batches):
-        ids, labels, mask = _parts(item, i)
-        if ids.dim() != 2 or ids.size(1) < 2 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"micro_batches[{i}]: input_ids must be an int64/int32 tensor "
-                f"[batch, seq] with seq >= 2, got {ids.dtype} of shape "
-                f"{tuple(ids.shape)}"
-            )
-        if labels.shape != ids.shape or labels.dtype != torch.int64:
-            raise ValueError(
-                f"micro_batches[{i}]: labels must be an int64 tensor of the "
-                f"input_ids' shape {tuple(ids.shape)} (shifted here), got "
-                f"{labels.dtype} of shape {tuple(labels.shape)}"
-            )
-        if mask is not None:
-            _check_mask(mask, ids, i)
-            labels = labels.masked_fill(mask.to(labels.device) == 0, ignore_index)
-            mask = mask.to(device)
-        batches.append((ids.to(device), labels.to(device), mask))
-    return batches
-
-
-def _parts(item, i: int) -> tuple:
-    """``(input_ids, labels, attention_mask or None)`` of one micro-batch, as given."""
-    if isinstance(item, torch.Tensor):
-        return item, item.long(), None
-    parts = tuple(item) if isinstance(item, (list, tuple)) and len(item) in (2, 3) else ()
-    if not parts or not all(isinstance(t, torch.Tensor) for t in parts):
-        raise ValueError(
-            f"micro_batches[{i}] must be an input_ids tensor, an (input_ids, labels) pair or an "
-            f"(input_ids, labels, attention_mask) triple of tensors, got {type(item).__name__}"
-        )
-    return parts if len(parts) == 3 else (*parts, None)
-
-
-def _check_mask(mask: torch.Tensor, ids: torch.Tensor, i: int) -> None:
-    if mask.shape != ids.shape or mask.is_floating_point() or mask.is_complex():
-        raise ValueError(
-            f"micro_batches[{i}]: attention_mask must be an integer or bool tensor of the "
-            f"input_ids' shape {tuple(ids.shape)} (1: a token, 0: padding), got {mask.dtype} of "
-            f"shape {tuple(mask.shape)}"
-        )
