@@ -2,9 +2,10 @@
 (:class:`NativeDecoder`, its own KV caches) and a Hugging Face causal LM converted by
 ``parallelize`` (:class:`HFDecoder`, a transformers ``StaticCache`` and the model's own forward,
 which keeps what each architecture does around its layers: masks, rotary tables, sliding
-windows, soft-capping; under context parallelism the cache split over the CP ranks instead).
-Both run one pipeline stage at a time; the last stage gives this TP rank's vocabulary shard of
-the last position's logits.
+windows, soft-capping; under context parallelism the cache split over the CP ranks instead),
+and a Hugging Face encoder-decoder (:class:`Seq2SeqDecoder`: T5, BART; the encoder once, then
+the decoder with its self- and cross-attention caches). Each runs one pipeline stage at a time;
+the last stage gives this TP rank's vocabulary shard of the last position's logits.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tp_ext.distributed.mesh import parallel_state
 from tp_ext.parallelize.context import new_context_cache
 from tp_ext.parallelize.stages import StagedCausalLM, is_transformers_model, single_stage
 from tp_ext.parallelize.transformers_names import cache_argument
-from tp_ext.sharding import StageSplit, shard_sizes
+from tp_ext.sharding import Partition, StageSplit, shard_sizes
 
 __all__ = ["Decoder", "as_decoder"]
 
@@ -78,11 +79,32 @@ class Decoder:
     def cache_bytes(self, cache) -> int:
         raise NotImplementedError
 
+    # whether prompts must be left-padded (a causal LM's continue from their last position)
+    left_padded_prompts = True
+
+    def prefix(self, ids: torch.Tensor) -> torch.Tensor:
+        """What the output holds before the new tokens: the prompts themselves (an
+        encoder-decoder's: its decoder start token, as transformers' generate gives)."""
+        return ids
+
+    def generation_settings(self):
+        """The model's own generation config (else its config), as transformers' generate reads
+        it."""
+        return getattr(self.model, "generation_config", None) or self.config
+
     def generation_defaults(self) -> tuple:
         """``(eos ids or None, pad id or None)`` the model's own generation settings give, as
         transformers' generate reads them when its arguments are None."""
-        settings = getattr(self.model, "generation_config", None) or self.config
+        settings = self.generation_settings()
         return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
+
+    def forced_tokens(self) -> tuple:
+        """``(forced first token, forced last token)`` of its generation settings, or None each
+        (BART's ``forced_eos_token_id``: the token at the last step, as transformers forces
+        them)."""
+        settings = self.generation_settings()
+        bos = getattr(settings, "forced_bos_token_id", None)
+        return bos, getattr(settings, "forced_eos_token_id", None)
 
     def decoding(self):
         """A context around the whole decoding loop (entered by every rank together): what the
@@ -218,9 +240,8 @@ class HFDecoder(Decoder):
             config._attn_implementation = before
             _PAGED_STEP.reset(token)
 
-    def generation_defaults(self) -> tuple:
-        settings = getattr(self.model.hf_model, "generation_config", None) or self.config
-        return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
+    def generation_settings(self):
+        return getattr(self.model.hf_model, "generation_config", None) or self.config
 
     def cache_bytes(self, cache) -> int:
         total = 0
@@ -241,6 +262,73 @@ class HFDecoder(Decoder):
             **{cache_argument(): cache},
         )
         return out[:, -1] if stage == self.stage_split.last_stage else out
+
+
+class _EncoderDecoderCache:
+    """One micro-batch's state in an encoder-decoder: the encoder's output and mask, kept from
+    the first step, and transformers' self- and cross-attention caches."""
+
+    def __init__(self, cache) -> None:
+        self.cache, self.encoded, self.encoder_mask = cache, None, None
+
+
+class Seq2SeqDecoder(Decoder):
+    """A transformers encoder-decoder (T5, BART) converted by ``parallelize`` at pp = 1: the
+    first step runs the encoder once on the prompts (any padding: the encoder reads every
+    position under its mask) and the decoder on its start token; every later step runs the
+    decoder alone on the last token, its self-attention cache growing by one position and its
+    cross-attention cache (the encoder's keys and values, this rank's heads) computed once.
+    The model's logits are whole (its LM head gathers them); this rank's vocabulary shard goes
+    to the shared token choice."""
+
+    left_padded_prompts = False
+    max_positions = None  # the encoder reads the prompt, the decoder the new tokens
+
+    def __init__(self, model: nn.Module, parallel):
+        parallel = parallel if parallel is not None else parallel_state()
+        if parallel.pp > 1 or parallel.dims.cp_enabled:
+            raise ValueError(
+                f"generate: {type(model).__name__} (an encoder-decoder) decodes at pp = 1 and "
+                f"cp = 1; this process's dims have pp={parallel.pp}, cp={parallel.dims.cp}"
+            )
+        super().__init__(model, parallel, StageSplit(1), [0], model.config)
+        start = model.generation_config.decoder_start_token_id
+        self.start = start if start is not None else self.config.decoder_start_token_id
+        self.shard = Partition.split(self.vocab_size, comm.resolve_group(self.tp_group).size)
+
+    def prefix(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.full((ids.size(0), 1), self.start, dtype=torch.long, device=ids.device)
+
+    def new_cache(self, batch: int, length: int, stage: int):
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        return _EncoderDecoderCache(EncoderDecoderCache(DynamicCache(), DynamicCache()))
+
+    def cache_bytes(self, cache) -> int:
+        parts = [cache.cache.self_attention_cache, cache.cache.cross_attention_cache]
+        tensors = [getattr(layer, n, None) for c in parts for layer in c.layers for n in _KV]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def run(self, stage, x, cache, key_mask, position_ids, cache_position):
+        if cache.encoded is None:  # the first step: x is the prompts
+            encoder = self.model.get_encoder()
+            cache.encoded = encoder(input_ids=x, attention_mask=key_mask, return_dict=True)
+            cache.encoder_mask = key_mask
+            x = self.prefix(x)
+        out = self.model(
+            encoder_outputs=cache.encoded,
+            attention_mask=cache.encoder_mask,
+            decoder_input_ids=x,
+            use_cache=True,
+            return_dict=True,
+            **{cache_argument(): cache.cache},
+        )
+        rank = comm.resolve_group(self.tp_group).rank
+        ((start, count),) = self.shard.segments[rank] or ((0, 0),)
+        return out.logits[:, -1, start : start + count]
+
+
+_KV = ("keys", "values")
 
 
 class _PagedLayer:
@@ -406,6 +494,8 @@ def as_decoder(model: nn.Module, parallel=None) -> Decoder:
         return NativeDecoder(model)
     if isinstance(model, ParallelModel) and model.loss_kind is LossKind.GRID_BLOCK:
         return GridDecoder(model)
+    if is_transformers_model(model) and getattr(model.config, "is_encoder_decoder", False):
+        return Seq2SeqDecoder(model, parallel)
     staged = model if isinstance(model, StagedCausalLM) else _one_stage(model, parallel)
     if staged.sequence_parallel:
         raise ValueError(

@@ -113,7 +113,11 @@ def generate(
     ``model``: tp_ext's Qwen2 (``parallel=state``: TP x PP) or a Hugging Face causal LM converted
     by ``tp_ext.parallelize(..., parallel=state)`` (at pp > 1 this rank's stages; any (tp, pp,
     ep), or (tp, cp, ep) at pp = 1). ``attention_mask``: 1 at real tokens, 0 at the left
-    padding of shorter prompts (as a tokenizer with ``padding_side="left"`` gives). Greedy, or
+    padding of shorter prompts (as a tokenizer with ``padding_side="left"`` gives). An
+    encoder-decoder (T5, BART; TP at pp = 1) reads the prompts with its encoder, once, padded at
+    either end, and returns its decoder start token and the new tokens
+    ``[batch, 1 + new]``, as transformers' generate does. The model's forced first and last
+    tokens (``forced_bos_token_id`` / ``forced_eos_token_id``) are forced here too. Greedy, or
     with ``do_sample=True`` drawn by ``temperature``, ``top_k`` and ``top_p``
     (:mod:`tp_ext.layers.sampling`: the logits are never gathered); step t draws
     ``torch.rand(batch, dtype=float64)`` from a generator seeded with ``seed`` (None: a seed
@@ -144,12 +148,14 @@ def generate(
     mbs = _micro_batches(decoder, ids, mask, groups, max_new_tokens, length)
     runner = _Runner(decoder, mbs, max_new_tokens, eos, pad, _early_stop(decoder))
     choose = _chooser(decoder, ids.size(0), generator, temperature, top_k, top_p)
+    choose = _forcing(decoder, choose, decoder.prefix(ids).size(1), max_new_tokens)
     with decoder.decoding():
         first_token_s = runner.run(choose, start)
     out = _collect(decoder, mbs, ids, eos, pad)
     if not return_report:
         return out
-    return out, _report(decoder, mbs, out, ids.size(1), groups, start, first_token_s)
+    width = decoder.prefix(ids).size(1)
+    return out, _report(decoder, mbs, out, width, groups, start, first_token_s)
 
 
 def _micro_batches(decoder: Decoder, ids, mask, groups: int, new: int, length: int) -> list:
@@ -188,6 +194,26 @@ def _chooser(decoder: Decoder, batch: int, generator, temperature, top_k, top_p)
         )
 
     return choose
+
+
+def _forcing(decoder: Decoder, choose, width: int, max_new: int):
+    """``choose`` with the model's forced tokens (transformers' ForcedBOS / ForcedEOS logits
+    processors): the first token of an output that holds one token before it, and the token of
+    the last step."""
+    bos, eos = decoder.forced_tokens()
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if bos is None and eos is None:
+        return choose
+
+    def forced(t: int, mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        token = choose(t, mb, logits)
+        if bos is not None and width + t == 1:
+            return torch.full_like(token, bos)
+        if eos is not None and t == max_new - 1:
+            return torch.full_like(token, eos)
+        return token
+
+    return forced
 
 
 def _report(decoder: Decoder, mbs, out, width: int, groups: int, start: float, first_token_s):
@@ -313,10 +339,11 @@ def _collect(decoder: Decoder, mbs, ids, eos, pad) -> torch.Tensor:
     """The prompts and every step's tokens, on every rank (broadcast from the last stage's
     rank), cut after the step at which every row had ended."""
     steps = max(mb.steps for mb in mbs)
-    batch, width = ids.shape
     fill = 0 if pad is None else pad
+    prefix = decoder.prefix(ids)  # the prompts (an encoder-decoder: its start token)
+    batch, width = prefix.shape
     out = torch.full((batch, width + steps), fill, dtype=torch.long, device=ids.device)
-    out[:, :width] = ids
+    out[:, :width] = prefix
     split = decoder.stage_split
     if split.rank_of(split.last_stage) == decoder.pp_rank:
         for mb in mbs:
@@ -403,7 +430,7 @@ def _checked_mask(decoder: Decoder, attention_mask, ids: torch.Tensor) -> torch.
     mask = attention_mask.to(decoder.device, torch.long)
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+    if decoder.left_padded_prompts and bool((mask[:, 1:] < mask[:, :-1]).any()):
         row = int((mask[:, 1:] < mask[:, :-1]).any(1).int().argmax())
         raise ValueError(
             f"attention_mask row {row} has padding after a token: generate takes left-padded "
