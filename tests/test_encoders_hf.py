@@ -7,7 +7,8 @@ logits (padded rows included), loss, every
 gradient and the weights after an optimizer step equal the unsharded model's; the masked-LM
 head's ties (decoder weight to the word embeddings, decoder bias to the head's own) hold; the
 full state is transformers' own, and its save_pretrained export loads back in transformers with
-equal logits."""
+equal logits. ViT also with sequence parallelism (its 17 positions split unevenly); the layouts
+sequence parallelism does not split (post-norm encoders, encoder-decoders) are refused by name."""
 
 import copy
 
@@ -98,11 +99,13 @@ def _close(got, want, tensors: dict, name: str, what: str) -> None:
     assert err <= 1e-5, f"{what}: error {err:.3g} of the weight's scale"
 
 
-def _check_encoders(directory: str):
-    for config_name, model_name, labels_kind in CASES:
+def _check_encoders(directory: str, cases=CASES, sequence_parallel: bool = False):
+    for config_name, model_name, labels_kind in cases:
         what = model_name
         reference = _build(config_name, model_name)
-        model = tp_ext.parallelize(copy.deepcopy(reference), "auto")
+        model = tp_ext.parallelize(
+            copy.deepcopy(reference), "auto", sequence_parallel=sequence_parallel
+        )
         classes = VOCAB if "MaskedLM" in model_name or labels_kind == "seq2seq" else 3
         inputs, labels = _inputs(labels_kind, classes)
         out = model(**inputs, labels=labels)
@@ -143,3 +146,37 @@ def _check_encoders(directory: str):
 @pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.full_matrix)])
 def test_auto_on_encoders_with_their_task_heads(ws, tmp_path):
     assert run_distributed(_check_encoders, ws, str(tmp_path), timeout=600) == [True] * ws
+
+
+VIT = [c for c in CASES if c[1] == "ViTForImageClassification"]
+
+
+# ViT's 17 positions (16 patches and the class token) split unevenly at 2 and 3; the final norm
+# gathers them for the class token's classifier
+@pytest.mark.parametrize("ws", [2, 3])
+def test_sequence_parallel_vit(ws, tmp_path):
+    results = run_distributed(_check_encoders, ws, str(tmp_path), VIT, True, timeout=600)
+    assert results == [True] * ws
+
+
+def _refusals():
+    refused = {}
+    for config_name, model_name, _ in CASES:
+        if model_name == "ViTForImageClassification":
+            continue
+        try:
+            tp_ext.parallelize(_build(config_name, model_name), "auto", sequence_parallel=True)
+        except ValueError as e:
+            refused[model_name] = str(e)
+    return refused
+
+
+def test_sequence_parallel_is_refused_where_the_stream_is_not_split_by_it():
+    """Post-norm encoders (a norm's output is the stream) and encoder-decoders: refused by name
+    before anything changes (torch.nn's MultiheadAttention: tests/test_torch_transformers.py)."""
+    refused = run_distributed(_refusals, 2)[0]
+    assert sorted(refused) == sorted(c[1] for c in CASES if c[1] != "ViTForImageClassification")
+    for name, message in refused.items():
+        assert message.startswith("sequence_parallel=True:") and name in message, message
+        kind = "encoder-decoder" if "Conditional" in name else "post-norm"
+        assert kind in message, message

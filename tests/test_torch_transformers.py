@@ -150,3 +150,15 @@ def test_auto_on_torch_nn_transformers(ws):
 @pytest.mark.parametrize("ws", [1, 4])  # 4: 6 heads split unevenly
 def test_multihead_attention_alone_by_heads(ws):
     assert run_distributed(_check_attention_alone, ws) == [True] * ws
+
+
+def _sequence_parallel_refusal():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: encoder\.layers\.0\.self_attn"):
+        tp_ext.parallelize(EncoderLM(batch_first=True), "auto", sequence_parallel=True)
+    return True
+
+
+def test_sequence_parallelism_around_multihead_attention_is_refused_by_name():
+    """nn.MultiheadAttention, split by heads as one layer, takes the whole sequence."""
+    assert run_distributed(_sequence_parallel_refusal, 2) == [True, True]

@@ -136,16 +136,18 @@ class Case:
     tp: int = 1
     dp: int = 1
     data_parallel: str = "ddp"
+    sp: bool = False
 
     def __str__(self) -> str:
-        return f"{self.arch}-tp{self.tp}-dp{self.dp}-{self.data_parallel}"
+        sp = "-sp" if self.sp else ""
+        return f"{self.arch}-tp{self.tp}-dp{self.dp}{sp}-{self.data_parallel}"
 
 
 def _build(case: Case):
     state = tp_ext.init_parallel(tp=case.tp, dp=case.dp)
     model = _model(case.arch)
     if case.tp > 1:
-        model = tp_ext.parallelize(model, "auto", parallel=state)
+        model = tp_ext.parallelize(model, "auto", parallel=state, sequence_parallel=case.sp)
     trainer = Trainer(
         model,
         optimizer=_optimizer,
@@ -186,6 +188,7 @@ CASES = [
     Case("bert-mlm", tp=3),
     Case("bert-cls", dp=3, data_parallel="zero1"),
     Case("bert-mlm", tp=2, dp=2, data_parallel="fsdp"),
+    Case("vit", tp=3, sp=True),  # 17 positions split unevenly along the sequence
 ]
 MORE = [  # make test-all
     Case("bert-cls", tp=3),
@@ -196,6 +199,7 @@ MORE = [  # make test-all
     Case("t5", tp=2, dp=2, data_parallel="zero2"),
     Case("bart", tp=3),
     Case("bart", tp=2, dp=2, data_parallel="fsdp"),
+    Case("vit", tp=2, dp=2, sp=True, data_parallel="fsdp"),
 ]
 
 

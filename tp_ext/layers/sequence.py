@@ -75,6 +75,11 @@ class SequenceShards:
         column-parallel layers that follow (one gather shared by q, k and v)."""
         return self.gather(output)
 
+    def gather_output_whole(self, module, args, output):
+        """Forward hook of a sequence-parallel norm whose readers compute in full on every rank:
+        all-gather its output, the backward keeping this rank's rows of the gradient."""
+        return self.gather_replicated(output)
+
     def gather_replicated(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence from every rank's shard ``x``, for what every rank computes in full
         (a loss): the backward keeps this rank's rows of the gradient."""

@@ -13,7 +13,13 @@ from torch import nn
 
 from tp_ext.parallelize.dataflow import trace_flow
 from tp_ext.parallelize.modules import attention_heads, is_conv1d, is_fused_experts, is_norm
-from tp_ext.parallelize.styles import ALIASES, ParallelStyle, SharedInput, as_style
+from tp_ext.parallelize.styles import (
+    ALIASES,
+    ParallelStyle,
+    SequenceParallel,
+    SharedInput,
+    as_style,
+)
 
 __all__ = ["STYLES", "auto_plan", "resolve_plan", "is_norm"]
 
@@ -101,6 +107,8 @@ def auto_plan(
     head_dims = {n: info.head_dim for n, (info, _, out) in heads.items() if not out}
     norms = {n: c for n, c in module.named_modules() if n and is_norm(c)}
     flow = trace_flow(module, linears, head_dims, example_inputs, norms)
+    if sequence_parallel:
+        _check_sequence_parallel_layout(module, flow)
     token_tables = _token_tables(module, flow)
     rows, blocked = _pairs(flow)
     pairs = (rows, _columns(rows), blocked, linears)
@@ -232,10 +240,43 @@ def _sequence_parallel_norm(module: nn.Module, name: str, norm: nn.Module, flow)
         )
     if name in flow.norms_feeding_linears or name not in flow.norms_called:
         return "sequence_parallel", "a norm over the model's width"
+    if name == flow.norms_called[-1]:  # a pooler, a CLS token's classifier, the caller read it
+        return SequenceParallel(whole_readers=True), (
+            "the last norm the forward calls, read by no split linear: what reads its output "
+            "after (a class token's classifier, a pooler, the caller) gets every position"
+        )
     return "sequence_parallel_local", (
         "a norm over the model's width whose output goes back to the residual "
         "stream, read by no linear: it runs on the sequence shard, not gathered"
     )
+
+
+def _check_sequence_parallel_layout(module: nn.Module, flow) -> None:
+    """Sequence parallelism splits a pre-norm stack's residual stream (each norm's input; its
+    output gathered for the linears): refuse the layouts where that is not the stream."""
+    name = type(module).__name__
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        raise ValueError(
+            f"sequence_parallel=True: {name} is an encoder-decoder, whose decoder layers read "
+            "the encoder's whole output in cross-attention; tp_ext splits the sequence of one "
+            f"pre-norm stack (decoders, ViT). Use sequence_parallel=False for {name}"
+        )
+    packed = [n for n, c in module.named_modules() if is_plain(c, nn.MultiheadAttention)]
+    if packed:
+        raise ValueError(
+            f"sequence_parallel=True: {packed[0]} (nn.MultiheadAttention, split by heads as one "
+            "layer) takes and gives the whole sequence, so the stream around it cannot stay "
+            f"split; use sequence_parallel=False for {name}"
+        )
+    both = flow.norms_feeding_linears & flow.norms_read_elsewhere
+    post = sorted(n for n in both if n not in flow.norm_moe_blocks)
+    if post:
+        raise ValueError(
+            f"sequence_parallel=True: {post[0]}'s output is both the input of linears and the "
+            f"residual stream added to the next sublayer's output (a post-norm model, as BERT "
+            "and RoBERTa); tp_ext splits the sequence of pre-norm stacks (decoders, ViT). Use "
+            f"sequence_parallel=False for {name}"
+        )
 
 
 def _called_norms_first(plan: dict[str, str], flow) -> dict[str, str]:

@@ -351,17 +351,24 @@ class SequenceParallel(ParallelStyle):
     all-reduced; the residual stream is split from the first such norm's block on.
     ``gather_output=True`` all-gathers its output once for the column-parallel layers after it;
     False (alias "sequence_parallel_local") leaves it split: a norm of a row-parallel output
-    before the residual add (Gemma 2/3's post-norms). At TP 1 the norm is left unchanged."""
+    before the residual add (Gemma 2/3's post-norms). ``whole_readers=True``: what reads the
+    gathered output computes in full on every rank (ViT's class-token classifier, a pooler, the
+    caller), so the backward keeps this rank's rows of the gradient instead of summing the
+    ranks' partial ones. At TP 1 the norm is left unchanged."""
 
     gather_output: bool = True
+    whole_readers: bool = False
     shards_weights: ClassVar[bool] = False
 
     def __post_init__(self):
-        if not isinstance(self.gather_output, bool):
-            raise ValueError(
-                f"SequenceParallel(gather_output=...) must be True or False, got "
-                f"{self.gather_output!r}"
-            )
+        for field in ("gather_output", "whole_readers"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"SequenceParallel({field}=...) must be True or False, got "
+                    f"{getattr(self, field)!r}"
+                )
+        if self.whole_readers and not self.gather_output:
+            raise ValueError("SequenceParallel(whole_readers=True) needs gather_output=True")
 
     @property
     def name(self) -> str:
@@ -376,7 +383,9 @@ class SequenceParallel(ParallelStyle):
                 f"(RMSNorm, LayerNorm), not {type(module).__name__}"
             )
         # Hooks, not a wrapper: the norm keeps its names in state dicts and checkpoints.
-        if self.gather_output:
+        if self.whole_readers:
+            module.register_forward_hook(target.shards.gather_output_whole)
+        elif self.gather_output:
             module.register_forward_hook(target.shards.gather_output)
         sum_gradients_over(module, target.tp)  # each rank's gradient is from its tokens only
         output = "output all-gathered" if self.gather_output else "output stays split"
