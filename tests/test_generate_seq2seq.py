@@ -1,7 +1,8 @@
 """``tp_ext.generate`` on encoder-decoders (T5, BART) converted by ``parallelize``: the encoder runs
 once, the decoder keeps its self- and cross-attention caches, and greedy output equals
 transformers' own ``generate`` on the unsharded model, at TP 1-4 (uneven heads at 3 and 4),
-with prompts of several lengths (padded at either end) and rows that end early."""
+with prompts of several lengths (padded at either end), rows that end early, and the batch in
+one or two micro-batches."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def _check(arch: str):
             want = reference.generate(input_ids=ids, attention_mask=mask, **options)
             got = tp_ext.generate(model, ids, mask, **options)
             assert torch.equal(got, want), (arch, right, eos, got, want)
+            split = tp_ext.generate(model, ids, mask, micro_batches=2, **options)
+            assert torch.equal(split, want), (arch, right, eos, "two micro-batches")
     calls = []
     hook = model.get_encoder().register_forward_hook(lambda *_: calls.append(1))
     _, report = tp_ext.generate(model, ids, mask, max_new_tokens=4, return_report=True)

@@ -413,12 +413,12 @@ def _not_a_causal_lm():
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
 
 
-def _an_encoder():  # its layers would stage like a decoder's, but a next-token loss is wrong
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=32,
+def _an_encoder_decoder():  # two stacks of layers, not one list to split
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+        decoder_start_token_id=0,
     )  # fmt: skip
-    return transformers.BertForMaskedLM(config)
+    return transformers.T5ForConditionalGeneration(config)
 
 
 @pytest.mark.parametrize(
@@ -427,10 +427,10 @@ def _an_encoder():  # its layers would stage like a decoder's, but a next-token 
         (_two_layer_llama, 3, 1, {}, "2 decoder layers cannot fill 3 pipeline stages"),
         (_two_layer_llama, 2, 1, {"pipeline_split": [2, 1]}, "pipeline_split must list"),
         (functools.partial(_mixtral, True), 2, 1, {}, "config.output_router_logits=True"),
-        (_not_a_causal_lm, 2, 1, {}, "Sequential is not a causal LM"),
-        (_an_encoder, 2, 1, {}, "BertForMaskedLM is not a causal LM"),
+        (_not_a_causal_lm, 2, 1, {}, "Sequential is not one: use pp=1"),
+        (_an_encoder_decoder, 2, 1, {}, "T5ForConditionalGeneration is an encoder-decoder"),
     ],
-    ids=["too-few-layers", "bad-split", "router-loss", "not-an-lm", "an-encoder"],
+    ids=["too-few-layers", "bad-split", "router-loss", "not-an-lm", "encoder-decoder"],
 )
 def test_what_cannot_be_split_is_refused_by_name(build, pp, ep, options, message):
     for text in run_distributed(_refusal, pp * ep, build, pp, ep, **options):

@@ -61,7 +61,9 @@ class ParallelModel(Protocol):
     - ``takes_attention_mask``: whether every stage module's forward takes a padding mask,
       ``forward(x, attention_mask=mask)`` (``mask`` [batch, seq] of the micro-batch's whole
       sequence, 0 at padding), which the runner passes with a padded micro-batch (default:
-      False, and a padded micro-batch is refused).
+      False, and a padded micro-batch is refused);
+    - ``input_name``: the model input its first stage takes from a dict micro-batch
+      (``input_ids``, or an image encoder's ``pixel_values``).
     """
 
     parallel: Optional["ParallelState"]
@@ -71,6 +73,7 @@ class ParallelModel(Protocol):
     activation_checkpointing: bool
     sequence_length: Optional[int]
     takes_attention_mask: bool = False
+    input_name: str = "input_ids"  # what its first stage takes (an encoder's: pixel_values too)
 
     def stage_modules(self) -> list[nn.Module]:
         """One module per stage this rank holds, in order, owning that stage's parameters (what

@@ -44,6 +44,7 @@ from tp_ext.layers.moe import ExpertParallelMoE, is_sparse_moe_block
 from tp_ext.parallelize.context import check_context_parallel, use_context_parallel
 from tp_ext.parallelize.dataflow import example_token_inputs
 from tp_ext.parallelize.decoder_parts import default_pipeline_split, find_decoder_parts
+from tp_ext.parallelize.encoder_stages import StagedEncoder, is_encoder
 from tp_ext.parallelize.modules import attention_heads, fuse_rms_norms, localize_attention
 from tp_ext.parallelize.plan import StyleLike, auto_plan, resolve_plan
 from tp_ext.parallelize.sequence_parallel import (
@@ -143,7 +144,8 @@ def parallelize(
     _finish_report(report, fused, reasons, tp, verbose, explain)
     if stages is not None:
         decoder, options = stages
-        module = StagedCausalLM(decoder, parallel, sequence_shards=sequence_shards, **options)
+        staged = StagedEncoder if is_encoder(module) else StagedCausalLM
+        module = staged(decoder, parallel, sequence_shards=sequence_shards, **options)
     return (module, report) if return_report else module
 
 

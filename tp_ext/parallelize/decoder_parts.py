@@ -68,21 +68,18 @@ def _decoder_layers_path(model: nn.Module) -> tuple[nn.Module, str]:
     is missing."""
     name = type(model).__name__
     config = getattr(model, "config", None)
-    # a causal LM generates token by token with no encoder; a bidirectional encoder (BERT, ViT)
-    # would be staged with a next-token loss that means nothing for it
-    generates = getattr(model, "can_generate", lambda: False)()
-    if not generates or getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False):  # two stacks: not one list of layers
         raise ValueError(
-            f"pipeline parallelism (pp > 1) splits a Hugging Face causal LM into stages trained "
-            f"by the next-token loss; {name} is not a causal LM (an encoder, a classifier or an "
-            "encoder-decoder): use pp=1 for it (TP, DDP, FSDP2 and ZeRO apply)"
+            f"pipeline parallelism (pp > 1) splits one stack of layers (a causal LM's, an "
+            f"encoder's); {name} is an encoder-decoder: use pp=1 for it (TP, DDP, FSDP2 and "
+            "ZeRO apply)"
         )
     layers_count = getattr(config, "num_hidden_layers", None)
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if not isinstance(layers_count, int) or not isinstance(base, nn.Module) or base is model:
         raise ValueError(
-            f"pipeline parallelism (pp > 1) splits a Hugging Face causal LM (a model with "
-            f"config.num_hidden_layers and a base model under its base_model_prefix); "
+            f"pipeline parallelism (pp > 1) splits a Hugging Face causal LM or encoder (a model "
+            f"with config.num_hidden_layers and a base model under its base_model_prefix); "
             f"{name} is not one: use pp=1"
         )
     lists = [

@@ -203,14 +203,17 @@ class StagedCausalLM(nn.Module, ParallelModel):
             kept = nn.ModuleDict({str(i): layers[i] for i in sorted(held)})
             setattr(parts.layers_owner, parts.layers_name, kept)
         for parent, attr in [] if self.has_first else parts.before:
-            child = getattr(parent, attr)
-            dim = getattr(child, "embedding_dim", None)
-            dtype = next(child.parameters()).dtype
-            setattr(parent, attr, _AbsentEmbedding(dim, dtype) if dim else _Passthrough())
+            setattr(parent, attr, self._absent_before(getattr(parent, attr)))
         head = self.hf_model.get_output_embeddings()
         for parent, attr in [] if self.has_last else parts.after:
             # the head is called only by the last stage's forward; a final norm passes through
             setattr(parent, attr, None if getattr(parent, attr) is head else self._final_stand_in())
+
+    def _absent_before(self, child: nn.Module) -> nn.Module:
+        """What stands in for a module before the layers (an embedding) on a later stage."""
+        dim = getattr(child, "embedding_dim", None)
+        dtype = next(child.parameters()).dtype
+        return _AbsentEmbedding(dim, dtype) if dim else _Passthrough()
 
     def _final_stand_in(self) -> nn.Module:
         """What stands in for the final norm on a stage before the last: it passes the hidden
@@ -242,6 +245,7 @@ class StagedCausalLM(nn.Module, ParallelModel):
 
     loss_kind = LossKind.VOCAB_SHARD  # the last stage's head is split by vocabulary
     takes_attention_mask = True  # a padded batch's mask goes to the model's own forward
+    local_logits = True  # the last stage gives this rank's vocabulary shard of the logits
 
     @property
     def cp_group(self):
@@ -329,8 +333,7 @@ class StagedCausalLM(nn.Module, ParallelModel):
                 f"stage {stage} is not on this rank; it holds stages {self.stage_ids} of "
                 f"{self.stage_split.num_stages}"
             )
-        # a later stage's zero input only carries the shape (see the module's docstring)
-        inputs = {"input_ids": x} if stage == 0 else {"inputs_embeds": self._zero_input(x)}
+        inputs = self._stage_inputs(stage, x)
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         inputs.update(decode, use_cache=bool(decode))
@@ -348,6 +351,11 @@ class StagedCausalLM(nn.Module, ParallelModel):
         # torch's stages detach their outputs in place after backward, which a view refuses
         # (GPT-2 returns its hidden states through .view)
         return out.clone() if out._is_view() else out
+
+    def _stage_inputs(self, stage: int, x: torch.Tensor) -> dict:
+        """The model's own inputs for stage ``stage`` (its first takes the ids); a later stage's
+        zero input only carries the shape (see the module's docstring)."""
+        return {"input_ids": x} if stage == 0 else {"inputs_embeds": self._zero_input(x)}
 
     def _own_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         """This TP rank's sequence shard of the whole sequence's ``hidden`` states (its gradient
@@ -416,14 +424,15 @@ class StagedCausalLM(nn.Module, ParallelModel):
                 parent._modules[attr] = self._final_stand_in()
         head = self._head() if stage == split.last_stage else None
         gather = getattr(head, "gather_output", None)
-        if isinstance(head, ParallelLMHead):
+        local = self.local_logits and isinstance(head, ParallelLMHead)
+        if local:
             head.gather_output = False
         try:
             yield
         finally:
             for parent, attr, module in reversed(swapped):
                 parent._modules[attr] = module
-            if isinstance(head, ParallelLMHead):
+            if local:
                 head.gather_output = gather
 
     def forward(self, input_ids: torch.Tensor, local_logits: bool = False) -> torch.Tensor:

@@ -249,10 +249,11 @@ class PipelineRunner:
         check_micro_batches(self.schedule, self.stage_split, n)
         if input_ids.size(0) % n:
             raise ValueError(f"{input_ids.size(0)} rows do not split into {n} micro-batches")
-        key = (n, tuple(input_ids.shape), logits_dtype)
+        key = (n, tuple(input_ids.shape), input_ids.dtype, logits_dtype)
         if key not in self._built:
-            shape = (input_ids.size(0) // n, input_ids.size(1))
-            self._built = {key: self._build(n, loss_fn, shape, logits_dtype)}
+            # one micro-batch's input: token ids, or an encoder's images
+            shape = (input_ids.size(0) // n, *input_ids.shape[1:])
+            self._built = {key: self._build(n, loss_fn, shape, logits_dtype, input_ids.dtype)}
         schedule, box = self._built[key]
         box["loss_fn"] = loss_fn
         self.model.sequence_length = input_ids.size(1)  # what later stages cannot see
@@ -270,7 +271,7 @@ class PipelineRunner:
         finally:
             self.model.sequence_length = None  # this step's, not the next one's
 
-    def _build(self, n: int, loss_fn: Callable, shape, logits_dtype):
+    def _build(self, n: int, loss_fn: Callable, shape, logits_dtype, input_dtype):
         device = self.parallel.device
         # Activation shapes given up front (meta tensors): without them torch infers them by
         # running a forward and the loss on the first micro-batch, which would count that
@@ -281,7 +282,7 @@ class PipelineRunner:
                 stage,
                 self.stage_split.num_stages,
                 device,
-                input_args=self._activation(stage, shape, None),
+                input_args=self._activation(stage, shape, input_dtype),
                 output_args=self._activation(stage + 1, shape, logits_dtype),
                 group=self.parallel.pp_group,
             )
@@ -307,17 +308,19 @@ class PipelineRunner:
             ) from e
         return schedule, box
 
-    def _activation(self, stage: int, shape, logits_dtype) -> torch.Tensor:
-        """A meta tensor shaped like stage ``stage``'s input (``num_stages``: the last stage's
-        output, this rank's vocabulary shard of the logits). Floating activations carry
-        ``requires_grad``: torch reads from it which ones get gradients sent back."""
+    def _activation(self, stage: int, shape, dtype) -> torch.Tensor:
+        """A meta tensor shaped like stage ``stage``'s input (0: the model's, ``shape`` of
+        ``dtype``; ``num_stages``: the last stage's output, this rank's vocabulary shard of the
+        logits, in ``dtype``). Floating activations carry ``requires_grad``: torch reads from it
+        which ones get gradients sent back."""
         model = self.model
         if stage == 0:
-            return torch.empty(shape, dtype=torch.long, device="meta")
+            return torch.empty(shape, dtype=dtype, device="meta")
+        batch, length = shape[:2]  # (an image's channels stand in for its length: unread)
         if stage == self.stage_split.num_stages:  # the model's: its shard of the logits
-            shape, dtype = model.output_shape(*shape), logits_dtype
+            shape = model.output_shape(batch, length)
         else:
-            shape, dtype = model.activation_shape(*shape), next(model.parameters()).dtype
+            shape, dtype = model.activation_shape(batch, length), next(model.parameters()).dtype
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
 
 

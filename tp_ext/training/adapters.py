@@ -103,7 +103,13 @@ def trained_model(model: nn.Module, parallel, loss_fn=None) -> tuple[ParallelMod
     whose parameters it trains (the same object, unless adapted); with ``loss_fn``, the model
     whole (its stages are a causal LM's next-token machinery)."""
     if loss_fn is not None:
-        return _scored_by(model, parallel, loss_fn), model
+        scored = _scored_by(model, parallel, loss_fn)
+        return scored, scored if scored is model else model
+    if isinstance(model, ParallelModel) and model.loss_kind is LossKind.MODEL_OUTPUT:
+        raise ValueError(
+            f"{type(model).__name__} gives its head's output, which a loss of yours scores: "
+            "pass Trainer(..., loss_fn=callable(output, batch)) and dict micro-batches"
+        )
     if isinstance(model, ParallelModel):
         if model.parallel is not parallel:
             how = "without parallel=" if model.parallel is None else "with another state"
@@ -139,17 +145,31 @@ def _converted(model: nn.Module, parallel) -> tuple[ParallelModel, nn.Module]:
     return staged, staged
 
 
-def _scored_by(model: nn.Module, parallel, loss_fn) -> WholeModel:
-    """``model`` whole, its output scored by ``loss_fn`` (a callable, or "model")."""
+def _scored_by(model: nn.Module, parallel, loss_fn) -> ParallelModel:
+    """``model`` whole, its output scored by ``loss_fn`` (a callable, or "model"); or an
+    encoder's pipeline stages (``parallelize`` at pp > 1), which declare that loss kind."""
     if not (callable(loss_fn) or loss_fn == "model"):
         raise ValueError(
             f"loss_fn must be a callable (output, batch) -> loss, 'model' (the model's own "
             f"output.loss) or None (next-token loss over token batches), got {loss_fn!r}"
         )
+    staged = isinstance(model, ParallelModel) and model.loss_kind is LossKind.MODEL_OUTPUT
+    if staged and model.parallel is not parallel:
+        raise ValueError(
+            f"Trainer(parallel=...) needs {type(model).__name__} built with the same ParallelState"
+        )
+    if staged and callable(loss_fn):
+        return model
+    if staged and loss_fn == "model":
+        raise ValueError(
+            "loss_fn='model' with pipeline stages: the last stage gives the head's logits, not "
+            "the model's loss; pass loss_fn=callable(output, batch) scoring output.logits"
+        )
     if parallel is not None and parallel.dims.pp_enabled:
         raise ValueError(
-            f"Trainer(loss_fn=...) at pp={parallel.pp}: a model scored by loss_fn trains whole, "
-            "without pipelining; build the ParallelState with pp=1"
+            f"Trainer(loss_fn=...) at pp={parallel.pp} trains an encoder's pipeline stages "
+            f"(tp_ext.parallelize(model, 'auto', parallel=state) returns them); "
+            f"{type(model).__name__} is not one: build the ParallelState with pp=1"
         )
     if parallel is not None and parallel.dims.cp_enabled:
         raise ValueError(

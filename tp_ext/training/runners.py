@@ -59,10 +59,8 @@ class PipelinedRunner:
 
     def run(self, batches: list[MicroBatch], loss_fn: Callable, precision) -> None:
         if self.model.loss_kind is LossKind.MODEL_OUTPUT:
-            raise ValueError(
-                "Trainer(loss_fn=...) trains a model whole (dict micro-batches); its pipeline "
-                "stages are a causal LM's, trained on token micro-batches without loss_fn"
-            )
+            self._run_scored(batches, loss_fn, precision)
+            return
         shapes = {tuple(b.input_ids.shape) for b in batches}
         if len(shapes) > 1:
             raise ValueError(
@@ -81,3 +79,51 @@ class PipelinedRunner:
         with precision.autocast(device):
             logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
             self.pipeline.step(ids, labels, len(batches), loss_fn, logits_dtype, mask)
+
+    def _run_scored(self, batches: list[MicroBatch], loss_fn: Callable, precision) -> None:
+        """Dict micro-batches through an encoder's stages: the first stage gets the model's
+        input, every stage the padding mask; the last stage's output goes to ``loss_fn`` with
+        its micro-batch's dict (torch's schedule hands the loss each micro-batch's slice of the
+        target: here its index)."""
+        name = self.model.input_name
+        for i, batch in enumerate(batches):
+            other = sorted(set(batch.kwargs) - {name, "attention_mask"})
+            if name not in batch.kwargs or other:
+                raise ValueError(
+                    f"micro_batches[{i}]: under pipelining the model gets {name!r} (the first "
+                    f"stage) and 'attention_mask' (every stage); this one gives "
+                    f"{sorted(batch.kwargs)}"
+                )
+        shapes = {tuple(b.kwargs[name].shape) for b in batches}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"under pipelining every micro-batch's {name} must have one shape (the stages "
+                f"exchange fixed-size activations); got {sorted(shapes)}"
+            )
+        x = torch.cat([b.kwargs[name] for b in batches])
+        masks = [b.attention_mask for b in batches]
+        mask = None
+        if any(m is not None for m in masks):
+            mask = torch.cat([torch.ones(b.kwargs[name].shape[:2], dtype=torch.long,
+                                         device=x.device) if m is None else m
+                              for b, m in zip(batches, masks)])  # fmt: skip
+        index = torch.arange(len(batches), device=x.device)
+
+        def scored(output, which):
+            return loss_fn(HeadOutput(output), batches[int(which)].target)
+
+        with precision.autocast(x.device):
+            logits_dtype = precision.autocast_dtype or next(self.model.parameters()).dtype
+            self.pipeline.step(x, index, len(batches), scored, logits_dtype, mask)
+
+
+class HeadOutput(dict):
+    """The last pipeline stage's output as a ``loss_fn`` reads a model's: ``output.logits`` (or
+    ``output["logits"]``)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__(logits=logits)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self["logits"]
