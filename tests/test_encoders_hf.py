@@ -1,6 +1,6 @@
-"""parallelize(model, "auto") on transformers' bidirectional encoders with their task heads (BERT
-and RoBERTa: masked LM, sequence and token classification; ViT: image classification, traced on
-an image its config describes) and encoder-decoders (T5: its per-head relative position bias
+"""parallelize(model, "auto") on transformers' bidirectional encoders with their task heads (BERT,
+RoBERTa and DeBERTa-v2: masked LM, sequence and token classification; ViT: image
+classification, traced on an image its config describes) and encoder-decoders (T5: its per-head relative position bias
 split with the heads, uneven at TP 3 and 4; BART: learned positions, one scaled embedding shared
 by the encoder, the decoder and the LM head; both with cross-attention) at TP 2, 3 and 4:
 logits (padded rows included), loss, every
@@ -39,6 +39,9 @@ CASES = [  # (config class, model class, labels: "tokens" or "sequence")
     ("BertConfig", "BertForSequenceClassification", "sequence"),
     ("BertConfig", "BertForTokenClassification", "tokens"),
     ("RobertaConfig", "RobertaForMaskedLM", "tokens"),
+    # DeBERTa-v2: disentangled attention, its relative-position projections split by heads too
+    ("DebertaV2Config", "DebertaV2ForMaskedLM", "tokens"),
+    ("DebertaV2Config", "DebertaV2ForSequenceClassification", "sequence"),
     ("ViTConfig", "ViTForImageClassification", "image"),
     ("T5Config", "T5ForConditionalGeneration", "seq2seq"),
     ("BartConfig", "BartForConditionalGeneration", "seq2seq"),
@@ -51,6 +54,10 @@ CASES = [  # (config class, model class, labels: "tokens" or "sequence")
     ),
 ]
 IMAGE = dict(image_size=16, patch_size=4, num_channels=3)
+DEBERTA = dict(  # relative attention both ways (c2p, p2c), its own position projections
+    relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16,
+    max_relative_positions=16, share_att_key=False,
+)  # fmt: skip
 T5 = dict(  # 10 heads (uneven at TP 3, 4), a relative bias per head, a tied and scaled head
     vocab_size=VOCAB, d_model=48, d_kv=4, d_ff=88, num_layers=2, num_heads=10,
     dropout_rate=0.0, decoder_start_token_id=0,
@@ -64,7 +71,11 @@ BART = dict(  # learned positions, scaled embeddings shared by encoder, decoder 
 
 def _build(config_name: str, model_name: str, options=None):
     own = {"T5Config": T5, "BartConfig": BART}
-    extra = {"RobertaConfig": {"pad_token_id": 1}, "ViTConfig": IMAGE}.get(config_name, {})
+    extra = {
+        "RobertaConfig": {"pad_token_id": 1},
+        "ViTConfig": IMAGE,
+        "DebertaV2Config": DEBERTA,
+    }.get(config_name, {})
     shape = {**(own.get(config_name) or {**SHAPE, **extra}), **(options or {})}
     config = getattr(transformers, config_name)(**shape)
     torch.manual_seed(0)  # the same full weights on every rank
@@ -98,7 +109,7 @@ def _close(got, want, tensors: dict, name: str, what: str) -> None:
     """Within 1e-5 relative; a key projection's bias against its weight's scale (softmax
     ignores a bias on every key alike: its true gradient is 0, both sides hold rounding noise,
     and after a step so does the bias, which starts at 0)."""
-    if not name.endswith(("key.bias", "k_proj.bias")):
+    if not name.endswith(("key.bias", "k_proj.bias", "key_proj.bias")):
         assert_rel(got, want, what)
         return
     scale = tensors[name.replace(".bias", ".weight")].abs().max()
@@ -125,7 +136,7 @@ def _check_encoders(directory: str, cases=CASES, sequence_parallel: bool = False
         for name, p in model.named_parameters():
             _close(p.grad, grads[name], grads, name, f"{what}: gradient of {name}")
         if "MaskedLM" in model_name:  # the head's ties hold after conversion
-            head = model.cls.predictions if model_name.startswith("Bert") else model.lm_head
+            head = model.cls.predictions if hasattr(model, "cls") else model.lm_head
             assert head.decoder.weight is model.get_input_embeddings().weight, what
             assert head.decoder.bias is head.bias, what
         for m in (model, reference):  # one optimizer step on each

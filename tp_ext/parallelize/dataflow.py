@@ -342,7 +342,9 @@ class _FlowHooks:
             if prov.norm is not None:
                 self.flow.norms_feeding_linears.add(prov.norm)
                 self.flow.norm_readers.setdefault(prov.norm, set()).add(name)
-            f.reads_stream = f.reads_stream or prov.stream
+            # a table's rows (DeBERTa's relative-position embeddings) are whole on every rank,
+            # as the stream is: a linear reading them can be column-parallel
+            f.reads_stream = f.reads_stream or prov.stream or (prov.param and not prov.linears)
             f.sources = f.sources | prov.linears
             f.mixed_sources = f.mixed_sources | prov.mixed
 

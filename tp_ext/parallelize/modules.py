@@ -65,6 +65,13 @@ class AttentionHeads:
 
 def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
     """The heads of ``parent`` when it is an attention module auto understands, else None."""
+    has = lambda *names: all(hasattr(parent, n) for n in names)  # noqa: E731
+    if has("query_proj", "key_proj", "value_proj", "num_attention_heads", "attention_head_size"):
+        # DeBERTa-v2's disentangled attention: its relative-position projections are per head
+        # too; its output projection is its parent's (attention.output.dense)
+        heads, size = parent.num_attention_heads, parent.attention_head_size
+        separate = ("query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj")
+        return AttentionHeads(heads, heads, size, "separate", None, "", separate)
     config = getattr(parent, "config", None)
     if config is None:
         return None
@@ -73,7 +80,6 @@ def attention_heads(parent: nn.Module) -> Optional[AttentionHeads]:
         return None
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(parent, "head_dim", None)
-    has = lambda *names: all(hasattr(parent, n) for n in names)  # noqa: E731
     own = getattr(parent, "num_heads", None)  # BART's decoder may have other counts than config
     if isinstance(own, int) and kv == heads:
         heads = kv = own
@@ -308,6 +314,7 @@ def localize_attention(
     if info.fused == "c_attn":
         local["split_size"] = q * info.head_dim  # GPT-2 splits c_attn's output by this width
     local["n_heads"], local["inner_dim"] = q, q * info.head_dim  # T5
+    local["num_attention_heads"], local["all_head_size"] = q, q * info.head_dim  # DeBERTa-v2
     for attr, value in local.items():
         if hasattr(attention, attr):
             setattr(attention, attr, value)

@@ -110,6 +110,13 @@ def auto_plan(
     if sequence_parallel:
         _check_sequence_parallel_layout(module, flow)
     token_tables = _token_tables(module, flow)
+    # an embedding never looked up, whose weight is no token table's, is read as a table of
+    # rows (DeBERTa's relative positions): kept whole, like positions
+    flow.other_embeddings |= {
+        n
+        for n, c in module.named_modules()
+        if isinstance(c, nn.Embedding) and n not in token_tables
+    }
     rows, blocked = _pairs(flow)
     pairs = (rows, _columns(rows), blocked, linears)
     _check_heads(heads, rows, pairs[1])
