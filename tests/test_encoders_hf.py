@@ -1,14 +1,14 @@
-"""parallelize(model, "auto") on transformers' bidirectional encoders with their task heads (BERT,
-RoBERTa and DeBERTa-v2: masked LM, sequence and token classification; ViT: image
-classification, traced on an image its config describes) and encoder-decoders (T5: its per-head relative position bias
-split with the heads, uneven at TP 3 and 4; BART: learned positions, one scaled embedding shared
-by the encoder, the decoder and the LM head; both with cross-attention) at TP 2, 3 and 4:
-logits (padded rows included), loss, every
-gradient and the weights after an optimizer step equal the unsharded model's; the masked-LM
-head's ties (decoder weight to the word embeddings, decoder bias to the head's own) hold; the
-full state is transformers' own, and its save_pretrained export loads back in transformers with
-equal logits. ViT also with sequence parallelism (its 17 positions split unevenly); the layouts
-sequence parallelism does not split (post-norm encoders, encoder-decoders) are refused by name."""
+"""parallelize(model, "auto") on transformers' bidirectional encoders with their task heads
+(BERT, RoBERTa and DeBERTa-v2: masked LM, sequence and token classification; ViT: image
+classification, traced on an image its config describes) and encoder-decoders (T5: its per-head
+relative position bias split with the heads, uneven at TP 3 and 4; BART: learned positions, one
+scaled embedding shared by the encoder, the decoder and the LM head; both with cross-attention)
+at TP 2, 3 and 4: logits (padded rows included), loss, every gradient and the weights after an
+optimizer step equal the unsharded model's; the masked-LM head's ties (decoder weight to the
+word embeddings, decoder bias to the head's own) hold; the full state is transformers' own, and
+its save_pretrained export loads back in transformers with equal logits. ViT also with sequence
+parallelism (its 17 positions split unevenly); the layouts sequence parallelism does not split
+(post-norm encoders, encoder-decoders) are refused by name."""
 
 import copy
 

@@ -110,13 +110,6 @@ def auto_plan(
     if sequence_parallel:
         _check_sequence_parallel_layout(module, flow)
     token_tables = _token_tables(module, flow)
-    # an embedding never looked up, whose weight is no token table's, is read as a table of
-    # rows (DeBERTa's relative positions): kept whole, like positions
-    flow.other_embeddings |= {
-        n
-        for n, c in module.named_modules()
-        if isinstance(c, nn.Embedding) and n not in token_tables
-    }
     rows, blocked = _pairs(flow)
     pairs = (rows, _columns(rows), blocked, linears)
     _check_heads(heads, rows, pairs[1])
@@ -160,13 +153,18 @@ _WHY_HEAD_TRANSFORM = (
 def _token_tables(module: nn.Module, flow) -> dict[str, str]:
     """{embedding: why it is split by vocabulary}: those the token ids index, and those sharing
     their weight (T5's and BART's ``shared``, which the forward reaches through its encoder's
-    and decoder's ``embed_tokens``)."""
+    and decoder's ``embed_tokens``). The others join ``flow.other_embeddings`` (kept whole)."""
     tables = {n: "an embedding indexed by the token ids" for n in flow.token_embeddings}
     weights = {id(module.get_submodule(n).weight): n for n in flow.token_embeddings}
     for name, child in module.named_modules():
         user = weights.get(id(getattr(child, "weight", None)))
         if isinstance(child, nn.Embedding) and name not in tables and user is not None:
             tables[name] = f"shares its weight with {user}, an embedding indexed by the token ids"
+    # an embedding never looked up, whose weight is no token table's, is read as a table of
+    # rows (DeBERTa's relative positions): kept whole, like positions
+    flow.other_embeddings |= {
+        n for n, c in module.named_modules() if isinstance(c, nn.Embedding) and n not in tables
+    }
     return tables
 
 
