@@ -132,8 +132,11 @@ class Trainer:
       ``output.loss`` (transformers' models). A ``loss_fn`` with a ``num_items_in_batch``
       keyword gets the step's count of labels that are not ``ignore_index`` (every micro-batch,
       every DP rank) and returns its sum divided by it: every label weighs alike, as in one big
-      batch. The model trains whole (pp = 1), under DDP, FSDP2 or ZeRO, with TP from
-      ``parallelize``::
+      batch. The model trains whole under DDP, FSDP2 or ZeRO, with TP (and sequence
+      parallelism where its layout allows) from ``parallelize``; an encoder's pipeline stages
+      (``parallelize`` at pp > 1: BERT, RoBERTa, ViT) run under the schedule, each micro-batch
+      giving the first stage its ``input_ids`` or ``pixel_values`` and every stage its
+      ``attention_mask``, and ``loss_fn`` reading ``output.logits``::
 
           trainer = Trainer(bert, loss_fn=lambda out, b: F.cross_entropy(out.logits, b["labels"]))
           trainer.step([{"input_ids": ids, "attention_mask": mask, "labels": labels}])
