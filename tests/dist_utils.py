@@ -44,7 +44,8 @@ def _reusing_meshes(init_device_mesh):
     dozen meshes idled at 4-5% instead of 0.5%, slowing every later test), but a mesh's groups
     cannot be destroyed after its test: DTensor caches sharding plans keyed by mesh equality
     (ranks and dim names, not groups), so a later equal mesh may be handed the earlier one. Equal
-    meshes are therefore one mesh here, and its groups live as long as the worker."""
+    meshes are therefore one mesh here, and its groups live as long as the worker (forked again
+    once it holds too many: MAX_WORKER_THREADS)."""
     meshes = {}
 
     def reused(device_type, mesh_shape, *, mesh_dim_names=None, **kwargs):
@@ -136,9 +137,20 @@ def _worker(rank, world_size, init_file, tasks, results, stack_dir, pg_timeout, 
 
 # Workers are forked from one server process that has imported these once: a spawned worker
 # spent 5 to 8 s of CPU importing them (torch, tp_ext, Dynamo that torch's optimizers load,
-# transformers for the reference models), and the suite starts about a hundred workers on 2
-# cores. The server only imports (no ops, no threads of tp_ext's), so forking it is safe.
-PRELOAD = ["torch", "tp_ext", "torch._dynamo", "transformers"]
+# transformers for the reference models, whose first model module pulls in its generation
+# stack, ~1 s; Inductor, ~1 s), and the suite starts a few hundred workers on 2 cores (pools
+# are forked again when crowded, see MAX_WORKER_THREADS). The server only imports (no ops, no
+# threads of tp_ext's), so forking it is safe.
+PRELOAD = [
+    "torch",
+    "tp_ext",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+]
 
 
 def _context():
@@ -232,6 +244,27 @@ class _Pool:
 
 _POOLS: dict[int, _Pool] = {}
 
+# Every gloo process group a worker keeps (the meshes it reuses, groups a test left) has a TCP
+# loop thread that wakes many times a second: measured, 294 such threads in the idle pools
+# after two test files took a fifth of a core, and the whole suite ran the torchrun tests
+# about 2x slower than alone. A pool whose workers hold more threads than this (a fresh one
+# holds 5, each group adds 3) is closed, and the next call forks it again (0.1-0.2 s).
+MAX_WORKER_THREADS = 32
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # no /proc (not Linux), or the process is gone
+        return 0
+
+
+def _close_crowded_pools():
+    for world_size, pool in list(_POOLS.items()):
+        if max(_threads(p.pid) for p in pool.procs) > MAX_WORKER_THREADS:
+            pool.close()  # killed: a graceful exit tears down every group first (seconds)
+            del _POOLS[world_size]
+
 
 def _close_all():
     for pool in list(_POOLS.values()):
@@ -262,6 +295,7 @@ def _report(fn, world_size, outcome, pool, timeout) -> str:
 
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the list of rank results."""
+    _close_crowded_pools()
     pool = _POOLS.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         if pool is not None:

@@ -130,18 +130,14 @@ def _fsdp_peaks():
     trainer = Trainer(model, optimizer=adamw, parallel=state, data_parallel="fsdp")
     batches = [torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))]
     trainer.step(batches)  # the optimizer state and FSDP2's buffers exist from here on
-    # both count a storage freed when its Python object goes: with the cycle collector off
-    # during the steps, no collection that happens to run in one step and not in the other
-    # frees storages earlier there (the peaks then differed by a few hundred KB, now and then)
+    # both count over the same step (two steps, one each, differed by a few hundred KB now and
+    # then: a free landing a little later in one), with the cycle collector off during it
     gc.collect()
     gc.disable()
     try:
-        with PeakMemory(model.parameters(), trainer.optimizer) as memory:
-            trainer.step(batches)
-        gc.collect()
         tracker = MemTracker()
         tracker.track_external(model, trainer.optimizer)
-        with tracker:
+        with tracker, PeakMemory(model.parameters(), trainer.optimizer) as memory:
             trainer.step(batches)
     finally:
         gc.enable()

@@ -294,7 +294,10 @@ class Seq2SeqDecoder(Decoder):
         super().__init__(model, parallel, StageSplit(1), [0], model.config)
         start = model.generation_config.decoder_start_token_id
         self.start = start if start is not None else self.config.decoder_start_token_id
-        self.shard = Partition.split(self.vocab_size, comm.resolve_group(self.tp_group).size)
+        group = comm.resolve_group(self.tp_group)
+        shard = Partition.split(self.vocab_size, group.size)
+        ((start, count),) = shard.segments[group.rank] or ((0, 0),)
+        self.vocab_slice = slice(start, start + count)  # this rank's shard of the whole logits
 
     def prefix(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.full((ids.size(0), 1), self.start, dtype=torch.long, device=ids.device)
@@ -323,9 +326,7 @@ class Seq2SeqDecoder(Decoder):
             return_dict=True,
             **{cache_argument(): cache.cache},
         )
-        rank = comm.resolve_group(self.tp_group).rank
-        ((start, count),) = self.shard.segments[rank] or ((0, 0),)
-        return out.logits[:, -1, start : start + count]
+        return out.logits[:, -1, self.vocab_slice]
 
 
 _KV = ("keys", "values")
