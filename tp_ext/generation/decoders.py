@@ -295,9 +295,7 @@ class Seq2SeqDecoder(Decoder):
         start = model.generation_config.decoder_start_token_id
         self.start = start if start is not None else self.config.decoder_start_token_id
         group = comm.resolve_group(self.tp_group)
-        shard = Partition.split(self.vocab_size, group.size)
-        ((start, count),) = shard.segments[group.rank] or ((0, 0),)
-        self.vocab_slice = slice(start, start + count)  # this rank's shard of the whole logits
+        self.vocab, self.tp_rank = Partition.split(self.vocab_size, group.size), group.rank
 
     def prefix(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.full((ids.size(0), 1), self.start, dtype=torch.long, device=ids.device)
@@ -326,7 +324,7 @@ class Seq2SeqDecoder(Decoder):
             return_dict=True,
             **{cache_argument(): cache.cache},
         )
-        return out.logits[:, -1, self.vocab_slice]
+        return self.vocab.local(out.logits[:, -1], -1, self.tp_rank)  # this rank's shard
 
 
 _KV = ("keys", "values")
